@@ -1,0 +1,6 @@
+"""Errors the CLI reports as one line on stderr with exit code 2 (bad recipe, data, override, env output,
+server reply): the user can fix them, so no traceback."""
+
+
+class UserError(Exception):
+    """A problem with the user's input. The message is one line and names what to fix."""
