@@ -1,0 +1,122 @@
+"""Pieces every built-in environment shares: the build context, a message-keeping env base, a group
+builder that repeats one problem, a fixed-list dataset, and a seeded train/test split."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from runner.errors import UserError
+from runner.rl.renderer import ChatRenderer, Message, ParsedReply
+from runner.rl.types import Env, EnvGroupBuilder, Observation, RLDataset, StopCondition
+
+T = TypeVar("T", bound=Hashable)
+
+
+@dataclass(frozen=True)
+class EnvContext:
+    """What a dataset builder gets besides its own settings (also the contract for user `python` envs)."""
+
+    renderer: ChatRenderer
+    # Envs per group for training, and for the test split.
+    group_size: int
+    test_group_size: int
+    # Groups per get_batch(i).
+    groups_per_batch: int
+    seed: int
+
+
+class ChatEnv(Env):
+    """An env that keeps the conversation as messages and re-renders it for every turn."""
+
+    def __init__(self, renderer: ChatRenderer, messages: list[Message]):
+        self.renderer = renderer
+        self.messages = list(messages)
+
+    def observe(self) -> tuple[Observation, StopCondition]:
+        return self.renderer.build_prompt(self.messages), list(self.renderer.stop_tokens)
+
+    def take_reply(self, action_tokens: list[int]) -> ParsedReply:
+        """Parse the sampled reply and append it to the conversation."""
+        reply = self.renderer.parse(action_tokens)
+        self.messages.append({"role": "assistant", "content": reply.text})
+        return reply
+
+    def say(self, content: str) -> None:
+        self.messages.append({"role": "user", "content": content})
+
+
+class RepeatGroupBuilder(EnvGroupBuilder):
+    """group_size fresh envs on the same problem: the group-relative baseline compares attempts at one task."""
+
+    def __init__(self, make_env: Callable[[], Env], group_size: int, tags: Sequence[str]):
+        self.make_env = make_env
+        self.group_size = group_size
+        self.tags = list(tags)
+
+    async def make_envs(self) -> Sequence[Env]:
+        return [self.make_env() for _ in range(self.group_size)]
+
+    def logging_tags(self) -> list[str]:
+        return self.tags
+
+
+class ListDataset(RLDataset):
+    """Builders made from a fixed list of problems, groups_per_batch per batch.
+
+    drop_last (training): a partial last batch is dropped, so every step has the same number of groups;
+    the test split keeps it."""
+
+    def __init__(
+        self,
+        items: Sequence[object],
+        make_builder: Callable[[object], EnvGroupBuilder],
+        groups_per_batch: int,
+        drop_last: bool = True,
+    ):
+        self.items = list(items)
+        self.make_builder = make_builder
+        self.groups_per_batch = groups_per_batch
+        n = len(self.items)
+        self.n_batches = n // groups_per_batch if drop_last else -(-n // groups_per_batch)
+
+    def get_batch(self, index: int) -> list[EnvGroupBuilder]:
+        if not 0 <= index < self.n_batches:
+            raise IndexError(f"batch {index} out of range (dataset has {self.n_batches})")
+        chunk = self.items[index * self.groups_per_batch : (index + 1) * self.groups_per_batch]
+        return [self.make_builder(item) for item in chunk]
+
+    def __len__(self) -> int:
+        return self.n_batches
+
+
+def split_problems(
+    seed: int, draw: Callable[[random.Random], T], n_train: int, n_test: int, space: int, what: str
+) -> tuple[list[T], list[T]]:
+    """n_test distinct test problems, then n_train training problems (with repeats) that are never test ones.
+
+    One seeded generator draws both, so the split is a function of the seed alone. `space` is the number
+    of distinct problems; the test split may take at most half of it so that rejection stays cheap."""
+    if n_test * 2 > space:
+        raise UserError(f"{what}: test_size {n_test} is more than half of the {space} distinct problems")
+    rng = random.Random(seed)
+    test: list[T] = []
+    held: set[T] = set()
+    while len(test) < n_test:
+        item = draw(rng)
+        if item not in held:
+            held.add(item)
+            test.append(item)
+    train: list[T] = []
+    while len(train) < n_train:
+        item = draw(rng)
+        if item not in held:
+            train.append(item)
+    return train, test
+
+
+def check_train_size(n_train: int, groups_per_batch: int, what: str) -> None:
+    if n_train < groups_per_batch:
+        raise UserError(f"{what}: train_size {n_train} is smaller than groups_per_batch {groups_per_batch}")
