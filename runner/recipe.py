@@ -8,10 +8,24 @@ the raw table before decoding, so they get the same checks. Precedence: CLI > re
 
 from __future__ import annotations
 
+import copy
+import difflib
+import importlib
+import os
+import re
+import sys
+import tomllib
+from collections.abc import Callable, Iterator, Sequence
+from datetime import date, datetime, time
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
+import msgspec.inspect as mi
+import tomli_w
 from msgspec import Meta
+
+from runner.errors import UserError
 
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
@@ -48,8 +62,9 @@ class Tinker(BackendBase):
     # None: $TINKER_BASE_URL, else the SDK's default (hosted service). The API key comes from
     # $TINKER_API_KEY only and is never written anywhere.
     base_url: str | None = None
-    # Lifetime of periodic checkpoints on the service; the final checkpoint never expires.
-    ttl_seconds: Annotated[int, Meta(ge=3600)] | None = 7 * 24 * 3600
+    # Lifetime of periodic checkpoints on the service (its limits: 1 hour to 10 years); the final
+    # checkpoint never expires. Not optional: TOML has no null, so `show` could not write None back.
+    ttl_seconds: Annotated[int, Meta(ge=3600, le=10 * 365 * 24 * 3600)] = 7 * 24 * 3600
 
 
 # ---------------------------------------------------------------- model, LoRA, optimizer, schedule
@@ -121,7 +136,7 @@ class HF(DataBase):
 class Python(DataBase):
     """User code: `target = "pkg.mod:fn"`, called as fn(**args); imported and checked by `runner check`."""
 
-    target: Annotated[str, Meta(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]
+    target: Annotated[str, Meta(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="'pkg.mod:fn'")]
     args: dict[str, Any] = {}
 
 
@@ -141,8 +156,9 @@ class SFT(AlgoBase):
     # Conversations per step.
     batch_size: PosInt = 16
     epochs: PosInt = 1
-    # Truncate rendered conversations (tokens) from the right.
-    max_length: PosInt | None = 1024
+    # Truncate rendered conversations (tokens) from the right. Always set (TOML has no null): use a
+    # large value to keep whole conversations.
+    max_length: PosInt = 1024
     train_on_what: Literal["last_assistant_message", "all_assistant_messages", "all_messages"] = (
         "all_assistant_messages"
     )
@@ -185,3 +201,406 @@ class Recipe(Base):
     save_every: NonNegInt = 20
     # An existing run dir: resume it (only if it holds this same recipe), move it aside, or stop.
     if_exists: Literal["resume", "overwrite", "error"] = "resume"
+
+
+# ================================================================ reading recipe files
+#
+# Everything below turns TOML text into a Recipe, or into one line that says what to fix. msgspec's
+# errors carry a path (`$.algo.batch_size`) but not the choices or the offending value, so `_explain`
+# walks the schema (msgspec.inspect) along the raw data to add them. It knows no field by name: new
+# variants of any union get the same messages.
+
+DEFAULT_FILE = "recipes.toml"
+# Recipe names become run directories (runs/<name>) and appear in `FILE#name`: keep them plain.
+_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+_MISSING: Any = object()
+
+
+def load_file(path: str) -> dict[str, Recipe]:
+    """Every recipe in a file, by name; the first bad one raises UserError."""
+    return {name: decode_recipe(raw, f"{path}#{name}") for name, raw in read_tables(path).items()}
+
+
+def load_recipe(ref: str, overrides: Sequence[str] = ()) -> tuple[str, Recipe]:
+    """`FILE#name` (or just FILE when it holds one recipe) with `a.b=value` overrides applied."""
+    path, name = split_ref(ref)
+    tables = read_tables(path)
+    if name is None:
+        if len(tables) != 1:
+            raise UserError(f"{path}: pick a recipe as {path}#NAME; available: {', '.join(sorted(tables))}")
+        name = next(iter(tables))
+    if name not in tables:
+        raise UserError(f"{path}: no recipe named {name!r}; available: {', '.join(sorted(tables))}")
+    where = f"{path}#{name}"
+    return name, decode_recipe(apply_overrides(tables[name], overrides, where), where)
+
+
+def split_ref(ref: str) -> tuple[str, str | None]:
+    """'FILE#name' -> (FILE, name); 'FILE' -> (FILE, None)."""
+    path, sep, name = ref.rpartition("#")
+    if not sep:
+        return ref, None
+    if not path or not _NAME.match(name):
+        raise UserError(f"bad recipe reference {ref!r}: expected FILE#NAME, e.g. {DEFAULT_FILE}#sl_basic")
+    return path, name
+
+
+def read_tables(path: str) -> dict[str, dict[str, Any]]:
+    """The raw `[recipes.<name>]` tables of a file, undecoded."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{path}: {'not a file' if p.exists() else 'file not found'}")
+    try:
+        data = tomllib.loads(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{path}: {_toml_error(e)}") from None
+    if "recipes" not in data:
+        raise UserError(f"{path}: no [recipes] table; write each recipe as [recipes.<name>]")
+    for key in data:
+        if key != "recipes":
+            raise UserError(f"{path}: {key}: unknown top-level key; write each recipe as [recipes.<name>]")
+    tables = data["recipes"]
+    if not isinstance(tables, dict):
+        raise UserError(f"{path}: recipes: expected a table of [recipes.<name>] tables, got {_got(tables)}")
+    if not tables:
+        raise UserError(f"{path}: [recipes] is empty; write each recipe as [recipes.<name>]")
+    for name, raw in tables.items():
+        if not _NAME.match(name):
+            raise UserError(f"{path}: recipe name {name!r}: use only letters, digits, '_' and '-'")
+        if not isinstance(raw, dict):
+            raise UserError(f"{path}#{name}: expected a table [recipes.{name}], got {_got(raw)}")
+    return tables
+
+
+def decode_recipe(raw: dict[str, Any], where: str) -> Recipe:
+    """Validate one raw recipe table; `where` ('FILE#name') prefixes the error."""
+    try:
+        return msgspec.convert(raw, Recipe)
+    except msgspec.ValidationError as e:
+        raise UserError(f"{where}: {_explain(str(e), raw, Recipe)}") from None
+
+
+def _toml_error(e: tomllib.TOMLDecodeError) -> str:
+    # tomllib (3.11) only puts the position in the message: "Invalid value (at line 12, column 5)".
+    m = re.fullmatch(r"(.*) \(at (line \d+, column \d+|end of document)\)", str(e))
+    if m is None:
+        return f"TOML syntax error: {e}"
+    reason, pos = m.groups()
+    pos = "end of file" if pos == "end of document" else pos
+    return f"TOML syntax error at {pos}: {reason[:1].lower()}{reason[1:]}"
+
+
+# ---------------------------------------------------------------- overrides
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'a.b=value' -> (['a', 'b'], value). The value is a TOML literal, else the plain string."""
+    key, sep, value = text.partition("=")
+    keys = key.strip().split(".")
+    if not sep or not all(_NAME.match(k) for k in keys):
+        raise UserError(f"bad override {text!r}: expected KEY=VALUE, e.g. lr=3e-4 or lora.rank=8")
+    try:
+        doc = tomllib.loads(f"v = {value}")
+    except tomllib.TOMLDecodeError:
+        return keys, value.strip()
+    # "x\nlr = 1" parses as two keys: that is not one literal, so keep the text.
+    return keys, doc["v"] if len(doc) == 1 else value.strip()
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], where: str) -> dict[str, Any]:
+    """A copy of `raw` with each override set at its path (CLI > recipe > defaults).
+
+    A value replaces what was there (`backend={kind="tinker"}` switches variant). A missing table on
+    the way is seeded with the field's default, so `schedule.warmup_steps=5` keeps the default schedule."""
+    out = copy.deepcopy(raw)
+    for text in overrides:
+        keys, value = parse_override(text)
+        node, t = out, mi.type_info(Recipe)
+        for i, key in enumerate(keys[:-1]):
+            t, field = _child(t, node, key)
+            if key not in node:
+                default = field.default if field is not None else _MISSING
+                node[key] = msgspec.to_builtins(default) if isinstance(default, msgspec.Struct) else {}
+            node = node[key]
+            if not isinstance(node, dict):
+                dotted = ".".join(keys[: i + 1])
+                raise UserError(f"{where}: {dotted}: is {_got(node)}, not a table, so {text!r} cannot set it")
+        t, _ = _child(t, node, keys[-1])
+        # `model=1e3` or `tokenizer=true` parse as numbers/bools; a str-only field takes the text.
+        if not isinstance(value, str) and t is not None and _is_str(t):
+            value = text.partition("=")[2].strip()
+        node[keys[-1]] = value
+    return out
+
+
+# ---------------------------------------------------------------- walking the schema with the data
+
+def _resolve(t: Any, raw: Any) -> Any:
+    """The concrete type at a node: Metadata unwrapped, None dropped, a tagged union narrowed by the
+    raw tag. An unresolvable union comes back as is."""
+    if isinstance(t, mi.Metadata):
+        return _resolve(t.type, raw)
+    if isinstance(t, mi.UnionType):
+        types = [m for m in t.types if not isinstance(m, mi.NoneType)]
+        if len(types) == 1:
+            return _resolve(types[0], raw)
+        structs = [s for s in (_resolve(m, raw) for m in types) if isinstance(s, mi.StructType)]
+        if isinstance(raw, dict):
+            for s in structs:
+                if s.tag_field is not None and raw.get(s.tag_field) == s.tag:
+                    return s
+    return t
+
+
+def _variants(t: Any) -> list[mi.StructType]:
+    """The tagged struct choices at a node (one for a lone tagged struct, none if untagged)."""
+    if isinstance(t, mi.Metadata):
+        return _variants(t.type)
+    if isinstance(t, mi.UnionType):
+        return [v for m in t.types for v in _variants(m)]
+    if isinstance(t, mi.StructType) and t.tag_field is not None:
+        return [t]
+    return []
+
+
+def _child(t: Any, raw: Any, key: str | int) -> tuple[Any, mi.Field | None]:
+    """(type, field) one step down from type `t` holding `raw`; (None, None) if the schema says nothing."""
+    t = _resolve(t, raw)
+    if isinstance(t, mi.StructType) and isinstance(key, str):
+        if key == t.tag_field:
+            return mi.LiteralType(values=(t.tag,)), None
+        for f in t.fields:
+            if f.encode_name == key:
+                return f.type, f
+    if isinstance(t, mi.DictType):
+        return t.value_type, None
+    if isinstance(t, (mi.ListType, mi.TupleType, mi.VarTupleType, mi.SetType, mi.FrozenSetType)):
+        return getattr(t, "item_type", None), None
+    return None, None
+
+
+def _is_str(t: Any) -> bool:
+    t = _resolve(t, None)
+    return isinstance(t, mi.StrType) or (isinstance(t, mi.LiteralType) and all(isinstance(v, str) for v in t.values))
+
+
+def _get(raw: Any, key: str | int) -> Any:
+    if isinstance(raw, dict) and isinstance(key, str):
+        return raw.get(key, _MISSING)
+    if isinstance(raw, list) and isinstance(key, int) and key < len(raw):
+        return raw[key]
+    return _MISSING
+
+
+# ---------------------------------------------------------------- msgspec errors -> one line
+
+def _explain(message: str, raw: dict[str, Any], root: type) -> str:
+    """'Expected `int` >= 1 - at `$.algo.batch_size`' -> 'algo.batch_size: expected int >= 1, got 0'."""
+    text, _, loc = message.partition(" - at `$")
+    parts: list[str | int] = []
+    t, node, parent_t = mi.type_info(root), raw, None
+    for name, index in re.findall(r"\.([^.\[`]+)|\[(\d+|\.\.\.)\]", loc):
+        if name:
+            key: str | int = name
+        elif index == "...":  # a dict entry, which msgspec does not name
+            key = _bad_key(raw, parts, node, root, message)
+        else:
+            key = int(index)
+        parent_t = t
+        t, _ = _child(t, node, key)
+        node = _get(node, key)
+        parts.append(key)
+    path = _dotted(parts)
+    where = f"{path}: " if path else ""
+
+    if m := re.fullmatch(r"Object contains unknown field `(.+)`", text):
+        key = m.group(1)
+        s = _resolve(t, node)
+        valid = sorted([f.encode_name for f in s.fields] + ([s.tag_field] if s.tag_field else [])) if isinstance(
+            s, mi.StructType) else []
+        close = difflib.get_close_matches(key, valid, n=1)
+        hint = f"; did you mean `{close[0]}`?" if close else ""
+        return f"{_dotted([*parts, key])}: unknown key{hint} (valid: {', '.join(valid)})"
+
+    if m := re.fullmatch(r"Object missing required field `(.+)`", text):
+        key = m.group(1)
+        variants = _variants(t)
+        if variants and key == variants[0].tag_field:
+            return f"{_dotted([*parts, key])}: missing key; expected one of: {_tags(variants)}"
+        ft, _ = _child(t, node, key)
+        return f"{_dotted([*parts, key])}: missing key; {_expected(ft, key)}"
+
+    # A bad tag (wrong value or wrong type) is a bad choice among the parent's variants.
+    pv = _variants(parent_t) if parts else []
+    if pv and parts[-1] == pv[0].tag_field:
+        return f"{where}invalid choice {_show(node)}; expected one of: {_tags(pv)}"
+    if re.fullmatch(r"Invalid (enum )?value .*", text):
+        lit = _resolve(t, node)
+        choices = ", ".join(map(str, lit.values)) if isinstance(lit, mi.LiteralType) else "?"
+        return f"{where}invalid choice {_show(node)}; expected one of: {choices}"
+
+    if m := re.fullmatch(r"Expected `([^`]+)`, got `[^`]+`", text):
+        names = [n for n in m.group(1).split(" | ") if n != "null"]
+        if "object" in names and _variants(t):
+            return f"{where}expected a table, got {_got(node)}; {_table_hint(t, parts[-1] if parts else '', node)}"
+        return f"{where}expected {' or '.join(_TYPE_NAMES.get(n, n) for n in names)}, got {_got(node)}"
+
+    if m := re.fullmatch(r"Expected `([^`]+)` (.+)", text):
+        desc = _description(t)
+        want = desc or f"{_TYPE_NAMES.get(m.group(1), m.group(1))} {m.group(2)}"
+        shown = _got(node) if isinstance(node, (dict, list)) else _show(node)
+        return f"{where}expected {want}, got {shown}"
+
+    # __post_init__ ValueErrors and anything new: msgspec's text, with our path.
+    return f"{where}{text}"
+
+
+_TYPE_NAMES = {"object": "table", "array": "array", "str": "str", "int": "int", "float": "float", "bool": "bool"}
+
+
+def _bad_key(raw: Any, parts: list[str | int], node: dict[str, Any], root: type, message: str) -> str:
+    """msgspec reports a dict entry as `[...]`: find the key by re-checking with one entry at a time."""
+    for key in node:
+        trial = copy.deepcopy(raw)
+        target = trial
+        for p in parts:
+            target = target[p]
+        target.clear()
+        target[key] = node[key]
+        try:
+            msgspec.convert(trial, root)
+        except msgspec.ValidationError as e:
+            if str(e) == message:
+                return key
+    return "..."
+
+
+def _expected(t: Any, key: str | int) -> str:
+    if _variants(t):
+        return _table_hint(t, key, _MISSING)
+    desc = _description(t)
+    if desc:
+        return f"expected {desc}"
+    r = _resolve(t, None)
+    if isinstance(r, mi.StructType | mi.DictType):
+        return "expected a table"
+    if isinstance(r, mi.LiteralType):
+        return f"expected one of: {', '.join(map(str, r.values))}"
+    name = type(r).__name__.removesuffix("Type").lower()
+    return f"expected {_TYPE_NAMES.get(name, name)}"
+
+
+def _table_hint(t: Any, key: str | int, value: Any) -> str:
+    variants = _variants(t)
+    tags = [v.tag for v in variants]
+    tag = value if value in tags else tags[0]
+    return f'write e.g. {key} = {{{variants[0].tag_field} = "{tag}"}} ({variants[0].tag_field} one of: {_tags(variants)})'
+
+
+def _tags(variants: list[mi.StructType]) -> str:
+    return ", ".join(sorted(str(v.tag) for v in variants))
+
+
+def _description(t: Any) -> str | None:
+    while isinstance(t, mi.UnionType):
+        types = [m for m in t.types if not isinstance(m, mi.NoneType)]
+        if len(types) != 1:
+            return None
+        t = types[0]
+    if isinstance(t, mi.Metadata) and t.extra_json_schema:
+        return t.extra_json_schema.get("description")
+    return None
+
+
+def _dotted(parts: Sequence[str | int]) -> str:
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        else:
+            p = p if _NAME.match(p) else f'"{p}"'
+            out += f".{p}" if out else p
+    return out
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is _MISSING:
+        return "nothing"
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _got(v: Any) -> str:
+    """A raw value with its TOML type: "str 'fast'", 'table', 'array [1, 2]'."""
+    if isinstance(v, dict):
+        return "table"
+    name = {list: "array"}.get(type(v), type(v).__name__)
+    return f"{name} {_show(v)}"
+
+
+# ---------------------------------------------------------------- writing back, and checking
+
+def recipe_dict(recipe: Recipe) -> dict[str, Any]:
+    """Every field, defaults included, as TOML-ready builtins. None is left out: TOML has no null,
+    and every optional field defaults to None, so leaving it out reads back the same."""
+    return _drop_none(msgspec.to_builtins(recipe, builtin_types=(datetime, date, time)))
+
+
+def dump_recipe(name: str, recipe: Recipe) -> str:
+    """The fully resolved recipe as TOML, wrapped as [recipes.<name>]; loads back to an equal Recipe."""
+    return tomli_w.dumps({"recipes": {name: recipe_dict(recipe)}})
+
+
+def _drop_none(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _drop_none(x) for k, x in v.items() if x is not None}
+    if isinstance(v, list):
+        return [_drop_none(x) for x in v]
+    return v
+
+
+def check_recipe(recipe: Recipe, where: str) -> None:
+    """What decoding cannot see: data files exist (relative to the working directory) and Python
+    targets import and are callable. Raises UserError prefixed with `where` ('FILE#name')."""
+    for path, node in _structs(recipe, ()):
+        if isinstance(node, Jsonl) and not Path(node.path).is_file():
+            raise UserError(f"{where}: {_dotted([*path, 'path'])}: data file not found: {node.path}")
+        if isinstance(node, Python):
+            try:
+                import_target(node.target)
+            except UserError as e:
+                raise UserError(f"{where}: {_dotted([*path, 'target'])}: {e}") from None
+
+
+def import_target(target: str) -> Callable[..., Any]:
+    """The callable named by 'pkg.mod:fn'; UserError if it does not import or is not callable."""
+    module, _, attr = target.partition(":")
+    # The console script does not put the working directory on sys.path (`python -m` does); user
+    # modules live next to the recipe, so both entry points must find them.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except Exception as e:  # any failure inside user code is the user's to fix
+        reason = " ".join(f"{type(e).__name__}: {e}".split())
+        raise UserError(f"cannot import {target!r}: {reason}") from None
+    if not callable(fn):
+        raise UserError(f"{target!r} is {type(fn).__name__}, not a callable")
+    return fn
+
+
+def _structs(v: Any, path: tuple[str | int, ...]) -> Iterator[tuple[tuple[str | int, ...], msgspec.Struct]]:
+    """Every struct inside a recipe, with its key path (through fields, lists and dict values)."""
+    if isinstance(v, msgspec.Struct):
+        yield path, v
+        for name in v.__struct_fields__:
+            yield from _structs(getattr(v, name), (*path, name))
+    elif isinstance(v, (list, tuple)):
+        for i, x in enumerate(v):
+            yield from _structs(x, (*path, i))
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            yield from _structs(x, (*path, k))
