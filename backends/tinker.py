@@ -1,0 +1,356 @@
+"""The hosted Tinker service (or any Tinker-compatible server) behind our backend protocol.
+
+A thin adapter over the `tinker` SDK (0.38): our runner/types.py values are converted to `tinker.*`
+values here and nowhere else, and every SDK future comes back as a backends.base.Future whose result
+is already one of our types. Things the SDK does that shape this file:
+- Plain SDK methods return at once with an APIFuture; ordering (seq ids) is reserved on the calling
+  thread, so calling them in loop order is all the pipelining needs.
+- We never put a timeout on a training future: a cancelled one leaves a hole in the model's seq ids
+  and stalls every later request (tinker-sdk.md §1.1). Our Future's timeouts only stop waiting.
+- The SDK retries transient failures (5xx, 429, dropped connections) itself; what it gives up on
+  reaches us as an exception, which becomes a BackendError naming the request.
+- The API key comes from $TINKER_API_KEY only and is scrubbed from every message we produce.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import tinker
+from tinker.types import RequestErrorCategory
+
+from backends.base import BackendError, CustomLossFn, Future
+from runner.errors import UserError
+from runner.types import (
+    LOSS_INPUTS,
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    LoraSpec,
+    LossFn,
+    OptimStepOutput,
+    SampledSequence,
+    SampleOutput,
+    SamplingParams,
+)
+
+if TYPE_CHECKING:
+    from runner import recipe
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "TINKER_API_KEY"
+# close() waits this long for the session to finish; a dead server makes the SDK retry for 5 min,
+# and a run that is already failing should not hang on its way out.
+CLOSE_TIMEOUT_S = 30.0
+
+CloseStatus = Literal["success", "errored", "interrupted"]
+
+
+# ---------------------------------------------------------------- key, errors, futures
+
+
+def api_key_from_env() -> str:
+    """The key, checked the way the SDK checks it, so a bad one fails before any network work."""
+    key = os.environ.get(API_KEY_ENV, "").strip()
+    if not key:
+        raise UserError(f"set {API_KEY_ENV} to your Tinker API key (it is read from the environment only)")
+    if not (key.startswith("tml-") or key.startswith("eyJ")):
+        raise UserError(f"set {API_KEY_ENV} to a Tinker API key: it must start with 'tml-'")
+    return key
+
+
+def _scrub(text: str, key: str) -> str:
+    return text.replace(key, "tml-***") if key else text
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def to_backend_error(exc: BaseException, request: str, key: str) -> BackendError:
+    """What the SDK gave up on, as one scrubbed line naming the request."""
+    if isinstance(exc, BackendError):
+        return exc
+    detail = _first_line(_scrub(str(exc) or type(exc).__name__, key))
+    user = False
+    if isinstance(exc, tinker.RequestFailedError):
+        user = exc.category == RequestErrorCategory.User
+        what = "server rejected request" if user else "request failed on the server"
+    elif isinstance(exc, tinker.AuthenticationError | tinker.PermissionDeniedError):
+        user = True
+        what = f"not authorised (HTTP {exc.status_code}; check {API_KEY_ENV})"
+    elif isinstance(exc, tinker.APIStatusError):
+        code = exc.status_code
+        # 408/409/429/5xx were retried by the SDK before it gave up; other 4xx are the request's fault.
+        user = 400 <= code < 500 and code not in (408, 409, 429)
+        what = f"server rejected request (HTTP {code})" if user else f"server error (HTTP {code}) after retries"
+    elif isinstance(exc, tinker.APIConnectionError):
+        what = "could not reach the Tinker service after retries"
+    elif isinstance(exc, ValueError):
+        what = "bad reply from the server"
+    elif isinstance(exc, concurrent.futures.CancelledError):
+        what = "cancelled"
+    else:
+        what = type(exc).__name__
+    return BackendError(f"{request}: {what}: {detail}", request=request, user_error=user)
+
+
+def _wrap(submit: Callable[[], Any], convert: Callable[[Any], Any], request: str, key: str) -> Future[Any]:
+    """Call an SDK method and return our Future of `convert(result)`.
+
+    The SDK future is chained, not awaited: its exceptions become BackendErrors and its result is
+    converted on the SDK's thread, so nothing `tinker.*` reaches the caller. Cancelling the returned
+    future cannot cancel the SDK request (the chain only goes one way)."""
+    out: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    try:
+        api_future = submit()
+    except Exception as exc:  # e.g. the blocking session setup on the first call
+        out.set_exception(to_backend_error(exc, request, key))
+        return Future(out)
+
+    def done(fut: concurrent.futures.Future[Any]) -> None:
+        if out.done():  # cancelled by the caller: nothing to deliver
+            return
+        try:
+            value = convert(fut.result())
+        except BaseException as exc:  # noqa: BLE001 - every failure is delivered, none raised here
+            err = to_backend_error(exc, request, key)
+            try:
+                out.set_exception(err)
+            except concurrent.futures.InvalidStateError:
+                pass
+            return
+        try:
+            out.set_result(value)
+        except concurrent.futures.InvalidStateError:
+            pass
+
+    api_future.future().add_done_callback(done)
+    return Future(out)
+
+
+# ---------------------------------------------------------------- conversions at the boundary
+
+
+def _tensor(arr: np.ndarray) -> tinker.TensorData:
+    return tinker.TensorData.from_numpy(np.ascontiguousarray(arr))
+
+
+def to_tinker_datum(d: Datum, keys: tuple[str, ...]) -> tinker.Datum:
+    """Our Datum with the loss inputs in `keys`. Tinker has no mask: it is folded into weights and
+    advantages (exact for 0/1 masks and every built-in loss but dro's quadratic term)."""
+    inputs: dict[str, Any] = {"target_tokens": _tensor(d.target_tokens)}
+    for name in keys:
+        value = getattr(d, name)
+        if value is None:
+            continue
+        if d.mask is not None and name in ("weights", "advantages"):
+            value = value * (d.mask if value.ndim == 1 else d.mask[:, None])
+        inputs[name] = _tensor(value)
+    return tinker.Datum(model_input=tinker.ModelInput.from_ints(list(d.model_input)), loss_fn_inputs=inputs)
+
+
+def _fb_output(data: list[Datum]) -> Callable[[Any], ForwardBackwardOutput]:
+    def convert(out: Any) -> ForwardBackwardOutput:
+        if len(out.loss_fn_outputs) != len(data):
+            raise ValueError(f"{len(out.loss_fn_outputs)} outputs for {len(data)} datums")
+        logprobs = [
+            np.asarray(o["logprobs"].to_numpy(), dtype=np.float32).reshape(d.target_tokens.shape)
+            for o, d in zip(out.loss_fn_outputs, data, strict=True)
+        ]
+        return ForwardBackwardOutput(logprobs=logprobs, metrics={k: float(v) for k, v in out.metrics.items()})
+
+    return convert
+
+
+def _optim_output(out: Any) -> OptimStepOutput:
+    return OptimStepOutput(metrics={k: float(v) for k, v in (out.metrics or {}).items()})
+
+
+def _sample_output(out: Any) -> SampleOutput:
+    seqs = []
+    for s in out.sequences:
+        if s.logprobs is None:
+            raise ValueError("sample returned no logprobs")
+        seqs.append(SampledSequence(tokens=[int(t) for t in s.tokens], logprobs=[float(x) for x in s.logprobs],
+                                    stop_reason=s.stop_reason))
+    return SampleOutput(sequences=seqs)
+
+
+def _logprobs_output(out: Any) -> list[float | None]:
+    return [None if x is None else float(x) for x in out]
+
+
+def _path(out: Any) -> str:
+    return str(out.path)
+
+
+def to_tinker_sampling(p: SamplingParams) -> tinker.SamplingParams:
+    return tinker.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
+                                 top_k=p.top_k, stop=p.stop, seed=p.seed)
+
+
+def to_tinker_adam(p: AdamParams) -> tinker.AdamParams:
+    return tinker.AdamParams(learning_rate=p.learning_rate, beta1=p.beta1, beta2=p.beta2, eps=p.eps,
+                             weight_decay=p.weight_decay, grad_clip_norm=p.grad_clip_norm)
+
+
+# ---------------------------------------------------------------- clients
+
+
+class TinkerSamplingClient:
+    def __init__(self, client: Any, key: str, name: str):
+        self._client = client
+        self._key = key
+        self._name = name  # names requests in errors, e.g. "sample #3 (sampler tinker://...)"
+        self._calls = 0
+
+    def _request(self, method: str) -> str:
+        self._calls += 1
+        return f"{method} #{self._calls} ({self._name})"
+
+    def sample(self, prompt: list[int], num_samples: int, params: SamplingParams) -> Future[SampleOutput]:
+        return _wrap(lambda: self._client.sample(tinker.ModelInput.from_ints(list(prompt)), num_samples,
+                                                 to_tinker_sampling(params)),
+                     _sample_output, self._request("sample"), self._key)
+
+    def compute_logprobs(self, tokens: list[int]) -> Future[list[float | None]]:
+        return _wrap(lambda: self._client.compute_logprobs(tinker.ModelInput.from_ints(list(tokens))),
+                     _logprobs_output, self._request("compute_logprobs"), self._key)
+
+
+class TinkerTrainingClient:
+    def __init__(self, client: Any, key: str):
+        self._client = client
+        self._key = key
+        self._calls: dict[str, int] = {}
+
+    def _request(self, method: str) -> str:
+        n = self._calls[method] = self._calls.get(method, 0) + 1
+        return f"{method} #{n}"
+
+    def _fb(self, method: str, data: list[Datum], loss_fn: LossFn,
+            loss_config: dict[str, float] | None) -> Future[ForwardBackwardOutput]:
+        keys = LOSS_INPUTS[loss_fn]
+        request = self._request(method)
+
+        def submit() -> Any:
+            for d in data:
+                d.check_for(loss_fn)
+            tdata = [to_tinker_datum(d, keys) for d in data]
+            return getattr(self._client, method)(tdata, loss_fn, dict(loss_config) if loss_config else None)
+
+        return _wrap(submit, _fb_output(data), request, self._key)
+
+    def forward(self, data: list[Datum], loss_fn: LossFn,
+                loss_config: dict[str, float] | None = None) -> Future[ForwardBackwardOutput]:
+        return self._fb("forward", data, loss_fn, loss_config)
+
+    def forward_backward(self, data: list[Datum], loss_fn: LossFn,
+                         loss_config: dict[str, float] | None = None) -> Future[ForwardBackwardOutput]:
+        return self._fb("forward_backward", data, loss_fn, loss_config)
+
+    def forward_backward_custom(self, data: list[Datum], loss_fn: CustomLossFn) -> Future[ForwardBackwardOutput]:
+        # The SDK runs a forward pass, calls the loss with its own tinker.Datums, then a weighted
+        # cross-entropy backward pass; we hand the loss our original data (same order) instead.
+        tdata = [to_tinker_datum(d, ("weights",)) for d in data]
+        return _wrap(lambda: self._client.forward_backward_custom(tdata, lambda _t, lps: loss_fn(data, lps)),
+                     _fb_output(data), self._request("forward_backward_custom"), self._key)
+
+    def optim_step(self, params: AdamParams) -> Future[OptimStepOutput]:
+        return _wrap(lambda: self._client.optim_step(to_tinker_adam(params)), _optim_output,
+                     self._request("optim_step"), self._key)
+
+    def save_state(self, name: str, ttl_seconds: int | None = None) -> Future[str]:
+        return _wrap(lambda: self._client.save_state(name, ttl_seconds=ttl_seconds), _path,
+                     self._request(f"save_state {name!r}"), self._key)
+
+    def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None) -> Future[str]:
+        return _wrap(lambda: self._client.save_weights_for_sampler(name, ttl_seconds=ttl_seconds), _path,
+                     self._request(f"save_weights_for_sampler {name!r}"), self._key)
+
+    def save_weights_and_get_sampling_client(self) -> Future[Any]:
+        request = self._request("save_weights_and_get_sampling_client")
+        return _wrap(self._client.save_weights_and_get_sampling_client,
+                     lambda c: TinkerSamplingClient(c, self._key, request), request, self._key)
+
+
+class TinkerBackend:
+    """The Tinker service. Constructing it checks the key and makes no network call."""
+
+    def __init__(self, cfg: recipe.Tinker, model: str, tokenizer: str | None = None):
+        self._key = api_key_from_env()
+        self.model = model
+        self._tokenizer_name = tokenizer
+        self._tokenizer: Any = None
+        base_url = cfg.base_url or os.environ.get("TINKER_BASE_URL") or None
+        # The key is passed explicitly so the SDK's other credential sources (files, commands) are not used.
+        self._service = tinker.ServiceClient(base_url=base_url, api_key=self._key)
+        self._closed = False
+
+    def get_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self._tokenizer_name or self.model)
+        return self._tokenizer
+
+    def create_training_client(self, spec: LoraSpec) -> Future[TinkerTrainingClient]:
+        if spec.rank < 1:
+            raise UserError("Tinker trains LoRA adapters only: set lora.rank >= 1")
+        return _wrap(
+            lambda: self._service.create_lora_training_client(
+                base_model=spec.base_model, rank=spec.rank, seed=spec.seed, train_mlp=spec.train_mlp,
+                train_attn=spec.train_attn, train_unembed=spec.train_unembed),
+            lambda c: TinkerTrainingClient(c, self._key), f"create_training_client {spec.base_model!r}", self._key)
+
+    def create_training_client_from_state(self, path: str, spec: LoraSpec,
+                                          with_optimizer: bool = True) -> Future[TinkerTrainingClient]:
+        # The checkpoint knows its base model and LoRA shape; `spec` is what the caller expects it to be.
+        method = (self._service.create_training_client_from_state_with_optimizer if with_optimizer
+                  else self._service.create_training_client_from_state)
+        return _wrap(lambda: method(path), lambda c: TinkerTrainingClient(c, self._key),
+                     f"create_training_client_from_state {path!r}", self._key)
+
+    def create_sampling_client(self, model_path: str | None = None,
+                               base_model: str | None = None) -> Future[TinkerSamplingClient]:
+        name = model_path or base_model
+        if name is None:
+            raise ValueError("create_sampling_client needs model_path or base_model")
+        return _wrap(lambda: self._service.create_sampling_client(model_path=model_path, base_model=base_model),
+                     lambda c: TinkerSamplingClient(c, self._key, f"sampler {name}"),
+                     f"create_sampling_client {name!r}", self._key)
+
+    def close(self, status: str = "success") -> None:
+        """Finish the session; this also stops the SDK's heartbeat and config-refresh tasks."""
+        if self._closed:
+            return
+        self._closed = True
+        st: CloseStatus = status if status in ("success", "errored", "interrupted") else "errored"  # type: ignore[assignment]
+        try:
+            self._service.close(st).result(timeout=CLOSE_TIMEOUT_S)
+        except Exception as exc:  # closing must not hide the error that ended the run
+            log.warning("closing the Tinker session failed: %s", _first_line(_scrub(str(exc), self._key)))
+
+
+def load_tokenizer(name: str) -> Any:
+    """"tiny" is the embedded byte-level tokenizer; anything else is a local folder or a hub name
+    (never the SDK's get_tokenizer, which always goes to the hub)."""
+    try:
+        if name == "tiny":
+            from backends.local.tiny import build_tokenizer
+
+            return build_tokenizer()
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(name)
+    except Exception as exc:
+        raise UserError(
+            f"could not load a tokenizer for {name!r} ({type(exc).__name__}); set `tokenizer = ...` in the recipe "
+            "to a local tokenizer folder or a reachable Hugging Face name"
+        ) from None
