@@ -1,0 +1,18 @@
+"""The local backend: an in-process torch + peft LoRA trainer and sampler (see backend.py).
+
+`LocalBackend` is imported lazily so that `runner check` / `runner list` never import torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["LocalBackend"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LocalBackend":
+        from backends.local.backend import LocalBackend
+
+        return LocalBackend
+    raise AttributeError(name)

@@ -1,0 +1,400 @@
+"""The local backend: Tinker's primitives (backends/base.py) over an in-process torch + peft LoRA model.
+
+Each training client owns a private copy of the base model (LoRA-wrapped, or fully trainable) and one
+worker thread that runs its calls strictly in submission order (backends/local/worker.py). Each
+sampling client owns an immutable merged snapshot and its own worker thread, which drains every
+queued request into one batch for backends/local/sampler.py, so sampling overlaps training.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+import tempfile
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from backends.base import BackendError, CustomLossFn, Future, SamplingClient, TrainingClient
+from backends.local import batching
+from backends.local import model as M
+from backends.local.device import pick_device
+from backends.local.losses import datum_loss, inputs_from_datum, resolve_config
+from backends.local.worker import Job, Worker, fail
+from runner.errors import UserError
+from runner.recipe import Local
+from runner.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    LoraSpec,
+    LossFn,
+    OptimStepOutput,
+    SampleOutput,
+    SamplingParams,
+)
+
+
+def _user_error(message: str) -> BackendError:
+    return BackendError(message, user_error=True)
+
+
+class LocalBackend:
+    """model: "tiny", a Hugging Face model folder, or a hub id in the local cache. Checkpoints go under
+    storage_dir/weights/<name> (save_state) and storage_dir/sampler_weights/<name>."""
+
+    def __init__(self, cfg: Local, model: str, tokenizer: str | None, storage_dir: Path, seed: int = 0):
+        self.cfg = cfg
+        self.model_name = model
+        self.model_dir = M.resolve_model_dir(model)  # UserError now, not at the first request
+        self.tokenizer_dir = M.resolve_tokenizer_dir(tokenizer) if tokenizer else self.model_dir
+        self.storage_dir = Path(storage_dir).resolve()
+        self.seed = seed
+        self.device, self.dtype = pick_device(cfg)
+        self._tokenizer: Any = None
+        self._base: torch.nn.Module | None = None
+        self._lock = threading.Lock()
+        self._client_ids = itertools.count()
+        self._sampler_ids = itertools.count()
+        # Model loading and client creation run here, so create_* return at once like every other call.
+        self._worker = Worker("local-backend")
+        self._workers: weakref.WeakSet[Worker] = weakref.WeakSet()
+
+    # ---------------------------------------------------------------- service API
+
+    def get_tokenizer(self) -> Any:
+        with self._lock:
+            if self._tokenizer is None:
+                import transformers
+
+                try:
+                    self._tokenizer = transformers.AutoTokenizer.from_pretrained(self.tokenizer_dir)
+                except Exception as exc:  # noqa: BLE001 - a folder without a usable tokenizer is the user's
+                    raise UserError(f"cannot load a tokenizer from {self.tokenizer_dir}: {exc}") from exc
+            return self._tokenizer
+
+    def create_training_client(self, spec: LoraSpec) -> Future[TrainingClient]:
+        return self._worker.submit("create_training_client", lambda: self._new_training_client(spec, None, False))
+
+    def create_training_client_from_state(
+        self, path: str, spec: LoraSpec, with_optimizer: bool = True
+    ) -> Future[TrainingClient]:
+        return self._worker.submit(
+            "create_training_client_from_state", lambda: self._new_training_client(spec, Path(path), with_optimizer)
+        )
+
+    def create_sampling_client(
+        self, model_path: str | None = None, base_model: str | None = None
+    ) -> Future[SamplingClient]:
+        return self._worker.submit("create_sampling_client", lambda: self._new_sampling_client(model_path, base_model))
+
+    def close(self, status: str = "success") -> None:
+        self._worker.close()
+        for worker in list(self._workers):
+            worker.close()
+
+    # ---------------------------------------------------------------- internals (backend worker thread)
+
+    def base(self) -> torch.nn.Module:
+        """The frozen base model, loaded once and never modified (every client copies it)."""
+        if self._base is None:
+            self._base = M.load_base(self.model_dir, self.device, self.dtype)
+        return self._base
+
+    def vocab_size(self) -> int:
+        return self.base().get_input_embeddings().num_embeddings
+
+    def _check_base_model(self, name: str) -> None:
+        if name not in (self.model_name, str(self.model_dir)):
+            raise _user_error(f"this local backend serves model {self.model_name!r}, not {name!r}")
+
+    def _setup(self, spec: LoraSpec) -> M.TrainSetup:
+        if self.cfg.full_finetune or spec.rank == 0:
+            return M.TrainSetup(0, self.cfg.lora_alpha, ())
+        targets = M.lora_targets(self.base(), spec.train_attn, spec.train_mlp, spec.train_unembed)
+        return M.TrainSetup(spec.rank, self.cfg.lora_alpha, targets)
+
+    def _new_training_client(self, spec: LoraSpec, state: Path | None, with_optimizer: bool) -> LocalTrainingClient:
+        self._check_base_model(spec.base_model)
+        index = next(self._client_ids)
+        setup = self._setup(spec)
+        meta = None
+        if state is not None:
+            meta = M.read_state_meta(state)
+            saved = M.setup_from_meta(meta)
+            if saved != setup:
+                raise _user_error(
+                    f"checkpoint {state} was trained with rank={saved.rank}, lora_alpha={saved.lora_alpha} and "
+                    f"{len(saved.targets)} adapted layers; this recipe asks for rank={setup.rank}, "
+                    f"lora_alpha={setup.lora_alpha}, {len(setup.targets)} layers"
+                )
+        # seed=None is a random init on Tinker; here it derives from the backend seed so runs repeat.
+        seed = spec.seed if spec.seed is not None else self.seed * 1000 + index
+        client = LocalTrainingClient(self, M.make_trainable(self.base(), setup, seed), setup, f"train-{index}")
+        if state is not None:
+            M.load_weights(state, client.model)
+            if with_optimizer:
+                M.load_optimizer(state, client.optimizer)
+                client.step = int(meta["step"])
+        return client
+
+    def _new_sampling_client(self, model_path: str | None, base_model: str | None) -> LocalSamplingClient:
+        if model_path is None and base_model is None:
+            raise _user_error("create_sampling_client needs model_path or base_model")
+        if model_path is None:
+            self._check_base_model(base_model)
+            return self.sampling_client(self.base(), "base")  # the base is never modified: no copy needed
+        path = Path(model_path)
+        if (path / M.STATE_FILE).is_file():  # a save_state folder works too
+            meta = M.read_state_meta(path)
+            setup = M.setup_from_meta(meta)
+            trained = M.make_trainable(self.base(), setup, 0)
+            M.load_weights(path, trained)
+            return self.sampling_client(M.sampling_copy(trained), path.name)
+        if (path / "adapter_config.json").is_file():
+            import peft
+
+            trained = peft.PeftModel.from_pretrained(copy.deepcopy(self.base()), path)
+            return self.sampling_client(M.sampling_copy(trained), path.name)
+        if (path / "config.json").is_file():  # a full fine-tune's sampler weights
+            return self.sampling_client(M.load_base(path, self.device, self.dtype), path.name)
+        raise _user_error(f"{model_path} is not a sampler-weights or checkpoint folder")
+
+    def sampling_client(self, model: torch.nn.Module, name: str) -> LocalSamplingClient:
+        # Unseeded samples draw from a generator seeded per client, so a rerun repeats them too.
+        seed = self.seed * 1000 + next(self._sampler_ids)
+        client = LocalSamplingClient(model, self.get_tokenizer(), self.device, name, seed)
+        self._workers.add(client._worker)
+        return client
+
+    def new_checkpoint_dir(self, kind: str, name: str) -> Path:
+        if not name or name in (".", "..") or "/" in name or os.sep in name:
+            raise _user_error(f"checkpoint name {name!r} must be a plain, non-empty file name")
+        path = self.storage_dir / kind / name
+        if path.exists():
+            raise _user_error(f"checkpoint {path} already exists; checkpoints are never overwritten")
+        return path
+
+
+def _write_atomically(final: Path, write: Callable[[Path], None]) -> str:
+    """Write into a temporary sibling folder, then rename: a crash never leaves a half checkpoint."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    write(tmp)
+    tmp.rename(final)
+    return str(final)
+
+
+class LocalTrainingClient:
+    """Every method returns a Future at once; one worker thread runs the calls in order."""
+
+    def __init__(self, backend: LocalBackend, model: torch.nn.Module, setup: M.TrainSetup, name: str):
+        self._backend = backend
+        self.model = model
+        self.setup = setup
+        self.step = 0
+        self._params = M.trainable_params(model)
+        # Hyper-parameters are set from AdamParams at every step; these are placeholders.
+        self.optimizer = torch.optim.AdamW([p for _, p in self._params], lr=0.0)
+        self.name = name
+        self._counter = itertools.count(1)
+        self._worker = Worker(name)
+        backend._workers.add(self._worker)
+
+    def _submit(self, what: str, fn: Callable[[], Any]) -> Future[Any]:
+        return self._worker.submit(f"{what} #{next(self._counter)}", fn)
+
+    # ---------------------------------------------------------------- protocol
+
+    def forward(
+        self, data: list[Datum], loss_fn: LossFn, loss_config: dict[str, float] | None = None
+    ) -> Future[ForwardBackwardOutput]:
+        data = list(data)
+        return self._submit("forward", lambda: self._run_loss(data, loss_fn, loss_config, backward=False))
+
+    def forward_backward(
+        self, data: list[Datum], loss_fn: LossFn, loss_config: dict[str, float] | None = None
+    ) -> Future[ForwardBackwardOutput]:
+        data = list(data)
+        return self._submit("forward_backward", lambda: self._run_loss(data, loss_fn, loss_config, backward=True))
+
+    def forward_backward_custom(self, data: list[Datum], loss_fn: CustomLossFn) -> Future[ForwardBackwardOutput]:
+        data = list(data)
+        return self._submit("forward_backward_custom", lambda: self._run_custom(data, loss_fn))
+
+    def optim_step(self, params: AdamParams) -> Future[OptimStepOutput]:
+        return self._submit("optim_step", lambda: self._optim_step(params))
+
+    def save_state(self, name: str, ttl_seconds: int | None = None) -> Future[str]:
+        return self._submit("save_state", lambda: self._save_state(name))
+
+    def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None) -> Future[str]:
+        return self._submit("save_weights_for_sampler", lambda: self._save_sampler(name))
+
+    def save_weights_and_get_sampling_client(self) -> Future[SamplingClient]:
+        # The snapshot is taken when this job runs, i.e. at this point of the FIFO.
+        return self._submit("save_weights_and_get_sampling_client", self._snapshot)
+
+    # ---------------------------------------------------------------- jobs (worker thread)
+
+    def _validate(self, data: list[Datum], loss_fn: LossFn | None) -> None:
+        if not data:
+            raise _user_error("no data")
+        for i, d in enumerate(data):
+            try:
+                if loss_fn is not None:
+                    d.check_for(loss_fn)
+            except ValueError as exc:
+                raise _user_error(f"datum {i}: {exc}") from None
+        try:
+            batching.check_tokens(data, self._backend.vocab_size())
+        except ValueError as exc:
+            raise _user_error(str(exc)) from None
+
+    def _logprobs(self, data: list[Datum]):
+        return batching.chunk_logprobs(
+            self.model, data, self._backend.device, batching.chunk_tokens(self._backend.vocab_size())
+        )
+
+    def _run_loss(
+        self, data: list[Datum], loss_fn: LossFn, loss_config: Mapping[str, float] | None, backward: bool
+    ) -> ForwardBackwardOutput:
+        try:
+            config = resolve_config(loss_fn, loss_config)
+        except ValueError as exc:
+            raise _user_error(str(exc)) from None
+        self._validate(data, loss_fn)
+        device = self._backend.device
+        logprobs: list[np.ndarray] = [np.empty(0)] * len(data)
+        total = 0.0
+        with torch.set_grad_enabled(backward):
+            for idx, lps in self._logprobs(data):
+                loss = sum(datum_loss(loss_fn, lp, inputs_from_datum(data[i], device), config) for i, lp in zip(idx, lps))
+                if backward:
+                    loss.backward()  # per chunk: grads accumulate in .grad, activations are freed
+                total += float(loss.detach())
+                for i, lp in zip(idx, lps):
+                    logprobs[i] = lp.detach().cpu().numpy()
+        return ForwardBackwardOutput(logprobs, {"loss:sum": total})
+
+    def _run_custom(self, data: list[Datum], loss_fn: CustomLossFn) -> ForwardBackwardOutput:
+        """ONE autograd pass: logprobs with grad -> user loss -> backward through the model.
+
+        The SDK (tinker-sdk.md §3.8) runs a forward pass, differentiates the loss w.r.t. the logprobs on
+        the client (g = dloss/dlogprobs), then a second forward+backward of the linear surrogate
+        sum(g * logprobs) (cross_entropy with weights -g): the same weight gradient, ~1.5x the FLOPs,
+        and its logprobs are recomputed. Here the graph of the first pass is kept instead; the price
+        is activation memory for the whole batch at once. Metrics are reported as the SDK does.
+        """
+        self._validate(data, None)
+        device = self._backend.device
+        model_lps: list[torch.Tensor] = [torch.empty(0)] * len(data)
+        with torch.enable_grad():
+            for idx, lps in self._logprobs(data):
+                for i, lp in zip(idx, lps):
+                    model_lps[i] = lp
+            # The user's function sees float32 CPU leaves, as with the SDK (so SDK-written losses run as is).
+            leaves = [lp.detach().cpu().requires_grad_(True) for lp in model_lps]
+            loss, metrics = loss_fn(data, leaves)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise _user_error("the custom loss must return (scalar torch tensor, metrics dict)")
+            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+            for i, g in enumerate(grads):
+                if g is None:  # the SDK fails the same way ("No gradient computed for logprob tensor")
+                    raise _user_error(f"the custom loss does not depend on the logprobs of datum {i}")
+            torch.autograd.backward(model_lps, grad_tensors=[g.to(device) for g in grads])
+        surrogate = sum(float((g.double() * lp.detach().double()).sum()) for g, lp in zip(grads, leaves))
+        out_metrics = {**{k: float(v) for k, v in metrics.items()}, "loss:sum": float(loss.detach().sum())}
+        out_metrics["surrogate_loss:sum"] = surrogate
+        return ForwardBackwardOutput([lp.detach().numpy() for lp in leaves], out_metrics)
+
+    def _optim_step(self, p: AdamParams) -> OptimStepOutput:
+        if p.learning_rate < 0 or not (0 <= p.beta1 < 1 and 0 <= p.beta2 < 1) or p.eps < 0 or p.weight_decay < 0:
+            raise _user_error(f"invalid AdamParams {p}")
+        for group in self.optimizer.param_groups:
+            group.update(lr=p.learning_rate, betas=(p.beta1, p.beta2), eps=p.eps, weight_decay=p.weight_decay)
+        grads = [q for _, q in self._params if q.grad is not None]
+        norm = float(torch.nn.utils.get_total_norm([q.grad for q in grads])) if grads else 0.0
+        if p.grad_clip_norm > 0 and grads:
+            torch.nn.utils.clip_grads_with_norm_(grads, p.grad_clip_norm, torch.tensor(norm))
+        # A parameter without a gradient (no forward_backward since the last step) is left alone, as
+        # torch AdamW does: its moments do not decay.
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return OptimStepOutput({"grad_norm:mean": norm, "lr:mean": p.learning_rate})
+
+    def _snapshot(self) -> LocalSamplingClient:
+        return self._backend.sampling_client(M.sampling_copy(self.model), f"{self.name}-step{self.step}")
+
+    def _save_state(self, name: str) -> str:
+        path = self._backend.new_checkpoint_dir("weights", name)
+        return _write_atomically(
+            path, lambda tmp: M.write_state(tmp, self.model, self.optimizer, self.setup, self._backend.model_name, self.step)
+        )
+
+    def _save_sampler(self, name: str) -> str:
+        path = self._backend.new_checkpoint_dir("sampler_weights", name)
+        return _write_atomically(path, lambda tmp: M.write_sampler_weights(tmp, self.model))
+
+
+class LocalSamplingClient:
+    """An immutable model snapshot behind one worker thread that batches all queued requests."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, device: torch.device, name: str, seed: int):
+        from backends.local.sampler import Sampler
+
+        self.model = model
+        self._vocab = model.get_input_embeddings().num_embeddings
+        self._sampler = Sampler(model, tokenizer, device, seed=seed)
+        self._counter = itertools.count(1)
+        self._worker = Worker(f"sample-{name}", self._handle, drain=True)
+
+    def sample(self, prompt: list[int], num_samples: int, params: SamplingParams) -> Future[SampleOutput]:
+        job = ("sample", list(prompt), num_samples, params)
+        return self._worker.submit(f"sample #{next(self._counter)}", job)
+
+    def compute_logprobs(self, tokens: list[int]) -> Future[list[float | None]]:
+        return self._worker.submit(f"compute_logprobs #{next(self._counter)}", ("logprobs", list(tokens)))
+
+    def _handle(self, jobs: list[Job]) -> None:
+        valid = [job for job in jobs if self._check(job)]
+        self._run([j for j in valid if j.payload[0] == "sample"], self._sampler.sample_batch,
+                  lambda j: (j.payload[1], j.payload[2], j.payload[3]))
+        self._run([j for j in valid if j.payload[0] == "logprobs"], self._sampler.compute_logprobs_batch,
+                  lambda j: j.payload[1])
+
+    def _check(self, job: Job) -> bool:
+        tokens = job.payload[1]
+        bad = [t for t in tokens if not 0 <= t < self._vocab]
+        problem = (
+            "empty prompt" if not tokens
+            else f"token id {bad[0]} outside the model's vocab [0, {self._vocab})" if bad
+            else "num_samples must be >= 1" if job.payload[0] == "sample" and job.payload[2] < 1
+            else None
+        )
+        if problem is not None:
+            fail(job, _user_error(problem))
+        return problem is None
+
+    @staticmethod
+    def _run(jobs: list[Job], batch_fn: Callable[[list[Any]], list[Any]], arg: Callable[[Job], Any]) -> None:
+        if not jobs:
+            return
+        try:
+            results = batch_fn([arg(j) for j in jobs])
+        except Exception as exc:  # noqa: BLE001 - retry one by one so a bad request fails only itself
+            if len(jobs) == 1:  # the sampler raises ValueError on bad input
+                fail(jobs[0], _user_error(str(exc)) if isinstance(exc, ValueError) else exc)
+                return
+            for j in jobs:
+                LocalSamplingClient._run([j], batch_fn, arg)
+            return
+        for j, r in zip(jobs, results, strict=True):
+            j.future.set_result(r)

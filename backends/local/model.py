@@ -1,0 +1,237 @@
+"""Models for the local backend: find and load the base, wrap it for training, snapshot it for sampling,
+and read/write the checkpoint folders.
+
+Training copies never share modules with the base model, so the base stays pristine: it serves as the
+reference model (create_sampling_client(base_model=...)) and as the template for every new client.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from runner.errors import UserError
+
+ATTN_KEYS = ("attn", "attention")
+MLP_KEYS = ("mlp", "feed_forward", "ffn", "experts")
+
+
+# ---------------------------------------------------------------- finding models
+
+
+def resolve_model_dir(model: str) -> Path:
+    """"tiny" -> the embedded model; an existing folder; else a hub id looked up in the local HF cache only
+    (as with HF_HUB_OFFLINE=1: the local backend never downloads)."""
+    if model == "tiny":
+        from backends.local.tiny import TINY_DIR
+
+        return TINY_DIR
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"model folder {model!r} has no config.json (expected a Hugging Face model folder)")
+        return path.resolve()
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise UserError(f"model folder {model!r} does not exist")
+    return _cached_snapshot(model, "model", "config.json")
+
+
+def resolve_tokenizer_dir(tokenizer: str) -> Path:
+    if tokenizer == "tiny":
+        return resolve_model_dir("tiny")
+    path = Path(tokenizer).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if tokenizer.startswith((".", "/", "~")) or tokenizer.count("/") > 1:
+        raise UserError(f"tokenizer folder {tokenizer!r} does not exist")
+    return _cached_snapshot(tokenizer, "tokenizer", "tokenizer_config.json")
+
+
+def _cached_snapshot(repo_id: str, what: str, must_have: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception as exc:  # noqa: BLE001 - every failure here means "not usable offline"
+        raise UserError(
+            f"{what} {repo_id!r} is neither a local folder nor in the Hugging Face cache "
+            f"(the local backend works offline; download it first: huggingface-cli download {repo_id})"
+        ) from exc
+    if not (path / must_have).is_file():
+        raise UserError(f"{what} {repo_id!r} in the Hugging Face cache has no {must_have}")
+    return path
+
+
+def load_base(path: Path, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The frozen base model, in eval mode (no dropout: training here is deterministic, as on Tinker)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+# ---------------------------------------------------------------- what gets trained
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    """Everything that fixes the trainable parameter set; stored in checkpoints to rebuild it exactly."""
+
+    rank: int  # 0 = full fine-tune
+    lora_alpha: float
+    targets: tuple[str, ...]  # module names that get a LoRA adapter (empty for full fine-tune)
+
+
+def lora_targets(model: nn.Module, attn: bool, mlp: bool, unembed: bool) -> tuple[str, ...]:
+    """Names of the Linear layers to adapt. Attention / MLP layers are recognised by a path component
+    (self_attn, mlp, ...), the unembedding as the model's output embedding (lm_head)."""
+    out_emb = model.get_output_embeddings()
+    names = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        parts = name.lower().split(".")
+        if module is out_emb:
+            take = unembed
+        elif any(k in p for p in parts for k in ATTN_KEYS):
+            take = attn
+        elif any(k in p for p in parts for k in MLP_KEYS):
+            take = mlp
+        else:
+            take = False
+        if take:
+            names.append(name)
+    if not names:
+        raise UserError(
+            f"no Linear layer of {type(model).__name__} matches the LoRA targets "
+            f"(train_attn={attn}, train_mlp={mlp}, train_unembed={unembed})"
+        )
+    return tuple(names)
+
+
+def make_trainable(base: nn.Module, setup: TrainSetup, seed: int) -> nn.Module:
+    """A private copy of `base` with its trainable parameters switched on: a peft LoRA model (A seeded by
+    `seed` without touching the global RNG; B = 0, so it starts equal to the base), or every weight."""
+    model = copy.deepcopy(base)
+    if setup.rank == 0:
+        model.requires_grad_(True)
+        return model
+    import peft
+
+    config = peft.LoraConfig(
+        r=setup.rank,
+        lora_alpha=setup.lora_alpha,
+        target_modules=list(setup.targets),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    # peft creates adapter weights on the CPU and moves them to the base layer's device, so forking the
+    # CPU generator is enough; the cuda one is forked too in case a version initialises in place.
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
+        # peft warns when lm_head is adapted while tied to the embeddings; the adapter only acts on the
+        # output side, and sampling_copy unties before merging, so the warning does not apply.
+        warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft vs transformers 5
+        torch.manual_seed(seed)
+        model = peft.get_peft_model(model, config)
+    model.eval()
+    return model
+
+
+def trainable_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of everything trained, in a fixed order (the optimizer's and the checkpoint's)."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def sampling_copy(model: nn.Module) -> nn.Module:
+    """An immutable plain HF model with the current weights: LoRA merged in, eval mode, no grads."""
+    snap = copy.deepcopy(model)
+    import peft
+
+    if isinstance(snap, peft.PeftModel):
+        inner = snap.get_base_model()
+        out = inner.get_output_embeddings()
+        base_layer = getattr(out, "base_layer", None)
+        if base_layer is not None and base_layer.weight is inner.get_input_embeddings().weight:
+            # Tied embeddings with an adapted lm_head: merging into the shared tensor would also change
+            # the input embeddings. Give lm_head its own copy first.
+            base_layer.weight = nn.Parameter(base_layer.weight.detach().clone(), requires_grad=False)
+            inner.config.tie_word_embeddings = False
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+            snap = snap.merge_and_unload()
+    snap.eval()
+    for p in snap.parameters():
+        p.requires_grad_(False)
+        p.grad = None
+    return snap
+
+
+# ---------------------------------------------------------------- checkpoint folders
+
+STATE_FILE, WEIGHTS_FILE, OPTIMIZER_FILE = "state.json", "weights.safetensors", "optimizer.pt"
+
+
+def write_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, setup: TrainSetup,
+                base_model: str, step: int) -> None:
+    """Trainable weights + AdamW state (moments and per-parameter step) + our step count: with the frozen
+    base, that is all an exact resume needs (training draws no random numbers)."""
+    from safetensors.torch import save_file
+
+    params = trainable_params(model)
+    save_file({n: p.detach().contiguous().cpu() for n, p in params}, str(path / WEIGHTS_FILE))
+    torch.save(optimizer.state_dict(), path / OPTIMIZER_FILE)
+    meta = {"base_model": base_model, "step": step, "setup": asdict(setup), "params": [n for n, _ in params]}
+    (path / STATE_FILE).write_text(json.dumps(meta, indent=1))
+
+
+def read_state_meta(path: Path) -> dict:
+    try:
+        return json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} is not a local save_state checkpoint (no readable {STATE_FILE})") from exc
+
+
+def setup_from_meta(meta: dict) -> TrainSetup:
+    s = meta["setup"]
+    return TrainSetup(int(s["rank"]), float(s["lora_alpha"]), tuple(s["targets"]))
+
+
+def load_weights(path: Path, model: nn.Module) -> None:
+    """Copy saved trainable weights into `model` (same trainable set, by name)."""
+    from safetensors.torch import load_file
+
+    saved = load_file(str(path / WEIGHTS_FILE))
+    params = dict(trainable_params(model))
+    if set(saved) != set(params):
+        raise ValueError(f"{path}: saved weights do not match this model's trainable parameters")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(saved[name])
+
+
+def load_optimizer(path: Path, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, weights_only=True))
+
+
+def write_sampler_weights(path: Path, model: nn.Module) -> None:
+    """PEFT adapter folder (loadable with peft.PeftModel.from_pretrained(base, path)), or for a full
+    fine-tune an ordinary HF model folder."""
+    import peft
+
+    if isinstance(model, peft.PeftModel):
+        # save_embedding_layers=False: peft would otherwise copy the whole (tied) lm_head weight into the
+        # adapter file because lm_head is a target; the base already has it.
+        model.save_pretrained(path, save_embedding_layers=False)
+    else:
+        model.save_pretrained(path)
