@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from runner.types import SampledSequence, StopReason
 
 Observation = list[int]
-# As in SamplingParams.stop: strings or token ids; the sample ends on (and includes) the first one.
-StopCondition = list[str] | list[int]
+# As in SamplingParams.stop: strings or token ids, the sample ends on (and includes) the first one;
+# None stops on EOS only.
+StopCondition = list[str] | list[int] | None
 Metrics = dict[str, float]
 Logs = dict[str, str | int | float]
 
@@ -33,7 +34,7 @@ class StepResult:
     episode_done: bool
     # Ignored when episode_done; otherwise the next prompt and what to stop sampling on.
     next_observation: Observation = field(default_factory=list)
-    next_stop: StopCondition = field(default_factory=list)
+    next_stop: StopCondition = None
     # Averaged into env/all/<name> over the transitions that report them.
     metrics: Metrics = field(default_factory=dict)
     # Shown in transcripts only.
@@ -79,7 +80,9 @@ class Env(ABC):
     """One episode; single use, no reset."""
 
     @abstractmethod
-    async def initial_observation(self) -> tuple[Observation, StopCondition]: ...
+    async def initial_observation(self) -> tuple[Observation, StopCondition] | None:
+        """The first prompt; None when the episode is over before this env's first turn (e.g. the other
+        seat of a self-play game lost on its first move): the trajectory then has no transitions."""
 
     @abstractmethod
     async def step(self, action_tokens: list[int], stop_reason: StopReason) -> StepResult: ...

@@ -1,0 +1,62 @@
+"""Environment datasets: `build_datasets(cfg, ctx)` is the one place an env config becomes objects.
+
+User environments come through `{kind = "python", target = "pkg.mod:fn", args = {...}}`. The contract:
+
+    def fn(**args) -> builder                      # called once, with the recipe's args
+    def builder(ctx: EnvContext) -> (train, test)  # train: RLDataset; test: RLDataset or None
+
+`ctx` carries the renderer (tokenizer + chat template + stop tokens), group_size, test_group_size,
+groups_per_batch and the recipe seed. Datasets hand out `EnvGroupBuilder`s (runner/rl/types.py);
+`envs.common` has `ChatEnv`, `RepeatGroupBuilder` and `ListDataset` to build them from.
+"""
+
+from __future__ import annotations
+
+from runner.errors import UserError
+from runner.rl.envs import arithmetic, guess_number, preference, tictactoe, twenty_questions
+from runner.rl.envs.common import EnvContext
+from runner.rl.envs.user import load_target
+from runner.rl.schema import Arithmetic, Env, GuessNumber, Preference, PythonEnv, TicTacToe, TwentyQuestions
+from runner.rl.types import RLDataset
+
+__all__ = ["EnvContext", "build_datasets"]
+
+
+def build_datasets(cfg: Env, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:
+    match cfg:
+        case Arithmetic():
+            return arithmetic.build(cfg, ctx)
+        case GuessNumber():
+            return guess_number.build(cfg, ctx)
+        case TwentyQuestions():
+            return twenty_questions.build(cfg, ctx)
+        case TicTacToe():
+            return tictactoe.build(cfg, ctx)
+        case Preference():
+            return preference.build(cfg, ctx)
+        case PythonEnv():
+            return _user_datasets(cfg, ctx)
+    raise TypeError(f"unknown env config {type(cfg).__name__}")
+
+
+def _user_datasets(cfg: PythonEnv, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:
+    where = f"env target {cfg.target!r}"
+    fn = load_target(cfg.target, "env")
+    try:
+        builder = fn(**cfg.args)
+    except TypeError as e:  # wrong args from the recipe
+        raise UserError(f"{where}: calling it with args {sorted(cfg.args)} failed: {e}") from None
+    if not callable(builder):
+        raise UserError(f"{where} returned {type(builder).__name__}, expected a dataset builder: a callable ctx -> (train, test)")
+    out = builder(ctx)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise UserError(f"{where}: the dataset builder returned {type(out).__name__}, expected a (train, test) pair")
+    train, test = out
+    for name, ds in (("train", train), ("test", test)):
+        if ds is None and name == "test":
+            continue
+        if not (hasattr(ds, "get_batch") and hasattr(ds, "__len__")):
+            raise UserError(f"{where}: {name} dataset is {type(ds).__name__}, expected an RLDataset (get_batch, __len__)")
+    if len(train) == 0:
+        raise UserError(f"{where}: the train dataset has no batches")
+    return train, test

@@ -1,0 +1,153 @@
+"""Group rollouts: run every env of a group concurrently against one sampling client, then add group rewards.
+
+Reproducibility: every sample gets an explicit seed derived from (recipe seed, step, group, member, turn),
+so a rerun (or a resume) samples the same tokens from the same weights, whatever order the coroutines run in.
+
+Errors: UserError and BackendError stop the run (the user must fix something, or the service gave up).
+Any other exception from an episode (typically a bug in env code) drops that whole group, since a group
+with a missing member has no fair baseline, and is counted in `rollout_errors/*`; if every group of a
+batch fails, the first error is raised rather than training on nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from backends.base import BackendError, SamplingClient
+from runner.errors import UserError
+from runner.rl.types import Env, EnvGroupBuilder, Trajectory, TrajectoryGroup, Transition
+from runner.types import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# A guard against envs that never end; the built-in envs stop themselves long before.
+MAX_TURNS = 256
+
+
+class EpisodeTooLong(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    groups: list[TrajectoryGroup]
+    # Index in the batch of each kept group (failed groups are absent).
+    group_indices: list[int]
+    # Exception type name -> groups it dropped.
+    errors: Counter[str] = field(default_factory=Counter)
+
+    def error_metrics(self) -> dict[str, float]:
+        out = {f"rollout_errors/{name}": float(n) for name, n in sorted(self.errors.items())}
+        out["rollout_errors/total"] = float(sum(self.errors.values()))
+        out["rollout_errors/groups_skipped"] = float(sum(self.errors.values()))
+        return out
+
+
+def sample_seed(seed: int, step: int, group: int, member: int, turn: int) -> int:
+    """A 31-bit seed that depends on every coordinate (hashed, so neighbouring coordinates are unrelated)."""
+    words = [x % 2**32 for x in (seed, seed >> 32, step, group, member, turn)]
+    return int(np.random.SeedSequence(words).generate_state(1)[0]) & 0x7FFFFFFF
+
+
+async def run_episode(
+    env: Env, sampling_client: SamplingClient, params: SamplingParams, *, seed: int, step: int, group: int, member: int
+) -> Trajectory:
+    first = await env.initial_observation()
+    if first is None:
+        return Trajectory([])
+    ob, stop = first
+    transitions: list[Transition] = []
+    for turn in range(MAX_TURNS):
+        _check_observation(env, ob)
+        turn_params = replace(params, stop=stop, seed=sample_seed(seed, step, group, member, turn))
+        out = await sampling_client.sample(ob, 1, turn_params)
+        ac = out.sequences[0]
+        if len(ac.logprobs) != len(ac.tokens):
+            raise RuntimeError(f"sampler returned {len(ac.tokens)} tokens but {len(ac.logprobs)} logprobs")
+        res = await env.step(list(ac.tokens), ac.stop_reason)
+        transitions.append(Transition(ob, ac, float(res.reward), res.episode_done, dict(res.metrics), dict(res.logs)))
+        if res.episode_done:
+            return Trajectory(transitions)
+        ob, stop = res.next_observation, res.next_stop
+    raise EpisodeTooLong(f"{type(env).__name__} did not end its episode within {MAX_TURNS} turns")
+
+
+def _check_observation(env: Env, ob: object) -> None:
+    if not (isinstance(ob, list) and ob and all(isinstance(t, int) for t in ob)):
+        raise UserError(f"env {type(env).__name__} gave an observation that is not a non-empty list of token ids")
+
+
+async def do_group_rollout(
+    builder: EnvGroupBuilder,
+    sampling_client: SamplingClient,
+    params: SamplingParams,
+    *,
+    seed: int = 0,
+    step: int = 0,
+    group_idx: int = 0,
+) -> TrajectoryGroup:
+    envs_G = list(await builder.make_envs())
+    # A TaskGroup rather than a bare gather: if one episode fails, its siblings are cancelled instead of
+    # left running (a self-play seat would otherwise wait forever for a move that never comes).
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [
+                tg.create_task(
+                    run_episode(env, sampling_client, params, seed=seed, step=step, group=group_idx, member=i)
+                )
+                for i, env in enumerate(envs_G)
+            ]
+    except BaseExceptionGroup as eg:
+        raise eg.exceptions[0] from None
+    trajectories_G = [t.result() for t in tasks]
+    rewards = await builder.compute_group_rewards(trajectories_G, envs_G)
+    if len(rewards) != len(trajectories_G):
+        raise UserError(
+            f"{type(builder).__name__}.compute_group_rewards returned {len(rewards)} rewards for "
+            f"{len(trajectories_G)} trajectories"
+        )
+    return TrajectoryGroup(
+        trajectories_G=trajectories_G,
+        final_rewards_G=[float(r) for r, _ in rewards],
+        metrics_G=[dict(m) for _, m in rewards],
+        tags=list(builder.logging_tags()),
+    )
+
+
+async def rollout_batch(
+    builders: Sequence[EnvGroupBuilder],
+    sampling_client: SamplingClient,
+    params: SamplingParams,
+    *,
+    seed: int = 0,
+    step: int = 0,
+) -> RolloutBatch:
+    """All groups concurrently. Evals should pass a seed distinct from training's (their (step, group) repeat)."""
+
+    async def guarded(i: int, builder: EnvGroupBuilder) -> TrajectoryGroup | BaseException:
+        try:
+            return await do_group_rollout(builder, sampling_client, params, seed=seed, step=step, group_idx=i)
+        except (UserError, BackendError):
+            raise
+        except Exception as e:  # counted and skipped; see the module docstring
+            log.warning("rollout of group %d (step %d) failed: %r", i, step, e, exc_info=True)
+            return e
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(guarded(i, b)) for i, b in enumerate(builders)]
+    except BaseExceptionGroup as eg:
+        raise eg.exceptions[0] from None
+    results = [t.result() for t in tasks]
+    errors: Counter[str] = Counter(type(r).__name__ for r in results if isinstance(r, BaseException))
+    kept = [(i, r) for i, r in enumerate(results) if isinstance(r, TrajectoryGroup)]
+    if results and not kept:
+        first = next(r for r in results if isinstance(r, BaseException))
+        raise first
+    return RolloutBatch([g for _, g in kept], [i for i, _ in kept], errors)
