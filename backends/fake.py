@@ -1,0 +1,329 @@
+"""A deterministic toy backend for loop tests: the full protocol, no torch model.
+
+The "model" is a unigram: one logit per token id (ids fold into `vocab` slots), so
+logprob(t) = theta[t] - logsumexp(theta) whatever the context. Losses follow Tinker's formulas
+(token sums), gradients are exact, and AdamW matches Tinker's parameters, so losses really move
+and a checkpoint round-trip is bit-exact.
+
+Each training client runs its calls on one worker thread, in submission order (the protocol's
+FIFO). `backend.calls` records, in order, "submit <op>#<n>" when a call is made and "await <op>#<n>"
+when its result is first waited for, so tests can check the loop's pipelining; `delay` makes each
+call take time, and `fail` names a call ("fb#3") that raises BackendError, to simulate a crash.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from backends.base import BackendError, CustomLossFn, Future
+from runner.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    LoraSpec,
+    LossFn,
+    OptimStepOutput,
+    SampledSequence,
+    SampleOutput,
+    SamplingParams,
+)
+
+OPS = {
+    "forward": "fwd",
+    "forward_backward": "fb",
+    "forward_backward_custom": "fbc",
+    "optim_step": "optim",
+    "save_state": "save",
+    "save_weights_for_sampler": "save_sampler",
+    "save_weights_and_get_sampling_client": "sampler",
+}
+
+
+class FakeBackend:
+    def __init__(self, tokenizer: Any = None, *, vocab: int | None = None, delay: float = 0.0,
+                 fail: str | None = None, storage_dir: Path | None = None):
+        self.tokenizer, self.delay, self.fail = tokenizer, delay, fail
+        # One logit per token the tokenizer knows, so samples always decode.
+        self.vocab = vocab or (len(tokenizer) if tokenizer is not None else 512)
+        # Saved states live in memory, or as .npz files (so a second process can resume from them).
+        self.storage_dir = storage_dir
+        self.saved: dict[str, dict[str, np.ndarray]] = {}
+        self.calls: list[str] = []
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self.clients: list[FakeTrainingClient] = []
+        self.closed: str | None = None
+
+    def record(self, event: str) -> None:
+        with self._lock:
+            self.calls.append(event)
+
+    def get_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            from backends.local.tiny import build_tokenizer
+
+            self.tokenizer = build_tokenizer()
+        return self.tokenizer
+
+    def create_training_client(self, spec: LoraSpec) -> Future[FakeTrainingClient]:
+        theta = np.random.default_rng(spec.seed or 0).normal(0.0, 0.1, self.vocab)
+        return Future.completed(self._client({"theta": theta}))
+
+    def create_training_client_from_state(self, path: str, spec: LoraSpec,
+                                          with_optimizer: bool = True) -> Future[FakeTrainingClient]:
+        state = self._load(path)
+        if not with_optimizer:
+            state = {"theta": state["theta"]}
+        return Future.completed(self._client(state))
+
+    def create_sampling_client(self, model_path: str | None = None,
+                               base_model: str | None = None) -> Future[FakeSamplingClient]:
+        theta = self._load(model_path)["theta"] if model_path else np.random.default_rng(0).normal(0.0, 0.1, self.vocab)
+        return Future.completed(FakeSamplingClient(self, theta))
+
+    def close(self, status: str = "success") -> None:
+        for c in self.clients:
+            c.worker.shutdown(wait=True)
+        self.closed = status
+
+    def _client(self, state: dict[str, np.ndarray]) -> FakeTrainingClient:
+        c = FakeTrainingClient(self, next(self._ids), {k: v.copy() for k, v in state.items()})
+        self.clients.append(c)
+        return c
+
+    def _store(self, path: str, state: dict[str, np.ndarray]) -> str:
+        if self.storage_dir is not None:
+            path = str(Path(self.storage_dir) / (path.replace("/", "_") + ".npz"))
+            Path(self.storage_dir).mkdir(parents=True, exist_ok=True)
+            np.savez(path, **state)
+        else:
+            self.saved[path] = {k: v.copy() for k, v in state.items()}
+        return path
+
+    def _load(self, path: str) -> dict[str, np.ndarray]:
+        if path in self.saved:
+            return {k: v.copy() for k, v in self.saved[path].items()}
+        if path.endswith(".npz") and Path(path).exists():
+            with np.load(path) as z:
+                return {k: z[k].copy() for k in z.files}
+        raise BackendError(f"no saved state at {path!r}", request="load", user_error=True)
+
+
+class _RecordedFuture(Future):
+    """A Future that logs "await <op>#<n>" the first time anyone waits on it."""
+
+    def __init__(self, inner: concurrent.futures.Future[Any], backend: FakeBackend, label: str):
+        super().__init__(inner)
+        self._backend, self._label, self._seen = backend, label, False
+
+    def _note(self) -> None:
+        if not self._seen:
+            self._seen = True
+            self._backend.record(f"await {self._label}")
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._note()
+        return super().result(timeout)
+
+    async def result_async(self) -> Any:
+        self._note()
+        return await super().result_async()
+
+
+class FakeTrainingClient:
+    def __init__(self, backend: FakeBackend, cid: int, state: dict[str, np.ndarray]):
+        self.backend, self.cid = backend, cid
+        self.theta = state["theta"].astype(np.float64)
+        zeros = np.zeros_like(self.theta)
+        self.m, self.v = state.get("m", zeros).copy(), state.get("v", zeros).copy()
+        self.t = int(state.get("t", np.array(0)))
+        self.grad = np.zeros_like(self.theta)
+        self.worker = concurrent.futures.ThreadPoolExecutor(max_workers=1)  # the FIFO
+        self.counts: dict[str, int] = {}
+
+    def _submit(self, method: str, fn: Callable[[], Any]) -> Future[Any]:
+        op = OPS[method]
+        n = self.counts.get(op, 0)
+        self.counts[op] = n + 1
+        label = f"{op}#{n}"
+        self.backend.record(f"submit {label}")
+
+        def run() -> Any:
+            time.sleep(self.backend.delay)
+            if label == self.backend.fail:
+                raise BackendError(f"injected failure in {label}", request=label)
+            return fn()
+
+        return _RecordedFuture(self.worker.submit(run), self.backend, label)
+
+    # --- model
+
+    def _logprobs(self, d: Datum) -> np.ndarray:
+        lse = np.log(np.exp(self.theta - self.theta.max()).sum()) + self.theta.max()
+        return (self.theta[d.target_tokens % self.backend.vocab] - lse).astype(np.float32)
+
+    def _accumulate(self, data: list[Datum], dloss_dlp: list[np.ndarray]) -> None:
+        """grad += sum_i g_i * d lp_i / d theta, with d lp_t / d theta = onehot(t) - softmax(theta)."""
+        p = np.exp(self.theta - self.theta.max())
+        p /= p.sum()
+        for d, g in zip(data, dloss_dlp):
+            np.add.at(self.grad, d.target_tokens.reshape(-1) % self.backend.vocab, g.reshape(-1).astype(np.float64))
+            self.grad -= p * float(g.sum())
+
+    def _loss(self, data: list[Datum], loss_fn: LossFn,
+              config: dict[str, float]) -> tuple[ForwardBackwardOutput, list[np.ndarray]]:
+        lps, grads, total = [], [], 0.0
+        for d in data:
+            d.check_for(loss_fn)
+            lp = self._logprobs(d).astype(np.float64)
+            loss, g = _token_loss(d, lp, loss_fn, config)
+            if d.mask is not None:
+                loss, g = loss * d.mask, g * d.mask
+            lps.append(lp.astype(np.float32))
+            grads.append(g)
+            total += float(loss.sum())
+        return ForwardBackwardOutput(logprobs=lps, metrics={"loss:sum": total}), grads
+
+    # --- the protocol
+
+    def forward(self, data: list[Datum], loss_fn: LossFn,
+                loss_config: dict[str, float] | None = None) -> Future[ForwardBackwardOutput]:
+        return self._submit("forward", lambda: self._loss(data, loss_fn, loss_config or {})[0])
+
+    def forward_backward(self, data: list[Datum], loss_fn: LossFn,
+                         loss_config: dict[str, float] | None = None) -> Future[ForwardBackwardOutput]:
+        def run() -> ForwardBackwardOutput:
+            out, grads = self._loss(data, loss_fn, loss_config or {})
+            self._accumulate(data, grads)
+            return out
+
+        return self._submit("forward_backward", run)
+
+    def forward_backward_custom(self, data: list[Datum], loss_fn: CustomLossFn) -> Future[ForwardBackwardOutput]:
+        def run() -> ForwardBackwardOutput:
+            import torch
+
+            lps = [torch.tensor(self._logprobs(d), dtype=torch.float64, requires_grad=True) for d in data]
+            loss, metrics = loss_fn(data, lps)
+            loss.backward()
+            grads = [lp.grad.numpy() if lp.grad is not None else np.zeros(lp.shape) for lp in lps]
+            self._accumulate(data, grads)
+            surrogate = sum(float((g * lp.detach().numpy()).sum()) for g, lp in zip(grads, lps))
+            out_metrics = {**metrics, "loss:sum": float(loss.sum()), "surrogate_loss:sum": surrogate}
+            return ForwardBackwardOutput(logprobs=[lp.detach().numpy().astype(np.float32) for lp in lps],
+                                         metrics=out_metrics)
+
+        return self._submit("forward_backward_custom", run)
+
+    def optim_step(self, params: AdamParams) -> Future[OptimStepOutput]:
+        def run() -> OptimStepOutput:
+            g = self.grad
+            norm = float(np.sqrt((g * g).sum()))
+            if params.grad_clip_norm > 0 and norm > params.grad_clip_norm:
+                g = g * (params.grad_clip_norm / norm)
+            self.t += 1
+            self.m = params.beta1 * self.m + (1 - params.beta1) * g
+            self.v = params.beta2 * self.v + (1 - params.beta2) * g * g
+            m_hat = self.m / (1 - params.beta1**self.t)
+            v_hat = self.v / (1 - params.beta2**self.t)
+            self.theta = self.theta * (1 - params.learning_rate * params.weight_decay)  # decoupled decay
+            self.theta = self.theta - params.learning_rate * m_hat / (np.sqrt(v_hat) + params.eps)
+            self.grad = np.zeros_like(self.theta)
+            return OptimStepOutput(metrics={"grad_norm:mean": norm})
+
+        return self._submit("optim_step", run)
+
+    def save_state(self, name: str, ttl_seconds: int | None = None) -> Future[str]:
+        def run() -> str:
+            state = {"theta": self.theta, "m": self.m, "v": self.v, "t": np.array(self.t)}
+            return self.backend._store(f"fake://{self.cid}/weights/{name}", state)
+
+        return self._submit("save_state", run)
+
+    def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None) -> Future[str]:
+        return self._submit("save_weights_for_sampler",
+                            lambda: self.backend._store(f"fake://{self.cid}/sampler_weights/{name}", {"theta": self.theta}))
+
+    def save_weights_and_get_sampling_client(self) -> Future[FakeSamplingClient]:
+        return self._submit("save_weights_and_get_sampling_client",
+                            lambda: FakeSamplingClient(self.backend, self.theta.copy()))
+
+
+def _token_loss(d: Datum, lp: np.ndarray, loss_fn: LossFn, config: dict[str, float]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token loss and d loss / d logprob for Tinker's built-in losses (tinker-sdk.md §3)."""
+    if loss_fn == "cross_entropy":
+        w = d.weights if d.weights is not None else np.zeros_like(lp)
+        return -w * lp, -w.astype(np.float64)
+    q, a = d.logprobs.astype(np.float64), d.advantages.astype(np.float64)
+    r = np.exp(lp - q)
+    match loss_fn:
+        case "importance_sampling":
+            return -r * a, -r * a
+        case "ppo":
+            lo, hi = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+            clipped = np.clip(r, lo, hi)
+            use_raw = r * a <= clipped * a
+            inside = (r >= lo) & (r <= hi)
+            return -np.minimum(r * a, clipped * a), np.where(use_raw | inside, -r * a, 0.0)
+        case "cispo":
+            c = np.clip(r, config.get("clip_low_threshold", 0.0), config.get("clip_high_threshold", 4.0))
+            return -c * lp * a, -c * a
+        case "dro":
+            beta = config.get("beta", 0.05)
+            return -(lp * a - 0.5 * beta * (lp - q) ** 2), -(a - beta * (lp - q))
+    raise BackendError(f"unknown loss {loss_fn!r}", user_error=True)
+
+
+class FakeSamplingClient:
+    """Samples from the unigram it was made with; seeded by params.seed, else by a call counter."""
+
+    def __init__(self, backend: FakeBackend, theta: np.ndarray):
+        self.backend, self.theta = backend, theta
+        self._calls = itertools.count()
+
+    def _logp(self, temperature: float) -> np.ndarray:
+        z = self.theta / max(temperature, 1e-6)
+        return z - (np.log(np.exp(z - z.max()).sum()) + z.max())
+
+    def sample(self, prompt: list[int], num_samples: int, params: SamplingParams) -> Future[SampleOutput]:
+        seed = params.seed if params.seed is not None else next(self._calls)
+        rng = np.random.default_rng([seed, len(prompt)])
+        logp = self._logp(params.temperature)
+        tok = self.backend.tokenizer
+        eos = getattr(tok, "eos_token_id", None)
+        seqs = []
+        for _ in range(num_samples):
+            tokens: list[int] = []
+            logprobs: list[float] = []
+            reason = "length"
+            for _ in range(params.max_tokens):
+                t = int(rng.choice(len(logp), p=np.exp(logp)))
+                tokens.append(t)
+                logprobs.append(float(logp[t]))
+                if _stops(tokens, params.stop, eos, tok):
+                    reason = "stop"
+                    break
+            seqs.append(SampledSequence(tokens=tokens, logprobs=logprobs, stop_reason=reason))
+        return Future.completed(SampleOutput(sequences=seqs))
+
+    def compute_logprobs(self, tokens: list[int]) -> Future[list[float | None]]:
+        logp = self._logp(1.0)
+        return Future.completed([None] + [float(logp[t % len(logp)]) for t in tokens[1:]])
+
+
+def _stops(tokens: list[int], stop: list[str] | list[int] | None, eos: int | None, tok: Any) -> bool:
+    if stop is None:
+        return eos is not None and tokens[-1] == eos
+    if not stop:
+        return False
+    if isinstance(stop[0], int):
+        return tokens[-1] in stop
+    return tok is not None and any(tok.decode(tokens).endswith(s) for s in stop)

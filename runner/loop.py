@@ -1,0 +1,224 @@
+"""The one training loop: asynchronous, pipelined, resumable; the same for every algorithm and backend.
+
+Per step k:
+  1. prepare:  algo.prepare(k) builds the batch (SFT: tokenized datums; RL: rollouts, may await);
+  2. submit:   algo.submit queues [forward on held-out data, on eval steps] + forward_backward +
+               optim_step back to back, and a checkpoint step queues save_state (+ sampler weights)
+               right behind them in the same FIFO, so the saved state is exactly "after step k";
+  3. finish:   step k - depth: await its futures, log its metrics row, then its checkpoint row.
+depth 0 is fully synchronous; depth d keeps d steps queued on the backend while the next batch is
+prepared, so the backend never idles waiting for the client (cookbook `submit_ahead`, tinker-sdk §1.3).
+
+An algorithm is anything with the `Algorithm` interface below; `make_algo` is the one place a
+recipe's algo variant becomes one. Nothing here knows which backend runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from backends.base import Backend, BackendError, Future, TrainingClient
+from runner.data import load_conversations
+from runner.errors import UserError
+from runner.log import Progress
+from runner.recipe import SFT, Recipe
+from runner.rundir import RunDir, open_run_dir
+from runner.schedule import adam_at
+from runner.types import AdamParams, LoraSpec
+
+
+@dataclass
+class Context:
+    """What prepare() may use: RL samples from the current weights through ctx.tc."""
+
+    backend: Backend
+    tc: TrainingClient
+    tokenizer: Any
+
+
+class Algorithm(Protocol):
+    total_steps: int
+
+    async def prepare(self, step: int, ctx: Context) -> Any:
+        """The batch for `step`; advances the data position (and RNG) past it."""
+        ...
+
+    def submit(self, tc: TrainingClient, step: int, batch: Any, adam: AdamParams, evaluate: bool) -> Any:
+        """Queue the step's calls without waiting (with an eval first when `evaluate`); return their futures."""
+        ...
+
+    async def finish(self, step: int, submitted: Any) -> dict[str, float]:
+        """Await what submit() queued; the step's metrics."""
+        ...
+
+    def state(self) -> dict[str, Any]:
+        """JSON-able data position / RNG as of the last prepare(): stored in the checkpoint row."""
+        ...
+
+    def load_state(self, state: dict[str, Any], next_step: int) -> None: ...
+
+    def describe(self) -> list[str]:
+        """Dry-run plan lines: data, datums and tokens per step, calls per step."""
+        ...
+
+
+def make_algo(recipe: Recipe, tokenizer: Any, data: Any) -> Algorithm:
+    match recipe.algo:
+        case SFT() as cfg:
+            from runner.sft import SFTAlgo
+
+            convs, where = data
+            return SFTAlgo(cfg, convs, where, tokenizer, seed=recipe.seed, max_steps=recipe.max_steps)
+    raise TypeError(f"unknown algo {recipe.algo!r}")
+
+
+def load_data(recipe: Recipe) -> Any:
+    """Read and validate the algorithm's data: the cheapest errors come before any model loads."""
+    match recipe.algo:
+        case SFT(data=source):
+            return load_conversations(source)
+    raise TypeError(f"unknown algo {recipe.algo!r}")
+
+
+def lora_spec(recipe: Recipe) -> LoraSpec:
+    lora = recipe.lora
+    return LoraSpec(base_model=recipe.model, rank=lora.rank, seed=recipe.seed, train_attn=lora.train_attn,
+                    train_mlp=lora.train_mlp, train_unembed=lora.train_unembed)
+
+
+# ---------------------------------------------------------------- entry point
+
+def run(recipe: Recipe, name: str, *, dry_run: bool = False, backend: Backend | None = None) -> None:
+    """Train `recipe` in its run dir (resuming it when it holds the same recipe). `backend` replaces
+    the recipe's (tests pass backends.fake.FakeBackend)."""
+    data = load_data(recipe)
+    run_dir = open_run_dir(recipe, name, dry_run=dry_run)
+    if dry_run:
+        from backends import load_tokenizer
+
+        tokenizer = backend.get_tokenizer() if backend is not None else load_tokenizer(recipe)
+        print_plan(recipe, name, run_dir, make_algo(recipe, tokenizer, data))
+        return
+    if backend is None:
+        from backends import make_backend
+
+        backend = make_backend(recipe, run_dir.path)
+    status = "error"
+    try:
+        algo = make_algo(recipe, backend.get_tokenizer(), data)
+        if run_dir.resume is not None:
+            algo.load_state(run_dir.resume, run_dir.start_step)
+        if run_dir.start_step >= algo.total_steps:
+            print(f"{name}: already finished ({run_dir.start_step} steps in {run_dir.path}); nothing to do",
+                  file=sys.stderr)
+        else:
+            asyncio.run(train(recipe, run_dir, backend, algo))
+        status = "success"
+    except BackendError as e:
+        if e.user_error:
+            raise UserError(f"{e.request + ': ' if e.request else ''}{e}") from None
+        raise
+    finally:
+        backend.close(status)
+
+
+# ---------------------------------------------------------------- the loop
+
+@dataclass
+class Pending:
+    """A submitted step, until finish()."""
+
+    step: int
+    submitted: Any
+    lr: float
+    prepare_s: float
+    # Checkpoint name and save futures, when this step is a checkpoint step.
+    save: tuple[str, Future[str], Future[str]] | None = None
+    # The algorithm's state after preparing this step: the data position of step + 1.
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm) -> None:
+    total, start = algo.total_steps, run.start_step
+    if run.resume is not None:  # weights, optimizer moments and Adam's step count
+        tc = await backend.create_training_client_from_state(run.resume["state_path"], lora_spec(recipe))
+    else:
+        tc = await backend.create_training_client(lora_spec(recipe))
+    ctx = Context(backend, tc, backend.get_tokenizer())
+    elapsed_before = run.begin()
+    progress = Progress(total, start)
+    if start:
+        progress.message(f"resuming {run.path} at step {start} (checkpoint {run.resume['name']})")
+    t0 = last_finish = time.monotonic()
+
+    async def finish(p: Pending) -> None:
+        nonlocal last_finish
+        t = time.monotonic()
+        metrics = await algo.finish(p.step, p.submitted)
+        now = time.monotonic()
+        row = {"step": p.step, **metrics, "optim/lr": p.lr, "progress/done_frac": (p.step + 1) / total,
+               "time/prepare": p.prepare_s, "time/wait": now - t, "time/step": now - last_finish,
+               "time/total": elapsed_before + now - t0}
+        last_finish = now
+        run.log_metrics(row)
+        progress.update(p.step, row)
+        if p.save is not None:
+            name, state_path, sampler_path = p.save
+            run.add_checkpoint({"name": name, "step": p.step, "next_step": p.step + 1,
+                                "state_path": await state_path, "sampler_path": await sampler_path,
+                                **p.state, "time": time.time()})
+
+    pending: deque[Pending] = deque()
+    for step in range(start, total):
+        t = time.monotonic()
+        batch = await algo.prepare(step, ctx)
+        prepare_s = time.monotonic() - t
+        adam = adam_at(recipe, step, total)
+        evaluate = recipe.eval_every > 0 and step % recipe.eval_every == 0
+        p = Pending(step, algo.submit(tc, step, batch, adam, evaluate), adam.learning_rate, prepare_s)
+        if checkpoint_due(recipe, step, total):  # queued right behind this step's optim_step
+            name = "final" if step == total - 1 else f"{step + 1:06d}"
+            # Periodic checkpoints expire (Tinker's ttl_seconds; other backends have none); the final one never.
+            ttl = None if name == "final" else getattr(recipe.backend, "ttl_seconds", None)
+            p.save = (name, tc.save_state(name, ttl), tc.save_weights_for_sampler(name, ttl))
+            p.state = algo.state()
+        pending.append(p)
+        while len(pending) > recipe.depth:
+            await finish(pending.popleft())
+    while pending:
+        await finish(pending.popleft())
+    progress.message(f"done: {total} steps in {run.path}")
+
+
+def checkpoint_due(recipe: Recipe, step: int, total: int) -> bool:
+    """After every save_every steps, and always after the last one. Named by steps done (000020 = after 20)."""
+    return step == total - 1 or (recipe.save_every > 0 and (step + 1) % recipe.save_every == 0)
+
+
+# ---------------------------------------------------------------- dry run
+
+def print_plan(recipe: Recipe, name: str, run: RunDir, algo: Algorithm) -> None:
+    total, start = algo.total_steps, run.start_step
+    lrs = [adam_at(recipe, s, total).learning_rate for s in range(total)]
+    saves = [s + 1 for s in range(total) if checkpoint_due(recipe, s, total) and s >= start]
+    evals = [s for s in range(start, total) if recipe.eval_every > 0 and s % recipe.eval_every == 0]
+    lines = [
+        f"recipe {name}: {type(recipe.algo).__name__} on {recipe.model!r}, backend {type(recipe.backend).__name__.lower()}",
+        f"run dir: {run.path} ({run.note})",
+        f"steps: {total} (from step {start}), depth {recipe.depth} (steps submitted ahead)",
+        f"lr: {type(recipe.schedule).__name__.lower()} schedule, peak {recipe.lr:g}, "
+        f"first {lrs[start] if start < total else 0:.3g}, last {lrs[-1]:.3g}",
+        *algo.describe(),
+        f"evals before steps: {_short(evals)}" if evals else "evals: none",
+        f"checkpoints after steps: {_short(saves)} (the last is \"final\": state + sampler weights)",
+    ]
+    print("\n".join(lines))
+
+
+def _short(xs: list[int]) -> str:
+    return ", ".join(map(str, xs)) if len(xs) <= 8 else f"{', '.join(map(str, xs[:6]))}, ..., {xs[-1]}"

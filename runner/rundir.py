@@ -1,0 +1,153 @@
+"""The run directory (default runs/<name>) and resuming from it.
+
+Layout:
+  config.toml         the resolved recipe (loads back with `runner run config.toml#<name>`)
+  metrics.jsonl       one row per finished step: {"step", train_mean_nll, optim/lr, ...}
+  checkpoints.jsonl   one row per checkpoint: {name, step, next_step, state_path, sampler_path, ...}
+  checkpoints/        the local backend's saved states (Tinker keeps them on the service)
+
+A checkpoint row is written only after its save finished, and its state is exactly "after step
+`step`" (the loop queues the save right behind that step's optim_step), so resuming at `next_step`
+replays and skips nothing (the cookbook replays 1-2 batches: it records the finished batch and its
+saved state may include later pipelined steps).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from runner.errors import UserError
+from runner.log import append_jsonl, read_jsonl, write_jsonl_atomic
+from runner.recipe import Recipe, dump_recipe, load_recipe
+
+CONFIG, METRICS, CHECKPOINTS = "config.toml", "metrics.jsonl", "checkpoints.jsonl"
+# Keys that may change between a run and its resumption: extending a run is a new max_steps, and the
+# directory itself is the run's identity.
+RESUMABLE_CHANGES = ("max_steps", "if_exists", "log_dir")
+
+
+@dataclass
+class RunDir:
+    path: Path
+    name: str
+    recipe: Recipe
+    # The last checkpoint row with a state_path: where a resumed run starts (None: from scratch).
+    resume: dict[str, Any] | None = None
+    # What open_run_dir found, for the dry-run plan and the log.
+    note: str = "new"
+
+    @property
+    def start_step(self) -> int:
+        return int(self.resume["next_step"]) if self.resume else 0
+
+    def begin(self) -> float:
+        """Commit to training from start_step: write config.toml, drop metrics rows at or after
+        start_step (backup kept). Returns the time/total already spent before start_step."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        _write_atomic(self.path / CONFIG, dump_config(self.name, self.recipe))
+        metrics = self.path / METRICS
+        rows = read_jsonl(metrics)
+        kept = [r for r in rows if r.get("step", -1) < self.start_step]
+        if len(kept) < len(rows):
+            shutil.copyfile(metrics, metrics.with_name(f"{METRICS}.pre_resume_{self.start_step:06d}"))
+            write_jsonl_atomic(metrics, kept)
+        return float(kept[-1].get("time/total", 0.0)) if kept else 0.0
+
+    def log_metrics(self, row: dict[str, Any]) -> None:
+        append_jsonl(self.path / METRICS, row)
+
+    def add_checkpoint(self, row: dict[str, Any]) -> None:
+        append_jsonl(self.path / CHECKPOINTS, row)
+
+    def metrics(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.path / METRICS)
+
+    def checkpoints(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.path / CHECKPOINTS)
+
+
+def run_dir_path(recipe: Recipe, name: str) -> Path:
+    return Path(recipe.log_dir) if recipe.log_dir else Path("runs") / name
+
+
+def open_run_dir(recipe: Recipe, name: str, *, dry_run: bool = False) -> RunDir:
+    """Apply recipe.if_exists to the run directory. Nothing is written here except that "overwrite"
+    moves an old directory aside (never deletes it); with dry_run nothing at all changes."""
+    path = run_dir_path(recipe, name)
+    run = RunDir(path, name, recipe)
+    if not path.exists() or not any(path.iterdir()):
+        return run
+    if recipe.if_exists == "error":
+        raise UserError(f"run dir {path} already exists (if_exists = \"error\"); set if_exists or log_dir")
+    if recipe.if_exists == "overwrite":
+        aside = path.with_name(f"{path.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+        if not dry_run:
+            path.rename(aside)
+        run.note = f"old run moved aside to {aside}"
+        return run
+    if not (path / CONFIG).exists():
+        raise UserError(f"{path} exists but is not a run dir (no {CONFIG}); set log_dir or if_exists = \"overwrite\"")
+    old = load_config(path / CONFIG)
+    differing = recipe_diff(old, recipe)
+    if differing:
+        raise UserError(
+            f"run dir {path} holds a different recipe (differs in: {', '.join(differing)}); "
+            f"set if_exists = \"overwrite\" (moves it aside) or another log_dir"
+        )
+    states = [r for r in run.checkpoints() if r.get("state_path")]
+    run.resume = states[-1] if states else None
+    run.note = f"resume after checkpoint {run.resume['name']!r}" if run.resume else "exists, no checkpoint yet: from step 0"
+    return run
+
+
+def recipe_diff(a: Recipe, b: Recipe) -> list[str]:
+    """Dotted keys whose values differ, ignoring the keys a resumed run may change."""
+    fa, fb = _flatten(msgspec.to_builtins(a)), _flatten(msgspec.to_builtins(b))
+    keys = sorted(set(fa) | set(fb))
+    return [k for k in keys if k.split(".")[0] not in RESUMABLE_CHANGES and fa.get(k) != fb.get(k)]
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# ---------------------------------------------------------------- config.toml
+# The recipe loader owns the TOML format (runner/recipe.py); these two wrappers are the only place
+# the run dir touches it.
+
+def dump_config(name: str, recipe: Recipe) -> str:
+    return dump_recipe(name, recipe)
+
+
+def load_config(path: Path) -> Recipe:
+    """The one recipe in a run dir's config.toml (whatever its name: log_dir may be shared)."""
+    try:
+        names = list(tomllib.loads(path.read_text(encoding="utf-8")).get("recipes", {}))
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{path}: not valid TOML ({e})") from None
+    if len(names) != 1:
+        raise UserError(f"{path}: expected exactly one [recipes.<name>] table, found {len(names)}")
+    return load_recipe(f"{path}#{names[0]}")[1]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,232 @@
+"""Supervised fine-tuning on conversations: cross-entropy on the chosen messages' tokens.
+
+Per step: a batch of `batch_size` conversations from a seeded per-epoch shuffle (the last partial
+batch of an epoch is dropped), each rendered with the tokenizer's own chat template, truncated to
+max_length, and cut into a Tinker-aligned datum (input = seq[:-1], targets = seq[1:], weights[1:]).
+One forward_backward(cross_entropy) and one optim_step; every eval_every steps a forward on the
+held-out rows first. As the cookbook (supervised/train.py), except:
+1. Trained spans are found by rendering message prefixes with the HF chat template, so any model's
+   template works (the cookbook needs a hand-written renderer per model family).
+2. The data position is stored as the *next* step, so a resume replays nothing (cookbook §8.1).
+3. num_loss_tokens counts tokens with weight > 0 (the cookbook sums the weights, which under
+   reduction "mean" counts sequences).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from backends.base import Future, TrainingClient
+from runner.errors import UserError
+from runner.recipe import SFT
+from runner.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
+
+from runner.data import Conversation
+
+# How many steps the dry-run plan renders to report datums and tokens per step.
+PLAN_STEPS = 20
+
+
+# ---------------------------------------------------------------- rendering
+
+def render(tokenizer: Any, messages: Conversation, train_on_what: str) -> tuple[list[int], list[float]]:
+    """Tokens of the whole conversation and a 0/1 weight per token (1 = trained); "all_messages"
+    trains every token.
+
+    A message's tokens are those the rendering of messages[:i+1] adds over messages[:i]; for an
+    assistant message the prompt side is rendered with add_generation_prompt, so its header
+    ("<|im_start|>assistant\\n") stays untrained and its end-of-turn token is trained. Boundaries are
+    the common token prefix with the full rendering, which also covers templates that render a
+    prefix differently (e.g. dropping an earlier turn's reasoning).
+    """
+    tokens = _encode(tokenizer, _template(tokenizer, messages, False))
+    if train_on_what == "all_messages":
+        return tokens, [1.0] * len(tokens)
+    assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    match train_on_what:
+        case "last_assistant_message":
+            trained = assistants[-1:]
+        case "all_assistant_messages":
+            trained = assistants
+        case _:
+            raise ValueError(f"unknown train_on_what {train_on_what!r}")
+    weights = [0.0] * len(tokens)
+    for i in trained:
+        start = _prefix_len(tokenizer, messages[:i], tokens, True)
+        end = _prefix_len(tokenizer, messages[: i + 1], tokens, False) if i + 1 < len(messages) else len(tokens)
+        weights[start:end] = [1.0] * (end - start)
+    return tokens, weights
+
+
+def _template(tokenizer: Any, messages: Conversation, generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    # The template already wrote any BOS/special tokens as text.
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _prefix_len(tokenizer: Any, prefix: Conversation, tokens: list[int], generation_prompt: bool) -> int:
+    if not prefix and not generation_prompt:
+        return 0
+    try:
+        ids = _encode(tokenizer, _template(tokenizer, prefix, generation_prompt))
+    except Exception:  # some templates reject an empty or assistant-first prefix: no prompt side then
+        return 0
+    n = 0
+    for a, b in zip(ids, tokens):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def to_datum(tokens: list[int], weights: list[float], max_length: int | None, reduction: str) -> Datum | None:
+    """Truncate from the right, shift to Tinker's alignment, apply the reduction. None if under 2 tokens."""
+    if max_length is not None:
+        tokens, weights = tokens[:max_length], weights[:max_length]
+    if len(tokens) < 2:
+        return None
+    w = np.asarray(weights[1:], dtype=np.float32)
+    if reduction == "mean" and w.sum() > 0:
+        w = w / w.sum()  # each conversation weighs 1, whatever its length (cookbook default)
+    return Datum(model_input=tokens[:-1], target_tokens=np.asarray(tokens[1:], dtype=np.int64), weights=w)
+
+
+def mean_nll(data: list[Datum], logprobs: list[np.ndarray]) -> float:
+    """-sum(logprob * weight) / sum(weight) over the batch (the cookbook's train_mean_nll)."""
+    num = sum(float(np.dot(lp.reshape(-1), d.weights.reshape(-1))) for d, lp in zip(data, logprobs))
+    den = sum(float(d.weights.sum()) for d in data)
+    return -num / den if den > 0 else float("nan")
+
+
+# ---------------------------------------------------------------- the algorithm
+
+@dataclass
+class Submitted:
+    data: list[Datum]
+    fwd_bwd: Future[ForwardBackwardOutput]
+    optim: Future[OptimStepOutput]
+    eval: Future[ForwardBackwardOutput] | None
+
+
+class SFTAlgo:
+    """SFT behind the loop's Algorithm interface (runner/loop.py)."""
+
+    def __init__(self, cfg: SFT, convs: list[Conversation], where: list[str], tokenizer: Any, *,
+                 seed: int, max_steps: int | None):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise UserError("the tokenizer has no chat template; SFT renders conversations with it")
+        self.cfg, self.tokenizer, self.seed = cfg, tokenizer, seed
+        if cfg.test_size >= len(convs):
+            raise UserError(f"algo.test_size = {cfg.test_size} leaves no training rows (the data has {len(convs)})")
+        order = np.random.default_rng(seed).permutation(len(convs))  # one seeded shuffle, then split
+        self.test_rows = [(convs[i], where[i]) for i in order[: cfg.test_size]]
+        self.train_rows = [(convs[i], where[i]) for i in order[cfg.test_size:]]
+        self.batches_per_epoch = len(self.train_rows) // cfg.batch_size
+        if self.batches_per_epoch == 0:
+            raise UserError(
+                f"algo.batch_size = {cfg.batch_size} is larger than the {len(self.train_rows)} training rows"
+            )
+        full = self.batches_per_epoch * cfg.epochs
+        self.total_steps = min(full, max_steps) if max_steps else full
+        self.next_step = 0
+        self._test_data: list[Datum] | None = None
+        self._order: tuple[int, np.ndarray] | None = None
+
+    # --- data position
+
+    def position(self, step: int) -> tuple[int, int]:
+        return divmod(step, self.batches_per_epoch)
+
+    def rows_for(self, step: int) -> list[tuple[Conversation, str]]:
+        epoch, batch = self.position(step)
+        if self._order is None or self._order[0] != epoch:
+            # Reshuffled every epoch with (seed, epoch), so epoch 0 is shuffled too, as the cookbook.
+            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.train_rows)))
+        idx = self._order[1][batch * self.cfg.batch_size : (batch + 1) * self.cfg.batch_size]
+        return [self.train_rows[i] for i in idx]
+
+    def datums(self, rows: list[tuple[Conversation, str]]) -> list[Datum]:
+        out = []
+        for messages, where in rows:
+            try:
+                tokens, weights = render(self.tokenizer, messages, self.cfg.train_on_what)
+            except Exception as e:  # jinja errors from the template, e.g. roles that must alternate
+                raise UserError(f"{where}: the chat template cannot render this conversation: {e}") from None
+            if not any(weights):
+                raise UserError(f"{where}: no message to train on (train_on_what = {self.cfg.train_on_what!r})")
+            datum = to_datum(tokens, weights, self.cfg.max_length, self.cfg.reduction)
+            if datum is None:
+                raise UserError(f"{where}: renders to fewer than 2 tokens")
+            out.append(datum)
+        return out
+
+    def state(self) -> dict[str, Any]:
+        epoch, batch = self.position(self.next_step)
+        return {"epoch": epoch, "batch": batch, "train_rows": len(self.train_rows)}
+
+    def load_state(self, state: dict[str, Any], next_step: int) -> None:
+        if state.get("train_rows") != len(self.train_rows):
+            raise UserError(
+                f"the training data changed since the checkpoint ({state.get('train_rows')} -> "
+                f"{len(self.train_rows)} rows), so its data position means nothing; use if_exists = \"overwrite\""
+            )
+        self.next_step = next_step
+
+    # --- one step
+
+    async def prepare(self, step: int, ctx: Any) -> list[Datum]:
+        self.next_step = step + 1
+        return self.datums(self.rows_for(step))
+
+    def submit(self, tc: TrainingClient, step: int, batch: list[Datum], adam: AdamParams,
+               evaluate: bool) -> Submitted:
+        ev = None
+        if evaluate and self.test_rows:
+            if self._test_data is None:
+                self._test_data = self.datums(self.test_rows)
+            ev = tc.forward(self._test_data, "cross_entropy")  # sees the weights after step - 1
+        fb = tc.forward_backward(batch, "cross_entropy")
+        return Submitted(batch, fb, tc.optim_step(adam), ev)
+
+    async def finish(self, step: int, sub: Submitted) -> dict[str, float]:
+        fb = await sub.fwd_bwd
+        opt = await sub.optim
+        metrics = {
+            "epoch": self.position(step)[0],
+            "train_mean_nll": mean_nll(sub.data, fb.logprobs),
+            "num_sequences": len(sub.data),
+            "num_tokens": sum(d.length for d in sub.data),
+            "num_loss_tokens": int(sum((d.weights > 0).sum() for d in sub.data)),
+        }
+        if "grad_norm:mean" in opt.metrics:
+            metrics["optim/grad_norm"] = opt.metrics["grad_norm:mean"]
+        if sub.eval is not None:
+            ev = await sub.eval
+            metrics["test/nll"] = mean_nll(self._test_data or [], ev.logprobs)
+        return metrics
+
+    # --- dry run
+
+    def describe(self) -> list[str]:
+        cfg = self.cfg
+        steps = min(self.total_steps, PLAN_STEPS)
+        per_step = [self.datums(self.rows_for(s)) for s in range(steps)]
+        self._order = None
+        tokens = [sum(d.length for d in b) for b in per_step]
+        loss_tokens = [int(sum((d.weights > 0).sum() for d in b)) for b in per_step]
+        lines = [
+            f"data: {len(self.train_rows)} train rows, {len(self.test_rows)} held out; "
+            f"{self.batches_per_epoch} batches of {cfg.batch_size} per epoch x {cfg.epochs} epochs",
+            f"per step (first {steps} steps): {cfg.batch_size} datums, tokens mean {np.mean(tokens):.0f} "
+            f"max {max(tokens)}, trained tokens mean {np.mean(loss_tokens):.0f}",
+            f"calls per step: forward_backward(cross_entropy, {cfg.batch_size} datums) + optim_step",
+        ]
+        if self.test_rows:
+            lines.append(f"eval steps add: forward(cross_entropy, {len(self.test_rows)} held-out datums) first")
+        return lines
