@@ -1,0 +1,356 @@
+"""Batched generation with a KV cache for a plain HF causal LM: the local backend's sampling engine.
+
+One `sample_batch` call decodes every row of every request together. Prompts are left-padded (attention
+mask plus per-row position ids, so padding changes nothing), the prompt runs once to fill the KV cache,
+then each step feeds one token per row. Every row keeps its own temperature, top-k, top-p, stop rule and
+token budget. Rows that finish are dropped from the batch, cache included, once enough have piled up.
+
+Speed comes from doing less per step than `model.generate`: the cache is preallocated and written in
+place (no torch.cat per layer per step), the decode-step attention mask is a slice of a prebuilt
+buffer (HF passes 4-D masks through untouched), top-k/top-p touch only the rows that ask for them,
+and a sampling step is one cumsum + searchsorted over the batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from runner.types import SampledSequence, SampleOutput, SamplingParams
+
+# Rows of logits scored at once by compute_logprobs_batch: bounds the (rows x length x vocab) logits tensor.
+_LOGPROB_BUDGET = 1 << 26
+
+
+class _GrowingLayer(DynamicLayer):
+    """A full-attention KV cache layer over a preallocated buffer: `update` writes in place and returns a
+    view of the filled prefix. HF's DynamicLayer instead concatenates, copying the whole cache every step."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, dk = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.kbuf = key_states.new_empty((b, h, self.capacity, dk))
+        self.vbuf = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {end} > {self.capacity}")
+        self.kbuf[:, :, self.length : end] = key_states
+        self.vbuf[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys, self.values = self.kbuf[:, :, :end], self.vbuf[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.kbuf, self.vbuf = self.kbuf[indices], self.vbuf[indices]
+            self.keys, self.values = self.kbuf[:, :, : self.length], self.vbuf[:, :, : self.length]
+
+
+@dataclass
+class _Row:
+    """One sample being generated: request `req`, sample `index` of it."""
+
+    req: int
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    limit: int  # new tokens allowed: max_tokens, capped by the model's context
+    stop_ids: frozenset[int]
+    stop_strs: tuple[str, ...]
+    window: int  # trailing tokens to decode when looking for a stop string
+    gen: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    reason: str | None = None  # "stop" / "length" once finished
+
+
+class Sampler:
+    """Generates for a batch of requests with one model; not thread-safe (the backend calls it from one worker)."""
+
+    def __init__(self, model, tokenizer, device: torch.device, seed: int = 0):
+        self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
+        self.gen = torch.Generator(device=self.device)
+        self.gen.manual_seed(seed)
+        cfg = model.config.get_text_config(decoder=True)
+        self.config = cfg
+        self.vocab = model.get_input_embeddings().num_embeddings
+        self.max_context: int | None = getattr(cfg, "max_position_embeddings", None)
+        self.eos_ids = _eos_ids(model, tokenizer)
+        pad = getattr(cfg, "pad_token_id", None)
+        self.pad_id = pad if isinstance(pad, int) and 0 <= pad < self.vocab else 0
+        self.attn_impl = getattr(cfg, "_attn_implementation", None)
+        self.keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    # ------------------------------------------------------------------ public
+
+    def sample_batch(self, requests: list[tuple[list[int], int, SamplingParams]]) -> list[SampleOutput]:
+        rows = [row for i, req in enumerate(requests) for row in self._rows(i, *req)]
+        if rows:
+            with torch.inference_mode():
+                self._generate(rows)
+        out: list[list[SampledSequence]] = [[] for _ in requests]
+        for r in rows:
+            out[r.req].append(SampledSequence(tokens=r.tokens, logprobs=r.logprobs, stop_reason=r.reason))  # type: ignore[arg-type]
+        return [SampleOutput(sequences=s) for s in out]
+
+    def compute_logprobs_batch(self, seqs: list[list[int]]) -> list[list[float | None]]:
+        for s in seqs:
+            self._check_tokens(s, "sequence")
+            if self.max_context is not None and len(s) > self.max_context:
+                raise ValueError(f"sequence of {len(s)} tokens exceeds the model's context of {self.max_context}")
+        out: list[list[float | None]] = [[None] for _ in seqs]
+        # Longest first, so each chunk pads little; right padding needs no mask: causal attention never
+        # lets a real token see the pads after it.
+        order = sorted((i for i in range(len(seqs)) if len(seqs[i]) > 1), key=lambda i: -len(seqs[i]))
+        with torch.inference_mode():
+            while order:
+                n = max(1, _LOGPROB_BUDGET // (len(seqs[order[0]]) * self.vocab))
+                chunk, order = order[:n], order[n:]
+                width = len(seqs[chunk[0]])
+                ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
+                for j, i in enumerate(chunk):
+                    ids[j, : len(seqs[i])] = torch.tensor(seqs[i])
+                ids = ids.to(self.device)
+                logits = self.model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+                lp = logits.gather(-1, ids[:, 1:, None])[..., 0] - torch.logsumexp(logits, -1)
+                for j, values in enumerate(lp.tolist()):
+                    i = chunk[j]
+                    out[i] += values[: len(seqs[i]) - 1]
+        return out
+
+    # ------------------------------------------------------------------ requests -> rows
+
+    def _check_tokens(self, tokens: list[int], what: str) -> None:
+        if len(tokens) == 0:
+            raise ValueError(f"empty {what}")
+        lo, hi = min(tokens), max(tokens)
+        if lo < 0 or hi >= self.vocab:
+            raise ValueError(f"{what} token id {lo if lo < 0 else hi} outside the vocabulary [0, {self.vocab})")
+
+    def _rows(self, req: int, prompt: list[int], num_samples: int, p: SamplingParams) -> list[_Row]:
+        self._check_tokens(prompt, "prompt")
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if p.max_tokens is None or p.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {p.max_tokens}")
+        if not p.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {p.temperature}")
+        if not 0 < p.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
+        if p.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {p.top_k}")
+        limit = p.max_tokens
+        if self.max_context is not None:
+            if len(prompt) >= self.max_context:
+                raise ValueError(f"prompt of {len(prompt)} tokens fills the model's context of {self.max_context}")
+            limit = min(limit, self.max_context - len(prompt))
+        stop_ids, stop_strs = self._stops(p.stop)
+        window = max((len(s.encode()) for s in stop_strs), default=0) + 8
+        rows = []
+        for k in range(num_samples):
+            gen = None
+            if p.seed is not None:
+                # Seeded from (seed, sample index) alone, so the sample is the same whatever shares the batch.
+                gen = torch.Generator(device=self.device)
+                state = np.random.SeedSequence([p.seed % 2**63, k]).generate_state(1, np.uint64)[0]
+                gen.manual_seed(int(state) >> 1)
+            rows.append(_Row(req, k, list(prompt), p, limit, stop_ids, stop_strs, window, gen))
+        return rows
+
+    def _stops(self, stop) -> tuple[frozenset[int], tuple[str, ...]]:
+        if stop is None:
+            return self.eos_ids, ()
+        if isinstance(stop, str):
+            stop = [stop]
+        if all(isinstance(s, str) for s in stop):
+            if any(s == "" for s in stop):
+                raise ValueError("empty stop string")
+            return frozenset(), tuple(stop)
+        if all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
+            bad = [s for s in stop if not 0 <= s < self.vocab]
+            if bad:
+                raise ValueError(f"stop token id {bad[0]} outside the vocabulary [0, {self.vocab})")
+            return frozenset(stop), ()
+        raise ValueError("stop must be a list of strings or a list of token ids, not a mix")
+
+    # ------------------------------------------------------------------ the decode loop
+
+    def _new_cache(self, capacity: int) -> tuple[DynamicCache, bool]:
+        """HF's cache for this model, with full-attention layers swapped for preallocated ones. Returns
+        (cache, fast): fast when every layer is plain full attention, so one 4-D padding mask serves all."""
+        cache = DynamicCache(config=self.model.config)
+        plain = bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
+        if plain:
+            cache.layers = [_GrowingLayer(capacity) for _ in cache.layers]
+        return cache, plain and self.attn_impl in ("sdpa", "eager")
+
+    def _generate(self, rows: list[_Row]) -> None:
+        dev = self.device
+        n, plen = len(rows), max(len(r.prompt) for r in rows)
+        steps = max(r.limit for r in rows)
+        ids = torch.full((n, plen), self.pad_id, dtype=torch.long)
+        keys_ok = torch.zeros((n, plen + steps), dtype=torch.bool)  # which cache positions hold real tokens
+        for i, r in enumerate(rows):
+            ids[i, plen - len(r.prompt) :] = torch.tensor(r.prompt)
+            keys_ok[i, plen - len(r.prompt) :] = True
+        ids, keys_ok = ids.to(dev), keys_ok.to(dev)
+        mask = keys_ok[:, :plen].long()
+        pos = (mask.cumsum(1) - 1).clamp_(min=0)
+        cache, fast = self._new_cache(plen + steps)
+        extra = {"logits_to_keep": 1} if self.keep_arg else {}
+        logits = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, **extra
+        ).logits[:, -1]
+        next_pos = pos[:, -1:] + 1
+        dtype = next(self.model.parameters()).dtype
+        if fast and self.attn_impl == "eager":
+            # eager attention adds its mask to the scores; sdpa takes the boolean one as is.
+            additive = torch.zeros(keys_ok.shape, dtype=dtype, device=dev)
+            keys_ok = additive.masked_fill_(~keys_ok, torch.finfo(dtype).min)
+            valid = 0.0
+        else:
+            valid = True
+        lp_buf = torch.zeros((n, steps), dtype=torch.float32, device=dev)
+        live = list(range(n))  # batch slot -> row
+        plan = _Plan(rows, live, logits.shape[-1], dev)
+        for t in range(steps):
+            tok, lp = plan.choose(logits.float(), self.gen)
+            lp_buf[plan.row_ids, t] = lp
+            dead = 0
+            for i, tk in zip(live, tok.tolist()):
+                r = rows[i]
+                if r.reason is not None:
+                    dead += 1
+                    continue
+                r.tokens.append(tk)
+                if tk in r.stop_ids or (r.stop_strs and self._hit_stop_string(r)):
+                    r.reason, dead = "stop", dead + 1
+                elif len(r.tokens) >= r.limit:
+                    r.reason, dead = "length", dead + 1
+            if dead == len(live):
+                break
+            keys_ok[:, plen + t] = valid
+            # Dropping finished rows copies the cache once; worth it once a quarter of the batch is idle.
+            if 4 * dead >= len(live):
+                keep = [s for s, i in enumerate(live) if rows[i].reason is None]
+                index = torch.tensor(keep, device=dev)
+                cache.batch_select_indices(index)
+                keys_ok, tok, next_pos = keys_ok[index], tok[index], next_pos[index]
+                live = [live[s] for s in keep]
+                plan = _Plan(rows, live, logits.shape[-1], dev)
+            kv = plen + t + 1
+            attn = keys_ok[:, None, None, :kv] if fast else keys_ok[:, :kv].long()
+            logits = self.model(
+                input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos, past_key_values=cache, use_cache=True
+            ).logits[:, -1]
+            next_pos += 1
+        lps = lp_buf.tolist()
+        for i, r in enumerate(rows):
+            r.logprobs = lps[i][: len(r.tokens)]
+            r.reason = r.reason or "length"
+
+    def _hit_stop_string(self, r: _Row) -> bool:
+        # Decoding only a trailing window keeps this O(1) per step; the window covers the longest stop string
+        # (one token holds at least one byte) plus slack for a partial UTF-8 character at its start. A stop
+        # string completed by an earlier token would have been caught at that step, so any hit is new.
+        text = self.tokenizer.decode(r.tokens[-r.window :], skip_special_tokens=False)
+        return any(s in text for s in r.stop_strs)
+
+
+class _Plan:
+    """Per-step sampling work for the current batch, grouped once per batch so a step does only what its
+    rows need: scale by temperature if any row has T != 1, truncate only rows with top-k / top-p, one
+    uniform draw for all unseeded rows, one per seeded row, argmax for greedy rows."""
+
+    def __init__(self, rows: list[_Row], live: list[int], vocab: int, dev: torch.device):
+        ps = [rows[i].params for i in live]
+        self.row_ids = torch.tensor(live, device=dev)
+        temps = [p.temperature if p.temperature > 0 else 1.0 for p in ps]
+        self.temp = None if all(t == 1.0 for t in temps) else torch.tensor(temps, device=dev)[:, None]
+        greedy = [s for s, p in enumerate(ps) if p.temperature == 0]
+        self.all_greedy = len(greedy) == len(ps)
+        self.greedy = torch.tensor(greedy, device=dev) if greedy and not self.all_greedy else None
+        seeded = [s for s, p in enumerate(ps) if p.temperature > 0 and p.seed is not None]
+        self.seeded = [(s, rows[live[s]].gen) for s in seeded]
+        free = [s for s, p in enumerate(ps) if p.temperature > 0 and p.seed is None]
+        self.free_all = len(free) == len(ps)
+        self.free = torch.tensor(free, device=dev) if free and not self.free_all else None
+        topk = [s for s, p in enumerate(ps) if p.temperature > 0 and p.top_k > 0]
+        ks = [min(ps[s].top_k, vocab) for s in topk]
+        self.topk = (torch.tensor(topk, device=dev), torch.tensor(ks, device=dev)[:, None], max(ks)) if topk else None
+        topp = [s for s, p in enumerate(ps) if p.temperature > 0 and p.top_p < 1]
+        self.topp = (torch.tensor(topp, device=dev), torch.tensor([ps[s].top_p for s in topp], device=dev)) if topp else None
+
+    def choose(self, logits: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """(next token, its logprob) per row. The logprob is under softmax(logits / T) before top-k/top-p
+        truncation (T=0 reports T=1 logprobs), which is what Tinker returns and what ratio losses expect."""
+        scaled = logits if self.temp is None else logits / self.temp
+        logp = torch.log_softmax(scaled, -1)
+        if self.all_greedy:
+            tok = logits.argmax(-1)
+        else:
+            # Inverse-CDF sampling: one uniform per row, then one searchsorted for the whole batch. Cheaper
+            # than torch.multinomial on CPU (which draws an exponential per vocabulary entry), and a seeded
+            # row consumes exactly one number of its own generator per step.
+            cdf = self._truncate(logp.exp(), scaled).cumsum(-1)
+            n = logits.shape[0]
+            if self.free_all:
+                u = torch.rand((n, 1), generator=gen, device=logits.device)
+            else:
+                u = torch.zeros((n, 1), device=logits.device)
+                if self.free is not None:
+                    u[self.free] = torch.rand((len(self.free), 1), generator=gen, device=logits.device)
+                for s, g in self.seeded:
+                    u[s] = torch.rand(1, generator=g, device=logits.device)
+            total = cdf[:, -1:]
+            # u < total even after rounding, so the first cdf entry above it always ends a nonzero-probability step.
+            u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+            tok = torch.searchsorted(cdf, u, right=True)[:, 0]
+            if self.greedy is not None:
+                tok[self.greedy] = logits[self.greedy].argmax(-1)
+        return tok, logp.gather(1, tok[:, None])[:, 0]
+
+    def _truncate(self, probs: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
+        if self.topk is not None:
+            rows, k, kmax = self.topk
+            sub = scaled[rows]
+            kth = sub.topk(kmax, -1).values.gather(1, k - 1)
+            probs[rows] = probs[rows].masked_fill(sub < kth, 0.0)
+        if self.topp is not None:
+            rows, top_p = self.topp
+            sub = probs[rows]
+            sorted_p, order = sub.sort(-1, descending=True)
+            before = sorted_p.cumsum(-1) - sorted_p  # mass of the more likely tokens
+            # Keep the smallest prefix reaching top_p of the (top-k-truncated) mass; the first token always stays.
+            drop = before >= top_p[:, None] * sorted_p.sum(-1, keepdim=True)
+            probs[rows] = sub.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), 0.0)
+        return probs
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    """The model's EOS id(s): generation_config, then config, then the tokenizer; each may be a list."""
+    found: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        if eos is not None:
+            found.update([eos] if isinstance(eos, int) else eos)
+    if not found and getattr(tokenizer, "eos_token_id", None) is not None:
+        found.add(tokenizer.eos_token_id)
+    return frozenset(found)
