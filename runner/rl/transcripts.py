@@ -71,8 +71,9 @@ def _trajectory_html(
     prev: list[int] = []
     for k, tr in enumerate(traj.transitions):
         ob = list(tr.ob)
-        new = ob[len(prev) :] if prev and ob[: len(prev)] == prev else ob
-        label = "observation (new part)" if new is not ob else "observation"
+        extends = bool(prev) and ob[: len(prev)] == prev
+        new = ob[len(prev) :] if extends else ob
+        label = "observation (new part)" if extends else "observation"
         parts.append(f"<h4>Turn {k}</h4><div class='meta'>{label}, {len(ob)} tokens</div>")
         parts.append(f"<pre class='ob'>{_e(decode(new))}</pre>")
         parts.append(f"<div class='meta'>action, {len(tr.ac.tokens)} tokens, stop: {_e(tr.ac.stop_reason)}</div>")

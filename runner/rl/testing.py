@@ -1,0 +1,51 @@
+"""A scripted SamplingClient for tests of envs, rollouts and loops: no model, exact control over replies.
+
+`policy(prompt_text, params)` returns the reply as text (encoded, then the first stop token is appended,
+as a model that ends its turn would) or as a token list (returned as is). Replies longer than
+params.max_tokens are cut, with stop_reason "length". Logprobs are a deterministic function of the
+token and its position, so tests can check where they land.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from backends.base import Future
+from runner.types import SampledSequence, SampleOutput, SamplingParams
+
+Policy = Callable[[str, SamplingParams], "str | list[int]"]
+
+
+def fake_logprob(token: int, position: int) -> float:
+    return -0.01 * (token % 97) - 0.001 * position - 0.001
+
+
+class ScriptedSampler:
+    def __init__(self, tokenizer: Any, policy: Policy):
+        self.tokenizer = tokenizer
+        self.policy = policy
+        # (prompt tokens, params) of every sample call, in call order.
+        self.calls: list[tuple[list[int], SamplingParams]] = []
+
+    def sample(self, prompt: list[int], num_samples: int, params: SamplingParams) -> Future[SampleOutput]:
+        self.calls.append((list(prompt), params))
+        text = self.tokenizer.decode(prompt, skip_special_tokens=False)
+        seqs = [self._one(text, params) for _ in range(num_samples)]
+        return Future.completed(SampleOutput(seqs))
+
+    def _one(self, prompt_text: str, params: SamplingParams) -> SampledSequence:
+        reply = self.policy(prompt_text, params)
+        if isinstance(reply, str):
+            tokens = list(self.tokenizer.encode(reply, add_special_tokens=False))
+            stop_ids = [s for s in (params.stop or []) if isinstance(s, int)] or [self.tokenizer.eos_token_id]
+            tokens.append(stop_ids[0])
+        else:
+            tokens = list(reply)
+        stop_reason = "stop"
+        if len(tokens) > params.max_tokens:
+            tokens, stop_reason = tokens[: params.max_tokens], "length"
+        return SampledSequence(tokens, [fake_logprob(t, i) for i, t in enumerate(tokens)], stop_reason)
+
+    def compute_logprobs(self, tokens: list[int]) -> Future[list[float | None]]:
+        return Future.completed([None] + [fake_logprob(t, i) for i, t in enumerate(tokens[1:])])
