@@ -1,0 +1,197 @@
+"""The training loop on the fake backend: pipelining order, checkpoints, resume, run-dir rules, schedules.
+
+Run: pytest tests/test_loop.py   (a few seconds, CPU only)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from backends.fake import FakeBackend
+from backends.local.tiny import build_tokenizer
+from runner.errors import UserError
+from runner.loop import run
+from runner.recipe import Recipe
+from runner.rundir import METRICS
+from runner.schedule import multiplier
+
+TOK = build_tokenizer()
+
+
+def write_data(path: Path, n: int = 40) -> Path:
+    rows = [{"messages": [{"role": "user", "content": f"question {i}?"},
+                          {"role": "assistant", "content": f"answer {i * 7 % 13}"}]} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def make_recipe(tmp_path: Path, **over) -> Recipe:
+    algo = {"kind": "sft", "data": {"kind": "jsonl", "path": str(write_data(tmp_path / "data.jsonl"))},
+            "batch_size": 4, "test_size": 8, **over.pop("algo", {})}
+    raw = {"algo": algo, "lr": 0.05, "log_dir": str(tmp_path / "run"), "eval_every": 3, "save_every": 2, **over}
+    return msgspec.convert(raw, Recipe)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def calls_of(backend: FakeBackend, prefix: str) -> list[str]:
+    return [c for c in backend.calls if c.startswith(prefix)]
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_pipelining_order(tmp_path, depth):
+    recipe = make_recipe(tmp_path, depth=depth, max_steps=6)
+    fb = FakeBackend(TOK, delay=0.005)
+    run(recipe, "t", backend=fb)
+    calls = fb.calls
+    at = calls.index
+    for k in range(6):
+        # forward_backward and optim_step go out back to back...
+        assert at(f"submit optim#{k}") == at(f"submit fb#{k}") + 1
+        # ...and step k + depth + 1 is only submitted once step k has been awaited (the queue is bounded)...
+        if k + depth + 1 < 6:
+            assert at(f"await fb#{k}") < at(f"submit fb#{k + depth + 1}")
+        # ...while with depth >= 1, step k + depth is submitted before step k's result is awaited.
+        if depth and k + depth < 6:
+            assert at(f"submit fb#{k + depth}") < at(f"await fb#{k}")
+    # Checkpoints (after steps 2, 4 and the last) are queued right behind their step's optim_step.
+    saves = calls_of(fb, "submit save#")
+    assert len(saves) == 3
+    for n, k in enumerate([1, 3, 5]):
+        assert calls[at(f"submit optim#{k}") + 1] == f"submit save#{n}"
+        assert calls[at(f"submit optim#{k}") + 2] == f"submit save_sampler#{n}"
+    # Evals (before steps 0 and 3) are queued just ahead of their step's forward_backward.
+    assert calls[at("submit fb#0") - 1] == "submit fwd#0"
+    assert calls[at("submit fb#3") - 1] == "submit fwd#1"
+    assert fb.closed == "success"
+
+
+def test_depth_does_not_change_results(tmp_path):
+    runs = []
+    for depth in (0, 1, 3):
+        d = tmp_path / f"d{depth}"
+        d.mkdir()
+        run(make_recipe(d, depth=depth), "t", backend=FakeBackend(TOK))
+        runs.append([{k: v for k, v in r.items()} for r in metrics(d / "run")])
+    assert runs[0] == runs[1] == runs[2]
+    nll = [r["train_mean_nll"] for r in runs[0]]
+    assert len(nll) == 8  # 32 training rows / batch 4
+    assert nll[-1] < nll[0]  # the toy model learns the answer tokens' unigram
+    assert [r["step"] for r in runs[0] if "test/nll" in r] == [0, 3, 6]
+
+
+def test_metrics_rows(tmp_path):
+    run(make_recipe(tmp_path, max_steps=4), "t", backend=FakeBackend(TOK))
+    rows = [json.loads(line) for line in (tmp_path / "run" / METRICS).read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    first = rows[0]
+    for key in ("train_mean_nll", "test/nll", "optim/lr", "optim/grad_norm", "progress/done_frac", "epoch",
+                "num_sequences", "num_tokens", "num_loss_tokens", "time/step", "time/total"):
+        assert key in first, key
+    assert first["num_sequences"] == 4 and first["progress/done_frac"] == 0.25
+    assert [r["optim/lr"] for r in rows] == pytest.approx([0.05 * (1 - s / 4) for s in range(4)])
+    ckpts = [json.loads(line) for line in (tmp_path / "run" / "checkpoints.jsonl").read_text().splitlines()]
+    assert [(c["name"], c["step"], c["next_step"]) for c in ckpts] == [("000002", 1, 2), ("final", 3, 4)]
+    assert ckpts[-1]["sampler_path"] and ckpts[-1]["state_path"]
+
+
+def test_resume_after_crash_matches_uninterrupted(tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    run(make_recipe(tmp_path / "a"), "t", backend=FakeBackend(TOK))
+    want = metrics(tmp_path / "a" / "run")
+
+    recipe = make_recipe(tmp_path / "b")
+    store = tmp_path / "b" / "store"  # saved states outlive the crashed backend
+    crashed = FakeBackend(TOK, fail="fb#5", storage_dir=store)
+    with pytest.raises(Exception, match="injected failure"):
+        run(recipe, "t", backend=crashed)
+    assert crashed.closed == "error"
+    # Steps 0-4 were finished (and logged); the last checkpoint is after step 4 (save_every 2).
+    assert [r["step"] for r in metrics(tmp_path / "b" / "run")] == [0, 1, 2, 3, 4]
+    resumed = FakeBackend(TOK, storage_dir=store)
+    run(recipe, "t", backend=resumed)
+    assert metrics(tmp_path / "b" / "run") == want
+    assert resumed.calls[0] == "submit fb#0"  # no eval at step 4; the first call is step 4's batch
+    assert len(calls_of(resumed, "submit fb#")) == 4  # steps 4..7: nothing replayed, nothing skipped
+    assert (tmp_path / "b" / "run" / f"{METRICS}.pre_resume_000004").exists()  # the backup (step 4 row dropped)
+
+
+def test_torn_lines_are_tolerated(tmp_path):
+    recipe = make_recipe(tmp_path, max_steps=4)
+    store = tmp_path / "store"
+    with pytest.raises(Exception, match="injected"):
+        run(recipe, "t", backend=FakeBackend(TOK, fail="fb#3", storage_dir=store))
+    run_dir = tmp_path / "run"
+    with open(run_dir / "checkpoints.jsonl", "a") as f:
+        f.write('{"name": "000004", "step": 3, "next_st')  # kill -9 mid-write
+    with open(run_dir / METRICS, "a") as f:
+        f.write('{"step": 3, "train_')
+    run(recipe, "t", backend=FakeBackend(TOK, storage_dir=store))
+    assert [r["step"] for r in metrics(run_dir)] == [0, 1, 2, 3]
+    names = [json.loads(line)["name"] for line in (run_dir / "checkpoints.jsonl").read_text().splitlines()]
+    assert names == ["000002", "final"]
+
+
+def test_finished_run_is_a_noop_and_can_be_extended(tmp_path, capsys):
+    recipe = make_recipe(tmp_path, max_steps=4)
+    store = tmp_path / "store"
+    run(recipe, "t", backend=FakeBackend(TOK, storage_dir=store))
+    again = FakeBackend(TOK, storage_dir=store)
+    run(recipe, "t", backend=again)
+    assert "already finished" in capsys.readouterr().err
+    assert again.calls == []
+    # A larger max_steps is the same recipe: it continues from the final checkpoint.
+    longer = msgspec.structs.replace(recipe, max_steps=6)
+    more = FakeBackend(TOK, storage_dir=store)
+    run(longer, "t", backend=more)
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [0, 1, 2, 3, 4, 5]
+    assert len(calls_of(more, "submit fb#")) == 2
+
+
+def test_different_recipe_is_refused(tmp_path):
+    recipe = make_recipe(tmp_path, max_steps=2)
+    run(recipe, "t", backend=FakeBackend(TOK))
+    other = msgspec.structs.replace(recipe, lr=0.1, seed=3)
+    with pytest.raises(UserError, match=r"differs in: lr, seed"):
+        run(other, "t", backend=FakeBackend(TOK))
+    with pytest.raises(UserError, match="already exists"):
+        run(msgspec.structs.replace(recipe, if_exists="error"), "t", backend=FakeBackend(TOK))
+    # overwrite moves the old run aside, never deletes it
+    run(msgspec.structs.replace(other, if_exists="overwrite"), "t", backend=FakeBackend(TOK))
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
+    assert len(aside) == 1 and (aside[0] / METRICS).exists()
+    assert "lr = 0.1" in (tmp_path / "run" / "config.toml").read_text()
+
+
+def test_dry_run_touches_nothing(tmp_path, capsys):
+    recipe = make_recipe(tmp_path)
+    run(recipe, "t", dry_run=True)
+    out = capsys.readouterr().out
+    assert not (tmp_path / "run").exists()
+    assert "steps: 8" in out and "forward_backward(cross_entropy, 4 datums)" in out
+    assert "checkpoints after steps: 2, 4, 6, 8" in out and "evals before steps: 0, 3, 6" in out
+
+
+def test_schedules():
+    def lr_curve(schedule: dict, total: int = 10) -> list[float]:
+        s = msgspec.convert({"algo": {"kind": "sft", "data": {"kind": "jsonl", "path": "x"}}, "schedule": schedule},
+                            Recipe).schedule
+        return [multiplier(s, step, total) for step in range(total)]
+
+    assert lr_curve({"kind": "constant"}) == [1.0] * 10
+    # linear with no warmup is the cookbook's 1 - step/total
+    assert lr_curve({"kind": "linear"}) == pytest.approx([1 - s / 10 for s in range(10)])
+    assert lr_curve({"kind": "linear", "final_frac": 0.5})[5] == pytest.approx(0.75)
+    cos = lr_curve({"kind": "cosine"})
+    assert cos[0] == 1.0 and cos[5] == pytest.approx(0.5) and cos[9] == pytest.approx(0.5 * (1 + math.cos(0.9 * math.pi)))
+    warm = lr_curve({"kind": "cosine", "warmup_steps": 3, "final_frac": 0.1})
+    assert warm[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert all(a > b for a, b in zip(warm[3:], warm[4:])) and warm[-1] > 0.1
