@@ -12,8 +12,16 @@ import sys
 from collections.abc import Sequence
 
 from runner.errors import UserError
-from runner.recipe import DEFAULT_FILE, check_recipe, decode_recipe, dump_recipe, load_recipe, read_tables, split_ref
-from runner.recipe import apply_overrides
+from runner.recipe import (
+    DEFAULT_FILE,
+    apply_overrides,
+    check_recipe,
+    decode_recipe,
+    dump_recipe,
+    load_recipe,
+    read_tables,
+    split_ref,
+)
 
 EPILOG = f"""\
 A recipe is a [recipes.<name>] table in a TOML file; FILE#NAME picks one (FILE alone when it

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import importlib
 import os
 import re
@@ -18,7 +19,7 @@ import tomllib
 from collections.abc import Callable, Iterator, Sequence
 from datetime import date, datetime, time
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 import msgspec.inspect as mi
@@ -31,6 +32,9 @@ PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 PosFloat = Annotated[float, Meta(gt=0)]
 Frac = Annotated[float, Meta(ge=0, le=1)]
+# User code, "pkg.mod:fn". `runner check` imports every field of this type, wherever it appears.
+TARGET_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+Target = Annotated[str, Meta(pattern=TARGET_PATTERN, description="'pkg.mod:fn'")]
 
 
 class Base(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -136,7 +140,7 @@ class HF(DataBase):
 class Python(DataBase):
     """User code: `target = "pkg.mod:fn"`, called as fn(**args); imported and checked by `runner check`."""
 
-    target: Annotated[str, Meta(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="'pkg.mod:fn'")]
+    target: Target
     args: dict[str, Any] = {}
 
 
@@ -210,6 +214,7 @@ class Recipe(Base):
 # walks the schema (msgspec.inspect) along the raw data to add them. It knows no field by name: new
 # variants of any union get the same messages.
 
+T = TypeVar("T")
 DEFAULT_FILE = "recipes.toml"
 # Recipe names become run directories (runs/<name>) and appear in `FILE#name`: keep them plain.
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -276,10 +281,15 @@ def read_tables(path: str) -> dict[str, dict[str, Any]]:
 
 def decode_recipe(raw: dict[str, Any], where: str) -> Recipe:
     """Validate one raw recipe table; `where` ('FILE#name') prefixes the error."""
+    return convert(raw, Recipe, where)
+
+
+def convert(raw: Any, type_: type[T], where: str) -> T:
+    """msgspec.convert, with a failure turned into a one-line UserError (works for any struct type)."""
     try:
-        return msgspec.convert(raw, Recipe)
+        return msgspec.convert(raw, type_)
     except msgspec.ValidationError as e:
-        raise UserError(f"{where}: {_explain(str(e), raw, Recipe)}") from None
+        raise UserError(f"{where}: {_explain(str(e), raw, type_)}") from None
 
 
 def _toml_error(e: tomllib.TOMLDecodeError) -> str:
@@ -312,7 +322,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], where: str) -
     """A copy of `raw` with each override set at its path (CLI > recipe > defaults).
 
     A value replaces what was there (`backend={kind="tinker"}` switches variant). A missing table on
-    the way is seeded with the field's default, so `schedule.warmup_steps=5` keeps the default schedule."""
+    the way starts from the field's default, so `schedule.warmup_steps=5` keeps the default schedule."""
     out = copy.deepcopy(raw)
     for text in overrides:
         keys, value = parse_override(text)
@@ -320,8 +330,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], where: str) -
         for i, key in enumerate(keys[:-1]):
             t, field = _child(t, node, key)
             if key not in node:
-                default = field.default if field is not None else _MISSING
-                node[key] = msgspec.to_builtins(default) if isinstance(default, msgspec.Struct) else {}
+                node[key] = _seed(field.default if field is not None else None)
             node = node[key]
             if not isinstance(node, dict):
                 dotted = ".".join(keys[: i + 1])
@@ -331,6 +340,21 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], where: str) -
         if not isinstance(value, str) and t is not None and _is_str(t):
             value = text.partition("=")[2].strip()
         node[keys[-1]] = value
+    return out
+
+
+def _seed(default: Any) -> dict[str, Any]:
+    """The raw table of a default struct: its tag and the fields that differ from their own defaults
+    (so an override of the tag alone, `backend.kind=tinker`, does not drag the old variant's fields)."""
+    if not isinstance(default, msgspec.Struct):
+        return {}
+    info = _struct_info(type(default))
+    out: dict[str, Any] = {info.tag_field: info.tag} if info.tag_field else {}
+    for f in info.fields:
+        value = getattr(default, f.name)
+        own = f.default_factory() if f.default_factory is not msgspec.NODEFAULT else f.default
+        if value != own:
+            out[f.encode_name] = msgspec.to_builtins(value)
     return out
 
 
@@ -395,7 +419,7 @@ def _get(raw: Any, key: str | int) -> Any:
 
 # ---------------------------------------------------------------- msgspec errors -> one line
 
-def _explain(message: str, raw: dict[str, Any], root: type) -> str:
+def _explain(message: str, raw: Any, root: Any) -> str:
     """'Expected `int` >= 1 - at `$.algo.batch_size`' -> 'algo.batch_size: expected int >= 1, got 0'."""
     text, _, loc = message.partition(" - at `$")
     parts: list[str | int] = []
@@ -459,15 +483,15 @@ def _explain(message: str, raw: dict[str, Any], root: type) -> str:
 _TYPE_NAMES = {"object": "table", "array": "array", "str": "str", "int": "int", "float": "float", "bool": "bool"}
 
 
-def _bad_key(raw: Any, parts: list[str | int], node: dict[str, Any], root: type, message: str) -> str:
+def _bad_key(raw: Any, parts: list[str | int], node: dict[str, Any], root: Any, message: str) -> str:
     """msgspec reports a dict entry as `[...]`: find the key by re-checking with one entry at a time."""
-    for key in node:
+    for key, value in node.items():
         trial = copy.deepcopy(raw)
         target = trial
         for p in parts:
             target = target[p]
         target.clear()
-        target[key] = node[key]
+        target[key] = value
         try:
             msgspec.convert(trial, root)
         except msgspec.ValidationError as e:
@@ -563,16 +587,18 @@ def _drop_none(v: Any) -> Any:
 
 
 def check_recipe(recipe: Recipe, where: str) -> None:
-    """What decoding cannot see: data files exist (relative to the working directory) and Python
-    targets import and are callable. Raises UserError prefixed with `where` ('FILE#name')."""
+    """What decoding cannot see: data files exist (relative to the working directory) and every
+    `Target` field imports and is callable. Raises UserError prefixed with `where` ('FILE#name')."""
     for path, node in _structs(recipe, ()):
         if isinstance(node, Jsonl) and not Path(node.path).is_file():
             raise UserError(f"{where}: {_dotted([*path, 'path'])}: data file not found: {node.path}")
-        if isinstance(node, Python):
-            try:
-                import_target(node.target)
-            except UserError as e:
-                raise UserError(f"{where}: {_dotted([*path, 'target'])}: {e}") from None
+        for field in _struct_info(type(node)).fields:
+            value = getattr(node, field.name)
+            if isinstance(value, str) and _is_target(field.type):
+                try:
+                    import_target(value)
+                except UserError as e:
+                    raise UserError(f"{where}: {_dotted([*path, field.encode_name])}: {e}") from None
 
 
 def import_target(target: str) -> Callable[..., Any]:
@@ -590,6 +616,23 @@ def import_target(target: str) -> Callable[..., Any]:
     if not callable(fn):
         raise UserError(f"{target!r} is {type(fn).__name__}, not a callable")
     return fn
+
+
+@functools.cache
+def _struct_info(cls: type) -> mi.StructType:
+    return mi.type_info(cls)  # type: ignore[return-value]
+
+
+def _is_target(t: Any) -> bool:
+    while isinstance(t, mi.UnionType | mi.Metadata):
+        if isinstance(t, mi.Metadata):
+            t = t.type
+        else:
+            rest = [m for m in t.types if not isinstance(m, mi.NoneType)]
+            if len(rest) != 1:
+                return False
+            t = rest[0]
+    return isinstance(t, mi.StrType) and t.pattern == TARGET_PATTERN
 
 
 def _structs(v: Any, path: tuple[str | int, ...]) -> Iterator[tuple[tuple[str | int, ...], msgspec.Struct]]:

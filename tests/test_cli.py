@@ -1,0 +1,189 @@
+"""The command line: output, exit codes, and that check/list never import torch.
+
+    pytest tests/test_cli.py
+
+Most tests call cli.main in-process (fast); a few run `python -m runner` to see real exit codes.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runner.cli import main
+from runner.errors import UserError
+from runner.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parent.parent
+
+RECIPES = """\
+[recipes.sl_basic]
+lr = 2e-3
+algo = {kind = "sft", data = {kind = "jsonl", path = "data.jsonl"}}
+
+[recipes.remote]
+model = "Qwen/Qwen3-8B"
+backend = {kind = "tinker"}
+algo = {kind = "sft", data = {kind = "jsonl", path = "data.jsonl"}}
+"""
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.jsonl").write_text('{"messages": []}\n')
+    (tmp_path / "recipes.toml").write_text(RECIPES)
+    return tmp_path
+
+
+@pytest.fixture
+def fake_loop(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """runner.loop replaced by a recorder; `calls[0]`, if set to an exception, is raised instead."""
+    calls: list[Any] = []
+
+    def run(recipe: Any, name: str, *, dry_run: bool = False) -> None:
+        if calls and isinstance(calls[0], BaseException):
+            raise calls[0]
+        calls.append((name, recipe, dry_run))
+
+    monkeypatch.setitem(sys.modules, "runner.loop", types.SimpleNamespace(run=run))
+    return calls
+
+
+def test_list(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["list"]) == 0
+    assert capsys.readouterr().out == (
+        "sl_basic  sft  tiny           local\n"
+        "remote    sft  Qwen/Qwen3-8B  tinker\n"
+    )
+
+
+def test_check_every_recipe_and_one(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check"]) == 0
+    assert capsys.readouterr().out == "ok  recipes.toml#sl_basic\nok  recipes.toml#remote\n"
+    assert main(["check", "recipes.toml#remote", "lr=1e-5"]) == 0
+    assert capsys.readouterr().out == "ok  recipes.toml#remote\n"
+
+
+def test_check_reports_each_bad_recipe(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (workdir / "recipes.toml").write_text(RECIPES.replace('lr = 2e-3', 'lr = "fast"') + "\n[recipes.nodata]\n"
+                                          'algo = {kind = "sft", data = {kind = "jsonl", path = "gone.jsonl"}}\n')
+    assert main(["check"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "ok  recipes.toml#remote\n"
+    assert err == (
+        "error: recipes.toml#sl_basic: lr: expected float, got str 'fast'\n"
+        "error: recipes.toml#nodata: algo.data.path: data file not found: gone.jsonl\n"
+    )
+
+
+def test_user_errors_exit_2_with_one_line(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cases = {
+        ("show", "recipes.toml#sl_basci"): "error: recipes.toml: no recipe named 'sl_basci'; "
+        "available: remote, sl_basic\n",
+        ("show", "recipes.toml#sl_basic", "lora.rnak=8"): "error: recipes.toml#sl_basic: lora.rnak: unknown key; "
+        "did you mean `rank`? (valid: rank, train_attn, train_mlp, train_unembed)\n",
+        ("check", "missing.toml"): "error: missing.toml: file not found\n",
+        ("show", "recipes.toml#sl_basic", "lr"): "error: bad override 'lr': expected KEY=VALUE, "
+        "e.g. lr=3e-4 or lora.rank=8\n",
+    }
+    for argv, expected in cases.items():
+        assert main(list(argv)) == 2
+        assert capsys.readouterr().err == expected
+
+
+def test_show_output_checks_and_loads_back(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    overrides = ["lr=3e-4", "lora.rank=8", 'schedule={kind="cosine", warmup_steps=2}', "backend.device=cpu"]
+    assert main(["show", "recipes.toml#sl_basic", *overrides]) == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith("[recipes.sl_basic]\n")
+    (workdir / "shown.toml").write_text(shown)
+    assert main(["check", "shown.toml"]) == 0
+    assert load_recipe("shown.toml") == load_recipe("recipes.toml#sl_basic", overrides)
+
+
+def test_run_calls_the_loop(workdir: Path, fake_loop: list[Any]) -> None:
+    # Overrides may come before or after --dry-run.
+    assert main(["run", "recipes.toml#sl_basic", "lr=1e-3", "--dry-run", "max_steps=3"]) == 0
+    [(name, recipe, dry_run)] = fake_loop
+    assert (name, recipe.lr, recipe.max_steps, dry_run) == ("sl_basic", 1e-3, 3, True)
+    fake_loop.clear()
+    assert main(["run", "recipes.toml#remote"]) == 0
+    assert fake_loop[0][0] == "remote" and fake_loop[0][2] is False
+
+
+def test_run_checks_data_before_the_loop(workdir: Path, fake_loop: list[Any], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "recipes.toml#sl_basic", "algo.data.path=gone.jsonl"]) == 2
+    assert fake_loop == []
+    assert capsys.readouterr().err == "error: recipes.toml#sl_basic: algo.data.path: data file not found: gone.jsonl\n"
+
+
+class FakeBackendError(RuntimeError):
+    def __init__(self, message: str, request: str, user_error: bool):
+        super().__init__(message)
+        self.request, self.user_error = request, user_error
+
+
+def test_run_exit_codes(workdir: Path, fake_loop: list[Any], capsys: pytest.CaptureFixture[str]) -> None:
+    ref = "recipes.toml#sl_basic"
+    fake_loop.append(UserError("runs/sl_basic holds a different recipe"))
+    assert main(["run", ref]) == 2
+    assert capsys.readouterr().err == "error: runs/sl_basic holds a different recipe\n"
+    fake_loop[0] = KeyboardInterrupt()
+    assert main(["run", ref]) == 130
+    fake_loop[0] = FakeBackendError("model not found", "create_model", user_error=True)
+    assert main(["run", ref]) == 2
+    assert capsys.readouterr().err.endswith("error: create_model: model not found\n")
+    # Anything else is a bug: it propagates (the interpreter prints the traceback, exit 1).
+    fake_loop[0] = FakeBackendError("boom", "optim_step #3", user_error=False)
+    with pytest.raises(FakeBackendError):
+        main(["run", ref])
+    fake_loop[0] = ZeroDivisionError()
+    with pytest.raises(ZeroDivisionError):
+        main(["run", ref])
+
+
+def test_bad_usage_exits_2(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["run"], ["frobnicate"], ["show", "recipes.toml#sl_basic", "--bogus"], ["list", "a", "b=1"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        assert "usage: runner" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- real processes (slow to start: a few only)
+
+def _runner(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_process_exit_codes(workdir: Path) -> None:
+    ok = _runner("check", "recipes.toml", cwd=workdir)
+    assert (ok.returncode, ok.stderr) == (0, "")
+    bad = _runner("show", "recipes.toml#sl_basic", "backend.kind=tinkr", cwd=workdir)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr == (
+        "error: recipes.toml#sl_basic: backend.kind: invalid choice 'tinkr'; expected one of: local, tinker\n"
+    )
+    helped = _runner("--help", cwd=workdir)
+    assert helped.returncode == 0 and "runner run recipes.toml#sl_basic" in helped.stdout
+
+
+def test_check_and_list_do_not_import_torch(workdir: Path) -> None:
+    code = (
+        "import sys\n"
+        "from runner.cli import main\n"
+        "assert main(['check', 'recipes.toml']) == 0\n"
+        "assert main(['list', 'recipes.toml']) == 0\n"
+        "assert main(['show', 'recipes.toml#sl_basic']) == 0\n"
+        "print('HEAVY', sorted(m for m in ('torch', 'transformers', 'peft', 'datasets') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "HEAVY []"

@@ -1,0 +1,453 @@
+"""Recipe loading: exact error messages (they are UI), overrides, and the show -> load round trip.
+
+    pytest tests/test_recipe.py
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+import msgspec.inspect as mi
+import pytest
+
+from runner.errors import UserError
+from runner.recipe import (
+    SFT,
+    Cosine,
+    Jsonl,
+    Linear,
+    Local,
+    Python,
+    Recipe,
+    Tinker,
+    check_recipe,
+    convert,
+    dump_recipe,
+    load_file,
+    load_recipe,
+    parse_override,
+    recipe_dict,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+SHIPPED = [REPO / "recipes.toml", *sorted((REPO / "examples").glob("*.toml"))]
+
+GOOD = """\
+[recipes.sl_basic]
+lr = 2e-3
+algo = {kind = "sft", data = {kind = "jsonl", path = "data.jsonl"}}
+"""
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A working directory holding data.jsonl; recipe paths are relative to it, like the CLI's."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.jsonl").write_text('{"messages": []}\n')
+    return tmp_path
+
+
+def write(text: str, name: str = "recipes.toml") -> str:
+    Path(name).write_text(text)
+    return name
+
+
+def error_of(fn: Any, *args: Any) -> str:
+    with pytest.raises(UserError) as info:
+        fn(*args)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# ---------------------------------------------------------------- bad recipes, exact messages
+
+# (recipe body under [recipes.sl_basic], expected message). The body replaces GOOD's.
+DATA = 'data = {kind = "jsonl", path = "data.jsonl"}'
+BAD_RECIPES = [
+    (
+        f'algo = {{kind = "sft", {DATA}, batch_sise = 8}}',
+        "recipes.toml#sl_basic: algo.batch_sise: unknown key; did you mean `batch_size`? "
+        "(valid: batch_size, data, epochs, kind, max_length, reduction, test_size, train_on_what)",
+    ),
+    (
+        f'lro = 1e-3\nalgo = {{kind = "sft", {DATA}}}',
+        "recipes.toml#sl_basic: lro: unknown key; did you mean `lr`? (valid: algo, backend, depth, eval_every, "
+        "if_exists, log_dir, lora, lr, max_steps, model, optim, save_every, schedule, seed, tokenizer)",
+    ),
+    (
+        f'algo = {{kind = "sft", {DATA}}}\nlora = {{zzz = 1}}',
+        "recipes.toml#sl_basic: lora.zzz: unknown key (valid: rank, train_attn, train_mlp, train_unembed)",
+    ),
+    (
+        f'algo = {{kind = "sft", {DATA}}}\nbackend = {{kind = "tinkr"}}',
+        "recipes.toml#sl_basic: backend.kind: invalid choice 'tinkr'; expected one of: local, tinker",
+    ),
+    (
+        f'algo = {{kind = "sft", {DATA}}}\nbackend = {{kind = 3}}',
+        "recipes.toml#sl_basic: backend.kind: invalid choice 3; expected one of: local, tinker",
+    ),
+    (
+        f'algo = {{kind = "sft", {DATA}}}\nbackend = {{device = "cpu"}}',
+        "recipes.toml#sl_basic: backend.kind: missing key; expected one of: local, tinker",
+    ),
+    (
+        f'algo = {{kind = "sft", {DATA}}}\nbackend = "tinker"',
+        "recipes.toml#sl_basic: backend: expected a table, got str 'tinker'; "
+        'write e.g. backend = {kind = "tinker"} (kind one of: local, tinker)',
+    ),
+    (
+        # A field of the other variant is unknown here: each variant carries only its own fields.
+        f'algo = {{kind = "sft", {DATA}}}\nbackend = {{kind = "tinker", device = "cpu"}}',
+        "recipes.toml#sl_basic: backend.device: unknown key (valid: base_url, kind, ttl_seconds)",
+    ),
+    (
+        f'algo = {{kind = "sft", {DATA}}}\nbackend = {{kind = "local", device = "tpu"}}',
+        "recipes.toml#sl_basic: backend.device: invalid choice 'tpu'; expected one of: auto, cpu, cuda",
+    ),
+    (
+        f'algo = {{kind = "sft", {DATA}}}\nbackend = {{kind = "tinker", ttl_seconds = 60}}',
+        "recipes.toml#sl_basic: backend.ttl_seconds: expected int >= 3600, got 60",
+    ),
+    (
+        f'algo = {{kind = "sft", {DATA}, batch_size = 0}}',
+        "recipes.toml#sl_basic: algo.batch_size: expected int >= 1, got 0",
+    ),
+    (
+        f'lr = "fast"\nalgo = {{kind = "sft", {DATA}}}',
+        "recipes.toml#sl_basic: lr: expected float, got str 'fast'",
+    ),
+    (
+        f'lr = -1e-3\nalgo = {{kind = "sft", {DATA}}}',
+        "recipes.toml#sl_basic: lr: expected float > 0.0, got -0.001",
+    ),
+    (
+        f'lr = [1e-3]\nalgo = {{kind = "sft", {DATA}}}',
+        "recipes.toml#sl_basic: lr: expected float, got array [0.001]",
+    ),
+    (
+        f'seed = 1.5\nalgo = {{kind = "sft", {DATA}}}',
+        "recipes.toml#sl_basic: seed: expected int, got float 1.5",
+    ),
+    (
+        f'seed = true\nalgo = {{kind = "sft", {DATA}}}',
+        "recipes.toml#sl_basic: seed: expected int, got bool true",
+    ),
+    (
+        f'max_steps = "ten"\nalgo = {{kind = "sft", {DATA}}}',
+        "recipes.toml#sl_basic: max_steps: expected int, got str 'ten'",
+    ),
+    (
+        f'tokenizer = 3\nalgo = {{kind = "sft", {DATA}}}',
+        "recipes.toml#sl_basic: tokenizer: expected str, got int 3",
+    ),
+    (
+        f'depth = 65\nalgo = {{kind = "sft", {DATA}}}',
+        "recipes.toml#sl_basic: depth: expected int <= 64, got 65",
+    ),
+    (
+        f'if_exists = "append"\nalgo = {{kind = "sft", {DATA}}}',
+        "recipes.toml#sl_basic: if_exists: invalid choice 'append'; expected one of: error, overwrite, resume",
+    ),
+    (
+        f'algo = {{kind = "sft", {DATA}}}\noptim = {{beta1 = 1}}',
+        "recipes.toml#sl_basic: optim.beta1: expected float < 1.0, got 1",
+    ),
+    (
+        f'algo = {{kind = "sft", {DATA}}}\nschedule = {{kind = "cosine", final_frac = 1.5}}',
+        "recipes.toml#sl_basic: schedule.final_frac: expected float <= 1.0, got 1.5",
+    ),
+    (
+        f'algo = {{kind = "sft", {DATA}}}\nschedule = {{kind = "constant", final_frac = 0.1}}',
+        "recipes.toml#sl_basic: schedule.final_frac: unknown key (valid: kind, warmup_steps)",
+    ),
+    (
+        f'algo = {{kind = "sft", {DATA}}}\nschedule = {{kind = "Cosine"}}',
+        "recipes.toml#sl_basic: schedule.kind: invalid choice 'Cosine'; expected one of: constant, cosine, linear",
+    ),
+    (
+        f'algo = {{kind = "sft", {DATA}}}\nlora = 8',
+        "recipes.toml#sl_basic: lora: expected table, got int 8",
+    ),
+    (
+        f'algo = {{kind = "sft", {DATA}}}\nlora = {{train_attn = false, train_mlp = false, train_unembed = false}}',
+        "recipes.toml#sl_basic: lora: at least one of train_attn, train_mlp, train_unembed must be true",
+    ),
+    (
+        'algo = {kind = "ppo"}',
+        "recipes.toml#sl_basic: algo.kind: invalid choice 'ppo'; expected one of: sft",
+    ),
+    (
+        'model = "tiny"',
+        'recipes.toml#sl_basic: algo: missing key; write e.g. algo = {kind = "sft"} (kind one of: sft)',
+    ),
+    (
+        'algo = {kind = "sft"}',
+        'recipes.toml#sl_basic: algo.data: missing key; write e.g. data = {kind = "jsonl"} '
+        "(kind one of: hf, jsonl, python)",
+    ),
+    (
+        'algo = {kind = "sft", data = {path = "data.jsonl"}}',
+        "recipes.toml#sl_basic: algo.data.kind: missing key; expected one of: hf, jsonl, python",
+    ),
+    (
+        'algo = {kind = "sft", data = {kind = "jsonl"}}',
+        "recipes.toml#sl_basic: algo.data.path: missing key; expected str",
+    ),
+    (
+        'algo = {kind = "sft", data = {kind = "python", target = "mymodule.rows"}}',
+        "recipes.toml#sl_basic: algo.data.target: expected 'pkg.mod:fn', got 'mymodule.rows'",
+    ),
+    (
+        'algo = {kind = "sft", data = {kind = "hf", name = "x", split = 2}}',
+        "recipes.toml#sl_basic: algo.data.split: expected str, got int 2",
+    ),
+    (
+        f'algo = {{kind = "sft", {DATA}, train_on_what = "assistant"}}',
+        "recipes.toml#sl_basic: algo.train_on_what: invalid choice 'assistant'; "
+        "expected one of: all_assistant_messages, all_messages, last_assistant_message",
+    ),
+]
+
+
+@pytest.mark.parametrize("body,expected", BAD_RECIPES, ids=[e.split(": ")[1] for _, e in BAD_RECIPES])
+def test_bad_recipe_message(workdir: Path, body: str, expected: str) -> None:
+    path = write(f"[recipes.sl_basic]\n{body}\n")
+    assert error_of(load_recipe, f"{path}#sl_basic") == expected
+    assert error_of(load_file, path) == expected
+
+
+BAD_FILES = [
+    ("[recipes.sl_basic]\nlr = 1e-3\nmodel = \n", "recipes.toml: TOML syntax error at line 3, column 9: invalid value"),
+    ("[recipes.sl_basic]\nlr = 1\nlr = 2\n", "recipes.toml: TOML syntax error at line 3, column 7: cannot overwrite a value"),
+    ('[recipes.sl_basic]\nmodel = "tiny', "recipes.toml: TOML syntax error at end of file: unterminated string"),
+    ('[sl_basic]\nmodel = "tiny"\n', "recipes.toml: no [recipes] table; write each recipe as [recipes.<name>]"),
+    (
+        f"{GOOD}\n[recipe.other]\nlr = 1.0\n",
+        "recipes.toml: recipe: unknown top-level key; write each recipe as [recipes.<name>]",
+    ),
+    ("recipes = 3\n", "recipes.toml: recipes: expected a table of [recipes.<name>] tables, got int 3"),
+    ("[recipes]\n", "recipes.toml: [recipes] is empty; write each recipe as [recipes.<name>]"),
+    ("[recipes]\nsl_basic = 3\n", "recipes.toml#sl_basic: expected a table [recipes.sl_basic], got int 3"),
+    (
+        '[recipes."my recipe"]\nmodel = "tiny"\n',
+        "recipes.toml: recipe name 'my recipe': use only letters, digits, '_' and '-'",
+    ),
+]
+
+
+@pytest.mark.parametrize("text,expected", BAD_FILES, ids=[e.split(": ", 1)[1][:30] for _, e in BAD_FILES])
+def test_bad_file_message(workdir: Path, text: str, expected: str) -> None:
+    assert error_of(load_file, write(text)) == expected
+
+
+def test_file_and_reference_messages(workdir: Path) -> None:
+    write(GOOD + '\n[recipes.rl_basic]\nalgo = {kind = "sft", data = {kind = "jsonl", path = "data.jsonl"}}\n')
+    assert error_of(load_recipe, "recipes.toml#sl_basci") == (
+        "recipes.toml: no recipe named 'sl_basci'; available: rl_basic, sl_basic"
+    )
+    assert error_of(load_recipe, "recipes.toml") == (
+        "recipes.toml: pick a recipe as recipes.toml#NAME; available: rl_basic, sl_basic"
+    )
+    assert error_of(load_recipe, "nope.toml#sl_basic") == "nope.toml: file not found"
+    assert error_of(load_recipe, ".#sl_basic") == ".: not a file"
+    for ref in ("recipes.toml#", "#sl_basic", "recipes.toml#a b"):
+        assert error_of(load_recipe, ref) == (
+            f"bad recipe reference {ref!r}: expected FILE#NAME, e.g. recipes.toml#sl_basic"
+        )
+    Path("latin1.toml").write_bytes(b'[recipes.x]\nmodel = "\xe9"\n')
+    assert error_of(load_file, "latin1.toml") == "latin1.toml: not UTF-8 text"
+
+
+def test_dict_entry_and_list_item_paths() -> None:
+    # msgspec reports a bad dict value as `[...]`; the message names the key. Generic over struct types.
+    class Weights(msgspec.Struct, forbid_unknown_fields=True):
+        per_env: dict[str, Annotated[float, msgspec.Meta(ge=0)]] = {}
+        sizes: list[Annotated[int, msgspec.Meta(ge=1)]] = []
+
+    assert error_of(convert, {"per_env": {"a": 1.0, "b c": -2.0}}, Weights, "w") == (
+        'w: per_env."b c": expected float >= 0.0, got -2.0'
+    )
+    assert error_of(convert, {"sizes": [1, 0]}, Weights, "w") == "w: sizes[1]: expected int >= 1, got 0"
+
+
+# ---------------------------------------------------------------- good recipes and defaults
+
+def test_minimal_recipe_takes_defaults(workdir: Path) -> None:
+    name, recipe = load_recipe(f"{write(GOOD)}#sl_basic")
+    assert name == "sl_basic"
+    assert recipe == Recipe(algo=SFT(data=Jsonl(path="data.jsonl")), lr=2e-3)
+    assert recipe.backend == Local() and recipe.schedule == Linear() and recipe.model == "tiny"
+    # A file with one recipe needs no #name.
+    assert load_recipe("recipes.toml") == (name, recipe)
+    assert load_file("recipes.toml") == {"sl_basic": recipe}
+
+
+def test_ints_are_accepted_for_floats(workdir: Path) -> None:
+    _, recipe = load_recipe(f"{write(GOOD)}#sl_basic", ["lr=1"])
+    assert recipe.lr == 1.0 and isinstance(recipe.lr, float)
+
+
+# ---------------------------------------------------------------- overrides
+
+def test_override_values_are_toml_literals() -> None:
+    assert parse_override("lr=3e-4") == (["lr"], 3e-4)
+    assert parse_override("lora.rank=8") == (["lora", "rank"], 8)
+    assert parse_override("lora.train_mlp=false") == (["lora", "train_mlp"], False)
+    assert parse_override('backend={kind="tinker"}') == (["backend"], {"kind": "tinker"})
+    assert parse_override('algo.data.path="x.jsonl"') == (["algo", "data", "path"], "x.jsonl")
+    # Not a TOML literal: the plain text.
+    assert parse_override("backend.kind=tinker") == (["backend", "kind"], "tinker")
+    assert parse_override("model=Qwen/Qwen3-8B") == (["model"], "Qwen/Qwen3-8B")
+    assert parse_override("log_dir=") == (["log_dir"], "")
+    # Two TOML lines are not one literal.
+    assert parse_override("model=1\nlr = 2") == (["model"], "1\nlr = 2")
+
+
+def test_overrides_apply_with_types_and_nesting(workdir: Path) -> None:
+    ref = f"{write(GOOD)}#sl_basic"
+    _, recipe = load_recipe(ref, ["lr=3e-4", "lora.rank=8", "algo.batch_size=4", "schedule.warmup_steps=5"])
+    assert recipe.lr == 3e-4 and recipe.lora.rank == 8 and recipe.algo.batch_size == 4
+    # A table the recipe did not write starts from the field's default: still linear, warmup changed.
+    assert recipe.schedule == Linear(warmup_steps=5)
+    # Later overrides win; a table value replaces the whole table.
+    _, recipe = load_recipe(ref, ["lr=1e-3", "lr=2e-3", 'schedule={kind="cosine", final_frac=0.1}'])
+    assert recipe.lr == 2e-3 and recipe.schedule == Cosine(final_frac=0.1)
+    # A str-only field keeps the text even when it parses as a number or bool.
+    _, recipe = load_recipe(ref, ["model=1e3", "tokenizer=true"])
+    assert (recipe.model, recipe.tokenizer) == ("1e3", "true")
+
+
+def test_override_switches_variant(workdir: Path) -> None:
+    ref = f"{write(GOOD)}#sl_basic"
+    assert load_recipe(ref, ['backend={kind="tinker"}'])[1].backend == Tinker()
+    assert load_recipe(ref, ["backend.kind=tinker", "backend.ttl_seconds=7200"])[1].backend == Tinker(ttl_seconds=7200)
+    _, recipe = load_recipe(ref, ['algo.data={kind="python", target="json:loads", args={s="[]"}}'])
+    assert recipe.algo.data == Python(target="json:loads", args={"s": "[]"})
+
+
+def test_override_errors_match_file_errors(workdir: Path) -> None:
+    ref = f"{write(GOOD)}#sl_basic"
+    assert error_of(load_recipe, ref, ["lora.rnak=8"]) == (
+        "recipes.toml#sl_basic: lora.rnak: unknown key; did you mean `rank`? "
+        "(valid: rank, train_attn, train_mlp, train_unembed)"
+    )
+    assert error_of(load_recipe, ref, ["lr=fast"]) == "recipes.toml#sl_basic: lr: expected float, got str 'fast'"
+    assert error_of(load_recipe, ref, ["algo.batch_size=0"]) == (
+        "recipes.toml#sl_basic: algo.batch_size: expected int >= 1, got 0"
+    )
+    assert error_of(load_recipe, ref, ["backend.kind=tinkr"]) == (
+        "recipes.toml#sl_basic: backend.kind: invalid choice 'tinkr'; expected one of: local, tinker"
+    )
+    # Switching the tag keeps the other keys, which the new variant may not have.
+    assert error_of(load_recipe, ref, ["backend.device=cpu", "backend.kind=tinker"]) == (
+        "recipes.toml#sl_basic: backend.device: unknown key (valid: base_url, kind, ttl_seconds)"
+    )
+    assert error_of(load_recipe, ref, ["lr.x=1"]) == (
+        "recipes.toml#sl_basic: lr: is float 0.002, not a table, so 'lr.x=1' cannot set it"
+    )
+    for bad in ("lr", "=3", "lora..rank=8", "lora rank=8"):
+        assert error_of(load_recipe, ref, [bad]) == (
+            f"bad override {bad!r}: expected KEY=VALUE, e.g. lr=3e-4 or lora.rank=8"
+        )
+
+
+def test_overrides_do_not_touch_the_file_table(workdir: Path) -> None:
+    ref = f"{write(GOOD)}#sl_basic"
+    load_recipe(ref, ["lora.rank=8", "algo.data.path=other.jsonl"])
+    assert load_recipe(ref)[1] == Recipe(algo=SFT(data=Jsonl(path="data.jsonl")), lr=2e-3)
+
+
+# ---------------------------------------------------------------- round trip
+
+OVERRIDE_SETS = [
+    [],
+    ["lr=3e-4", "lora.rank=8", "max_steps=7", "log_dir=runs/x"],
+    ['backend={kind="tinker", base_url="http://localhost:8000"}', "model=Qwen/Qwen3-8B", "tokenizer=tok"],
+    ['schedule={kind="cosine", warmup_steps=3, final_frac=0.25}', "optim.eps=1e-8", "optim.grad_clip_norm=1.0"],
+    ['algo.data={kind="hf", name="org/set", subset="main"}', "seed=-1", "depth=0"],
+    ['algo.data={kind="python", target="json:loads", args={s="[]", n=[1, 2.5], t={u=true}}}'],
+]
+
+
+@pytest.mark.parametrize("overrides", OVERRIDE_SETS)
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_show_round_trips(path: Path, overrides: list[str], tmp_path: Path) -> None:
+    for name in load_file(str(path)):
+        _, recipe = load_recipe(f"{path}#{name}", overrides)
+        shown = tmp_path / "shown.toml"
+        shown.write_text(dump_recipe(name, recipe))
+        assert load_recipe(f"{shown}#{name}") == (name, recipe)
+        # Every field is written, defaults included (None fields have no TOML form, and are the default).
+        assert set(load_file(str(shown))) == {name}
+        assert set(recipe_dict(recipe)) == {f for f in Recipe.__struct_fields__ if getattr(recipe, f) is not None}
+
+
+def _optional_fields(t: Any, seen: set[type], out: list[str]) -> None:
+    if isinstance(t, mi.Metadata):
+        return _optional_fields(t.type, seen, out)
+    if isinstance(t, mi.UnionType | mi.ListType | mi.DictType):
+        for sub in getattr(t, "types", ()) or (getattr(t, "item_type", None), getattr(t, "value_type", None)):
+            if sub is not None:
+                _optional_fields(sub, seen, out)
+    if isinstance(t, mi.StructType) and t.cls not in seen:
+        seen.add(t.cls)
+        for f in t.fields:
+            nullable = isinstance(f.type, mi.UnionType) and any(isinstance(m, mi.NoneType) for m in f.type.types)
+            if nullable and f.default is not None:
+                out.append(f"{t.cls.__name__}.{f.name}")
+            _optional_fields(f.type, seen, out)
+
+
+def test_every_optional_field_defaults_to_none() -> None:
+    # TOML has no null: `show` leaves None out, which reads back as the default, so it must BE the default.
+    bad: list[str] = []
+    _optional_fields(mi.type_info(Recipe), set(), bad)
+    assert bad == []
+
+
+# ---------------------------------------------------------------- check: data files and Python targets
+
+@pytest.fixture
+def isolated_imports(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """import_target puts the working directory on sys.path and imports user modules: undo both."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        del sys.modules[name]
+
+
+def test_check_recipe_data_and_targets(workdir: Path, isolated_imports: None) -> None:
+    ref = f"{write(GOOD)}#sl_basic"
+    check_recipe(load_recipe(ref)[1], "recipes.toml#sl_basic")
+    missing = load_recipe(ref, ["algo.data.path=examples/data/nope.jsonl"])[1]
+    assert error_of(check_recipe, missing, "recipes.toml#sl_basic") == (
+        "recipes.toml#sl_basic: algo.data.path: data file not found: examples/data/nope.jsonl"
+    )
+    (workdir / "user_rows.py").write_text("ROWS = []\ndef rows():\n    return ROWS\n")
+    (workdir / "broken_rows.py").write_text("import not_a_module_anywhere\n")
+    python = 'algo.data={kind="python", target="%s"}'
+    check_recipe(load_recipe(ref, [python % "user_rows:rows"])[1], "w")  # the working directory is importable
+    cases = {
+        "user_rows:nope": "w: algo.data.target: cannot import 'user_rows:nope': "
+        "AttributeError: module 'user_rows' has no attribute 'nope'",
+        "user_rows:ROWS": "w: algo.data.target: 'user_rows:ROWS' is list, not a callable",
+        "broken_rows:rows": "w: algo.data.target: cannot import 'broken_rows:rows': "
+        "ModuleNotFoundError: No module named 'not_a_module_anywhere'",
+    }
+    for target, expected in cases.items():
+        assert error_of(check_recipe, load_recipe(ref, [python % target])[1], "w") == expected
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_shipped_recipes_check(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)  # data paths are relative to the repository root
+    recipes = load_file(str(path.relative_to(REPO)))
+    assert recipes
+    for name, recipe in recipes.items():
+        check_recipe(recipe, f"{path.name}#{name}")
