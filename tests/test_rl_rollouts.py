@@ -1,0 +1,178 @@
+"""Rollouts (seeds, logprobs, error handling), trajectory metrics and advantages.
+Run: pytest tests/test_rl_rollouts.py"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import numpy as np
+import pytest
+
+from backends.local.tiny import build_tokenizer
+from runner.errors import UserError
+from runner.rl.advantages import compute_advantages, remove_constant_reward_groups
+from runner.rl.envs.arithmetic import ArithmeticEnv
+from runner.rl.envs.common import RepeatGroupBuilder
+from runner.rl.envs.guess_number import GuessNumberEnv
+from runner.rl.metrics import trajectory_metrics
+from runner.rl.renderer import ChatRenderer
+from runner.rl.rollouts import do_group_rollout, rollout_batch, sample_seed
+from runner.rl.testing import ScriptedSampler, fake_logprob
+from runner.rl.types import Env, StepResult, Trajectory, TrajectoryGroup, Transition
+from runner.types import SampledSequence, SamplingParams
+
+TOK = build_tokenizer()
+R = ChatRenderer(TOK)
+PARAMS = SamplingParams(max_tokens=16, temperature=0.7)
+
+
+def arith_builder(x: int, y: int, group_size: int = 3, tags=("arithmetic",)) -> RepeatGroupBuilder:
+    return RepeatGroupBuilder(functools.partial(ArithmeticEnv, R, x, y), group_size, list(tags))
+
+
+def test_sample_seed_is_deterministic_and_distinct():
+    coords = [(s, st, g, m, t) for s in (0, 1) for st in (0, 1) for g in (0, 1) for m in (0, 1) for t in (0, 1)]
+    seeds = [sample_seed(*c) for c in coords]
+    assert len(set(seeds)) == len(seeds)
+    assert seeds == [sample_seed(*c) for c in coords]
+    assert all(0 <= s < 2**31 for s in seeds)
+    assert sample_seed(-1, 0, 0, 0, 0) != sample_seed(2**32 - 1, 0, 0, 0, 0)
+
+
+def test_group_rollout_records_seeds_params_and_logprobs():
+    sampler = ScriptedSampler(TOK, lambda p, s: "12")
+    group = asyncio.run(do_group_rollout(arith_builder(5, 7), sampler, PARAMS, seed=3, step=4, group_idx=2))
+    assert group.total_rewards_G() == [1.0, 1.0, 1.0] and group.tags == ["arithmetic"]
+    seeds = sorted(p.seed for _, p in sampler.calls)
+    assert seeds == sorted(sample_seed(3, 4, 2, m, 0) for m in range(3))
+    _, params = sampler.calls[0]
+    assert (params.max_tokens, params.temperature, params.stop) == (16, 0.7, R.stop_tokens)
+    ac = group.trajectories_G[0].transitions[0].ac
+    assert ac.logprobs == [fake_logprob(t, i) for i, t in enumerate(ac.tokens)]
+    assert ac.tokens[-1] == R.stop_tokens[0] and ac.stop_reason == "stop"
+
+
+def test_multiturn_seeds_vary_by_turn():
+    builder = RepeatGroupBuilder(functools.partial(GuessNumberEnv, R, 3, 0, 9, 4), 2, ["guess_number"])
+    sampler = ScriptedSampler(TOK, lambda p, s: "0")
+    asyncio.run(do_group_rollout(builder, sampler, PARAMS, seed=0, step=1, group_idx=0))
+    assert len(sampler.calls) == 8
+    want = {sample_seed(0, 1, 0, m, t) for m in range(2) for t in range(4)}
+    assert {p.seed for _, p in sampler.calls} == want
+
+
+class Boom(Env):
+    async def initial_observation(self):
+        return R.build_prompt([{"role": "user", "content": "x"}]), R.stop_tokens
+
+    async def step(self, action_tokens, stop_reason):
+        raise KeyError("env bug")
+
+
+class BadObservation(Boom):
+    async def initial_observation(self):
+        return [], None
+
+
+def test_rollout_batch_counts_errors_and_drops_group():
+    builders = [arith_builder(1, 1), RepeatGroupBuilder(Boom, 2, []), arith_builder(2, 2)]
+    batch = asyncio.run(rollout_batch(builders, ScriptedSampler(TOK, lambda p, s: "2"), PARAMS))
+    assert batch.group_indices == [0, 2]
+    assert [g.total_rewards_G() for g in batch.groups] == [[1.0] * 3, [0.0] * 3]
+    assert batch.error_metrics() == {
+        "rollout_errors/KeyError": 1.0,
+        "rollout_errors/total": 1.0,
+        "rollout_errors/groups_skipped": 1.0,
+    }
+
+
+def test_rollout_batch_raises_when_every_group_fails_and_on_user_error():
+    sampler = ScriptedSampler(TOK, lambda p, s: "2")
+    with pytest.raises(KeyError):
+        asyncio.run(rollout_batch([RepeatGroupBuilder(Boom, 2, [])], sampler, PARAMS))
+    with pytest.raises(UserError, match="BadObservation"):
+        asyncio.run(rollout_batch([arith_builder(1, 1), RepeatGroupBuilder(BadObservation, 1, [])], sampler, PARAMS))
+
+
+def test_rollout_is_reproducible():
+    def policy(prompt, params):  # the reply depends only on the seed, like a seeded sampler
+        return str(params.seed % 3)
+
+    async def run():
+        return await rollout_batch([arith_builder(0, 1), arith_builder(1, 1)], ScriptedSampler(TOK, policy), PARAMS, seed=9)
+
+    a, b = asyncio.run(run()), asyncio.run(run())
+    assert [g.total_rewards_G() for g in a.groups] == [g.total_rewards_G() for g in b.groups]
+
+
+# ---------------------------------------------------------------- metrics
+
+def traj(turns: list[tuple[int, int, float, dict]], stop_reason="stop") -> Trajectory:
+    """turns: (ob_len, ac_len, reward, metrics)."""
+    out = []
+    for i, (ob_len, ac_len, reward, metrics) in enumerate(turns):
+        ac = SampledSequence(list(range(ac_len)), [-0.5] * ac_len, stop_reason)
+        out.append(Transition(list(range(ob_len)), ac, reward, i == len(turns) - 1, metrics))
+    return Trajectory(out)
+
+
+def group(trajs, final=None, metrics=None, tags=()) -> TrajectoryGroup:
+    n = len(trajs)
+    return TrajectoryGroup(trajs, final or [0.0] * n, metrics or [{} for _ in range(n)], list(tags))
+
+
+def test_trajectory_metrics_names_and_values():
+    g1 = group(
+        [traj([(10, 2, 0.0, {}), (14, 4, 1.0, {"correct": 1.0})]), traj([(10, 6, 0.0, {"correct": 0.0})], "length")],
+        tags=["a"],
+    )
+    g2 = group([traj([(5, 1, 1.0, {"format": 1.0})]), traj([(5, 1, 1.0, {"format": 0.0})])],
+               final=[0.5, 0.5], metrics=[{"win": 1.0}, {}], tags=["b"])
+    m = trajectory_metrics([g1, g2])
+    assert m["env/all/total_episodes"] == 4
+    assert m["env/all/total_turns"] == 5
+    assert m["env/all/total_ac_tokens"] == 14 and m["env/all/total_ob_tokens"] == 44
+    assert m["env/all/ac_tokens_per_turn"] == pytest.approx(14 / 5)
+    assert m["env/all/ob_tokens_per_turn"] == pytest.approx(44 / 5)
+    assert m["env/all/turns_per_episode"] == pytest.approx(5 / 4)
+    assert m["env/all/turns_truncated_frac"] == pytest.approx(1 / 5)
+    assert m["env/all/reward/total"] == pytest.approx((1.0 + 0.0 + 1.5 + 1.5) / 4)
+    # env metrics: averaged over the entries that report them
+    assert m["env/all/correct"] == 0.5 and m["env/all/format"] == 0.5 and m["env/all/win"] == 1.0
+    # g1 mixed (1 vs 0), g2 all good (1.5, 1.5)
+    assert (m["env/all/by_group/frac_mixed"], m["env/all/by_group/frac_all_good"], m["env/all/by_group/frac_all_bad"]) == (0.5, 0.5, 0.0)
+    # per-tag metrics, since each tag covers a strict subset
+    assert m["env/a/total_episodes"] == 2 and m["env/b/reward/total"] == 1.5
+    assert "env/a/win" not in m
+
+
+def test_tag_covering_every_group_is_not_repeated():
+    g = group([traj([(3, 1, 0.0, {})])], tags=["only"])
+    assert not any(k.startswith("env/only/") for k in trajectory_metrics([g, g]))
+
+
+# ---------------------------------------------------------------- advantages
+
+def rewards_group(rewards) -> TrajectoryGroup:
+    return group([traj([(2, 1, r, {})]) for r in rewards])
+
+
+def test_advantages_center_and_normalize():
+    (adv,) = compute_advantages([rewards_group([1.0, 0.0, 0.0, 1.0])])
+    np.testing.assert_allclose(adv, [0.5, -0.5, -0.5, 0.5])
+    assert adv.dtype == np.float32
+    (adv,) = compute_advantages([rewards_group([1.0, 0.0, 0.0, 1.0])], normalize_std=True)
+    np.testing.assert_allclose(adv, [1.0, -1.0, -1.0, 1.0], rtol=1e-5)
+    (adv,) = compute_advantages([rewards_group([2.0, 2.0])], normalize_std=True)
+    np.testing.assert_array_equal(adv, [0.0, 0.0])
+    # the group reward is part of the return
+    g = group([traj([(2, 1, 1.0, {})]), traj([(2, 1, 0.0, {})])], final=[0.0, 3.0])
+    np.testing.assert_allclose(compute_advantages([g])[0], [-1.0, 1.0])
+
+
+def test_remove_constant_reward_groups():
+    flat, mixed, flat2 = rewards_group([1.0, 1.0]), rewards_group([0.0, 1.0]), rewards_group([0.0, 0.0])
+    assert remove_constant_reward_groups([flat, mixed, flat2]) == [mixed]
+    assert remove_constant_reward_groups([flat, flat2]) == [flat]  # keeps one so the step has data
+    assert remove_constant_reward_groups([]) == []
