@@ -326,7 +326,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], where: str) -
     out = copy.deepcopy(raw)
     for text in overrides:
         keys, value = parse_override(text)
-        node, t = out, mi.type_info(Recipe)
+        node, t = out, _info(Recipe)
         for i, key in enumerate(keys[:-1]):
             t, field = _child(t, node, key)
             if key not in node:
@@ -348,7 +348,7 @@ def _seed(default: Any) -> dict[str, Any]:
     (so an override of the tag alone, `backend.kind=tinker`, does not drag the old variant's fields)."""
     if not isinstance(default, msgspec.Struct):
         return {}
-    info = _struct_info(type(default))
+    info = _info(type(default))
     out: dict[str, Any] = {info.tag_field: info.tag} if info.tag_field else {}
     for f in info.fields:
         value = getattr(default, f.name)
@@ -423,7 +423,7 @@ def _explain(message: str, raw: Any, root: Any) -> str:
     """'Expected `int` >= 1 - at `$.algo.batch_size`' -> 'algo.batch_size: expected int >= 1, got 0'."""
     text, _, loc = message.partition(" - at `$")
     parts: list[str | int] = []
-    t, node, parent_t = mi.type_info(root), raw, None
+    t, node, parent_t = _info(root), raw, None
     for name, index in re.findall(r"\.([^.\[`]+)|\[(\d+|\.\.\.)\]", loc):
         if name:
             key: str | int = name
@@ -442,7 +442,8 @@ def _explain(message: str, raw: Any, root: Any) -> str:
         key = m.group(1)
         s = _resolve(t, node)
         valid = sorted([f.encode_name for f in s.fields] + ([s.tag_field] if s.tag_field else [])) if isinstance(
-            s, mi.StructType) else []
+            s, mi.StructType
+        ) else []
         close = difflib.get_close_matches(key, valid, n=1)
         hint = f"; did you mean `{close[0]}`?" if close else ""
         return f"{_dotted([*parts, key])}: unknown key{hint} (valid: {', '.join(valid)})"
@@ -468,11 +469,12 @@ def _explain(message: str, raw: Any, root: Any) -> str:
         names = [n for n in m.group(1).split(" | ") if n != "null"]
         if "object" in names and _variants(t):
             return f"{where}expected a table, got {_got(node)}; {_table_hint(t, parts[-1] if parts else '', node)}"
-        return f"{where}expected {' or '.join(_TYPE_NAMES.get(n, n) for n in names)}, got {_got(node)}"
+        return f"{where}expected {' or '.join(map(_type_name, names))}, got {_got(node)}"
 
     if m := re.fullmatch(r"Expected `([^`]+)` (.+)", text):
-        desc = _description(t)
-        want = desc or f"{_TYPE_NAMES.get(m.group(1), m.group(1))} {m.group(2)}"
+        # A Target declared without our description (same pattern) still reads as 'pkg.mod:fn'.
+        desc = _description(t) or ("'pkg.mod:fn'" if _is_target(t) else None)
+        want = desc or f"{_type_name(m.group(1))} {m.group(2)}"
         shown = _got(node) if isinstance(node, (dict, list)) else _show(node)
         return f"{where}expected {want}, got {shown}"
 
@@ -480,7 +482,8 @@ def _explain(message: str, raw: Any, root: Any) -> str:
     return f"{where}{text}"
 
 
-_TYPE_NAMES = {"object": "table", "array": "array", "str": "str", "int": "int", "float": "float", "bool": "bool"}
+def _type_name(msgspec_name: str) -> str:
+    return "table" if msgspec_name == "object" else msgspec_name
 
 
 def _bad_key(raw: Any, parts: list[str | int], node: dict[str, Any], root: Any, message: str) -> str:
@@ -511,8 +514,9 @@ def _expected(t: Any, key: str | int) -> str:
         return "expected a table"
     if isinstance(r, mi.LiteralType):
         return f"expected one of: {', '.join(map(str, r.values))}"
-    name = type(r).__name__.removesuffix("Type").lower()
-    return f"expected {_TYPE_NAMES.get(name, name)}"
+    limits = [f"{op} {getattr(r, name)}" for name, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+              if getattr(r, name, None) is not None]
+    return f"expected {' '.join([_type_name(type(r).__name__.removesuffix('Type').lower()), *limits])}"
 
 
 def _table_hint(t: Any, key: str | int, value: Any) -> str:
@@ -527,14 +531,19 @@ def _tags(variants: list[mi.StructType]) -> str:
 
 
 def _description(t: Any) -> str | None:
-    while isinstance(t, mi.UnionType):
-        types = [m for m in t.types if not isinstance(m, mi.NoneType)]
-        if len(types) != 1:
-            return None
-        t = types[0]
+    """A `Meta(description=...)` on the type: says what a pattern means better than the regex."""
+    t = _non_null(t)
     if isinstance(t, mi.Metadata) and t.extra_json_schema:
         return t.extra_json_schema.get("description")
     return None
+
+
+def _non_null(t: Any) -> Any:
+    """`X | None` -> X (still wrapped in its Metadata, if any)."""
+    if isinstance(t, mi.UnionType):
+        types = [m for m in t.types if not isinstance(m, mi.NoneType)]
+        return types[0] if len(types) == 1 else t
+    return t
 
 
 def _dotted(parts: Sequence[str | int]) -> str:
@@ -592,7 +601,7 @@ def check_recipe(recipe: Recipe, where: str) -> None:
     for path, node in _structs(recipe, ()):
         if isinstance(node, Jsonl) and not Path(node.path).is_file():
             raise UserError(f"{where}: {_dotted([*path, 'path'])}: data file not found: {node.path}")
-        for field in _struct_info(type(node)).fields:
+        for field in _info(type(node)).fields:
             value = getattr(node, field.name)
             if isinstance(value, str) and _is_target(field.type):
                 try:
@@ -619,19 +628,13 @@ def import_target(target: str) -> Callable[..., Any]:
 
 
 @functools.cache
-def _struct_info(cls: type) -> mi.StructType:
-    return mi.type_info(cls)  # type: ignore[return-value]
+def _info(type_: Any) -> Any:
+    return mi.type_info(type_)
 
 
 def _is_target(t: Any) -> bool:
-    while isinstance(t, mi.UnionType | mi.Metadata):
-        if isinstance(t, mi.Metadata):
-            t = t.type
-        else:
-            rest = [m for m in t.types if not isinstance(m, mi.NoneType)]
-            if len(rest) != 1:
-                return False
-            t = rest[0]
+    t = _non_null(t)
+    t = t.type if isinstance(t, mi.Metadata) else t
     return isinstance(t, mi.StrType) and t.pattern == TARGET_PATTERN
 
 

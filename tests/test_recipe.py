@@ -263,16 +263,43 @@ def test_file_and_reference_messages(workdir: Path) -> None:
     assert error_of(load_file, "latin1.toml") == "latin1.toml: not UTF-8 text"
 
 
-def test_dict_entry_and_list_item_paths() -> None:
-    # msgspec reports a bad dict value as `[...]`; the message names the key. Generic over struct types.
-    class Weights(msgspec.Struct, forbid_unknown_fields=True):
-        per_env: dict[str, Annotated[float, msgspec.Meta(ge=0)]] = {}
-        sizes: list[Annotated[int, msgspec.Meta(ge=1)]] = []
+class Source(msgspec.Struct, forbid_unknown_fields=True, tag_field="kind", tag=str.lower):
+    pass
 
-    assert error_of(convert, {"per_env": {"a": 1.0, "b c": -2.0}}, Weights, "w") == (
-        'w: per_env."b c": expected float >= 0.0, got -2.0'
-    )
-    assert error_of(convert, {"sizes": [1, 0]}, Weights, "w") == "w: sizes[1]: expected int >= 1, got 0"
+
+class Gauss(Source):
+    sigma: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+
+
+class Coin(Source):
+    p: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.5
+
+
+class Noise(msgspec.Struct, forbid_unknown_fields=True):
+    """A schema the recipe does not have: the messages must not depend on Recipe's fields."""
+
+    source: Gauss | Coin
+    per_env: dict[str, Annotated[float, msgspec.Meta(ge=0)]] = {}
+    sizes: list[Annotated[int, msgspec.Meta(ge=1)]] = []
+
+
+@pytest.mark.parametrize(
+    "raw,expected",
+    [
+        ({"source": {"kind": "gaus"}}, "n: source.kind: invalid choice 'gaus'; expected one of: coin, gauss"),
+        ({"source": {"kind": "coin", "sigma": 1.0}}, "n: source.sigma: unknown key (valid: kind, p)"),
+        ({"source": {"kind": "gauss", "sigmaa": 1.0}}, "n: source.sigmaa: unknown key; did you mean `sigma`? "
+         "(valid: kind, sigma)"),
+        ({"source": {"kind": "coin", "p": 2}}, "n: source.p: expected float <= 1.0, got 2"),
+        ({}, 'n: source: missing key; write e.g. source = {kind = "gauss"} (kind one of: coin, gauss)'),
+        # msgspec reports a bad dict value as `[...]`: the message names the key.
+        ({"source": {"kind": "coin"}, "per_env": {"a": 1.0, "b c": -2.0}},
+         'n: per_env."b c": expected float >= 0.0, got -2.0'),
+        ({"source": {"kind": "coin"}, "sizes": [1, 0]}, "n: sizes[1]: expected int >= 1, got 0"),
+    ],
+)
+def test_messages_are_generic_over_struct_types(raw: dict[str, Any], expected: str) -> None:
+    assert error_of(convert, raw, Noise, "n") == expected
 
 
 # ---------------------------------------------------------------- good recipes and defaults
