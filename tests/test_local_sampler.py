@@ -1,0 +1,282 @@
+"""The local sampling engine (backends/local/sampler.py) on the tiny Qwen3 architecture, CPU, fp32.
+
+Two models: `rand`, random weights made peaky (initializer_range 0.2) so greedy choices have clear margins;
+and `counter`, whose greedy continuation of token t is t+1, t+2, ... so stops land at known places.
+
+    OMP_NUM_THREADS=1 python -m pytest tests/test_local_sampler.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from backends.local.sampler import Sampler
+from backends.local.tiny import build_config, build_tokenizer
+from runner.types import SamplingParams
+
+CPU = torch.device("cpu")
+EOS = 258  # <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def _model(tok, attn="sdpa", **overrides):
+    cfg = build_config(tok)
+    cfg.initializer_range = 0.2
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+
+
+@pytest.fixture(scope="module")
+def rand(tok):
+    return _model(tok)
+
+
+# The counter's successor of each token, with a detour through "é" (0xC3 0xA9, one character, two tokens),
+# and around the pad token 256 (its embedding is zero, so it can't lead anywhere).
+SUCCESSOR = {t: (t + 1) % 259 for t in range(259)} | {0xC3: 0xA9, 0xA9: ord("A"), 255: 257}
+
+
+@pytest.fixture(scope="module")
+def counter(tok):
+    """Attention and MLP outputs zeroed, so the last hidden state is the current token's embedding; unembedding
+    row SUCCESSOR[t] holds token t's embedding (scaled), so the top logit after t is SUCCESSOR[t]."""
+    torch.manual_seed(0)
+    cfg = build_config(tok)
+    cfg.tie_word_embeddings = False
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = model.model.embed_tokens.weight
+        model.lm_head.weight.zero_()
+        for t, nxt in SUCCESSOR.items():
+            model.lm_head.weight[nxt] += emb[t] * 50
+    return model
+
+
+def _greedy(n, stop=None):
+    return SamplingParams(max_tokens=n, temperature=0.0, stop=stop)
+
+
+def _one(sampler, prompt, params, n=1):
+    return sampler.sample_batch([(prompt, n, params)])[0].sequences
+
+
+def _logits(model, seq):
+    with torch.inference_mode():
+        return model(torch.tensor([seq])).logits[0].float()
+
+
+# ---------------------------------------------------------------- stops
+
+
+def test_counter_model_counts(counter, tok):
+    (s,) = _one(Sampler(counter, tok, CPU), tok.encode("a"), _greedy(6, stop=[]))
+    assert tok.decode(s.tokens) == "bcdefg" and s.stop_reason == "length"
+
+
+def test_stop_string_spanning_tokens(counter, tok):
+    sampler = Sampler(counter, tok, CPU)
+    (s,) = _one(sampler, tok.encode("a"), _greedy(20, stop=["def"]))
+    assert tok.decode(s.tokens) == "bcdef" and s.stop_reason == "stop"  # includes the whole stop string
+    # The earliest completed string wins, whatever the list order; sampling at T=1 on this peaky model too.
+    (s,) = _one(sampler, tok.encode("a"), SamplingParams(max_tokens=20, stop=["xyz", "cd"], seed=1))
+    assert tok.decode(s.tokens) == "bcd" and s.stop_reason == "stop"
+    # The prompt's text does not count: "a" + "b" would be "ab", but only generated text is searched.
+    (s,) = _one(sampler, tok.encode("a"), _greedy(5, stop=["ab"]))
+    assert tok.decode(s.tokens) == "bcdef" and s.stop_reason == "length"
+
+
+def test_stop_string_in_multibyte_char(counter, tok):
+    # After 0xC2 the counter writes 0xC3 0xA9 ("é") then "ABC...". The lone first byte decodes to U+FFFD and
+    # must not match; the string is found once its second token lands.
+    sampler = Sampler(counter, tok, CPU)
+    (s,) = _one(sampler, [0xC2], _greedy(10, stop=["é"]))
+    assert s.tokens == [0xC3, 0xA9] and s.stop_reason == "stop"
+    (s,) = _one(sampler, [0xC2], _greedy(10, stop=["éAB"]))
+    assert tok.decode(s.tokens) == "éAB" and s.stop_reason == "stop"
+
+
+def test_stop_tokens_eos_and_empty_stop(counter, tok):
+    sampler = Sampler(counter, tok, CPU)
+    (s,) = _one(sampler, [250], _greedy(20))  # stop=None: the model's EOS
+    assert s.tokens == [251, 252, 253, 254, 255, 257, EOS] and s.stop_reason == "stop"
+    (s,) = _one(sampler, [250], _greedy(10, stop=[]))  # []: EOS is just a token
+    assert s.tokens == [251, 252, 253, 254, 255, 257, EOS, 0, 1, 2] and s.stop_reason == "length"
+    (s,) = _one(sampler, [250], _greedy(20, stop=[255, 253]))  # token ids, first hit wins
+    assert s.tokens == [251, 252, 253] and s.stop_reason == "stop"
+
+
+def test_max_tokens_and_context_limit(rand, tok):
+    (s,) = _one(Sampler(rand, tok, CPU), [1, 2, 3], SamplingParams(max_tokens=7, stop=[]))
+    assert len(s.tokens) == len(s.logprobs) == 7 and s.stop_reason == "length"
+    short = _model(tok, max_position_embeddings=16)
+    sampler = Sampler(short, tok, CPU)
+    (s,) = _one(sampler, list(range(10)), SamplingParams(max_tokens=100, stop=[]))
+    assert len(s.tokens) == 6 and s.stop_reason == "length"  # prompt + completion fill the context exactly
+    with pytest.raises(ValueError, match="context"):
+        _one(sampler, list(range(16)), SamplingParams(max_tokens=1))
+
+
+@pytest.mark.parametrize(
+    "request_, match",
+    [
+        (([], 1, SamplingParams()), "empty prompt"),
+        (([1, 259], 1, SamplingParams()), "259 outside the vocabulary"),
+        (([-1], 1, SamplingParams()), "outside the vocabulary"),
+        (([1], 0, SamplingParams()), "num_samples"),
+        (([1], 1, SamplingParams(max_tokens=0)), "max_tokens"),
+        (([1], 1, SamplingParams(temperature=-1)), "temperature"),
+        (([1], 1, SamplingParams(top_p=0)), "top_p"),
+        (([1], 1, SamplingParams(stop=[1, "x"])), "mix"),
+        (([1], 1, SamplingParams(stop=[999])), "stop token id 999"),
+    ],
+)
+def test_bad_requests_raise_value_error(rand, tok, request_, match):
+    with pytest.raises(ValueError, match=match):
+        Sampler(rand, tok, CPU).sample_batch([([5, 6], 1, SamplingParams()), request_])
+
+
+# ---------------------------------------------------------------- correctness against the plain forward
+
+
+def test_greedy_equals_argmax_decoding(rand, tok):
+    prompt = tok.encode("hello there")
+    (s,) = _one(Sampler(rand, tok, CPU), prompt, _greedy(24, stop=[]))
+    seq = list(prompt)
+    for _ in range(24):
+        seq.append(int(_logits(rand, seq)[-1].argmax()))
+    assert s.tokens == seq[len(prompt):]
+
+
+def test_sampled_logprobs_match_compute_logprobs(rand, tok):
+    sampler = Sampler(rand, tok, CPU)
+    prompts = [tok.encode("x"), tok.encode("a longer prompt here")]
+    outs = sampler.sample_batch([(p, 2, SamplingParams(max_tokens=16, stop=[])) for p in prompts])
+    seqs = [p + s.tokens for p, o in zip(prompts, outs) for s in o.sequences]
+    scored = sampler.compute_logprobs_batch(seqs)
+    for seq, lps, s in zip(seqs, scored, [s for o in outs for s in o.sequences]):
+        assert lps[0] is None and len(lps) == len(seq)
+        assert lps[len(seq) - 16:] == pytest.approx(s.logprobs, abs=1e-4)
+
+
+def test_logprobs_at_temperature_ignore_truncation(rand, tok):
+    """At T != 1 a sampled token's logprob is under softmax(logits / T), before top-k/top-p."""
+    prompt = tok.encode("temperature")
+    params = SamplingParams(max_tokens=8, temperature=0.6, top_k=4, top_p=0.9, stop=[], seed=3)
+    (s,) = _one(Sampler(rand, tok, CPU), prompt, params)
+    logits = _logits(rand, prompt + s.tokens)[len(prompt) - 1 : -1]
+    want = (logits / 0.6).log_softmax(-1).gather(1, torch.tensor(s.tokens)[:, None])[:, 0]
+    assert s.logprobs == pytest.approx(want.tolist(), abs=1e-4)
+    (g,) = _one(Sampler(rand, tok, CPU), prompt, _greedy(8, stop=[]))  # T=0 reports T=1 logprobs
+    want = _logits(rand, prompt + g.tokens)[len(prompt) - 1 : -1].log_softmax(-1)
+    assert g.logprobs == pytest.approx(want.gather(1, torch.tensor(g.tokens)[:, None])[:, 0].tolist(), abs=1e-4)
+
+
+def test_compute_logprobs_batch_matches_single(rand, tok):
+    sampler = Sampler(rand, tok, CPU)
+    seqs = [[5], [1, 2], tok.encode("some text"), tok.encode("a much longer piece of text than that")]
+    batched = sampler.compute_logprobs_batch(seqs)
+    assert batched[0] == [None]
+    for seq, lps in zip(seqs[1:], batched[1:]):
+        want = _logits(rand, seq)[:-1].log_softmax(-1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
+        assert lps[0] is None and lps[1:] == pytest.approx(want.tolist(), abs=1e-5)
+    with pytest.raises(ValueError, match="empty"):
+        sampler.compute_logprobs_batch([[1, 2], []])
+
+
+def test_left_padding_changes_nothing(rand, tok):
+    sampler = Sampler(rand, tok, CPU)
+    short = tok.encode("hi")
+    (alone,) = _one(sampler, short, _greedy(20, stop=[]))
+    outs = sampler.sample_batch(
+        [(tok.encode("a far longer prompt to force left padding"), 1, _greedy(20, stop=[])), (short, 1, _greedy(20, stop=[])),
+         (tok.encode("medium length"), 1, _greedy(20, stop=[]))]
+    )
+    (padded,) = outs[1].sequences
+    assert padded.tokens == alone.tokens
+    assert padded.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("attn", ["eager", "2d-mask"])
+def test_other_attention_paths_agree(rand, tok, attn):
+    """The 4-D additive mask (eager attention) and the generic 2-D mask path give the sdpa result."""
+    requests = [(tok.encode("left padded"), 1, _greedy(12, stop=[])), (tok.encode("x"), 1, _greedy(12, stop=[]))]
+    ref = Sampler(rand, tok, CPU).sample_batch(requests)
+    if attn == "eager":
+        sampler = Sampler(_model(tok, attn="eager"), tok, CPU)
+    else:
+        sampler = Sampler(rand, tok, CPU)
+        sampler.attn_impl = "generic"  # as for flash-attention or sliding-window models
+    for a, b in zip(ref, sampler.sample_batch(requests)):
+        assert a.sequences[0].tokens == b.sequences[0].tokens
+        assert a.sequences[0].logprobs == pytest.approx(b.sequences[0].logprobs, abs=1e-5)
+
+
+# ---------------------------------------------------------------- seeds and mixed batches
+
+
+def test_seed_reproducible_whatever_the_batch(rand, tok):
+    prompt = tok.encode("seeded")
+    params = SamplingParams(max_tokens=12, seed=7, stop=[])
+    alone = _one(Sampler(rand, tok, CPU), prompt, params, n=3)
+    crowd = Sampler(rand, tok, CPU, seed=99).sample_batch(
+        [
+            (tok.encode("a longer prompt first, so the seeded one is padded"), 4, SamplingParams(max_tokens=20)),
+            (prompt, 3, params),
+            (tok.encode("greedy"), 1, _greedy(3)),
+        ]
+    )[1].sequences
+    assert [s.tokens for s in crowd] == [s.tokens for s in alone]
+    assert len({tuple(s.tokens) for s in alone}) == 3  # each sample index has its own stream
+    other = _one(Sampler(rand, tok, CPU), prompt, SamplingParams(max_tokens=12, seed=8, stop=[]), n=3)
+    assert [s.tokens for s in other] != [s.tokens for s in alone]
+
+
+def test_unseeded_reproducible_from_sampler_seed(rand, tok):
+    def calls(seed):
+        sampler = Sampler(rand, tok, CPU, seed=seed)
+        params = SamplingParams(max_tokens=10, stop=[])
+        return [[s.tokens for s in sampler.sample_batch([([1, 2, 3], 2, params)])[0].sequences] for _ in range(2)]
+
+    first = calls(0)
+    assert first == calls(0) and first != calls(1)
+    assert first[0] != first[1]  # the generator moves on between calls
+
+
+def test_mixed_params_in_one_batch(rand, tok):
+    p1, p2, p3, p4 = tok.encode("one"), tok.encode("prompt two"), tok.encode("3"), tok.encode("four four")
+    requests = [
+        (p1, 1, _greedy(30, stop=[])),
+        (p2, 2, SamplingParams(max_tokens=25, temperature=0.8, top_k=3, stop=[], seed=1)),
+        (p3, 2, SamplingParams(max_tokens=2, top_p=0.3, stop=[])),
+        (p4, 1, SamplingParams(max_tokens=40, temperature=1.3, top_k=10, top_p=0.8, stop=[], seed=2)),
+    ]
+    sampler = Sampler(rand, tok, CPU)
+    outs = sampler.sample_batch(requests)
+    assert [len(o.sequences) for o in outs] == [1, 2, 2, 1]
+    assert [len(s.tokens) for o in outs for s in o.sequences] == [30, 25, 25, 2, 2, 40]
+    # Rows that finish early are dropped mid-decode; the greedy and seeded rows still match running alone.
+    for i in (0, 1, 3):
+        alone = Sampler(rand, tok, CPU).sample_batch([requests[i]])[0]
+        assert [s.tokens for s in alone.sequences] == [s.tokens for s in outs[i].sequences]
+    # Every sampled token lies inside its row's top-k / nucleus.
+    for (prompt, _, params), out in zip(requests[1:], outs[1:]):
+        for s in out.sequences:
+            scaled = _logits(rand, prompt + s.tokens)[len(prompt) - 1 : -1] / params.temperature
+            for step, token in enumerate(s.tokens):
+                order = scaled[step].argsort(descending=True).tolist()
+                allowed = order[: params.top_k] if params.top_k > 0 else order
+                probs = scaled[step][allowed].softmax(-1)
+                before = (probs.cumsum(-1) - probs).tolist()
+                allowed = [t for t, b in zip(allowed, before) if b < params.top_p]
+                assert token in allowed
