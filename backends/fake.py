@@ -100,10 +100,15 @@ class FakeBackend:
         return c
 
     def _store(self, path: str, state: dict[str, np.ndarray]) -> str:
+        # Never overwrite a checkpoint (as the local backend and Tinker): the loop must pick fresh names.
         if self.storage_dir is not None:
             path = str(Path(self.storage_dir) / (path.replace("/", "_") + ".npz"))
+            if Path(path).exists():
+                raise BackendError(f"checkpoint {path} already exists", request="save", user_error=True)
             Path(self.storage_dir).mkdir(parents=True, exist_ok=True)
             np.savez(path, **state)
+        elif path in self.saved:
+            raise BackendError(f"checkpoint {path} already exists", request="save", user_error=True)
         else:
             self.saved[path] = {k: v.copy() for k, v in state.items()}
         return path

@@ -182,9 +182,10 @@ async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm) 
         evaluate = recipe.eval_every > 0 and step % recipe.eval_every == 0
         p = Pending(step, algo.submit(tc, step, batch, adam, evaluate), adam.learning_rate, prepare_s)
         if checkpoint_due(recipe, step, total):  # queued right behind this step's optim_step
-            name = "final" if step == total - 1 else f"{step + 1:06d}"
+            last = step == total - 1
+            name = run.checkpoint_name(step, last)
             # Periodic checkpoints expire (Tinker's ttl_seconds; other backends have none); the final one never.
-            ttl = None if name == "final" else getattr(recipe.backend, "ttl_seconds", None)
+            ttl = None if last else getattr(recipe.backend, "ttl_seconds", None)
             p.save = (name, tc.save_state(name, ttl), tc.save_weights_for_sampler(name, ttl))
             p.state = algo.state()
         pending.append(p)
@@ -196,7 +197,7 @@ async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm) 
 
 
 def checkpoint_due(recipe: Recipe, step: int, total: int) -> bool:
-    """After every save_every steps, and always after the last one. Named by steps done (000020 = after 20)."""
+    """After every save_every steps, and always after the last one."""
     return step == total - 1 or (recipe.save_every > 0 and (step + 1) % recipe.save_every == 0)
 
 

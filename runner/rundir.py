@@ -4,12 +4,16 @@ Layout:
   config.toml         the resolved recipe (loads back with `runner run config.toml#<name>`)
   metrics.jsonl       one row per finished step: {"step", train_mean_nll, optim/lr, ...}
   checkpoints.jsonl   one row per checkpoint: {name, step, next_step, state_path, sampler_path, ...}
+  sessions.jsonl      one row per start or resume: {session, start_step, time}
   checkpoints/        the local backend's saved states (Tinker keeps them on the service)
 
 A checkpoint row is written only after its save finished, and its state is exactly "after step
 `step`" (the loop queues the save right behind that step's optim_step), so resuming at `next_step`
 replays and skips nothing (the cookbook replays 1-2 batches: it records the finished batch and its
 saved state may include later pipelined steps).
+
+A crash can leave a save that finished without its row; backends never overwrite a checkpoint, so
+each session after the first names its checkpoints with a suffix (000040-s2, final-s2).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from runner.errors import UserError
 from runner.log import append_jsonl, read_jsonl, write_jsonl_atomic
 from runner.recipe import Recipe, dump_recipe, load_recipe
 
-CONFIG, METRICS, CHECKPOINTS = "config.toml", "metrics.jsonl", "checkpoints.jsonl"
+CONFIG, METRICS, CHECKPOINTS, SESSIONS = "config.toml", "metrics.jsonl", "checkpoints.jsonl", "sessions.jsonl"
 # Keys that may change between a run and its resumption: extending a run is a new max_steps, and the
 # directory itself is the run's identity.
 RESUMABLE_CHANGES = ("max_steps", "if_exists", "log_dir")
@@ -43,6 +47,8 @@ class RunDir:
     resume: dict[str, Any] | None = None
     # What open_run_dir found, for the dry-run plan and the log.
     note: str = "new"
+    # 1 for the first training session in this dir, n for the n-th (set by begin()).
+    session: int = 1
 
     @property
     def start_step(self) -> int:
@@ -50,9 +56,11 @@ class RunDir:
 
     def begin(self) -> float:
         """Commit to training from start_step: write config.toml, drop metrics rows at or after
-        start_step (backup kept). Returns the time/total already spent before start_step."""
+        start_step (backup kept), record the session. Returns the time/total spent before start_step."""
         self.path.mkdir(parents=True, exist_ok=True)
         _write_atomic(self.path / CONFIG, dump_config(self.name, self.recipe))
+        self.session = len(read_jsonl(self.path / SESSIONS)) + 1
+        append_jsonl(self.path / SESSIONS, {"session": self.session, "start_step": self.start_step, "time": time.time()})
         metrics = self.path / METRICS
         rows = read_jsonl(metrics)
         kept = [r for r in rows if r.get("step", -1) < self.start_step]
@@ -60,6 +68,11 @@ class RunDir:
             shutil.copyfile(metrics, metrics.with_name(f"{METRICS}.pre_resume_{self.start_step:06d}"))
             write_jsonl_atomic(metrics, kept)
         return float(kept[-1].get("time/total", 0.0)) if kept else 0.0
+
+    def checkpoint_name(self, step: int, last: bool) -> str:
+        """Named by steps done (000020 = after 20 steps), "final" after the last one."""
+        base = "final" if last else f"{step + 1:06d}"
+        return base if self.session == 1 else f"{base}-s{self.session}"
 
     def log_metrics(self, row: dict[str, Any]) -> None:
         append_jsonl(self.path / METRICS, row)

@@ -137,7 +137,7 @@ def test_torn_lines_are_tolerated(tmp_path):
     run(recipe, "t", backend=FakeBackend(TOK, storage_dir=store))
     assert [r["step"] for r in metrics(run_dir)] == [0, 1, 2, 3]
     names = [json.loads(line)["name"] for line in (run_dir / "checkpoints.jsonl").read_text().splitlines()]
-    assert names == ["000002", "final"]
+    assert names == ["000002", "final-s2"]  # the second session's names never collide with the first's
 
 
 def test_finished_run_is_a_noop_and_can_be_extended(tmp_path, capsys):
