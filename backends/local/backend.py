@@ -8,7 +8,6 @@ queued request into one batch for backends/local/sampler.py, so sampling overlap
 
 from __future__ import annotations
 
-import copy
 import itertools
 import os
 import tempfile
@@ -158,9 +157,7 @@ class LocalBackend:
             M.load_weights(path, trained)
             return self.sampling_client(M.sampling_copy(trained), path.name)
         if (path / "adapter_config.json").is_file():
-            import peft
-
-            trained = peft.PeftModel.from_pretrained(copy.deepcopy(self.base()), path)
+            trained = M.load_adapter(self.base(), path)
             return self.sampling_client(M.sampling_copy(trained), path.name)
         if (path / "config.json").is_file():  # a full fine-tune's sampler weights
             return self.sampling_client(M.load_base(path, self.device, self.dtype), path.name)

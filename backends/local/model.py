@@ -148,6 +148,15 @@ def make_trainable(base: nn.Module, setup: TrainSetup, seed: int) -> nn.Module:
     return model
 
 
+def load_adapter(base: nn.Module, path: Path) -> nn.Module:
+    """A copy of `base` with the PEFT adapter folder `path` applied (not merged)."""
+    import peft
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")  # see make_trainable
+        return peft.PeftModel.from_pretrained(copy.deepcopy(base), path)
+
+
 def trainable_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) of everything trained, in a fixed order (the optimizer's and the checkpoint's)."""
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
