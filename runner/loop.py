@@ -206,18 +206,21 @@ def checkpoint_due(recipe: Recipe, step: int, total: int) -> bool:
 def print_plan(recipe: Recipe, name: str, run: RunDir, algo: Algorithm) -> None:
     total, start = algo.total_steps, run.start_step
     lrs = [adam_at(recipe, s, total).learning_rate for s in range(total)]
-    saves = [s + 1 for s in range(total) if checkpoint_due(recipe, s, total) and s >= start]
-    evals = [s for s in range(start, total) if recipe.eval_every > 0 and s % recipe.eval_every == 0]
+    todo = range(start, total)
+    saves = [s + 1 for s in todo if checkpoint_due(recipe, s, total)]
+    evals = [s for s in todo if recipe.eval_every > 0 and s % recipe.eval_every == 0]
     lines = [
         f"recipe {name}: {type(recipe.algo).__name__} on {recipe.model!r}, backend {type(recipe.backend).__name__.lower()}",
         f"run dir: {run.path} ({run.note})",
-        f"steps: {total} (from step {start}), depth {recipe.depth} (steps submitted ahead)",
-        f"lr: {type(recipe.schedule).__name__.lower()} schedule, peak {recipe.lr:g}, "
-        f"first {lrs[start] if start < total else 0:.3g}, last {lrs[-1]:.3g}",
+        f"steps: {total}" + (f", resuming at step {start}" if start else "") + f"; depth {recipe.depth} (steps submitted ahead)",
+        f"lr: {type(recipe.schedule).__name__.lower()} schedule, peak {recipe.lr:g}, first {lrs[0]:.3g}, last {lrs[-1]:.3g}",
         *algo.describe(),
-        f"evals before steps: {_short(evals)}" if evals else "evals: none",
-        f"checkpoints after steps: {_short(saves)} (the last is \"final\": state + sampler weights)",
     ]
+    if not todo:
+        lines.append("already finished: nothing to do")
+    else:
+        lines.append(f"evals before steps: {_short(evals)}" if evals else "evals: none")
+        lines.append(f"checkpoints after steps: {_short(saves)} (the last is \"final\": state + sampler weights)")
     print("\n".join(lines))
 
 
