@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -78,7 +79,12 @@ def to_backend_error(exc: BaseException, request: str, key: str) -> BackendError
     """What the SDK gave up on, as one scrubbed line naming the request."""
     if isinstance(exc, BackendError):
         return exc
-    detail = _first_line(_scrub(str(exc) or type(exc).__name__, key))
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, tinker.APIStatusError) and isinstance(exc.body, dict) and exc.body.get("detail"):
+        text = str(exc.body["detail"])  # the server's reason, without the SDK's "Error code: ..." wrapping
+    # RequestFailedError reads "Request failed: <reason> for self.request_id=... and expected type ...".
+    text = re.sub(r" for self\.request_id=.*$", "", text.removeprefix("Request failed: "), flags=re.S)
+    detail = _first_line(_scrub(text, key))
     user = False
     if isinstance(exc, tinker.RequestFailedError):
         user = exc.category == RequestErrorCategory.User
@@ -232,9 +238,9 @@ class TinkerTrainingClient:
         self._key = key
         self._calls: dict[str, int] = {}
 
-    def _request(self, method: str) -> str:
+    def _request(self, method: str, note: str = "") -> str:
         n = self._calls[method] = self._calls.get(method, 0) + 1
-        return f"{method} #{n}"
+        return f"{method} #{n}" + (f" ({note})" if note else "")
 
     def _fb(self, method: str, data: list[Datum], loss_fn: LossFn,
             loss_config: dict[str, float] | None) -> Future[ForwardBackwardOutput]:
@@ -270,11 +276,11 @@ class TinkerTrainingClient:
 
     def save_state(self, name: str, ttl_seconds: int | None = None) -> Future[str]:
         return _wrap(lambda: self._client.save_state(name, ttl_seconds=ttl_seconds), _path,
-                     self._request(f"save_state {name!r}"), self._key)
+                     self._request("save_state", repr(name)), self._key)
 
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None) -> Future[str]:
         return _wrap(lambda: self._client.save_weights_for_sampler(name, ttl_seconds=ttl_seconds), _path,
-                     self._request(f"save_weights_for_sampler {name!r}"), self._key)
+                     self._request("save_weights_for_sampler", repr(name)), self._key)
 
     def save_weights_and_get_sampling_client(self) -> Future[Any]:
         request = self._request("save_weights_and_get_sampling_client")

@@ -357,14 +357,15 @@ class MockTinker:
         rec.status = reply.status
         return reply
 
-    def wait_hint(self, path: str, body: bytes) -> concurrent.futures.Future[Reply] | None:
-        """For a retrieve_future whose result is not ready: the future to long-poll on before answering."""
+    def wait_hint(self, path: str, body: bytes) -> Callable[[], bool] | None:
+        """For a retrieve_future whose result cannot be handed out yet: a predicate to long-poll on
+        (for up to LONG_POLL_S) before answering, as the service holds such polls open."""
         if not path.endswith("/retrieve_future"):
             return None
         with contextlib.suppress(Exception):
             slot = self._slots[json.loads(body)["request_id"]]
             if not self._deliverable(slot):
-                return slot.ready
+                return lambda: self._deliverable(slot)
         return None
 
     def _deliverable(self, slot: _Slot) -> bool:
@@ -679,10 +680,10 @@ def respx_tinker(mock: MockTinker, base_url: str = BASE_URL) -> Iterator[respx.M
     async def side_effect(request: httpx.Request) -> httpx.Response:
         headers = {k.lower(): v for k, v in request.headers.items()}
         args = (request.method, request.url.path, headers, request.content)
-        hint = mock.wait_hint(request.url.path, request.content)
-        if hint is not None:  # long-poll without blocking the SDK's event loop
+        ready = mock.wait_hint(request.url.path, request.content)
+        if ready is not None:  # long-poll without blocking the SDK's event loop
             deadline = time.monotonic() + LONG_POLL_S
-            while not hint.done() and time.monotonic() < deadline:
+            while not ready() and time.monotonic() < deadline:
                 await asyncio.sleep(0.005)
         try:
             reply = mock.handle(*args)

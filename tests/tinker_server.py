@@ -7,10 +7,10 @@ Use: `with serve(MockTinker(engine, pyqwest=True)) as base_url: ...`.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -26,9 +26,11 @@ def _handler_class(mock: MockTinker) -> type[BaseHTTPRequestHandler]:
             body = self.rfile.read(length) if length else b""
             headers = {k.lower(): v for k, v in self.headers.items()}
             path = self.path.split("?", 1)[0]
-            hint = mock.wait_hint(path, body)
-            if hint is not None:  # long-poll: this thread is the request's own
-                concurrent.futures.wait([hint], timeout=LONG_POLL_S)
+            ready = mock.wait_hint(path, body)
+            if ready is not None:  # long-poll: this thread is the request's own
+                deadline = time.monotonic() + LONG_POLL_S
+                while not ready() and time.monotonic() < deadline:
+                    time.sleep(0.005)
             try:
                 reply = mock.handle(self.command, path, headers, body)
             except Dropped:

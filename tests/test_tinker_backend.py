@@ -1,0 +1,383 @@
+"""backends/tinker.py against the real tinker SDK and a mocked service (tests/tinker_mock.py), offline.
+
+Run: python -m pytest tests/test_tinker_backend.py
+"""
+
+from __future__ import annotations
+
+import time
+import types
+
+import numpy as np
+import pytest
+import tinker
+from tinker.lib import internal_client_holder
+from tinker_mock import BASE_URL, MockTinker, NumpyEngine, respx_tinker
+from tinker_server import serve
+
+from backends.base import BackendError
+from backends.tinker import TinkerBackend, to_backend_error
+from runner import recipe
+from runner.errors import UserError
+from runner.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec, OptimStepOutput, SampleOutput, SamplingParams
+
+KEY = "tml-test-SECRET-0123456789"
+MODEL = "Qwen/Qwen3-8B"  # a service model name; the tokenizer is the embedded one
+SPEC = LoraSpec(base_model=MODEL, rank=8, seed=0)
+ADAM = AdamParams(learning_rate=0.05)
+WAIT = 30  # seconds; a hang fails the test instead of the suite
+
+
+@pytest.fixture(autouse=True)
+def env(monkeypatch):
+    monkeypatch.setenv("TINKER_API_KEY", KEY)
+    monkeypatch.setenv("TINKER_BASE_URL", BASE_URL)
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def mock():
+    return MockTinker(NumpyEngine())
+
+
+@pytest.fixture
+def backend(mock):
+    with respx_tinker(mock):
+        be = TinkerBackend(recipe.Tinker(), MODEL, "tiny")
+        try:
+            yield be
+        finally:
+            be.close()  # stops the SDK's heartbeat tasks
+
+
+def sft_datum(seq: list[int], mask: list[float] | None = None) -> Datum:
+    n = len(seq) - 1
+    return Datum(model_input=seq[:-1], target_tokens=np.array(seq[1:]), weights=np.ones(n, np.float32),
+                 mask=None if mask is None else np.array(mask, np.float32))
+
+
+DATA = [sft_datum(list(range(10, 30))), sft_datum([5, 6, 7, 8, 9, 10, 11])]
+
+
+def step(tc, data=DATA):
+    fb, op = tc.forward_backward(data, "cross_entropy"), tc.optim_step(ADAM)
+    return fb.result(WAIT), op.result(WAIT)
+
+
+# ---------------------------------------------------------------- round trip
+
+
+def test_round_trip(backend, mock):
+    tok = backend.get_tokenizer()
+    assert tok.eos_token == "<|im_end|>"
+    tc = backend.create_training_client(SPEC).result(WAIT)
+    losses = []
+    for _ in range(4):
+        fb, op = step(tc)
+        assert isinstance(fb, ForwardBackwardOutput) and isinstance(op, OptimStepOutput)
+        assert [lp.shape for lp in fb.logprobs] == [(19,), (6,)]
+        assert all(isinstance(lp, np.ndarray) and lp.dtype == np.float32 and (lp < 0).all() for lp in fb.logprobs)
+        assert op.metrics["grad_norm:mean"] > 0
+        losses.append(fb.metrics["loss:sum"])
+    assert losses[-1] < losses[0] - 1  # the engine trains: the loss falls
+    # loss:sum is the summed weighted NLL of the logprobs it reports
+    fwd = tc.forward(DATA, "cross_entropy").result(WAIT)
+    assert fwd.metrics["loss:sum"] == pytest.approx(-sum(float(lp.sum()) for lp in fwd.logprobs), rel=1e-5)
+
+    state = tc.save_state("step-4", ttl_seconds=7 * 24 * 3600).result(WAIT)
+    weights = tc.save_weights_for_sampler("step-4").result(WAIT)
+    assert state.startswith("tinker://") and "/weights/step-4" in state
+    assert weights.startswith("tinker://") and "/sampler_weights/step-4" in weights
+    saves = mock.submits("save_weights", "save_weights_for_sampler")
+    assert [r.body.get("ttl_seconds") for r in saves] == [7 * 24 * 3600, None]  # None: never expires
+
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    prompt = tok.encode("hi")
+    for sc in (backend.create_sampling_client(model_path=weights).result(WAIT),
+               tc.save_weights_and_get_sampling_client().result(WAIT),
+               backend.create_sampling_client(base_model=MODEL).result(WAIT)):
+        out = sc.sample(prompt, 3, SamplingParams(max_tokens=6, temperature=1.0, seed=1)).result(WAIT)
+        assert isinstance(out, SampleOutput) and len(out.sequences) == 3
+        for s in out.sequences:
+            assert all(0 <= t < len(tok) for t in s.tokens) and len(s.logprobs) == len(s.tokens)
+            assert (s.stop_reason == "length") == (len(s.tokens) == 6)
+        lps = sc.compute_logprobs([*prompt, 65, 66]).result(WAIT)
+        assert lps[0] is None and len(lps) == len(prompt) + 2 and all(x < 0 for x in lps[1:])
+    # A stop token ends the sample and is included, as on the service.
+    stops = list(range(len(tok)))[:200]
+    out = sc.sample(prompt, 2, SamplingParams(max_tokens=50, stop=stops, seed=3)).result(WAIT)
+    assert all(s.stop_reason == "stop" and s.tokens[-1] in stops for s in out.sequences)
+    out = sc.sample(prompt, 1, SamplingParams(max_tokens=400, seed=0, temperature=5.0)).result(WAIT)
+    assert out.sequences[0].stop_reason == "stop" and out.sequences[0].tokens[-1] == eos
+
+    # The sampler saved at step 4 keeps its weights while training goes on.
+    saved = backend.create_sampling_client(model_path=weights).result(WAIT)
+    before = saved.compute_logprobs(list(range(10, 30))).result(WAIT)
+    step(tc)
+    assert saved.compute_logprobs(list(range(10, 30))).result(WAIT) == before
+
+
+def test_from_state_restores_optimizer(backend):
+    tc = backend.create_training_client(SPEC).result(WAIT)
+    step(tc)
+    step(tc)
+    path = tc.save_state("two").result(WAIT)
+    step(tc)
+    want = tc.forward(DATA, "cross_entropy").result(WAIT).metrics["loss:sum"]
+    resumed = backend.create_training_client_from_state(path, SPEC, with_optimizer=True).result(WAIT)
+    step(resumed)
+    assert resumed.forward(DATA, "cross_entropy").result(WAIT).metrics["loss:sum"] == pytest.approx(want, rel=1e-9)
+    # Weights only: Adam restarts, so the same step lands elsewhere.
+    fresh = backend.create_training_client_from_state(path, SPEC, with_optimizer=False).result(WAIT)
+    step(fresh)
+    assert fresh.forward(DATA, "cross_entropy").result(WAIT).metrics["loss:sum"] != pytest.approx(want, rel=1e-6)
+
+
+def test_mask_is_folded_not_sent(backend, mock):
+    # Tinker has no `mask` input: the adapter zeroes masked weights/advantages instead (the mock
+    # rejects any unknown input key, so a sent mask would fail the request).
+    tc = backend.create_training_client(SPEC).result(WAIT)
+    seq = list(range(40, 52))
+    masked = sft_datum(seq, mask=[0] * 5 + [1] * 6)
+    zeroed = Datum(model_input=seq[:-1], target_tokens=np.array(seq[1:]), weights=np.array([0] * 5 + [1] * 6, np.float32))
+    a, b = (tc.forward([d], "cross_entropy").result(WAIT).metrics["loss:sum"] for d in (masked, zeroed))
+    assert a == pytest.approx(b)
+    lp = tc.forward([zeroed], "cross_entropy").result(WAIT).logprobs[0]
+    rl = Datum(model_input=seq[:-1], target_tokens=np.array(seq[1:]), logprobs=lp, advantages=np.ones(11, np.float32),
+               mask=np.array([0] * 5 + [1] * 6, np.float32))
+    out = tc.forward_backward([rl], "importance_sampling").result(WAIT)
+    assert out.metrics["loss:sum"] == pytest.approx(-6.0, rel=1e-4)  # ratio 1 on the 6 unmasked tokens
+    assert mock.submits("forward_backward")[-1].loss_fn == "importance_sampling"
+
+
+def test_forward_backward_custom(backend, mock):
+    import torch
+
+    tc = backend.create_training_client(SPEC).result(WAIT)
+    seen = []
+
+    def loss_fn(data, logprobs):
+        seen.append(data)
+        loss = sum((-lp * torch.as_tensor(d.weights)).sum() for d, lp in zip(data, logprobs, strict=True))
+        return loss, {"n:sum": float(len(data))}
+
+    out = tc.forward_backward_custom(DATA, loss_fn).result(WAIT)
+    assert seen == [DATA]  # the loss sees our Datums, not tinker's
+    assert out.metrics["n:sum"] == 2 and out.metrics["loss:sum"] == pytest.approx(out.metrics["surrogate_loss:sum"], rel=1e-5)
+    tc.optim_step(ADAM).result(WAIT)
+    fbs = mock.submits("forward_backward", "optim_step")
+    assert [(r.seq_id, r.route, r.forward_only) for r in fbs] == [
+        (1, "forward_backward", True), (2, "forward_backward", False), (3, "optim_step", None)]
+
+
+def test_tokenizer_errors():
+    with pytest.raises(UserError, match=r"set `tokenizer = \.\.\.`"):
+        TinkerBackend(recipe.Tinker(), "no-such-org/no-such-model", None).get_tokenizer()
+    with pytest.raises(UserError, match="tokenizer"):
+        TinkerBackend(recipe.Tinker(), MODEL, "/no/such/tokenizer/dir").get_tokenizer()
+
+
+# ---------------------------------------------------------------- ordering and pipelining
+
+
+def test_submission_order_and_pipelining(backend, mock):
+    tc = backend.create_training_client(SPEC).result(WAIT)
+    # No result is released until all four requests have arrived: if the adapter waited on step 1
+    # before submitting step 2, this would time out.
+    mock.hold_until_submits = 4
+    t0 = time.monotonic()
+    futures = [tc.forward_backward(DATA, "cross_entropy"), tc.optim_step(ADAM),
+               tc.forward_backward(DATA[:1], "cross_entropy"), tc.optim_step(ADAM)]
+    assert time.monotonic() - t0 < 0.5 and not any(f.done() for f in futures)
+    results = [f.result(WAIT) for f in futures]
+    assert results[0].metrics["loss:sum"] > results[2].metrics["loss:sum"]
+    subs = mock.submits("forward_backward", "optim_step")
+    assert [(r.route, r.seq_id) for r in subs] == [
+        ("forward_backward", 1), ("optim_step", 2), ("forward_backward", 3), ("optim_step", 4)]
+    assert [r.n_datums for r in subs if r.route == "forward_backward"] == [2, 1]
+    # back to back: every submit arrived before any result was handed out
+    first_result = min(r.t for r in mock.records if r.route == "retrieve_future" and r.seq_id == 1 and r.status == 200)
+    assert subs[-1].t <= first_result + 1.0  # arrival times; the hold makes the real order certain
+
+
+def test_awaitable_in_asyncio(backend):
+    import asyncio
+
+    tc = backend.create_training_client(SPEC).result(WAIT)
+
+    async def main():
+        fb, op = tc.forward_backward(DATA, "cross_entropy"), tc.optim_step(ADAM)
+        return await fb, await op
+
+    fb, op = asyncio.run(main())
+    assert fb.metrics["loss:sum"] > 0 and "grad_norm:mean" in op.metrics
+
+
+# ---------------------------------------------------------------- faults
+
+
+def test_rides_out_5xx_and_429(backend, mock):
+    tc = backend.create_training_client(SPEC).result(WAIT)
+    sc = tc.save_weights_and_get_sampling_client().result(WAIT)
+    mock.faults.status = {"retrieve_future": [503, 502, 500], "forward_backward": [503], "optim_step": [429],
+                          "asample": [429]}
+    t0 = time.monotonic()
+    fb, op = step(tc)
+    out = sc.sample([1, 2, 3], 1, SamplingParams(max_tokens=3)).result(WAIT)
+    elapsed = time.monotonic() - t0
+    assert fb.metrics["loss:sum"] > 0 and len(out.sequences) == 1
+    assert not any(mock.faults.status.values())  # every injected failure was hit and retried
+    assert elapsed < 10
+    # seq 1 was the sampler snapshot; each retried submit arrived once: no hole, no duplicate
+    assert [r.seq_id for r in mock.submits("forward_backward", "optim_step")] == [2, 3]
+
+
+@pytest.mark.parametrize("category,user", [("user", True), ("server", False)])
+def test_failed_future_is_backend_error(backend, mock, category, user):
+    tc = backend.create_training_client(SPEC).result(WAIT)
+    mock.faults.fail_future["forward_backward"] = (category, "target token 99999 out of vocabulary")
+    t0 = time.monotonic()
+    with pytest.raises(BackendError) as err:
+        tc.forward_backward(DATA, "cross_entropy").result(WAIT)
+    assert time.monotonic() - t0 < 3
+    assert err.value.user_error is user and err.value.request == "forward_backward #1"
+    assert str(err.value).startswith("forward_backward #1: ")
+    assert "target token 99999 out of vocabulary" in str(err.value)
+    assert ("server rejected request" in str(err.value)) is user
+    # The request failed, the client did not: the next step runs (seq 2 follows the failed seq 1).
+    fb, _ = step(tc)
+    assert fb.metrics["loss:sum"] > 0
+
+
+def test_4xx_is_backend_error(backend, mock):
+    tc = backend.create_training_client(SPEC).result(WAIT)
+    mock.faults.status = {"optim_step": [422]}
+    t0 = time.monotonic()
+    fb = tc.forward_backward(DATA, "cross_entropy")
+    with pytest.raises(BackendError) as err:
+        tc.optim_step(ADAM).result(WAIT)
+    assert time.monotonic() - t0 < 3
+    assert err.value.user_error and "optim_step #1: server rejected request (HTTP 422)" in str(err.value)
+    assert fb.result(WAIT).metrics["loss:sum"] > 0
+
+
+def test_poll_rejected_is_backend_error(backend, mock):
+    tc = backend.create_training_client(SPEC).result(WAIT)
+    mock.faults.status = {"retrieve_future": [404]}
+    with pytest.raises(BackendError, match=r"forward_backward #1: bad reply from the server: .*404"):
+        tc.forward_backward(DATA, "cross_entropy").result(WAIT)
+
+
+def fast_backoff(monkeypatch, factor: float = 300.0) -> None:
+    """The SDK gives up on a dead connection after ~10 inner retries (0.5 s doubling to 10 s) inside
+    300 s of outer retries; shrink the inner delays and run the outer clock `factor` times faster."""
+    clock = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
+    clock.time = lambda: time.monotonic() * factor
+    monkeypatch.setattr(internal_client_holder, "time", clock)
+    monkeypatch.setattr(tinker._base_client, "INITIAL_RETRY_DELAY", 0.001)
+    monkeypatch.setattr(tinker._base_client, "MAX_RETRY_DELAY", 0.005)
+
+
+def test_dropped_connection_is_backend_error(backend, mock, monkeypatch):
+    tc = backend.create_training_client(SPEC).result(WAIT)
+    fast_backoff(monkeypatch)
+    mock.faults.drop = {"forward_backward"}
+    t0 = time.monotonic()
+    with pytest.raises(BackendError, match=r"forward_backward #1: could not reach the Tinker service") as err:
+        tc.forward_backward(DATA, "cross_entropy").result(WAIT)
+    assert time.monotonic() - t0 < 8 and not err.value.user_error
+    assert len([r for r in mock.records if r.route == "forward_backward"]) >= 2  # it did retry
+
+
+def test_unreachable_service_at_start(mock, monkeypatch):
+    fast_backoff(monkeypatch)
+    mock.faults.drop = {"*"}
+    with respx_tinker(mock):
+        be = TinkerBackend(recipe.Tinker(), MODEL, "tiny")
+        try:
+            with pytest.raises(BackendError, match="create_training_client 'Qwen/Qwen3-8B'") as err:
+                be.create_training_client(SPEC).result(WAIT)
+            assert KEY not in str(err.value)
+        finally:
+            be.close("errored")
+
+
+# ---------------------------------------------------------------- the key
+
+
+def test_missing_or_malformed_key_fails_before_any_request(mock, monkeypatch):
+    with respx_tinker(mock):
+        monkeypatch.delenv("TINKER_API_KEY")
+        with pytest.raises(UserError, match="set TINKER_API_KEY"):
+            TinkerBackend(recipe.Tinker(), MODEL, "tiny")
+        monkeypatch.setenv("TINKER_API_KEY", "sk-not-a-tinker-key")
+        with pytest.raises(UserError, match="must start with 'tml-'") as err:
+            TinkerBackend(recipe.Tinker(), MODEL, "tiny")
+        assert "sk-not-a-tinker-key" not in str(err.value)
+    assert mock.records == []
+
+
+def test_key_never_in_error_text(backend, mock):
+    tc = backend.create_training_client(SPEC).result(WAIT)
+    assert mock.api_keys == {KEY}  # sent as the X-API-Key header, and only there
+    # A server that echoes the key back in its error still does not get it into our messages.
+    mock.faults.fail_future["forward_backward"] = ("user", f"bad request from key {KEY}")
+    with pytest.raises(BackendError) as err:
+        tc.forward_backward(DATA, "cross_entropy").result(WAIT)
+    assert KEY not in str(err.value) and "tml-***" in str(err.value)
+    assert KEY not in repr(err.value.args)
+    e = to_backend_error(tinker.APIConnectionError(message=f"x {KEY} y", request=None), "r", KEY)  # type: ignore[arg-type]
+    assert KEY not in str(e)
+
+
+# ---------------------------------------------------------------- the real network stack
+
+
+def test_real_http_server_with_pyqwest(mock, monkeypatch):
+    mock.pyqwest = True  # client/config leaves the SDK's default (Rust) transport on
+    with serve(mock) as url:
+        monkeypatch.delenv("TINKER_BASE_URL")
+        be = TinkerBackend(recipe.Tinker(base_url=url), MODEL, "tiny")
+        try:
+            tc = be.create_training_client(SPEC).result(WAIT)
+            losses = [step(tc)[0].metrics["loss:sum"] for _ in range(3)]
+            assert losses[-1] < losses[0]
+            sc = be.create_sampling_client(model_path=tc.save_weights_for_sampler("w").result(WAIT)).result(WAIT)
+            assert len(sc.sample([1, 2], 2, SamplingParams(max_tokens=4)).result(WAIT).sequences) == 2
+            holder = be._service.holder  # the transport really is pyqwest, over a real socket
+
+            async def transport() -> str:
+                with holder.aclient(internal_client_holder.ClientConnectionPoolType.TRAIN) as client:
+                    return type(client._client._transport).__name__
+
+            assert "Pyqwest" in holder.run_coroutine_threadsafe(transport()).result(WAIT)
+        finally:
+            be.close()
+    assert mock.finished == [{"reason": {"type": "success"}, "detail": None}]
+    assert [r.seq_id for r in mock.submits("forward_backward", "optim_step", "save_weights_for_sampler")] == list(range(1, 8))
+
+
+
+def test_error_messages(backend, mock, monkeypatch):
+    """The messages are user interface: one line, the request, what happened, the server's reason."""
+    tc = backend.create_training_client(SPEC).result(WAIT)
+    mock.faults.fail_future["forward_backward"] = ("user", "target token 99999 out of vocabulary")
+    mock.faults.status = {"optim_step": [422]}
+    fast_backoff(monkeypatch)
+    futures = [tc.forward_backward(DATA, "cross_entropy"), tc.optim_step(ADAM)]
+    errors = []
+    for f in futures:
+        with pytest.raises(BackendError) as err:
+            f.result(WAIT)
+        errors.append(str(err.value))
+    mock.faults.drop = {"save_weights"}
+    with pytest.raises(BackendError) as err:
+        tc.save_state("step-3").result(WAIT)
+    errors.append(str(err.value))
+    mock.faults.drop = set()
+    assert errors == [
+        "forward_backward #1: server rejected request: target token 99999 out of vocabulary",
+        "optim_step #1: server rejected request (HTTP 422): injected HTTP 422",
+        "save_state #1 ('step-3'): could not reach the Tinker service after retries: Connection error.",
+    ]
