@@ -385,6 +385,9 @@ def test_tied_unembed_adapter_leaves_base_embeddings(backend, data):
     base_emb = backend.base().get_input_embeddings().weight
     assert torch.equal(sc.model.get_input_embeddings().weight, base_emb)
     assert not torch.equal(sc.model.get_output_embeddings().weight, base_emb)
+    # LoRA clients share the base's frozen tensors: training and merging must leave them as loaded.
+    pristine = M.load_base(TINY_DIR, torch.device("cpu"), torch.float32).state_dict()
+    assert all(torch.equal(t, pristine[n]) for n, t in backend.base().state_dict().items())
 
 
 def test_base_sampling_client_and_batched_requests(backend, data):

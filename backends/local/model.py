@@ -120,11 +120,15 @@ def lora_targets(model: nn.Module, attn: bool, mlp: bool, unembed: bool) -> tupl
 def make_trainable(base: nn.Module, setup: TrainSetup, seed: int) -> nn.Module:
     """A private copy of `base` with its trainable parameters switched on: a peft LoRA model (A seeded by
     `seed` without touching the global RNG; B = 0, so it starts equal to the base), or every weight."""
-    model = copy.deepcopy(base)
     if setup.rank == 0:
+        model = copy.deepcopy(base)
         model.requires_grad_(True)
         return model
     import peft
+
+    # New module tree, same frozen weight tensors: a LoRA client costs only its adapters. Nothing
+    # writes to them (training touches adapters only; sampling_copy merges into a deep copy).
+    model = copy.deepcopy(base, memo={id(t): t for t in (*base.parameters(), *base.buffers())})
 
     config = peft.LoraConfig(
         r=setup.rank,
