@@ -143,6 +143,21 @@ class Pending:
     state: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class Clock:
+    """time/step (finish to finish: the pipelined throughput) and time/total (across sessions)."""
+
+    before: float  # time/total spent by earlier sessions of this run
+    start: float = field(default_factory=time.monotonic)
+    last: float = field(default_factory=time.monotonic)
+
+    def lap(self) -> dict[str, float]:
+        now = time.monotonic()
+        times = {"time/step": now - self.last, "time/total": self.before + now - self.start}
+        self.last = now
+        return times
+
+
 async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm) -> None:
     total, start = algo.total_steps, run.start_step
     if run.resume is not None:  # weights, optimizer moments and Adam's step count
@@ -150,28 +165,10 @@ async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm) 
     else:
         tc = await backend.create_training_client(lora_spec(recipe))
     ctx = Context(backend, tc, backend.get_tokenizer())
-    elapsed_before = run.begin()
+    clock = Clock(before=run.begin())
     progress = Progress(total, start)
-    if start:
+    if run.resume is not None:
         progress.message(f"resuming {run.path} at step {start} (checkpoint {run.resume['name']})")
-    t0 = last_finish = time.monotonic()
-
-    async def finish(p: Pending) -> None:
-        nonlocal last_finish
-        t = time.monotonic()
-        metrics = await algo.finish(p.step, p.submitted)
-        now = time.monotonic()
-        row = {"step": p.step, **metrics, "optim/lr": p.lr, "progress/done_frac": (p.step + 1) / total,
-               "time/prepare": p.prepare_s, "time/wait": now - t, "time/step": now - last_finish,
-               "time/total": elapsed_before + now - t0}
-        last_finish = now
-        run.log_metrics(row)
-        progress.update(p.step, row)
-        if p.save is not None:
-            name, state_path, sampler_path = p.save
-            run.add_checkpoint({"name": name, "step": p.step, "next_step": p.step + 1,
-                                "state_path": await state_path, "sampler_path": await sampler_path,
-                                **p.state, "time": time.time()})
 
     pending: deque[Pending] = deque()
     for step in range(start, total):
@@ -190,10 +187,25 @@ async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm) 
             p.state = algo.state()
         pending.append(p)
         while len(pending) > recipe.depth:
-            await finish(pending.popleft())
+            await finish(pending.popleft(), algo, run, progress, clock, total)
     while pending:
-        await finish(pending.popleft())
+        await finish(pending.popleft(), algo, run, progress, clock, total)
     progress.message(f"done: {total} steps in {run.path}")
+
+
+async def finish(p: Pending, algo: Algorithm, run: RunDir, progress: Progress, clock: Clock, total: int) -> None:
+    """Await a submitted step; write its metrics row, then (once its save is done) its checkpoint row."""
+    t = time.monotonic()
+    metrics = await algo.finish(p.step, p.submitted)
+    row = {"step": p.step, **metrics, "optim/lr": p.lr, "progress/done_frac": (p.step + 1) / total,
+           "time/prepare": p.prepare_s, "time/wait": time.monotonic() - t, **clock.lap()}
+    run.log_metrics(row)
+    progress.update(p.step, row)
+    if p.save is not None:
+        name, state_path, sampler_path = p.save
+        run.add_checkpoint({"name": name, "step": p.step, "next_step": p.step + 1,
+                            "state_path": await state_path, "sampler_path": await sampler_path,
+                            **p.state, "time": time.time()})
 
 
 def checkpoint_due(recipe: Recipe, step: int, total: int) -> bool:
