@@ -221,3 +221,22 @@ def test_sft_through_the_tinker_sdk(tmp_path, monkeypatch):
     # Per step the service saw forward_backward then optim_step, in seq_id order, 6 steps in all.
     routes = [r.route for r in mock.submits("forward_backward", "forward", "optim_step")]
     assert routes.count("optim_step") == 6
+
+
+def test_progress_line():
+    import io
+
+    from runner.log import Progress
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty, plain = Tty(), io.StringIO()
+    for stream in (tty, plain):
+        p = Progress(total=3, start=0, stream=stream, every=3600)
+        for step in range(3):
+            p.update(step, {"train_mean_nll": 2.0 - step})
+    assert tty.getvalue().count("\r\033[K") == 3 and tty.getvalue().endswith("loss 0.0000  eta 0m00s\n")
+    # Not a terminal: the first line, then one per `every` seconds, and always the last.
+    assert plain.getvalue().splitlines() == ["step 1/3  loss 2.0000  eta 0m00s", "step 3/3  loss 0.0000  eta 0m00s"]
