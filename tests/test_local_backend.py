@@ -407,6 +407,26 @@ def test_base_sampling_client_and_batched_requests(backend, data):
         backend.create_sampling_client(base_model="Qwen/Qwen3-8B").result()
 
 
+def test_dropped_sampling_client_is_freed(backend, data, monkeypatch):
+    import gc
+    import time
+    import weakref
+
+    from backends.local import worker
+
+    monkeypatch.setattr(worker, "IDLE_EXIT_S", 0.05)
+    tc = backend.create_training_client(SPEC).result()
+    sc = tc.save_weights_and_get_sampling_client().result()
+    sc.compute_logprobs(data[0].full_sequence).result()
+    ref = weakref.ref(sc.model)
+    del sc
+    deadline = time.monotonic() + 5
+    while ref() is not None and time.monotonic() < deadline:  # its worker thread exits when idle
+        time.sleep(0.05)
+        gc.collect()
+    assert ref() is None
+
+
 # ---------------------------------------------------------------- determinism, full fine-tune
 
 
