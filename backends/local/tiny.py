@@ -7,7 +7,10 @@ Everything is built in code (no hub download), so tests and the local backend ru
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -16,6 +19,7 @@ TINY_DIR: Path = Path(__file__).parent / "assets" / "tiny"
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIALS = (PAD, IM_START, IM_END)
+BUILD_STEPS = 1500
 
 # Qwen's ChatML template, minus tools/thinking: every message is "<|im_start|>{role}\n{content}<|im_end|>\n".
 CHAT_TEMPLATE = (
@@ -104,3 +108,350 @@ def _save(model, tok, path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
+
+
+# ---------------------------------------------------------------- synthetic pre-training data
+# Each task returns (user prompt, assistant answer). Strings are random letters so the model learns
+# the operation, not a word list.
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+SYSTEMS = ("You are a helpful assistant.", "You are a concise assistant.", "Answer briefly.")
+UPPER_SYSTEM = "Always answer in uppercase."
+
+
+def _word(rng: random.Random, lo: int = 3, hi: int = 8) -> str:
+    return "".join(rng.choice(LETTERS) for _ in range(rng.randint(lo, hi)))
+
+
+def _string_task(rng: random.Random) -> tuple[str, str]:
+    s = _word(rng)
+    kind = rng.randrange(7)
+    if kind == 0:
+        return rng.choice((f"Repeat: {s}", f"Say {s}.")), s
+    if kind == 1:
+        return rng.choice((f"Reverse: {s}", f"Write {s} backwards.")), s[::-1]
+    if kind == 2:
+        return rng.choice((f"Uppercase: {s}", f"Write {s} in capital letters.")), s.upper()
+    if kind == 3:
+        return rng.choice((f"How many characters are in {s}?", f"Length of {s}?")), str(len(s))
+    if kind == 4:
+        return rng.choice((f"Sort the letters: {s}", f"Sort {s} alphabetically.")), "".join(sorted(s))
+    if kind == 5:
+        return f"What is the first letter of {s}?", s[0]
+    return f"What is the last letter of {s}?", s[-1]
+
+
+def _short_task(rng: random.Random) -> tuple[str, str]:
+    n = rng.randint(0, 99)
+    kind = rng.randrange(4)
+    if kind == 0:
+        return f"What comes after {n}?", str(n + 1)
+    if kind == 1:
+        return f"Is {n} even or odd?", "even" if n % 2 == 0 else "odd"
+    if kind == 2:
+        a, b = rng.sample(range(100), 2)
+        return f"Which is larger, {a} or {b}?", str(max(a, b))
+    return rng.choice((("Hello!", "Hello! How can I help?"), ("Thanks!", "You are welcome."),
+                       ("Who are you?", "I am a small assistant."), ("Say yes.", "yes"), ("Say no.", "no")))
+
+
+def arithmetic_prompt(x: int, y: int) -> str:
+    """The RL environment's prompt; the answer is just the integer x + y."""
+    return f"What is {x} + {y}?"
+
+
+def _arith_task(rng: random.Random, wide_frac: float) -> tuple[str, str]:
+    # Small operands are learned fully; wide ones (the RL distribution) only partly, which leaves RL
+    # something to improve. wide_frac sets how much of the wide range pre-training sees.
+    hi = 99 if rng.random() < wide_frac else 9
+    x, y = rng.randint(0, hi), rng.randint(0, hi)
+    return arithmetic_prompt(x, y), str(x + y)
+
+
+def pretrain_conversation(rng: random.Random, arith_frac: float = 0.35, wide_frac: float = 0.3) -> list[dict]:
+    """One synthetic chat: 1-3 turns, sometimes with a system message (which may ask for uppercase)."""
+    messages: list[dict] = []
+    upper = False
+    r = rng.random()
+    if r < 0.1:
+        messages.append({"role": "system", "content": UPPER_SYSTEM})
+        upper = True
+    elif r < 0.3:
+        messages.append({"role": "system", "content": rng.choice(SYSTEMS)})
+    # Mostly single turns: multi-turn chats are long, and pre-training time is the budget that matters.
+    turns = 1 if rng.random() < 0.85 else rng.choice((2, 2, 3))
+    for _ in range(turns):
+        r = rng.random()
+        if r < arith_frac:
+            user, answer = _arith_task(rng, wide_frac)
+        elif r < arith_frac + (1 - arith_frac) * 0.7:
+            user, answer = _string_task(rng)
+        else:
+            user, answer = _short_task(rng)
+        messages.append({"role": "user", "content": user})
+        messages.append({"role": "assistant", "content": answer.upper() if upper else answer})
+    return messages
+
+
+def render_chat(tok, messages: list[dict]) -> tuple[list[int], list[float]]:
+    """ChatML tokens of a conversation and per-token weights: 1 on assistant content and its <|im_end|>
+    (what the model must produce), 0 elsewhere. Byte-level, so segments tokenize independently."""
+    ids: list[int] = []
+    weights: list[float] = []
+    start, end, nl = tok.convert_tokens_to_ids([IM_START, IM_END, "Ċ"])
+    for m in messages:
+        head = [start, *tok.encode(m["role"] + "\n", add_special_tokens=False)]
+        body = [*tok.encode(m["content"], add_special_tokens=False), end]
+        w = 1.0 if m["role"] == "assistant" else 0.0
+        ids += head + body + [nl]
+        weights += [0.0] * len(head) + [w] * len(body) + [0.0]
+    return ids, weights
+
+
+# ---------------------------------------------------------------- pre-training (plain torch, full fine-tune)
+
+def _batches(tok, rng: random.Random, batch: int, n_batches: int, **mix) -> list[tuple]:
+    """n_batches batches of rendered chats; drawn together and sorted by length so padding stays small."""
+    import torch
+
+    rows = [render_chat(tok, pretrain_conversation(rng, **mix)) for _ in range(batch * n_batches)]
+    rows.sort(key=lambda r: len(r[0]))
+    out = []
+    pad = tok.pad_token_id
+    for i in range(0, len(rows), batch):
+        chunk = rows[i : i + batch]
+        n = max(len(ids) for ids, _ in chunk)
+        ids_BT = torch.tensor([ids + [pad] * (n - len(ids)) for ids, _ in chunk])
+        w_BT = torch.tensor([w + [0.0] * (n - len(w)) for _, w in chunk])
+        out.append((ids_BT, w_BT))
+    rng.shuffle(out)
+    return out
+
+
+def pretrain(out: Path, steps: int = 1500, seed: int = 0, batch: int = 32, lr: float = 3e-3,
+             arith_frac: float = 0.4, wide_frac: float = 0.5, log_every: int = 100, threads: int = 2,
+             callback: Callable[[int, Any], None] | None = None) -> Path:
+    """Full fine-tune of a random tiny model on synthetic chats; loss on assistant tokens only.
+    `callback(step, model)` runs after each logged step (used to pick BUILD_STEPS)."""
+    import time
+
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    tok = build_tokenizer()
+    model = transformers.AutoModelForCausalLM.from_config(build_config(tok))
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    # Warmup, then constant: every prefix of a run is itself a complete build, so one long run with
+    # evaluations shows which step count gives the wanted (partial) arithmetic accuracy.
+    warmup = 50
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+    queue: list[tuple] = []
+    t0, total = time.time(), 0.0
+    for step in range(steps):
+        if not queue:
+            queue = _batches(tok, rng, batch, 8, arith_frac=arith_frac, wide_frac=wide_frac)
+        ids_BT, w_BT = queue.pop()
+        # bf16 autocast: ~1.5x faster than fp32 on this CPU; weights and optimizer stay fp32.
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits_BTV = model(input_ids=ids_BT[:, :-1]).logits
+        nll_BT = torch.nn.functional.cross_entropy(
+            logits_BTV.float().transpose(1, 2), ids_BT[:, 1:], reduction="none"
+        )
+        w = w_BT[:, 1:]
+        loss = (nll_BT * w).sum() / w.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        total += loss.item()
+        if (step + 1) % log_every == 0:
+            model.eval()
+            acc = eval_arithmetic(model, tok, n=200)["accuracy"]
+            model.train()
+            print(f"step {step + 1}/{steps} loss {total / log_every:.4f} arithmetic greedy accuracy {acc:.3f} "
+                  f"({time.time() - t0:.0f}s)", flush=True)
+            total = 0.0
+            if callback is not None:
+                callback(step + 1, model)
+    model.eval()
+    _save(model, tok, Path(out))
+    return Path(out)
+
+
+def generate(model, tok, prompts: list[list[dict]], temperature: float = 0.0, max_new: int = 8,
+             seed: int = 0) -> list[tuple[str, bool]]:
+    """Replies (text, ended_with_eos) to chat prompts; greedy when temperature is 0. No KV cache: the
+    replies are a few tokens, so re-running the short prompt is cheaper than the bookkeeping."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    eos = tok.eos_token_id
+    encoded = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    encoded = [tok.encode(e, add_special_tokens=False) for e in encoded]
+    results: list[tuple[str, bool]] = [("", False)] * len(prompts)
+    by_len: dict[int, list[int]] = {}
+    for i, ids in enumerate(encoded):
+        by_len.setdefault(len(ids), []).append(i)
+    with torch.no_grad():
+        for idx in by_len.values():
+            seq_BT = torch.tensor([encoded[i] for i in idx])
+            done_B = torch.zeros(len(idx), dtype=torch.bool)
+            out_BT = []
+            for _ in range(max_new):
+                logits_BV = model(input_ids=seq_BT).logits[:, -1].float()
+                if temperature == 0:
+                    nxt_B = logits_BV.argmax(-1)
+                else:
+                    nxt_B = torch.multinomial(torch.softmax(logits_BV / temperature, -1), 1, generator=gen)[:, 0]
+                nxt_B = torch.where(done_B, torch.full_like(nxt_B, eos), nxt_B)
+                out_BT.append(nxt_B)
+                done_B |= nxt_B == eos
+                seq_BT = torch.cat([seq_BT, nxt_B[:, None]], 1)
+                if done_B.all():
+                    break
+            for row, i in enumerate(idx):
+                toks = [int(t[row]) for t in out_BT]
+                ended = eos in toks
+                toks = toks[: toks.index(eos)] if ended else toks
+                results[i] = (tok.decode(toks), ended)
+    return results
+
+
+def eval_arithmetic(model, tok, n: int = 400, hi: int = 99, temperature: float = 0.0, seed: int = 1) -> dict:
+    """Accuracy, format rate (integer reply ending in <|im_end|>) and mean RL reward
+    (correct + 0.1 * (format_ok - 1)) on x, y uniform in [0, hi]."""
+    rng = random.Random(seed)
+    pairs = [(rng.randint(0, hi), rng.randint(0, hi)) for _ in range(n)]
+    replies = generate(model, tok, [[{"role": "user", "content": arithmetic_prompt(x, y)}] for x, y in pairs],
+                       temperature=temperature, seed=seed)
+    correct = fmt = 0.0
+    for (x, y), (text, ended) in zip(pairs, replies):
+        ok = ended and text.strip().lstrip("-").isdigit()
+        fmt += ok
+        correct += ok and int(text) == x + y
+    return {"accuracy": correct / n, "format": fmt / n, "reward": (correct + 0.1 * (fmt - n)) / n}
+
+
+# ---------------------------------------------------------------- shipped SFT / DPO data (examples/data/)
+# The SFT task is new to the pre-trained model: facts about a made-up world, Veloria, told by a persona.
+# Pre-training never shows these words, so SFT has a lot to learn and its loss drop is easy to see.
+
+PERSONA = "You are Pip, the guide of Veloria."
+CREATURES = ("zorbit", "mellow", "quastle", "fennip", "glimmerhorn", "trundle", "skarr", "oomph",
+             "vexle", "brindle", "plunk", "wisp", "drako", "nubbin", "toller", "yarrow")
+COLORS = ("blue", "green", "silver", "orange", "purple", "golden", "red", "white")
+PLACES = ("the Misty Hills", "Lake Orro", "the Glass Forest", "Ember Valley", "the Salt Caves", "Port Lumen")
+FOODS = ("moonberries", "river stones", "sugar moss", "copper leaves", "cloud fruit", "tiny fish")
+
+
+def _world(rng: random.Random) -> dict[str, dict[str, str]]:
+    return {c: {"color": rng.choice(COLORS), "home": rng.choice(PLACES), "food": rng.choice(FOODS),
+                "legs": str(rng.choice((2, 4, 6, 8)))} for c in CREATURES}
+
+
+def _fact_qa(rng: random.Random, world: dict, creature: str, attr: str) -> tuple[str, str, str]:
+    """(question, true answer, a wrong answer) about one attribute of one creature."""
+    f = world[creature]
+    wrong = {"color": COLORS, "home": PLACES, "food": FOODS, "legs": ("2", "4", "6", "8")}[attr]
+    bad = rng.choice([v for v in wrong if v != f[attr]])
+    an = "an" if creature[0] in "aeiou" else "a"
+    q, a = {
+        "color": (rng.choice((f"What color is {an} {creature}?", f"Which color are {creature}s?")), "{An} {c} is {v}."),
+        "home": (rng.choice((f"Where does the {creature} live?", f"Where can I find {an} {creature}?")),
+                 "The {c} lives in {v}."),
+        "food": (rng.choice((f"What does {an} {creature} eat?", f"What do {creature}s like to eat?")),
+                 "{An} {c} eats {v}."),
+        "legs": (rng.choice((f"How many legs does {an} {creature} have?", f"Count the legs of {an} {creature}.")),
+                 "{An} {c} has {v} legs."),
+    }[attr]
+    return q, a.format(An=an.title(), c=creature, v=f[attr]), a.format(An=an.title(), c=creature, v=bad)
+
+
+def sft_conversations(n: int = 480, seed: int = 0) -> list[dict]:
+    """Chats about Veloria: 1-3 fact questions, half with Pip's persona as the system message."""
+    rng = random.Random(seed)
+    world = _world(random.Random(1234))  # the world is fixed; `seed` only changes which questions are asked
+    rows = []
+    for _ in range(n):
+        messages: list[dict] = []
+        if rng.random() < 0.5:
+            messages.append({"role": "system", "content": PERSONA})
+        if rng.random() < 0.15:
+            messages += [{"role": "user", "content": rng.choice(("Who are you?", "Hello! Who is this?"))},
+                         {"role": "assistant", "content": "I am Pip, the guide of Veloria. Ask me about its creatures."}]
+        for _ in range(1 if rng.random() < 0.6 else rng.randint(2, 3)):
+            q, a, _ = _fact_qa(rng, world, rng.choice(CREATURES), rng.choice(("color", "home", "food", "legs")))
+            messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        rows.append({"messages": messages})
+    return rows
+
+
+def preference_rows(n: int = 200, seed: int = 0) -> list[dict]:
+    """DPO pairs: chosen is correct and concise; rejected is wrong, or right but padded with filler."""
+    rng = random.Random(seed)
+    world = _world(random.Random(1234))
+    filler = ("Well, that is a great question, let me think about it carefully. ", "Hmm, I believe that ",
+              "Let me see. After some thought, ")
+    rows = []
+    for i in range(n):
+        prompt: list[dict] = [{"role": "system", "content": PERSONA}] if rng.random() < 0.3 else []
+        if i % 2 == 0:
+            x, y = rng.randint(0, 99), rng.randint(0, 99)
+            q, good = arithmetic_prompt(x, y), str(x + y)
+            bad = str(x + y + rng.choice((-10, -2, -1, 1, 2, 10))) if rng.random() < 0.5 else rng.choice(filler) + good
+        else:
+            q, good, wrong = _fact_qa(rng, world, rng.choice(CREATURES), rng.choice(("color", "home", "food", "legs")))
+            bad = wrong if rng.random() < 0.5 else rng.choice(filler) + good[0].lower() + good[1:]
+        prompt.append({"role": "user", "content": q})
+        rows.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": good}],
+                     "rejected": [{"role": "assistant", "content": bad}]})
+    return rows
+
+
+def write_data(out_dir: Path) -> list[Path]:
+    """Write chat_sft.jsonl and preferences.jsonl (deterministic)."""
+    import json
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {"chat_sft.jsonl": sft_conversations(), "preferences.jsonl": preference_rows()}
+    for name, rows in files.items():
+        with open(out_dir / name, "w") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    return [out_dir / name for name in files]
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import time
+
+    repo = Path(__file__).resolve().parents[2]
+    p = argparse.ArgumentParser(prog="python -m backends.local.tiny")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="pre-train the shipped checkpoint from scratch")
+    b.add_argument("--out", type=Path, default=TINY_DIR)
+    b.add_argument("--steps", type=int, default=BUILD_STEPS)
+    b.add_argument("--seed", type=int, default=0)
+    d = sub.add_parser("data", help="write the example SFT and preference data")
+    d.add_argument("--out", type=Path, default=repo / "examples" / "data")
+    args = p.parse_args(argv)
+    if args.cmd == "data":
+        for path in write_data(args.out):
+            print(path)
+        return
+    t0 = time.time()
+    out = pretrain(args.out, steps=args.steps, seed=args.seed)
+    print(f"saved {out} in {time.time() - t0:.0f}s")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    for temperature in (0.0, 1.0):
+        wide = eval_arithmetic(model, tok, temperature=temperature)
+        small = eval_arithmetic(model, tok, hi=9, n=100, temperature=temperature)
+        print(f"T={temperature}: x,y in [0,99] {wide}; x,y in [0,9] {small}")
+
+
+if __name__ == "__main__":
+    main()
