@@ -258,7 +258,10 @@ class Faults:
     # route -> HTTP statuses to answer its next requests with, one each (e.g. {"optim_step": [503]}).
     status: dict[str, list[int]] = field(default_factory=dict)
     # route -> (category, message): the next future of that route fails ("user" | "server" | "unknown").
+    # forward_backward requests with forward_only count as route "forward" here.
     fail_future: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # route -> (n, category, message): let n more futures of that route through, then fail one.
+    fail_after: dict[str, tuple[int, str, str]] = field(default_factory=dict)
     # routes whose requests fail with a dropped connection; "*" drops everything. Not consumed.
     drop: set[str] = field(default_factory=set)
     # extra headers on injected statuses; a small retry-after-ms keeps the SDK's inner retries fast.
@@ -423,6 +426,13 @@ class MockTinker:
         with self._lock:
             self._slots[rid] = slot
             failure = self.faults.fail_future.pop(route, None)
+            if route in self.faults.fail_after:
+                n, category, message = self.faults.fail_after[route]
+                if n == 0:
+                    failure = (category, message)
+                    del self.faults.fail_after[route]
+                else:
+                    self.faults.fail_after[route] = (n - 1, category, message)
         if failure is not None:
             slot.ready.set_result(Reply.json({"error": failure[1], "category": failure[0]}))
         return slot, Reply.json({"request_id": rid, **(extra or {})})
@@ -528,7 +538,7 @@ class MockTinker:
         cfg = {k: v.number for k, v in msg.loss_fn_config_v2.items()} or dict(msg.loss_fn_config)
         rec.model_id, rec.seq_id, rec.loss_fn = msg.model_id, msg.seq_id, msg.loss_fn
         rec.n_datums, rec.forward_only = len(data), msg.forward_only
-        slot, reply = self._promise("forward_backward", msg.seq_id)
+        slot, reply = self._promise("forward" if msg.forward_only else "forward_backward", msg.seq_id)
         method = "forward" if msg.forward_only else "forward_backward"
         self._enqueue(msg.model_id, msg.seq_id, slot,
                       lambda tc: (getattr(tc, method)(data, msg.loss_fn, cfg or None), fb_reply))
@@ -561,7 +571,9 @@ class MockTinker:
         path = f"tinker://{model_id}/{kind}/{name}"
 
         def named(tc: Any) -> tuple[Future[Any], Callable[[Any], Reply]]:
-            fut = tc.save_state(name) if kind == "weights" else tc.save_weights_for_sampler(name)
+            # Names are per model on the service; an engine may keep one flat folder of them.
+            flat = f"{model_id.replace(':', '_')}_{name}"
+            fut = tc.save_state(flat) if kind == "weights" else tc.save_weights_for_sampler(flat)
 
             def to_reply(engine_path: str) -> Reply:
                 with self._lock:
@@ -629,7 +641,7 @@ def _tensor(msg: Any) -> np.ndarray:
         for i in range(shape[0]):
             dense[i, col[crow[i]:crow[i + 1]]] = vals[crow[i]:crow[i + 1]]
         return dense
-    arr = np.frombuffer(msg.dense, dtype=dtype)
+    arr = np.frombuffer(msg.dense, dtype=dtype).copy()  # writable, as an engine may hand it to torch
     return arr.reshape(shape) if shape else arr
 
 

@@ -1,0 +1,185 @@
+"""The same loop tests on both backends.
+
+`local` is backends/local in process. `tinker` is backends/tinker.py driving the real tinker SDK
+against tests/tinker_mock.py, whose engine is a LocalBackend on the same tiny model: every byte
+crosses the SDK's protobuf/JSON wire and the service's promise/poll/seq-id machinery, yet the math
+is the local backend's, so the two must agree number for number.
+
+Run: python -m pytest tests/test_backends_shared.py   (about a minute on 2 cores)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from tinker_mock import BASE_URL, MockTinker, respx_tinker
+
+from backends.base import BackendError, Future
+from backends.local.tiny import sft_conversations
+from runner.errors import UserError
+from runner.loop import run
+from runner.recipe import Local, Recipe
+
+STEPS = 4
+
+
+@dataclass
+class Service:
+    kind: str
+    mock: MockTinker | None = None
+
+
+def start(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stack: Any) -> Service:
+    if kind == "local":
+        return Service(kind)
+    from backends.local import LocalBackend
+
+    monkeypatch.setenv("TINKER_API_KEY", "tml-test-shared")
+    monkeypatch.setenv("TINKER_BASE_URL", BASE_URL)
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    engine = LocalBackend(Local(device="cpu"), "tiny", None, tmp_path / "service", seed=0)
+    stack.callback(engine.close)
+    mock = MockTinker(engine)
+    stack.enter_context(respx_tinker(mock))
+    return Service(kind, mock)
+
+
+@pytest.fixture
+def stack():
+    import contextlib
+
+    with contextlib.ExitStack() as s:
+        yield s
+
+
+@pytest.fixture(params=["local", "tinker"])
+def service(request, tmp_path, monkeypatch, stack) -> Service:
+    return start(request.param, tmp_path, monkeypatch, stack)
+
+
+def recipe_for(tmp_path: Path, kind: str, run_dir: str, **over: Any) -> Recipe:
+    data = tmp_path / "chat.jsonl"
+    if not data.exists():
+        data.write_text("".join(json.dumps(r) + "\n" for r in sft_conversations(24, seed=1)))
+    backend = {"kind": "local", "device": "cpu"} if kind == "local" else {"kind": "tinker"}
+    return msgspec.convert({
+        "algo": {"kind": "sft", "data": {"kind": "jsonl", "path": str(data)}, "batch_size": 4, "test_size": 4,
+                 "max_length": 96},
+        "lr": 5e-3, "lora": {"rank": 4}, "max_steps": STEPS, "eval_every": 2, "save_every": 2, "depth": 2,
+        "backend": backend, "log_dir": str(tmp_path / run_dir), **over,
+    }, Recipe)
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def checkpoints(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "checkpoints.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_sft_learns_and_checkpoints(service, tmp_path):
+    run(recipe_for(tmp_path, service.kind, "run"), "r")
+    rows = metrics(tmp_path / "run")
+    nll = [r["train_mean_nll"] for r in rows]
+    assert len(rows) == STEPS and nll[-1] < nll[0], nll
+    test = [r["test/nll"] for r in rows if "test/nll" in r]
+    assert len(test) == 2 and test[1] < test[0], test
+    ckpts = checkpoints(tmp_path / "run")
+    assert [c["next_step"] for c in ckpts] == [2, 4]
+    if service.kind == "local":
+        assert all(Path(c["state_path"]).exists() for c in ckpts)
+        return
+    mock = service.mock
+    assert all(c["state_path"].startswith("tinker://") and "/weights/" in c["state_path"] for c in ckpts)
+    assert all(c["sampler_path"].startswith("tinker://") and "/sampler_weights/" in c["sampler_path"] for c in ckpts)
+    # One FIFO on the service: every training request in seq order, none lost, none repeated.
+    training = mock.submits("forward_backward", "optim_step", "save_weights", "save_weights_for_sampler")
+    assert [r.seq_id for r in training] == list(range(1, len(training) + 1))
+    kinds = ["forward" if r.forward_only else r.route for r in training]
+    assert kinds.count("forward_backward") == kinds.count("optim_step") == STEPS
+    # fb and optim of a step go back to back; the periodic save is the final one's TTL'd sibling.
+    assert all(kinds[i + 1] == "optim_step" for i, k in enumerate(kinds) if k == "forward_backward")
+    ttls = [r.body.get("ttl_seconds") for r in training if r.route == "save_weights"]
+    assert ttls == [7 * 24 * 3600, None]
+    assert mock.finished[-1]["reason"] == {"type": "success"}
+
+
+def test_tinker_matches_local(tmp_path, monkeypatch, stack):
+    """Same recipe, same seed, same math: the Tinker wire changes nothing in the numbers."""
+    run(recipe_for(tmp_path, "local", "local"), "r")
+    start("tinker", tmp_path, monkeypatch, stack)
+    run(recipe_for(tmp_path, "tinker", "tinker"), "r")
+    assert metrics(tmp_path / "tinker") == metrics(tmp_path / "local")
+
+
+class FailingBackend:
+    """The local backend, except that its n-th forward_backward fails as a service would report it."""
+
+    def __init__(self, inner: Any, fail_after: int):
+        self.inner, self.fail_after = inner, fail_after
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def create_training_client(self, spec):
+        return self.inner.create_training_client(spec).map(lambda tc: FailingClient(tc, self.fail_after))
+
+
+class FailingClient:
+    def __init__(self, inner: Any, left: int):
+        self.inner, self.left = inner, left
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def forward_backward(self, *args, **kwargs):
+        self.left -= 1
+        if self.left < 0:  # as a service failure arrives: through the future, not at submit
+            failed: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            failed.set_exception(BackendError("forward_backward #4: request failed on the server: worker lost",
+                                              "forward_backward #4"))
+            return Future(failed)
+        return self.inner.forward_backward(*args, **kwargs)
+
+
+def test_backend_failure_keeps_checkpoint_and_resumes(service, tmp_path):
+    run(recipe_for(tmp_path, service.kind, "straight"), "r")
+    want = metrics(tmp_path / "straight")
+
+    recipe = recipe_for(tmp_path, service.kind, "crashed")
+    backend = None
+    if service.kind == "local":
+        from backends.local import LocalBackend
+
+        inner = LocalBackend(recipe.backend, recipe.model, recipe.tokenizer, tmp_path / "crashed" / "checkpoints")
+        backend = FailingBackend(inner, fail_after=3)
+    else:
+        service.mock.faults.fail_after["forward_backward"] = (3, "server", "worker lost")
+    with pytest.raises(BackendError, match="forward_backward #4: request failed on the server: worker lost"):
+        run(recipe, "r", backend=backend)
+    # Steps before the failure are logged, their checkpoint is recorded and usable; nothing after it.
+    ckpts = checkpoints(tmp_path / "crashed")
+    assert [c["next_step"] for c in ckpts] == [2]
+    assert len(metrics(tmp_path / "crashed")) == STEPS - 1
+    if service.mock is not None:
+        assert service.mock.finished[-1]["reason"] == {"type": "errored"}
+    run(recipe, "r")  # resumes from the checkpoint on a fresh backend (a new session on the service)
+    assert metrics(tmp_path / "crashed") == want
+
+
+def test_user_category_failure_is_a_user_error(tmp_path, monkeypatch, stack):
+    """What the service rejects as the user's fault ends the run as a one-line UserError (exit 2)."""
+    svc = start("tinker", tmp_path, monkeypatch, stack)
+    svc.mock.faults.fail_after["forward_backward"] = (1, "user", "sequence longer than the model's context")
+    with pytest.raises(UserError, match="forward_backward #2.*server rejected request: sequence longer"):
+        run(recipe_for(tmp_path, "tinker", "run"), "r")
+
