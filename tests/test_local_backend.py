@@ -168,16 +168,16 @@ def test_optim_step_matches_adamw_by_hand(backend, data):
         assert out.metrics["grad_norm:mean"] == pytest.approx(norm, rel=1e-5)
         assert norm > params.grad_clip_norm  # the clip is exercised
         scale = params.grad_clip_norm / (norm + 1e-6)  # torch's clip_grad_norm_ formula
-        for n in w:
-            gn = g[n] * scale
+        for n, gn in g.items():
+            gn = gn * scale
             m[n] = params.beta1 * m[n] + (1 - params.beta1) * gn
             v2[n] = params.beta2 * v2[n] + (1 - params.beta2) * gn**2
             mhat, vhat = m[n] / (1 - params.beta1**t), v2[n] / (1 - params.beta2**t)
             w[n] = w[n] * (1 - params.learning_rate * params.weight_decay)
             w[n] = w[n] - params.learning_rate * mhat / (np.sqrt(vhat) + params.eps)
     got = _weights(tc)
-    for n in w:
-        np.testing.assert_allclose(got[n].double().numpy(), w[n], atol=1e-6, rtol=1e-5)
+    for n, want in w.items():
+        np.testing.assert_allclose(got[n].double().numpy(), want, atol=1e-6, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- custom losses
@@ -336,6 +336,9 @@ def test_resume_continues_bit_identically(backend, data, tmp_path):
 
     with pytest.raises(BackendError, match="rank=4"):
         backend.create_training_client_from_state(path, LoraSpec("tiny", rank=8)).result()
+    with pytest.raises(BackendError, match="not a local save_state checkpoint") as e:
+        backend.create_training_client_from_state(str(tmp_path / "nope"), SPEC).result()
+    assert e.value.user_error
 
 
 @pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")

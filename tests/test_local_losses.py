@@ -23,7 +23,7 @@ def _inputs(mask: bool, k: int | None = None):
 
 
 def _torch_loss(loss_fn, lp, q, adv, w, m, config):
-    t = lambda x: None if x is None else torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    t = lambda x: None if x is None else torch.tensor(x, dtype=torch.float64)
     lp_t = torch.tensor(lp, dtype=torch.float64, requires_grad=True)
     inp = LossInputs(weights=t(w), logprobs=t(q) if loss_fn != "cross_entropy" else None,
                      advantages=t(adv) if loss_fn != "cross_entropy" else None, mask=t(m))

@@ -74,7 +74,7 @@ class LocalBackend:
 
                 try:
                     self._tokenizer = transformers.AutoTokenizer.from_pretrained(self.tokenizer_dir)
-                except Exception as exc:  # noqa: BLE001 - a folder without a usable tokenizer is the user's
+                except Exception as exc:  # a folder without a usable tokenizer is the user's
                     raise UserError(f"cannot load a tokenizer from {self.tokenizer_dir}: {exc}") from exc
             return self._tokenizer
 
@@ -125,7 +125,12 @@ class LocalBackend:
         setup = self._setup(spec)
         meta = None
         if state is not None:
-            meta = M.read_state_meta(state)
+            try:
+                meta = M.read_state_meta(state)
+            except ValueError as exc:
+                raise _user_error(str(exc)) from None
+            if meta["base_model"] != self.model_name:
+                raise _user_error(f"checkpoint {state} is for model {meta['base_model']!r}, not {self.model_name!r}")
             saved = M.setup_from_meta(meta)
             if saved != setup:
                 raise _user_error(
@@ -158,7 +163,7 @@ class LocalBackend:
             return self.sampling_client(M.sampling_copy(trained), path.name)
         if (path / "adapter_config.json").is_file():
             trained = M.load_adapter(self.base(), path)
-            return self.sampling_client(M.sampling_copy(trained), path.name)
+            return self.sampling_client(M.sampling_copy(trained, private=True), path.name)
         if (path / "config.json").is_file():  # a full fine-tune's sampler weights
             return self.sampling_client(M.load_base(path, self.device, self.dtype), path.name)
         raise _user_error(f"{model_path} is not a sampler-weights or checkpoint folder")

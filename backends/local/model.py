@@ -58,7 +58,7 @@ def _cached_snapshot(repo_id: str, what: str, must_have: str) -> Path:
 
     try:
         path = Path(snapshot_download(repo_id, local_files_only=True))
-    except Exception as exc:  # noqa: BLE001 - every failure here means "not usable offline"
+    except Exception as exc:  # every failure here means "not usable offline"
         raise UserError(
             f"{what} {repo_id!r} is neither a local folder nor in the Hugging Face cache "
             f"(the local backend works offline; download it first: huggingface-cli download {repo_id})"
@@ -117,6 +117,13 @@ def lora_targets(model: nn.Module, attn: bool, mlp: bool, unembed: bool) -> tupl
     return tuple(names)
 
 
+def shared_copy(base: nn.Module) -> nn.Module:
+    """A new module tree over the same frozen weight tensors, so a LoRA client costs only its adapters.
+    Nothing writes to those tensors: training touches adapters only and sampling_copy merges into a
+    deep copy."""
+    return copy.deepcopy(base, memo={id(t): t for t in (*base.parameters(), *base.buffers())})
+
+
 def make_trainable(base: nn.Module, setup: TrainSetup, seed: int) -> nn.Module:
     """A private copy of `base` with its trainable parameters switched on: a peft LoRA model (A seeded by
     `seed` without touching the global RNG; B = 0, so it starts equal to the base), or every weight."""
@@ -126,9 +133,7 @@ def make_trainable(base: nn.Module, setup: TrainSetup, seed: int) -> nn.Module:
         return model
     import peft
 
-    # New module tree, same frozen weight tensors: a LoRA client costs only its adapters. Nothing
-    # writes to them (training touches adapters only; sampling_copy merges into a deep copy).
-    model = copy.deepcopy(base, memo={id(t): t for t in (*base.parameters(), *base.buffers())})
+    model = shared_copy(base)
 
     config = peft.LoraConfig(
         r=setup.rank,
@@ -153,7 +158,8 @@ def make_trainable(base: nn.Module, setup: TrainSetup, seed: int) -> nn.Module:
 
 
 def load_adapter(base: nn.Module, path: Path) -> nn.Module:
-    """A copy of `base` with the PEFT adapter folder `path` applied (not merged)."""
+    """A private copy of `base` with the PEFT adapter folder `path` applied (not merged). A full copy: a
+    foreign adapter folder may also carry base weights (modules_to_save), which must not leak into `base`."""
     import peft
 
     with warnings.catch_warnings():
@@ -166,9 +172,10 @@ def trainable_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def sampling_copy(model: nn.Module) -> nn.Module:
-    """An immutable plain HF model with the current weights: LoRA merged in, eval mode, no grads."""
-    snap = copy.deepcopy(model)
+def sampling_copy(model: nn.Module, private: bool = False) -> nn.Module:
+    """An immutable plain HF model with the current weights: LoRA merged in, eval mode, no grads.
+    private=True: `model` is a throwaway copy already, merge into it instead of copying again."""
+    snap = model if private else copy.deepcopy(model)
     import peft
 
     if isinstance(snap, peft.PeftModel):
