@@ -78,9 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
     run = sub.add_parser("run", help="train one recipe", description="Validate, check and run one recipe.")
-    run.add_argument("ref", metavar="FILE#NAME")
-    run.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    run.add_argument("--dry-run", action="store_true", help="set everything up, then stop before the first step")
+    _ref_and_overrides(run)
+    run.add_argument("--dry-run", action="store_true", help="print the plan (data, steps, schedule, calls) and stop")
     run.set_defaults(command=cmd_run)
 
     check = sub.add_parser(
@@ -89,8 +88,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Validate every recipe in FILE (or one), check its data files exist and its Python "
         "targets import; one ok line per recipe.",
     )
-    check.add_argument("ref", nargs="?", default=DEFAULT_FILE, metavar="FILE[#NAME]")
-    check.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    _ref_and_overrides(check, optional=True)
     check.set_defaults(command=cmd_check)
 
     show = sub.add_parser(
@@ -99,14 +97,23 @@ def _parser() -> argparse.ArgumentParser:
         description="Print one recipe as TOML, overrides applied and every field resolved; the output is "
         "itself a recipe file.",
     )
-    show.add_argument("ref", metavar="FILE#NAME")
-    show.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    _ref_and_overrides(show)
     show.set_defaults(command=cmd_show)
 
     ls = sub.add_parser("list", help="one line per recipe: name, algorithm, model, backend")
-    ls.add_argument("file", nargs="?", default=DEFAULT_FILE, metavar="FILE")
+    ls.add_argument("file", nargs="?", default=DEFAULT_FILE, metavar="FILE", help=f"default: {DEFAULT_FILE}")
     ls.set_defaults(command=cmd_list)
     return parser
+
+
+def _ref_and_overrides(parser: argparse.ArgumentParser, optional: bool = False) -> None:
+    if optional:
+        parser.add_argument("ref", nargs="?", default=DEFAULT_FILE, metavar="FILE[#NAME]",
+                            help=f"a recipe file, or one recipe in it (default: {DEFAULT_FILE})")
+    else:
+        parser.add_argument("ref", metavar="FILE#NAME", help="a recipe (FILE alone when it holds one recipe)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="e.g. lr=3e-4 lora.rank=8 backend.kind=tinker 'algo.data={kind=\"jsonl\", path=\"x.jsonl\"}'")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
