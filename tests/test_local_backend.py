@@ -410,6 +410,28 @@ def test_base_sampling_client_and_batched_requests(backend, data):
         backend.create_sampling_client(base_model="Qwen/Qwen3-8B").result()
 
 
+def test_sampling_worker_batches_queued_requests(backend, data):
+    import threading
+
+    sc = backend.create_sampling_client(base_model="tiny").result()
+    inner = sc._sampler.compute_logprobs_batch
+    sizes, release = [], threading.Event()
+
+    def spy(seqs):
+        sizes.append(len(seqs))
+        release.wait(10)  # hold the worker so the next requests queue up behind this call
+        return inner(seqs)
+
+    sc._sampler.compute_logprobs_batch = spy
+    first = sc.compute_logprobs(data[0].full_sequence)
+    while not sizes:
+        threading.Event().wait(0.01)
+    rest = [sc.compute_logprobs(d.full_sequence) for d in data[1:]]
+    release.set()
+    assert [len(f.result()) for f in [first, *rest]] == [d.length + 1 for d in data]
+    assert sizes == [1, len(data) - 1]  # everything queued meanwhile went in one call
+
+
 def test_dropped_sampling_client_is_freed(backend, data, monkeypatch):
     import gc
     import time

@@ -7,9 +7,11 @@ reference model (create_sampling_client(base_model=...)) and as the template for
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -117,6 +119,17 @@ def lora_targets(model: nn.Module, attn: bool, mlp: bool, unembed: bool) -> tupl
     return tuple(names)
 
 
+@contextlib.contextmanager
+def _quiet_peft() -> Iterator[None]:
+    """peft warns when lm_head is adapted while tied to the input embeddings. Here the adapter acts on the
+    output side only and sampling_copy unties before merging, so the warning does not apply. The other
+    one is peft calling a transformers 5 deprecated name."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        yield
+
+
 def shared_copy(base: nn.Module) -> nn.Module:
     """A new module tree over the same frozen weight tensors, so a LoRA client costs only its adapters.
     Nothing writes to those tensors: training touches adapters only and sampling_copy merges into a
@@ -146,11 +159,7 @@ def make_trainable(base: nn.Module, setup: TrainSetup, seed: int) -> nn.Module:
     # peft creates adapter weights on the CPU and moves them to the base layer's device, so forking the
     # CPU generator is enough; the cuda one is forked too in case a version initialises in place.
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
-        # peft warns when lm_head is adapted while tied to the embeddings; the adapter only acts on the
-        # output side, and sampling_copy unties before merging, so the warning does not apply.
-        warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft vs transformers 5
+    with torch.random.fork_rng(devices=devices), _quiet_peft():
         torch.manual_seed(seed)
         model = peft.get_peft_model(model, config)
     model.eval()
@@ -162,8 +171,7 @@ def load_adapter(base: nn.Module, path: Path) -> nn.Module:
     foreign adapter folder may also carry base weights (modules_to_save), which must not leak into `base`."""
     import peft
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")  # see make_trainable
+    with _quiet_peft():
         return peft.PeftModel.from_pretrained(copy.deepcopy(base), path)
 
 
@@ -187,8 +195,7 @@ def sampling_copy(model: nn.Module, private: bool = False) -> nn.Module:
             # the input embeddings. Give lm_head its own copy first.
             base_layer.weight = nn.Parameter(base_layer.weight.detach().clone(), requires_grad=False)
             inner.config.tie_word_embeddings = False
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+        with _quiet_peft():
             snap = snap.merge_and_unload()
     snap.eval()
     for p in snap.parameters():
