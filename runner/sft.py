@@ -229,4 +229,6 @@ class SFTAlgo:
         ]
         if self.test_rows:
             lines.append(f"eval steps add: forward(cross_entropy, {len(self.test_rows)} held-out datums) first")
+        else:
+            lines.append("no held-out rows (algo.test_size = 0): eval steps evaluate nothing")
         return lines
