@@ -183,3 +183,60 @@ def test_user_category_failure_is_a_user_error(tmp_path, monkeypatch, stack):
     with pytest.raises(UserError, match="forward_backward #2.*server rejected request: sequence longer"):
         run(recipe_for(tmp_path, "tinker", "run"), "r")
 
+
+
+def backend_for(service: Service, tmp_path: Path) -> Any:
+    from backends.local import LocalBackend
+    from backends.tinker import TinkerBackend
+    from runner.recipe import Tinker
+
+    if service.kind == "local":
+        return LocalBackend(Local(device="cpu"), "tiny", None, tmp_path / "direct", seed=0)
+    return TinkerBackend(Tinker(), "tiny", None)
+
+
+def rl_steps(backend: Any, steps: int = 3) -> list[tuple[list[list[int]], float]]:
+    """A bare RL loop on the protocol (the RL algorithm is not in runner/loop.py yet): sample a group
+    from the current weights, reward 'a'-heavy answers, importance-sampling step. Per step: the
+    sampled tokens and the loss."""
+    import numpy as np
+
+    from runner.types import AdamParams, Datum, LoraSpec, SamplingParams
+
+    tok = backend.get_tokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": "say a"}], tokenize=False, add_generation_prompt=True)
+    prompt = tok.encode(text, add_special_tokens=False)
+    target = tok.convert_tokens_to_ids("a")
+    tc = backend.create_training_client(LoraSpec(base_model="tiny", rank=4, seed=0)).result(60)
+    out = []
+    for step in range(steps):
+        sampler = tc.save_weights_and_get_sampling_client().result(60)
+        group_G = sampler.sample(prompt, 4, SamplingParams(max_tokens=8, seed=step)).result(60).sequences
+        rewards_G = np.array([np.mean([t == target for t in s.tokens]) for s in group_G])
+        advantages_G = rewards_G - rewards_G.mean()
+        data_D = []
+        for s, adv in zip(group_G, advantages_G, strict=True):
+            full_T = prompt + s.tokens
+            n = len(full_T) - 1
+            action_T = np.array([0.0] * (len(prompt) - 1) + [1.0] * len(s.tokens), np.float32)
+            data_D.append(Datum(model_input=full_T[:-1], target_tokens=np.array(full_T[1:]),
+                                logprobs=np.array([0.0] * (len(prompt) - 1) + s.logprobs, np.float32),
+                                advantages=np.full(n, adv, np.float32) * action_T, mask=action_T))
+        fb = tc.forward_backward(data_D, "importance_sampling")
+        tc.optim_step(AdamParams(learning_rate=1e-2)).result(60)
+        out.append(([s.tokens for s in group_G], fb.result(60).metrics["loss:sum"]))
+    return out
+
+
+def test_rl_steps_match_across_backends(tmp_path, monkeypatch, stack):
+    """Sampling (seeded), the ratio loss and snapshots agree between the two backends, step by step."""
+    runs = {}
+    for kind in ("local", "tinker"):
+        backend = backend_for(start(kind, tmp_path, monkeypatch, stack), tmp_path)
+        try:
+            runs[kind] = rl_steps(backend)
+        finally:
+            backend.close()
+    assert [t for t, _ in runs["tinker"]] == [t for t, _ in runs["local"]]
+    assert [loss for _, loss in runs["tinker"]] == pytest.approx([loss for _, loss in runs["local"]], abs=1e-5)
+    assert len({str(t) for t, _ in runs["local"]}) == 3  # each step samples afresh

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 import types
 
+import huggingface_hub
 import numpy as np
 import pytest
 import tinker
@@ -33,7 +34,9 @@ def env(monkeypatch):
     monkeypatch.setenv("TINKER_API_KEY", KEY)
     monkeypatch.setenv("TINKER_BASE_URL", BASE_URL)
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    # Offline for the hub too: the env var alone is read once, when huggingface_hub is first imported.
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
 
 @pytest.fixture
