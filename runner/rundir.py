@@ -65,7 +65,10 @@ class RunDir:
         rows = read_jsonl(metrics)
         kept = [r for r in rows if r.get("step", -1) < self.start_step]
         if len(kept) < len(rows):
-            shutil.copyfile(metrics, metrics.with_name(f"{METRICS}.pre_resume_{self.start_step:06d}"))
+            backup = metrics.with_name(f"{METRICS}.pre_resume_{self.start_step:06d}")
+            if backup.exists():  # resumed from the same step before: keep both
+                backup = backup.with_name(f"{backup.name}-s{self.session}")
+            shutil.copyfile(metrics, backup)
             write_jsonl_atomic(metrics, kept)
         return float(kept[-1].get("time/total", 0.0)) if kept else 0.0
 
