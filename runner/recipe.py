@@ -4,6 +4,10 @@ A recipe file holds named recipes under `[recipes.<name>]`; `FILE#name` selects 
 decoded on its own with msgspec (unknown keys forbidden, tagged unions for every choice, limits in the
 types), so an error names the file, the recipe and the key path. Overrides `a.b=value` are merged into
 the raw table before decoding, so they get the same checks. Precedence: CLI > recipe > defaults.
+
+Reading: load_recipe("FILE#name", overrides) -> (name, Recipe); load_file(FILE) -> {name: Recipe}.
+Writing: dump_recipe(name, recipe) -> TOML that loads back to an equal Recipe (`runner show`).
+Checking what decoding cannot see: check_recipe (data files exist, Python targets import).
 """
 
 from __future__ import annotations
