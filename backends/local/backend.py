@@ -321,10 +321,13 @@ class LocalTrainingClient:
             raise _user_error(f"invalid AdamParams {p}")
         for group in self.optimizer.param_groups:
             group.update(lr=p.learning_rate, betas=(p.beta1, p.beta2), eps=p.eps, weight_decay=p.weight_decay)
-        grads = [q for _, q in self._params if q.grad is not None]
-        norm = float(torch.nn.utils.get_total_norm([q.grad for q in grads])) if grads else 0.0
-        if p.grad_clip_norm > 0 and grads:
-            torch.nn.utils.clip_grads_with_norm_(grads, p.grad_clip_norm, torch.tensor(norm))
+        with_grad = [q for _, q in self._params if q.grad is not None]
+        norm = 0.0
+        if with_grad:
+            total = torch.nn.utils.get_total_norm([q.grad for q in with_grad])  # pre-clip, on the device
+            norm = float(total)
+            if p.grad_clip_norm > 0:
+                torch.nn.utils.clip_grads_with_norm_(with_grad, p.grad_clip_norm, total)
         # A parameter without a gradient (no forward_backward since the last step) is left alone, as
         # torch AdamW does: its moments do not decay.
         self.optimizer.step()

@@ -94,7 +94,9 @@ class TrainSetup:
 
 def lora_targets(model: nn.Module, attn: bool, mlp: bool, unembed: bool) -> tuple[str, ...]:
     """Names of the Linear layers to adapt. Attention / MLP layers are recognised by a path component
-    (self_attn, mlp, ...), the unembedding as the model's output embedding (lm_head)."""
+    (self_attn, mlp, ...), the unembedding as the model's output embedding (lm_head). With tied
+    embeddings the lm_head adapter acts on the output side only; the input embedding stays frozen.
+    Weights that are not nn.Linear modules (e.g. fused MoE expert tensors) get no adapter."""
     out_emb = model.get_output_embeddings()
     names = []
     for name, module in model.named_modules():

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.base import BackendError, Future
+from runner.errors import UserError
 
 IDLE_EXIT_S = 2.0
 
@@ -31,6 +32,8 @@ def fail(job: Job, exc: BaseException) -> None:
     """Fail one job's future with a BackendError that names its request."""
     if isinstance(exc, BackendError):
         err = exc if exc.request else BackendError(f"{job.request}: {exc}", job.request, exc.user_error)
+    elif isinstance(exc, UserError):
+        err = BackendError(f"{job.request}: {exc}", job.request, user_error=True)
     else:
         err = BackendError(f"{job.request} failed: {type(exc).__name__}: {exc}", job.request)
     if err is not exc:
