@@ -61,7 +61,7 @@ def api_key_from_env() -> str:
     key = os.environ.get(API_KEY_ENV, "").strip()
     if not key:
         raise UserError(f"set {API_KEY_ENV} to your Tinker API key (it is read from the environment only)")
-    if not (key.startswith("tml-") or key.startswith("eyJ")):
+    if not key.startswith(("tml-", "eyJ")):  # an API key, or a JWT
         raise UserError(f"set {API_KEY_ENV} to a Tinker API key: it must start with 'tml-'")
     return key
 
@@ -83,7 +83,7 @@ def to_backend_error(exc: BaseException, request: str, key: str) -> BackendError
     if isinstance(exc, tinker.APIStatusError) and isinstance(exc.body, dict) and exc.body.get("detail"):
         text = str(exc.body["detail"])  # the server's reason, without the SDK's "Error code: ..." wrapping
     # RequestFailedError reads "Request failed: <reason> for self.request_id=... and expected type ...".
-    text = re.sub(r" for self\.request_id=.*$", "", text.removeprefix("Request failed: "), flags=re.S)
+    text = re.sub(r" for self\.request_id=.*$", "", text.removeprefix("Request failed: "), flags=re.DOTALL)
     detail = _first_line(_scrub(text, key))
     user = False
     if isinstance(exc, tinker.RequestFailedError):
@@ -117,7 +117,7 @@ def _wrap(submit: Callable[[], Any], convert: Callable[[Any], Any], request: str
     out: concurrent.futures.Future[Any] = concurrent.futures.Future()
     try:
         api_future = submit()
-    except Exception as exc:  # e.g. the blocking session setup on the first call
+    except Exception as exc:  # noqa: BLE001 - e.g. the blocking session setup on the first call
         out.set_exception(to_backend_error(exc, request, key))
         return Future(out)
 
@@ -340,7 +340,7 @@ class TinkerBackend:
         st: CloseStatus = status if status in ("success", "errored", "interrupted") else "errored"  # type: ignore[assignment]
         try:
             self._service.close(st).result(timeout=CLOSE_TIMEOUT_S)
-        except Exception as exc:  # closing must not hide the error that ended the run
+        except Exception as exc:  # noqa: BLE001 - closing must not hide the error that ended the run
             log.warning("closing the Tinker session failed: %s", _first_line(_scrub(str(exc), self._key)))
 
 
@@ -355,7 +355,7 @@ def load_tokenizer(name: str) -> Any:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(name)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - missing folder, no hub, bad files: one fix for all
         raise UserError(
             f"could not load a tokenizer for {name!r} ({type(exc).__name__}); set `tokenizer = ...` in the recipe "
             "to a local tokenizer folder or a reachable Hugging Face name"

@@ -20,7 +20,15 @@ from backends.base import BackendError
 from backends.tinker import TinkerBackend, to_backend_error
 from runner import recipe
 from runner.errors import UserError
-from runner.types import AdamParams, Datum, ForwardBackwardOutput, LoraSpec, OptimStepOutput, SampleOutput, SamplingParams
+from runner.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    LoraSpec,
+    OptimStepOutput,
+    SampleOutput,
+    SamplingParams,
+)
 
 KEY = "tml-test-SECRET-0123456789"
 MODEL = "Qwen/Qwen3-8B"  # a service model name; the tokenizer is the embedded one
@@ -226,7 +234,7 @@ def test_rides_out_5xx_and_429(backend, mock):
     mock.faults.status = {"retrieve_future": [503, 502, 500], "forward_backward": [503], "optim_step": [429],
                           "asample": [429]}
     t0 = time.monotonic()
-    fb, op = step(tc)
+    fb, _ = step(tc)
     out = sc.sample([1, 2, 3], 1, SamplingParams(max_tokens=3)).result(WAIT)
     elapsed = time.monotonic() - t0
     assert fb.metrics["loss:sum"] > 0 and len(out.sequences) == 1

@@ -443,7 +443,7 @@ class MockTinker:
         def done(_: Any) -> None:
             try:
                 reply = to_reply(fut.result())
-            except Exception as exc:  # bad input the engine refused: the user's fault, as the service says
+            except Exception as exc:  # noqa: BLE001 - input the engine refused: the user's fault, as the service says
                 reply = Reply.json({"error": f"{type(exc).__name__}: {exc}", "category": "user"})
             if not slot.ready.done():
                 slot.ready.set_result(reply)
@@ -458,7 +458,7 @@ class MockTinker:
                 return
             try:
                 fut, to_reply = op(model.tc.result())
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - reported to the client as a failed request
                 slot.ready.set_result(Reply.json({"error": f"{type(exc).__name__}: {exc}", "category": "user"}))
                 return
             self._deliver(slot, fut, to_reply)
@@ -617,7 +617,7 @@ class MockTinker:
                 out = sc.sample(prompt, n, params).result()
                 lps = sc.compute_logprobs(prompt).result() if want_prompt_lps else None
                 reply_ = Reply(200, sample_proto(out, lps), PROTO)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - reported to the client as a failed request
                 reply_ = Reply.json({"error": f"{type(exc).__name__}: {exc}", "category": "user"})
             if not slot.ready.done():
                 slot.ready.set_result(reply_)
