@@ -20,11 +20,10 @@ from typing import Any
 import numpy as np
 
 from backends.base import Future, TrainingClient
+from runner.data import Conversation
 from runner.errors import UserError
 from runner.recipe import SFT
 from runner.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
-
-from runner.data import Conversation
 
 # How many steps the dry-run plan renders to report datums and tokens per step.
 PLAN_STEPS = 20
