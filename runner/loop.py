@@ -9,16 +9,18 @@ Per step k:
 depth 0 is fully synchronous; depth d keeps d steps queued on the backend while the next batch is
 prepared, so the backend never idles waiting for the client (cookbook `submit_ahead`, tinker-sdk §1.3).
 
-An algorithm is anything with the `Algorithm` interface below; `make_algo` is the one place a
-recipe's algo variant becomes one. Nothing here knows which backend runs.
+An algorithm is anything with the `Algorithm` interface below (SFT: runner/sft.py); `make_algo` is
+the one place a recipe's algo variant becomes one. Nothing here knows which backend runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -67,21 +69,15 @@ class Algorithm(Protocol):
         ...
 
 
-def make_algo(recipe: Recipe, tokenizer: Any, data: Any) -> Algorithm:
+def make_algo(recipe: Recipe) -> Callable[[Any], Algorithm]:
+    """The one place a recipe's algo variant becomes an Algorithm. Reads and validates the data now,
+    so the cheapest errors come before any model loads; the returned function takes the tokenizer."""
     match recipe.algo:
         case SFT() as cfg:
             from runner.sft import SFTAlgo
 
-            convs, where = data
-            return SFTAlgo(cfg, convs, where, tokenizer, seed=recipe.seed, max_steps=recipe.max_steps)
-    raise TypeError(f"unknown algo {recipe.algo!r}")
-
-
-def load_data(recipe: Recipe) -> Any:
-    """Read and validate the algorithm's data: the cheapest errors come before any model loads."""
-    match recipe.algo:
-        case SFT(data=source):
-            return load_conversations(source)
+            convs, where = load_conversations(cfg.data)
+            return functools.partial(SFTAlgo, cfg, convs, where, seed=recipe.seed, max_steps=recipe.max_steps)
     raise TypeError(f"unknown algo {recipe.algo!r}")
 
 
@@ -96,13 +92,13 @@ def lora_spec(recipe: Recipe) -> LoraSpec:
 def run(recipe: Recipe, name: str, *, dry_run: bool = False, backend: Backend | None = None) -> None:
     """Train `recipe` in its run dir (resuming it when it holds the same recipe). `backend` replaces
     the recipe's (tests pass backends.fake.FakeBackend)."""
-    data = load_data(recipe)
+    build_algo = make_algo(recipe)
     run_dir = open_run_dir(recipe, name, dry_run=dry_run)
     if dry_run:
         from backends import load_tokenizer
 
         tokenizer = backend.get_tokenizer() if backend is not None else load_tokenizer(recipe)
-        print_plan(recipe, name, run_dir, make_algo(recipe, tokenizer, data))
+        print_plan(recipe, name, run_dir, build_algo(tokenizer))
         return
     if backend is None:
         from backends import make_backend
@@ -110,7 +106,7 @@ def run(recipe: Recipe, name: str, *, dry_run: bool = False, backend: Backend | 
         backend = make_backend(recipe, run_dir.path)
     status = "error"
     try:
-        algo = make_algo(recipe, backend.get_tokenizer(), data)
+        algo = build_algo(backend.get_tokenizer())
         if run_dir.resume is not None:
             algo.load_state(run_dir.resume, run_dir.start_step)
         if run_dir.start_step >= algo.total_steps:

@@ -117,7 +117,7 @@ class SFTAlgo:
     """SFT behind the loop's Algorithm interface (runner/loop.py)."""
 
     def __init__(self, cfg: SFT, convs: list[Conversation], where: list[str], tokenizer: Any, *,
-                 seed: int, max_steps: int | None):
+                 seed: int = 0, max_steps: int | None = None):
         if getattr(tokenizer, "chat_template", None) is None:
             raise UserError("the tokenizer has no chat template; SFT renders conversations with it")
         self.cfg, self.tokenizer, self.seed = cfg, tokenizer, seed
