@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 import types
 
-import huggingface_hub
+import huggingface_hub.constants
 import numpy as np
 import pytest
 import tinker
