@@ -113,7 +113,8 @@ def _ref_and_overrides(parser: argparse.ArgumentParser, optional: bool = False) 
     else:
         parser.add_argument("ref", metavar="FILE#NAME", help="a recipe (FILE alone when it holds one recipe)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="e.g. lr=3e-4 lora.rank=8 backend.kind=tinker 'algo.data={kind=\"jsonl\", path=\"x.jsonl\"}'")
+                        help="e.g. lr=3e-4 lora.rank=8 backend.kind=tinker "
+                        "'algo.data={kind=\"jsonl\", path=\"x.jsonl\"}'")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -160,7 +161,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         rows.append((name, _kind(recipe.algo), recipe.model, _kind(recipe.backend)))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
+        print("  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths, strict=True)) + "  " + row[3])
     return 0
 
 

@@ -526,8 +526,8 @@ def _expected(t: Any, key: str | int) -> str:
 def _table_hint(t: Any, key: str | int, value: Any) -> str:
     variants = _variants(t)
     tags = [v.tag for v in variants]
-    tag = value if value in tags else tags[0]
-    return f'write e.g. {key} = {{{variants[0].tag_field} = "{tag}"}} ({variants[0].tag_field} one of: {_tags(variants)})'
+    tag, field = (value if value in tags else tags[0]), variants[0].tag_field
+    return f'write e.g. {key} = {{{field} = "{tag}"}} ({field} one of: {_tags(variants)})'
 
 
 def _tags(variants: list[mi.StructType]) -> str:

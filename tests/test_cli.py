@@ -117,7 +117,7 @@ def test_run_calls_the_loop(workdir: Path, fake_loop: list[Any]) -> None:
     assert fake_loop[0][0] == "remote" and fake_loop[0][2] is False
 
 
-def test_run_checks_data_before_the_loop(workdir: Path, fake_loop: list[Any], capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_checks_data_first(workdir: Path, fake_loop: list[Any], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "recipes.toml#sl_basic", "algo.data.path=gone.jsonl"]) == 2
     assert fake_loop == []
     assert capsys.readouterr().err == "error: recipes.toml#sl_basic: algo.data.path: data file not found: gone.jsonl\n"

@@ -223,7 +223,10 @@ def test_bad_recipe_message(workdir: Path, body: str, expected: str) -> None:
 
 BAD_FILES = [
     ("[recipes.sl_basic]\nlr = 1e-3\nmodel = \n", "recipes.toml: TOML syntax error at line 3, column 9: invalid value"),
-    ("[recipes.sl_basic]\nlr = 1\nlr = 2\n", "recipes.toml: TOML syntax error at line 3, column 7: cannot overwrite a value"),
+    (
+        "[recipes.sl_basic]\nlr = 1\nlr = 2\n",
+        "recipes.toml: TOML syntax error at line 3, column 7: cannot overwrite a value",
+    ),
     ('[recipes.sl_basic]\nmodel = "tiny', "recipes.toml: TOML syntax error at end of file: unterminated string"),
     ('[sl_basic]\nmodel = "tiny"\n', "recipes.toml: no [recipes] table; write each recipe as [recipes.<name>]"),
     (
