@@ -1,8 +1,10 @@
 """Tokens/s of the local Sampler vs HF `model.generate`, side by side in one process.
 
 Same random-weight model, same prompts (mixed lengths, so left padding is exercised), sampling at
-temperature 1 with no top-k/top-p, exactly `--new` tokens per row (stop=[] for the Sampler,
-min_new_tokens for generate). Median of `--runs` timed runs after one warm-up each.
+temperature 1 with no top-k/top-p, exactly the budgeted tokens per row (stop=[] for the Sampler,
+min_new_tokens for generate). Median of `--runs` interleaved timed runs after one warm-up each.
+Batch shapes: B distinct prompts; PxG (P prompts, G samples each: num_return_sequences for generate);
+Bragged (per-row budgets from new/8 to new, counted as delivered tokens for both).
 
     OMP_NUM_THREADS=1 python bench/bench_sampling.py                 # tiny + 512x8, batch 8 and 32
     python bench/bench_sampling.py --models big --batches 32 --device cuda --dtype bfloat16
@@ -44,14 +46,15 @@ def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, 256, (k,), generator=rng).tolist() for k in lengths]
 
 
-def run_sampler(sampler: Sampler, prompts: list[list[int]], new: int) -> int:
-    params = SamplingParams(max_tokens=new, temperature=1.0, stop=[])
-    outs = sampler.sample_batch([(p, 1, params) for p in prompts])
-    return sum(len(s.tokens) for o in outs for s in o.sequences)
+def run_sampler(sampler: Sampler, prompts: list[list[int]], budgets: list[int], group: int) -> int:
+    requests = [(p, group, SamplingParams(max_tokens=b, temperature=1.0, stop=[])) for p, b in zip(prompts, budgets)]
+    return sum(len(s.tokens) for o in sampler.sample_batch(requests) for s in o.sequences)
 
 
-def run_generate(model, prompts: list[list[int]], new: int, pad_id: int) -> int:
-    width = max(len(p) for p in prompts)
+def run_generate(model, prompts: list[list[int]], budgets: list[int], group: int, pad_id: int) -> int:
+    """generate has one length for the whole batch: it runs to the largest budget, and the tokens past a
+    row's own budget would be thrown away, so only the budgets count as delivered."""
+    width, new = max(len(p) for p in prompts), max(budgets)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
@@ -61,50 +64,68 @@ def run_generate(model, prompts: list[list[int]], new: int, pad_id: int) -> int:
     with torch.inference_mode():
         out = model.generate(
             input_ids=ids.to(dev), attention_mask=mask.to(dev), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-            max_new_tokens=new, min_new_tokens=new, pad_token_id=pad_id,
+            max_new_tokens=new, min_new_tokens=new, pad_token_id=pad_id, num_return_sequences=group,
         )
-    return (out.shape[1] - width) * len(prompts)
+    assert out.shape == (len(prompts) * group, width + new)
+    return sum(budgets) * group
 
 
-def timed(fn, sync) -> tuple[float, int]:
+def timed(fn, sync, clock) -> tuple[float, int]:
     sync()
-    t0 = time.perf_counter()
+    t0 = clock()
     n = fn()
     sync()
-    return time.perf_counter() - t0, n
+    return clock() - t0, n
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="tiny,big")
     ap.add_argument("--batches", default="8,32")
+    # Also time each batch as batch/group prompts x group samples (RL's shape; generate's num_return_sequences).
+    ap.add_argument("--group", type=int, default=8)
+    # Also time each batch with per-row budgets (the Sampler drops rows as they finish; generate cannot).
+    ap.add_argument("--ragged", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    # "cpu" (default on a CPU device) times the process's CPU seconds: on a shared machine wall time mostly
+    # measures the neighbours. With one thread that is the wall time an idle machine would show.
+    ap.add_argument("--clock", choices=["cpu", "wall"], default=None)
     args = ap.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    clock_name = args.clock or ("cpu" if device.type == "cpu" else "wall")
+    clock = time.process_time if clock_name == "cpu" else time.perf_counter
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, device {device}, {args.dtype}, "
-          f"threads {torch.get_num_threads()}, {args.new} new tokens/row, median of {args.runs}")
-    print(f"{'model':6} {'batch':>5} {'sampler tok/s':>14} {'generate tok/s':>15} {'ratio':>6}")
+          f"threads {torch.get_num_threads()}, {args.new} new tokens/row, median of {args.runs}, {clock_name} clock")
+    print(f"{'model':6} {'batch':>9} {'sampler tok/s':>14} {'generate tok/s':>15} {'ratio':>6}")
     for name in args.models.split(","):
         model, tok = make_model(name, device, dtype)
         sampler = Sampler(model, tok, device, seed=0)
-        for batch in [int(b) for b in args.batches.split(",")]:
-            prompts = make_prompts(batch)
-            ours = lambda: run_sampler(sampler, prompts, args.new)  # noqa: E731
-            hf = lambda: run_generate(model, prompts, args.new, tok.pad_token_id)  # noqa: E731
-            timed(ours, sync), timed(hf, sync)  # warm-up
+        batches = [int(b) for b in args.batches.split(",")]
+        # (label, rows, samples per prompt, ragged budgets)
+        shapes = [(str(b), b, 1, False) for b in batches]
+        shapes += [(f"{b // args.group}x{args.group}", b, args.group, False) for b in batches if 1 < args.group < b]
+        shapes += [(f"{b}ragged", b, 1, True) for b in batches if args.ragged and b > 1]
+        for label, batch, group, ragged in shapes:
+            prompts = make_prompts(batch // group)
+            # ragged: budgets spread over [new/8, new], as when rows stop at EOS at different times
+            budgets = [max(1, args.new * (1 + 7 * i // max(1, len(prompts) - 1)) // 8) for i in range(len(prompts))]
+            budgets = budgets if ragged else [args.new] * len(prompts)
+            ours = lambda: run_sampler(sampler, prompts, budgets, group)  # noqa: E731
+            hf = lambda: run_generate(model, prompts, budgets, group, tok.pad_token_id)  # noqa: E731
+            timed(ours, sync, clock), timed(hf, sync, clock)  # warm-up
             t_ours, t_hf = [], []
             for _ in range(args.runs):  # interleaved, so drift in machine load hits both alike
-                dt, n_ours = timed(ours, sync)
+                dt, n_ours = timed(ours, sync, clock)
                 t_ours.append(dt)
-                dt, n_hf = timed(hf, sync)
+                dt, n_hf = timed(hf, sync, clock)
                 t_hf.append(dt)
-            assert n_ours == n_hf == batch * args.new, (n_ours, n_hf)
+            assert n_ours == n_hf == sum(budgets) * group, (n_ours, n_hf)
             r_ours, r_hf = n_ours / statistics.median(t_ours), n_hf / statistics.median(t_hf)
-            print(f"{name:6} {batch:5d} {r_ours:14.0f} {r_hf:15.0f} {r_ours / r_hf:6.2f}", flush=True)
+            print(f"{name:6} {label:>9} {r_ours:14.0f} {r_hf:15.0f} {r_ours / r_hf:6.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -205,20 +205,29 @@ class Sampler:
         dev = self.device
         n, plen = len(rows), max(len(r.prompt) for r in rows)
         steps = max(r.limit for r in rows)
-        ids = torch.full((n, plen), self.pad_id, dtype=torch.long)
+        # Each distinct prompt is prefilled once (RL asks for many samples of one prompt); its cache rows
+        # are then copied to every sample of it.
+        distinct: dict[tuple[int, ...], int] = {}
+        source = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in rows]
+        ids = torch.full((len(distinct), plen), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(distinct), plen), dtype=torch.long)
+        for j, prompt in enumerate(distinct):
+            ids[j, plen - len(prompt) :] = torch.tensor(prompt)
+            mask[j, plen - len(prompt) :] = 1
         keys_ok = torch.zeros((n, plen + steps), dtype=torch.bool)  # which cache positions hold real tokens
-        for i, r in enumerate(rows):
-            ids[i, plen - len(r.prompt) :] = torch.tensor(r.prompt)
-            keys_ok[i, plen - len(r.prompt) :] = True
-        ids, keys_ok = ids.to(dev), keys_ok.to(dev)
-        mask = keys_ok[:, :plen].long()
+        keys_ok[:, :plen] = mask[source].bool()
+        ids, mask, keys_ok = ids.to(dev), mask.to(dev), keys_ok.to(dev)
         pos = (mask.cumsum(1) - 1).clamp_(min=0)
         cache, fast = self._new_cache(plen + steps)
         extra = {"logits_to_keep": 1} if self.keep_arg else {}
         logits = self.model(
             input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, **extra
         ).logits[:, -1]
-        next_pos = pos[:, -1:] + 1
+        if len(distinct) < n:
+            index = torch.tensor(source, device=dev)
+            cache.batch_select_indices(index)
+            logits = logits[index]
+        next_pos = torch.tensor([[len(r.prompt)] for r in rows], device=dev)
         dtype = next(self.model.parameters()).dtype
         if fast and self.attn_impl == "eager":
             # eager attention adds its mask to the scores; sdpa takes the boolean one as is.
