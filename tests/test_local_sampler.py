@@ -280,3 +280,38 @@ def test_mixed_params_in_one_batch(rand, tok):
                 before = (probs.cumsum(-1) - probs).tolist()
                 allowed = [t for t, b in zip(allowed, before) if b < params.top_p]
                 assert token in allowed
+
+
+def _batch_sizes(model, fn):
+    """Rows fed to each forward call while fn runs."""
+    sizes: list[int] = []
+    handle = model.register_forward_pre_hook(lambda _m, _a, kw: sizes.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        return fn(), sizes
+    finally:
+        handle.remove()
+
+
+def test_finished_rows_leave_the_batch(rand, tok):
+    sampler = Sampler(rand, tok, CPU)
+    requests = [([i + 1, 2, 3], 1, _greedy(2 if i < 6 else 12, stop=[])) for i in range(8)]
+    outs, sizes = _batch_sizes(rand, lambda: sampler.sample_batch(requests))
+    assert [len(o.sequences[0].tokens) for o in outs] == [2] * 6 + [12] * 2
+    assert sizes == [8, 8] + [2] * 10  # prefill, step 2, then only the two long rows
+    # Samples of one prompt share a single prefill row.
+    outs, sizes = _batch_sizes(rand, lambda: sampler.sample_batch([([5, 6, 7], 3, _greedy(4, stop=[]))]))
+    assert sizes[0] == 1 and sizes[1:] == [3] * 3
+    assert outs[0].sequences[0] == outs[0].sequences[1] == outs[0].sequences[2]
+    (alone,) = _one(sampler, [5, 6, 7], _greedy(4, stop=[]))
+    assert outs[0].sequences[0].tokens == alone.tokens
+    assert outs[0].sequences[0].logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+
+
+def test_rows_over_the_cache_budget_run_in_turn(rand, tok):
+    requests = [(tok.encode("chunk %d" % i), 2, SamplingParams(max_tokens=6, stop=[], seed=i)) for i in range(5)]
+    whole = Sampler(rand, tok, CPU).sample_batch(requests)
+    sampler = Sampler(rand, tok, CPU)
+    sampler.cache_budget = 1  # one row per decode batch
+    split, sizes = _batch_sizes(rand, lambda: sampler.sample_batch(requests))
+    assert max(sizes) == 1 and len(sizes) == 10 * 6
+    assert [s.tokens for o in split for s in o.sequences] == [s.tokens for o in whole for s in o.sequences]

@@ -97,14 +97,18 @@ class Sampler:
         self.pad_id = pad if isinstance(pad, int) and 0 <= pad < self.vocab else 0
         self.attn_impl = getattr(cfg, "_attn_implementation", None)
         self.keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.dtype = next(model.parameters()).dtype
+        # KV cache bytes one decode batch may hold; rows beyond it run in further batches. None: 2 GiB on
+        # CPU, half the free memory on CUDA (measured per call).
+        self.cache_budget: int | None = None
 
     # ------------------------------------------------------------------ public
 
     def sample_batch(self, requests: list[tuple[list[int], int, SamplingParams]]) -> list[SampleOutput]:
         rows = [row for i, req in enumerate(requests) for row in self._rows(i, *req)]
-        if rows:
-            with torch.inference_mode():
-                self._generate(rows)
+        with torch.inference_mode():
+            for chunk in self._chunks(rows):
+                self._generate(chunk)
         out: list[list[SampledSequence]] = [[] for _ in requests]
         for r in rows:
             out[r.req].append(SampledSequence(tokens=r.tokens, logprobs=r.logprobs, stop_reason=r.reason))  # type: ignore[arg-type]
@@ -192,6 +196,26 @@ class Sampler:
 
     # ------------------------------------------------------------------ the decode loop
 
+    def _chunks(self, rows: list[_Row]) -> list[list[_Row]]:
+        """Consecutive runs of rows whose KV cache (rows x (longest prompt + most steps)) fits the budget."""
+        budget = self.cache_budget
+        if budget is None:
+            budget = torch.cuda.mem_get_info(self.device)[0] // 2 if self.device.type == "cuda" else 2 << 30
+        cfg = self.config
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        slots = max(1, budget // (cfg.num_hidden_layers * 2 * heads * head_dim * self.dtype.itemsize))
+        chunks: list[list[_Row]] = []
+        width = steps = 0
+        for r in rows:
+            width, steps = max(width, len(r.prompt)), max(steps, r.limit)
+            if chunks and chunks[-1] and (len(chunks[-1]) + 1) * (width + steps) <= slots:
+                chunks[-1].append(r)
+            else:  # a single row always runs, whatever its size
+                chunks.append([r])
+                width, steps = len(r.prompt), r.limit
+        return chunks
+
     def _new_cache(self, capacity: int) -> tuple[DynamicCache, bool]:
         """HF's cache for this model, with full-attention layers swapped for preallocated ones. Returns
         (cache, fast): fast when every layer is plain full attention, so one 4-D padding mask serves all."""
@@ -228,7 +252,7 @@ class Sampler:
             cache.batch_select_indices(index)
             logits = logits[index]
         next_pos = torch.tensor([[len(r.prompt)] for r in rows], device=dev)
-        dtype = next(self.model.parameters()).dtype
+        dtype = self.dtype
         if fast and self.attn_impl == "eager":
             # eager attention adds its mask to the scores; sdpa takes the boolean one as is.
             additive = torch.zeros(keys_ok.shape, dtype=dtype, device=dev)
