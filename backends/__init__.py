@@ -39,6 +39,6 @@ def load_tokenizer(recipe: Recipe) -> Any:
 
     try:
         return AutoTokenizer.from_pretrained(name)
-    except Exception as e:  # missing folder, no cache and no network, bad files: all one fix
+    except Exception as e:  # noqa: BLE001 - missing folder, no cache and no network, bad files: all one fix
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"cannot load tokenizer {name!r} ({first}); set tokenizer = \"<local folder>\"") from None

@@ -179,7 +179,7 @@ class FakeTrainingClient:
         """grad += sum_i g_i * d lp_i / d theta, with d lp_t / d theta = onehot(t) - softmax(theta)."""
         p = np.exp(self.theta - self.theta.max())
         p /= p.sum()
-        for d, g in zip(data, dloss_dlp):
+        for d, g in zip(data, dloss_dlp, strict=True):
             np.add.at(self.grad, d.target_tokens.reshape(-1) % self.backend.vocab, g.reshape(-1).astype(np.float64))
             self.grad -= p * float(g.sum())
 
@@ -221,7 +221,7 @@ class FakeTrainingClient:
             loss.backward()
             grads = [lp.grad.numpy() if lp.grad is not None else np.zeros(lp.shape) for lp in lps]
             self._accumulate(data, grads)
-            surrogate = sum(float((g * lp.detach().numpy()).sum()) for g, lp in zip(grads, lps))
+            surrogate = sum(float((g * lp.detach().numpy()).sum()) for g, lp in zip(grads, lps, strict=True))
             out_metrics = {**metrics, "loss:sum": float(loss.sum()), "surrogate_loss:sum": surrogate}
             return ForwardBackwardOutput(logprobs=[lp.detach().numpy().astype(np.float32) for lp in lps],
                                          metrics=out_metrics)
@@ -254,8 +254,8 @@ class FakeTrainingClient:
         return self._submit("save_state", run)
 
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None) -> Future[str]:
-        return self._submit("save_weights_for_sampler",
-                            lambda: self.backend._store(f"fake://{self.cid}/sampler_weights/{name}", {"theta": self.theta}))
+        path = f"fake://{self.cid}/sampler_weights/{name}"
+        return self._submit("save_weights_for_sampler", lambda: self.backend._store(path, {"theta": self.theta}))
 
     def save_weights_and_get_sampling_client(self) -> Future[FakeSamplingClient]:
         return self._submit("save_weights_and_get_sampling_client",

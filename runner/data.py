@@ -42,7 +42,7 @@ def load_conversations(source: DataSource) -> tuple[list[Conversation], list[str
     rows, where = load_rows(source)
     if not rows:
         raise UserError(f"data source {_describe(source)} has no rows")
-    return [conversation(row, w) for row, w in zip(rows, where)], where
+    return [conversation(row, w) for row, w in zip(rows, where, strict=True)], where
 
 
 def conversation(row: Any, where: str) -> Conversation:
@@ -94,7 +94,7 @@ def _read_hf(name: str, split: str, subset: str | None) -> list[Any]:
                 ds = ds[split]
         else:
             ds = datasets.load_dataset(name, subset, split=split)
-    except Exception as e:  # the hub, the cache and the builders all raise their own types
+    except Exception as e:  # noqa: BLE001 - the hub, the cache and the builders all raise their own types
         raise UserError(f"HF dataset {name!r} (split {split!r}): {type(e).__name__}: {_one_line(e)}") from None
     return list(ds)
 
@@ -103,7 +103,7 @@ def _call_python(target: str, args: dict[str, Any]) -> list[Any]:
     fn = import_target(target)
     try:
         rows = fn(**args)
-    except Exception as e:  # user code: report, don't trace
+    except Exception as e:  # noqa: BLE001 - user code: report, don't trace
         raise UserError(f"data target {target!r} raised {type(e).__name__}: {_one_line(e)}") from None
     if isinstance(rows, (str, bytes, dict)) or not isinstance(rows, Iterable):
         raise UserError(f"data target {target!r} must return an iterable of rows, got {type(rows).__name__}")

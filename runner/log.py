@@ -53,8 +53,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 def write_jsonl_atomic(path: Path, rows: list[dict[str, Any]]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, allow_nan=True) + "\n")
+        f.writelines(json.dumps(row, allow_nan=True) + "\n" for row in rows)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

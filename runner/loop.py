@@ -217,11 +217,14 @@ def print_plan(recipe: Recipe, name: str, run: RunDir, algo: Algorithm) -> None:
     todo = range(start, total)
     saves = [s + 1 for s in todo if checkpoint_due(recipe, s, total)]
     evals = [s for s in todo if recipe.eval_every > 0 and s % recipe.eval_every == 0]
+    algo_kind, backend_kind = type(recipe.algo).__name__, type(recipe.backend).__name__.lower()
+    resuming = f", resuming at step {start}" if start else ""
     lines = [
-        f"recipe {name}: {type(recipe.algo).__name__} on {recipe.model!r}, backend {type(recipe.backend).__name__.lower()}",
+        f"recipe {name}: {algo_kind} on {recipe.model!r}, backend {backend_kind}",
         f"run dir: {run.path} ({run.note})",
-        f"steps: {total}" + (f", resuming at step {start}" if start else "") + f"; depth {recipe.depth} (steps submitted ahead)",
-        f"lr: {type(recipe.schedule).__name__.lower()} schedule, peak {recipe.lr:g}, first {lrs[0]:.3g}, last {lrs[-1]:.3g}",
+        f"steps: {total}{resuming}; depth {recipe.depth} (steps submitted ahead)",
+        (f"lr: {type(recipe.schedule).__name__.lower()} schedule, peak {recipe.lr:g}, "
+         f"first {lrs[0]:.3g}, last {lrs[-1]:.3g}"),
         *algo.describe(),
     ]
     if not todo:

@@ -60,7 +60,8 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         _write_atomic(self.path / CONFIG, dump_config(self.name, self.recipe))
         self.session = len(read_jsonl(self.path / SESSIONS)) + 1
-        append_jsonl(self.path / SESSIONS, {"session": self.session, "start_step": self.start_step, "time": time.time()})
+        append_jsonl(self.path / SESSIONS,
+                     {"session": self.session, "start_step": self.start_step, "time": time.time()})
         metrics = self.path / METRICS
         rows = read_jsonl(metrics)
         kept = [r for r in rows if r.get("step", -1) < self.start_step]
@@ -120,7 +121,8 @@ def open_run_dir(recipe: Recipe, name: str, *, dry_run: bool = False) -> RunDir:
         )
     states = [r for r in run.checkpoints() if r.get("state_path")]
     run.resume = states[-1] if states else None
-    run.note = f"resume after checkpoint {run.resume['name']!r}" if run.resume else "exists, no checkpoint yet: from step 0"
+    run.note = (f"resume after checkpoint {run.resume['name']!r}" if run.resume
+                else "exists, no checkpoint yet: from step 0")
     return run
 
 

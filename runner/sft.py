@@ -74,10 +74,10 @@ def _prefix_len(tokenizer: Any, prefix: Conversation, tokens: list[int], generat
         return 0
     try:
         ids = _encode(tokenizer, _template(tokenizer, prefix, generation_prompt))
-    except Exception:  # some templates reject an empty or assistant-first prefix: no prompt side then
+    except Exception:  # noqa: BLE001 - some templates reject an empty or assistant-first prefix
         return 0
     n = 0
-    for a, b in zip(ids, tokens):
+    for a, b in zip(ids, tokens, strict=False):  # the prefix is usually shorter
         if a != b:
             break
         n += 1
@@ -98,7 +98,7 @@ def to_datum(tokens: list[int], weights: list[float], max_length: int | None, re
 
 def mean_nll(data: list[Datum], logprobs: list[np.ndarray]) -> float:
     """-sum(logprob * weight) / sum(weight) over the batch (the cookbook's train_mean_nll)."""
-    num = sum(float(np.dot(lp.reshape(-1), d.weights.reshape(-1))) for d, lp in zip(data, logprobs))
+    num = sum(float(np.dot(lp.reshape(-1), d.weights.reshape(-1))) for d, lp in zip(data, logprobs, strict=True))
     den = sum(float(d.weights.sum()) for d in data)
     return -num / den if den > 0 else float("nan")
 
@@ -155,7 +155,7 @@ class SFTAlgo:
         for messages, where in rows:
             try:
                 tokens, weights = render(self.tokenizer, messages, self.cfg.train_on_what)
-            except Exception as e:  # jinja errors from the template, e.g. roles that must alternate
+            except Exception as e:  # noqa: BLE001 - the template's own errors, e.g. roles that must alternate
                 raise UserError(f"{where}: the chat template cannot render this conversation: {e}") from None
             if not any(weights):
                 raise UserError(f"{where}: no message to train on (train_on_what = {self.cfg.train_on_what!r})")
@@ -220,10 +220,10 @@ class SFTAlgo:
         tokens = [sum(d.length for d in b) for b in per_step]
         loss_tokens = [int(sum((d.weights > 0).sum() for d in b)) for b in per_step]
         lines = [
-            f"data: {len(self.train_rows)} train rows, {len(self.test_rows)} held out; "
-            f"{self.batches_per_epoch} batches of {cfg.batch_size} per epoch x {cfg.epochs} epochs",
-            f"per step (first {steps} steps): {cfg.batch_size} datums, tokens mean {np.mean(tokens):.0f} "
-            f"max {max(tokens)}, trained tokens mean {np.mean(loss_tokens):.0f}",
+            (f"data: {len(self.train_rows)} train rows, {len(self.test_rows)} held out; "
+             f"{self.batches_per_epoch} batches of {cfg.batch_size} per epoch x {cfg.epochs} epochs"),
+            (f"per step (first {steps} steps): {cfg.batch_size} datums, tokens mean {np.mean(tokens):.0f} "
+             f"max {max(tokens)}, trained tokens mean {np.mean(loss_tokens):.0f}"),
             f"calls per step: forward_backward(cross_entropy, {cfg.batch_size} datums) + optim_step",
         ]
         if self.test_rows:

@@ -33,7 +33,7 @@ SHIPPED = Path(__file__).resolve().parents[1] / "examples" / "data" / "chat_sft.
 
 def trained_spans(tok, tokens: list[int], weights: list[float]) -> list[str]:
     spans, cur = [], []
-    for t, w in zip(tokens, weights):
+    for t, w in zip(tokens, weights, strict=True):
         if w:
             cur.append(t)
         elif cur:
@@ -47,8 +47,8 @@ def trained_spans(tok, tokens: list[int], weights: list[float]) -> list[str]:
     [
         ("last_assistant_message", ["A2<|im_end|>\n"]),
         ("all_assistant_messages", ["A1<|im_end|>\n", "A2<|im_end|>\n"]),
-        ("all_messages", ["<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\n"
-                          "A1<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\nA2<|im_end|>\n"]),
+        ("all_messages", [("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\n"
+                           "A1<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\nA2<|im_end|>\n")]),
     ],
 )
 def test_train_on_what(mode, want):
