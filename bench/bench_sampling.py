@@ -13,6 +13,7 @@ Bragged (per-row budgets from new/8 to new, counted as delivered tokens for both
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -26,8 +27,14 @@ from runner.types import SamplingParams
 # name -> overrides of the tiny config. "tiny" is overhead-bound on CPU, "big" (~25M params) compute-bound.
 MODELS = {
     "tiny": {},
-    "big": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                num_key_value_heads=4, head_dim=64),
+    "big": {
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+    },
 }
 
 
@@ -58,13 +65,21 @@ def run_generate(model, prompts: list[list[int]], budgets: list[int], group: int
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     dev = model.device
     with torch.inference_mode():
         out = model.generate(
-            input_ids=ids.to(dev), attention_mask=mask.to(dev), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-            max_new_tokens=new, min_new_tokens=new, pad_token_id=pad_id, num_return_sequences=group,
+            input_ids=ids.to(dev),
+            attention_mask=mask.to(dev),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            pad_token_id=pad_id,
+            num_return_sequences=group,
         )
     assert out.shape == (len(prompts) * group, width + new)
     return sum(budgets) * group
@@ -76,6 +91,20 @@ def timed(fn, sync, clock) -> tuple[float, int]:
     n = fn()
     sync()
     return clock() - t0, n
+
+
+def measure(fns, runs: int, sync, clock) -> list[tuple[float, int]]:
+    """(median seconds, tokens) per function: one warm-up each, then `runs` rounds, interleaved so that drift
+    in the machine's load hits every function alike."""
+    for fn in fns:
+        timed(fn, sync, clock)
+    times: list[list[float]] = [[] for _ in fns]
+    counts = [0] * len(fns)
+    for _ in range(runs):
+        for i, fn in enumerate(fns):
+            dt, counts[i] = timed(fn, sync, clock)
+            times[i].append(dt)
+    return [(statistics.median(t), n) for t, n in zip(times, counts, strict=True)]
 
 
 def main() -> None:
@@ -98,8 +127,10 @@ def main() -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     clock_name = args.clock or ("cpu" if device.type == "cpu" else "wall")
     clock = time.process_time if clock_name == "cpu" else time.perf_counter
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, device {device}, {args.dtype}, "
-          f"threads {torch.get_num_threads()}, {args.new} new tokens/row, median of {args.runs}, {clock_name} clock")
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, device {device}, {args.dtype}, "
+        f"threads {torch.get_num_threads()}, {args.new} new tokens/row, median of {args.runs}, {clock_name} clock"
+    )
     print(f"{'model':6} {'batch':>9} {'sampler tok/s':>14} {'generate tok/s':>15} {'ratio':>6}")
     for name in args.models.split(","):
         model, tok = make_model(name, device, dtype)
@@ -114,17 +145,11 @@ def main() -> None:
             # ragged: budgets spread over [new/8, new], as when rows stop at EOS at different times
             budgets = [max(1, args.new * (1 + 7 * i // max(1, len(prompts) - 1)) // 8) for i in range(len(prompts))]
             budgets = budgets if ragged else [args.new] * len(prompts)
-            ours = lambda: run_sampler(sampler, prompts, budgets, group)  # noqa: E731
-            hf = lambda: run_generate(model, prompts, budgets, group, tok.pad_token_id)  # noqa: E731
-            timed(ours, sync, clock), timed(hf, sync, clock)  # warm-up
-            t_ours, t_hf = [], []
-            for _ in range(args.runs):  # interleaved, so drift in machine load hits both alike
-                dt, n_ours = timed(ours, sync, clock)
-                t_ours.append(dt)
-                dt, n_hf = timed(hf, sync, clock)
-                t_hf.append(dt)
+            ours = functools.partial(run_sampler, sampler, prompts, budgets, group)
+            hf = functools.partial(run_generate, model, prompts, budgets, group, tok.pad_token_id)
+            (t_ours, n_ours), (t_hf, n_hf) = measure([ours, hf], args.runs, sync, clock)
             assert n_ours == n_hf == sum(budgets) * group, (n_ours, n_hf)
-            r_ours, r_hf = n_ours / statistics.median(t_ours), n_hf / statistics.median(t_hf)
+            r_ours, r_hf = n_ours / t_ours, n_hf / t_hf
             print(f"{name:6} {label:>9} {r_ours:14.0f} {r_hf:15.0f} {r_ours / r_hf:6.2f}", flush=True)
 
 

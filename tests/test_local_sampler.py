@@ -155,7 +155,7 @@ def test_greedy_equals_argmax_decoding(rand, tok):
     seq = list(prompt)
     for _ in range(24):
         seq.append(int(_logits(rand, seq)[-1].argmax()))
-    assert s.tokens == seq[len(prompt):]
+    assert s.tokens == seq[len(prompt) :]
 
 
 def test_sampled_logprobs_match_compute_logprobs(rand, tok):
@@ -166,7 +166,7 @@ def test_sampled_logprobs_match_compute_logprobs(rand, tok):
     scored = sampler.compute_logprobs_batch(seqs)
     for seq, lps, s in zip(seqs, scored, [s for o in outs for s in o.sequences]):
         assert lps[0] is None and len(lps) == len(seq)
-        assert lps[len(seq) - 16:] == pytest.approx(s.logprobs, abs=1e-4)
+        assert lps[len(seq) - 16 :] == pytest.approx(s.logprobs, abs=1e-4)
 
 
 def test_logprobs_at_temperature_ignore_truncation(rand, tok):
@@ -199,8 +199,11 @@ def test_left_padding_changes_nothing(rand, tok):
     short = tok.encode("hi")
     (alone,) = _one(sampler, short, _greedy(20, stop=[]))
     outs = sampler.sample_batch(
-        [(tok.encode("a far longer prompt to force left padding"), 1, _greedy(20, stop=[])), (short, 1, _greedy(20, stop=[])),
-         (tok.encode("medium length"), 1, _greedy(20, stop=[]))]
+        [
+            (tok.encode("a far longer prompt to force left padding"), 1, _greedy(20, stop=[])),
+            (short, 1, _greedy(20, stop=[])),
+            (tok.encode("medium length"), 1, _greedy(20, stop=[])),
+        ]
     )
     (padded,) = outs[1].sequences
     assert padded.tokens == alone.tokens
@@ -229,13 +232,17 @@ def test_seed_reproducible_whatever_the_batch(rand, tok):
     prompt = tok.encode("seeded")
     params = SamplingParams(max_tokens=12, seed=7, stop=[])
     alone = _one(Sampler(rand, tok, CPU), prompt, params, n=3)
-    crowd = Sampler(rand, tok, CPU, seed=99).sample_batch(
-        [
-            (tok.encode("a longer prompt first, so the seeded one is padded"), 4, SamplingParams(max_tokens=20)),
-            (prompt, 3, params),
-            (tok.encode("greedy"), 1, _greedy(3)),
-        ]
-    )[1].sequences
+    crowd = (
+        Sampler(rand, tok, CPU, seed=99)
+        .sample_batch(
+            [
+                (tok.encode("a longer prompt first, so the seeded one is padded"), 4, SamplingParams(max_tokens=20)),
+                (prompt, 3, params),
+                (tok.encode("greedy"), 1, _greedy(3)),
+            ]
+        )[1]
+        .sequences
+    )
     assert [s.tokens for s in crowd] == [s.tokens for s in alone]
     assert len({tuple(s.tokens) for s in alone}) == 3  # each sample index has its own stream
     other = _one(Sampler(rand, tok, CPU), prompt, SamplingParams(max_tokens=12, seed=8, stop=[]), n=3)
@@ -285,7 +292,9 @@ def test_mixed_params_in_one_batch(rand, tok):
 def _batch_sizes(model, fn):
     """Rows fed to each forward call while fn runs."""
     sizes: list[int] = []
-    handle = model.register_forward_pre_hook(lambda _m, _a, kw: sizes.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    handle = model.register_forward_pre_hook(
+        lambda _m, _a, kw: sizes.append(kw["input_ids"].shape[0]), with_kwargs=True
+    )
     try:
         return fn(), sizes
     finally:
@@ -308,7 +317,7 @@ def test_finished_rows_leave_the_batch(rand, tok):
 
 
 def test_rows_over_the_cache_budget_run_in_turn(rand, tok):
-    requests = [(tok.encode("chunk %d" % i), 2, SamplingParams(max_tokens=6, stop=[], seed=i)) for i in range(5)]
+    requests = [(tok.encode(f"chunk {i}"), 2, SamplingParams(max_tokens=6, stop=[], seed=i)) for i in range(5)]
     whole = Sampler(rand, tok, CPU).sample_batch(requests)
     sampler = Sampler(rand, tok, CPU)
     sampler.cache_budget = 1  # one row per decode batch

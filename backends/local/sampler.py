@@ -291,7 +291,11 @@ class Sampler:
             kv = plen + t + 1
             attn = keys_ok[:, None, None, :kv] if fast else keys_ok[:, :kv].long()
             logits = self.model(
-                input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos, past_key_values=cache, use_cache=True
+                input_ids=tok[:, None],
+                attention_mask=attn,
+                position_ids=next_pos,
+                past_key_values=cache,
+                use_cache=True,
             ).logits[:, -1]
             next_pos += 1
         lps = lp_buf.tolist()
@@ -329,7 +333,9 @@ class _Plan:
         ks = [min(ps[s].top_k, vocab) for s in topk]
         self.topk = (torch.tensor(topk, device=dev), torch.tensor(ks, device=dev)[:, None], max(ks)) if topk else None
         topp = [s for s, p in enumerate(ps) if p.temperature > 0 and p.top_p < 1]
-        self.topp = (torch.tensor(topp, device=dev), torch.tensor([ps[s].top_p for s in topp], device=dev)) if topp else None
+        self.topp = (
+            (torch.tensor(topp, device=dev), torch.tensor([ps[s].top_p for s in topp], device=dev)) if topp else None
+        )
 
     def choose(self, logits: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """(next token, its logprob) per row. The logprob is under softmax(logits / T) before top-k/top-p
