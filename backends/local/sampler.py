@@ -22,7 +22,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from runner.types import SampledSequence, SampleOutput, SamplingParams
 
-# Rows of logits scored at once by compute_logprobs_batch: bounds the (rows x length x vocab) logits tensor.
+# Logit entries (rows x length x vocab) one compute_logprobs_batch forward may produce.
 _LOGPROB_BUDGET = 1 << 26
 
 
@@ -58,9 +58,16 @@ class _GrowingLayer(DynamicLayer):
         return self.length
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            self.kbuf, self.vbuf = self.kbuf[indices], self.vbuf[indices]
-            self.keys, self.values = self.kbuf[:, :, : self.length], self.vbuf[:, :, : self.length]
+        if not self.is_initialized:
+            return
+        # Copy only the filled prefix: capacity is sized for max_tokens, which rows often never reach.
+        end = self.length
+        for name in ("kbuf", "vbuf"):
+            old = getattr(self, name)
+            new = old.new_empty((len(indices), *old.shape[1:]))
+            new[:, :, :end] = old[:, :, :end].index_select(0, indices)
+            setattr(self, name, new)
+        self.keys, self.values = self.kbuf[:, :, :end], self.vbuf[:, :, :end]
 
 
 @dataclass
