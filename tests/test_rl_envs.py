@@ -55,6 +55,24 @@ def test_renderer_prompt_stop_and_parse():
     assert (cut.text, cut.ended_on_stop) == ("42", False)
 
 
+def test_renderer_extend_reuses_sampled_tokens():
+    msgs = [{"role": "user", "content": "hi"}]
+    first = R.render(msgs)
+    # Byte 0xFF alone is invalid UTF-8: it decodes to U+FFFD, which re-encodes to three other bytes.
+    for action in ([104, 255, 105, *R.stop_tokens], [104, 255, 105]):  # ended on stop / cut by max_tokens
+        reply = R.parse(action)
+        convo = [*msgs, {"role": "assistant", "content": reply.text}, {"role": "user", "content": "again"}]
+        nxt = R.extend(first, action, reply, convo)
+        assert nxt.tokens[: len(first.tokens) + len(action)] == first.tokens + action
+        assert R.decode(nxt.tokens[len(first.tokens) + len(action) :]).endswith(
+            "<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+        )
+        assert R.build_prompt(convo) != nxt.tokens  # a plain re-render would not have extended
+    # A conversation that does not continue the previous one falls back to a full render.
+    other = [{"role": "user", "content": "something else"}]
+    assert R.extend(first, [104, *R.stop_tokens], R.parse([104, *R.stop_tokens]), other) == R.render(other)
+
+
 # ---------------------------------------------------------------- arithmetic
 
 @pytest.mark.parametrize(
@@ -153,7 +171,7 @@ def test_twenty_questions_answers_and_guess():
     traj, sampler = play(TwentyQuestionsEnv(R, "eagle", max_turns=20), lambda p, s: next(script))
     answers = [last_user(TOK.decode(p)) for p, _ in sampler.calls[1:]]
     assert answers[:2] == ["Yes.", "Yes."]
-    assert answers[2].startswith("I can only answer")
+    assert answers[2] == "Ask about one attribute, or guess."
     assert answers[3] == "No, that's not it."
     last = traj.transitions[-1]
     assert last.reward == 1.0 and last.metrics["correct"] == 1.0 and last.metrics["turns"] == 5.0

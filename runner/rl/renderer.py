@@ -22,6 +22,13 @@ _TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|end|>")
 
 
 @dataclass(frozen=True)
+class Prompt:
+    tokens: list[int]
+    # The chat template's text for these tokens (what the next turn's rendering must start with).
+    text: str
+
+
+@dataclass(frozen=True)
 class ParsedReply:
     text: str
     # The reply ended on a stop token (not cut off by max_tokens).
@@ -44,9 +51,34 @@ class ChatRenderer:
 
     def build_prompt(self, messages: list[Message]) -> list[int]:
         """Tokens of the conversation followed by the assistant header the model continues from."""
+        return self.render(messages).tokens
+
+    def render(self, messages: list[Message]) -> Prompt:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         # The template already wrote any BOS/special tokens as text; don't let encode add them again.
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return Prompt(list(self.tokenizer.encode(text, add_special_tokens=False)), text)
+
+    def extend(self, prev: Prompt, action_tokens: list[int], reply: ParsedReply, messages: list[Message]) -> Prompt:
+        """The prompt for `messages` (which continue prev's conversation with the reply and what came after)
+        built as prev.tokens + the sampled tokens + the new text, so the model sees its own tokens again.
+
+        Decoding and re-encoding a reply is not always the identity (a byte-level model can sample invalid
+        UTF-8; BPE can merge differently), and when it isn't, the turns no longer extend each other and
+        every turn becomes its own datum. Falls back to a full re-render when the template's text does not
+        continue prev's text with the reply (e.g. a template that drops earlier reasoning)."""
+        full = self.render(messages)
+        head = prev.text + reply.text
+        if not full.text.startswith(head):
+            return full
+        rest = full.text[len(head) :]
+        if reply.ended_on_stop:
+            # The sampled stop token stands for the template's end-of-turn text, if that is what follows.
+            stop_text = self.tokenizer.decode(action_tokens[-1:], skip_special_tokens=False)
+            if not rest.startswith(stop_text):
+                return full
+            rest = rest[len(stop_text) :]
+        tokens = [*prev.tokens, *action_tokens, *self.tokenizer.encode(rest, add_special_tokens=False)]
+        return Prompt(tokens, full.text)
 
     def parse(self, tokens: list[int]) -> ParsedReply:
         """The reply text without its stop token; other special tokens are dropped from the text."""
@@ -57,6 +89,13 @@ class ChatRenderer:
     def decode(self, tokens: list[int]) -> str:
         """Everything, special tokens included (for transcripts)."""
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
+
+def context_window(tokenizer: Any) -> int | None:
+    """The model's context length as the tokenizer states it; None when unset (transformers then reports
+    a huge sentinel)."""
+    n = getattr(tokenizer, "model_max_length", None)
+    return int(n) if isinstance(n, int) and 0 < n < 10**8 else None
 
 
 def _token_id(tokenizer: Any, token: str) -> int | None:

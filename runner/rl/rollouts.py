@@ -34,6 +34,11 @@ class EpisodeTooLong(RuntimeError):
     pass
 
 
+class ContextOverflow(RuntimeError):
+    """An observation left no room to sample in the model's context. Counted and its group dropped (rather
+    than truncating the episode), because a truncated seat of a self-play game would leave the other waiting."""
+
+
 @dataclass(frozen=True)
 class RolloutBatch:
     groups: list[TrajectoryGroup]
@@ -56,7 +61,15 @@ def sample_seed(seed: int, step: int, group: int, member: int, turn: int) -> int
 
 
 async def run_episode(
-    env: Env, sampling_client: SamplingClient, params: SamplingParams, *, seed: int, step: int, group: int, member: int
+    env: Env,
+    sampling_client: SamplingClient,
+    params: SamplingParams,
+    *,
+    seed: int,
+    step: int,
+    group: int,
+    member: int,
+    max_context: int | None = None,
 ) -> Trajectory:
     first = await env.initial_observation()
     if first is None:
@@ -65,7 +78,16 @@ async def run_episode(
     transitions: list[Transition] = []
     for turn in range(MAX_TURNS):
         _check_observation(env, ob)
-        turn_params = replace(params, stop=stop, seed=sample_seed(seed, step, group, member, turn))
+        max_tokens = params.max_tokens
+        if max_context is not None:
+            if len(ob) >= max_context:
+                raise ContextOverflow(f"{type(env).__name__}: a {len(ob)}-token prompt at turn {turn} fills the "
+                                      f"{max_context}-token context")
+            # As the cookbook's completer: sample only what still fits.
+            max_tokens = min(max_tokens, max_context - len(ob))
+        turn_params = replace(
+            params, max_tokens=max_tokens, stop=stop, seed=sample_seed(seed, step, group, member, turn)
+        )
         out = await sampling_client.sample(ob, 1, turn_params)
         ac = out.sequences[0]
         if len(ac.logprobs) != len(ac.tokens):
@@ -91,6 +113,7 @@ async def do_group_rollout(
     seed: int = 0,
     step: int = 0,
     group_idx: int = 0,
+    max_context: int | None = None,
 ) -> TrajectoryGroup:
     envs_G = list(await builder.make_envs())
     # A TaskGroup rather than a bare gather: if one episode fails, its siblings are cancelled instead of
@@ -99,7 +122,10 @@ async def do_group_rollout(
         async with asyncio.TaskGroup() as tg:
             tasks = [
                 tg.create_task(
-                    run_episode(env, sampling_client, params, seed=seed, step=step, group=group_idx, member=i)
+                    run_episode(
+                        env, sampling_client, params, seed=seed, step=step, group=group_idx, member=i,
+                        max_context=max_context,
+                    )
                 )
                 for i, env in enumerate(envs_G)
             ]
@@ -127,12 +153,17 @@ async def rollout_batch(
     *,
     seed: int = 0,
     step: int = 0,
+    max_context: int | None = None,
 ) -> RolloutBatch:
-    """All groups concurrently. Evals should pass a seed distinct from training's (their (step, group) repeat)."""
+    """All groups concurrently. Evals should pass a seed distinct from training's (their (step, group) repeat).
+    max_context (renderer.context_window(tokenizer)): caps each turn's max_tokens at what fits, and drops a
+    group whose prompt outgrows it (counted as rollout_errors/ContextOverflow)."""
 
     async def guarded(i: int, builder: EnvGroupBuilder) -> TrajectoryGroup | BaseException:
         try:
-            return await do_group_rollout(builder, sampling_client, params, seed=seed, step=step, group_idx=i)
+            return await do_group_rollout(
+                builder, sampling_client, params, seed=seed, step=step, group_idx=i, max_context=max_context
+            )
         except (UserError, BackendError):
             raise
         except Exception as e:  # counted and skipped; see the module docstring

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from runner.errors import UserError
-from runner.rl.renderer import ChatRenderer, Message, ParsedReply
+from runner.rl.renderer import ChatRenderer, Message, ParsedReply, Prompt
 from runner.rl.types import Env, EnvGroupBuilder, Observation, RLDataset, StopCondition
 
 T = TypeVar("T", bound=Hashable)
@@ -29,19 +29,28 @@ class EnvContext:
 
 
 class ChatEnv(Env):
-    """An env that keeps the conversation as messages and re-renders it for every turn."""
+    """An env that keeps the conversation as messages and re-renders it for every turn; the new prompt
+    reuses the sampled tokens of the last reply where the template allows (ChatRenderer.extend)."""
 
     def __init__(self, renderer: ChatRenderer, messages: list[Message]):
         self.renderer = renderer
         self.messages = list(messages)
+        self._prompt: Prompt | None = None
+        self._last_reply: tuple[list[int], ParsedReply] | None = None
 
     def observe(self) -> tuple[Observation, StopCondition]:
-        return self.renderer.build_prompt(self.messages), list(self.renderer.stop_tokens)
+        if self._prompt is not None and self._last_reply is not None:
+            self._prompt = self.renderer.extend(self._prompt, *self._last_reply, self.messages)
+        else:
+            self._prompt = self.renderer.render(self.messages)
+        self._last_reply = None
+        return list(self._prompt.tokens), list(self.renderer.stop_tokens)
 
     def take_reply(self, action_tokens: list[int]) -> ParsedReply:
         """Parse the sampled reply and append it to the conversation."""
         reply = self.renderer.parse(action_tokens)
         self.messages.append({"role": "assistant", "content": reply.text})
+        self._last_reply = (list(action_tokens), reply)
         return reply
 
     def say(self, content: str) -> None:

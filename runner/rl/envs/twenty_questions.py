@@ -103,14 +103,14 @@ class TwentyQuestionsEnv(ChatEnv):
         else:
             reply = answer(self.obj, text)
             if reply is None:
-                reply = 'I can only answer a yes/no question about one attribute, or "Guess: <name>".'
+                reply = "Ask about one attribute, or guess."
             else:
                 self.understood += 1
         if self.turns >= self.max_turns:
             return self._end(0.0, correct=False)
         self.say(reply)
         ob, stop = self.observe()
-        return StepResult(0.0, False, ob, stop, logs={"asked": text, "answer": reply})
+        return StepResult(0.0, False, ob, stop, logs={"answer": reply})
 
     def _end(self, reward: float, correct: bool) -> StepResult:
         metrics = {"correct": float(correct), "turns": float(self.turns), "answered": self.understood / self.turns}
