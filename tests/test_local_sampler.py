@@ -88,6 +88,7 @@ def test_stop_string_spanning_tokens(counter, tok):
     sampler = Sampler(counter, tok, CPU)
     (s,) = _one(sampler, tok.encode("a"), _greedy(20, stop=["def"]))
     assert tok.decode(s.tokens) == "bcdef" and s.stop_reason == "stop"  # includes the whole stop string
+    assert _one(sampler, tok.encode("a"), _greedy(20, stop="def"))[0] == s  # a bare string, as Tinker allows
     # The earliest completed string wins, whatever the list order; sampling at T=1 on this peaky model too.
     (s,) = _one(sampler, tok.encode("a"), SamplingParams(max_tokens=20, stop=["xyz", "cd"], seed=1))
     assert tok.decode(s.tokens) == "bcd" and s.stop_reason == "stop"

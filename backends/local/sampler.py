@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from runner.types import SampledSequence, SampleOutput, SamplingParams
+from runner.types import SampledSequence, SampleOutput, SamplingParams, StopReason
 
 # Logit entries (rows x length x vocab) one compute_logprobs_batch forward may produce.
 _LOGPROB_BUDGET = 1 << 26
@@ -85,7 +85,7 @@ class _Row:
     gen: torch.Generator | None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    reason: str | None = None  # "stop" / "length" once finished
+    reason: StopReason | None = None  # set once the row finishes
 
 
 class Sampler:
@@ -118,7 +118,7 @@ class Sampler:
                 self._generate(chunk)
         out: list[list[SampledSequence]] = [[] for _ in requests]
         for r in rows:
-            out[r.req].append(SampledSequence(tokens=r.tokens, logprobs=r.logprobs, stop_reason=r.reason))  # type: ignore[arg-type]
+            out[r.req].append(SampledSequence(r.tokens, r.logprobs, r.reason or "length"))
         return [SampleOutput(sequences=s) for s in out]
 
     def compute_logprobs_batch(self, seqs: list[list[int]]) -> list[list[float | None]]:
