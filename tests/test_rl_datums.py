@@ -90,11 +90,17 @@ def test_real_multiturn_env_gives_one_datum_per_episode():
 
 # ---------------------------------------------------------------- transcripts
 
+
 def evil_group() -> TrajectoryGroup:
     ob = TOK.encode("<b>user</b> & co", add_special_tokens=False)
     ac = TOK.encode("<script>alert('x')</script>", add_special_tokens=False)
-    t = Trajectory([Transition(ob, SampledSequence(ac, [-1.0] * len(ac), "length"), 0.5, True,
-                               {"correct": 1.0}, {"reply": "<i>hi</i>"})])
+    t = Trajectory(
+        [
+            Transition(
+                ob, SampledSequence(ac, [-1.0] * len(ac), "length"), 0.5, True, {"correct": 1.0}, {"reply": "<i>hi</i>"}
+            )
+        ]
+    )
     return TrajectoryGroup([t, Trajectory([])], [0.25, 0.0], [{"win": 1.0}, {}], ["<tag>"])
 
 
@@ -115,28 +121,54 @@ def test_rollout_summaries_jsonl(tmp_path):
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == 2
     r = rows[0]
-    assert set(r) == {"schema_version", "split", "iteration", "group_idx", "traj_idx", "tags", "sampling_client_step",
-                      "total_reward", "final_reward", "trajectory_metrics", "final_ob_len", "steps"}
+    assert set(r) == {
+        "schema_version",
+        "split",
+        "iteration",
+        "group_idx",
+        "traj_idx",
+        "tags",
+        "sampling_client_step",
+        "total_reward",
+        "final_reward",
+        "trajectory_metrics",
+        "final_ob_len",
+        "steps",
+    }
     assert (r["group_idx"], r["traj_idx"], r["iteration"], r["split"]) == (7, 0, 3, "train")
     assert r["total_reward"] == 0.75 and r["final_reward"] == 0.25
     assert r["trajectory_metrics"] == {"correct": 1.0, "win": 1.0}
     (step,) = r["steps"]
     assert step["ac_len"] == 27 and step["reward"] == 0.5 and step["logs"] == {"reply": "<i>hi</i>"}
-    assert rows[1]["steps"] == [] and rollout_summary_rows([evil_group()], split="test", iteration=0)[1]["group_idx"] == 0
+    assert (
+        rows[1]["steps"] == [] and rollout_summary_rows([evil_group()], split="test", iteration=0)[1]["group_idx"] == 0
+    )
 
 
 # ---------------------------------------------------------------- schema
+
 
 def decode(table: dict) -> RL:
     return msgspec.convert({"kind": "rl", **table}, RL)
 
 
 def test_schema_defaults_and_unions():
-    rl = decode({"env": {"kind": "arithmetic", "max_value": 20}, "loss": {"kind": "ppo"}, "kl": {"kind": "reference", "coef": 0.1},
-                 "mode": {"kind": "stream", "minibatches": 4}})
+    rl = decode(
+        {
+            "env": {"kind": "arithmetic", "max_value": 20},
+            "loss": {"kind": "ppo"},
+            "kl": {"kind": "reference", "coef": 0.1},
+            "mode": {"kind": "stream", "minibatches": 4},
+        }
+    )
     assert rl.env == Arithmetic(max_value=20) and rl.loss == PPO(clip_low=0.8, clip_high=1.2)
     assert rl.kl == ReferenceKL(coef=0.1) and rl.mode == Stream(minibatches=4)
-    assert (rl.group_size, rl.groups_per_batch, rl.normalize_std, rl.remove_constant_reward_groups) == (4, 16, False, False)
+    assert (rl.group_size, rl.groups_per_batch, rl.normalize_std, rl.remove_constant_reward_groups) == (
+        4,
+        16,
+        False,
+        False,
+    )
     for kind in ("guess_number", "twenty_questions", "tictactoe", "preference"):
         assert decode({"env": {"kind": kind}}).env.__struct_config__.tag == kind
 

@@ -30,7 +30,9 @@ PARAMS = SamplingParams(max_tokens=32)
 
 
 def ctx(group_size: int = 2, groups_per_batch: int = 4, seed: int = 0) -> EnvContext:
-    return EnvContext(renderer=R, group_size=group_size, test_group_size=1, groups_per_batch=groups_per_batch, seed=seed)
+    return EnvContext(
+        renderer=R, group_size=group_size, test_group_size=1, groups_per_batch=groups_per_batch, seed=seed
+    )
 
 
 def play(env, policy, max_tokens: int = 32):
@@ -44,6 +46,7 @@ def last_user(prompt: str) -> str:
 
 
 # ---------------------------------------------------------------- renderer
+
 
 def test_renderer_prompt_stop_and_parse():
     ob = R.build_prompt([{"role": "user", "content": "hi"}])
@@ -74,6 +77,7 @@ def test_renderer_extend_reuses_sampled_tokens():
 
 
 # ---------------------------------------------------------------- arithmetic
+
 
 @pytest.mark.parametrize(
     "reply, max_tokens, reward, fmt, correct",
@@ -119,6 +123,7 @@ def test_dataset_size_errors():
 
 
 # ---------------------------------------------------------------- guess_number
+
 
 def bisect_policy(low: int, high: int):
     """Binary search driven only by the env's feedback in the prompt."""
@@ -166,6 +171,7 @@ def test_guess_number_dataset():
 
 # ---------------------------------------------------------------- twenty_questions
 
+
 def test_twenty_questions_answers_and_guess():
     script = iter(["Is it an animal?", "Can it fly?", "What colour is it?", "Guess: a parrot", "Guess: eagle"])
     traj, sampler = play(TwentyQuestionsEnv(R, "eagle", max_turns=20), lambda p, s: next(script))
@@ -193,6 +199,7 @@ def test_twenty_questions_split_holds_out_objects():
 
 
 # ---------------------------------------------------------------- tictactoe
+
 
 def board_of(prompt: str) -> str:
     """The board from the last user message (free cells shown as their numbers)."""
@@ -226,7 +233,7 @@ def test_tictactoe_vs_opponent_win_illegal_and_draw():
     assert traj.transitions[-1].reward == 1.0 and traj.transitions[-1].metrics["win"] == 1.0
 
     env = OpponentEnv(R, "O", "optimal", 0)  # opponent X moves first, then "1"/occupied cells are illegal
-    traj, sampler = play(env, lambda p, s: str(board_of(p).index("X") + 1))
+    traj, _sampler = play(env, lambda p, s: str(board_of(p).index("X") + 1))
     (tr,) = traj.transitions
     assert tr.reward == -1.0 and tr.metrics["illegal"] == 1.0 and tr.metrics["loss"] == 1.0
 
@@ -239,7 +246,9 @@ def test_tictactoe_vs_opponent_win_illegal_and_draw():
 
 
 def test_tictactoe_selfplay_group_rewards():
-    train, _ = build_datasets(TicTacToe(opponent="self", train_size=4, test_size=2), ctx(group_size=4, groups_per_batch=2))
+    train, _ = build_datasets(
+        TicTacToe(opponent="self", train_size=4, test_size=2), ctx(group_size=4, groups_per_batch=2)
+    )
     builder = train.get_batch(0)[0]
     # Both seats take the lowest free cell: X 1, O 2, X 3, O 4, X 5, O 6, X 7 -> X wins on 3-5-7.
     sampler = ScriptedSampler(TOK, lowest_free)
@@ -257,7 +266,9 @@ def test_tictactoe_selfplay_illegal_moves():
         board = board_of(prompt)
         return str(board.index("X") + 1) if "You are O" in prompt else "1"
 
-    train, _ = build_datasets(TicTacToe(opponent="self", train_size=2, test_size=0), ctx(group_size=2, groups_per_batch=1))
+    train, _ = build_datasets(
+        TicTacToe(opponent="self", train_size=2, test_size=0), ctx(group_size=2, groups_per_batch=1)
+    )
     group = asyncio.run(do_group_rollout(train.get_batch(0)[0], ScriptedSampler(TOK, policy), PARAMS))
     assert group.final_rewards_G == [1.0, -1.0] and group.metrics_G[1]["illegal"] == 1.0
 
@@ -275,6 +286,7 @@ def test_tictactoe_test_split_uses_opponent():
 
 # ---------------------------------------------------------------- preference
 
+
 def test_round_robin_shorter_wins():
     assert round_robin("p", ["a", "bb", "ccc"], shorter_wins) == [1.0, 0.5, 0.0]
     assert round_robin("p", ["x", "y"], shorter_wins) == [0.5, 0.5]
@@ -284,9 +296,13 @@ def test_round_robin_shorter_wins():
 
 def test_preference_group_rollout():
     replies = iter(["hi", "hello there", "hey", "a very long answer indeed"])
-    train, test = build_datasets(Preference(prompts=["Who are you?"], train_size=4), ctx(group_size=4, groups_per_batch=1))
+    train, test = build_datasets(
+        Preference(prompts=["Who are you?"], train_size=4), ctx(group_size=4, groups_per_batch=1)
+    )
     assert test is None
-    group = asyncio.run(do_group_rollout(train.get_batch(0)[0], ScriptedSampler(TOK, lambda p, s: next(replies)), PARAMS))
+    group = asyncio.run(
+        do_group_rollout(train.get_batch(0)[0], ScriptedSampler(TOK, lambda p, s: next(replies)), PARAMS)
+    )
     # "hi" beats all (1), "hey" beats two of three (2/3), "hello there" one (1/3), the long one none.
     assert group.final_rewards_G == pytest.approx([1.0, 1 / 3, 2 / 3, 0.0])
     assert group.metrics_G[0] == {"win_frac": 1.0, "format": 1.0}
@@ -298,13 +314,15 @@ def test_preference_format_penalty_and_custom_judge(tmp_path, monkeypatch):
     cfg = Preference(prompts=["Q"], train_size=1, judge="myjudge:longer", format_coef=0.5)
     train, _ = build_datasets(cfg, ctx(group_size=2, groups_per_batch=1))
     tokens = iter([TOK.encode("a long reply", add_special_tokens=False), "b"])  # the first is cut (no stop token)
-    group = asyncio.run(do_group_rollout(train.get_batch(0)[0], ScriptedSampler(TOK, lambda p, s: next(tokens)), PARAMS))
+    group = asyncio.run(
+        do_group_rollout(train.get_batch(0)[0], ScriptedSampler(TOK, lambda p, s: next(tokens)), PARAMS)
+    )
     assert group.final_rewards_G == pytest.approx([1.0 - 0.5, 0.0])
 
 
 # ---------------------------------------------------------------- python targets
 
-USER_ENV = textwrap.dedent('''
+USER_ENV = textwrap.dedent("""
     from runner.rl.envs.arithmetic import ArithmeticEnv
     from runner.rl.envs.common import ListDataset, RepeatGroupBuilder
 
@@ -320,7 +338,7 @@ USER_ENV = textwrap.dedent('''
 
     def bad_pair():
         return lambda ctx: "nope"
-''')
+""")
 
 
 @pytest.fixture

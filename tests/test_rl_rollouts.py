@@ -19,7 +19,7 @@ from runner.rl.metrics import trajectory_metrics
 from runner.rl.renderer import ChatRenderer
 from runner.rl.rollouts import do_group_rollout, rollout_batch, sample_seed
 from runner.rl.testing import ScriptedSampler, fake_logprob
-from runner.rl.types import Env, StepResult, Trajectory, TrajectoryGroup, Transition
+from runner.rl.types import Env, Trajectory, TrajectoryGroup, Transition
 from runner.types import SampledSequence, SamplingParams
 
 TOK = build_tokenizer()
@@ -100,13 +100,16 @@ def test_rollout_is_reproducible():
         return str(params.seed % 3)
 
     async def run():
-        return await rollout_batch([arith_builder(0, 1), arith_builder(1, 1)], ScriptedSampler(TOK, policy), PARAMS, seed=9)
+        return await rollout_batch(
+            [arith_builder(0, 1), arith_builder(1, 1)], ScriptedSampler(TOK, policy), PARAMS, seed=9
+        )
 
     a, b = asyncio.run(run()), asyncio.run(run())
     assert [g.total_rewards_G() for g in a.groups] == [g.total_rewards_G() for g in b.groups]
 
 
 # ---------------------------------------------------------------- metrics
+
 
 def traj(turns: list[tuple[int, int, float, dict]], stop_reason="stop") -> Trajectory:
     """turns: (ob_len, ac_len, reward, metrics)."""
@@ -127,8 +130,12 @@ def test_trajectory_metrics_names_and_values():
         [traj([(10, 2, 0.0, {}), (14, 4, 1.0, {"correct": 1.0})]), traj([(10, 6, 0.0, {"correct": 0.0})], "length")],
         tags=["a"],
     )
-    g2 = group([traj([(5, 1, 1.0, {"format": 1.0})]), traj([(5, 1, 1.0, {"format": 0.0})])],
-               final=[0.5, 0.5], metrics=[{"win": 1.0}, {}], tags=["b"])
+    g2 = group(
+        [traj([(5, 1, 1.0, {"format": 1.0})]), traj([(5, 1, 1.0, {"format": 0.0})])],
+        final=[0.5, 0.5],
+        metrics=[{"win": 1.0}, {}],
+        tags=["b"],
+    )
     m = trajectory_metrics([g1, g2])
     assert m["env/all/total_episodes"] == 4
     assert m["env/all/total_turns"] == 5
@@ -141,7 +148,11 @@ def test_trajectory_metrics_names_and_values():
     # env metrics: averaged over the entries that report them
     assert m["env/all/correct"] == 0.5 and m["env/all/format"] == 0.5 and m["env/all/win"] == 1.0
     # g1 mixed (1 vs 0), g2 all good (1.5, 1.5)
-    assert (m["env/all/by_group/frac_mixed"], m["env/all/by_group/frac_all_good"], m["env/all/by_group/frac_all_bad"]) == (0.5, 0.5, 0.0)
+    assert (
+        m["env/all/by_group/frac_mixed"],
+        m["env/all/by_group/frac_all_good"],
+        m["env/all/by_group/frac_all_bad"],
+    ) == (0.5, 0.5, 0.0)
     # per-tag metrics, since each tag covers a strict subset
     assert m["env/a/total_episodes"] == 2 and m["env/b/reward/total"] == 1.5
     assert "env/a/win" not in m
@@ -153,6 +164,7 @@ def test_tag_covering_every_group_is_not_repeated():
 
 
 # ---------------------------------------------------------------- advantages
+
 
 def rewards_group(rewards) -> TrajectoryGroup:
     return group([traj([(2, 1, r, {})]) for r in rewards])

@@ -81,8 +81,10 @@ async def run_episode(
         max_tokens = params.max_tokens
         if max_context is not None:
             if len(ob) >= max_context:
-                raise ContextOverflow(f"{type(env).__name__}: a {len(ob)}-token prompt at turn {turn} fills the "
-                                      f"{max_context}-token context")
+                raise ContextOverflow(
+                    f"{type(env).__name__}: a {len(ob)}-token prompt at turn {turn} fills the "
+                    f"{max_context}-token context"
+                )
             # As the cookbook's completer: sample only what still fits.
             max_tokens = min(max_tokens, max_context - len(ob))
         turn_params = replace(
@@ -123,7 +125,13 @@ async def do_group_rollout(
             tasks = [
                 tg.create_task(
                     run_episode(
-                        env, sampling_client, params, seed=seed, step=step, group=group_idx, member=i,
+                        env,
+                        sampling_client,
+                        params,
+                        seed=seed,
+                        step=step,
+                        group=group_idx,
+                        member=i,
                         max_context=max_context,
                     )
                 )

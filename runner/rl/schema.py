@@ -31,6 +31,7 @@ class Base(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True
 
 # ---------------------------------------------------------------- environments
 
+
 class EnvBase(Base, tag_field="kind", tag=str.lower):
     # Problems in the training split (batches = train_size // groups_per_batch) and held out for evals.
     train_size: PosInt = 10_000
@@ -109,6 +110,7 @@ Env = Arithmetic | GuessNumber | TwentyQuestions | TicTacToe | Preference | Pyth
 
 # ---------------------------------------------------------------- losses (Tinker's built-ins; tinker-sdk.md §3)
 
+
 class LossBase(Base, tag_field="kind", tag=str.lower):
     pass
 
@@ -150,6 +152,7 @@ Loss = ImportanceSampling | PPO | CISPO | DRO
 
 # ---------------------------------------------------------------- KL penalty
 
+
 class KLBase(Base, tag_field="kind", tag=str.lower):
     pass
 
@@ -169,6 +172,7 @@ KL = NoKL | ReferenceKL
 
 
 # ---------------------------------------------------------------- sampling / training overlap
+
 
 class ModeBase(Base, tag_field="kind", tag=str.lower):
     pass
@@ -194,6 +198,7 @@ Mode = Sync | Stream | Async
 
 
 # ---------------------------------------------------------------- the algorithm
+
 
 class AlgoBase(Base, tag_field="kind", tag=str.lower):
     pass

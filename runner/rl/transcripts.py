@@ -51,8 +51,10 @@ def write_html(
     for gi, g in shown:
         totals = g.total_rewards_G()
         parts.append(f"<section class='group'><h2>Group {gi}</h2>")
-        parts.append(f"<p class='meta'>tags: {_e(', '.join(g.tags) or '-')}; total rewards: "
-                     f"{_e(', '.join(f'{r:.3g}' for r in totals))}</p>")
+        parts.append(
+            f"<p class='meta'>tags: {_e(', '.join(g.tags) or '-')}; total rewards: "
+            f"{_e(', '.join(f'{r:.3g}' for r in totals))}</p>"
+        )
         for ti, traj in enumerate(g.trajectories_G):
             parts.append(_trajectory_html(ti, traj, g.final_rewards_G[ti], g.metrics_G[ti], totals[ti], decode))
         parts.append("</section>")
@@ -81,8 +83,17 @@ def _trajectory_html(
         parts.append(_table({"reward": tr.reward, "episode_done": tr.episode_done, **tr.metrics, **tr.logs}))
         prev = ob + list(tr.ac.tokens)
     parts.append("<div class='meta'>episode totals</div>")
-    parts.append(_table({"turns": len(traj.transitions), "sum_step_rewards": traj.total_step_reward,
-                         "final_group_reward": final_reward, **final_metrics, "total_return": total}))
+    parts.append(
+        _table(
+            {
+                "turns": len(traj.transitions),
+                "sum_step_rewards": traj.total_step_reward,
+                "final_group_reward": final_reward,
+                **final_metrics,
+                "total_return": total,
+            }
+        )
+    )
     parts.append("</div>")
     return "".join(parts)
 
@@ -117,24 +128,33 @@ def rollout_summary_rows(
             for tr in traj.transitions:
                 metrics.update(tr.metrics)
             metrics.update(g.metrics_G[ti])
-            rows.append({
-                "schema_version": 1,
-                "split": split,
-                "iteration": iteration,
-                "group_idx": gi,
-                "traj_idx": ti,
-                "tags": list(g.tags),
-                "sampling_client_step": sampling_client_step,
-                "total_reward": totals[ti],
-                "final_reward": g.final_rewards_G[ti],
-                "trajectory_metrics": metrics,
-                "final_ob_len": len(traj.final_ob),
-                "steps": [
-                    {"step_idx": k, "ob_len": len(tr.ob), "ac_len": len(tr.ac.tokens), "reward": tr.reward,
-                     "episode_done": tr.episode_done, "metrics": tr.metrics, "logs": tr.logs}
-                    for k, tr in enumerate(traj.transitions)
-                ],
-            })
+            rows.append(
+                {
+                    "schema_version": 1,
+                    "split": split,
+                    "iteration": iteration,
+                    "group_idx": gi,
+                    "traj_idx": ti,
+                    "tags": list(g.tags),
+                    "sampling_client_step": sampling_client_step,
+                    "total_reward": totals[ti],
+                    "final_reward": g.final_rewards_G[ti],
+                    "trajectory_metrics": metrics,
+                    "final_ob_len": len(traj.final_ob),
+                    "steps": [
+                        {
+                            "step_idx": k,
+                            "ob_len": len(tr.ob),
+                            "ac_len": len(tr.ac.tokens),
+                            "reward": tr.reward,
+                            "episode_done": tr.episode_done,
+                            "metrics": tr.metrics,
+                            "logs": tr.logs,
+                        }
+                        for k, tr in enumerate(traj.transitions)
+                    ],
+                }
+            )
     return rows
 
 

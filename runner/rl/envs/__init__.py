@@ -47,7 +47,9 @@ def _user_datasets(cfg: PythonEnv, ctx: EnvContext) -> tuple[RLDataset, RLDatase
     except TypeError as e:  # wrong args from the recipe
         raise UserError(f"{where}: calling it with args {sorted(cfg.args)} failed: {e}") from None
     if not callable(builder):
-        raise UserError(f"{where} returned {type(builder).__name__}, expected a dataset builder: a callable ctx -> (train, test)")
+        raise UserError(
+            f"{where} returned {type(builder).__name__}, expected a dataset builder: a callable ctx -> (train, test)"
+        )
     out = builder(ctx)
     if not (isinstance(out, tuple) and len(out) == 2):
         raise UserError(f"{where}: the dataset builder returned {type(out).__name__}, expected a (train, test) pair")
@@ -56,7 +58,9 @@ def _user_datasets(cfg: PythonEnv, ctx: EnvContext) -> tuple[RLDataset, RLDatase
         if ds is None and name == "test":
             continue
         if not (hasattr(ds, "get_batch") and hasattr(ds, "__len__")):
-            raise UserError(f"{where}: {name} dataset is {type(ds).__name__}, expected an RLDataset (get_batch, __len__)")
+            raise UserError(
+                f"{where}: {name} dataset is {type(ds).__name__}, expected an RLDataset (get_batch, __len__)"
+            )
     if len(train) == 0:
         raise UserError(f"{where}: the train dataset has no batches")
     return train, test

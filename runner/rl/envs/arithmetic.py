@@ -47,7 +47,11 @@ def build(cfg: Arithmetic, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None
     lo, hi = cfg.min_value, cfg.max_value
     span = hi - lo + 1
     train, test = split_problems(
-        ctx.seed, lambda rng: (rng.randint(lo, hi), rng.randint(lo, hi)), cfg.train_size, cfg.test_size, span * span,
+        ctx.seed,
+        lambda rng: (rng.randint(lo, hi), rng.randint(lo, hi)),
+        cfg.train_size,
+        cfg.test_size,
+        span * span,
         "arithmetic",
     )
 

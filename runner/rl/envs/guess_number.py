@@ -53,8 +53,12 @@ class GuessNumberEnv(ChatEnv):
 def build(cfg: GuessNumber, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:
     check_train_size(cfg.train_size, ctx.groups_per_batch, "guess_number")
     train, test = split_problems(
-        ctx.seed, lambda rng: rng.randint(cfg.low, cfg.high), cfg.train_size, cfg.test_size,
-        cfg.high - cfg.low + 1, "guess_number",
+        ctx.seed,
+        lambda rng: rng.randint(cfg.low, cfg.high),
+        cfg.train_size,
+        cfg.test_size,
+        cfg.high - cfg.low + 1,
+        "guess_number",
     )
 
     def builder(group_size: int, secret: object) -> RepeatGroupBuilder:

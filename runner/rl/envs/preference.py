@@ -105,5 +105,7 @@ def build(cfg: Preference, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None
     train_ds = ListDataset(train, functools.partial(builder, ctx.group_size), ctx.groups_per_batch)
     # A pairwise reward needs at least two replies, whatever the eval group size says.
     test_group = max(2, ctx.test_group_size)
-    test_ds = ListDataset(cfg.test_prompts, functools.partial(builder, test_group), ctx.groups_per_batch, drop_last=False)
+    test_ds = ListDataset(
+        cfg.test_prompts, functools.partial(builder, test_group), ctx.groups_per_batch, drop_last=False
+    )
     return train_ds, (test_ds if cfg.test_prompts else None)

@@ -92,6 +92,7 @@ def outcome_metrics(result: str, seat: str, illegal_by: str | None) -> Metrics:
 
 # ---------------------------------------------------------------- against a fixed opponent
 
+
 class OpponentEnv(ChatEnv):
     def __init__(self, renderer: ChatRenderer, seat: Seat, opponent: str, opponent_seed: int):
         super().__init__(renderer, [])
@@ -136,6 +137,7 @@ class OpponentEnv(ChatEnv):
 
 
 # ---------------------------------------------------------------- self-play
+
 
 class Game:
     """The board both seats of one self-play game share; a seat's coroutine waits on `changed` for its turn."""
@@ -222,11 +224,16 @@ class SelfPlayGroupBuilder(EnvGroupBuilder):
 
 # ---------------------------------------------------------------- datasets
 
+
 def build(cfg: TicTacToe, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:
     check_train_size(cfg.train_size, ctx.groups_per_batch, "tictactoe")
     # A problem is (seat, opponent seed); self-play ignores it but keeps the same dataset length.
     train, test = split_problems(
-        ctx.seed, lambda rng: (rng.choice("XO"), rng.randrange(2**31)), cfg.train_size, cfg.test_size, 2**32,
+        ctx.seed,
+        lambda rng: (rng.choice("XO"), rng.randrange(2**31)),
+        cfg.train_size,
+        cfg.test_size,
+        2**32,
         "tictactoe",
     )
 
@@ -236,7 +243,7 @@ def build(cfg: TicTacToe, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]
         return RepeatGroupBuilder(env, group_size, ["tictactoe", opponent])
 
     if cfg.opponent == "self":
-        make_train = lambda item: SelfPlayGroupBuilder(ctx.renderer, ctx.group_size)  # noqa: E731
+        make_train = lambda item: SelfPlayGroupBuilder(ctx.renderer, ctx.group_size)
     else:
         make_train = functools.partial(vs, cfg.opponent, ctx.group_size)
     train_ds = ListDataset(train, make_train, ctx.groups_per_batch)
