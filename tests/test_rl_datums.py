@@ -16,13 +16,14 @@ from runner.rl.advantages import compute_advantages
 from runner.rl.datums import assemble_datums, trajectory_to_datums
 from runner.rl.envs.common import RepeatGroupBuilder
 from runner.rl.envs.guess_number import GuessNumberEnv
+from runner.rl.kl import apply_kl_penalty, kl_sample_train, reference_logprobs
 from runner.rl.renderer import ChatRenderer
 from runner.rl.rollouts import do_group_rollout
 from runner.rl.schema import PPO, RL, Arithmetic, ReferenceKL, Stream
-from runner.rl.testing import ScriptedSampler
+from runner.rl.testing import ScriptedSampler, fake_logprob
 from runner.rl.transcripts import rollout_summary_rows, write_html, write_rollout_summaries
 from runner.rl.types import Trajectory, TrajectoryGroup, Transition
-from runner.types import SampledSequence, SamplingParams
+from runner.types import Datum, SampledSequence, SamplingParams
 
 TOK = build_tokenizer()
 R = ChatRenderer(TOK)
@@ -191,3 +192,36 @@ def test_schema_errors(table, message):
     with pytest.raises(msgspec.ValidationError) as e:
         decode(table)
     assert message in str(e.value)
+
+
+# ---------------------------------------------------------------- KL terms
+
+
+def kl_datum(lps, mask, adv) -> Datum:
+    n = len(lps)
+    return Datum(list(range(n)), np.arange(1, n + 1), logprobs=lps, advantages=adv, mask=mask)
+
+
+def test_kl_penalty_is_centred_on_action_tokens():
+    d1 = kl_datum([0.0, -1.0, -2.0], [0, 1, 1], [0, 1, 1])
+    d2 = kl_datum([-1.0, -1.0], [0, 1], [0, -1])
+    ref = [np.array([-5.0, -1.5, -1.0]), np.array([-9.0, -2.0])]
+    out, m = apply_kl_penalty([d1, d2], ref, coef=0.5)
+    # d = [0.5, -1.0] and [1.0] on action tokens; mean 1/6
+    assert m["kl_policy_base"] == pytest.approx(1 / 6)
+    np.testing.assert_allclose(out[0].advantages, [0, 1 + 0.5 * (1 / 6 - 0.5), 1 + 0.5 * (1 / 6 + 1.0)], rtol=1e-6)
+    np.testing.assert_allclose(out[1].advantages, [0, -1 + 0.5 * (1 / 6 - 1.0)], rtol=1e-6)
+    total_shift = sum(((o.advantages - d.advantages) * d.mask).sum() for o, d in zip(out, [d1, d2]))
+    assert total_shift == pytest.approx(0.0, abs=1e-6)  # centred: the mean advantage is unchanged
+
+
+def test_reference_logprobs_align_with_targets_and_kl_sample_train():
+    (d,) = trajectory_to_datums(Trajectory([tr([5, 6], [7, 8], [-0.3, -0.4], done=True)]), 1.0)
+    sampler = ScriptedSampler(TOK, lambda p, s: "")
+    (ref,) = asyncio.run(reference_logprobs(sampler, [d]))
+    assert ref.shape == d.target_tokens.shape
+    np.testing.assert_allclose(ref, [fake_logprob(t, i) for i, t in enumerate([6, 7, 8])], rtol=1e-6)
+    m = kl_sample_train([d], [np.array([0.0, -0.5, -0.1])])  # diffs on the two action tokens: 0.2, -0.3
+    assert m["optim/kl_sample_train_v1"] == pytest.approx(-0.05, abs=1e-6)
+    assert m["optim/kl_sample_train_v2"] == pytest.approx(0.5 * (0.04 + 0.09) / 2, abs=1e-6)
+    assert m["optim/entropy"] == pytest.approx(0.35, abs=1e-6)
