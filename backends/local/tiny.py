@@ -1,8 +1,13 @@
-"""The embedded default model "tiny": a ~0.8M-parameter Qwen3-style chat model with a byte-level tokenizer.
+"""The embedded default model "tiny": a ~0.82M-parameter Qwen3-style chat model with a byte-level tokenizer.
 
 Everything is built in code (no hub download), so tests and the local backend run offline.
-`save_random_tiny(dir)` writes a randomly initialised copy for tests; the shipped checkpoint in
-`assets/tiny/` is pre-trained on synthetic chat data so that LoRA/SFT/RL on it learn visibly.
+`save_random_tiny(dir)` writes a randomly initialised copy for tests. The shipped checkpoint in
+`assets/tiny/` is pre-trained (full fine-tune, plain torch) on synthetic chats generated here, so that it
+knows the ChatML format, a few string skills and small sums, and is only partly right on 2-digit sums
+(the RL example's task). Regenerate it, and the example data in examples/data/, with:
+
+    python -m backends.local.tiny build [--out DIR] [--seed S]   # 1600 steps; bit-identical on one machine
+    python -m backends.local.tiny data [--out DIR]
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ TINY_DIR: Path = Path(__file__).parent / "assets" / "tiny"
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIALS = (PAD, IM_START, IM_END)
-BUILD_STEPS = 1500
 
 # Qwen's ChatML template, minus tools/thinking: every message is "<|im_start|>{role}\n{content}<|im_end|>\n".
 CHAT_TEMPLATE = (
@@ -228,33 +232,55 @@ def _batches(tok, rng: random.Random, batch: int, n_batches: int, **mix) -> list
     return out
 
 
-def pretrain(out: Path, steps: int = 1500, seed: int = 0, batch: int = 32, lr: float = 3e-3,
-             arith_frac: float = 0.4, wide_frac: float = 0.5, log_every: int = 100, threads: int = 2,
-             callback: Callable[[int, Any], None] | None = None) -> Path:
-    """Full fine-tune of a random tiny model on synthetic chats; loss on assistant tokens only.
-    `callback(step, model)` runs after each logged step (used to pick BUILD_STEPS)."""
-    import time
+# (steps, peak lr, arithmetic share, share of arithmetic on [0, 99] operands, linear decay to 0).
+# The general mix learns the format, the string skills and small sums, but 2-digit sums only slowly;
+# an arithmetic-heavy phase and a short cooldown bring those into the partly-correct range RL improves.
+PHASES = ((900, 5e-3, 0.6, 0.5, False), (400, 5e-3, 0.9, 0.7, False), (300, 2e-3, 0.9, 0.7, True))
 
+
+def pretrain(out: Path, phases=PHASES, seed: int = 0, threads: int = 1, log_every: int = 100,
+             callback: Callable[[int, Any], None] | None = None) -> Path:
+    """Build the tiny checkpoint from scratch: one `train_phase` per entry of `phases`, each with a fresh
+    optimizer and its own data seed. Full fine-tune, loss on assistant tokens only."""
     import torch
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    rng = random.Random(seed)
     tok = build_tokenizer()
     model = transformers.AutoModelForCausalLM.from_config(build_config(tok))
+    done = 0
+    for i, (steps, lr, arith_frac, wide_frac, decay) in enumerate(phases):
+        train_phase(model, tok, random.Random(seed + i), steps, lr=lr, arith_frac=arith_frac, wide_frac=wide_frac,
+                    decay=decay, log_every=log_every, callback=callback, step_offset=done)
+        done += steps
+    model.eval()
+    _save(model, tok, Path(out))
+    return Path(out)
+
+
+def train_phase(model, tok, rng: random.Random, steps: int, *, arith_frac: float, wide_frac: float,
+                batch: int = 32, lr: float = 5e-3, decay: bool = False, log_every: int = 100,
+                callback: Callable[[int, Any], None] | None = None, step_offset: int = 0) -> None:
+    """`steps` AdamW steps on freshly drawn synthetic chats. `callback(step, model)` runs at each log."""
+    import time
+
+    import torch
+
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    # Warmup, then constant: every prefix of a run is itself a complete build, so one long run with
-    # evaluations shows which step count gives the wanted (partial) arithmetic accuracy.
-    warmup = 50
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+    # Warmup, then constant (or linear decay to 0). Constant phases make every prefix of a run a complete
+    # build, so one long run with evaluations showed which step counts give the wanted partial accuracy.
+    warmup = 50 if not decay else 20
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (1.0 - s / steps if decay else 1.0)
+    )
     queue: list[tuple] = []
     t0, total = time.time(), 0.0
     for step in range(steps):
         if not queue:
             queue = _batches(tok, rng, batch, 8, arith_frac=arith_frac, wide_frac=wide_frac)
         ids_BT, w_BT = queue.pop()
-        # bf16 autocast: ~1.5x faster than fp32 on this CPU; weights and optimizer stay fp32.
+        # bf16 autocast: measured up to 1.5x faster than fp32 on this CPU; weights and optimizer stay fp32.
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits_BTV = model(input_ids=ids_BT[:, :-1]).logits
         nll_BT = torch.nn.functional.cross_entropy(
@@ -272,14 +298,12 @@ def pretrain(out: Path, steps: int = 1500, seed: int = 0, batch: int = 32, lr: f
             model.eval()
             acc = eval_arithmetic(model, tok, n=200)["accuracy"]
             model.train()
-            print(f"step {step + 1}/{steps} loss {total / log_every:.4f} arithmetic greedy accuracy {acc:.3f} "
-                  f"({time.time() - t0:.0f}s)", flush=True)
+            print(f"step {step_offset + step + 1} loss {total / log_every:.4f} "
+                  f"arithmetic greedy accuracy {acc:.3f} ({time.time() - t0:.0f}s)", flush=True)
             total = 0.0
             if callback is not None:
-                callback(step + 1, model)
+                callback(step_offset + step + 1, model)
     model.eval()
-    _save(model, tok, Path(out))
-    return Path(out)
 
 
 def generate(model, tok, prompts: list[list[dict]], temperature: float = 0.0, max_new: int = 8,
@@ -433,7 +457,6 @@ def main(argv: list[str] | None = None) -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="pre-train the shipped checkpoint from scratch")
     b.add_argument("--out", type=Path, default=TINY_DIR)
-    b.add_argument("--steps", type=int, default=BUILD_STEPS)
     b.add_argument("--seed", type=int, default=0)
     d = sub.add_parser("data", help="write the example SFT and preference data")
     d.add_argument("--out", type=Path, default=repo / "examples" / "data")
@@ -443,7 +466,7 @@ def main(argv: list[str] | None = None) -> None:
             print(path)
         return
     t0 = time.time()
-    out = pretrain(args.out, steps=args.steps, seed=args.seed)
+    out = pretrain(args.out, seed=args.seed)
     print(f"saved {out} in {time.time() - t0:.0f}s")
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     tok = transformers.AutoTokenizer.from_pretrained(out)
