@@ -124,3 +124,15 @@ def test_preference_data_shape():
 def test_shipped_data_is_what_the_script_writes(tmp_path):
     for path in tiny.write_data(tmp_path):
         assert path.read_bytes() == (DATA / path.name).read_bytes(), path.name
+
+
+def test_pretrain_is_deterministic(tmp_path):
+    import safetensors.torch
+
+    phases = ((2, 5e-3, 0.6, 0.5, False), (1, 2e-3, 0.9, 0.7, True))
+    a = tiny.pretrain(tmp_path / "a", phases=phases, log_every=10**9)
+    b = tiny.pretrain(tmp_path / "b", phases=phases, log_every=10**9)
+    wa = safetensors.torch.load_file(a / "model.safetensors")
+    wb = safetensors.torch.load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
+    assert transformers.AutoTokenizer.from_pretrained(a).chat_template == tiny.CHAT_TEMPLATE
