@@ -38,9 +38,12 @@ CustomLossFn = Callable[[list[Datum], list[Any]], tuple[Any, dict[str, float]]]
 
 
 class BackendError(RuntimeError):
-    """A request the backend gave up on. `request` names the call (e.g. 'forward_backward #12')."""
+    """A request the backend gave up on. `request` names the call (e.g. 'forward_backward #12'); the message
+    always starts with it, so callers print str(error) as is."""
 
     def __init__(self, message: str, request: str = "", user_error: bool = False):
+        if request and not message.startswith(request):
+            message = f"{request}: {message}"
         super().__init__(message)
         self.request = request
         self.user_error = user_error

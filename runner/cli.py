@@ -61,9 +61,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A backend that gave up on a request the user can fix (backends.base.BackendError) says so;
         # checked by attribute so this module does not import the backends.
         if getattr(e, "user_error", False):
-            request = getattr(e, "request", "")
-            print(f"error: {request + ': ' if request else ''}{e}", file=sys.stderr)
+            print(f"error: {e}", file=sys.stderr)
             return 2
+        # A request the backend gave up on (server down, retries exhausted): not our bug, so no traceback.
+        # The run dir keeps its metrics and last checkpoint; the same command resumes.
+        if hasattr(e, "request"):
+            print(f"error: {e} (the run can be resumed with the same command)", file=sys.stderr)
+            return 1
         raise
 
 
