@@ -179,11 +179,11 @@ BAD_RECIPES = [
     ),
     (
         'algo = {kind = "ppo"}',
-        "recipes.toml#sl_basic: algo.kind: invalid choice 'ppo'; expected one of: sft",
+        "recipes.toml#sl_basic: algo.kind: invalid choice 'ppo'; expected one of: rl, sft",
     ),
     (
         'model = "tiny"',
-        'recipes.toml#sl_basic: algo: missing key; write e.g. algo = {kind = "sft"} (kind one of: sft)',
+        'recipes.toml#sl_basic: algo: missing key; write e.g. algo = {kind = "sft"} (kind one of: rl, sft)',
     ),
     (
         'algo = {kind = "sft"}',
@@ -481,3 +481,55 @@ def test_shipped_recipes_check(path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert recipes
     for name, recipe in recipes.items():
         check_recipe(recipe, f"{path.name}#{name}")
+
+
+# ---------------------------------------------------------------- RL: bad recipes, exact messages
+
+RL_GOOD = """\
+[recipes.arith]
+lr = 3e-3
+algo = {kind = "rl", env = {kind = "arithmetic", max_value = 20}, group_size = 4}
+"""
+
+RL_ERRORS = [
+    (["algo.loss.kind=ppx"], "algo.loss.kind: invalid choice 'ppx'; expected one of: cispo, dro, importance_sampling, ppo"),
+    (["algo.group_size=1"], "algo.group_size: expected int >= 2, got 1"),
+    (['algo.kl={kind="reference"}'], "algo.kl.coef: missing key; expected float > 0"),
+    (['algo.env={kind="tictactoe"}', "algo.group_size=3"],
+     "algo: tictactoe self-play needs an even group_size (two seats per game)"),
+    (['algo.env={kind="python", target="nocolon"}'], "algo.env.target: expected 'pkg.mod:fn', got 'nocolon'"),
+    (["algo.mode.kind=async", "algo.mode.max_stalenes=2"],
+     "algo.mode.max_stalenes: unknown key; did you mean `max_staleness`? (valid: kind, max_staleness)"),
+    (["algo.mode.kind=async", "depth=0"],
+     "algo.mode async samples while the previous step trains: it needs depth >= 1"),
+    (['algo.mode={kind="stream", minibatches=3}'],
+     "algo: stream mode: groups_per_batch must split evenly into num_substeps × minibatches"),
+    (['algo.loss={kind="ppo", clip_low=1.5}'], "algo.loss: clip_low must be < clip_high"),
+    (["algo.env.kind=chess"],
+     "algo.env.kind: invalid choice 'chess'; expected one of: arithmetic, guess_number, preference, python, "
+     "tictactoe, twenty_questions"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", RL_ERRORS, ids=[e[1].split(":")[0] + str(i) for i, e in
+                                                                enumerate(RL_ERRORS)])
+def test_rl_bad_recipe_message(workdir: Path, overrides: list[str], expected: str) -> None:
+    ref = f"{write(RL_GOOD)}#arith"
+    assert error_of(load_recipe, ref, overrides) == f"recipes.toml#arith: {expected}"
+
+
+def test_rl_recipe_round_trips_and_checks_targets(workdir: Path, isolated_imports: None) -> None:
+    ref = f"{write(RL_GOOD)}#arith"
+    over = ['algo.kl={kind="reference", coef=0.05}', 'algo.mode={kind="async", max_staleness=2}',
+            'algo.loss={kind="cispo", clip_high=3.0}', "algo.eval.max_groups=4"]
+    name, recipe = load_recipe(ref, over)
+    Path("shown.toml").write_text(dump_recipe(name, recipe))
+    assert load_recipe("shown.toml#arith") == (name, recipe)
+    # User envs and preference judges are imported by check, like any other target.
+    (workdir / "my_env.py").write_text("def build(**args):\n    return lambda ctx: (None, None)\n")
+    check_recipe(load_recipe(ref, ['algo.env={kind="python", target="my_env:build"}'])[1], "w")
+    assert error_of(check_recipe, load_recipe(ref, ['algo.env={kind="python", target="my_env:nope"}'])[1], "w") == (
+        "w: algo.env.target: cannot import 'my_env:nope': AttributeError: module 'my_env' has no attribute 'nope'"
+    )
+    judge = 'algo.env={kind="preference", judge="my_env:missing"}'
+    assert error_of(check_recipe, load_recipe(ref, [judge])[1], "w").startswith("w: algo.env.judge: cannot import")

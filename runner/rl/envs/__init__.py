@@ -16,7 +16,7 @@ from runner.errors import UserError
 from runner.rl.envs import arithmetic, guess_number, preference, tictactoe, twenty_questions
 from runner.rl.envs.common import EnvContext
 from runner.rl.envs.user import load_target
-from runner.rl.schema import Arithmetic, Env, GuessNumber, Preference, PythonEnv, TicTacToe, TwentyQuestions
+from runner.recipe import Arithmetic, Env, GuessNumber, Preference, PythonEnv, TicTacToe, TwentyQuestions
 from runner.rl.types import RLDataset
 
 __all__ = ["EnvContext", "build_datasets"]

@@ -7,7 +7,7 @@ import re
 
 from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, RepeatGroupBuilder, check_train_size, split_problems
 from runner.rl.renderer import ChatRenderer, Message
-from runner.rl.schema import Arithmetic
+from runner.recipe import Arithmetic
 from runner.rl.types import Observation, RLDataset, StepResult, StopCondition
 
 FORMAT_COEF = 0.1

@@ -11,7 +11,7 @@ import functools
 from runner.rl.envs.arithmetic import INTEGER
 from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, RepeatGroupBuilder, check_train_size, split_problems
 from runner.rl.renderer import ChatRenderer
-from runner.rl.schema import GuessNumber
+from runner.recipe import GuessNumber
 from runner.rl.types import Observation, RLDataset, StepResult, StopCondition
 
 

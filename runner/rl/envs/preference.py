@@ -15,7 +15,7 @@ from runner.errors import UserError
 from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, check_train_size
 from runner.rl.envs.user import load_target
 from runner.rl.renderer import ChatRenderer
-from runner.rl.schema import Preference
+from runner.recipe import Preference
 from runner.rl.types import (
     Env,
     EnvGroupBuilder,

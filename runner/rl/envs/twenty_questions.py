@@ -13,7 +13,7 @@ import re
 
 from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, RepeatGroupBuilder, check_train_size, split_problems
 from runner.rl.renderer import ChatRenderer
-from runner.rl.schema import TwentyQuestions
+from runner.recipe import TwentyQuestions
 from runner.rl.types import Observation, RLDataset, StepResult, StopCondition
 
 # attribute -> (how the intro names it, words that ask about it)
