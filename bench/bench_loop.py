@@ -1,0 +1,484 @@
+"""Clock cycles per step of the training loop under a simulated Tinker clock, and RL async vs sync speed.
+
+Tinker's service runs in clock cycles (tinker-sdk.md §1.3): a worker pool runs one forward_backward +
+optim_step per model per cycle in lock step, and a request that arrives before a tick joins that cycle.
+A client that awaits each call before submitting the next pays a cycle per round trip; the docs call that
+naive pattern about 3 cycles per RL step. `ClockBackend(inner, period_s)` simulates the clock around any
+backend (the fake one by default, so compute is negligible next to the period):
+
+  - every call is delegated to the inner backend at once, but its Future completes only at the first tick
+    after it was submitted, once the inner result is ready, and never before the calls ahead of it in its
+    client's FIFO;
+  - per training client, a cycle holds any forward / forward_backward calls, then at most one optim_step;
+    a forward or forward_backward queued behind that optim_step needs the updated weights, so it waits for
+    the next cycle (so does a second optim_step). Saves and sampler snapshots queued right behind the
+    optim_step share its cycle (they read the weights the cycle ends with);
+  - sampling calls complete at the next tick (per sampling client, in order);
+  - creating clients is setup, not a cycle: it completes at once.
+
+Cycles per step = ticks from the first request's submission to the last optim_step's completion, / steps.
+
+Part 1 (cycles/step): the naive loops written here (SFT: await forward_backward, then await optim_step;
+RL: await samples, then forward_backward, then optim_step), and the project's loop (runner.loop.run) on an
+SFT recipe at depth 0/1/2 and on the RL recipe in sync / stream / async mode.
+Part 2 (steps/s): RL async (max_staleness 1) vs sync on the LOCAL backend with the tiny model, the
+rl_basic recipe, interleaved repeated runs, medians and their ratio.
+
+    OMP_NUM_THREADS=1 python bench/bench_loop.py              # both parts
+    python bench/bench_loop.py --quick                        # fewer steps and rounds
+    python bench/bench_loop.py --part cycles --period 0.05 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import io
+import itertools
+import os
+import statistics
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from backends.base import Backend, CustomLossFn, Future
+from backends.fake import FakeBackend
+from runner.errors import UserError
+from runner.recipe import Recipe, load_recipe
+from runner.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    LoraSpec,
+    LossFn,
+    OptimStepOutput,
+    SampleOutput,
+    SamplingParams,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+SFT_REF = str(ROOT / "examples" / "sft_tiny.toml") + "#sft_tiny"
+RL_REF = str(ROOT / "recipes.toml") + "#rl_basic"
+
+# Ops that compute on the current weights: they cannot share a cycle with an optim_step ahead of them.
+_NEEDS_WEIGHTS = {"forward", "forward_backward"}
+# The "slow prep" rows: prepare() takes this many clock periods.
+SLOW_PREPARE = 1.5
+
+
+# ================================================================ the simulated clock
+
+
+@dataclasses.dataclass
+class Call:
+    """One request, from submission to the tick it completed at."""
+
+    client: int
+    op: str  # forward | forward_backward | optim_step | save | sample
+    inner: Future[Any]
+    outer: concurrent.futures.Future[Any]
+    submitted: float  # time.monotonic() at submission
+    submit_tick: int  # ticks elapsed at submission: the call can join tick submit_tick + 1 at the earliest
+    wrap: Callable[[Any], Any] | None = None  # e.g. wrap a sampling client made by a snapshot
+    done_tick: int = -1
+
+
+class ClockBackend:
+    """Any Backend, behind a simulated Tinker clock of period `period_s` (see the module docstring).
+
+    `ticks` counts the ticks so far; `log` holds every completed Call (op, submit_tick, done_tick)."""
+
+    def __init__(self, inner: Backend, period_s: float = 0.05):
+        self.inner, self.period = inner, period_s
+        self.ticks = 0
+        self.log: list[Call] = []
+        self._queues: list[deque[Call]] = []  # one FIFO per client; index = client id
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="clock", daemon=True)
+        self._thread.start()
+
+    # --- the Backend protocol
+
+    def get_tokenizer(self) -> Any:
+        return self.inner.get_tokenizer()
+
+    def create_training_client(self, spec: LoraSpec) -> Future[ClockTrainingClient]:
+        return self.inner.create_training_client(spec).map(lambda tc: ClockTrainingClient(self, tc))
+
+    def create_training_client_from_state(
+        self, path: str, spec: LoraSpec, with_optimizer: bool = True
+    ) -> Future[ClockTrainingClient]:
+        fut = self.inner.create_training_client_from_state(path, spec, with_optimizer)
+        return fut.map(lambda tc: ClockTrainingClient(self, tc))
+
+    def create_sampling_client(
+        self, model_path: str | None = None, base_model: str | None = None
+    ) -> Future[ClockSamplingClient]:
+        fut = self.inner.create_sampling_client(model_path, base_model)
+        return fut.map(lambda sc: ClockSamplingClient(self, sc))
+
+    def close(self, status: str = "success") -> None:
+        self._stop.set()
+        self._thread.join()
+        self.inner.close(status)
+
+    # --- the clock
+
+    def new_queue(self) -> int:
+        with self._lock:
+            self._queues.append(deque())
+            return len(self._queues) - 1
+
+    def submit(self, client: int, op: str, inner: Future[Any], wrap: Callable[[Any], Any] | None = None) -> Future[Any]:
+        outer: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:  # the timestamp is taken under the lock, so a tick sees the call or it is too late
+            self._queues[client].append(Call(client, op, inner, outer, time.monotonic(), self.ticks, wrap))
+        return Future(outer)
+
+    def _run(self) -> None:
+        # Ticks are on an absolute grid, so a late thread catches up tick by tick instead of drifting.
+        while True:
+            at = self._t0 + (self.ticks + 1) * self.period
+            delay = at - time.monotonic()
+            if delay > 0 and self._stop.wait(delay):
+                return
+            if self._stop.is_set():
+                return
+            self._tick(at)
+
+    def _tick(self, at: float) -> None:
+        done: list[Call] = []
+        with self._lock:
+            self.ticks += 1
+            for q in self._queues:
+                optimized = False  # this client's cycle already ran its optim_step
+                while q:
+                    c = q[0]
+                    if c.submitted >= at or not c.inner.done():
+                        break
+                    if optimized and (c.op == "optim_step" or c.op in _NEEDS_WEIGHTS):
+                        break
+                    optimized = optimized or c.op == "optim_step"
+                    c.done_tick = self.ticks
+                    done.append(q.popleft())
+            self.log.extend(done)
+        for c in done:  # outside the lock: completing a future runs its callbacks (asyncio wake-ups)
+            try:
+                value = c.inner.result()
+                c.outer.set_result(c.wrap(value) if c.wrap is not None else value)
+            except Exception as e:  # noqa: BLE001 - the inner failure is the request's own result
+                c.outer.set_exception(e)
+
+    def cycles(self, steps: int) -> float:
+        """Ticks from the first submission to the last optim_step's completion, per step."""
+        start = min(c.submit_tick for c in self.log)
+        end = max(c.done_tick for c in self.log if c.op == "optim_step")
+        return (end - start) / steps
+
+
+class ClockTrainingClient:
+    def __init__(self, clock: ClockBackend, inner: Any):
+        self.clock, self.inner, self.qid = clock, inner, clock.new_queue()
+
+    def forward(
+        self, data: list[Datum], loss_fn: LossFn, loss_config: dict[str, float] | None = None
+    ) -> Future[ForwardBackwardOutput]:
+        return self.clock.submit(self.qid, "forward", self.inner.forward(data, loss_fn, loss_config))
+
+    def forward_backward(
+        self, data: list[Datum], loss_fn: LossFn, loss_config: dict[str, float] | None = None
+    ) -> Future[ForwardBackwardOutput]:
+        return self.clock.submit(self.qid, "forward_backward", self.inner.forward_backward(data, loss_fn, loss_config))
+
+    def forward_backward_custom(self, data: list[Datum], loss_fn: CustomLossFn) -> Future[ForwardBackwardOutput]:
+        return self.clock.submit(self.qid, "forward_backward", self.inner.forward_backward_custom(data, loss_fn))
+
+    def optim_step(self, params: AdamParams) -> Future[OptimStepOutput]:
+        return self.clock.submit(self.qid, "optim_step", self.inner.optim_step(params))
+
+    def save_state(self, name: str, ttl_seconds: int | None = None) -> Future[str]:
+        return self.clock.submit(self.qid, "save", self.inner.save_state(name, ttl_seconds))
+
+    def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None) -> Future[str]:
+        return self.clock.submit(self.qid, "save", self.inner.save_weights_for_sampler(name, ttl_seconds))
+
+    def save_weights_and_get_sampling_client(self) -> Future[ClockSamplingClient]:
+        return self.clock.submit(
+            self.qid,
+            "save",
+            self.inner.save_weights_and_get_sampling_client(),
+            wrap=lambda sc: ClockSamplingClient(self.clock, sc),
+        )
+
+
+class ClockSamplingClient:
+    def __init__(self, clock: ClockBackend, inner: Any):
+        self.clock, self.inner, self.qid = clock, inner, clock.new_queue()
+
+    def sample(self, prompt: list[int], num_samples: int, params: SamplingParams) -> Future[SampleOutput]:
+        return self.clock.submit(self.qid, "sample", self.inner.sample(prompt, num_samples, params))
+
+    def compute_logprobs(self, tokens: list[int]) -> Future[list[float | None]]:
+        return self.clock.submit(self.qid, "sample", self.inner.compute_logprobs(tokens))
+
+
+# ================================================================ loops under the clock
+
+
+def recipe_for(ref: str, run_dir: Path, overrides: Sequence[str]) -> Recipe:
+    # No evals and only the final checkpoint: the bench measures the step pipeline, not the extras.
+    _, recipe = load_recipe(
+        ref, [f'log_dir="{run_dir}"', "eval_every=0", "save_every=0", 'if_exists="overwrite"', *overrides]
+    )
+    return recipe
+
+
+def quiet_run(recipe: Recipe, backend: Backend) -> None:
+    """runner.loop.run without its progress lines (they would interleave with the tables)."""
+    from runner.loop import run
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        run(recipe, "bench", backend=backend)
+
+
+def naive_sft(backend: ClockBackend, recipe: Recipe, steps: int) -> None:
+    """Submit forward_backward, await it, submit optim_step, await it: one round trip per call."""
+    from runner.loop import lora_spec, make_algo
+
+    algo = make_algo(recipe)(backend.get_tokenizer())
+    tc = backend.create_training_client(lora_spec(recipe)).result()
+    for step in range(steps):
+        batch = asyncio.run(algo.prepare(step, None))
+        tc.forward_backward(batch, "cross_entropy").result()
+        tc.optim_step(AdamParams(learning_rate=recipe.lr)).result()
+
+
+def naive_rl(backend: ClockBackend, steps: int, groups: int = 4, group_size: int = 4) -> None:
+    """Sample the batch and await it, then forward_backward and await it, then optim_step and await it.
+    The sampler snapshot for the next step is queued right behind optim_step (it shares that cycle), so
+    the three round trips are sample, forward_backward and optim_step (the docs' ~3 cycles per step)."""
+    tok = backend.get_tokenizer()
+    tc = backend.create_training_client(LoraSpec(base_model="tiny", seed=0)).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    params = SamplingParams(max_tokens=8, stop=[])
+    prompts = [tok.encode(f"What is {i} + {2 * i}?") for i in range(groups)]
+    for step in range(steps):
+        futures = [sampler.sample(p, group_size, dataclasses.replace(params, seed=step)) for p in prompts]
+        data_D: list[Datum] = []
+        for prompt, fut in zip(prompts, futures, strict=True):
+            seqs_G = fut.result().sequences
+            # A toy reward (the share of even token ids) stands in for an environment: the bench times calls.
+            rewards_G = np.array([np.mean([t % 2 == 0 for t in s.tokens]) for s in seqs_G])
+            for s, adv in zip(seqs_G, rewards_G - rewards_G.mean(), strict=True):
+                data_D.append(rl_datum(prompt, s.tokens, s.logprobs, float(adv)))
+        tc.forward_backward(data_D, "importance_sampling").result()
+        opt = tc.optim_step(AdamParams(learning_rate=1e-3))
+        snapshot = tc.save_weights_and_get_sampling_client()
+        opt.result()
+        sampler = snapshot.result()
+
+
+def rl_datum(prompt: list[int], tokens_T: list[int], logprobs_T: list[float], advantage: float) -> Datum:
+    seq = prompt + tokens_T
+    n = len(seq) - 1
+    lp, adv, mask = np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    lp[len(prompt) - 1 :], adv[len(prompt) - 1 :], mask[len(prompt) - 1 :] = logprobs_T, advantage, 1.0
+    return Datum(model_input=seq[:-1], target_tokens=np.asarray(seq[1:]), logprobs=lp, advantages=adv, mask=mask)
+
+
+@dataclasses.dataclass
+class CycleRow:
+    name: str
+    steps: int
+    cycles: float
+    wall_s: float
+
+
+def measure(name: str, steps: int, period: float, body: Callable[[ClockBackend], None]) -> CycleRow:
+    """Run `body` on a fresh fake backend behind a fresh clock."""
+    from backends.local.tiny import build_tokenizer
+
+    clock = ClockBackend(FakeBackend(build_tokenizer()), period)
+    t = time.monotonic()
+    try:
+        body(clock)
+    finally:
+        with contextlib.suppress(Exception):  # run() closes the backend itself; a second close is harmless
+            clock.close()
+    return CycleRow(name, steps, clock.cycles(steps), time.monotonic() - t)
+
+
+def rl_available() -> str | None:
+    """None when the RL loop can run here, else why not."""
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            recipe_for(RL_REF, Path(d), [])
+    except UserError as e:
+        return str(e)
+    try:
+        from runner.loop import make_algo
+
+        with tempfile.TemporaryDirectory() as d:
+            make_algo(recipe_for(RL_REF, Path(d), []))
+    except TypeError as e:
+        return f"runner.loop.make_algo does not take the RL recipe yet ({e})"
+    return None
+
+
+def rl_mode_overrides(mode: str) -> list[str]:
+    return {
+        "sync": ['algo.mode={kind="sync"}'],
+        "stream": ['algo.mode={kind="stream"}'],
+        "async": ['algo.mode={kind="async", max_staleness=1}'],
+    }[mode]
+
+
+@contextlib.contextmanager
+def slow_prepare(seconds: float) -> Iterator[None]:
+    """SFTAlgo.prepare sleeps `seconds` first: data preparation that costs more than a cycle."""
+    from runner.sft import SFTAlgo
+
+    fast = SFTAlgo.prepare
+
+    async def prepare(self: SFTAlgo, step: int, ctx: Any) -> Any:
+        await asyncio.sleep(seconds)
+        return await fast(self, step, ctx)
+
+    SFTAlgo.prepare = prepare  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        SFTAlgo.prepare = fast  # type: ignore[method-assign]
+
+
+def cycles_table(steps: int, period: float) -> list[CycleRow]:
+    rows: list[CycleRow] = []
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        sft = recipe_for(SFT_REF, tmp / "naive", [f"max_steps={steps}"])
+        rows.append(measure("SFT naive (await fb, await optim)", steps, period, lambda b: naive_sft(b, sft, steps)))
+        for depth in (0, 1, 2):
+            recipe = recipe_for(SFT_REF, tmp / f"sft{depth}", [f"max_steps={steps}", f"depth={depth}"])
+            rows.append(measure(f"SFT runner.loop depth={depth}", steps, period, lambda b, r=recipe: quiet_run(r, b)))
+        # A prepare() slower than a cycle (as RL sampling is): depth > 0 hides it behind the queued step.
+        for depth in (0, 1):
+            recipe = recipe_for(SFT_REF, tmp / f"slow{depth}", [f"max_steps={steps}", f"depth={depth}"])
+            with slow_prepare(SLOW_PREPARE * period):
+                rows.append(
+                    measure(
+                        f"SFT runner.loop depth={depth} slow prep", steps, period, lambda b, r=recipe: quiet_run(r, b)
+                    )
+                )
+        rows.append(measure("RL naive (await sample, fb, optim)", steps, period, lambda b: naive_rl(b, steps)))
+        why = rl_available()
+        if why is not None:
+            print(f"RL loop: not measured: {why}")
+            return rows
+        for mode in ("sync", "stream", "async"):
+            recipe = recipe_for(RL_REF, tmp / f"rl_{mode}", [f"max_steps={steps}", *rl_mode_overrides(mode)])
+            label = "async K=1" if mode == "async" else mode
+            rows.append(measure(f"RL runner.loop {label}", steps, period, lambda b, r=recipe: quiet_run(r, b)))
+    return rows
+
+
+def print_cycles(rows: list[CycleRow], period: float) -> None:
+    print(f"\ncycles per step (clock period {period * 1000:.0f} ms, fake inner backend)")
+    print(f"{'loop':<38} {'steps':>5} {'cycles/step':>11} {'wall s':>7}")
+    for r in rows:
+        print(f"{r.name:<38} {r.steps:>5} {r.cycles:>11.2f} {r.wall_s:>7.2f}")
+
+
+# ================================================================ RL async vs sync on the local backend
+
+
+def rl_local_once(mode: str, steps: int, tmp: Path, overrides: Sequence[str]) -> float:
+    """Steps per second of one rl_basic run on the local backend (from its start to its end)."""
+    recipe = recipe_for(
+        RL_REF,
+        tmp / f"local_{mode}",
+        [f"max_steps={steps}", 'backend={kind="local"}', *rl_mode_overrides(mode), *overrides],
+    )
+    t = time.monotonic()
+    quiet_run_local(recipe)
+    return steps / (time.monotonic() - t)
+
+
+def quiet_run_local(recipe: Recipe) -> None:
+    from runner.loop import run
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        run(recipe, "bench")
+
+
+def rl_speed(steps: int, rounds: int, overrides: Sequence[str]) -> dict[str, list[float]] | None:
+    why = rl_available()
+    if why is not None:
+        print(f"\nRL async vs sync on the local backend: NOT MEASURED: {why}")
+        return None
+    speeds: dict[str, list[float]] = {"sync": [], "async": []}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        rl_local_once("sync", 2, tmp, overrides)  # warm-up: model load, first-call costs, allocator
+        # Interleaved (sync, async, sync, async, ...) so drift in the machine's load hits both alike.
+        for mode in itertools.islice(itertools.cycle(("sync", "async")), 2 * rounds):
+            speeds[mode].append(rl_local_once(mode, steps, tmp, overrides))
+    return speeds
+
+
+def print_speed(speeds: dict[str, list[float]], steps: int, overrides: Sequence[str]) -> None:
+    sync, asyn = statistics.median(speeds["sync"]), statistics.median(speeds["async"])
+    extra = f", overrides {' '.join(overrides)}" if overrides else ""
+    print(
+        f"\nRL steps/s on the local backend (rl_basic, {steps} steps per run, {len(speeds['sync'])} interleaved "
+        f"rounds{extra}; load avg {os.getloadavg()[0]:.2f})"
+    )
+    print(f"{'mode':<12} {'median':>8}  runs")
+    for mode, med in (("sync", sync), ("async K=1", asyn)):
+        runs = speeds["sync" if mode == "sync" else "async"]
+        print(f"{mode:<12} {med:>8.3f}  {' '.join(f'{x:.3f}' for x in runs)}")
+    print(f"ratio async/sync: {asyn / sync:.2f}")
+
+
+# ================================================================ main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--part", choices=("cycles", "speed", "all"), default="all")
+    ap.add_argument("--period", type=float, default=0.05, help="clock period in seconds (default 0.05)")
+    ap.add_argument("--steps", type=int, default=20, help="steps per clocked run (default 20)")
+    ap.add_argument("--rl-steps", type=int, default=8, help="steps per local RL run (default 8)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved local RL rounds (default 3)")
+    ap.add_argument(
+        "--rl-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra recipe override for the local RL runs (repeatable)",
+    )
+    ap.add_argument("--quick", action="store_true", help="10 clocked steps, 2 rounds of 4 RL steps")
+    args = ap.parse_args()
+    if args.quick:
+        args.steps, args.rl_steps, args.rounds = 10, 4, 2
+    print(f"load avg at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
+    if args.part in ("cycles", "all"):
+        print_cycles(cycles_table(args.steps, args.period), args.period)
+    if args.part in ("speed", "all"):
+        speeds = rl_speed(args.rl_steps, args.rounds, args.rl_override)
+        if speeds is not None:
+            print_speed(speeds, args.rl_steps, args.rl_override)
+
+
+if __name__ == "__main__":
+    main()
