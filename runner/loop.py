@@ -22,13 +22,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from backends.base import Backend, BackendError, Future, TrainingClient
 from runner.data import load_conversations
 from runner.errors import UserError
 from runner.log import Progress
-from runner.recipe import SFT, Recipe
+from runner.recipe import RL, SFT, Recipe
 from runner.rundir import RunDir, open_run_dir
 from runner.schedule import adam_at
 from runner.types import AdamParams, LoraSpec
@@ -36,11 +37,15 @@ from runner.types import AdamParams, LoraSpec
 
 @dataclass
 class Context:
-    """What prepare() may use: RL samples from the current weights through ctx.tc."""
+    """What prepare() may use: RL samples from the current weights through ctx.tc (and, streaming, submits
+    its minibatches there with the step's optimizer parameters, ctx.adam(step))."""
 
     backend: Backend
     tc: TrainingClient
     tokenizer: Any
+    adam: Callable[[int], AdamParams]
+    # The run dir, for what an algorithm writes besides metrics (RL transcripts).
+    log_dir: Path
 
 
 class Algorithm(Protocol):
@@ -78,6 +83,10 @@ def make_algo(recipe: Recipe) -> Callable[[Any], Algorithm]:
 
             convs, where = load_conversations(cfg.data)
             return functools.partial(SFTAlgo, cfg, convs, where, seed=recipe.seed, max_steps=recipe.max_steps)
+        case RL() as cfg:
+            from runner.rl.algo import RLAlgo
+
+            return functools.partial(RLAlgo, cfg, seed=recipe.seed, base_model=recipe.model, max_steps=recipe.max_steps)
     raise TypeError(f"unknown algo {recipe.algo!r}")
 
 
@@ -160,7 +169,7 @@ async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm) 
         tc = await backend.create_training_client_from_state(run.resume["state_path"], lora_spec(recipe))
     else:
         tc = await backend.create_training_client(lora_spec(recipe))
-    ctx = Context(backend, tc, backend.get_tokenizer())
+    ctx = Context(backend, tc, backend.get_tokenizer(), lambda step: adam_at(recipe, step, total), run.path)
     clock = Clock(before=run.begin())
     progress = Progress(total, start)
     if run.resume is not None:

@@ -154,6 +154,37 @@ async def do_group_rollout(
     )
 
 
+async def guarded_group_rollout(
+    builder: EnvGroupBuilder,
+    sampling_client: SamplingClient,
+    params: SamplingParams,
+    *,
+    seed: int = 0,
+    step: int = 0,
+    group_idx: int = 0,
+    max_context: int | None = None,
+) -> TrajectoryGroup | Exception:
+    """do_group_rollout, with a failure of the env's own code returned (to be counted) rather than raised."""
+    try:
+        return await do_group_rollout(
+            builder, sampling_client, params, seed=seed, step=step, group_idx=group_idx, max_context=max_context
+        )
+    except (UserError, BackendError):
+        raise
+    except Exception as e:  # counted and skipped; see the module docstring
+        log.warning("rollout of group %d (step %d) failed: %r", group_idx, step, e, exc_info=True)
+        return e
+
+
+def collect(results: Sequence[tuple[int, TrajectoryGroup | Exception]]) -> RolloutBatch:
+    """(group index, outcome) pairs -> a RolloutBatch; raises the first error if every group failed."""
+    errors: Counter[str] = Counter(type(r).__name__ for _, r in results if isinstance(r, Exception))
+    kept = [(i, r) for i, r in results if isinstance(r, TrajectoryGroup)]
+    if results and not kept:
+        raise next(r for _, r in results if isinstance(r, Exception))
+    return RolloutBatch([g for _, g in kept], [i for i, _ in kept], errors)
+
+
 async def rollout_batch(
     builders: Sequence[EnvGroupBuilder],
     sampling_client: SamplingClient,
@@ -166,27 +197,16 @@ async def rollout_batch(
     """All groups concurrently. Evals should pass a seed distinct from training's (their (step, group) repeat).
     max_context (renderer.context_window(tokenizer)): caps each turn's max_tokens at what fits, and drops a
     group whose prompt outgrows it (counted as rollout_errors/ContextOverflow)."""
-
-    async def guarded(i: int, builder: EnvGroupBuilder) -> TrajectoryGroup | BaseException:
-        try:
-            return await do_group_rollout(
-                builder, sampling_client, params, seed=seed, step=step, group_idx=i, max_context=max_context
-            )
-        except (UserError, BackendError):
-            raise
-        except Exception as e:  # counted and skipped; see the module docstring
-            log.warning("rollout of group %d (step %d) failed: %r", i, step, e, exc_info=True)
-            return e
-
     try:
         async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(guarded(i, b)) for i, b in enumerate(builders)]
+            tasks = [
+                tg.create_task(
+                    guarded_group_rollout(
+                        b, sampling_client, params, seed=seed, step=step, group_idx=i, max_context=max_context
+                    )
+                )
+                for i, b in enumerate(builders)
+            ]
     except BaseExceptionGroup as eg:
         raise eg.exceptions[0] from None
-    results = [t.result() for t in tasks]
-    errors: Counter[str] = Counter(type(r).__name__ for r in results if isinstance(r, BaseException))
-    kept = [(i, r) for i, r in enumerate(results) if isinstance(r, TrajectoryGroup)]
-    if results and not kept:
-        first = next(r for r in results if isinstance(r, BaseException))
-        raise first
-    return RolloutBatch([g for _, g in kept], [i for i, _ in kept], errors)
+    return collect([(i, t.result()) for i, t in enumerate(tasks)])

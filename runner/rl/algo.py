@@ -1,0 +1,332 @@
+"""RL behind the loop's Algorithm interface (runner/loop.py): group rollouts -> advantages -> datums -> a ratio loss.
+
+Per step k (the loop calls prepare, submit, finish):
+  prepare(k)  picks the sampling client (below), rolls out batch k % len(train) of group builders, then
+              advantages (group-centred), datums, the optional KL penalty against the base model, metrics
+              and the step's transcript (iteration_NNNNNN/train.html + train_rollout_summaries.jsonl);
+  submit(k)   queues forward_backward + optim_step per substep, then save_weights_and_get_sampling_client:
+              the snapshot "after step k" sits in the FIFO right behind step k's last optim_step;
+              on eval steps also starts the test-set rollouts on step k's sampler (a task, awaited in finish);
+  finish(k)   awaits it all: optim/kl_sample_train_v1/v2, optim/entropy, loss, grad norm, test/..., and
+              optionally optim/kl_pre_post_v1/v2 under the new weights.
+
+Which weights sample step k (the sampler "step" s = weights after s optimizer steps):
+  sync    s = k: prepare(k) awaits the snapshot submit(k-1) queued, so every step is on-policy;
+  stream  as sync, but each minibatch's forward_backward is submitted from prepare as soon as its groups
+          finish (and each substep's optim_step after its last minibatch), so training overlaps sampling;
+  async   the newest snapshot already made, at least k - max_staleness: with the loop's depth >= 1,
+          prepare(k+1) runs while step k trains, on the weights after step k-1 (staleness 1).
+          Staleness is per group: async/staleness_{min,max,mean} = k - s.
+
+Exact resume (sync, stream with one minibatch order aside): the data position is the step itself, every sample
+has an explicit seed from (recipe seed, step, group, member, turn), and the first resumed step samples from a
+snapshot of the restored weights, which are exactly those after the previous step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from backends.base import BackendError, Future, SamplingClient, TrainingClient
+from runner.errors import UserError
+from runner.recipe import CISPO, DRO, PPO, RL, Async, ReferenceKL, Stream
+from runner.rl import transcripts
+from runner.rl.advantages import compute_advantages, remove_constant_reward_groups
+from runner.rl.datums import assemble_datums
+from runner.rl.envs import EnvContext, build_datasets
+from runner.rl.kl import apply_kl_penalty, kl_sample_train, reference_logprobs
+from runner.rl.metrics import trajectory_metrics
+from runner.rl.renderer import ChatRenderer, context_window
+from runner.rl.rollouts import RolloutBatch, collect, guarded_group_rollout, rollout_batch
+from runner.rl.types import EnvGroupBuilder, TrajectoryGroup
+from runner.types import AdamParams, Datum, ForwardBackwardOutput, LossFn, OptimStepOutput, SamplingParams
+
+# Evals sample with their own seeds: (step, group) coordinates repeat between the train and test splits.
+EVAL_SEED_OFFSET = 1 << 40
+
+
+def loss_of(cfg: RL) -> tuple[LossFn, dict[str, float] | None]:
+    """The recipe's loss as Tinker's loss_fn name and loss_fn_config."""
+    match cfg.loss:
+        case PPO(clip_low=lo, clip_high=hi) | CISPO(clip_low=lo, clip_high=hi):
+            return cfg.loss.__struct_config__.tag, {"clip_low_threshold": lo, "clip_high_threshold": hi}
+        case DRO(beta=beta):
+            return "dro", {"beta": beta}
+    return "importance_sampling", None
+
+
+def chunks(data_D: list[Datum], n: int) -> list[list[Datum]]:
+    """min(n, len) contiguous, nearly equal chunks (the cookbook's substeps)."""
+    n = min(n, len(data_D))
+    bounds = np.linspace(0, len(data_D), n + 1).round().astype(int) if n else []
+    return [data_D[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+@dataclass
+class Prepared:
+    """A step's rollouts, made into datums (and, in stream mode, already submitted)."""
+
+    step: int
+    batch: RolloutBatch
+    data_D: list[Datum]
+    sampler: SamplingClient
+    metrics: dict[str, float]
+    # Stream mode: (datums, forward_backward) per minibatch and one optim_step per substep, queued by prepare.
+    streamed: list[tuple[list[Datum], Future[ForwardBackwardOutput]]] | None = None
+    optims: list[Future[OptimStepOutput]] = field(default_factory=list)
+
+
+@dataclass
+class Submitted:
+    prepared: Prepared
+    fwd_bwd: list[tuple[list[Datum], Future[ForwardBackwardOutput]]]
+    optims: list[Future[OptimStepOutput]]
+    eval: asyncio.Task[dict[str, float]] | None
+
+
+class RLAlgo:
+    def __init__(self, cfg: RL, tokenizer: Any, *, seed: int = 0, base_model: str = "tiny",
+                 max_steps: int | None = None):
+        self.cfg, self.seed, self.base_model = cfg, seed, base_model
+        self.renderer = ChatRenderer(tokenizer)
+        env_ctx = EnvContext(self.renderer, cfg.group_size, cfg.eval.group_size, cfg.groups_per_batch, seed)
+        self.train, self.test = build_datasets(cfg.env, env_ctx)
+        full = len(self.train) * cfg.epochs
+        self.total_steps = min(full, max_steps) if max_steps else full
+        self.params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
+        self.max_context = context_window(tokenizer)
+        self.loss_fn, self.loss_config = loss_of(cfg)
+        # Snapshots by sampler step (weights after that many optimizer steps), oldest first.
+        self.samplers: dict[int, Future[SamplingClient]] = {}
+        self.reference: SamplingClient | None = None
+        self.next_step = 0
+        # The run dir, for transcripts (set by prepare from the loop's context; None in a dry run).
+        self.log_dir: Path | None = None
+
+    # ---------------------------------------------------------------- data position
+
+    def builders(self, step: int) -> list[EnvGroupBuilder]:
+        return self.train.get_batch(step % len(self.train))  # epochs cycle through the same batches
+
+    def state(self) -> dict[str, Any]:
+        return {"rl_train_batches": len(self.train), "sampler_step": self.next_step}
+
+    def load_state(self, state: dict[str, Any], next_step: int) -> None:
+        if state.get("rl_train_batches") != len(self.train):
+            raise UserError(
+                f"the RL training set changed since the checkpoint ({state.get('rl_train_batches')} -> "
+                f"{len(self.train)} batches), so its data position means nothing; use if_exists = \"overwrite\""
+            )
+        self.next_step = next_step
+
+    # ---------------------------------------------------------------- prepare: sample and build datums
+
+    async def sampler_for(self, step: int, tc: TrainingClient) -> tuple[int, SamplingClient]:
+        if not self.samplers:  # first step of a session: the weights as they are now
+            self.samplers[step] = tc.save_weights_and_get_sampling_client()
+        if isinstance(self.cfg.mode, Async):
+            allowed = [s for s in self.samplers if s >= step - self.cfg.mode.max_staleness]
+            ready = [s for s in allowed if self.samplers[s].done()]
+            s = max(ready) if ready else min(allowed)  # FIFO: the oldest allowed snapshot is ready first
+        else:
+            s = step
+        client = await self.samplers[s]
+        for old in [k for k in self.samplers if k < s]:
+            del self.samplers[old]  # each local snapshot holds a model copy
+        return s, client
+
+    async def prepare(self, step: int, ctx: Any) -> Prepared:
+        self.next_step = step + 1
+        self.log_dir = ctx.log_dir
+        t0 = time.monotonic()
+        sampler_step, sampler = await self.sampler_for(step, ctx.tc)
+        t1 = time.monotonic()
+        builders = self.builders(step)
+        prepared = Prepared(step, RolloutBatch([], []), [], sampler, {})
+        if isinstance(self.cfg.mode, Stream):
+            await self._stream(prepared, builders, ctx)
+        else:
+            prepared.batch = await rollout_batch(builders, sampler, self.params, seed=self.seed, step=step,
+                                                 max_context=self.max_context)
+            prepared.data_D, prepared.metrics = await self._datums(prepared.batch.groups, ctx)
+        batch = prepared.batch
+        m = prepared.metrics
+        m.update(trajectory_metrics(batch.groups))
+        m.update(batch.error_metrics())
+        m["progress/batch"] = step
+        m.update(_stats("sampling_client/step", [sampler_step] * len(batch.groups)))
+        if isinstance(self.cfg.mode, Async):
+            m.update(_stats("async/staleness", [step - sampler_step] * len(batch.groups)))
+        m["time/sampler_wait"] = t1 - t0
+        m["time/sampling"] = time.monotonic() - t1
+        self._write_transcripts("train", step, batch, sampler_step)
+        return prepared
+
+    async def _datums(self, groups: list[TrajectoryGroup], ctx: Any) -> tuple[list[Datum], dict[str, float]]:
+        """Advantages, datums and the KL penalty for some groups of one step."""
+        metrics: dict[str, float] = {}
+        if self.cfg.remove_constant_reward_groups:
+            kept = remove_constant_reward_groups(groups)
+            metrics["env/all/groups_dropped_constant"] = float(len(groups) - len(kept))
+            groups = kept
+        data_D, _ = assemble_datums(groups, compute_advantages(groups, self.cfg.normalize_std))
+        if isinstance(self.cfg.kl, ReferenceKL) and data_D:
+            if self.reference is None:
+                self.reference = await ctx.backend.create_sampling_client(base_model=self.base_model)
+            t = time.monotonic()
+            ref_D = await reference_logprobs(self.reference, data_D)
+            data_D, kl = apply_kl_penalty(data_D, ref_D, self.cfg.kl.coef)
+            metrics.update(kl)
+            metrics["time/kl_vs_base"] = time.monotonic() - t
+        return data_D, metrics
+
+    async def _stream(self, prepared: Prepared, builders: list[EnvGroupBuilder], ctx: Any) -> None:
+        """Rollouts as tasks; every `per_minibatch` finished groups become a forward_backward at once, and the
+        last minibatch of each substep is followed by its optim_step."""
+        assert isinstance(self.cfg.mode, Stream)
+        per_substep = len(builders) // self.cfg.num_substeps
+        per_minibatch = per_substep // self.cfg.mode.minibatches
+        adam = ctx.adam(prepared.step)
+        done: asyncio.Queue[tuple[int, TrajectoryGroup | Exception]] = asyncio.Queue()
+
+        async def rollout(i: int, builder: EnvGroupBuilder) -> None:
+            try:
+                outcome = await guarded_group_rollout(builder, prepared.sampler, self.params, seed=self.seed,
+                                                      step=prepared.step, group_idx=i, max_context=self.max_context)
+            except (UserError, BackendError) as e:  # handed over, so the consumer raises it instead of waiting
+                outcome = e
+            done.put_nowait((i, outcome))
+
+        tasks = [asyncio.ensure_future(rollout(i, b)) for i, b in enumerate(builders)]
+        results: list[tuple[int, TrajectoryGroup | Exception]] = []
+        pending: list[TrajectoryGroup] = []
+        parts: list[dict[str, float]] = []
+        prepared.streamed = []
+        try:
+            while len(results) < len(tasks):
+                i, outcome = await done.get()
+                if isinstance(outcome, (UserError, BackendError)):
+                    raise outcome
+                results.append((i, outcome))
+                if isinstance(outcome, TrajectoryGroup):
+                    pending.append(outcome)
+                # A failed group still counts towards its minibatch (which then comes out smaller).
+                if len(results) % per_minibatch and len(results) < len(tasks):
+                    continue
+                if pending:
+                    data_D, metrics = await self._datums(pending, ctx)
+                    parts.append(metrics)
+                    pending = []
+                    if data_D:
+                        prepared.data_D += data_D
+                        fb = ctx.tc.forward_backward(data_D, self.loss_fn, self.loss_config)
+                        prepared.streamed.append((data_D, fb))
+                if len(results) % per_substep == 0 or len(results) == len(tasks):
+                    prepared.optims.append(ctx.tc.optim_step(adam))
+        finally:
+            for t in tasks:
+                t.cancel()
+        prepared.metrics = _merge(parts)
+        prepared.batch = collect(sorted(results, key=lambda r: r[0]))
+
+    # ---------------------------------------------------------------- submit and finish
+
+    def submit(self, tc: TrainingClient, step: int, prepared: Prepared, adam: AdamParams, evaluate: bool) -> Submitted:
+        ev = None
+        if evaluate and self.test is not None:
+            ev = asyncio.ensure_future(self._evaluate(step, prepared.sampler))
+        if prepared.streamed is not None:
+            fwd_bwd, optims = prepared.streamed, prepared.optims
+        else:
+            fwd_bwd, optims = [], []
+            for chunk in chunks(prepared.data_D, self.cfg.num_substeps):
+                fwd_bwd.append((chunk, tc.forward_backward(chunk, self.loss_fn, self.loss_config)))
+                optims.append(tc.optim_step(adam))
+        if step + 1 < self.total_steps or self.cfg.compute_post_kl:
+            self.samplers[step + 1] = tc.save_weights_and_get_sampling_client()
+        return Submitted(prepared, fwd_bwd, optims, ev)
+
+    async def finish(self, step: int, sub: Submitted) -> dict[str, float]:
+        metrics = dict(sub.prepared.metrics)
+        outs = [await f for _, f in sub.fwd_bwd]
+        opts = [await f for f in sub.optims]
+        data_D = [d for chunk, _ in sub.fwd_bwd for d in chunk]
+        train_lps = [lp for out in outs for lp in out.logprobs]
+        metrics.update(kl_sample_train(data_D, train_lps))
+        metrics["optim/loss:sum"] = float(sum(out.metrics.get("loss:sum", 0.0) for out in outs))
+        norms = [o.metrics["grad_norm:mean"] for o in opts if "grad_norm:mean" in o.metrics]
+        if norms:
+            metrics["optim/grad_norm"] = float(np.mean(norms))
+        metrics["optim/num_datums"] = float(len(data_D))
+        metrics["optim/num_substeps"] = float(len(opts))
+        if self.cfg.compute_post_kl and data_D:
+            post = await reference_logprobs(await self.samplers[step + 1], data_D)
+            metrics.update({k.replace("kl_sample_train", "kl_pre_post"): v for k, v in kl_sample_train(data_D, post).items()
+                            if "kl_sample_train" in k})
+        if sub.eval is not None:
+            metrics.update(await sub.eval)
+        return metrics
+
+    async def _evaluate(self, step: int, sampler: SamplingClient) -> dict[str, float]:
+        """Mean test-set reward on the weights that sampled `step` (test/env/all/reward/total, ...)."""
+        assert self.test is not None
+        builders = [b for i in range(len(self.test)) for b in self.test.get_batch(i)][: self.cfg.eval.max_groups]
+        params = replace(self.params, temperature=self.cfg.eval.temperature)
+        t = time.monotonic()
+        batch = await rollout_batch(builders, sampler, params, seed=self.seed + EVAL_SEED_OFFSET, step=step,
+                                    max_context=self.max_context)
+        out = {f"test/{k}": v for k, v in {**trajectory_metrics(batch.groups), **batch.error_metrics()}.items()}
+        out["time/eval"] = time.monotonic() - t
+        self._write_transcripts("test", step, batch, None)
+        return out
+
+    # ---------------------------------------------------------------- transcripts
+
+    def _write_transcripts(self, split: str, step: int, batch: RolloutBatch, sampler_step: int | None) -> None:
+        if self.log_dir is None or self.cfg.groups_to_log == 0:
+            return
+        where = Path(self.log_dir) / f"iteration_{step:06d}"
+        transcripts.write_html(where / f"{split}.html", batch.groups, self.renderer.decode,
+                               title=f"{split} rollouts, step {step}", group_indices=batch.group_indices,
+                               max_groups=self.cfg.groups_to_log)
+        transcripts.write_rollout_summaries(where / f"{split}_rollout_summaries.jsonl", batch.groups, split=split,
+                                            iteration=step, group_indices=batch.group_indices,
+                                            sampling_client_step=sampler_step)
+
+    # ---------------------------------------------------------------- dry run
+
+    def describe(self) -> list[str]:
+        cfg = self.cfg
+        env = type(cfg.env).__struct_config__.tag
+        mode = type(cfg.mode).__struct_config__.tag
+        test = f"{len(self.test)} test batches (eval group size {cfg.eval.group_size})" if self.test else "no test set"
+        lines = [
+            f"env: {env}; {len(self.train)} train batches of {cfg.groups_per_batch} groups x {cfg.group_size} "
+            f"episodes, x {cfg.epochs} epochs; {test}",
+            f"sampling: max_tokens {cfg.max_tokens}, temperature {cfg.temperature:g}; mode {mode}",
+            f"calls per step: {cfg.num_substeps} x (forward_backward({self.loss_fn}) + optim_step) "
+            f"+ save_weights_and_get_sampling_client",
+        ]
+        if isinstance(cfg.kl, ReferenceKL):
+            lines.append(f"KL penalty vs the base model, coef {cfg.kl.coef:g}: compute_logprobs per datum")
+        return lines
+
+
+def _stats(prefix: str, xs: Sequence[float]) -> dict[str, float]:
+    if not xs:
+        return {}
+    return {f"{prefix}_max": float(max(xs)), f"{prefix}_min": float(min(xs)), f"{prefix}_mean": float(np.mean(xs))}
+
+
+def _merge(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Minibatch metrics into the step's: times and drop counts add up, the rest (KL) is averaged."""
+    keys = {k for p in parts for k in p}
+    return {k: float((np.sum if k.startswith("time/") or "dropped" in k else np.mean)([p[k] for p in parts if k in p]))
+            for k in keys}
