@@ -1,0 +1,28 @@
+"""The README's two commands are the product's front door: keep them true."""
+
+import re
+from pathlib import Path
+
+from runner.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bash_blocks() -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    ci_lines = [line for line in (ROOT / ".ci/run").read_text().splitlines() if "pytest" in line]
+    assert len(ci_lines) == 1
+    test_command = _bash_blocks()[1].strip()
+    assert ci_lines[0].strip() == test_command
+
+
+def test_main_command_names_a_real_recipe() -> None:
+    main_command = _bash_blocks()[0].strip()
+    ref = re.search(r"runner run (\S+)", main_command)
+    assert ref is not None
+    name, recipe = load_recipe(str(ROOT / ref.group(1)))
+    assert recipe.backend.__class__.__name__ == "Local" and recipe.model == "tiny"
+    assert main_command.startswith("python3 -m venv .venv && ") and "torch==2.13.0" in main_command
