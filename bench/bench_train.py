@@ -1,0 +1,393 @@
+"""Train tokens/s of the local backend vs a plain torch+peft loop vs TRL's SFTTrainer, in one process.
+
+Same random-weight model, same LoRA (rank 16, alpha 32, the attention and MLP Linear layers), same AdamW
+(lr 1e-3), same batches of chat conversations (examples/data/chat_sft.jsonl rendered with the chat
+template, truncated to --max-length), fp32 on the CPU. A step is forward + backward + optimizer step;
+its tokens are the batch's input tokens (sum of len(model_input)). Contenders:
+
+  ours          LocalBackend: forward_backward(cross_entropy) + optim_step futures, awaited every step
+  ours-1chunk   the same with batching.PAD_FILL = 0: the whole batch in one padded chunk (the plan before
+                the CPU fill rule; what ours still does on CUDA)
+  plain         the obvious loop: right-pad, model(ids, attention_mask).logits, weighted cross entropy,
+                backward, AdamW step, zero_grad (the reference: ratio 1.00)
+  plain-nomask  the same without attention_mask (what ours does: right padding cannot change a causal
+                LM's real positions, and the unmasked path is the fast one)
+  trl           TRL SFTTrainer.train() with its defaults (gradient checkpointing ON), except fp32
+                (bf16=False), the same batch size / lr / max_length, and a sequential sampler so it
+                sees the same batches
+  trl-nogc      the same with gradient_checkpointing=False
+
+Each contender is warmed up, then timed in interleaved rounds (ours, plain, ..., ours, plain, ...) so
+drift in the machine's load hits all alike; each round is --steps distinct batches; medians are reported.
+
+    python bench/bench_train.py            # tiny (4 batches x 5 rounds) and wide (2 x 3), 1 thread, CPU clock
+    python bench/bench_train.py --quick    # tiny only, 2 batches x 3 rounds
+    python bench/bench_train.py --profile  # also where ours spends a step
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+from backends.local import batching
+from backends.local import model as M
+from backends.local.backend import LocalBackend
+from backends.local.tiny import _save, build_config, build_tokenizer
+from runner.recipe import Local
+from runner.sft import render, to_datum
+from runner.types import AdamParams, Datum, LoraSpec
+
+try:
+    import trl
+except ImportError:  # optional: the `bench` extra
+    trl = None
+
+DATA = Path(__file__).resolve().parent.parent / "examples" / "data" / "chat_sft.jsonl"
+RANK, ALPHA, LR = 16, 32.0, 1e-3
+# Ours and plain use Tinker's AdamW defaults; TRL keeps its own (betas 0.9/0.999, eps 1e-8): same cost.
+ADAM = AdamParams(learning_rate=LR)
+
+# name -> overrides of the tiny config. "tiny" has ~0.8M params, "wide" ~25M (the shape bench_sampling.py
+# calls "big"), where matmuls dominate even more.
+MODELS = {
+    "tiny": {},
+    "wide": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
+             "num_key_value_heads": 4, "head_dim": 64},
+}
+# name -> (batches per round, rounds) unless given: a wide step takes ~5-10 s on one core.
+ROUNDS = {"tiny": (4, 5), "wide": (2, 3)}
+
+Step = Callable[[list[Datum]], float]
+
+
+# ---------------------------------------------------------------- model and data
+
+
+def write_model(name: str, path: Path) -> Path:
+    """A random-weight model of shape `name` as an ordinary HF folder (every contender loads this)."""
+    tok = build_tokenizer()
+    base = {k: v for k, v in build_config(tok).to_dict().items() if k != "layer_types"}  # re-derived from depth
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3Config(**{**base, **MODELS[name]}))
+    _save(model, tok, path)
+    return path.resolve()
+
+
+def make_batches(tok, n_batches: int, batch: int, max_length: int) -> list[list[Datum]]:
+    """n_batches distinct batches: conversations in a seeded shuffle of the file, all assistant turns trained."""
+    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
+    order = np.random.default_rng(0).permutation(len(rows))
+    data = []
+    for i in order:
+        tokens, weights = render(tok, rows[i]["messages"], "all_assistant_messages")
+        d = to_datum(tokens, weights, max_length, "sum")
+        if d is not None:
+            data.append(d)
+    if len(data) < n_batches * batch:
+        raise SystemExit(f"{DATA} has {len(data)} usable rows; {n_batches} batches of {batch} need more")
+    return [data[k * batch:(k + 1) * batch] for k in range(n_batches)]
+
+
+def lora_config(targets: tuple[str, ...]):
+    import peft
+
+    return peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(targets), lora_dropout=0.0, bias="none",
+                           task_type="CAUSAL_LM")
+
+
+# ---------------------------------------------------------------- contenders: each returns a step function
+
+
+def make_ours(model_dir: Path, storage: Path) -> tuple[Step, LocalBackend, object]:
+    backend = LocalBackend(Local(device="cpu", dtype="float32", lora_alpha=ALPHA), str(model_dir), None, storage, seed=0)
+    spec = LoraSpec(base_model=str(model_dir), rank=RANK, seed=0, train_unembed=False)
+    client = backend.create_training_client(spec).result()
+
+    def step(batch: list[Datum]) -> float:
+        fb = client.forward_backward(batch, "cross_entropy")
+        opt = client.optim_step(ADAM)
+        loss = fb.result().metrics["loss:sum"]
+        opt.result()
+        return loss
+
+    return step, backend, client
+
+
+def one_chunk(step: Step) -> Step:
+    """`step` with the CPU fill rule off: the whole batch goes through as one padded chunk."""
+
+    def run(batch: list[Datum]) -> float:
+        fill, batching.PAD_FILL = batching.PAD_FILL, 0.0
+        try:
+            return step(batch)
+        finally:
+            batching.PAD_FILL = fill
+
+    return run
+
+
+def make_plain(model_dir: Path, targets: tuple[str, ...], mask: bool) -> Step:
+    import peft
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(0)  # LoRA A init as ours (B = 0 either way, so the first loss matches regardless)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = peft.get_peft_model(model, lora_config(targets))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2), eps=ADAM.eps,
+                            weight_decay=ADAM.weight_decay)
+
+    def step(batch: list[Datum]) -> float:
+        width = max(d.length for d in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        targets_ = torch.zeros((len(batch), width), dtype=torch.long)
+        weights = torch.zeros((len(batch), width))
+        attn = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, d in enumerate(batch):
+            n = d.length
+            ids[row, :n] = torch.as_tensor(d.model_input)
+            targets_[row, :n] = torch.from_numpy(d.target_tokens)
+            weights[row, :n] = torch.from_numpy(d.weights)
+            attn[row, :n] = 1
+        logits = model(input_ids=ids, attention_mask=attn if mask else None, use_cache=False).logits
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets_.flatten(), reduction="none")
+        loss = (nll * weights.flatten()).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step
+
+
+class TrlRunner:
+    """SFTTrainer over a dataset of [warm batch] + the round's batches; each round is one trainer.train()
+    of len(batches) + 1 steps, timed from the end of its first step to the end of its last, so the
+    per-call setup (dataloader, accelerate prepare) is left out and everything per step is in."""
+
+    def __init__(self, model_dir: Path, targets: tuple[str, ...], batches: list[list[Datum]], max_length: int,
+                 gradient_checkpointing: bool, out_dir: Path, clock: Callable[[], float]):
+        import datasets
+        import peft
+
+        tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = peft.get_peft_model(model, lora_config(targets))
+        rows = [d for b in [batches[-1], *batches] for d in b]
+        # Pre-tokenized: labels are the full sequence with untrained positions at -100 (HF shifts them).
+        ds = datasets.Dataset.from_dict({
+            "input_ids": [d.full_sequence for d in rows],
+            "labels": [[-100] + [int(t) if w > 0 else -100 for t, w in zip(d.target_tokens, d.weights)] for d in rows],
+        })
+        self.steps = len(batches) + 1
+        args = trl.SFTConfig(
+            output_dir=str(out_dir), per_device_train_batch_size=len(batches[0]), max_steps=self.steps,
+            learning_rate=LR, max_length=max_length, bf16=False, gradient_checkpointing=gradient_checkpointing,
+            train_sampling_strategy="sequential", use_cpu=True, report_to="none", save_strategy="no",
+            disable_tqdm=True, seed=0,
+        )
+        self.ends: list[float] = []
+        ends, clock_ = self.ends, clock
+
+        class Timer(transformers.TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                ends.append(clock_())
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.trainer = trl.SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
+                                          callbacks=[Timer()])
+        transformers.logging.set_verbosity_error()
+
+    def round(self) -> float:
+        self.ends.clear()
+        with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.trainer.train()
+        assert len(self.ends) == self.steps, self.ends
+        return self.ends[-1] - self.ends[0]
+
+
+# ---------------------------------------------------------------- profile of ours
+
+
+def profile_ours(client, batch: list[Datum], reps: int, clock: Callable[[], float]) -> dict[str, float]:
+    """Median seconds of each phase of ours' step (summed over chunks), run inline on this thread, next to
+    the same step through the futures: the difference is the per-call overhead (worker thread handoff)."""
+    from backends.local.losses import datum_loss, inputs_from_datum
+
+    device = torch.device("cpu")
+    parts: dict[str, list[float]] = {k: [] for k in ("validate", "forward+logprobs", "loss", "backward",
+                                                     "logprobs to numpy", "optim_step", "inline total",
+                                                     "via futures")}
+    for _ in range(reps):
+        acc = dict.fromkeys(parts, 0.0)
+        t0 = clock()
+        client._validate(batch, "cross_entropy")
+        acc["validate"] = clock() - t0
+        with torch.enable_grad():
+            chunks = client._logprobs(batch)
+            while True:
+                t = clock()
+                try:
+                    idx, lps = next(chunks)  # the chunk's forward runs here
+                except StopIteration:
+                    break
+                t1 = clock()
+                loss = sum(datum_loss("cross_entropy", lp, inputs_from_datum(batch[i], device), {})
+                           for i, lp in zip(idx, lps))
+                t2 = clock()
+                loss.backward()
+                t3 = clock()
+                _ = [lp.detach().cpu().numpy() for lp in lps]
+                t4 = clock()
+                for k, v in zip(("forward+logprobs", "loss", "backward", "logprobs to numpy"),
+                                (t1 - t, t2 - t1, t3 - t2, t4 - t3)):
+                    acc[k] += v
+        t5 = clock()
+        client._optim_step(ADAM)
+        acc["optim_step"] = clock() - t5
+        acc["inline total"] = clock() - t0
+        t0 = clock()
+        client.forward_backward(batch, "cross_entropy").result()
+        client.optim_step(ADAM).result()
+        acc["via futures"] = clock() - t0
+        for k, v in parts.items():
+            v.append(acc[k])
+    return {k: statistics.median(v) for k, v in parts.items()}
+
+
+def describe_plan(batch: list[Datum]) -> str:
+    lengths = [d.length for d in batch]
+    plans = {"cpu plan": batching.plan_chunks(lengths, batching.chunk_tokens(259), batching.PAD_FILL),
+             "one chunk": batching.plan_chunks(lengths, batching.chunk_tokens(259))}
+    return ", ".join(f"{k}: {len(c)} chunk(s), {sum(len(x) * lengths[x[0]] for x in c)} padded"
+                     for k, c in plans.items()) + f" for {sum(lengths)} real tokens"
+
+
+# ---------------------------------------------------------------- main
+
+
+def bench_model(name: str, args, clock: Callable[[], float], tmp: Path) -> None:
+    steps, rounds = args.steps or ROUNDS[name][0], args.rounds or ROUNDS[name][1]
+    model_dir = write_model(name, tmp / name)
+    tok = build_tokenizer()
+    batches = make_batches(tok, steps, args.batch, args.max_length)
+    tokens = sum(d.length for b in batches for d in b)
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    targets = M.lora_targets(base, attn=True, mlp=True, unembed=False)
+    n_params = sum(p.numel() for p in base.parameters())
+    del base
+    lengths = [d.length for b in batches for d in b]
+    print(f"\n{name}: {n_params / 1e6:.1f}M params, {len(targets)} LoRA layers; {rounds} rounds of {steps} batches "
+          f"x {args.batch} rows, {tokens} input tokens per round (rows {min(lengths)}..{max(lengths)} tokens)",
+          flush=True)
+    print(f"batch 0: {describe_plan(batches[0])}")
+
+    ours, backend, client = make_ours(model_dir, tmp / f"{name}-storage")
+    plain, plain_nomask = make_plain(model_dir, targets, True), make_plain(model_dir, targets, False)
+    # Before any update the LoRA delta is 0, so ours and plain see the base model: the same loss.
+    l_ours, l_plain, l_nomask = ours(batches[0]), plain(batches[0]), plain_nomask(batches[0])
+    assert abs(l_ours - l_plain) <= 1e-4 * abs(l_plain) and abs(l_nomask - l_plain) <= 1e-4 * abs(l_plain), \
+        (l_ours, l_plain, l_nomask)
+    print(f"first-step loss (sum): ours {l_ours:.4f}, plain {l_plain:.4f}, plain-nomask {l_nomask:.4f}")
+
+    def loop(step: Step) -> Callable[[], float]:
+        def run() -> float:
+            t0 = clock()
+            for b in batches:
+                step(b)
+            return clock() - t0
+        return run
+
+    contenders: dict[str, Callable[[], float]] = {
+        "ours": loop(ours), "ours-1chunk": loop(one_chunk(ours)), "plain": loop(plain),
+        "plain-nomask": loop(plain_nomask),
+    }
+    if args.trl:
+        for label, gc in (("trl", True), ("trl-nogc", False)):
+            runner = TrlRunner(model_dir, targets, batches, args.max_length, gc, tmp / f"{name}-{label}", clock)
+            contenders[label] = runner.round
+    for run in contenders.values():  # warm-up
+        run()
+    times: dict[str, list[float]] = {k: [] for k in contenders}
+    for _ in range(rounds):
+        for label, run in contenders.items():
+            times[label].append(run())
+    rates = {k: tokens / statistics.median(v) for k, v in times.items()}
+    print(f"{'model':5} {'contender':13} {'tok/s':>8} {'vs plain':>8} {'ms/step':>8} {'max/min':>7}")
+    for label, rate in rates.items():
+        print(f"{name:5} {label:13} {rate:8.0f} {rate / rates['plain']:7.2f}x "
+              f"{statistics.median(times[label]) * 1000 / steps:8.1f} {max(times[label]) / min(times[label]):7.2f}",
+              flush=True)
+    if args.profile:
+        prof = profile_ours(client, batches[0], rounds, clock)
+        print(f"{name} ours, phases of one step on batch 0 (ms, median of {rounds}):")
+        for k, v in prof.items():
+            print(f"    {k:18} {v * 1000:8.2f}")
+    backend.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="tiny model only, 3 rounds of 2 batches")
+    ap.add_argument("--models", default=None, help="comma list of: " + ", ".join(MODELS))
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--max-length", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=None, help="distinct batches per timed round (default: ROUNDS)")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds per contender (default: ROUNDS)")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the machine is shared)")
+    # "cpu" (default) times the process's CPU seconds: on a shared machine wall time mostly measures the
+    # neighbours. With one thread that is the wall time an idle machine would show.
+    ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+    ap.add_argument("--trl", action=argparse.BooleanOptionalAction, default=None,
+                    help="include TRL's SFTTrainer (default: when trl imports)")
+    ap.add_argument("--profile", action="store_true", help="break ours' step into phases")
+    args = ap.parse_args()
+    args.models = args.models or ("tiny" if args.quick else "tiny,wide")
+    if args.quick:
+        args.steps, args.rounds = args.steps or 2, args.rounds or 3
+    if args.trl is None:
+        args.trl = trl is not None
+        if trl is None:
+            print("trl does not import: skipping SFTTrainer (pip install trl; see bench/README.md)")
+    elif args.trl and trl is None:
+        raise SystemExit("--trl: trl does not import")
+    torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    transformers.utils.logging.disable_progress_bar()
+    import datasets
+    import peft
+
+    datasets.disable_progress_bars()
+    trl_version = f", trl {trl.__version__}" if args.trl else ""
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}{trl_version}; "
+          f"fp32 cpu, {args.threads} thread(s), {args.clock} clock; batch {args.batch}, max_length {args.max_length}, "
+          f"LoRA r{RANK}/alpha{ALPHA:g} attn+mlp, AdamW lr {LR:g}; medians of interleaved rounds; "
+          f"load average {os.getloadavg()[0]:.2f}")
+    with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
+        for name in args.models.split(","):
+            bench_model(name, args, clock, Path(tmp))
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
