@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import io
 import itertools
+import json
 import os
 import statistics
 import tempfile
@@ -68,6 +69,20 @@ from runner.types import (
 ROOT = Path(__file__).resolve().parent.parent
 SFT_REF = str(ROOT / "examples" / "sft_tiny.toml") + "#sft_tiny"
 RL_REF = str(ROOT / "recipes.toml") + "#rl_basic"
+
+# Until recipes.toml has rl_basic, a stand-in with the same shape (arithmetic on the tiny model) is used.
+FALLBACK_RL = """
+[recipes.rl_basic]
+lr = 1e-3
+max_steps = 20
+
+[recipes.rl_basic.algo]
+kind = "rl"
+env = { kind = "arithmetic", max_value = 20 }
+group_size = 4
+groups_per_batch = 8
+max_tokens = 8
+"""
 
 # Ops that compute on the current weights: they cannot share a cycle with an optim_step ahead of them.
 _NEEDS_WEIGHTS = {"forward", "forward_backward"}
@@ -180,11 +195,14 @@ class ClockBackend:
             except Exception as e:  # noqa: BLE001 - the inner failure is the request's own result
                 c.outer.set_exception(e)
 
-    def cycles(self, steps: int) -> float:
-        """Ticks from the first submission to the last optim_step's completion, per step."""
+    def cycles(self, steps: int) -> tuple[float, float]:
+        """(total, steady) cycles per step. total: ticks from the first submission to the last optim_step's
+        completion, / steps; steady: ticks between the first and the last step's final optim_step, / (steps - 1),
+        which leaves out the start (first snapshot, first samples)."""
         start = min(c.submit_tick for c in self.log)
-        end = max(c.done_tick for c in self.log if c.op == "optim_step")
-        return (end - start) / steps
+        optims = sorted(c.done_tick for c in self.log if c.op == "optim_step")
+        ends = optims[len(optims) // steps - 1 :: len(optims) // steps]  # each step's last optim_step
+        return (optims[-1] - start) / steps, (ends[-1] - ends[0]) / max(steps - 1, 1)
 
 
 class ClockTrainingClient:
@@ -300,8 +318,10 @@ def rl_datum(prompt: list[int], tokens_T: list[int], logprobs_T: list[float], ad
 @dataclasses.dataclass
 class CycleRow:
     name: str
+    period: float
     steps: int
     cycles: float
+    steady: float
     wall_s: float
 
 
@@ -316,23 +336,29 @@ def measure(name: str, steps: int, period: float, body: Callable[[ClockBackend],
     finally:
         with contextlib.suppress(Exception):  # run() closes the backend itself; a second close is harmless
             clock.close()
-    return CycleRow(name, steps, clock.cycles(steps), time.monotonic() - t)
+    return CycleRow(name, period, steps, *clock.cycles(steps), time.monotonic() - t)
 
 
-def rl_available() -> str | None:
-    """None when the RL loop can run here, else why not."""
+def rl_ref(scratch: Path) -> tuple[str, str]:
+    """(recipe ref, note): recipes.toml#rl_basic, or the stand-in FALLBACK_RL written under `scratch`."""
+    try:
+        load_recipe(RL_REF)
+        return RL_REF, "recipes.toml#rl_basic"
+    except UserError:
+        path = scratch / "rl_fallback.toml"
+        path.write_text(FALLBACK_RL)
+        return f"{path}#rl_basic", "bench stand-in for rl_basic (recipes.toml has none yet)"
+
+
+def rl_available(ref: str) -> str | None:
+    """None when the RL loop can run `ref` here, else why not."""
+    from runner.loop import make_algo
+
     try:
         with tempfile.TemporaryDirectory() as d:
-            recipe_for(RL_REF, Path(d), [])
-    except UserError as e:
-        return str(e)
-    try:
-        from runner.loop import make_algo
-
-        with tempfile.TemporaryDirectory() as d:
-            make_algo(recipe_for(RL_REF, Path(d), []))
-    except TypeError as e:
-        return f"runner.loop.make_algo does not take the RL recipe yet ({e})"
+            make_algo(recipe_for(ref, Path(d), []))
+    except (UserError, TypeError) as e:
+        return f"the loop cannot run {ref} ({e})"
     return None
 
 
@@ -362,92 +388,98 @@ def slow_prepare(seconds: float) -> Iterator[None]:
         SFTAlgo.prepare = fast  # type: ignore[method-assign]
 
 
-def cycles_table(steps: int, period: float) -> list[CycleRow]:
+def cycles_table(steps: int, period: float, rl_period: float) -> list[CycleRow]:
     rows: list[CycleRow] = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
+
+        def loop(name: str, ref: str, overrides: list[str], clock_period: float) -> None:
+            recipe = recipe_for(ref, tmp / f"run{len(rows)}", [f"max_steps={steps}", *overrides])
+            rows.append(measure(name, steps, clock_period, lambda b: quiet_run(recipe, b)))
+
         sft = recipe_for(SFT_REF, tmp / "naive", [f"max_steps={steps}"])
         rows.append(measure("SFT naive (await fb, await optim)", steps, period, lambda b: naive_sft(b, sft, steps)))
         for depth in (0, 1, 2):
-            recipe = recipe_for(SFT_REF, tmp / f"sft{depth}", [f"max_steps={steps}", f"depth={depth}"])
-            rows.append(measure(f"SFT runner.loop depth={depth}", steps, period, lambda b, r=recipe: quiet_run(r, b)))
+            loop(f"SFT runner.loop depth={depth}", SFT_REF, [f"depth={depth}"], period)
         # A prepare() slower than a cycle (as RL sampling is): depth > 0 hides it behind the queued step.
         for depth in (0, 1):
-            recipe = recipe_for(SFT_REF, tmp / f"slow{depth}", [f"max_steps={steps}", f"depth={depth}"])
             with slow_prepare(SLOW_PREPARE * period):
-                rows.append(
-                    measure(
-                        f"SFT runner.loop depth={depth} slow prep", steps, period, lambda b, r=recipe: quiet_run(r, b)
-                    )
-                )
-        rows.append(measure("RL naive (await sample, fb, optim)", steps, period, lambda b: naive_rl(b, steps)))
-        why = rl_available()
+                loop(f"SFT runner.loop depth={depth}, slow prep", SFT_REF, [f"depth={depth}"], period)
+        rows.append(measure("RL naive (await sample, fb, optim)", steps, rl_period, lambda b: naive_rl(b, steps)))
+        ref, note = rl_ref(tmp)
+        why = rl_available(ref)
         if why is not None:
-            print(f"RL loop: not measured: {why}")
+            print(f"RL loop: NOT MEASURED: {why}")
             return rows
+        print(f"RL recipe: {note}")
         for mode in ("sync", "stream", "async"):
-            recipe = recipe_for(RL_REF, tmp / f"rl_{mode}", [f"max_steps={steps}", *rl_mode_overrides(mode)])
             label = "async K=1" if mode == "async" else mode
-            rows.append(measure(f"RL runner.loop {label}", steps, period, lambda b, r=recipe: quiet_run(r, b)))
+            loop(f"RL runner.loop {label}", ref, rl_mode_overrides(mode), rl_period)
     return rows
 
 
-def print_cycles(rows: list[CycleRow], period: float) -> None:
-    print(f"\ncycles per step (clock period {period * 1000:.0f} ms, fake inner backend)")
-    print(f"{'loop':<38} {'steps':>5} {'cycles/step':>11} {'wall s':>7}")
+def print_cycles(rows: list[CycleRow]) -> None:
+    print("\ncycles per step (simulated Tinker clock, fake inner backend)")
+    print(f"{'loop':<38} {'period':>6} {'steps':>5} {'cycles/step':>11} {'steady':>6} {'wall s':>7}")
     for r in rows:
-        print(f"{r.name:<38} {r.steps:>5} {r.cycles:>11.2f} {r.wall_s:>7.2f}")
+        print(
+            f"{r.name:<38} {r.period * 1000:>4.0f}ms {r.steps:>5} {r.cycles:>11.2f} {r.steady:>6.2f} {r.wall_s:>7.2f}"
+        )
 
 
 # ================================================================ RL async vs sync on the local backend
 
 
-def rl_local_once(mode: str, steps: int, tmp: Path, overrides: Sequence[str]) -> float:
-    """Steps per second of one rl_basic run on the local backend (from its start to its end)."""
+def rl_local_once(ref: str, mode: str, steps: int, run_dir: Path, overrides: Sequence[str]) -> tuple[float, float]:
+    """One run on the local backend: (steady steps/s, whole-run steps/s). Steady = finish-to-finish over the
+    steps after the first (the loop's time/total), so model load and the pipeline's fill are left out."""
+    from runner.loop import run
+    from runner.rundir import METRICS
+
     recipe = recipe_for(
-        RL_REF,
-        tmp / f"local_{mode}",
-        [f"max_steps={steps}", 'backend={kind="local"}', *rl_mode_overrides(mode), *overrides],
+        ref, run_dir, [f"max_steps={steps}", 'backend={kind="local"}', *rl_mode_overrides(mode), *overrides]
     )
     t = time.monotonic()
-    quiet_run_local(recipe)
-    return steps / (time.monotonic() - t)
-
-
-def quiet_run_local(recipe: Recipe) -> None:
-    from runner.loop import run
-
     with contextlib.redirect_stderr(io.StringIO()):
         run(recipe, "bench")
+    whole = steps / (time.monotonic() - t)
+    rows = [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines() if line.strip()]
+    ends = [r["time/total"] for r in rows]
+    return (len(ends) - 1) / (ends[-1] - ends[0]), whole
 
 
-def rl_speed(steps: int, rounds: int, overrides: Sequence[str]) -> dict[str, list[float]] | None:
-    why = rl_available()
-    if why is not None:
-        print(f"\nRL async vs sync on the local backend: NOT MEASURED: {why}")
-        return None
-    speeds: dict[str, list[float]] = {"sync": [], "async": []}
+def rl_speed(steps: int, rounds: int, overrides: Sequence[str]) -> tuple[str, dict[str, list[tuple[float, float]]]]:
+    """Interleaved sync / async runs; (recipe note, per mode a list of (steady, whole) steps/s)."""
+    speeds: dict[str, list[tuple[float, float]]] = {"sync": [], "async": []}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        rl_local_once("sync", 2, tmp, overrides)  # warm-up: model load, first-call costs, allocator
+        ref, note = rl_ref(tmp)
+        why = rl_available(ref)
+        if why is not None:
+            raise UserError(why)
+        rl_local_once(ref, "sync", 2, tmp / "warmup", overrides)  # first-call costs: imports, allocator
         # Interleaved (sync, async, sync, async, ...) so drift in the machine's load hits both alike.
-        for mode in itertools.islice(itertools.cycle(("sync", "async")), 2 * rounds):
-            speeds[mode].append(rl_local_once(mode, steps, tmp, overrides))
-    return speeds
+        for i, mode in enumerate(itertools.islice(itertools.cycle(("sync", "async")), 2 * rounds)):
+            speeds[mode].append(rl_local_once(ref, mode, steps, tmp / f"{mode}{i}", overrides))
+    return note, speeds
 
 
-def print_speed(speeds: dict[str, list[float]], steps: int, overrides: Sequence[str]) -> None:
-    sync, asyn = statistics.median(speeds["sync"]), statistics.median(speeds["async"])
+def print_speed(note: str, speeds: dict[str, list[tuple[float, float]]], steps: int, overrides: Sequence[str]) -> None:
     extra = f", overrides {' '.join(overrides)}" if overrides else ""
     print(
-        f"\nRL steps/s on the local backend (rl_basic, {steps} steps per run, {len(speeds['sync'])} interleaved "
+        f"\nRL steps/s on the local backend ({note}; {steps} steps per run, {len(speeds['sync'])} interleaved "
         f"rounds{extra}; load avg {os.getloadavg()[0]:.2f})"
     )
-    print(f"{'mode':<12} {'median':>8}  runs")
-    for mode, med in (("sync", sync), ("async K=1", asyn)):
-        runs = speeds["sync" if mode == "sync" else "async"]
-        print(f"{mode:<12} {med:>8.3f}  {' '.join(f'{x:.3f}' for x in runs)}")
-    print(f"ratio async/sync: {asyn / sync:.2f}")
+    print(f"{'mode':<10} {'steady':>7} {'whole':>7}  steady per run")
+    med = {}
+    for mode, runs in speeds.items():
+        med[mode] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
+        label = "async K=1" if mode == "async" else mode
+        print(f"{label:<10} {med[mode][0]:>7.3f} {med[mode][1]:>7.3f}  {' '.join(f'{r[0]:.3f}' for r in runs)}")
+    print(
+        f"ratio async/sync: steady {med['async'][0] / med['sync'][0]:.2f}, "
+        f"whole run {med['async'][1] / med['sync'][1]:.2f}"
+    )
 
 
 # ================================================================ main
@@ -457,6 +489,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--part", choices=("cycles", "speed", "all"), default="all")
     ap.add_argument("--period", type=float, default=0.05, help="clock period in seconds (default 0.05)")
+    ap.add_argument(
+        "--rl-period", type=float, default=0.2, help="clock period of the RL rows (default 0.2: the fake sampler's CPU)"
+    )
     ap.add_argument("--steps", type=int, default=20, help="steps per clocked run (default 20)")
     ap.add_argument("--rl-steps", type=int, default=8, help="steps per local RL run (default 8)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved local RL rounds (default 3)")
@@ -473,11 +508,14 @@ def main() -> None:
         args.steps, args.rl_steps, args.rounds = 10, 4, 2
     print(f"load avg at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
     if args.part in ("cycles", "all"):
-        print_cycles(cycles_table(args.steps, args.period), args.period)
+        print_cycles(cycles_table(args.steps, args.period, args.rl_period))
     if args.part in ("speed", "all"):
-        speeds = rl_speed(args.rl_steps, args.rounds, args.rl_override)
-        if speeds is not None:
-            print_speed(speeds, args.rl_steps, args.rl_override)
+        try:
+            note, speeds = rl_speed(args.rl_steps, args.rounds, args.rl_override)
+        except UserError as e:
+            print(f"\nRL async vs sync on the local backend: NOT MEASURED: {e}")
+        else:
+            print_speed(note, speeds, args.rl_steps, args.rl_override)
 
 
 if __name__ == "__main__":
