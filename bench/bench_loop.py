@@ -430,9 +430,17 @@ def print_cycles(rows: list[CycleRow]) -> None:
 # ================================================================ RL async vs sync on the local backend
 
 
-def rl_local_once(ref: str, mode: str, steps: int, run_dir: Path, overrides: Sequence[str]) -> tuple[float, float]:
-    """One run on the local backend: (steady steps/s, whole-run steps/s). Steady = finish-to-finish over the
-    steps after the first (the loop's time/total), so model load and the pipeline's fill are left out."""
+@dataclasses.dataclass
+class LocalRun:
+    steady: float  # steps/s finish-to-finish after the first step (the loop's time/total)
+    whole: float  # steps/s of the whole run(), model load included
+    prepare_s: float  # median per step (after the first) of the loop's time/prepare ...
+    sampler_wait_s: float  # ... of the RL algo's time/sampler_wait (waiting for the step's snapshot) ...
+    wait_s: float  # ... and of the loop's time/wait (awaiting the step's training calls)
+
+
+def rl_local_once(ref: str, mode: str, steps: int, run_dir: Path, overrides: Sequence[str]) -> LocalRun:
+    """One run of the RL recipe on the local backend (the model load is inside `whole` only)."""
     from runner.loop import run
     from runner.rundir import METRICS
 
@@ -445,12 +453,19 @@ def rl_local_once(ref: str, mode: str, steps: int, run_dir: Path, overrides: Seq
     whole = steps / (time.monotonic() - t)
     rows = [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines() if line.strip()]
     ends = [r["time/total"] for r in rows]
-    return (len(ends) - 1) / (ends[-1] - ends[0]), whole
+    later = rows[1:]
+
+    def med(key: str) -> float:
+        return statistics.median(r.get(key, 0.0) for r in later)
+
+    return LocalRun(
+        (len(ends) - 1) / (ends[-1] - ends[0]), whole, med("time/prepare"), med("time/sampler_wait"), med("time/wait")
+    )
 
 
-def rl_speed(steps: int, rounds: int, overrides: Sequence[str]) -> tuple[str, dict[str, list[tuple[float, float]]]]:
-    """Interleaved sync / async runs; (recipe note, per mode a list of (steady, whole) steps/s)."""
-    speeds: dict[str, list[tuple[float, float]]] = {"sync": [], "async": []}
+def rl_speed(steps: int, rounds: int, overrides: Sequence[str]) -> tuple[str, dict[str, list[LocalRun]]]:
+    """Interleaved sync / async (K = 1) runs of the RL recipe; (recipe note, the runs per mode)."""
+    runs: dict[str, list[LocalRun]] = {"sync": [], "async": []}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         ref, note = rl_ref(tmp)
@@ -460,25 +475,34 @@ def rl_speed(steps: int, rounds: int, overrides: Sequence[str]) -> tuple[str, di
         rl_local_once(ref, "sync", 2, tmp / "warmup", overrides)  # first-call costs: imports, allocator
         # Interleaved (sync, async, sync, async, ...) so drift in the machine's load hits both alike.
         for i, mode in enumerate(itertools.islice(itertools.cycle(("sync", "async")), 2 * rounds)):
-            speeds[mode].append(rl_local_once(ref, mode, steps, tmp / f"{mode}{i}", overrides))
-    return note, speeds
+            runs[mode].append(rl_local_once(ref, mode, steps, tmp / f"{mode}{i}", overrides))
+    return note, runs
 
 
-def print_speed(note: str, speeds: dict[str, list[tuple[float, float]]], steps: int, overrides: Sequence[str]) -> None:
+def print_speed(note: str, runs: dict[str, list[LocalRun]], steps: int, overrides: Sequence[str]) -> None:
     extra = f", overrides {' '.join(overrides)}" if overrides else ""
     print(
-        f"\nRL steps/s on the local backend ({note}; {steps} steps per run, {len(speeds['sync'])} interleaved "
+        f"\nRL steps/s on the local backend ({note}; {steps} steps per run, {len(runs['sync'])} interleaved "
         f"rounds{extra}; load avg {os.getloadavg()[0]:.2f})"
     )
-    print(f"{'mode':<10} {'steady':>7} {'whole':>7}  steady per run")
-    med = {}
-    for mode, runs in speeds.items():
-        med[mode] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
+    print(f"{'mode':<10} {'steady':>7} {'whole':>7} {'prepare':>8} {'snap wait':>9} {'wait':>6}  steady per run")
+    med: dict[str, LocalRun] = {}
+    for mode, rs in runs.items():
+        med[mode] = LocalRun(*(statistics.median(getattr(r, f.name) for r in rs) for f in dataclasses.fields(LocalRun)))
+        m = med[mode]
         label = "async K=1" if mode == "async" else mode
-        print(f"{label:<10} {med[mode][0]:>7.3f} {med[mode][1]:>7.3f}  {' '.join(f'{r[0]:.3f}' for r in runs)}")
+        print(
+            f"{label:<10} {m.steady:>7.3f} {m.whole:>7.3f} {m.prepare_s:>7.3f}s {m.sampler_wait_s:>8.3f}s "
+            f"{m.wait_s:>5.3f}s  {' '.join(f'{r.steady:.3f}' for r in rs)}"
+        )
+    # In sync mode a step is T (train + snapshot: the wait for the snapshot) then S (sampling and datums);
+    # async overlaps them, so with two free cores a step takes max(S, T): that bounds the ratio.
+    train = med["sync"].sampler_wait_s
+    sample = med["sync"].prepare_s - train
     print(
-        f"ratio async/sync: steady {med['async'][0] / med['sync'][0]:.2f}, "
-        f"whole run {med['async'][1] / med['sync'][1]:.2f}"
+        f"ratio async/sync: steady {med['async'].steady / med['sync'].steady:.2f}, "
+        f"whole run {med['async'].whole / med['sync'].whole:.2f}; perfect-overlap bound (S+T)/max(S,T) = "
+        f"{(sample + train) / max(sample, train):.2f} (sync: S = {sample:.3f}s sampling, T = {train:.3f}s training)"
     )
 
 
@@ -511,11 +535,11 @@ def main() -> None:
         print_cycles(cycles_table(args.steps, args.period, args.rl_period))
     if args.part in ("speed", "all"):
         try:
-            note, speeds = rl_speed(args.rl_steps, args.rounds, args.rl_override)
+            note, runs = rl_speed(args.rl_steps, args.rounds, args.rl_override)
         except UserError as e:
             print(f"\nRL async vs sync on the local backend: NOT MEASURED: {e}")
         else:
-            print_speed(note, speeds, args.rl_steps, args.rl_override)
+            print_speed(note, runs, args.rl_steps, args.rl_override)
 
 
 if __name__ == "__main__":
