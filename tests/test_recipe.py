@@ -407,7 +407,9 @@ OVERRIDE_SETS = [
 @pytest.mark.parametrize("overrides", OVERRIDE_SETS)
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
 def test_show_round_trips(path: Path, overrides: list[str], tmp_path: Path) -> None:
-    for name in load_file(str(path)):
+    for name, shipped in load_file(str(path)).items():
+        if not isinstance(shipped.algo, SFT) and any(o.startswith("algo.data") for o in overrides):
+            continue  # only SFT reads a data source
         _, recipe = load_recipe(f"{path}#{name}", overrides)
         shown = tmp_path / "shown.toml"
         shown.write_text(dump_recipe(name, recipe))

@@ -1,0 +1,219 @@
+"""RL through the one training loop (runner/loop.py + runner/rl/algo.py) on the local backend and the tiny model:
+every shipped RL recipe runs a couple of steps, writes the cookbook's metric names, an HTML transcript that
+parses, rollout summaries and checkpoints; sync, stream and async modes behave as documented; a crashed sync
+run resumes to the same metrics as an uninterrupted one.
+
+Run: pytest tests/test_rl_loop.py   (well under a minute on 2 cores)
+"""
+
+from __future__ import annotations
+
+import json
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from backends.base import BackendError
+from runner.loop import run
+from runner.recipe import Recipe, load_file, load_recipe
+
+REPO = Path(__file__).resolve().parent.parent
+RL_RECIPES = [
+    (str(path), name)
+    for path in [REPO / "recipes.toml", *sorted((REPO / "examples").glob("rl_*.toml"))]
+    for name, recipe in load_file(str(path)).items()
+    if type(recipe.algo).__name__ == "RL"
+]
+# Tiny everything: a CI run checks the plumbing, not the learning.
+SMALL = ["max_steps=2", "eval_every=1", "save_every=1", "algo.groups_per_batch=2", "algo.eval.max_groups=2",
+         'backend={kind="local", device="cpu"}']
+
+
+def rows(run_dir: Path, name: str = "metrics.jsonl") -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+
+
+def no_time(rs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rs]
+
+
+class _Tags(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []
+        self.seen: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: Any) -> None:
+        self.seen.append(tag)
+        if tag not in ("meta", "br"):
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag: str) -> None:
+        assert self.stack and self.stack[-1] == tag, f"</{tag}> closes <{self.stack[-1] if self.stack else None}>"
+        self.stack.pop()
+
+
+def check_html(path: Path) -> list[str]:
+    parser = _Tags()
+    parser.feed(path.read_text(encoding="utf-8"))
+    parser.close()
+    assert parser.stack == []
+    return parser.seen
+
+
+def small_recipe(ref: str, tmp_path: Path, *extra: str) -> tuple[str, Recipe]:
+    path, name = ref.split("#")
+    recipe = load_recipe(ref, [*SMALL, f"log_dir={tmp_path / name}", *extra])[1]
+    env = recipe.algo.env
+    group = 4 if type(env).__name__ == "TicTacToe" else 2  # two seats per self-play game
+    if hasattr(env, "max_turns"):  # multi-turn envs: a few turns show the merging as well as many
+        env = msgspec.structs.replace(env, max_turns=min(env.max_turns, 3))
+    algo = msgspec.structs.replace(recipe.algo, group_size=group, env=env)
+    return name, msgspec.structs.replace(recipe, algo=algo)
+
+
+@pytest.mark.parametrize("path,name", RL_RECIPES, ids=[n for _, n in RL_RECIPES])
+def test_shipped_rl_recipe_runs(path: str, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    name, recipe = small_recipe(f"{path}#{name}", tmp_path)
+    run(recipe, name)
+    run_dir = tmp_path / name
+    ms = rows(run_dir)
+    assert [m["step"] for m in ms] == [0, 1]
+    for m in ms:
+        for key in ("env/all/reward/total", "env/all/ac_tokens_per_turn", "env/all/total_episodes",
+                    "env/all/by_group/frac_mixed", "optim/kl_sample_train_v1", "optim/kl_sample_train_v2",
+                    "optim/entropy", "optim/lr", "progress/batch", "progress/done_frac", "time/total",
+                    "sampling_client/step_max", "rollout_errors/total"):
+            assert key in m, (name, key)
+        assert m["env/all/total_episodes"] == recipe.algo.groups_per_batch * recipe.algo.group_size
+        # A sampler and learner that see the same weights agree on the sampled tokens' logprobs (the sampler's
+        # are at its temperature, the learner's at 1, so only at temperature 1).
+        if recipe.algo.temperature == 1.0:
+            assert abs(m["optim/kl_sample_train_v1"]) < 1e-3
+    if recipe.algo.mode.__struct_config__.tag == "async":
+        assert all(0 <= m["async/staleness_max"] <= recipe.algo.mode.max_staleness for m in ms)
+    else:
+        assert [m["sampling_client/step_max"] for m in ms] == [0, 1]  # on-policy: step k samples weights k
+    tested = recipe.algo.env.__struct_config__.tag != "preference" or recipe.algo.env.test_prompts
+    assert ("test/env/all/reward/total" in ms[0]) == bool(tested)
+    for step in (0, 1):
+        folder = run_dir / f"iteration_{step:06d}"
+        tags = check_html(folder / "train.html")
+        assert "pre" in tags and "table" in tags
+        summaries = rows(folder, "train_rollout_summaries.jsonl")
+        assert len(summaries) == ms[step]["env/all/total_episodes"]
+        assert {s["split"] for s in summaries} == {"train"} and summaries[0]["steps"]
+    ckpts = rows(run_dir, "checkpoints.jsonl")
+    assert [c["next_step"] for c in ckpts] == [1, 2]
+    assert all(Path(c["state_path"]).exists() and c["rl_train_batches"] > 0 for c in ckpts)
+
+
+def arith(tmp_path: Path, run_dir: str, **over: Any) -> Recipe:
+    algo = {"kind": "rl", "env": {"kind": "arithmetic", "max_value": 9, "test_size": 4}, "group_size": 4,
+            "groups_per_batch": 4, "max_tokens": 6, **over.pop("algo", {})}
+    return msgspec.convert({"algo": algo, "lr": 5e-3, "lora": {"rank": 4}, "max_steps": 4, "eval_every": 2,
+                            "save_every": 2, "schedule": {"kind": "constant"},
+                            "backend": {"kind": "local", "device": "cpu"}, "log_dir": str(tmp_path / run_dir),
+                            **over}, Recipe)
+
+
+class CrashingBackend:
+    """The local backend, except that the training client's n-th forward_backward raises at submit."""
+
+    def __init__(self, inner: Any, crash_at: int):
+        self.inner, self.crash_at = inner, crash_at
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def create_training_client(self, spec: Any) -> Any:
+        return self.inner.create_training_client(spec).map(lambda tc: CrashingClient(tc, self.crash_at))
+
+
+class CrashingClient:
+    def __init__(self, inner: Any, crash_at: int):
+        self.inner, self.left = inner, crash_at
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def forward_backward(self, *args: Any, **kwargs: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise BackendError("simulated crash", request="forward_backward")
+        return self.inner.forward_backward(*args, **kwargs)
+
+
+def assert_same_metrics(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
+    """Rewards, counts and sampled tokens exactly; the sampler's logprobs may differ in the last float bits
+    with how its worker happened to batch the concurrent requests, so logprob-derived numbers to 1e-4."""
+    assert [sorted(r) for r in got] == [sorted(r) for r in want]
+    for g, w in zip(got, want, strict=True):
+        for k, v in w.items():
+            if k.startswith(("env/", "test/env/", "progress/", "sampling_client/", "rollout_errors/")) or k == "step":
+                assert g[k] == v, (w["step"], k)
+            else:
+                assert g[k] == pytest.approx(v, rel=1e-3, abs=1e-4), (w["step"], k)
+
+
+def test_sync_crash_then_resume_equals_uninterrupted(tmp_path: Path) -> None:
+    from backends.local import LocalBackend
+
+    run(arith(tmp_path, "straight"), "r")
+    want = no_time(rows(tmp_path / "straight"))
+    assert len(want) == 4 and "test/env/all/reward/total" in want[2]
+
+    recipe = arith(tmp_path, "crashed")
+    inner = LocalBackend(recipe.backend, recipe.model, recipe.tokenizer, tmp_path / "crashed" / "checkpoints")
+    with pytest.raises(BackendError, match="simulated crash"):
+        run(recipe, "r", backend=CrashingBackend(inner, crash_at=3))  # steps 0-2 submitted, step 3 fails
+    assert [c["next_step"] for c in rows(tmp_path / "crashed", "checkpoints.jsonl")] == [2]
+    run(recipe, "r")  # a fresh backend resumes at step 2 from the checkpoint
+    assert_same_metrics(no_time(rows(tmp_path / "crashed")), want)
+    # Transcripts of the resumed steps are written again, and match.
+    for step in (2, 3):
+        a = rows(tmp_path / "straight" / f"iteration_{step:06d}", "train_rollout_summaries.jsonl")
+        b = rows(tmp_path / "crashed" / f"iteration_{step:06d}", "train_rollout_summaries.jsonl")
+        assert [x["total_reward"] for x in a] == [x["total_reward"] for x in b]
+
+
+def test_async_is_off_policy_by_at_most_k(tmp_path: Path) -> None:
+    run(arith(tmp_path, "async", algo={"mode": {"kind": "async", "max_staleness": 1}}, max_steps=5), "r")
+    ms = rows(tmp_path / "async")
+    assert len(ms) == 5
+    assert ms[0]["async/staleness_max"] == 0  # nothing older exists at the start
+    assert all(0 <= m["async/staleness_min"] <= m["async/staleness_max"] <= 1 for m in ms)
+    assert all(m["sampling_client/step_max"] == m["step"] - m["async/staleness_max"] for m in ms)
+
+
+def test_stream_submits_a_forward_backward_per_minibatch(tmp_path: Path) -> None:
+    recipe = arith(tmp_path, "stream", algo={"mode": {"kind": "stream", "minibatches": 2}, "num_substeps": 2},
+                   max_steps=2)
+    run(recipe, "r")
+    ms = rows(tmp_path / "stream")
+    assert [m["optim/num_substeps"] for m in ms] == [2, 2]
+    assert all(m["optim/num_datums"] == 16 and abs(m["optim/kl_sample_train_v1"]) < 0.5 for m in ms)
+
+
+def test_losses_kl_and_post_kl(tmp_path: Path) -> None:
+    for loss in ({"kind": "ppo"}, {"kind": "cispo"}, {"kind": "dro", "beta": 0.1}):
+        run(arith(tmp_path, loss["kind"], max_steps=1, algo={"loss": loss}), "r")
+        assert rows(tmp_path / loss["kind"])[0]["optim/grad_norm"] > 0
+    recipe = arith(tmp_path, "kl", max_steps=2, algo={"kl": {"kind": "reference", "coef": 0.1},
+                                                      "compute_post_kl": True, "num_substeps": 2})
+    run(recipe, "r")
+    ms = rows(tmp_path / "kl")
+    assert ms[0]["kl_policy_base"] == pytest.approx(0.0, abs=1e-4)  # LoRA starts at the base weights
+    assert all("optim/kl_pre_post_v2" in m and m["optim/kl_pre_post_v2"] >= 0 for m in ms)
+    assert ms[1]["optim/kl_pre_post_v2"] > 0  # the update changed the policy
+
+
+def test_dry_run_describes_rl(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run(arith(tmp_path, "dry"), "r", dry_run=True)
+    out = capsys.readouterr().out
+    assert "env: arithmetic" in out and "forward_backward(importance_sampling)" in out
+    assert not (tmp_path / "dry").exists()
