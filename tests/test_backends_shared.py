@@ -240,3 +240,33 @@ def test_rl_steps_match_across_backends(tmp_path, monkeypatch, stack):
     assert [t for t, _ in runs["tinker"]] == [t for t, _ in runs["local"]]
     assert [loss for _, loss in runs["tinker"]] == pytest.approx([loss for _, loss in runs["local"]], abs=1e-5)
     assert len({str(t) for t, _ in runs["local"]}) == 3  # each step samples afresh
+
+
+def rl_recipe_for(tmp_path: Path, kind: str, run_dir: str) -> Recipe:
+    backend = {"kind": "local", "device": "cpu"} if kind == "local" else {"kind": "tinker"}
+    return msgspec.convert({
+        "algo": {"kind": "rl", "env": {"kind": "arithmetic", "max_value": 9, "test_size": 2}, "group_size": 2,
+                 "groups_per_batch": 2, "max_tokens": 6, "groups_to_log": 1},
+        "lr": 5e-3, "lora": {"rank": 4}, "max_steps": 2, "eval_every": 1, "save_every": 1, "depth": 1,
+        "schedule": {"kind": "constant"}, "backend": backend, "log_dir": str(tmp_path / run_dir),
+    }, Recipe)
+
+
+def test_rl_tinker_matches_local(tmp_path, monkeypatch, stack):
+    """The RL algorithm over the Tinker wire: same samples, rewards and evals as local; logprob-derived numbers
+    to float noise (the sampler batches concurrent requests differently when they arrive one HTTP call each)."""
+    run(rl_recipe_for(tmp_path, "local", "local"), "r")
+    svc = start("tinker", tmp_path, monkeypatch, stack)
+    run(rl_recipe_for(tmp_path, "tinker", "tinker"), "r")
+    got, want = metrics(tmp_path / "tinker"), metrics(tmp_path / "local")
+    assert [sorted(r) for r in got] == [sorted(r) for r in want] and len(want) == 2
+    for g, w in zip(got, want, strict=True):
+        for k, v in w.items():
+            exact = k.startswith(("env/", "test/env/", "progress/", "sampling_client/")) or k == "step"
+            assert g[k] == (v if exact else pytest.approx(v, rel=1e-3, abs=1e-4)), k
+    assert "test/env/all/reward/total" in want[0] and "optim/kl_sample_train_v1" in want[0]
+    assert [c["next_step"] for c in checkpoints(tmp_path / "tinker")] == [1, 2]
+    # Per step: fb, optim, then the next step's sampler snapshot, in one FIFO with the saves.
+    kinds = [r.route for r in svc.mock.submits("forward_backward", "optim_step", "save_weights_for_sampler")]
+    assert kinds.count("forward_backward") == kinds.count("optim_step") == 2
+    assert (tmp_path / "tinker" / "iteration_000001" / "train.html").exists()
