@@ -65,7 +65,7 @@ def check_html(path: Path) -> list[str]:
 
 
 def small_recipe(ref: str, tmp_path: Path, *extra: str) -> tuple[str, Recipe]:
-    path, name = ref.split("#")
+    name = ref.split("#")[1]
     recipe = load_recipe(ref, [*SMALL, f"log_dir={tmp_path / name}", *extra])[1]
     env = recipe.algo.env
     group = 4 if type(env).__name__ == "TicTacToe" else 2  # two seats per self-play game

@@ -11,7 +11,10 @@ One RL step, as the loop calls it:
     metrics = trajectory_metrics(groups) | batch.error_metrics()        # metrics
     write_html(...), write_rollout_summaries(...)                       # transcripts
 
-Modules: types (Env, StepResult, Transition, Trajectory, TrajectoryGroup, EnvGroupBuilder, RLDataset),
+The loop's RL algorithm is algo.RLAlgo (sync / stream / async modes, evals, transcripts, resume state).
+
+Modules: algo, types (Env, StepResult, Transition, Trajectory, TrajectoryGroup, EnvGroupBuilder, RLDataset),
 renderer (chat messages <-> tokens), envs/ (built-in envs and the python escape hatch), rollouts, advantages,
-datums, kl, metrics, transcripts, schema (the recipe section, draft), testing (a scripted sampler).
+datums, kl, metrics, transcripts, testing (a scripted sampler); the recipe section is in runner/recipe.py
+(schema re-exports it).
 """

@@ -26,6 +26,7 @@ snapshot of the restored weights, which are exactly those after the previous ste
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -65,8 +66,8 @@ def loss_of(cfg: RL) -> tuple[LossFn, dict[str, float] | None]:
 def chunks(data_D: list[Datum], n: int) -> list[list[Datum]]:
     """min(n, len) contiguous, nearly equal chunks (the cookbook's substeps)."""
     n = min(n, len(data_D))
-    bounds = np.linspace(0, len(data_D), n + 1).round().astype(int) if n else []
-    return [data_D[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    bounds = [int(x) for x in np.linspace(0, len(data_D), n + 1).round()] if n else []
+    return [data_D[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 @dataclass
@@ -308,11 +309,11 @@ class RLAlgo:
         mode = type(cfg.mode).__struct_config__.tag
         test = f"{len(self.test)} test batches (eval group size {cfg.eval.group_size})" if self.test else "no test set"
         lines = [
-            f"env: {env}; {len(self.train)} train batches of {cfg.groups_per_batch} groups x {cfg.group_size} "
-            f"episodes, x {cfg.epochs} epochs; {test}",
+            (f"env: {env}; {len(self.train)} train batches of {cfg.groups_per_batch} groups x {cfg.group_size} "
+             f"episodes, x {cfg.epochs} epochs; {test}"),
             f"sampling: max_tokens {cfg.max_tokens}, temperature {cfg.temperature:g}; mode {mode}",
-            f"calls per step: {cfg.num_substeps} x (forward_backward({self.loss_fn}) + optim_step) "
-            f"+ save_weights_and_get_sampling_client",
+            (f"calls per step: {cfg.num_substeps} x (forward_backward({self.loss_fn}) + optim_step) "
+             "+ save_weights_and_get_sampling_client"),
         ]
         if isinstance(cfg.kl, ReferenceKL):
             lines.append(f"KL penalty vs the base model, coef {cfg.kl.coef:g}: compute_logprobs per datum")

@@ -26,7 +26,25 @@ from runner.recipe import (
 )
 
 __all__ = [
-    "CISPO", "DRO", "KL", "PPO", "RL", "Arithmetic", "Async", "Env", "GuessNumber", "ImportanceSampling", "Loss",
-    "Mode", "NoKL", "Preference", "PythonEnv", "ReferenceKL", "RLEval", "Stream", "Sync", "TicTacToe",
+    "CISPO",
+    "DRO",
+    "KL",
+    "PPO",
+    "RL",
+    "Arithmetic",
+    "Async",
+    "Env",
+    "GuessNumber",
+    "ImportanceSampling",
+    "Loss",
+    "Mode",
+    "NoKL",
+    "Preference",
+    "PythonEnv",
+    "RLEval",
+    "ReferenceKL",
+    "Stream",
+    "Sync",
+    "TicTacToe",
     "TwentyQuestions",
 ]

@@ -13,10 +13,10 @@ groups_per_batch and the recipe seed. Datasets hand out `EnvGroupBuilder`s (runn
 from __future__ import annotations
 
 from runner.errors import UserError
+from runner.recipe import Arithmetic, Env, GuessNumber, Preference, PythonEnv, TicTacToe, TwentyQuestions
 from runner.rl.envs import arithmetic, guess_number, preference, tictactoe, twenty_questions
 from runner.rl.envs.common import EnvContext
 from runner.rl.envs.user import load_target
-from runner.recipe import Arithmetic, Env, GuessNumber, Preference, PythonEnv, TicTacToe, TwentyQuestions
 from runner.rl.types import RLDataset
 
 __all__ = ["EnvContext", "build_datasets"]

@@ -12,10 +12,10 @@ import random
 from collections.abc import Callable, Sequence
 
 from runner.errors import UserError
+from runner.recipe import Preference
 from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, check_train_size
 from runner.rl.envs.user import load_target
 from runner.rl.renderer import ChatRenderer
-from runner.recipe import Preference
 from runner.rl.types import (
     Env,
     EnvGroupBuilder,

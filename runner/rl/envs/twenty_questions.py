@@ -11,9 +11,9 @@ from __future__ import annotations
 import functools
 import re
 
+from runner.recipe import TwentyQuestions
 from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, RepeatGroupBuilder, check_train_size, split_problems
 from runner.rl.renderer import ChatRenderer
-from runner.recipe import TwentyQuestions
 from runner.rl.types import Observation, RLDataset, StepResult, StopCondition
 
 # attribute -> (how the intro names it, words that ask about it)
