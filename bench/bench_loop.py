@@ -16,15 +16,20 @@ backend (the fake one by default, so compute is negligible next to the period):
   - sampling calls complete at the next tick (per sampling client, in order);
   - creating clients is setup, not a cycle: it completes at once.
 
-Cycles per step = ticks from the first request's submission to the last optim_step's completion, / steps.
+Cycles per step = ticks from the first request's submission to the last optim_step's completion, / steps
+("steady": between the first and last steps' optim_steps, / (steps - 1), leaving the start out). The SFT
+rows tick every 50 ms; the RL rows every 500 ms, because the fake sampler itself spends 0.1-0.2 s of CPU on
+an rl_basic batch (64 samples) on a busy 2-core machine, and a batch that is not ready at its tick slips a
+cycle. Sampling calls run on a helper thread, so submitting them is instant, as with the real service.
 
 Part 1 (cycles/step): the naive loops written here (SFT: await forward_backward, then await optim_step;
 RL: await samples, then forward_backward, then optim_step), and the project's loop (runner.loop.run) on an
 SFT recipe at depth 0/1/2 and on the RL recipe in sync / stream / async mode.
 Part 2 (steps/s): RL async (max_staleness 1) vs sync on the LOCAL backend with the tiny model, the
-rl_basic recipe, interleaved repeated runs, medians and their ratio.
+rl_basic recipe, interleaved repeated runs, medians and their ratio; also the per-step sampling (S) and
+training (T) times of sync mode, which bound what overlapping them can give: (S + T) / max(S, T).
 
-    OMP_NUM_THREADS=1 python bench/bench_loop.py              # both parts
+    OMP_NUM_THREADS=1 python bench/bench_loop.py              # both parts (~4 minutes)
     python bench/bench_loop.py --quick                        # fewer steps and rounds
     python bench/bench_loop.py --part cycles --period 0.05 --steps 20
 """
@@ -122,6 +127,13 @@ class ClockBackend:
         self._t0 = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="clock", daemon=True)
         self._thread.start()
+        # The fake backend samples inside sample() itself: on the caller's thread, a cost the service would
+        # not charge the client. Calls go through this thread so submitting stays instant, as with Tinker.
+        self._sampler = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="clock-sampler")
+
+    def offload(self, call: Callable[..., Future[Any]], *args: Any) -> Future[Any]:
+        """call(*args) on the sampling thread; a Future of its result."""
+        return Future(self._sampler.submit(lambda: call(*args).result()))
 
     # --- the Backend protocol
 
@@ -146,6 +158,7 @@ class ClockBackend:
     def close(self, status: str = "success") -> None:
         self._stop.set()
         self._thread.join()
+        self._sampler.shutdown(wait=True)
         self.inner.close(status)
 
     # --- the clock
@@ -245,10 +258,10 @@ class ClockSamplingClient:
         self.clock, self.inner, self.qid = clock, inner, clock.new_queue()
 
     def sample(self, prompt: list[int], num_samples: int, params: SamplingParams) -> Future[SampleOutput]:
-        return self.clock.submit(self.qid, "sample", self.inner.sample(prompt, num_samples, params))
+        return self.clock.submit(self.qid, "sample", self.clock.offload(self.inner.sample, prompt, num_samples, params))
 
     def compute_logprobs(self, tokens: list[int]) -> Future[list[float | None]]:
-        return self.clock.submit(self.qid, "sample", self.inner.compute_logprobs(tokens))
+        return self.clock.submit(self.qid, "sample", self.clock.offload(self.inner.compute_logprobs, tokens))
 
 
 # ================================================================ loops under the clock
@@ -514,11 +527,14 @@ def main() -> None:
     ap.add_argument("--part", choices=("cycles", "speed", "all"), default="all")
     ap.add_argument("--period", type=float, default=0.05, help="clock period in seconds (default 0.05)")
     ap.add_argument(
-        "--rl-period", type=float, default=0.2, help="clock period of the RL rows (default 0.2: the fake sampler's CPU)"
+        "--rl-period",
+        type=float,
+        default=0.5,
+        help="clock period of the RL rows (default 0.5: the fake sampler spends ~0.1-0.2 s of CPU on an rl_basic batch)",
     )
     ap.add_argument("--steps", type=int, default=20, help="steps per clocked run (default 20)")
     ap.add_argument("--rl-steps", type=int, default=8, help="steps per local RL run (default 8)")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved local RL rounds (default 3)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved local RL rounds (default 5)")
     ap.add_argument(
         "--rl-override",
         action="append",
