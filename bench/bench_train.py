@@ -112,7 +112,8 @@ def lora_config(targets: tuple[str, ...]):
 
 
 def make_ours(model_dir: Path, storage: Path) -> tuple[Step, LocalBackend, object]:
-    backend = LocalBackend(Local(device="cpu", dtype="float32", lora_alpha=ALPHA), str(model_dir), None, storage, seed=0)
+    cfg = Local(device="cpu", dtype="float32", lora_alpha=ALPHA)
+    backend = LocalBackend(cfg, str(model_dir), None, storage, seed=0)
     spec = LoraSpec(base_model=str(model_dir), rank=RANK, seed=0, train_unembed=False)
     client = backend.create_training_client(spec).result()
 
@@ -197,12 +198,14 @@ class TrlRunner:
             "labels": [[-100] + [int(t) if w > 0 else -100 for t, w in zip(d.target_tokens, d.weights)] for d in rows],
         })
         self.steps = len(batches) + 1
-        args = trl.SFTConfig(
-            output_dir=str(out_dir), per_device_train_batch_size=len(batches[0]), max_steps=self.steps,
-            learning_rate=LR, max_length=max_length, bf16=False, gradient_checkpointing=gradient_checkpointing,
-            train_sampling_strategy="sequential", use_cpu=True, report_to="none", save_strategy="no",
-            disable_tqdm=True, seed=0,
-        )
+        with warnings.catch_warnings():  # transformers 5 renames gradient_checkpointing; TRL still sets it
+            warnings.simplefilter("ignore")
+            args = trl.SFTConfig(
+                output_dir=str(out_dir), per_device_train_batch_size=len(batches[0]), max_steps=self.steps,
+                learning_rate=LR, max_length=max_length, bf16=False, gradient_checkpointing=gradient_checkpointing,
+                train_sampling_strategy="sequential", use_cpu=True, report_to="none", save_strategy="no",
+                disable_tqdm=True, seed=0,
+            )
         self.ends: list[float] = []
         ends, clock_ = self.ends, clock
 
