@@ -487,3 +487,107 @@ def test_full_finetune(tmp_path, data):
     np.testing.assert_allclose(np.array(got[1:]), tc.forward(data[:1], "cross_entropy").result().logprobs[0], atol=1e-4)
     assert not torch.equal(be.base().get_input_embeddings().weight, tc.model.get_input_embeddings().weight)
     be.close()
+
+
+# ---------------------------------------------------------------- sampling workers: threads, coalescing, seeds
+
+
+def test_sampling_threads_are_single_and_training_keeps_its_own(backend, data):
+    """Sampling workers on the CPU run torch single-threaded (libgomp spin-waits badly on shared cores);
+    a training worker started afterwards still gets the process's count, not the sampler's."""
+    from backends.local import backend as B
+
+    sc = backend.create_sampling_client(base_model="tiny").result()
+    inner, seen = sc._sampler.compute_logprobs_batch, []
+    sc._sampler.compute_logprobs_batch = lambda seqs: (seen.append(torch.get_num_threads()), inner(seqs))[1]
+    sc.compute_logprobs(data[0].full_sequence).result()
+    assert seen == [B.SAMPLER_CPU_THREADS]
+
+    def loss(batch, lps):
+        seen.append(torch.get_num_threads())
+        return -sum(lp.sum() for lp in lps), {}
+
+    tc = backend.create_training_client(SPEC).result()
+    tc.forward_backward_custom(data[:1], loss).result()
+    assert seen[1] == B._default_threads[0]
+
+
+def _episodes(submit, n: int, turns: int, pause) -> None:
+    """n threads, each `turns` times: submit, wait for the result, pause(i) (an env step), resubmit."""
+    import threading
+
+    def episode(i: int) -> None:
+        for t in range(turns):
+            submit(i, t).result(30)
+            pause(i)
+
+    threads = [threading.Thread(target=episode, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+
+
+def test_worker_coalesces_requests_that_arrive_apart(monkeypatch):
+    """Episodes resubmit 0-15 ms apart after each batch; the worker waits for all of them, so every turn is
+    one batch. (Windows widened so a loaded CI machine cannot split a batch.)"""
+    import time
+
+    from backends.local import worker as W
+
+    monkeypatch.setattr(W, "WARM_GAP_S", 1.0)
+    monkeypatch.setattr(W, "MAX_WAIT_S", 5.0)
+    monkeypatch.setattr(W, "WAIT_FRACTION", 100.0)
+    monkeypatch.setattr(W, "COLD_GAP_S", 0.5)
+    sizes: list[int] = []
+
+    def handle(jobs):
+        sizes.append(len(jobs))
+        time.sleep(0.02)  # the batch's work
+        for j in jobs:
+            j.future.set_result(j.payload)
+
+    w = W.Worker("test", handle, drain=True, coalesce=True)
+    _episodes(lambda i, t: w.submit(f"r{i}.{t}", (i, t)), 4, 3, lambda i: time.sleep(0.005 * i))
+    w.close()
+    assert sizes == [4, 4, 4]
+
+
+def test_lone_sequential_caller_does_not_wait(monkeypatch):
+    """Once every caller of the last batch is back, the batch starts at once, however wide the windows."""
+    import time
+
+    from backends.local import worker as W
+
+    monkeypatch.setattr(W, "WARM_GAP_S", 5.0)
+    monkeypatch.setattr(W, "MAX_WAIT_S", 5.0)
+    monkeypatch.setattr(W, "WAIT_FRACTION", 1000.0)
+    w = W.Worker("test", lambda jobs: [j.future.set_result(None) for j in jobs], drain=True, coalesce=True)
+    w.submit("first", None).result(5)  # cold: waits COLD_GAP_S (2 ms) for company
+    start = time.monotonic()
+    for i in range(5):
+        w.submit(f"r{i}", None).result(5)
+    w.close()
+    assert time.monotonic() - start < 2.0  # a warm wait would take 5 s per request
+
+
+def test_seeded_samples_do_not_depend_on_the_batch(backend, data):
+    """With seeds, a request alone and the same request coalesced with others sample the same tokens."""
+    import asyncio
+
+    sc = backend.create_sampling_client(base_model="tiny").result()
+    prompts = [d.model_input[: 3 + i] for i, d in enumerate(data)]
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=100 + i, stop=[]) for i in range(len(data))]
+    alone = [sc.sample(p, 2, q).result() for p, q in zip(prompts, params)]
+    inner, sizes = sc._sampler.sample_batch, []
+    sc._sampler.sample_batch = lambda reqs: (sizes.append(len(reqs)), inner(reqs))[1]
+
+    async def together():
+        return await asyncio.gather(*(sc.sample(p, 2, q) for p, q in zip(prompts, params)))
+
+    batched = asyncio.run(together())
+    assert sizes == [len(data)]
+    for a, b in zip(alone, batched):
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+        for sa, sb in zip(a.sequences, b.sequences):
+            np.testing.assert_allclose(sa.logprobs, sb.logprobs, atol=1e-4)

@@ -4,6 +4,15 @@ Each training client owns a private copy of the base model (LoRA-wrapped, or ful
 worker thread that runs its calls strictly in submission order (backends/local/worker.py). Each
 sampling client owns an immutable merged snapshot and its own worker thread, which drains every
 queued request into one batch for backends/local/sampler.py, so sampling overlaps training.
+
+CPU threads: torch's intra-op pool is OpenMP (libgomp), whose idle threads busy-wait. A thread team that
+fits the cores spins at every barrier, and when other processes hold the cores (a shared machine) each
+tiny op waits out a preempted partner: on the tiny model with 2 threads on 2 loaded cores, 0.3-1.9 s for a
+16-token sample instead of 0.02-0.07 s single-threaded. A sampler that ran while another worker's team
+existed looked fast, because libgomp stops spinning once its threads outnumber the cores: hence "the
+base-model client is slow, snapshots are fast" (the base client ran alone). Sampling threads on the CPU
+therefore run single-threaded (SAMPLER_CPU_THREADS), and every worker thread sets its own count at start,
+because torch.set_num_threads also changes the count that threads starting later inherit.
 """
 
 from __future__ import annotations
@@ -40,8 +49,27 @@ from runner.types import (
 )
 
 
+# Intra-op threads of a sampling worker on the CPU. Tiny model, 2 cores loaded by other processes, 1-128 rows
+# x 32 tokens: 1 thread 36-255 ms; 2 threads 1.0-2.8 s (libgomp spinning), or 39-373 ms with spinning off
+# (OMP_WAIT_POLICY=PASSIVE). Decode steps are too small to split; a large model on many idle cores may
+# want more.
+SAMPLER_CPU_THREADS = 1
+_default_threads: list[int] = []  # torch's intra-op thread count when the first backend was made
+
+
 def _user_error(message: str) -> BackendError:
     return BackendError(message, user_error=True)
+
+
+def _pin_threads(n: int) -> Callable[[], None]:
+    """A worker's on_start: this thread uses n intra-op threads, whatever other workers set."""
+
+    def pin() -> None:
+        torch.get_num_threads()  # torch's lazy per-thread init runs now, so it cannot undo the next line later
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+
+    return pin
 
 
 class LocalBackend:
@@ -56,13 +84,17 @@ class LocalBackend:
         self.storage_dir = Path(storage_dir).resolve()
         self.seed = seed
         self.device, self.dtype = pick_device(cfg)
+        if not _default_threads:  # before any sampling worker has changed the inherited count
+            _default_threads.append(torch.get_num_threads())
+        self.train_threads = _pin_threads(_default_threads[0])
+        self.sample_threads = _pin_threads(SAMPLER_CPU_THREADS) if self.device.type == "cpu" else self.train_threads
         self._tokenizer: Any = None
         self._base: torch.nn.Module | None = None
         self._lock = threading.Lock()
         self._client_ids = itertools.count()
         self._sampler_ids = itertools.count()
         # Model loading and client creation run here, so create_* return at once like every other call.
-        self._worker = Worker("local-backend")
+        self._worker = Worker("local-backend", on_start=self.train_threads)
         self._workers: weakref.WeakSet[Worker] = weakref.WeakSet()
 
     # ---------------------------------------------------------------- service API
@@ -171,7 +203,7 @@ class LocalBackend:
     def sampling_client(self, model: torch.nn.Module, name: str) -> LocalSamplingClient:
         # Unseeded samples draw from a generator seeded per client, so a rerun repeats them too.
         seed = self.seed * 1000 + next(self._sampler_ids)
-        client = LocalSamplingClient(model, self.get_tokenizer(), self.device, name, seed)
+        client = LocalSamplingClient(model, self.get_tokenizer(), self.device, name, seed, self.sample_threads)
         self._workers.add(client._worker)
         return client
 
@@ -206,7 +238,7 @@ class LocalTrainingClient:
         self.optimizer = torch.optim.AdamW([p for _, p in self._params], lr=0.0)
         self.name = name
         self._counter = itertools.count(1)
-        self._worker = Worker(name)
+        self._worker = Worker(name, on_start=backend.train_threads)
         backend._workers.add(self._worker)
 
     def _submit(self, what: str, fn: Callable[[], Any]) -> Future[Any]:
@@ -350,16 +382,31 @@ class LocalTrainingClient:
 
 
 class LocalSamplingClient:
-    """An immutable model snapshot behind one worker thread that batches all queued requests."""
+    """An immutable model snapshot behind one worker thread that batches all queued requests, waiting a few
+    ms for requests that are likely on their way (backends/local/worker.py, Worker._gather).
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, device: torch.device, name: str, seed: int):
+    Determinism: a request with a seed gets the same tokens whatever it is batched with (the engine seeds
+    each row from (seed, sample index)); only float noise from the batch's padded shapes can differ. Unseeded
+    requests draw from this client's one generator in batch order, so which numbers they get depends on how
+    requests happened to be coalesced, i.e. on timing: seed every request that must repeat.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        device: torch.device,
+        name: str,
+        seed: int,
+        on_start: Callable[[], None] | None = None,
+    ):
         from backends.local.sampler import Sampler
 
         self.model = model
         self._vocab = model.get_input_embeddings().num_embeddings
         self._sampler = Sampler(model, tokenizer, device, seed=seed)
         self._counter = itertools.count(1)
-        self._worker = Worker(f"sample-{name}", self._handle, drain=True)
+        self._worker = Worker(f"sample-{name}", self._handle, drain=True, coalesce=True, on_start=on_start)
 
     def sample(self, prompt: list[int], num_samples: int, params: SamplingParams) -> Future[SampleOutput]:
         job = ("sample", list(prompt), num_samples, params)
@@ -370,17 +417,21 @@ class LocalSamplingClient:
 
     def _handle(self, jobs: list[Job]) -> None:
         valid = [job for job in jobs if self._check(job)]
-        self._run([j for j in valid if j.payload[0] == "sample"], self._sampler.sample_batch,
-                  lambda j: (j.payload[1], j.payload[2], j.payload[3]))
+        # Logprobs first: one forward pass, so its callers go on while the samples decode.
         self._run([j for j in valid if j.payload[0] == "logprobs"], self._sampler.compute_logprobs_batch,
                   lambda j: j.payload[1])
+        self._run([j for j in valid if j.payload[0] == "sample"], self._sampler.sample_batch,
+                  lambda j: (j.payload[1], j.payload[2], j.payload[3]))
 
     def _check(self, job: Job) -> bool:
         tokens = job.payload[1]
-        bad = [t for t in tokens if not 0 <= t < self._vocab]
+        # min/max run in C; a per-token Python test cost ~1 ms per 2k-token multi-turn prompt.
+        bad = None if not tokens or 0 <= min(tokens) and max(tokens) < self._vocab else next(
+            t for t in tokens if not 0 <= t < self._vocab
+        )
         problem = (
             "empty prompt" if not tokens
-            else f"token id {bad[0]} outside the model's vocab [0, {self._vocab})" if bad
+            else f"token id {bad} outside the model's vocab [0, {self._vocab})" if bad is not None
             else "num_samples must be >= 1" if job.payload[0] == "sample" and job.payload[2] < 1
             else None
         )

@@ -4,13 +4,19 @@ Jobs run strictly in submission order. A failing job fails only its own future (
 request does not poison the client). The thread exits after a short idle spell and restarts on the
 next submit, so a client the caller has dropped (and the model copy it holds) can be garbage-collected:
 an RL loop makes a new sampling client every step.
+
+A batching (drain) worker also coalesces: requests from concurrent RL episodes reach it a little apart
+(each episode awaits its previous sample, runs its env, then submits), and without a pause the first
+arrival would start a batch alone while the rest queue behind it. See Worker._gather.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +25,16 @@ from backends.base import BackendError, Future
 from runner.errors import UserError
 
 IDLE_EXIT_S = 2.0
+
+# Coalescing (coalesce=True), measured on RL rollouts of the tiny model (bench/bench_sampling_clients.py):
+# after a batch returns, its callers resubmit 1-10 ms apart; after an idle spell a burst of new episodes
+# arrives ~0.3 ms apart. A batch costs nearly the same for 1 row as for 20 on CPU, so waiting a few ms for
+# the rest is cheap next to running them as a second batch.
+WARM_GAP_S = 0.02  # while callers of the last batch are still coming back: the longest pause between two
+WAIT_FRACTION = 0.25  # ... and the whole wait, as a fraction of the last batch's run time
+MAX_WAIT_S = 0.1  # ... capped at this
+COLD_GAP_S = 0.002  # otherwise: a lone request waits this long for company (a burst keeps extending it)
+COLD_MAX_S = 0.02
 
 
 @dataclass
@@ -51,16 +67,32 @@ def run_each(jobs: list[Job]) -> None:
 
 
 class Worker:
-    """drain=False hands `handle` one job at a time; drain=True hands it everything queued (batching)."""
+    """drain=False hands `handle` one job at a time; drain=True hands it everything queued (batching), and
+    with coalesce=True waits briefly for requests that are likely on their way (_gather). on_start runs
+    first thing in each new worker thread (the backend sets its torch thread count there)."""
 
-    def __init__(self, name: str, handle: Callable[[list[Job]], None] = run_each, drain: bool = False):
+    def __init__(
+        self,
+        name: str,
+        handle: Callable[[list[Job]], None] = run_each,
+        drain: bool = False,
+        coalesce: bool = False,
+        on_start: Callable[[], None] | None = None,
+    ):
         self._name = name
         self._handle = handle
         self._drain = drain
+        self._coalesce = coalesce
+        self._on_start = on_start
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closed = False
+        # For _gather: the next batch's likely size (the callers the last batch released, plus the requests
+        # that queued while it ran), when the last batch ended and how long it ran.
+        self._expected = 0
+        self._last_end = -math.inf
+        self._last_run = 0.0
 
     def submit(self, request: str, payload: Any) -> Future[Any]:
         job = Job(request, payload, concurrent.futures.Future())
@@ -84,19 +116,16 @@ class Worker:
             thread.join()
 
     def _loop(self) -> None:
+        if self._on_start is not None:
+            self._on_start()
         while True:
             try:
                 item = self._queue.get(timeout=IDLE_EXIT_S)
             except queue.Empty:
                 item = None  # idle
             jobs = [] if item is None else [item]
-            while self._drain:
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is not None:
-                    jobs.append(more)
+            if self._drain and self._take_queued(jobs) and self._coalesce and jobs:
+                self._gather(jobs)
             if jobs:
                 self._run(jobs)
                 jobs = item = None  # drop payload references before idling
@@ -107,10 +136,52 @@ class Worker:
                     self._thread = None
                     return
 
+    def _take_queued(self, jobs: list[Job]) -> bool:
+        """Move everything queued now into `jobs`; False if close() was seen (stop waiting for more)."""
+        while True:
+            try:
+                more = self._queue.get_nowait()
+            except queue.Empty:
+                return True
+            if more is None:
+                return False
+            jobs.append(more)
+
+    def _gather(self, jobs: list[Job]) -> None:
+        """Wait a little for more jobs before a batch runs. Right after a batch, its callers are likely to
+        resubmit (multi-turn episodes): wait until they are all back (with the requests that queued while it
+        ran: a batch that got split once merges again), while they keep coming (at most WARM_GAP_S apart) and
+        for at most WAIT_FRACTION of its run time. Otherwise wait only while a burst goes on (COLD_GAP_S
+        apart), so a lone request is delayed by COLD_GAP_S at most."""
+        now = time.monotonic()
+        deadline = self._last_end + min(MAX_WAIT_S, WAIT_FRACTION * self._last_run)
+        if now < deadline:
+            if len(jobs) >= self._expected:
+                return  # everyone is back (a lone sequential caller never waits)
+            want, gap = self._expected, WARM_GAP_S
+        else:
+            want, gap, deadline = math.inf, COLD_GAP_S, now + COLD_MAX_S
+        while len(jobs) < want:
+            timeout = min(gap, deadline - time.monotonic())
+            if timeout <= 0:
+                return
+            try:
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                return
+            if item is None:
+                return  # closing: run what is here
+            jobs.append(item)
+            if not self._take_queued(jobs):
+                return
+
     def _run(self, jobs: list[Job]) -> None:
+        start = time.monotonic()
         try:
             self._handle(jobs)
         except BaseException as exc:  # noqa: BLE001 - a handler bug must not leave futures pending forever
             for job in jobs:
                 if not job.future.done():
                     fail(job, exc)
+        self._last_end = time.monotonic()
+        self._expected, self._last_run = len(jobs) + self._queue.qsize(), self._last_end - start
