@@ -26,3 +26,16 @@ def test_main_command_names_a_real_recipe() -> None:
     name, recipe = load_recipe(str(ROOT / ref.group(1)))
     assert recipe.backend.__class__.__name__ == "Local" and recipe.model == "tiny"
     assert main_command.startswith("python3 -m venv .venv && ") and "torch==2.13.0" in main_command
+
+
+def test_pyproject_lists_every_package() -> None:
+    """A non-editable install ships only the packages pyproject names: a new subpackage must be listed."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        str(p.parent.relative_to(ROOT)).replace("/", ".")
+        for top in ("runner", "backends")
+        for p in (ROOT / top).rglob("__init__.py")
+    }
+    assert found == listed
