@@ -450,6 +450,7 @@ class LocalRun:
     prepare_s: float  # median per step (after the first) of the loop's time/prepare ...
     sampler_wait_s: float  # ... of the RL algo's time/sampler_wait (waiting for the step's snapshot) ...
     wait_s: float  # ... and of the loop's time/wait (awaiting the step's training calls)
+    cpu_s: float  # process CPU seconds per step over the whole run (all threads; model load included)
 
 
 def rl_local_once(ref: str, mode: str, steps: int, run_dir: Path, overrides: Sequence[str]) -> LocalRun:
@@ -460,10 +461,10 @@ def rl_local_once(ref: str, mode: str, steps: int, run_dir: Path, overrides: Seq
     recipe = recipe_for(
         ref, run_dir, [f"max_steps={steps}", 'backend={kind="local"}', *rl_mode_overrides(mode), *overrides]
     )
-    t = time.monotonic()
+    t, cpu = time.monotonic(), time.process_time()
     with contextlib.redirect_stderr(io.StringIO()):
         run(recipe, "bench")
-    whole = steps / (time.monotonic() - t)
+    whole, cpu = steps / (time.monotonic() - t), (time.process_time() - cpu) / steps
     rows = [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines() if line.strip()]
     ends = [r["time/total"] for r in rows]
     later = rows[1:]
@@ -471,9 +472,8 @@ def rl_local_once(ref: str, mode: str, steps: int, run_dir: Path, overrides: Seq
     def med(key: str) -> float:
         return statistics.median(r.get(key, 0.0) for r in later)
 
-    return LocalRun(
-        (len(ends) - 1) / (ends[-1] - ends[0]), whole, med("time/prepare"), med("time/sampler_wait"), med("time/wait")
-    )
+    steady = (len(ends) - 1) / (ends[-1] - ends[0])
+    return LocalRun(steady, whole, med("time/prepare"), med("time/sampler_wait"), med("time/wait"), cpu)
 
 
 def rl_speed(steps: int, rounds: int, overrides: Sequence[str]) -> tuple[str, dict[str, list[LocalRun]]]:
@@ -498,7 +498,10 @@ def print_speed(note: str, runs: dict[str, list[LocalRun]], steps: int, override
         f"\nRL steps/s on the local backend ({note}; {steps} steps per run, {len(runs['sync'])} interleaved "
         f"rounds{extra}; load avg {os.getloadavg()[0]:.2f})"
     )
-    print(f"{'mode':<10} {'steady':>7} {'whole':>7} {'prepare':>8} {'snap wait':>9} {'wait':>6}  steady per run")
+    print(
+        f"{'mode':<10} {'steady':>7} {'whole':>7} {'prepare':>8} {'snap wait':>9} {'wait':>6} {'cpu/step':>8}"
+        "  steady per run"
+    )
     med: dict[str, LocalRun] = {}
     for mode, rs in runs.items():
         med[mode] = LocalRun(*(statistics.median(getattr(r, f.name) for r in rs) for f in dataclasses.fields(LocalRun)))
@@ -506,16 +509,21 @@ def print_speed(note: str, runs: dict[str, list[LocalRun]], steps: int, override
         label = "async K=1" if mode == "async" else mode
         print(
             f"{label:<10} {m.steady:>7.3f} {m.whole:>7.3f} {m.prepare_s:>7.3f}s {m.sampler_wait_s:>8.3f}s "
-            f"{m.wait_s:>5.3f}s  {' '.join(f'{r.steady:.3f}' for r in rs)}"
+            f"{m.wait_s:>5.3f}s {m.cpu_s:>7.3f}s  {' '.join(f'{r.steady:.3f}' for r in rs)}"
         )
+    # Round i's async run directly follows its sync run, so their ratio sees nearly the same machine load.
+    paired = statistics.median(a.steady / s.steady for s, a in zip(runs["sync"], runs["async"], strict=True))
     # In sync mode a step is T (train + snapshot: the wait for the snapshot) then S (sampling and datums);
     # async overlaps them, so with two free cores a step takes max(S, T): that bounds the ratio.
     train = med["sync"].sampler_wait_s
     sample = med["sync"].prepare_s - train
     print(
-        f"ratio async/sync: steady {med['async'].steady / med['sync'].steady:.2f}, "
-        f"whole run {med['async'].whole / med['sync'].whole:.2f}; perfect-overlap bound (S+T)/max(S,T) = "
-        f"{(sample + train) / max(sample, train):.2f} (sync: S = {sample:.3f}s sampling, T = {train:.3f}s training)"
+        f"ratio async/sync: steady {med['async'].steady / med['sync'].steady:.2f} (median of per-round ratios "
+        f"{paired:.2f}), whole run {med['async'].whole / med['sync'].whole:.2f}"
+    )
+    print(
+        f"perfect-overlap bound (S+T)/max(S,T) = {(sample + train) / max(sample, train):.2f} "
+        f"(sync: S = {sample:.3f}s sampling + datums, T = {train:.3f}s training + snapshot)"
     )
 
 
