@@ -48,7 +48,6 @@ from runner.types import (
     SamplingParams,
 )
 
-
 # Intra-op threads of a sampling worker on the CPU. Tiny model, 2 cores loaded by other processes, 1-128 rows
 # x 32 tokens: 1 thread 36-255 ms; 2 threads 1.0-2.8 s (libgomp spinning), or 39-373 ms with spinning off
 # (OMP_WAIT_POLICY=PASSIVE). Decode steps are too small to split; a large model on many idle cores may

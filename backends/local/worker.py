@@ -154,7 +154,8 @@ class Worker:
         for at most WAIT_FRACTION of its run time. Otherwise wait only while a burst goes on (COLD_GAP_S
         apart), so a lone request is delayed by COLD_GAP_S at most."""
         now = time.monotonic()
-        deadline = self._last_end + min(MAX_WAIT_S, WAIT_FRACTION * self._last_run)
+        # At least COLD_GAP_S: a caller that is back sooner than that never pays the cold wait.
+        deadline = self._last_end + max(COLD_GAP_S, min(MAX_WAIT_S, WAIT_FRACTION * self._last_run))
         if now < deadline:
             if len(jobs) >= self._expected:
                 return  # everyone is back (a lone sequential caller never waits)
