@@ -156,6 +156,8 @@ class ClockBackend:
         return fut.map(lambda sc: ClockSamplingClient(self, sc))
 
     def close(self, status: str = "success") -> None:
+        if self._stop.is_set():  # closed already (runner.loop.run closes its backend)
+            return
         self._stop.set()
         self._thread.join()
         self._sampler.shutdown(wait=True)
@@ -347,8 +349,7 @@ def measure(name: str, steps: int, period: float, body: Callable[[ClockBackend],
     try:
         body(clock)
     finally:
-        with contextlib.suppress(Exception):  # run() closes the backend itself; a second close is harmless
-            clock.close()
+        clock.close()  # run() closes it itself; a second close does nothing
     return CycleRow(name, period, steps, *clock.cycles(steps), time.monotonic() - t)
 
 
