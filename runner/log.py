@@ -79,8 +79,11 @@ class Progress:
         parts = [f"step {step + 1}/{self.total}"]
         if isinstance(loss, (int, float)):
             parts.append(f"loss {loss:.4f}")
-        if isinstance(metrics.get("test/nll"), (int, float)):
-            parts.append(f"test/nll {metrics['test/nll']:.4f}")
+        # SFT shows NLLs, RL rewards; whichever the step logged.
+        for key, label in (("test/nll", "test/nll"), ("env/all/reward/total", "reward"),
+                           ("test/env/all/reward/total", "test/reward")):
+            if isinstance(metrics.get(key), (int, float)):
+                parts.append(f"{label} {metrics[key]:.4f}")
         parts.append(f"eta {_fmt_seconds(eta)}")
         line = "  ".join(parts)
         if self.tty:

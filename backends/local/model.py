@@ -74,6 +74,8 @@ def load_base(path: Path, device: torch.device, dtype: torch.dtype) -> nn.Module
     """The frozen base model, in eval mode (no dropout: training here is deterministic, as on Tinker)."""
     import transformers
 
+    # transformers draws a "Loading weights" bar on stderr; our own progress line is the one to read.
+    transformers.utils.logging.disable_progress_bar()
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     model.eval()
     model.requires_grad_(False)
