@@ -126,7 +126,7 @@ def run(recipe: Recipe, name: str, *, dry_run: bool = False, backend: Backend | 
         status = "success"
     except BackendError as e:
         if e.user_error:
-            raise UserError(f"{e.request + ': ' if e.request else ''}{e}") from None
+            raise UserError(str(e)) from None  # the message already names the request
         raise
     finally:
         backend.close(status)

@@ -180,8 +180,9 @@ def test_user_category_failure_is_a_user_error(tmp_path, monkeypatch, stack):
     """What the service rejects as the user's fault ends the run as a one-line UserError (exit 2)."""
     svc = start("tinker", tmp_path, monkeypatch, stack)
     svc.mock.faults.fail_after["forward_backward"] = (1, "user", "sequence longer than the model's context")
-    with pytest.raises(UserError, match="forward_backward #2.*server rejected request: sequence longer"):
+    with pytest.raises(UserError, match="forward_backward #2.*server rejected request: sequence longer") as err:
         run(recipe_for(tmp_path, "tinker", "run"), "r")
+    assert str(err.value).count("forward_backward #2") == 1  # named once, not once per layer
 
 
 
