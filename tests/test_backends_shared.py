@@ -271,3 +271,48 @@ def test_rl_tinker_matches_local(tmp_path, monkeypatch, stack):
     kinds = [r.route for r in svc.mock.submits("forward_backward", "optim_step", "save_weights_for_sampler")]
     assert kinds.count("forward_backward") == kinds.count("optim_step") == 2
     assert (tmp_path / "tinker" / "iteration_000001" / "train.html").exists()
+
+
+KEY = "tml-secret-key-that-must-not-leak-0123456789"
+
+
+def test_cli_runs_sft_and_rl_against_a_tinker_compatible_http_server(tmp_path, monkeypatch, stack):
+    """`runner run` with backend.base_url pointing at a Tinker-compatible server on 127.0.0.1 (real sockets,
+    the SDK's pyqwest transport): SFT and RL both finish, and no file in either run dir holds the API key."""
+    from backends.local import LocalBackend
+    from runner.cli import main
+    from tinker_server import serve
+
+    monkeypatch.setenv("TINKER_API_KEY", KEY)
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    monkeypatch.delenv("TINKER_BASE_URL", raising=False)
+    monkeypatch.chdir(tmp_path)
+    engine = LocalBackend(Local(device="cpu"), "tiny", None, tmp_path / "service", seed=0)
+    stack.callback(engine.close)
+    url = stack.enter_context(serve(MockTinker(engine, pyqwest=True)))
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft_conversations(12, seed=2)))
+    (tmp_path / "r.toml").write_text(f"""
+[recipes.sft]
+max_steps = 2
+lr = 5e-3
+tokenizer = "tiny"
+backend = {{ kind = "tinker", base_url = "{url}" }}
+lora = {{ rank = 4 }}
+algo = {{ kind = "sft", data = {{ kind = "jsonl", path = "chat.jsonl" }}, batch_size = 4, max_length = 96 }}
+
+[recipes.rl]
+max_steps = 2
+lr = 5e-3
+tokenizer = "tiny"
+backend = {{ kind = "tinker", base_url = "{url}" }}
+lora = {{ rank = 4 }}
+algo = {{ kind = "rl", env = {{ kind = "arithmetic", max_value = 9, test_size = 2 }}, group_size = 2, groups_per_batch = 2, max_tokens = 6 }}
+""")
+    for name in ("sft", "rl"):
+        assert main(["run", f"r.toml#{name}"]) == 0
+        run_dir = tmp_path / "runs" / name
+        assert len(metrics(run_dir)) == 2
+        assert checkpoints(run_dir)[-1]["state_path"].startswith("tinker://")
+        for f in run_dir.rglob("*"):
+            if f.is_file():
+                assert KEY not in f.read_bytes().decode("utf-8", "replace"), f
