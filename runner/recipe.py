@@ -850,7 +850,7 @@ def import_target(target: str) -> Callable[..., Any]:
         sys.path.insert(0, os.getcwd())
     try:
         fn = getattr(importlib.import_module(module), attr)
-    except Exception as e:  # any failure inside user code is the user's to fix
+    except Exception as e:  # noqa: BLE001 - any failure inside user code is the user's to fix
         reason = " ".join(f"{type(e).__name__}: {e}".split())
         raise UserError(f"cannot import {target!r}: {reason}") from None
     if not callable(fn):

@@ -279,9 +279,10 @@ KEY = "tml-secret-key-that-must-not-leak-0123456789"
 def test_cli_runs_sft_and_rl_against_a_tinker_compatible_http_server(tmp_path, monkeypatch, stack):
     """`runner run` with backend.base_url pointing at a Tinker-compatible server on 127.0.0.1 (real sockets,
     the SDK's pyqwest transport): SFT and RL both finish, and no file in either run dir holds the API key."""
+    from tinker_server import serve
+
     from backends.local import LocalBackend
     from runner.cli import main
-    from tinker_server import serve
 
     monkeypatch.setenv("TINKER_API_KEY", KEY)
     monkeypatch.setenv("TINKER_TELEMETRY", "0")

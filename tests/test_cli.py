@@ -7,7 +7,6 @@ Most tests call cli.main in-process (fast); a few run `python -m runner` to see 
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import types
 from pathlib import Path

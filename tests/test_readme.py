@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _bash_blocks() -> list[str]:
-    return re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    return re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
 
 
 def test_ci_runs_the_readme_test_command() -> None:
@@ -23,7 +23,7 @@ def test_main_command_names_a_real_recipe() -> None:
     main_command = _bash_blocks()[0].strip()
     ref = re.search(r"runner run (\S+)", main_command)
     assert ref is not None
-    name, recipe = load_recipe(str(ROOT / ref.group(1)))
+    _name, recipe = load_recipe(str(ROOT / ref.group(1)))
     assert recipe.backend.__class__.__name__ == "Local" and recipe.model == "tiny"
     assert main_command.startswith("python3 -m venv .venv && ") and "torch==2.13.0" in main_command
 

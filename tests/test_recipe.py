@@ -71,13 +71,13 @@ DATA = 'data = {kind = "jsonl", path = "data.jsonl"}'
 BAD_RECIPES = [
     (
         f'algo = {{kind = "sft", {DATA}, batch_sise = 8}}',
-        "recipes.toml#sl_basic: algo.batch_sise: unknown key; did you mean `batch_size`? "
-        "(valid: batch_size, data, epochs, kind, max_length, reduction, test_size, train_on_what)",
+        ("recipes.toml#sl_basic: algo.batch_sise: unknown key; did you mean `batch_size`? "
+        "(valid: batch_size, data, epochs, kind, max_length, reduction, test_size, train_on_what)"),
     ),
     (
         f'lro = 1e-3\nalgo = {{kind = "sft", {DATA}}}',
-        "recipes.toml#sl_basic: lro: unknown key; did you mean `lr`? (valid: algo, backend, depth, eval_every, "
-        "if_exists, log_dir, lora, lr, max_steps, model, optim, save_every, schedule, seed, tokenizer)",
+        ("recipes.toml#sl_basic: lro: unknown key; did you mean `lr`? (valid: algo, backend, depth, eval_every, "
+        "if_exists, log_dir, lora, lr, max_steps, model, optim, save_every, schedule, seed, tokenizer)"),
     ),
     (
         f'algo = {{kind = "sft", {DATA}}}\nlora = {{zzz = 1}}',
@@ -97,8 +97,8 @@ BAD_RECIPES = [
     ),
     (
         f'algo = {{kind = "sft", {DATA}}}\nbackend = "tinker"',
-        "recipes.toml#sl_basic: backend: expected a table, got str 'tinker'; "
-        'write e.g. backend = {kind = "tinker"} (kind one of: local, tinker)',
+        ("recipes.toml#sl_basic: backend: expected a table, got str 'tinker'; "
+        'write e.g. backend = {kind = "tinker"} (kind one of: local, tinker)'),
     ),
     (
         # A field of the other variant is unknown here: each variant carries only its own fields.
@@ -187,8 +187,8 @@ BAD_RECIPES = [
     ),
     (
         'algo = {kind = "sft"}',
-        'recipes.toml#sl_basic: algo.data: missing key; write e.g. data = {kind = "jsonl"} '
-        "(kind one of: hf, jsonl, python)",
+        ('recipes.toml#sl_basic: algo.data: missing key; write e.g. data = {kind = "jsonl"} '
+        "(kind one of: hf, jsonl, python)"),
     ),
     (
         'algo = {kind = "sft", data = {path = "data.jsonl"}}',
@@ -208,8 +208,8 @@ BAD_RECIPES = [
     ),
     (
         f'algo = {{kind = "sft", {DATA}, train_on_what = "assistant"}}',
-        "recipes.toml#sl_basic: algo.train_on_what: invalid choice 'assistant'; "
-        "expected one of: all_assistant_messages, all_messages, last_assistant_message",
+        ("recipes.toml#sl_basic: algo.train_on_what: invalid choice 'assistant'; "
+        "expected one of: all_assistant_messages, all_messages, last_assistant_message"),
     ),
 ]
 
@@ -291,8 +291,8 @@ class Noise(msgspec.Struct, forbid_unknown_fields=True):
     [
         ({"source": {"kind": "gaus"}}, "n: source.kind: invalid choice 'gaus'; expected one of: coin, gauss"),
         ({"source": {"kind": "coin", "sigma": 1.0}}, "n: source.sigma: unknown key (valid: kind, p)"),
-        ({"source": {"kind": "gauss", "sigmaa": 1.0}}, "n: source.sigmaa: unknown key; did you mean `sigma`? "
-         "(valid: kind, sigma)"),
+        ({"source": {"kind": "gauss", "sigmaa": 1.0}}, ("n: source.sigmaa: unknown key; did you mean `sigma`? "
+         "(valid: kind, sigma)")),
         ({"source": {"kind": "coin", "p": 2}}, "n: source.p: expected float <= 1.0, got 2"),
         ({}, 'n: source: missing key; write e.g. source = {kind = "gauss"} (kind one of: coin, gauss)'),
         # msgspec reports a bad dict value as `[...]`: the message names the key.
@@ -508,8 +508,8 @@ RL_ERRORS = [
      "algo: stream mode: groups_per_batch must split evenly into num_substeps × minibatches"),
     (['algo.loss={kind="ppo", clip_low=1.5}'], "algo.loss: clip_low must be < clip_high"),
     (["algo.env.kind=chess"],
-     "algo.env.kind: invalid choice 'chess'; expected one of: arithmetic, guess_number, preference, python, "
-     "tictactoe, twenty_questions"),
+     ("algo.env.kind: invalid choice 'chess'; expected one of: arithmetic, guess_number, preference, python, "
+     "tictactoe, twenty_questions")),
 ]
 
 
