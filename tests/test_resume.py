@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from crashing import CrashingBackend
 
 from backends.base import BackendError
 from backends.local.tiny import sft_conversations
@@ -41,33 +42,6 @@ def recipe_for(tmp_path: Path, run_dir: str) -> Recipe:
 def metrics(run_dir: Path) -> list[dict[str, Any]]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
-
-
-class CrashingBackend:
-    """The local backend, except that the training client's n-th forward_backward raises."""
-
-    def __init__(self, inner: Any, crash_at: int):
-        self.inner, self.crash_at = inner, crash_at
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def create_training_client(self, spec):
-        return self.inner.create_training_client(spec).map(lambda tc: CrashingClient(tc, self.crash_at))
-
-
-class CrashingClient:
-    def __init__(self, inner: Any, crash_at: int):
-        self.inner, self.left = inner, crash_at
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def forward_backward(self, *args, **kwargs):
-        self.left -= 1
-        if self.left < 0:
-            raise BackendError("simulated crash", request="forward_backward")
-        return self.inner.forward_backward(*args, **kwargs)
 
 
 def test_resume_after_crash_equals_uninterrupted(tmp_path):

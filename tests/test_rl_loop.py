@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from crashing import CrashingBackend
 
 from backends.base import BackendError
 from runner.loop import run
@@ -119,33 +120,6 @@ def arith(tmp_path: Path, run_dir: str, **over: Any) -> Recipe:
                             "save_every": 2, "schedule": {"kind": "constant"},
                             "backend": {"kind": "local", "device": "cpu"}, "log_dir": str(tmp_path / run_dir),
                             **over}, Recipe)
-
-
-class CrashingBackend:
-    """The local backend, except that the training client's n-th forward_backward raises at submit."""
-
-    def __init__(self, inner: Any, crash_at: int):
-        self.inner, self.crash_at = inner, crash_at
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def create_training_client(self, spec: Any) -> Any:
-        return self.inner.create_training_client(spec).map(lambda tc: CrashingClient(tc, self.crash_at))
-
-
-class CrashingClient:
-    def __init__(self, inner: Any, crash_at: int):
-        self.inner, self.left = inner, crash_at
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def forward_backward(self, *args: Any, **kwargs: Any) -> Any:
-        self.left -= 1
-        if self.left < 0:
-            raise BackendError("simulated crash", request="forward_backward")
-        return self.inner.forward_backward(*args, **kwargs)
 
 
 def assert_same_metrics(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
