@@ -307,11 +307,13 @@ def test_finished_rows_leave_the_batch(rand, tok):
     requests = [([i + 1, 2, 3], 1, _greedy(2 if i < 6 else 12, stop=[])) for i in range(8)]
     outs, sizes = _batch_sizes(rand, lambda: sampler.sample_batch(requests))
     assert [len(o.sequences[0].tokens) for o in outs] == [2] * 6 + [12] * 2
-    assert sizes == [8, 8] + [2] * 10  # prefill, step 2, then only the two long rows
-    # Samples of one prompt share a single prefill row.
-    outs, sizes = _batch_sizes(rand, lambda: sampler.sample_batch([([5, 6, 7], 3, _greedy(4, stop=[]))]))
-    assert sizes[0] == 1 and sizes[1:] == [3] * 3
-    assert outs[0].sequences[0] == outs[0].sequences[1] == outs[0].sequences[2]
+    # Prefill, step 2, then the two long rows and two finished ones: no forward has fewer than 4 rows
+    # (batch invariance, see sampler._MIN_ROWS).
+    assert sizes == [8, 8] + [4] * 10
+    # Samples of one prompt share a single prefill row (padded to 4 rows).
+    outs, sizes = _batch_sizes(rand, lambda: sampler.sample_batch([([5, 6, 7], 6, _greedy(4, stop=[]))]))
+    assert sizes[0] == 4 and sizes[1:] == [8] * 3  # 6 rows and 2 fillers
+    assert all(s == outs[0].sequences[0] for s in outs[0].sequences)
     (alone,) = _one(sampler, [5, 6, 7], _greedy(4, stop=[]))
     assert outs[0].sequences[0].tokens == alone.tokens
     assert outs[0].sequences[0].logprobs == pytest.approx(alone.logprobs, abs=1e-5)
@@ -323,5 +325,43 @@ def test_rows_over_the_cache_budget_run_in_turn(rand, tok):
     sampler = Sampler(rand, tok, CPU)
     sampler.cache_budget = 1  # one row per decode batch
     split, sizes = _batch_sizes(rand, lambda: sampler.sample_batch(requests))
-    assert max(sizes) == 1 and len(sizes) == 10 * 6
+    assert set(sizes) == {4} and len(sizes) == 10 * 6  # one real row and three fillers per batch
     assert [s.tokens for o in split for s in o.sequences] == [s.tokens for o in whole for s in o.sequences]
+    assert [s.logprobs for o in split for s in o.sequences] == [s.logprobs for o in whole for s in o.sequences]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_batch_invariant_samples_and_logprobs(rand, tok, threads):
+    """A request's tokens and logprobs are bit-identical alone or coalesced with any other requests (prompt
+    lengths, sample counts, budgets and temperatures all mixed), and so are compute_logprobs results: what
+    makes a seeded local run repeat exactly however its requests were batched. The backend's samplers run
+    one thread on the CPU; two is checked too."""
+    import random
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rng = random.Random(threads)
+        sampler = Sampler(rand, tok, CPU, seed=5)
+        requests = []
+        for i in range(10):
+            prompt = [rng.randrange(256) for _ in range(rng.choice([1, 3, 15, 16, 17, 40, 90]))]
+            params = SamplingParams(
+                max_tokens=rng.choice([1, 6, 17, 40]),
+                temperature=rng.choice([0.0, 0.7, 2.0]),
+                top_k=rng.choice([-1, 20]),
+                seed=100 + i,
+                stop=[rng.randrange(256)],
+            )
+            requests.append((prompt, rng.choice([1, 2, 3, 5, 8]), params))
+        alone = [sampler.sample_batch([r])[0] for r in requests]
+        for _ in range(4):
+            picked = rng.sample(range(len(requests)), rng.randint(2, len(requests)))
+            for i, out in zip(picked, sampler.sample_batch([requests[i] for i in picked])):
+                assert [(s.tokens, s.logprobs, s.stop_reason) for s in out.sequences] == [
+                    (s.tokens, s.logprobs, s.stop_reason) for s in alone[i].sequences
+                ]
+        seqs = [r[0] + o.sequences[0].tokens for r, o in zip(requests, alone)]
+        assert sampler.compute_logprobs_batch(seqs) == [sampler.compute_logprobs_batch([s])[0] for s in seqs]
+    finally:
+        torch.set_num_threads(before)

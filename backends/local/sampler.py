@@ -26,48 +26,86 @@ from runner.types import SampledSequence, SampleOutput, SamplingParams, StopReas
 _LOGPROB_BUDGET = 1 << 26
 
 
+# Batch invariance: a request's samples and logprobs are bit-identical whatever else shares its batch, so a
+# seeded run repeats exactly however the worker happened to coalesce requests (an RL run resumed after a
+# kill gives the uninterrupted run's metrics). Measured on CPU (MKL, torch 2.13, one thread, which is how
+# the local backend runs its samplers): every row of a matmul is the same whenever the row count is a
+# multiple of 4 (fewer rows, or the 1-3 rows past the last multiple of 4, take other kernels); and sdpa's
+# output for a query is the same for any key length that is a multiple of 16, with the real keys at the
+# same slots and the rest masked. So every forward here has a multiple of _ROW_QUANTUM rows (finished or
+# filler rows make up the count), and each row keeps its tokens at cache slots 0..n-1 (prompts
+# right-padded, each row writing at its own next slot) under a key view rounded up to _KV_QUANTUM.
+# tests/test_local_sampler.py checks it. Not promised on CUDA, where kernels are chosen per shape.
+_ROW_QUANTUM = 4
+_KV_QUANTUM = 16
+
+
+def _round_up(n: int, q: int = _KV_QUANTUM) -> int:
+    return -(-n // q) * q
+
+
+class _Slots:
+    """What the cache layers of one decode batch share: where each row writes its next token (None during
+    the prefill, which fills slots 0.. of every row) and how many slots the attention sees."""
+
+    def __init__(self) -> None:
+        self.write: torch.Tensor | None = None
+        self.rows: torch.Tensor | None = None
+        self.view = 0
+
+
 class _GrowingLayer(DynamicLayer):
     """A full-attention KV cache layer over a preallocated buffer: `update` writes in place and returns a
-    view of the filled prefix. HF's DynamicLayer instead concatenates, copying the whole cache every step."""
+    view. HF's DynamicLayer instead concatenates, copying the whole cache every step, and cannot give each
+    row its own write position."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, slots: _Slots):
         super().__init__()
         self.capacity = capacity
-        self.length = 0
+        self.slots = slots
+        self.filled = 0  # slots [0, filled) may hold data in some row
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, dk = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.kbuf = key_states.new_empty((b, h, self.capacity, dk))
-        self.vbuf = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]))
+        # Zeroed: masked slots are read (and multiplied by zero), so they must hold finite numbers.
+        self.kbuf = key_states.new_zeros((b, h, self.capacity, dk))
+        self.vbuf = value_states.new_zeros((b, h, self.capacity, value_states.shape[-1]))
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
-        if end > self.capacity:
-            raise RuntimeError(f"KV cache overflow: {end} > {self.capacity}")
-        self.kbuf[:, :, self.length : end] = key_states
-        self.vbuf[:, :, self.length : end] = value_states
-        self.length = end
-        self.keys, self.values = self.kbuf[:, :, :end], self.vbuf[:, :, :end]
+        s = self.slots
+        if s.write is None:
+            n = key_states.shape[-2]
+            if n > self.capacity:
+                raise RuntimeError(f"KV cache overflow: {n} > {self.capacity}")
+            self.kbuf[:, :, :n] = key_states
+            self.vbuf[:, :, :n] = value_states
+            self.filled = max(self.filled, n)
+        else:
+            self.kbuf[s.rows, :, s.write] = key_states[:, :, 0]
+            self.vbuf[s.rows, :, s.write] = value_states[:, :, 0]
+            self.filled = max(self.filled, s.view)
+        self.keys, self.values = self.kbuf[:, :, : s.view], self.vbuf[:, :, : s.view]
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        return self.length
+        # HF derives the prefill's causal mask from this (0 then); decode steps pass their own 4-D mask.
+        return self.filled
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if not self.is_initialized:
             return
         # Copy only the filled prefix: capacity is sized for max_tokens, which rows often never reach.
-        end = self.length
+        end = self.filled
         for name in ("kbuf", "vbuf"):
             old = getattr(self, name)
-            new = old.new_empty((len(indices), *old.shape[1:]))
+            new = old.new_zeros((len(indices), *old.shape[1:]))
             new[:, :, :end] = old[:, :, :end].index_select(0, indices)
             setattr(self, name, new)
-        self.keys, self.values = self.kbuf[:, :, :end], self.vbuf[:, :, :end]
+        self.keys, self.values = self.kbuf[:, :, : self.slots.view], self.vbuf[:, :, : self.slots.view]
 
 
 @dataclass
@@ -134,7 +172,7 @@ class Sampler:
             while order:
                 n = max(1, _LOGPROB_BUDGET // (len(seqs[order[0]]) * self.vocab))
                 chunk, order = order[:n], order[n:]
-                width = len(seqs[chunk[0]])
+                width = _round_up(len(seqs[chunk[0]]))  # batch-invariant, see _ROW_QUANTUM
                 ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
                 for j, i in enumerate(chunk):
                     ids[j, : len(seqs[i])] = torch.tensor(seqs[i])
@@ -223,50 +261,86 @@ class Sampler:
                 width, steps = len(r.prompt), r.limit
         return chunks
 
-    def _new_cache(self, capacity: int) -> tuple[DynamicCache, bool]:
-        """HF's cache for this model, with full-attention layers swapped for preallocated ones. Returns
-        (cache, fast): fast when every layer is plain full attention, so one 4-D padding mask serves all."""
+    def _new_cache(self, capacity: int) -> tuple[DynamicCache, _Slots | None]:
+        """HF's cache for this model. When every layer is plain full attention under sdpa or eager attention,
+        its layers become preallocated per-row-slot ones (the batch-invariant layout; returns their shared
+        _Slots); otherwise HF's own layers stay, prompts are left-padded, and the slots are None."""
         cache = DynamicCache(config=self.model.config)
         plain = bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
-        if plain:
-            cache.layers = [_GrowingLayer(capacity) for _ in cache.layers]
-        return cache, plain and self.attn_impl in ("sdpa", "eager")
+        if not (plain and self.attn_impl in ("sdpa", "eager")):
+            return cache, None
+        slots = _Slots()
+        cache.layers = [_GrowingLayer(capacity, slots) for _ in cache.layers]
+        return cache, slots
+
+    def _prefill(self, prompts: list[list[int]], slots: _Slots | None, cache: DynamicCache) -> torch.Tensor:
+        """Runs the distinct prompts through the model into the cache; the next-token logits of each."""
+        dev, lens = self.device, [len(p) for p in prompts]
+        if slots is None:  # left padding: every prompt ends at the last column
+            width = max(lens)
+            ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(prompts), width), dtype=torch.long)
+            for j, prompt in enumerate(prompts):
+                ids[j, width - len(prompt) :] = torch.tensor(prompt)
+                mask[j, width - len(prompt) :] = 1
+            ids, mask = ids.to(dev), mask.to(dev)
+            pos = (mask.cumsum(1) - 1).clamp_(min=0)
+            extra = {"logits_to_keep": 1} if self.keep_arg else {}
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                             use_cache=True, **extra)
+            return out.logits[:, -1]
+        # Right padding: prompt token i sits at slot i in every batch. Causal attention never lets a real
+        # token see the pads after it, so no mask is needed.
+        width = _round_up(max(lens))
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        for j, prompt in enumerate(prompts):
+            ids[j, : len(prompt)] = torch.tensor(prompt)
+        ids = ids.to(dev)
+        pos = torch.arange(width, device=dev).expand(len(prompts), width)
+        slots.write, slots.view = None, width
+        last = sorted({n - 1 for n in lens})
+        extra = {"logits_to_keep": torch.tensor(last, device=dev)} if self.keep_arg else {}
+        logits = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, **extra).logits
+        col = {p: (i if self.keep_arg else p) for i, p in enumerate(last)}
+        return logits[torch.arange(len(prompts), device=dev), torch.tensor([col[n - 1] for n in lens], device=dev)]
 
     def _generate(self, rows: list[_Row]) -> None:
         dev = self.device
-        n, plen = len(rows), max(len(r.prompt) for r in rows)
         steps = max(r.limit for r in rows)
+        # Already-finished filler rows make every forward's row count a multiple of _ROW_QUANTUM.
+        rows = rows + [_filler(rows[0].prompt) for _ in range(_round_up(len(rows), _ROW_QUANTUM) - len(rows))]
+        n = len(rows)
         # Each distinct prompt is prefilled once (RL asks for many samples of one prompt); its cache rows
         # are then copied to every sample of it.
         distinct: dict[tuple[int, ...], int] = {}
         source = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in rows]
-        ids = torch.full((len(distinct), plen), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(distinct), plen), dtype=torch.long)
-        for j, prompt in enumerate(distinct):
-            ids[j, plen - len(prompt) :] = torch.tensor(prompt)
-            mask[j, plen - len(prompt) :] = 1
-        keys_ok = torch.zeros((n, plen + steps), dtype=torch.bool)  # which cache positions hold real tokens
-        keys_ok[:, :plen] = mask[source].bool()
-        ids, mask, keys_ok = ids.to(dev), mask.to(dev), keys_ok.to(dev)
-        pos = (mask.cumsum(1) - 1).clamp_(min=0)
-        cache, fast = self._new_cache(plen + steps)
-        extra = {"logits_to_keep": 1} if self.keep_arg else {}
-        logits = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, **extra
-        ).logits[:, -1]
-        if len(distinct) < n:
+        prompts = [list(p) for p in distinct]
+        prompts += [prompts[0]] * (_round_up(len(prompts), _ROW_QUANTUM) - len(prompts))
+        longest = max(len(p) for p in prompts)
+        capacity = _round_up(longest + steps)
+        cache, slots = self._new_cache(capacity)
+        right = slots is not None  # the batch-invariant layout (see _ROW_QUANTUM)
+        logits = self._prefill(prompts, slots, cache)
+        if source != list(range(len(prompts))):
             index = torch.tensor(source, device=dev)
             cache.batch_select_indices(index)
             logits = logits[index]
+        # Which cache slots hold real tokens, per row.
+        keys_ok = torch.zeros((n, capacity), dtype=torch.bool)
+        for i, r in enumerate(rows):
+            if right:
+                keys_ok[i, : len(r.prompt)] = True
+            else:
+                keys_ok[i, longest - len(r.prompt) : longest] = True
+        keys_ok = keys_ok.to(dev)
         next_pos = torch.tensor([[len(r.prompt)] for r in rows], device=dev)
         dtype = self.dtype
-        if fast and self.attn_impl == "eager":
+        valid: bool | float = True
+        if right and self.attn_impl == "eager":
             # eager attention adds its mask to the scores; sdpa takes the boolean one as is.
             additive = torch.zeros(keys_ok.shape, dtype=dtype, device=dev)
             keys_ok = additive.masked_fill_(~keys_ok, torch.finfo(dtype).min)
             valid = 0.0
-        else:
-            valid = True
         lp_buf = torch.zeros((n, steps), dtype=torch.float32, device=dev)
         live = list(range(n))  # batch slot -> row
         plan = _Plan(rows, live, logits.shape[-1], dev)
@@ -286,17 +360,29 @@ class Sampler:
                     r.reason, dead = "length", dead + 1
             if dead == len(live):
                 break
-            keys_ok[:, plen + t] = valid
             # Dropping finished rows copies the cache once; worth it once a quarter of the batch is idle.
-            if 4 * dead >= len(live):
+            if 4 * dead >= len(live) and _round_up(len(live) - dead, _ROW_QUANTUM) < len(live):
                 keep = [s for s, i in enumerate(live) if rows[i].reason is None]
+                keep += [s for s, i in enumerate(live) if rows[i].reason is not None][
+                    : _round_up(len(keep), _ROW_QUANTUM) - len(keep)
+                ]
+                keep.sort()
                 index = torch.tensor(keep, device=dev)
                 cache.batch_select_indices(index)
                 keys_ok, tok, next_pos = keys_ok[index], tok[index], next_pos[index]
                 live = [live[s] for s in keep]
                 plan = _Plan(rows, live, logits.shape[-1], dev)
-            kv = plen + t + 1
-            attn = keys_ok[:, None, None, :kv] if fast else keys_ok[:, :kv].long()
+            if right:
+                assert slots is not None
+                write = next_pos[:, 0]
+                slots.rows = torch.arange(len(live), device=dev)
+                slots.write = write
+                keys_ok[slots.rows, write] = valid
+                slots.view = min(capacity, _round_up(int(write.max()) + 1))
+                attn = keys_ok[:, None, None, : slots.view]
+            else:
+                keys_ok[:, longest + t] = True
+                attn = keys_ok[:, : longest + t + 1].long()
             logits = self.model(
                 input_ids=tok[:, None],
                 attention_mask=attn,
@@ -388,6 +474,12 @@ class _Plan:
             drop = before >= top_p[:, None] * sorted_p.sum(-1, keepdim=True)
             probs[rows] = sub.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), 0.0)
         return probs
+
+
+def _filler(prompt: list[int]) -> _Row:
+    """A row that is finished from the start: it only pads a batch to a multiple of _ROW_QUANTUM rows, and is
+    never returned."""
+    return _Row(-1, 0, prompt, SamplingParams(max_tokens=1, temperature=0.0), 1, frozenset(), (), 0, None, reason="length")
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:
