@@ -286,8 +286,9 @@ class Sampler:
             ids, mask = ids.to(dev), mask.to(dev)
             pos = (mask.cumsum(1) - 1).clamp_(min=0)
             extra = {"logits_to_keep": 1} if self.keep_arg else {}
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                             use_cache=True, **extra)
+            out = self.model(
+                input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, **extra
+            )
             return out.logits[:, -1]
         # Right padding: prompt token i sits at slot i in every batch. Causal attention never lets a real
         # token see the pads after it, so no mask is needed.
@@ -479,7 +480,9 @@ class _Plan:
 def _filler(prompt: list[int]) -> _Row:
     """A row that is finished from the start: it only pads a batch to a multiple of _ROW_QUANTUM rows, and is
     never returned."""
-    return _Row(-1, 0, prompt, SamplingParams(max_tokens=1, temperature=0.0), 1, frozenset(), (), 0, None, reason="length")
+    return _Row(
+        -1, 0, prompt, SamplingParams(max_tokens=1, temperature=0.0), 1, frozenset(), (), 0, None, reason="length"
+    )
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:
