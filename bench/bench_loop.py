@@ -60,6 +60,7 @@ from backends.base import Backend, CustomLossFn, Future
 from backends.fake import FakeBackend
 from runner.errors import UserError
 from runner.recipe import Recipe, load_recipe
+from runner.threads import prefer_passive_openmp
 from runner.types import (
     AdamParams,
     Datum,
@@ -70,6 +71,9 @@ from runner.types import (
     SampleOutput,
     SamplingParams,
 )
+
+# As `runner run` does, before anything imports torch (OMP_WAIT_POLICY=ACTIVE in the environment overrides).
+PASSIVE_OPENMP = prefer_passive_openmp()
 
 ROOT = Path(__file__).resolve().parent.parent
 SFT_REF = str(ROOT / "examples" / "sft_tiny.toml") + "#sft_tiny"
@@ -555,7 +559,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.steps, args.rl_steps, args.rounds = 10, 4, 2
-    print(f"load avg at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
+    print(
+        f"load avg at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs; "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+    )
     if args.part in ("cycles", "all"):
         print_cycles(cycles_table(args.steps, args.period, args.rl_period))
     if args.part in ("speed", "all"):

@@ -22,6 +22,7 @@ from runner.recipe import (
     read_tables,
     split_ref,
 )
+from runner.threads import prefer_passive_openmp
 
 EPILOG = f"""\
 A recipe is a [recipes.<name>] table in a TOML file; FILE#NAME picks one (FILE alone when it
@@ -124,6 +125,7 @@ def _ref_and_overrides(parser: argparse.ArgumentParser, optional: bool = False) 
 def cmd_run(args: argparse.Namespace) -> int:
     name, recipe = load_recipe(args.ref, args.overrides)
     check_recipe(recipe, _where(args.ref, name))
+    prefer_passive_openmp()  # before torch loads (runner/threads.py)
     from runner.loop import run  # torch and the backends load here, and only here
 
     run(recipe, name, dry_run=args.dry_run)

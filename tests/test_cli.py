@@ -144,3 +144,24 @@ def test_run_exit_codes(workdir: Path, fake_loop: list[Any], capsys: pytest.Capt
     fake_loop[0] = RuntimeError("boom")
     with pytest.raises(RuntimeError):
         main(["run", ref])
+
+
+def test_run_prefers_passive_openmp_unless_the_user_chose(tmp_path):
+    """`runner run` sets OMP_WAIT_POLICY=PASSIVE before torch loads; a user's own setting wins."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys\n"
+        "from runner.threads import prefer_passive_openmp\n"
+        "print(prefer_passive_openmp(), os.environ.get('OMP_WAIT_POLICY'))\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "PASSIVE"]
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "ACTIVE"]
+    out = subprocess.run([sys.executable, "-c", "import torch\n" + code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["False", "None"]  # too late once torch is loaded: left alone

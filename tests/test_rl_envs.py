@@ -58,6 +58,32 @@ def test_renderer_prompt_stop_and_parse():
     assert (cut.text, cut.ended_on_stop) == ("42", False)
 
 
+def test_renderer_caches_renderings_without_sharing_lists():
+    class Counting:  # the tokenizer, counting template calls
+        def __init__(self):
+            self.calls = 0
+
+        def __getattr__(self, name):
+            return getattr(TOK, name)
+
+        def apply_chat_template(self, *args, **kwargs):
+            self.calls += 1
+            return TOK.apply_chat_template(*args, **kwargs)
+
+    tok = Counting()
+    r = ChatRenderer(tok)
+    msgs = [{"role": "user", "content": "What is 2 + 3?"}]
+    a = r.render(msgs)
+    a.tokens.append(0)  # a caller's list is its own
+    b = r.render([dict(m) for m in msgs])
+    assert tok.calls == 1 and b.tokens == R.build_prompt(msgs) and b.text == a.text
+    assert r.render([{"role": "user", "content": "What is 2 + 4?"}]).tokens != b.tokens and tok.calls == 2
+    parts = [{"role": "user", "content": ["unhashable", "parts"]}]  # rendered each time, not cached
+    with pytest.raises(Exception):  # noqa: B017 - whatever the template makes of it, the cache is not the error
+        r.render(parts)
+    assert tok.calls == 3
+
+
 def test_renderer_extend_reuses_sampled_tokens():
     msgs = [{"role": "user", "content": "hi"}]
     first = R.render(msgs)
