@@ -75,16 +75,7 @@ class Progress:
         now = time.monotonic()
         done = step + 1 - self.start
         eta = (now - self.t0) / done * (self.total - step - 1) if done > 0 else 0.0
-        loss = metrics.get("train_mean_nll", metrics.get("loss"))
-        parts = [f"step {step + 1}/{self.total}"]
-        if isinstance(loss, (int, float)):
-            parts.append(f"loss {loss:.4f}")
-        # SFT shows NLLs, RL rewards; whichever the step logged.
-        for key, label in (("test/nll", "test/nll"), ("env/all/reward/total", "reward"),
-                           ("test/env/all/reward/total", "test/reward")):
-            if isinstance(metrics.get(key), (int, float)):
-                parts.append(f"{label} {metrics[key]:.4f}")
-        parts.append(f"eta {_fmt_seconds(eta)}")
+        parts = [f"step {step + 1}/{self.total}", *_shown(metrics), f"eta {_fmt_seconds(eta)}"]
         line = "  ".join(parts)
         if self.tty:
             self.stream.write("\r\033[K" + line)
@@ -95,11 +86,28 @@ class Progress:
             self.last_print = now
         self.stream.flush()
 
+    def final(self, metrics: dict[str, Any]) -> None:
+        """The row logged after the last step (RL: the final eval), always printed."""
+        self.message("  ".join([f"final ({self.total} steps)", *_shown(metrics)]))
+
     def message(self, text: str) -> None:
         if self.tty:
             self.stream.write("\r\033[K")
         self.stream.write(text + "\n")
         self.stream.flush()
+
+
+def _shown(metrics: dict[str, Any]) -> list[str]:
+    """The headline numbers a row holds: SFT shows NLLs, RL rewards; whichever the row logged."""
+    parts = []
+    loss = metrics.get("train_mean_nll", metrics.get("loss"))
+    if isinstance(loss, (int, float)):
+        parts.append(f"loss {loss:.4f}")
+    for key, label in (("test/nll", "test/nll"), ("env/all/reward/total", "reward"),
+                       ("test/env/all/reward/total", "test/reward")):
+        if isinstance(metrics.get(key), (int, float)):
+            parts.append(f"{label} {metrics[key]:.4f}")
+    return parts
 
 
 def _fmt_seconds(s: float) -> str:

@@ -8,6 +8,10 @@ Per step k:
   3. finish:   step k - depth: await its futures, log its metrics row, then its checkpoint row.
 depth 0 is fully synchronous; depth d keeps d steps queued on the backend while the next batch is
 prepared, so the backend never idles waiting for the client (cookbook `submit_ahead`, tinker-sdk §1.3).
+After the last step, algo.final runs on the final checkpoint's weights (RL: one eval of the test set, as
+the cookbook's "after the loop") and its metrics are one more row at step = total_steps (the cookbook's
+end_batch). A run killed between its last step and that row resumes for final() alone; a run that has
+the row (or whose algorithm has no final()) is finished.
 
 An algorithm is anything with the `Algorithm` interface below (SFT: runner/sft.py); `make_algo` is
 the one place a recipe's algo variant becomes one. Nothing here knows which backend runs.
@@ -48,6 +52,16 @@ class Context:
     log_dir: Path
 
 
+@dataclass
+class FinalContext:
+    """What final() may use. There is no training client: a run resumed only for final() creates none."""
+
+    backend: Backend
+    # The final checkpoint's sampler weights: exactly the weights after the last optim_step.
+    sampler_path: str
+    log_dir: Path
+
+
 class Algorithm(Protocol):
     total_steps: int
 
@@ -71,6 +85,16 @@ class Algorithm(Protocol):
 
     def describe(self) -> list[str]:
         """Dry-run plan lines: data, datums and tokens per step, calls per step."""
+        ...
+
+    def final_plan(self, evaluate: bool) -> str | None:
+        """What final() does after the last step, as a dry-run plan line; None when it does nothing (then
+        no row is logged for it). `evaluate`: evals are on (eval_every > 0)."""
+        ...
+
+    async def final(self, ctx: FinalContext, evaluate: bool) -> dict[str, float]:
+        """After the last step, on the final weights: the metrics of the row logged at step total_steps
+        (RL: the final eval). Called only when final_plan(evaluate) is not None."""
         ...
 
 
@@ -118,11 +142,12 @@ def run(recipe: Recipe, name: str, *, dry_run: bool = False, backend: Backend | 
         algo = build_algo(backend.get_tokenizer())
         if run_dir.resume is not None:
             algo.load_state(run_dir.resume, run_dir.start_step)
-        if run_dir.start_step >= algo.total_steps:
+        final = algo.final_plan(recipe.eval_every > 0)
+        if run_dir.start_step >= algo.total_steps and not final_due(run_dir, algo, final):
             print(f"{name}: already finished ({run_dir.start_step} steps in {run_dir.path}); nothing to do",
                   file=sys.stderr)
         else:
-            asyncio.run(train(recipe, run_dir, backend, algo))
+            asyncio.run(train(recipe, run_dir, backend, algo, final is not None))
         status = "success"
     except BackendError as e:
         if e.user_error:
@@ -163,19 +188,46 @@ class Clock:
         return times
 
 
-async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm) -> None:
+def final_due(run: RunDir, algo: Algorithm, final: str | None) -> bool:
+    """Whether final() is still to run: after steps still to train, or for a run that trained every step but
+    was stopped before its final row. A run past total_steps (max_steps lowered) has no final weights to log."""
     total, start = algo.total_steps, run.start_step
-    if run.resume is not None:  # weights, optimizer moments and Adam's step count
-        tc = await backend.create_training_client_from_state(run.resume["state_path"], lora_spec(recipe))
-    else:
-        tc = await backend.create_training_client(lora_spec(recipe))
-    ctx = Context(backend, tc, backend.get_tokenizer(), lambda step: adam_at(recipe, step, total), run.path)
+    return final is not None and (start < total or (start == total and not run.has_row(total)))
+
+
+async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm, final: bool) -> None:
+    """The steps from run.start_step on, then (when `final`) algo.final's row at step total_steps."""
+    total, start = algo.total_steps, run.start_step
+    tc: TrainingClient | None = None
+    if start < total:  # a run resumed for final() alone creates no training client
+        if run.resume is not None:  # weights, optimizer moments and Adam's step count
+            tc = await backend.create_training_client_from_state(run.resume["state_path"], lora_spec(recipe))
+        else:
+            tc = await backend.create_training_client(lora_spec(recipe))
     clock = Clock(before=run.begin())
     progress = Progress(total, start)
     if run.resume is not None:
-        progress.message(f"resuming {run.path} at step {start} (checkpoint {run.resume['name']})")
+        where = f"at step {start}" if tc is not None else "after its last step, for the final row only"
+        progress.message(f"resuming {run.path} {where} (checkpoint {run.resume['name']})")
+    last_ckpt = run.resume
+    if tc is not None:
+        last_ckpt = await train_steps(recipe, run, backend, tc, algo, progress, clock)
+    if final:
+        assert last_ckpt is not None and last_ckpt["next_step"] == total  # the last step always checkpoints
+        metrics = await algo.final(FinalContext(backend, last_ckpt["sampler_path"], run.path), recipe.eval_every > 0)
+        row = {"step": total, **metrics, "time/total": clock.lap()["time/total"]}
+        run.log_metrics(row)
+        progress.final(row)
+    progress.message(f"done: {total} steps in {run.path}")
 
+
+async def train_steps(recipe: Recipe, run: RunDir, backend: Backend, tc: TrainingClient, algo: Algorithm,
+                      progress: Progress, clock: Clock) -> dict[str, Any] | None:
+    """Steps start_step .. total_steps - 1, pipelined `depth` deep; returns the last checkpoint row."""
+    total, start = algo.total_steps, run.start_step
+    ctx = Context(backend, tc, backend.get_tokenizer(), lambda step: adam_at(recipe, step, total), run.path)
     pending: deque[Pending] = deque()
+    ckpt: dict[str, Any] | None = None
     for step in range(start, total):
         t = time.monotonic()
         batch = await algo.prepare(step, ctx)
@@ -192,25 +244,29 @@ async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm) 
             p.state = algo.state()
         pending.append(p)
         while len(pending) > recipe.depth:
-            await finish(pending.popleft(), algo, run, progress, clock, total)
+            ckpt = await finish(pending.popleft(), algo, run, progress, clock, total) or ckpt
     while pending:
-        await finish(pending.popleft(), algo, run, progress, clock, total)
-    progress.message(f"done: {total} steps in {run.path}")
+        ckpt = await finish(pending.popleft(), algo, run, progress, clock, total) or ckpt
+    return ckpt
 
 
-async def finish(p: Pending, algo: Algorithm, run: RunDir, progress: Progress, clock: Clock, total: int) -> None:
-    """Await a submitted step; write its metrics row, then (once its save is done) its checkpoint row."""
+async def finish(p: Pending, algo: Algorithm, run: RunDir, progress: Progress, clock: Clock,
+                 total: int) -> dict[str, Any] | None:
+    """Await a submitted step; write its metrics row, then (once its save is done) its checkpoint row,
+    which it returns."""
     t = time.monotonic()
     metrics = await algo.finish(p.step, p.submitted)
     row = {"step": p.step, **metrics, "optim/lr": p.lr, "progress/done_frac": (p.step + 1) / total,
            "time/prepare": p.prepare_s, "time/wait": time.monotonic() - t, **clock.lap()}
     run.log_metrics(row)
     progress.update(p.step, row)
-    if p.save is not None:
-        name, state_path, sampler_path = p.save
-        run.add_checkpoint({"name": name, "step": p.step, "next_step": p.step + 1,
-                            "state_path": await state_path, "sampler_path": await sampler_path,
-                            **p.state, "time": time.time()})
+    if p.save is None:
+        return None
+    name, state_path, sampler_path = p.save
+    ckpt = {"name": name, "step": p.step, "next_step": p.step + 1, "state_path": await state_path,
+            "sampler_path": await sampler_path, **p.state, "time": time.time()}
+    run.add_checkpoint(ckpt)
+    return ckpt
 
 
 def checkpoint_due(recipe: Recipe, step: int, total: int) -> bool:
@@ -222,6 +278,7 @@ def checkpoint_due(recipe: Recipe, step: int, total: int) -> bool:
 
 def print_plan(recipe: Recipe, name: str, run: RunDir, algo: Algorithm) -> None:
     total, start = algo.total_steps, run.start_step
+    final = algo.final_plan(recipe.eval_every > 0)
     lrs = [adam_at(recipe, s, total).learning_rate for s in range(total)]
     todo = range(start, total)
     saves = [s + 1 for s in todo if checkpoint_due(recipe, s, total)]
@@ -236,11 +293,13 @@ def print_plan(recipe: Recipe, name: str, run: RunDir, algo: Algorithm) -> None:
          f"first {lrs[0]:.3g}, last {lrs[-1]:.3g}"),
         *algo.describe(),
     ]
-    if not todo:
-        lines.append("already finished: nothing to do")
-    else:
+    if todo:
         lines.append(f"evals before steps: {_short(evals)}" if evals else "evals: none")
         lines.append(f"checkpoints after steps: {_short(saves)} (the last is \"final\": state + sampler weights)")
+    if final_due(run, algo, final):
+        lines.append(f"after the last step: {final}" if todo else f"every step trained; still to run: {final}")
+    elif not todo:
+        lines.append("already finished: nothing to do")
     print("\n".join(lines))
 
 

@@ -2,7 +2,8 @@
 
 Layout:
   config.toml         the resolved recipe (loads back with `runner run config.toml#<name>`)
-  metrics.jsonl       one row per finished step: {"step", train_mean_nll, optim/lr, ...}
+  metrics.jsonl       one row per finished step: {"step", train_mean_nll, optim/lr, ...}; 0-based steps,
+                      then the algorithm's final row, if it has one, at step = total steps (RL: final eval)
   checkpoints.jsonl   one row per checkpoint: {name, step, next_step, state_path, sampler_path, ...}
   sessions.jsonl      one row per start or resume: {session, start_step, time}
   checkpoints/        the local backend's saved states (Tinker keeps them on the service)
@@ -86,6 +87,10 @@ class RunDir:
 
     def metrics(self) -> list[dict[str, Any]]:
         return read_jsonl(self.path / METRICS)
+
+    def has_row(self, step: int) -> bool:
+        """Whether metrics.jsonl holds a row for `step` (at step = total steps: the final row was logged)."""
+        return any(r.get("step") == step for r in self.metrics())
 
     def checkpoints(self) -> list[dict[str, Any]]:
         return read_jsonl(self.path / CHECKPOINTS)

@@ -10,6 +10,9 @@ held-out rows first. As the cookbook (supervised/train.py), except:
 2. The data position is stored as the *next* step, so a resume replays nothing (cookbook §8.1).
 3. num_loss_tokens counts tokens with weight > 0 (the cookbook sums the weights, which under
    reduction "mean" counts sequences).
+As the cookbook's supervised loop, there is no eval after the last step (final() does nothing, so
+metrics.jsonl ends at the last step's row): the last held-out NLL is the one before step
+(total - 1) // eval_every * eval_every. RL, whose cookbook loop does evaluate the final weights, does too.
 """
 
 from __future__ import annotations
@@ -209,6 +212,14 @@ class SFTAlgo:
             ev = await sub.eval
             metrics["test/nll"] = mean_nll(self._test_data or [], ev.logprobs)
         return metrics
+
+    # --- after the last step: nothing (the cookbook's SL has no final eval)
+
+    def final_plan(self, evaluate: bool) -> str | None:
+        return None
+
+    async def final(self, ctx: Any, evaluate: bool) -> dict[str, float]:
+        return {}
 
     # --- dry run
 

@@ -8,16 +8,25 @@ from backends.base import BackendError
 
 
 class CrashingBackend:
-    """The wrapped backend, except that the training client's n-th forward_backward raises at submit."""
+    """The wrapped backend, except that the training client's n-th forward_backward raises at submit (never,
+    with crash_at None), and with `crash_loading_sampler` so does loading sampler weights by path (what RL's
+    final eval does first after the last step)."""
 
-    def __init__(self, inner: Any, crash_at: int):
-        self.inner, self.crash_at = inner, crash_at
+    def __init__(self, inner: Any, crash_at: int | None, *, crash_loading_sampler: bool = False):
+        self.inner, self.crash_at, self.crash_loading_sampler = inner, crash_at, crash_loading_sampler
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def create_training_client(self, spec: Any) -> Any:
+        if self.crash_at is None:
+            return self.inner.create_training_client(spec)
         return self.inner.create_training_client(spec).map(lambda tc: CrashingClient(tc, self.crash_at))
+
+    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> Any:
+        if self.crash_loading_sampler and model_path is not None:
+            raise BackendError("simulated crash", request="create_sampling_client")
+        return self.inner.create_sampling_client(model_path=model_path, base_model=base_model)
 
 
 class CrashingClient:

@@ -260,7 +260,7 @@ def test_rl_tinker_matches_local(tmp_path, monkeypatch, stack):
     svc = start("tinker", tmp_path, monkeypatch, stack)
     run(rl_recipe_for(tmp_path, "tinker", "tinker"), "r")
     got, want = metrics(tmp_path / "tinker"), metrics(tmp_path / "local")
-    assert [sorted(r) for r in got] == [sorted(r) for r in want] and len(want) == 2
+    assert [sorted(r) for r in got] == [sorted(r) for r in want] and len(want) == 3  # 2 steps + the final eval
     for g, w in zip(got, want, strict=True):
         for k, v in w.items():
             exact = k.startswith(("env/", "test/env/", "progress/", "sampling_client/")) or k == "step"
@@ -312,7 +312,8 @@ algo = {{ kind = "rl", env = {{ kind = "arithmetic", max_value = 9, test_size = 
     for name in ("sft", "rl"):
         assert main(["run", f"r.toml#{name}"]) == 0
         run_dir = tmp_path / "runs" / name
-        assert len(metrics(run_dir)) == 2
+        # Two steps; RL then logs its final eval (from the final tinker:// sampler weights) at step 2.
+        assert [m["step"] for m in metrics(run_dir)] == ([0, 1] if name == "sft" else [0, 1, 2])
         assert checkpoints(run_dir)[-1]["state_path"].startswith("tinker://")
         for f in run_dir.rglob("*"):
             if f.is_file():

@@ -41,6 +41,11 @@ def no_time(rs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rs]
 
 
+def train_rows(rs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The steps' rows, without the final eval's (the only row without progress/batch)."""
+    return [r for r in rs if "progress/batch" in r]
+
+
 class _Tags(HTMLParser):
     def __init__(self) -> None:
         super().__init__()
@@ -82,8 +87,14 @@ def test_shipped_rl_recipe_runs(path: str, name: str, tmp_path: Path, monkeypatc
     name, recipe = small_recipe(f"{path}#{name}", tmp_path)
     run(recipe, name)
     run_dir = tmp_path / name
+    tested = recipe.algo.env.__struct_config__.tag != "preference" or recipe.algo.env.test_prompts
     ms = rows(run_dir)
-    assert [m["step"] for m in ms] == [0, 1]
+    # Two steps, then the final eval on the final weights at step 2 (where there is a test set).
+    assert [m["step"] for m in ms] == ([0, 1, 2] if tested else [0, 1])
+    if tested:
+        *ms, final = ms
+        assert sorted(k for k in final if k.startswith("test/")) == sorted(k for k in ms[0] if k.startswith("test/"))
+        assert (run_dir / "iteration_000002" / "test.html").exists()
     for m in ms:
         for key in ("env/all/reward/total", "env/all/ac_tokens_per_turn", "env/all/total_episodes",
                     "env/all/by_group/frac_mixed", "optim/kl_sample_train_v1", "optim/kl_sample_train_v2",
@@ -99,7 +110,6 @@ def test_shipped_rl_recipe_runs(path: str, name: str, tmp_path: Path, monkeypatc
         assert all(0 <= m["async/staleness_max"] <= recipe.algo.mode.max_staleness for m in ms)
     else:
         assert [m["sampling_client/step_max"] for m in ms] == [0, 1]  # on-policy: step k samples weights k
-    tested = recipe.algo.env.__struct_config__.tag != "preference" or recipe.algo.env.test_prompts
     assert ("test/env/all/reward/total" in ms[0]) == bool(tested)
     for step in (0, 1):
         folder = run_dir / f"iteration_{step:06d}"
@@ -139,7 +149,7 @@ def test_sync_crash_then_resume_equals_uninterrupted(tmp_path: Path) -> None:
 
     run(arith(tmp_path, "straight"), "r")
     want = no_time(rows(tmp_path / "straight"))
-    assert len(want) == 4 and "test/env/all/reward/total" in want[2]
+    assert len(want) == 5 and "test/env/all/reward/total" in want[2] and want[4]["step"] == 4  # 4: final eval
 
     recipe = arith(tmp_path, "crashed")
     inner = LocalBackend(recipe.backend, recipe.model, recipe.tokenizer, tmp_path / "crashed" / "checkpoints")
@@ -157,7 +167,7 @@ def test_sync_crash_then_resume_equals_uninterrupted(tmp_path: Path) -> None:
 
 def test_async_is_off_policy_by_at_most_k(tmp_path: Path) -> None:
     run(arith(tmp_path, "async", algo={"mode": {"kind": "async", "max_staleness": 1}}, max_steps=5), "r")
-    ms = rows(tmp_path / "async")
+    ms = train_rows(rows(tmp_path / "async"))
     assert len(ms) == 5
     assert ms[0]["async/staleness_max"] == 0  # nothing older exists at the start
     assert all(0 <= m["async/staleness_min"] <= m["async/staleness_max"] <= 1 for m in ms)
@@ -168,7 +178,7 @@ def test_stream_submits_a_forward_backward_per_minibatch(tmp_path: Path) -> None
     recipe = arith(tmp_path, "stream", algo={"mode": {"kind": "stream", "minibatches": 2}, "num_substeps": 2},
                    max_steps=2)
     run(recipe, "r")
-    ms = rows(tmp_path / "stream")
+    ms = train_rows(rows(tmp_path / "stream"))
     assert [m["optim/num_substeps"] for m in ms] == [2, 2]
     assert all(m["optim/num_datums"] == 16 and abs(m["optim/kl_sample_train_v1"]) < 0.5 for m in ms)
 
@@ -180,7 +190,7 @@ def test_losses_kl_and_post_kl(tmp_path: Path) -> None:
     recipe = arith(tmp_path, "kl", max_steps=2, algo={"kl": {"kind": "reference", "coef": 0.1},
                                                       "compute_post_kl": True, "num_substeps": 2})
     run(recipe, "r")
-    ms = rows(tmp_path / "kl")
+    ms = train_rows(rows(tmp_path / "kl"))
     assert ms[0]["kl_policy_base"] == pytest.approx(0.0, abs=1e-4)  # LoRA starts at the base weights
     assert all("optim/kl_pre_post_v2" in m and m["optim/kl_pre_post_v2"] >= 0 for m in ms)
     assert ms[1]["optim/kl_pre_post_v2"] > 0  # the update changed the policy

@@ -9,6 +9,12 @@ Per step k (the loop calls prepare, submit, finish):
               on eval steps also starts the test-set rollouts on step k's sampler (a task, awaited in finish);
   finish(k)   awaits it all: optim/kl_sample_train_v1/v2, optim/entropy, loss, grad norm, test/..., and
               optionally optim/kl_pre_post_v1/v2 under the new weights.
+After the last step (the loop calls final, when eval_every > 0 and there is a test set) one more eval, as the
+cookbook's "after the loop": the test set on the final weights, loaded from the final checkpoint's sampler
+weights (saved right behind the last optim_step), with the same test/... metrics and an
+iteration_NNNNNN/test.html at NNNNNN = total steps; the loop logs it at step = total steps (end_batch). It never
+repeats a periodic eval: the eval on step k samples the weights that sample step k (after k optimizer steps, or
+fewer in async mode), so even an eval on the last step sees the weights before its update.
 
 Which weights sample step k (the sampler "step" s = weights after s optimizer steps):
   sync    s = k: prepare(k) awaits the snapshot submit(k-1) queued, so every step is on-policy;
@@ -287,6 +293,20 @@ class RLAlgo:
         out["time/eval"] = time.monotonic() - t
         self._write_transcripts("test", step, batch, None)
         return out
+
+    # ---------------------------------------------------------------- after the last step: the final eval
+
+    def final_plan(self, evaluate: bool) -> str | None:
+        if not evaluate or not self.test:
+            return None
+        return f"final eval (the test set on the final weights), logged at step {self.total_steps}"
+
+    async def final(self, ctx: Any, evaluate: bool) -> dict[str, float]:
+        """The test-set eval on the final weights (ctx: runner.loop.FinalContext)."""
+        self.log_dir = ctx.log_dir  # a session resumed for the final eval alone prepared no step
+        self.samplers.clear()  # all older than the final weights (each local one holds a model copy)
+        sampler = await ctx.backend.create_sampling_client(model_path=ctx.sampler_path)
+        return await self._evaluate(self.total_steps, sampler)
 
     # ---------------------------------------------------------------- transcripts
 
