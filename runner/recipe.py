@@ -382,8 +382,11 @@ class RL(AlgoBase):
     normalize_std: bool = False
     # Passes over the training split.
     epochs: PosInt = 1
-    # Groups written to iteration_NNNNNN/train.html per step; 0 = none.
+    # Groups written to each iteration_NNNNNN/train.html (and test.html); 0 = no transcripts.
     groups_to_log: NonNegInt = 4
+    # Steps between transcripts (iteration_NNNNNN/train.html + train_rollout_summaries.jsonl): steps 0, N, 2N, ...
+    # and always the last step; evals (periodic and final) always write test.html. 0 = no transcripts at all.
+    transcript_every: NonNegInt = 10
     # After each step, the new weights' logprobs of the batch: optim/kl_pre_post_v1/v2 (one more forward).
     compute_post_kl: bool = False
     eval: RLEval = RLEval()

@@ -1,6 +1,6 @@
 """RL after the loop (runner/loop.py `final`, runner/rl/algo.py `final`): one eval of the test set on the final
 weights, logged at step = the number of steps (the cookbook's end_batch); resuming a run stopped before it runs
-it once, a finished run never again.
+it once, a finished run never again; and `transcript_every`, which steps write iteration_NNNNNN/ transcripts.
 
 Run: pytest tests/test_rl_final.py   (tiny arithmetic runs on the local backend, seconds each)
 """
@@ -115,6 +115,7 @@ def test_dry_run_plans_the_final_eval(tmp_path: Path, capsys: pytest.CaptureFixt
     out = capsys.readouterr().out
     assert "evals before steps: 0, 2\n" in out
     assert "after the last step: final eval (the test set on the final weights), logged at step 3" in out
+    assert "transcripts (iteration_NNNNNN/): every 10 steps and the last step" in out
 
 
 def test_crash_before_final_eval_resumes_for_it_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -172,3 +173,24 @@ def test_finished_run_adds_no_row_and_extends(tmp_path: Path, capsys: pytest.Cap
     assert [m["step"] for m in ms] == [0, 1, 2, 3]
     assert "progress/batch" in ms[2] and eval_keys(ms[3])
 
+
+def test_transcript_every(tmp_path: Path) -> None:
+    # Train transcripts on steps 0 and 4 (every 4) and 5 (the last); test ones on evals 0 and 3 and the final (6).
+    r = recipe(tmp_path, "run", max_steps=6, eval_every=3, algo={"transcript_every": 4})
+    run(r, "r")
+    run_dir = tmp_path / "run"
+    files = {p.parent.name + "/" + p.name for p in run_dir.glob("iteration_*/*")}
+    assert files == {
+        f"iteration_{step:06d}/{split}{suffix}"
+        for step, split in [(0, "train"), (4, "train"), (5, "train"), (0, "test"), (3, "test"), (6, "test")]
+        for suffix in (".html", "_rollout_summaries.jsonl")
+    }
+    assert {
+        json.loads(line)["iteration"]
+        for line in (run_dir / "iteration_000006" / "test_rollout_summaries.jsonl").read_text().splitlines()
+    } == {6}
+
+    r = recipe(tmp_path, "none", max_steps=2, eval_every=1, algo={"transcript_every": 0})
+    run(r, "r")
+    assert not list((tmp_path / "none").glob("iteration_*"))
+    assert [m["step"] for m in rows(tmp_path / "none" / "metrics.jsonl")] == [0, 1, 2]  # evals still run

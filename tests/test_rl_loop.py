@@ -147,11 +147,12 @@ def assert_same_metrics(got: list[dict[str, Any]], want: list[dict[str, Any]]) -
 def test_sync_crash_then_resume_equals_uninterrupted(tmp_path: Path) -> None:
     from backends.local import LocalBackend
 
-    run(arith(tmp_path, "straight"), "r")
+    transcripts = {"transcript_every": 2}  # steps 0 and 2, and 3 as the last one
+    run(arith(tmp_path, "straight", algo=transcripts), "r")
     want = no_time(rows(tmp_path / "straight"))
     assert len(want) == 5 and "test/env/all/reward/total" in want[2] and want[4]["step"] == 4  # 4: final eval
 
-    recipe = arith(tmp_path, "crashed")
+    recipe = arith(tmp_path, "crashed", algo=transcripts)
     inner = LocalBackend(recipe.backend, recipe.model, recipe.tokenizer, tmp_path / "crashed" / "checkpoints")
     with pytest.raises(BackendError, match="simulated crash"):
         run(recipe, "r", backend=CrashingBackend(inner, crash_at=3))  # steps 0-2 submitted, step 3 fails

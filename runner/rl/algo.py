@@ -3,7 +3,8 @@
 Per step k (the loop calls prepare, submit, finish):
   prepare(k)  picks the sampling client (below), rolls out batch k % len(train) of group builders, then
               advantages (group-centred), datums, the optional KL penalty against the base model, metrics
-              and the step's transcript (iteration_NNNNNN/train.html + train_rollout_summaries.jsonl);
+              and, every transcript_every steps and at the last step, the step's transcript
+              (iteration_NNNNNN/train.html + train_rollout_summaries.jsonl);
   submit(k)   queues forward_backward + optim_step per substep, then save_weights_and_get_sampling_client:
               the snapshot "after step k" sits in the FIFO right behind step k's last optim_step;
               on eval steps also starts the test-set rollouts on step k's sampler (a task, awaited in finish);
@@ -310,8 +311,16 @@ class RLAlgo:
 
     # ---------------------------------------------------------------- transcripts
 
+    def transcript_due(self, split: str, step: int) -> bool:
+        """Train transcripts on steps 0, N, 2N, ... (N = transcript_every) and the last step; eval transcripts
+        (periodic and final) always; none at all when transcript_every or groups_to_log is 0."""
+        cfg = self.cfg
+        if self.log_dir is None or cfg.transcript_every == 0 or cfg.groups_to_log == 0:
+            return False
+        return split == "test" or step % cfg.transcript_every == 0 or step == self.total_steps - 1
+
     def _write_transcripts(self, split: str, step: int, batch: RolloutBatch, sampler_step: int | None) -> None:
-        if self.log_dir is None or self.cfg.groups_to_log == 0:
+        if not self.transcript_due(split, step):
             return
         where = Path(self.log_dir) / f"iteration_{step:06d}"
         transcripts.write_html(where / f"{split}.html", batch.groups, self.renderer.decode,
@@ -337,6 +346,11 @@ class RLAlgo:
         ]
         if isinstance(cfg.kl, ReferenceKL):
             lines.append(f"KL penalty vs the base model, coef {cfg.kl.coef:g}: compute_logprobs per datum")
+        if cfg.transcript_every and cfg.groups_to_log:
+            lines.append(f"transcripts (iteration_NNNNNN/): every {cfg.transcript_every} steps and the last step "
+                         f"({cfg.groups_to_log} groups each), and every eval")
+        else:
+            lines.append("transcripts: none")
         return lines
 
 
