@@ -424,7 +424,7 @@ def cycles_table(steps: int, period: float, rl_period: float) -> list[CycleRow]:
             with slow_prepare(SLOW_PREPARE * period):
                 loop(f"SFT runner.loop depth={depth}, slow prep", SFT_REF, [f"depth={depth}"], period)
         rows.append(measure("RL naive (await sample, fb, optim)", steps, rl_period, lambda b: naive_rl(b, steps)))
-        ref, note = rl_ref(tmp)
+        ref, note = (recipe, recipe) if recipe else rl_ref(tmp)
         why = rl_available(ref)
         if why is not None:
             print(f"RL loop: NOT MEASURED: {why}")
@@ -481,12 +481,14 @@ def rl_local_once(ref: str, mode: str, steps: int, run_dir: Path, overrides: Seq
     return LocalRun(steady, whole, med("time/prepare"), med("time/sampler_wait"), med("time/wait"), cpu)
 
 
-def rl_speed(steps: int, rounds: int, overrides: Sequence[str]) -> tuple[str, dict[str, list[LocalRun]]]:
+def rl_speed(
+    steps: int, rounds: int, overrides: Sequence[str], recipe: str | None = None
+) -> tuple[str, dict[str, list[LocalRun]]]:
     """Interleaved sync / async (K = 1) runs of the RL recipe; (recipe note, the runs per mode)."""
     runs: dict[str, list[LocalRun]] = {"sync": [], "async": []}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        ref, note = rl_ref(tmp)
+        ref, note = (recipe, recipe) if recipe else rl_ref(tmp)
         why = rl_available(ref)
         if why is not None:
             raise UserError(why)
@@ -555,6 +557,9 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="extra recipe override for the local RL runs (repeatable)",
     )
+    ap.add_argument(
+        "--rl-recipe", default=None, metavar="FILE#NAME", help="RL recipe of the local runs (default recipes.toml#rl_basic)"
+    )
     ap.add_argument("--quick", action="store_true", help="10 clocked steps, 2 rounds of 4 RL steps")
     args = ap.parse_args()
     if args.quick:
@@ -567,7 +572,7 @@ def main() -> None:
         print_cycles(cycles_table(args.steps, args.period, args.rl_period))
     if args.part in ("speed", "all"):
         try:
-            note, runs = rl_speed(args.rl_steps, args.rounds, args.rl_override)
+            note, runs = rl_speed(args.rl_steps, args.rounds, args.rl_override, args.rl_recipe)
         except UserError as e:
             print(f"\nRL async vs sync on the local backend: NOT MEASURED: {e}")
         else:

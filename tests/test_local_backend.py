@@ -4,6 +4,7 @@ custom losses, checkpoints, PEFT export, sampler snapshots, determinism and erro
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 
 import numpy as np
@@ -434,7 +435,6 @@ def test_sampling_worker_batches_queued_requests(backend, data):
 
 def test_dropped_sampling_client_is_freed(backend, data, monkeypatch):
     import gc
-    import time
     import weakref
 
     from backends.local import worker
@@ -512,6 +512,35 @@ def test_sampling_threads_are_single_and_training_keeps_its_own(backend, data):
     assert seen[1] == B._default_threads[0]
 
 
+def test_training_leaves_a_core_to_a_decoding_sampler_and_its_results_do_not_change(backend, data):
+    """CoreShare: a training job started while a sampler decodes takes one thread fewer (at least 1); the
+    gradients and loss are bit-identical either way, so a sync run stays exact whatever overlapped it."""
+    from backends.local import backend as B
+
+    seen: list[int] = []
+
+    def loss(batch, lps):
+        seen.append(torch.get_num_threads())
+        return -sum(lp.sum() for lp in lps), {}
+
+    results = []
+    for busy in (False, True):
+        tc = backend.create_training_client(SPEC).result()
+        if busy:
+            with backend.cores.sampling():
+                out = tc.forward_backward_custom(data, loss).result()
+        else:
+            out = tc.forward_backward_custom(data, loss).result()
+        grads = [p.grad.clone() for _, p in tc._params if p.grad is not None]
+        results.append((out.metrics, grads))
+    total = B._default_threads[0]
+    assert seen == [total, max(1, total - 1)]
+    assert results[0][0] == results[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
+    if total == 1:
+        pytest.skip("one core: nothing to share (the equality above still held)")
+
+
 def _episodes(submit, n: int, turns: int, pause) -> None:
     """n threads, each `turns` times: submit, wait for the result, pause(i) (an env step), resubmit."""
     import threading
@@ -531,7 +560,6 @@ def _episodes(submit, n: int, turns: int, pause) -> None:
 def test_worker_coalesces_requests_that_arrive_apart(monkeypatch):
     """Episodes resubmit 0-15 ms apart after each batch; the worker waits for all of them, so every turn is
     one batch. (Windows widened so a loaded CI machine cannot split a batch.)"""
-    import time
 
     from backends.local import worker as W
 
@@ -555,7 +583,6 @@ def test_worker_coalesces_requests_that_arrive_apart(monkeypatch):
 
 def test_lone_sequential_caller_does_not_wait(monkeypatch):
     """Once every caller of the last batch is back, the batch starts at once, however wide the windows."""
-    import time
 
     from backends.local import worker as W
 

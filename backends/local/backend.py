@@ -71,6 +71,52 @@ def _pin_threads(n: int) -> Callable[[], None]:
     return pin
 
 
+class CoreShare:
+    """The CPU's intra-op threads, shared between training and sampling workers. A sampling worker decodes on
+    one thread (SAMPLER_CPU_THREADS); a training job started while one is decoding takes the cores less one
+    per such sampler, so the two do not fight over the same cores. Otherwise training takes them all, as in
+    sync RL (whose sampling is over before its training starts: a grace period after a sampler's batch,
+    meant to bridge the pauses between multi-turn rollouts' turns, caught sync training too and cost it 20%)
+    and SFT.
+
+    Measured on 2 cores (bench/bench_loop.py --part speed, async K=1 vs sync): twenty_questions with 3 turns,
+    where sampling and training take about as long, went from 1.34x to 1.4x; rl_basic, where training
+    dominates, is unchanged (its samples are decoded before the next training job starts). Training results
+    do not depend on the thread count here (tests/test_local_backend.py checks it), so sync runs stay exact.
+    """
+
+    def __init__(self, total: int):
+        self.total = total
+        self._lock = threading.Lock()
+        self._busy = 0
+
+    def sampling(self) -> _Sampling:
+        return _Sampling(self)
+
+    def train_threads(self) -> int:
+        with self._lock:
+            return max(1, self.total - self._busy)
+
+    def fit(self) -> None:
+        """Sets the calling training thread's intra-op thread count to train_threads()."""
+        n = self.train_threads()
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+
+
+class _Sampling:
+    def __init__(self, share: CoreShare):
+        self.share = share
+
+    def __enter__(self) -> None:
+        with self.share._lock:
+            self.share._busy += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self.share._lock:
+            self.share._busy -= 1
+
+
 class LocalBackend:
     """model: "tiny", a Hugging Face model folder, or a hub id in the local cache. Checkpoints go under
     storage_dir/weights/<name> (save_state) and storage_dir/sampler_weights/<name>."""
@@ -87,6 +133,8 @@ class LocalBackend:
             _default_threads.append(torch.get_num_threads())
         self.train_threads = _pin_threads(_default_threads[0])
         self.sample_threads = _pin_threads(SAMPLER_CPU_THREADS) if self.device.type == "cpu" else self.train_threads
+        # On the CPU, training jobs leave a core to each sampler that is decoding; on CUDA nothing is shared.
+        self.cores: CoreShare | None = CoreShare(_default_threads[0]) if self.device.type == "cpu" else None
         self._tokenizer: Any = None
         self._base: torch.nn.Module | None = None
         self._lock = threading.Lock()
@@ -202,7 +250,9 @@ class LocalBackend:
     def sampling_client(self, model: torch.nn.Module, name: str) -> LocalSamplingClient:
         # Unseeded samples draw from a generator seeded per client, so a rerun repeats them too.
         seed = self.seed * 1000 + next(self._sampler_ids)
-        client = LocalSamplingClient(model, self.get_tokenizer(), self.device, name, seed, self.sample_threads)
+        client = LocalSamplingClient(
+            model, self.get_tokenizer(), self.device, name, seed, self.sample_threads, self.cores
+        )
         self._workers.add(client._worker)
         return client
 
@@ -243,23 +293,37 @@ class LocalTrainingClient:
     def _submit(self, what: str, fn: Callable[[], Any]) -> Future[Any]:
         return self._worker.submit(f"{what} #{next(self._counter)}", fn)
 
+    def _compute(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """fn as a job that first takes its share of the CPU's threads (CoreShare)."""
+        cores = self._backend.cores
+        if cores is None:
+            return fn
+
+        def job() -> Any:
+            cores.fit()
+            return fn()
+
+        return job
+
     # ---------------------------------------------------------------- protocol
 
     def forward(
         self, data: list[Datum], loss_fn: LossFn, loss_config: dict[str, float] | None = None
     ) -> Future[ForwardBackwardOutput]:
         data = list(data)
-        return self._submit("forward", lambda: self._run_loss(data, loss_fn, loss_config, backward=False))
+        return self._submit("forward", self._compute(lambda: self._run_loss(data, loss_fn, loss_config, backward=False)))
 
     def forward_backward(
         self, data: list[Datum], loss_fn: LossFn, loss_config: dict[str, float] | None = None
     ) -> Future[ForwardBackwardOutput]:
         data = list(data)
-        return self._submit("forward_backward", lambda: self._run_loss(data, loss_fn, loss_config, backward=True))
+        return self._submit(
+            "forward_backward", self._compute(lambda: self._run_loss(data, loss_fn, loss_config, backward=True))
+        )
 
     def forward_backward_custom(self, data: list[Datum], loss_fn: CustomLossFn) -> Future[ForwardBackwardOutput]:
         data = list(data)
-        return self._submit("forward_backward_custom", lambda: self._run_custom(data, loss_fn))
+        return self._submit("forward_backward_custom", self._compute(lambda: self._run_custom(data, loss_fn)))
 
     def optim_step(self, params: AdamParams) -> Future[OptimStepOutput]:
         return self._submit("optim_step", lambda: self._optim_step(params))
@@ -399,9 +463,11 @@ class LocalSamplingClient:
         name: str,
         seed: int,
         on_start: Callable[[], None] | None = None,
+        cores: CoreShare | None = None,
     ):
         from backends.local.sampler import Sampler
 
+        self._cores = cores
         self.model = model
         self._vocab = model.get_input_embeddings().num_embeddings
         self._sampler = Sampler(model, tokenizer, device, seed=seed)
@@ -416,6 +482,13 @@ class LocalSamplingClient:
         return self._worker.submit(f"compute_logprobs #{next(self._counter)}", ("logprobs", list(tokens)))
 
     def _handle(self, jobs: list[Job]) -> None:
+        if self._cores is None:
+            self._handle_all(jobs)
+        else:
+            with self._cores.sampling():
+                self._handle_all(jobs)
+
+    def _handle_all(self, jobs: list[Job]) -> None:
         valid = [job for job in jobs if self._check(job)]
         # Logprobs first: one forward pass, so its callers go on while the samples decode.
         self._run([j for j in valid if j.payload[0] == "logprobs"], self._sampler.compute_logprobs_batch,
