@@ -31,6 +31,8 @@ from runner.types import (
 
 T = TypeVar("T")
 U = TypeVar("U")
+# Covariant: a Future[TinkerTrainingClient] is a Future[TrainingClient] (a future is only read).
+T_co = TypeVar("T_co", covariant=True)
 
 # A custom loss: (data, per-datum target logprobs as torch tensors requiring grad) -> (scalar loss, metrics).
 # Typed as Any because torch must not be imported by `runner check` / `runner list`.
@@ -49,34 +51,34 @@ class BackendError(RuntimeError):
         self.user_error = user_error
 
 
-class Future(Generic[T]):
+class Future(Generic[T_co]):
     """An awaitable handle on a result, shaped like Tinker's APIFuture.
 
     `await fut` and `fut.result(timeout)` never cancel the underlying request: a timeout only stops
     waiting (cancelling a Tinker training request would leave a hole in its sequence ids).
     """
 
-    def __init__(self, inner: concurrent.futures.Future[Any], convert: Callable[[Any], T] | None = None):
+    def __init__(self, inner: concurrent.futures.Future[Any], convert: Callable[[Any], T_co] | None = None):
         self._inner = inner
         self._convert = convert
 
-    @classmethod
-    def completed(cls, value: T) -> Future[T]:
+    @staticmethod
+    def completed(value: T) -> Future[T]:
         f: concurrent.futures.Future[T] = concurrent.futures.Future()
         f.set_result(value)
-        return cls(f)
+        return Future(f)
 
-    def _finish(self, raw: Any) -> T:
+    def _finish(self, raw: Any) -> T_co:
         return self._convert(raw) if self._convert is not None else raw
 
-    def result(self, timeout: float | None = None) -> T:
+    def result(self, timeout: float | None = None) -> T_co:
         return self._finish(self._inner.result(timeout))
 
-    async def result_async(self) -> T:
+    async def result_async(self) -> T_co:
         raw = await asyncio.shield(asyncio.wrap_future(self._inner))
         return self._finish(raw)
 
-    def __await__(self) -> Generator[Any, None, T]:
+    def __await__(self) -> Generator[Any, None, T_co]:
         return self.result_async().__await__()
 
     def done(self) -> bool:
@@ -85,7 +87,7 @@ class Future(Generic[T]):
     def future(self) -> concurrent.futures.Future[Any]:
         return self._inner
 
-    def map(self, fn: Callable[[T], U]) -> Future[U]:
+    def map(self, fn: Callable[[T_co], U]) -> Future[U]:
         return Future(self._inner, lambda raw: fn(self._finish(raw)))
 
 

@@ -65,15 +65,16 @@ class FinalContext:
 class Algorithm(Protocol):
     total_steps: int
 
-    async def prepare(self, step: int, ctx: Context) -> Any:
+    # Positional-only (`/`): implementations name their parameters after their own types.
+    async def prepare(self, step: int, ctx: Context, /) -> Any:
         """The batch for `step`; advances the data position (and RNG) past it."""
         ...
 
-    def submit(self, tc: TrainingClient, step: int, batch: Any, adam: AdamParams, evaluate: bool) -> Any:
+    def submit(self, tc: TrainingClient, step: int, batch: Any, adam: AdamParams, evaluate: bool, /) -> Any:
         """Queue the step's calls without waiting (with an eval first when `evaluate`); return their futures."""
         ...
 
-    async def finish(self, step: int, submitted: Any) -> dict[str, float]:
+    async def finish(self, step: int, submitted: Any, /) -> dict[str, float]:
         """Await what submit() queued; the step's metrics."""
         ...
 
@@ -81,18 +82,18 @@ class Algorithm(Protocol):
         """JSON-able data position / RNG as of the last prepare(): stored in the checkpoint row."""
         ...
 
-    def load_state(self, state: dict[str, Any], next_step: int) -> None: ...
+    def load_state(self, state: dict[str, Any], next_step: int, /) -> None: ...
 
     def describe(self) -> list[str]:
         """Dry-run plan lines: data, datums and tokens per step, calls per step."""
         ...
 
-    def final_plan(self, evaluate: bool) -> str | None:
+    def final_plan(self, evaluate: bool, /) -> str | None:
         """What final() does after the last step, as a dry-run plan line; None when it does nothing (then
         no row is logged for it). `evaluate`: evals are on (eval_every > 0)."""
         ...
 
-    async def final(self, ctx: FinalContext, evaluate: bool) -> dict[str, float]:
+    async def final(self, ctx: FinalContext, evaluate: bool, /) -> dict[str, float]:
         """After the last step, on the final weights: the metrics of the row logged at step total_steps
         (RL: the final eval). Called only when final_plan(evaluate) is not None."""
         ...
