@@ -106,7 +106,7 @@ class FakeBackend:
             if Path(path).exists():
                 raise BackendError(f"checkpoint {path} already exists", request="save", user_error=True)
             Path(self.storage_dir).mkdir(parents=True, exist_ok=True)
-            np.savez(path, **state)
+            np.savez(path, **state)  # pyright: ignore[reportArgumentType] - numpy's stub types **kwds as bool
         elif path in self.saved:
             raise BackendError(f"checkpoint {path} already exists", request="save", user_error=True)
         else:
@@ -267,6 +267,7 @@ def _token_loss(d: Datum, lp: np.ndarray, loss_fn: LossFn, config: dict[str, flo
     if loss_fn == "cross_entropy":
         w = d.weights if d.weights is not None else np.zeros_like(lp)
         return -w * lp, -w.astype(np.float64)
+    assert d.logprobs is not None and d.advantages is not None  # checked by Datum.check_for
     q, a = d.logprobs.astype(np.float64), d.advantages.astype(np.float64)
     r = np.exp(lp - q)
     match loss_fn:

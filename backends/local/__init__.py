@@ -5,7 +5,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from backends.local.backend import LocalBackend
 
 __all__ = ["LocalBackend"]
 

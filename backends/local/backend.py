@@ -24,7 +24,7 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -179,14 +179,14 @@ class LocalBackend:
 
     # ---------------------------------------------------------------- internals (backend worker thread)
 
-    def base(self) -> torch.nn.Module:
+    def base(self) -> M.HFModel:
         """The frozen base model, loaded once and never modified (every client copies it)."""
         if self._base is None:
             self._base = M.load_base(self.model_dir, self.device, self.dtype)
         return self._base
 
     def vocab_size(self) -> int:
-        return self.base().get_input_embeddings().num_embeddings
+        return M.vocab_size(self.base())
 
     def _check_base_model(self, name: str) -> None:
         if name not in (self.model_name, str(self.model_dir)):
@@ -223,6 +223,7 @@ class LocalBackend:
         if state is not None:
             M.load_weights(state, client.model)
             if with_optimizer:
+                assert meta is not None  # read above whenever state is given
                 M.load_optimizer(state, client.optimizer)
                 client.step = int(meta["step"])
         return client
@@ -231,6 +232,7 @@ class LocalBackend:
         if model_path is None and base_model is None:
             raise _user_error("create_sampling_client needs model_path or base_model")
         if model_path is None:
+            assert base_model is not None  # one of the two, checked above
             self._check_base_model(base_model)
             return self.sampling_client(self.base(), "base")  # the base is never modified: no copy needed
         path = Path(model_path)
@@ -372,7 +374,10 @@ class LocalTrainingClient:
         total = 0.0
         with torch.set_grad_enabled(backward):
             for idx, lps in self._logprobs(data):
-                loss = sum(datum_loss(loss_fn, lp, inputs_from_datum(data[i], device), config) for i, lp in zip(idx, lps))
+                loss = cast(
+                    torch.Tensor,
+                    sum(datum_loss(loss_fn, lp, inputs_from_datum(data[i], device), config) for i, lp in zip(idx, lps)),
+                )
                 if backward:
                     loss.backward()  # per chunk: grads accumulate in .grad, activations are freed
                 total += float(loss.detach())
@@ -419,7 +424,7 @@ class LocalTrainingClient:
         with_grad = [q for _, q in self._params if q.grad is not None]
         norm = 0.0
         if with_grad:
-            total = torch.nn.utils.get_total_norm([q.grad for q in with_grad])  # pre-clip, on the device
+            total = torch.nn.utils.get_total_norm([q.grad for q in with_grad if q.grad is not None])  # pre-clip
             norm = float(total)
             if p.grad_clip_norm > 0:
                 torch.nn.utils.clip_grads_with_norm_(with_grad, p.grad_clip_norm, total)
@@ -469,7 +474,7 @@ class LocalSamplingClient:
 
         self._cores = cores
         self.model = model
-        self._vocab = model.get_input_embeddings().num_embeddings
+        self._vocab = M.vocab_size(model)
         self._sampler = Sampler(model, tokenizer, device, seed=seed)
         self._counter = itertools.count(1)
         self._worker = Worker(f"sample-{name}", self._handle, drain=True, coalesce=True, on_start=on_start)

@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -25,6 +26,15 @@ MLP_KEYS = ("mlp", "feed_forward", "ffn", "experts")
 
 
 # ---------------------------------------------------------------- finding models
+
+
+# A transformers PreTrainedModel (or a peft wrapper of one). Typed Any: its methods (get_input_embeddings,
+# save_pretrained, ...) come through nn.Module's dynamic attributes, which type checkers cannot follow.
+HFModel = Any
+
+
+def vocab_size(model: HFModel) -> int:
+    return int(model.get_input_embeddings().num_embeddings)
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -70,13 +80,14 @@ def _cached_snapshot(repo_id: str, what: str, must_have: str) -> Path:
     return path
 
 
-def load_base(path: Path, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def load_base(path: Path, device: torch.device, dtype: torch.dtype) -> HFModel:
     """The frozen base model, in eval mode (no dropout: training here is deterministic, as on Tinker)."""
     import transformers
 
     # transformers draws a "Loading weights" bar on stderr; our own progress line is the one to read.
     transformers.utils.logging.disable_progress_bar()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = model.to(device)
     model.eval()
     model.requires_grad_(False)
     return model
@@ -94,7 +105,7 @@ class TrainSetup:
     targets: tuple[str, ...]  # module names that get a LoRA adapter (empty for full fine-tune)
 
 
-def lora_targets(model: nn.Module, attn: bool, mlp: bool, unembed: bool) -> tuple[str, ...]:
+def lora_targets(model: HFModel, attn: bool, mlp: bool, unembed: bool) -> tuple[str, ...]:
     """Names of the Linear layers to adapt. Attention / MLP layers are recognised by a path component
     (self_attn, mlp, ...), the unembedding as the model's output embedding (lm_head). With tied
     embeddings the lm_head adapter acts on the output side only; the input embedding stays frozen.
@@ -154,7 +165,7 @@ def make_trainable(base: nn.Module, setup: TrainSetup, seed: int) -> nn.Module:
 
     config = peft.LoraConfig(
         r=setup.rank,
-        lora_alpha=setup.lora_alpha,
+        lora_alpha=cast(Any, setup.lora_alpha),  # a float; peft's annotation says int
         target_modules=list(setup.targets),
         lora_dropout=0.0,
         bias="none",
@@ -184,14 +195,14 @@ def trainable_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def sampling_copy(model: nn.Module, private: bool = False) -> nn.Module:
+def sampling_copy(model: HFModel, private: bool = False) -> HFModel:
     """An immutable plain HF model with the current weights: LoRA merged in, eval mode, no grads.
     private=True: `model` is a throwaway copy already, merge into it instead of copying again."""
     snap = model if private else copy.deepcopy(model)
     import peft
 
     if isinstance(snap, peft.PeftModel):
-        inner = snap.get_base_model()
+        inner: HFModel = snap.get_base_model()
         out = inner.get_output_embeddings()
         base_layer = getattr(out, "base_layer", None)
         if base_layer is not None and base_layer.weight is inner.get_input_embeddings().weight:
@@ -255,7 +266,7 @@ def load_optimizer(path: Path, optimizer: torch.optim.Optimizer) -> None:
     optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, weights_only=True))
 
 
-def write_sampler_weights(path: Path, model: nn.Module) -> None:
+def write_sampler_weights(path: Path, model: HFModel) -> None:
     """PEFT adapter folder (loadable with peft.PeftModel.from_pretrained(base, path)), or for a full
     fine-tune an ordinary HF model folder."""
     import peft
@@ -263,6 +274,6 @@ def write_sampler_weights(path: Path, model: nn.Module) -> None:
     if isinstance(model, peft.PeftModel):
         # save_embedding_layers=False: peft would otherwise copy the whole (tied) lm_head weight into the
         # adapter file because lm_head is a target; the base already has it.
-        model.save_pretrained(path, save_embedding_layers=False)
+        model.save_pretrained(str(path), save_embedding_layers=False)
     else:
         model.save_pretrained(path)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -223,7 +224,7 @@ class Sampler:
             rows.append(_Row(req, k, list(prompt), p, limit, stop_ids, stop_strs, window, gen))
         return rows
 
-    def _stops(self, stop) -> tuple[frozenset[int], tuple[str, ...]]:
+    def _stops(self, stop: str | list[str] | list[int] | None) -> tuple[frozenset[int], tuple[str, ...]]:
         if stop is None:
             return self.eos_ids, ()
         if isinstance(stop, str):
@@ -231,12 +232,13 @@ class Sampler:
         if all(isinstance(s, str) for s in stop):
             if any(s == "" for s in stop):
                 raise ValueError("empty stop string")
-            return frozenset(), tuple(stop)
-        if all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
-            bad = [s for s in stop if not 0 <= s < self.vocab]
+            return frozenset(), tuple(str(s) for s in stop)
+        ids = [s for s in stop if isinstance(s, int) and not isinstance(s, bool)]
+        if len(ids) == len(stop):
+            bad = [s for s in ids if not 0 <= s < self.vocab]
             if bad:
                 raise ValueError(f"stop token id {bad[0]} outside the vocabulary [0, {self.vocab})")
-            return frozenset(stop), ()
+            return frozenset(ids), ()
         raise ValueError("stop must be a list of strings or a list of token ids, not a mix")
 
     # ------------------------------------------------------------------ the decode loop
@@ -270,7 +272,7 @@ class Sampler:
         if not (plain and self.attn_impl in ("sdpa", "eager")):
             return cache, None
         slots = _Slots()
-        cache.layers = [_GrowingLayer(capacity, slots) for _ in cache.layers]
+        cache.layers = cast(Any, [_GrowingLayer(capacity, slots) for _ in cache.layers])
         return cache, slots
 
     def _prefill(self, prompts: list[list[int]], slots: _Slots | None, cache: DynamicCache) -> torch.Tensor:

@@ -82,7 +82,7 @@ def build_config(tokenizer: transformers.PreTrainedTokenizerBase) -> transformer
         num_key_value_heads=2,
         head_dim=32,
         max_position_embeddings=2048,
-        rope_theta=10000.0,
+        rope_theta=10000.0,  # pyright: ignore[reportCallIssue] - accepted (into rope_parameters) via **kwargs
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
