@@ -73,7 +73,7 @@ class ChatRenderer:
                 self._renders[key] = hit
                 if len(self._renders) > _RENDER_CACHE:
                     self._renders.popitem(last=False)
-        else:
+        elif key is not None:
             self._renders.move_to_end(key)
         return Prompt(list(hit[0]), hit[1])
 
