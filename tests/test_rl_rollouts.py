@@ -19,7 +19,7 @@ from runner.rl.metrics import trajectory_metrics
 from runner.rl.renderer import ChatRenderer
 from runner.rl.rollouts import do_group_rollout, rollout_batch, sample_seed
 from runner.rl.testing import ScriptedSampler, fake_logprob
-from runner.rl.types import Env, Trajectory, TrajectoryGroup, Transition
+from runner.rl.types import Env, StepResult, Trajectory, TrajectoryGroup, Transition
 from runner.types import SampledSequence, SamplingParams
 
 TOK = build_tokenizer()
@@ -89,10 +89,63 @@ def test_rollout_batch_counts_errors_and_drops_group():
 
 def test_rollout_batch_raises_when_every_group_fails_and_on_user_error():
     sampler = ScriptedSampler(TOK, lambda p, s: "2")
-    with pytest.raises(KeyError):
-        asyncio.run(rollout_batch([RepeatGroupBuilder(Boom, 2, [])], sampler, PARAMS))
+    # One line naming the error and where the env raised it (the CLI prints it, exit 2), not the raw KeyError.
+    with pytest.raises(UserError, match=r"all 2 groups of step 3 failed; the first error: KeyError: 'env bug' "
+                                        r"\(in step, .*test_rl_rollouts.py:\d+\)"):
+        asyncio.run(rollout_batch([RepeatGroupBuilder(Boom, 2, [])] * 2, sampler, PARAMS, step=3))
     with pytest.raises(UserError, match="BadObservation"):
         asyncio.run(rollout_batch([arith_builder(1, 1), RepeatGroupBuilder(BadObservation, 1, [])], sampler, PARAMS))
+
+
+class Returns(Env):
+    """An env whose step returns `result` (or whose initial_observation returns `first`)."""
+
+    def __init__(self, result=None, first=None):
+        self.result, self.first = result, first
+
+    async def initial_observation(self):
+        if self.first is not None:
+            return self.first
+        return R.build_prompt([{"role": "user", "content": "x"}]), R.stop_tokens
+
+    async def step(self, action_tokens, stop_reason):
+        return self.result
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (Returns(StepResult(float("nan"), True)), r"Returns.step returned reward float nan, expected a finite number"),
+        (Returns(StepResult(float("inf"), True)), "reward float inf, expected a finite number"),
+        (Returns(StepResult("1.0", True)), "reward str '1.0', expected a finite number"),
+        (Returns(StepResult(None, True)), "reward None, expected a finite number"),
+        (Returns((1.0, True)), r"Returns.step returned tuple \(1.0, True\), expected a runner.rl.types.StepResult"),
+        (Returns(None), "Returns.step returned None, expected a runner.rl.types.StepResult"),
+        (Returns(StepResult(1.0, "yes")), "episode_done str 'yes', expected True or False"),
+        (Returns(StepResult(1.0, True, metrics={"x": "hi"})), "metric 'x' = str 'hi', expected a number"),
+        (Returns(StepResult(1.0, True, metrics=[1.0])), "metrics list"),
+        (Returns(StepResult(0.0, False, [], None)), r"Returns.step \(turn 0\) next_observation is list \[\]"),
+        (Returns(first=[1, 2, 3]), "Returns.initial_observation returned list \\[1, 2, 3\\], expected \\(obs"),
+        (Returns(first=("abc", None)), "Returns.initial_observation is str 'abc', expected a non-empty list"),
+    ],
+)
+def test_env_contract_violations_are_user_errors(env, message):
+    """A user env that breaks the StepResult contract stops the run with one line naming the env and the field
+    (before: NaN rewards trained NaN weights, a str reward or a tuple result crashed with a traceback)."""
+    sampler = ScriptedSampler(TOK, lambda p, s: "2")
+    with pytest.raises(UserError, match=message):
+        asyncio.run(rollout_batch([RepeatGroupBuilder(lambda: env, 2, [])], sampler, PARAMS))
+
+
+def test_env_numbers_and_logs_are_coerced():
+    """Rewards and metrics may be any real number (bool, numpy); logs that are not plain values become reprs,
+    so rollout summaries stay JSON."""
+    result = StepResult(np.float32(0.5), np.bool_(True), metrics={"ok": True, "n": np.int64(3)}, logs={"s": {1, 2}})
+    sampler = ScriptedSampler(TOK, lambda p, s: "2")
+    batch = asyncio.run(rollout_batch([RepeatGroupBuilder(lambda: Returns(result), 2, [])], sampler, PARAMS))
+    tr = batch.groups[0].trajectories_G[0].transitions[0]
+    assert (tr.reward, tr.episode_done, tr.metrics, tr.logs) == (0.5, True, {"ok": 1.0, "n": 3.0}, {"s": "{1, 2}"})
+    assert type(tr.reward) is float and type(tr.episode_done) is bool
 
 
 def test_rollout_is_reproducible():

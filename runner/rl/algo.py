@@ -242,7 +242,7 @@ class RLAlgo:
             for t in tasks:
                 t.cancel()
         prepared.metrics = _merge(parts)
-        prepared.batch = collect(sorted(results, key=lambda r: r[0]))
+        prepared.batch = collect(sorted(results, key=lambda r: r[0]), f"step {prepared.step}")
 
     # ---------------------------------------------------------------- submit and finish
 
@@ -289,7 +289,7 @@ class RLAlgo:
         params = replace(self.params, temperature=self.cfg.eval.temperature)
         t = time.monotonic()
         batch = await rollout_batch(builders, sampler, params, seed=self.seed + EVAL_SEED_OFFSET, step=step,
-                                    max_context=self.max_context)
+                                    max_context=self.max_context, what=f"the test set (eval at step {step})")
         out = {f"test/{k}": v for k, v in {**trajectory_metrics(batch.groups), **batch.error_metrics()}.items()}
         out["time/eval"] = time.monotonic() - t
         self._write_transcripts("test", step, batch, None)

@@ -4,15 +4,21 @@ Reproducibility: every sample gets an explicit seed derived from (recipe seed, s
 so a rerun (or a resume) samples the same tokens from the same weights, whatever order the coroutines run in.
 
 Errors: UserError and BackendError stop the run (the user must fix something, or the service gave up).
-Any other exception from an episode (typically a bug in env code) drops that whole group, since a group
-with a missing member has no fair baseline, and is counted in `rollout_errors/*`; if every group of a
-batch fails, the first error is raised rather than training on nothing.
+An env that breaks the contract in runner/rl/types.py (a step that returns something other than a
+StepResult, a reward that is not a finite number, metrics that are not numbers, a bad observation) is a
+UserError. Any other exception from an episode (typically a bug in env code) drops that whole group, since
+a group with a missing member has no fair baseline, and is counted in `rollout_errors/*`; if every group of
+a batch fails, that is a UserError naming the first failure (where in the env's code it was raised), rather
+than training on nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import os
+import traceback
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -21,7 +27,7 @@ import numpy as np
 
 from backends.base import BackendError, SamplingClient
 from runner.errors import UserError
-from runner.rl.types import Env, EnvGroupBuilder, Trajectory, TrajectoryGroup, Transition
+from runner.rl.types import Env, EnvGroupBuilder, StepResult, Trajectory, TrajectoryGroup, Transition
 from runner.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -74,10 +80,15 @@ async def run_episode(
     first = await env.initial_observation()
     if first is None:
         return Trajectory([])
+    if not (isinstance(first, (tuple, list)) and len(first) == 2):
+        raise UserError(
+            f"env {type(env).__name__}.initial_observation returned {_got(first)}, expected "
+            "(observation tokens, stop condition) or None"
+        )
     ob, stop = first
     transitions: list[Transition] = []
     for turn in range(MAX_TURNS):
-        _check_observation(env, ob)
+        _check_observation(env, ob, turn)
         max_tokens = params.max_tokens
         if max_context is not None:
             if len(ob) >= max_context:
@@ -95,16 +106,63 @@ async def run_episode(
         if len(ac.logprobs) != len(ac.tokens):
             raise RuntimeError(f"sampler returned {len(ac.tokens)} tokens but {len(ac.logprobs)} logprobs")
         res = await env.step(list(ac.tokens), ac.stop_reason)
-        transitions.append(Transition(ob, ac, float(res.reward), res.episode_done, dict(res.metrics), dict(res.logs)))
+        reward, metrics, logs = _check_step_result(env, res)
+        transitions.append(Transition(ob, ac, reward, bool(res.episode_done), metrics, logs))
         if res.episode_done:
             return Trajectory(transitions)
         ob, stop = res.next_observation, res.next_stop
     raise EpisodeTooLong(f"{type(env).__name__} did not end its episode within {MAX_TURNS} turns")
 
 
-def _check_observation(env: Env, ob: object) -> None:
+def _check_observation(env: Env, ob: object, turn: int) -> None:
     if not (isinstance(ob, list) and ob and all(isinstance(t, int) for t in ob)):
-        raise UserError(f"env {type(env).__name__} gave an observation that is not a non-empty list of token ids")
+        where = "initial_observation" if turn == 0 else f"step (turn {turn - 1}) next_observation"
+        raise UserError(
+            f"env {type(env).__name__}.{where} is {_got(ob)}, expected a non-empty list of token ids"
+        )
+
+
+def _check_step_result(env: Env, res: object) -> tuple[float, dict[str, float], dict[str, str | int | float]]:
+    """The step's reward, metrics and logs, checked against the contract (runner/rl/types.py): one line naming
+    the env and the field rather than a crash (or NaN weights) further on."""
+    name = f"env {type(env).__name__}.step"
+    if not isinstance(res, StepResult):
+        raise UserError(f"{name} returned {_got(res)}, expected a runner.rl.types.StepResult")
+    reward = _number(res.reward)
+    if reward is None or not math.isfinite(reward):
+        raise UserError(f"{name} returned reward {_got(res.reward)}, expected a finite number")
+    if not isinstance(res.episode_done, (bool, np.bool_)):
+        raise UserError(f"{name} returned episode_done {_got(res.episode_done)}, expected True or False")
+    if not isinstance(res.metrics, dict):
+        raise UserError(f"{name} returned metrics {_got(res.metrics)}, expected a dict of name -> number")
+    metrics: dict[str, float] = {}
+    for k, v in res.metrics.items():
+        x = _number(v)
+        if not isinstance(k, str) or x is None:
+            raise UserError(f"{name} returned metric {k!r} = {_got(v)}, expected a number under a string key")
+        metrics[k] = x
+    if not isinstance(res.logs, dict):
+        raise UserError(f"{name} returned logs {_got(res.logs)}, expected a dict of name -> str, int or float")
+    # Logs are only shown (transcripts, rollout summaries): anything else is shown as its repr.
+    logs = {str(k): v if isinstance(v, (str, int, float)) else repr(v) for k, v in res.logs.items()}
+    return reward, metrics, logs
+
+
+def _number(v: object) -> float | None:
+    """float(v) for a real number (bool, int, float, numpy scalar, 0-d tensor); None for anything else."""
+    if v is None or isinstance(v, (str, bytes)):
+        return None
+    try:
+        return float(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+
+
+def _got(v: object) -> str:
+    if v is None:
+        return "None"
+    text = repr(v)
+    return f"{type(v).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
 async def do_group_rollout(
@@ -171,18 +229,36 @@ async def guarded_group_rollout(
         )
     except (UserError, BackendError):
         raise
-    except Exception as e:  # counted and skipped; see the module docstring
-        log.warning("rollout of group %d (step %d) failed: %r", group_idx, step, e, exc_info=True)
+    except Exception as e:  # noqa: BLE001 - counted and skipped; see the module docstring
+        log.warning("rollout of group %d (step %d) failed: %s", group_idx, step, describe_error(e))
         return e
 
 
-def collect(results: Sequence[tuple[int, TrajectoryGroup | Exception]]) -> RolloutBatch:
-    """(group index, outcome) pairs -> a RolloutBatch; raises the first error if every group failed."""
+def collect(results: Sequence[tuple[int, TrajectoryGroup | Exception]], what: str = "the batch") -> RolloutBatch:
+    """(group index, outcome) pairs -> a RolloutBatch; a UserError naming the first error if every group failed
+    (`what`: which rollouts, for that message)."""
     errors: Counter[str] = Counter(type(r).__name__ for _, r in results if isinstance(r, Exception))
     kept = [(i, r) for i, r in results if isinstance(r, TrajectoryGroup)]
     if results and not kept:
-        raise next(r for _, r in results if isinstance(r, Exception))
+        first = next(r for _, r in results if isinstance(r, Exception))
+        n = len(results)
+        raise UserError(f"{'the only group' if n == 1 else f'all {n} groups'} of {what} failed; "
+                        f"the first error: {describe_error(first)}") from None
     return RolloutBatch([g for _, g in kept], [i for i, _ in kept], errors)
+
+
+_RUNNER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def describe_error(e: BaseException) -> str:
+    """One line: the exception and, when it was raised outside the runner (in env code), where."""
+    text = " ".join(str(e).split())
+    out = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    frames = traceback.extract_tb(e.__traceback__)
+    if frames and not os.path.abspath(frames[-1].filename).startswith(_RUNNER_DIR + os.sep):
+        f = frames[-1]
+        out += f" (in {f.name}, {f.filename}:{f.lineno})"
+    return out
 
 
 async def rollout_batch(
@@ -193,6 +269,7 @@ async def rollout_batch(
     seed: int = 0,
     step: int = 0,
     max_context: int | None = None,
+    what: str | None = None,
 ) -> RolloutBatch:
     """All groups concurrently. Evals should pass a seed distinct from training's (their (step, group) repeat).
     max_context (renderer.context_window(tokenizer)): caps each turn's max_tokens at what fits, and drops a
@@ -209,4 +286,4 @@ async def rollout_batch(
             ]
     except BaseExceptionGroup as eg:
         raise eg.exceptions[0] from None
-    return collect([(i, t.result()) for i, t in enumerate(tasks)])
+    return collect([(i, t.result()) for i, t in enumerate(tasks)], what or f"step {step}")
