@@ -16,6 +16,7 @@ import copy
 import difflib
 import functools
 import importlib
+import inspect
 import os
 import re
 import sys
@@ -841,9 +842,15 @@ def check_recipe(recipe: Recipe, where: str) -> None:
             value = getattr(node, field.name)
             if isinstance(value, str) and _is_target(field.type):
                 try:
-                    import_target(value)
+                    fn = import_target(value)
                 except UserError as e:
                     raise UserError(f"{where}: {_dotted([*path, field.encode_name])}: {e}") from None
+                # A target called as fn(**args) (python data sources and envs): the args must fit its signature.
+                args = getattr(node, "args", None) if field.name == "target" else None
+                problem = args_mismatch(fn, args) if isinstance(args, dict) else None
+                if problem:
+                    raise UserError(f"{where}: {_dotted([*path, 'args'])}: {value!r} cannot be called with "
+                                    f"args {sorted(args)}: {problem}")
 
 
 def import_target(target: str) -> Callable[..., Any]:
@@ -861,6 +868,19 @@ def import_target(target: str) -> Callable[..., Any]:
     if not callable(fn):
         raise UserError(f"{target!r} is {type(fn).__name__}, not a callable")
     return fn
+
+
+def args_mismatch(fn: Callable[..., Any], args: dict[str, Any]) -> str | None:
+    """Why fn(**args) cannot bind (a missing or unexpected argument), or None when it can or fn has no signature."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins and C callables have none: the call will tell
+        return None
+    try:
+        sig.bind(**args)
+    except TypeError as e:
+        return str(e)
+    return None
 
 
 @functools.cache

@@ -535,3 +535,30 @@ def test_rl_recipe_round_trips_and_checks_targets(workdir: Path, isolated_import
     )
     judge = 'algo.env={kind="preference", judge="my_env:missing"}'
     assert error_of(check_recipe, load_recipe(ref, [judge])[1], "w").startswith("w: algo.env.judge: cannot import")
+
+
+def test_check_binds_target_args(workdir: Path, isolated_imports: None) -> None:
+    """`runner check` catches args that the python env builder or data function cannot take, without calling it."""
+    ref = f"{write(RL_GOOD)}#arith"
+    (workdir / "my_env2.py").write_text(
+        "CALLS = []\n"
+        "def build(n_problems, offset=0):\n    CALLS.append(1)\n    return lambda ctx: (None, None)\n"
+        "def anything(**kw):\n    CALLS.append(1)\n"
+    )
+    env = 'algo.env={kind="python", target="my_env2:%s", args=%s}'
+    check_recipe(load_recipe(ref, [env % ("build", "{n_problems=3}")])[1], "w")
+    check_recipe(load_recipe(ref, [env % ("anything", "{x=1, y=2}")])[1], "w")
+    assert error_of(check_recipe, load_recipe(ref, [env % ("build", "{n_problems=3, bogus=1}")])[1], "w") == (
+        "w: algo.env.args: 'my_env2:build' cannot be called with args ['bogus', 'n_problems']: "
+        "got an unexpected keyword argument 'bogus'"
+    )
+    assert error_of(check_recipe, load_recipe(ref, [env % ("build", "{offset=1}")])[1], "w") == (
+        "w: algo.env.args: 'my_env2:build' cannot be called with args ['offset']: "
+        "missing a required argument: 'n_problems'"
+    )
+    sft = f"{write(GOOD)}#sl_basic"
+    data = 'algo.data={kind="python", target="my_env2:build", args={n=1}}'
+    assert error_of(check_recipe, load_recipe(sft, [data])[1], "w").startswith(
+        "w: algo.data.args: 'my_env2:build' cannot be called with args ['n']: "
+    )
+    assert sys.modules["my_env2"].CALLS == []  # checked, never called

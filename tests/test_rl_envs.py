@@ -364,6 +364,17 @@ USER_ENV = textwrap.dedent("""
 
     def bad_pair():
         return lambda ctx: "nope"
+
+    def raises(**kw):
+        raise ValueError("no config file")
+
+    def builder_raises():
+        def builder(ctx):
+            return {}["missing"]
+        return builder
+
+    def inner_type_error(n_problems):
+        return len(n_problems)
 """)
 
 
@@ -393,6 +404,11 @@ def test_python_env_target(user_module):
         ("my_rl_envs:not_a_builder", {}, "returned int, expected a dataset builder"),
         ("my_rl_envs:bad_pair", {}, "expected a \\(train, test\\) pair"),
         ("my_rl_envs:make", {"n_problems": 0}, "no batches"),
+        ("my_rl_envs:make", {}, r"with args \[\] failed: missing a required argument: 'n_problems'"),
+        ("my_rl_envs:raises", {"a": 1}, r"with args \['a'\] raised ValueError: no config file \(in raises, .*my_rl_envs.py:\d+\)"),
+        ("my_rl_envs:builder_raises", {}, r"its dataset builder raised KeyError: 'missing' \(in builder, "),
+        # A TypeError inside the function is its own, not "wrong args".
+        ("my_rl_envs:inner_type_error", {"n_problems": 3}, r"raised TypeError: object of type 'int' has no len\(\)"),
     ],
 )
 def test_python_env_errors(user_module, target, args, message):

@@ -13,10 +13,20 @@ groups_per_batch and the recipe seed. Datasets hand out `EnvGroupBuilder`s (runn
 from __future__ import annotations
 
 from runner.errors import UserError
-from runner.recipe import Arithmetic, Env, GuessNumber, Preference, PythonEnv, TicTacToe, TwentyQuestions
+from runner.recipe import (
+    Arithmetic,
+    Env,
+    GuessNumber,
+    Preference,
+    PythonEnv,
+    TicTacToe,
+    TwentyQuestions,
+    args_mismatch,
+)
 from runner.rl.envs import arithmetic, guess_number, preference, tictactoe, twenty_questions
 from runner.rl.envs.common import EnvContext
 from runner.rl.envs.user import load_target
+from runner.rl.rollouts import describe_error
 from runner.rl.types import RLDataset
 
 __all__ = ["EnvContext", "build_datasets"]
@@ -42,15 +52,21 @@ def build_datasets(cfg: Env, ctx: EnvContext) -> tuple[RLDataset, RLDataset | No
 def _user_datasets(cfg: PythonEnv, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:
     where = f"env target {cfg.target!r}"
     fn = load_target(cfg.target, "env")
+    problem = args_mismatch(fn, cfg.args)
+    if problem:  # wrong args from the recipe
+        raise UserError(f"{where}: calling it with args {sorted(cfg.args)} failed: {problem}")
     try:
         builder = fn(**cfg.args)
-    except TypeError as e:  # wrong args from the recipe
-        raise UserError(f"{where}: calling it with args {sorted(cfg.args)} failed: {e}") from None
+    except Exception as e:  # noqa: BLE001 - user code: one line naming it, not a traceback
+        raise UserError(f"{where}: calling it with args {sorted(cfg.args)} raised {describe_error(e)}") from None
     if not callable(builder):
         raise UserError(
             f"{where} returned {type(builder).__name__}, expected a dataset builder: a callable ctx -> (train, test)"
         )
-    out = builder(ctx)
+    try:
+        out = builder(ctx)
+    except Exception as e:  # noqa: BLE001 - as above
+        raise UserError(f"{where}: its dataset builder raised {describe_error(e)}") from None
     if not (isinstance(out, tuple) and len(out) == 2):
         raise UserError(f"{where}: the dataset builder returned {type(out).__name__}, expected a (train, test) pair")
     train, test = out
