@@ -12,7 +12,7 @@ import pytest
 
 from backends.local.tiny import build_tokenizer
 from runner.errors import UserError
-from runner.rl.envs import EnvContext, build_datasets
+from runner.rl.envs import EnvContext, build_datasets, get_batch
 from runner.rl.envs.arithmetic import ArithmeticEnv
 from runner.rl.envs.guess_number import GuessNumberEnv
 from runner.rl.envs.preference import round_robin, shorter_wins
@@ -375,6 +375,19 @@ USER_ENV = textwrap.dedent("""
 
     def inner_type_error(n_problems):
         return len(n_problems)
+
+    class BadDataset:
+        def __init__(self, batch, length=3):
+            self.batch, self.length = batch, length
+        def get_batch(self, index):
+            if isinstance(self.batch, Exception):
+                raise self.batch
+            return self.batch
+        def __len__(self):
+            return self.length
+
+    def bad_dataset(batch=None, length=3):
+        return lambda ctx: (BadDataset(batch, length), None)
 """)
 
 
@@ -414,3 +427,26 @@ def test_python_env_target(user_module):
 def test_python_env_errors(user_module, target, args, message):
     with pytest.raises(UserError, match=message):
         build_datasets(PythonEnv(target=target, args=args), ctx())
+
+
+@pytest.mark.parametrize(
+    "batch, message",
+    [
+        (RuntimeError("boom"), r"BadDataset.get_batch\(1\) raised RuntimeError: boom \(in get_batch, .*my_rl_envs.py"),
+        (None, r"BadDataset.get_batch\(1\) returned NoneType, expected a list of EnvGroupBuilders"),
+        ([], r"BadDataset.get_batch\(1\) returned no group builders"),
+        (["a"], r"BadDataset.get_batch\(1\) returned a str in its list, expected EnvGroupBuilders"),
+    ],
+)
+def test_python_env_dataset_errors(user_module, batch, message):
+    """A user dataset's get_batch is checked when the loop calls it: one line, not a traceback (or, for an empty
+    batch, a step that silently trains on nothing)."""
+    train, _ = build_datasets(PythonEnv(target=f"{user_module}:bad_dataset"), ctx())
+    train.batch = batch
+    with pytest.raises(UserError, match="the train dataset's " + message):
+        get_batch(train, 1, "train")
+
+
+def test_python_env_dataset_len_error(user_module):
+    with pytest.raises(UserError, match=r"len\(\) of the train dataset failed: TypeError: 'str' object cannot be "):
+        build_datasets(PythonEnv(target=f"{user_module}:bad_dataset", args={"length": "3"}), ctx())

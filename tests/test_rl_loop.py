@@ -18,6 +18,7 @@ import pytest
 from crashing import CrashingBackend
 
 from backends.base import BackendError
+from runner.errors import UserError
 from runner.loop import run
 from runner.recipe import Recipe, load_file, load_recipe
 
@@ -202,3 +203,24 @@ def test_dry_run_describes_rl(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     out = capsys.readouterr().out
     assert "env: arithmetic" in out and "forward_backward(importance_sampling)" in out
     assert not (tmp_path / "dry").exists()
+
+
+def test_stream_with_fewer_groups_than_minibatches_is_a_user_error(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A python env's dataset decides its batch size: one group per batch cannot split into 2 minibatches (before:
+    ZeroDivisionError with a traceback)."""
+    (tmp_path / "one_group_env.py").write_text(
+        "from runner.rl.envs.arithmetic import ArithmeticEnv\n"
+        "from runner.rl.envs.common import ListDataset, RepeatGroupBuilder\n"
+        "def make():\n"
+        "    def builder(ctx):\n"
+        "        group = lambda i: RepeatGroupBuilder(lambda: ArithmeticEnv(ctx.renderer, i, 1), ctx.group_size, [])\n"
+        "        return ListDataset(range(4), group, 1), None\n"
+        "    return builder\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = arith(tmp_path, "stream1", max_steps=1, algo={"env": {"kind": "python", "target": "one_group_env:make"},
+                                                           "mode": {"kind": "stream", "minibatches": 2}})
+    with pytest.raises(UserError, match=r"stream mode: batch 0 of the train dataset has 1 groups, fewer than "
+                                        r"num_substeps × minibatches = 2"):
+        run(recipe, "r")

@@ -137,6 +137,33 @@ def test_env_contract_violations_are_user_errors(env, message):
         asyncio.run(rollout_batch([RepeatGroupBuilder(lambda: env, 2, [])], sampler, PARAMS))
 
 
+class GroupRewards(RepeatGroupBuilder):
+    def __init__(self, rewards):
+        super().__init__(functools.partial(ArithmeticEnv, R, 1, 1), 2, [])
+        self.rewards = rewards
+
+    async def compute_group_rewards(self, trajectories_G, envs_G):
+        return self.rewards
+
+
+@pytest.mark.parametrize(
+    "rewards, message",
+    [
+        ([1.0, 0.0], r"GroupRewards.compute_group_rewards returned float 1.0 for a trajectory, expected a \(finite"),
+        ([(1.0, {})], r"returned 1 rewards for 2 trajectories, expected a list of \(reward, metrics\) pairs"),
+        (None, r"returned None for 2 trajectories"),
+        ([(float("nan"), {}), (0.0, {})], r"returned tuple \(nan, \{\}\) for a trajectory"),
+        ([(1.0, {"m": "x"}), (0.0, {})], r"compute_group_rewards returned metric 'm' = str 'x'"),
+    ],
+)
+def test_group_rewards_contract(rewards, message):
+    sampler = ScriptedSampler(TOK, lambda p, s: "2")
+    with pytest.raises(UserError, match=message):
+        asyncio.run(rollout_batch([GroupRewards(rewards)], sampler, PARAMS))
+    ok = asyncio.run(rollout_batch([GroupRewards([(0.5, {"m": 1}), (np.float64(1), {})])], sampler, PARAMS))
+    assert ok.groups[0].final_rewards_G == [0.5, 1.0] and ok.groups[0].metrics_G == [{"m": 1.0}, {}]
+
+
 def test_env_numbers_and_logs_are_coerced():
     """Rewards and metrics may be any real number (bool, numpy); logs that are not plain values become reprs,
     so rollout summaries stay JSON."""

@@ -48,7 +48,7 @@ from runner.recipe import CISPO, DRO, PPO, RL, Async, ReferenceKL, Stream
 from runner.rl import transcripts
 from runner.rl.advantages import compute_advantages, remove_constant_reward_groups
 from runner.rl.datums import assemble_datums
-from runner.rl.envs import EnvContext, build_datasets
+from runner.rl.envs import EnvContext, build_datasets, get_batch
 from runner.rl.kl import apply_kl_penalty, kl_sample_train, reference_logprobs
 from runner.rl.metrics import trajectory_metrics
 from runner.rl.renderer import ChatRenderer, context_window
@@ -121,7 +121,7 @@ class RLAlgo:
     # ---------------------------------------------------------------- data position
 
     def builders(self, step: int) -> list[EnvGroupBuilder]:
-        return self.train.get_batch(step % len(self.train))  # epochs cycle through the same batches
+        return get_batch(self.train, step % len(self.train), "train")  # epochs cycle through the same batches
 
     def state(self) -> dict[str, Any]:
         return {"rl_train_batches": len(self.train), "sampler_step": self.next_step}
@@ -201,6 +201,11 @@ class RLAlgo:
         assert isinstance(self.cfg.mode, Stream)
         per_substep = len(builders) // self.cfg.num_substeps
         per_minibatch = per_substep // self.cfg.mode.minibatches
+        if per_minibatch == 0:  # a python env's dataset may make fewer groups per batch than groups_per_batch
+            raise UserError(
+                f"stream mode: batch {prepared.step % len(self.train)} of the train dataset has {len(builders)} groups, "
+                f"fewer than num_substeps × minibatches = {self.cfg.num_substeps * self.cfg.mode.minibatches}"
+            )
         adam = ctx.adam(prepared.step)
         done: asyncio.Queue[tuple[int, TrajectoryGroup | Exception]] = asyncio.Queue()
 
@@ -285,7 +290,7 @@ class RLAlgo:
     async def _evaluate(self, step: int, sampler: SamplingClient) -> dict[str, float]:
         """Mean test-set reward on the weights that sampled `step` (test/env/all/reward/total, ...)."""
         assert self.test is not None
-        builders = [b for i in range(len(self.test)) for b in self.test.get_batch(i)][: self.cfg.eval.max_groups]
+        builders = [b for i in range(len(self.test)) for b in get_batch(self.test, i, "test")][: self.cfg.eval.max_groups]
         params = replace(self.params, temperature=self.cfg.eval.temperature)
         t = time.monotonic()
         batch = await rollout_batch(builders, sampler, params, seed=self.seed + EVAL_SEED_OFFSET, step=step,

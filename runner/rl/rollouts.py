@@ -133,19 +133,24 @@ def _check_step_result(env: Env, res: object) -> tuple[float, dict[str, float], 
         raise UserError(f"{name} returned reward {_got(res.reward)}, expected a finite number")
     if not isinstance(res.episode_done, (bool, np.bool_)):
         raise UserError(f"{name} returned episode_done {_got(res.episode_done)}, expected True or False")
-    if not isinstance(res.metrics, dict):
-        raise UserError(f"{name} returned metrics {_got(res.metrics)}, expected a dict of name -> number")
-    metrics: dict[str, float] = {}
-    for k, v in res.metrics.items():
-        x = _number(v)
-        if not isinstance(k, str) or x is None:
-            raise UserError(f"{name} returned metric {k!r} = {_got(v)}, expected a number under a string key")
-        metrics[k] = x
+    metrics = _check_metrics(name, res.metrics)
     if not isinstance(res.logs, dict):
         raise UserError(f"{name} returned logs {_got(res.logs)}, expected a dict of name -> str, int or float")
     # Logs are only shown (transcripts, rollout summaries): anything else is shown as its repr.
     logs = {str(k): v if isinstance(v, (str, int, float)) else repr(v) for k, v in res.logs.items()}
     return reward, metrics, logs
+
+
+def _check_metrics(name: str, metrics: object) -> dict[str, float]:
+    if not isinstance(metrics, dict):
+        raise UserError(f"{name} returned metrics {_got(metrics)}, expected a dict of name -> number")
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        x = _number(v)
+        if not isinstance(k, str) or x is None:
+            raise UserError(f"{name} returned metric {k!r} = {_got(v)}, expected a number under a string key")
+        out[k] = x
+    return out
 
 
 def _number(v: object) -> float | None:
@@ -199,15 +204,23 @@ async def do_group_rollout(
         raise eg.exceptions[0] from None
     trajectories_G = [t.result() for t in tasks]
     rewards = await builder.compute_group_rewards(trajectories_G, envs_G)
-    if len(rewards) != len(trajectories_G):
-        raise UserError(
-            f"{type(builder).__name__}.compute_group_rewards returned {len(rewards)} rewards for "
-            f"{len(trajectories_G)} trajectories"
-        )
+    name = f"{type(builder).__name__}.compute_group_rewards"
+    if not isinstance(rewards, (list, tuple)) or len(rewards) != len(trajectories_G):
+        got = f"{len(rewards)} rewards" if isinstance(rewards, (list, tuple)) else _got(rewards)
+        raise UserError(f"{name} returned {got} for {len(trajectories_G)} trajectories, expected a list of "
+                        "(reward, metrics) pairs, one per trajectory")
+    final_rewards_G: list[float] = []
+    metrics_G: list[dict[str, float]] = []
+    for item in rewards:
+        reward = _number(item[0]) if isinstance(item, (tuple, list)) and len(item) == 2 else None
+        if reward is None or not isinstance(item[1], dict) or not math.isfinite(reward):
+            raise UserError(f"{name} returned {_got(item)} for a trajectory, expected a (finite reward, metrics dict) pair")
+        final_rewards_G.append(reward)
+        metrics_G.append(_check_metrics(name, item[1]))
     return TrajectoryGroup(
         trajectories_G=trajectories_G,
-        final_rewards_G=[float(r) for r, _ in rewards],
-        metrics_G=[dict(m) for _, m in rewards],
+        final_rewards_G=final_rewards_G,
+        metrics_G=metrics_G,
         tags=list(builder.logging_tags()),
     )
 

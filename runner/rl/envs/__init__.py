@@ -12,6 +12,8 @@ groups_per_batch and the recipe seed. Datasets hand out `EnvGroupBuilder`s (runn
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from runner.errors import UserError
 from runner.recipe import (
     Arithmetic,
@@ -27,9 +29,9 @@ from runner.rl.envs import arithmetic, guess_number, preference, tictactoe, twen
 from runner.rl.envs.common import EnvContext
 from runner.rl.envs.user import load_target
 from runner.rl.rollouts import describe_error
-from runner.rl.types import RLDataset
+from runner.rl.types import EnvGroupBuilder, RLDataset
 
-__all__ = ["EnvContext", "build_datasets"]
+__all__ = ["EnvContext", "build_datasets", "get_batch"]
 
 
 def build_datasets(cfg: Env, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:
@@ -77,6 +79,29 @@ def _user_datasets(cfg: PythonEnv, ctx: EnvContext) -> tuple[RLDataset, RLDatase
             raise UserError(
                 f"{where}: {name} dataset is {type(ds).__name__}, expected an RLDataset (get_batch, __len__)"
             )
-    if len(train) == 0:
-        raise UserError(f"{where}: the train dataset has no batches")
+        try:
+            n = len(ds)
+        except Exception as e:  # noqa: BLE001 - user code
+            raise UserError(f"{where}: len() of the {name} dataset failed: {describe_error(e)}") from None
+        if n == 0 and name == "train":
+            raise UserError(f"{where}: the train dataset has no batches")
     return train, test
+
+
+def get_batch(ds: RLDataset, index: int, split: str) -> list[EnvGroupBuilder]:
+    """ds.get_batch(index), checked: a non-empty list of EnvGroupBuilders, or one line saying what the dataset did
+    (user datasets come from `python` envs)."""
+    where = f"the {split} dataset's {type(ds).__name__}.get_batch({index})"
+    try:
+        out = ds.get_batch(index)
+    except Exception as e:  # noqa: BLE001 - user code: one line, not a traceback
+        raise UserError(f"{where} raised {describe_error(e)}") from None
+    if isinstance(out, (str, bytes, dict)) or not isinstance(out, Iterable):
+        raise UserError(f"{where} returned {type(out).__name__}, expected a list of EnvGroupBuilders")
+    builders = list(out)
+    if not builders:
+        raise UserError(f"{where} returned no group builders")
+    for b in builders:
+        if not (isinstance(b, EnvGroupBuilder) or callable(getattr(b, "make_envs", None))):
+            raise UserError(f"{where} returned a {type(b).__name__} in its list, expected EnvGroupBuilders")
+    return builders
