@@ -111,6 +111,10 @@ def open_run_dir(recipe: Recipe, name: str, *, dry_run: bool = False) -> RunDir:
         raise UserError(f"run dir {path} already exists (if_exists = \"error\"); set if_exists or log_dir")
     if recipe.if_exists == "overwrite":
         aside = path.with_name(f"{path.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+        n = 1
+        while aside.exists() or aside.is_symlink():  # two overwrites within a second: never rename onto one
+            n += 1
+            aside = aside.with_name(f"{path.name}.old-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
         if not dry_run:
             path.rename(aside)
         run.note = f"old run moved aside to {aside}"

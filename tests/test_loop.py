@@ -18,7 +18,7 @@ from backends.local.tiny import build_tokenizer
 from runner.errors import UserError
 from runner.loop import run
 from runner.recipe import Recipe
-from runner.rundir import METRICS
+from runner.rundir import METRICS, open_run_dir
 from runner.schedule import multiplier
 
 TOK = build_tokenizer()
@@ -170,6 +170,22 @@ def test_different_recipe_is_refused(tmp_path):
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
     assert len(aside) == 1 and (aside[0] / METRICS).exists()
     assert "lr = 0.1" in (tmp_path / "run" / "config.toml").read_text()
+
+
+def test_overwrite_twice_within_a_second_keeps_both_old_runs(tmp_path, monkeypatch):
+    """The aside name has one-second resolution: a second overwrite in the same second gets a suffix (before: an
+    OSError traceback, "Directory not empty")."""
+    import runner.rundir
+
+    monkeypatch.setattr(runner.rundir.time, "strftime", lambda fmt: "20250101-000000")
+    recipe = msgspec.structs.replace(make_recipe(tmp_path, max_steps=1), if_exists="overwrite")
+    for i in range(3):
+        (tmp_path / "run").mkdir(exist_ok=True)
+        (tmp_path / "run" / "mark").write_text(str(i))
+        open_run_dir(recipe, "t")
+    aside = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("run.old-"))
+    assert aside == ["run.old-20250101-000000", "run.old-20250101-000000-2", "run.old-20250101-000000-3"]
+    assert [(tmp_path / a / "mark").read_text() for a in aside] == ["0", "1", "2"]
 
 
 def test_dry_run_touches_nothing(tmp_path, capsys):
