@@ -318,6 +318,11 @@ def test_round_robin_shorter_wins():
     assert round_robin("p", ["x", "y"], shorter_wins) == [0.5, 0.5]
     with pytest.raises(UserError, match="probability"):
         round_robin("p", ["a", "b"], lambda p, a, b: 2.0)
+    # Not a number at all: the same one line (before: a TypeError / ValueError from float()).
+    for bad in (None, "0.5", "abc", float("nan"), [0.5]):
+        with pytest.raises(UserError, match=r"preference judge returned .*, expected a probability in \[0, 1\]"):
+            round_robin("p", ["a", "b"], lambda p, a, b, bad=bad: bad)
+    assert round_robin("p", ["a", "b"], lambda p, a, b: True) == [0.5, 0.5]
 
 
 def test_preference_group_rollout():

@@ -44,12 +44,20 @@ def round_robin(prompt: str, replies: list[str], judge: Judge) -> list[float]:
         for j in range(n):
             if i == j:
                 continue
-            p = float(judge(prompt, replies[i], replies[j]))
-            if not 0.0 <= p <= 1.0:
-                raise UserError(f"preference judge returned {p}, expected a probability in [0, 1]")
+            out = judge(prompt, replies[i], replies[j])
+            p = None if isinstance(out, (str, bytes)) else _as_float(out)
+            if p is None or not 0.0 <= p <= 1.0:
+                raise UserError(f"preference judge returned {out!r}, expected a probability in [0, 1]")
             wins[i] += p
             wins[j] += 1.0 - p
     return [w / (2 * (n - 1)) for w in wins]
+
+
+def _as_float(x: object) -> float | None:
+    try:
+        return float(x)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
 
 
 class PromptEnv(ChatEnv):
