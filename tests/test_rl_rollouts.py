@@ -127,6 +127,9 @@ class Returns(Env):
         (Returns(StepResult(0.0, False, [], None)), r"Returns.step \(turn 0\) next_observation is list \[\]"),
         (Returns(first=[1, 2, 3]), "Returns.initial_observation returned list \\[1, 2, 3\\], expected \\(obs"),
         (Returns(first=("abc", None)), "Returns.initial_observation is str 'abc', expected a non-empty list"),
+        (Returns(first=([1, 2], "\n")), r"Returns.initial_observation stop condition is str '\\n', expected None or a "),
+        (Returns(first=([1, 2], ["a", 3])), r"stop condition is list \['a', 3\], expected None or a list of strings"),
+        (Returns(StepResult(0.0, False, [1, 2], "stop")), r"Returns.step \(turn 0\) next_stop stop condition is str"),
     ],
 )
 def test_env_contract_violations_are_user_errors(env, message):

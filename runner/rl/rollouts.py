@@ -89,6 +89,7 @@ async def run_episode(
     transitions: list[Transition] = []
     for turn in range(MAX_TURNS):
         _check_observation(env, ob, turn)
+        _check_stop(env, stop, turn)
         max_tokens = params.max_tokens
         if max_context is not None:
             if len(ob) >= max_context:
@@ -120,6 +121,16 @@ def _check_observation(env: Env, ob: object, turn: int) -> None:
         raise UserError(
             f"env {type(env).__name__}.{where} is {_got(ob)}, expected a non-empty list of token ids"
         )
+
+
+def _check_stop(env: Env, stop: object, turn: int) -> None:
+    """A StopCondition: None, or a list of strings or of token ids (a bare string would stop on each character)."""
+    if stop is None or (isinstance(stop, list) and (all(isinstance(s, str) and s for s in stop)
+                                                    or all(isinstance(s, int) and not isinstance(s, bool) for s in stop))):
+        return
+    where = "initial_observation" if turn == 0 else f"step (turn {turn - 1}) next_stop"
+    raise UserError(f"env {type(env).__name__}.{where} stop condition is {_got(stop)}, expected None or a list of "
+                    "strings or of token ids")
 
 
 def _check_step_result(env: Env, res: object) -> tuple[float, dict[str, float], dict[str, str | int | float]]:
