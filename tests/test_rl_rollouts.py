@@ -167,6 +167,37 @@ def test_group_rewards_contract(rewards, message):
     assert ok.groups[0].final_rewards_G == [0.5, 1.0] and ok.groups[0].metrics_G == [{"m": 1.0}, {}]
 
 
+class SyncInitial(Returns):
+    def initial_observation(self):
+        return R.build_prompt([{"role": "user", "content": "x"}]), R.stop_tokens
+
+
+class SyncStep(Returns):
+    def step(self, action_tokens, stop_reason):
+        return StepResult(1.0, True)
+
+
+class SyncMakeEnvs(RepeatGroupBuilder):
+    def make_envs(self):
+        return [self.make_env() for _ in range(self.group_size)]
+
+
+@pytest.mark.parametrize(
+    "builder, message",
+    [
+        (RepeatGroupBuilder(SyncInitial, 2, []), "SyncInitial.initial_observation returned a tuple, not a coroutine"),
+        (RepeatGroupBuilder(SyncStep, 2, []), "SyncStep.step returned a StepResult, not a coroutine"),
+        (SyncMakeEnvs(SyncStep, 2, []), "SyncMakeEnvs.make_envs returned a list, not a coroutine"),
+    ],
+)
+def test_env_methods_that_are_not_async(builder, message):
+    """A plain `def` where the contract says `async def`: one line saying so (before: every group failed with
+    "TypeError: object tuple can't be used in 'await' expression")."""
+    sampler = ScriptedSampler(TOK, lambda p, s: "2")
+    with pytest.raises(UserError, match=message + ": define it with `async def`"):
+        asyncio.run(rollout_batch([builder], sampler, PARAMS))
+
+
 def test_env_numbers_and_logs_are_coerced():
     """Rewards and metrics may be any real number (bool, numpy); logs that are not plain values become reprs,
     so rollout summaries stay JSON."""

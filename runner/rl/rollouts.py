@@ -15,6 +15,7 @@ than training on nothing.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import os
@@ -22,6 +23,7 @@ import traceback
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -77,7 +79,7 @@ async def run_episode(
     member: int,
     max_context: int | None = None,
 ) -> Trajectory:
-    first = await env.initial_observation()
+    first = await _awaited(env, "initial_observation", env.initial_observation())
     if first is None:
         return Trajectory([])
     if not (isinstance(first, (tuple, list)) and len(first) == 2):
@@ -106,13 +108,21 @@ async def run_episode(
         ac = out.sequences[0]
         if len(ac.logprobs) != len(ac.tokens):
             raise RuntimeError(f"sampler returned {len(ac.tokens)} tokens but {len(ac.logprobs)} logprobs")
-        res = await env.step(list(ac.tokens), ac.stop_reason)
+        res = await _awaited(env, "step", env.step(list(ac.tokens), ac.stop_reason))
         reward, metrics, logs = _check_step_result(env, res)
         transitions.append(Transition(ob, ac, reward, bool(res.episode_done), metrics, logs))
         if res.episode_done:
             return Trajectory(transitions)
         ob, stop = res.next_observation, res.next_stop
     raise EpisodeTooLong(f"{type(env).__name__} did not end its episode within {MAX_TURNS} turns")
+
+
+async def _awaited(owner: object, method: str, value: Any) -> Any:
+    """await value, or one line saying the user's method is not `async def` (a plain TypeError otherwise)."""
+    if not inspect.isawaitable(value):
+        raise UserError(f"{type(owner).__name__}.{method} returned a {type(value).__name__}, not a coroutine: "
+                        "define it with `async def`")
+    return await value
 
 
 def _check_observation(env: Env, ob: object, turn: int) -> None:
@@ -191,7 +201,7 @@ async def do_group_rollout(
     group_idx: int = 0,
     max_context: int | None = None,
 ) -> TrajectoryGroup:
-    envs_G = list(await builder.make_envs())
+    envs_G = list(await _awaited(builder, "make_envs", builder.make_envs()))
     # A TaskGroup rather than a bare gather: if one episode fails, its siblings are cancelled instead of
     # left running (a self-play seat would otherwise wait forever for a move that never comes).
     try:
@@ -214,7 +224,7 @@ async def do_group_rollout(
     except BaseExceptionGroup as eg:
         raise eg.exceptions[0] from None
     trajectories_G = [t.result() for t in tasks]
-    rewards = await builder.compute_group_rewards(trajectories_G, envs_G)
+    rewards = await _awaited(builder, "compute_group_rewards", builder.compute_group_rewards(trajectories_G, envs_G))
     name = f"{type(builder).__name__}.compute_group_rewards"
     if not isinstance(rewards, (list, tuple)) or len(rewards) != len(trajectories_G):
         got = f"{len(rewards)} rewards" if isinstance(rewards, (list, tuple)) else _got(rewards)
