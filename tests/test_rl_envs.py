@@ -393,6 +393,12 @@ USER_ENV = textwrap.dedent("""
 
     def bad_dataset(batch=None, length=3):
         return lambda ctx: (BadDataset(batch, length), None)
+
+    def with_empty_test():
+        def builder(ctx):
+            train, _ = make(8)(ctx)
+            return train, ListDataset([], None, ctx.groups_per_batch, drop_last=False)
+        return builder
 """)
 
 
@@ -450,6 +456,12 @@ def test_python_env_dataset_errors(user_module, batch, message):
     train.batch = batch
     with pytest.raises(UserError, match="the train dataset's " + message):
         get_batch(train, 1, "train")
+
+
+def test_python_env_empty_test_set_is_none(user_module):
+    """Evals of an empty test set would log test/env/all/reward/total = 0 from zero episodes."""
+    train, test = build_datasets(PythonEnv(target=f"{user_module}:with_empty_test"), ctx())
+    assert len(train) == 2 and test is None
 
 
 def test_python_env_dataset_len_error(user_module):

@@ -85,6 +85,8 @@ def _user_datasets(cfg: PythonEnv, ctx: EnvContext) -> tuple[RLDataset, RLDatase
             raise UserError(f"{where}: len() of the {name} dataset failed: {describe_error(e)}") from None
         if n == 0 and name == "train":
             raise UserError(f"{where}: the train dataset has no batches")
+        if n == 0:  # an empty test set is no test set: no evals (rather than logging reward 0 for zero episodes)
+            test = None
     return train, test
 
 
