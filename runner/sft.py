@@ -99,10 +99,16 @@ def to_datum(tokens: list[int], weights: list[float], max_length: int | None, re
     return Datum(model_input=tokens[:-1], target_tokens=np.asarray(tokens[1:], dtype=np.int64), weights=w)
 
 
+def weights(d: Datum) -> np.ndarray:
+    """An SFT datum's weights (datum() always sets them)."""
+    assert d.weights is not None
+    return d.weights
+
+
 def mean_nll(data: list[Datum], logprobs: list[np.ndarray]) -> float:
     """-sum(logprob * weight) / sum(weight) over the batch (the cookbook's train_mean_nll)."""
-    num = sum(float(np.dot(lp.reshape(-1), d.weights.reshape(-1))) for d, lp in zip(data, logprobs, strict=True))
-    den = sum(float(d.weights.sum()) for d in data)
+    num = sum(float(np.dot(lp.reshape(-1), weights(d).reshape(-1))) for d, lp in zip(data, logprobs, strict=True))
+    den = sum(float(weights(d).sum()) for d in data)
     return -num / den if den > 0 else float("nan")
 
 
@@ -204,7 +210,7 @@ class SFTAlgo:
             "train_mean_nll": mean_nll(sub.data, fb.logprobs),
             "num_sequences": len(sub.data),
             "num_tokens": sum(d.length for d in sub.data),
-            "num_loss_tokens": int(sum((d.weights > 0).sum() for d in sub.data)),
+            "num_loss_tokens": int(sum((weights(d) > 0).sum() for d in sub.data)),
         }
         if "grad_norm:mean" in opt.metrics:
             metrics["optim/grad_norm"] = opt.metrics["grad_norm:mean"]
@@ -229,7 +235,7 @@ class SFTAlgo:
         per_step = [self.datums(self.rows_for(s)) for s in range(steps)]
         self._order = None
         tokens = [sum(d.length for d in b) for b in per_step]
-        loss_tokens = [int(sum((d.weights > 0).sum() for d in b)) for b in per_step]
+        loss_tokens = [int(sum((weights(d) > 0).sum() for d in b)) for b in per_step]
         lines = [
             (f"data: {len(self.train_rows)} train rows, {len(self.test_rows)} held out; "
              f"{self.batches_per_epoch} batches of {cfg.batch_size} per epoch x {cfg.epochs} epochs"),

@@ -27,23 +27,32 @@ async def reference_logprobs(client: SamplingClient, data_D: Sequence[Datum]) ->
     return [np.asarray(out[1:], dtype=np.float32) for out in outs]
 
 
+def _rl(d: Datum) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(logprobs, advantages, mask) of an RL datum (runner/rl/datums.py always sets all three)."""
+    assert d.logprobs is not None and d.advantages is not None and d.mask is not None
+    return d.logprobs, d.advantages, d.mask
+
+
 def apply_kl_penalty(
     data_D: Sequence[Datum], ref_logprobs_D: Sequence[np.ndarray], coef: float
 ) -> tuple[list[Datum], dict[str, float]]:
-    diffs_D = [(d.logprobs - ref) * d.mask for d, ref in zip(data_D, ref_logprobs_D, strict=True)]
-    n = float(sum(d.mask.sum() for d in data_D))
+    parts_D = [_rl(d) for d in data_D]
+    diffs_D = [(lp - ref) * mask for (lp, _, mask), ref in zip(parts_D, ref_logprobs_D, strict=True)]
+    n = float(sum(mask.sum() for _, _, mask in parts_D))
     mean = float(sum(x.sum() for x in diffs_D)) / n if n else 0.0
     out = [
-        replace(d, advantages=d.advantages + coef * d.mask * (mean - diff))
-        for d, diff in zip(data_D, diffs_D, strict=True)
+        replace(d, advantages=adv + coef * mask * (mean - diff))
+        for d, (_, adv, mask), diff in zip(data_D, parts_D, diffs_D, strict=True)
     ]
     return out, {"kl_policy_base": mean}
 
 
 def kl_sample_train(data_D: Sequence[Datum], train_logprobs_D: Sequence[np.ndarray]) -> dict[str, float]:
-    sampled = np.concatenate([d.logprobs[d.mask > 0] for d in data_D] or [np.zeros(0)])
+    parts_D = [_rl(d) for d in data_D]
+    sampled = np.concatenate([lp[mask > 0] for lp, _, mask in parts_D] or [np.zeros(0)])
     trained = np.concatenate(
-        [np.asarray(lp)[d.mask > 0] for d, lp in zip(data_D, train_logprobs_D, strict=True)] or [np.zeros(0)]
+        [np.asarray(lp)[mask > 0] for (_, _, mask), lp in zip(parts_D, train_logprobs_D, strict=True)]
+        or [np.zeros(0)]
     )
     if sampled.size == 0:
         return {}
