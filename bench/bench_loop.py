@@ -424,7 +424,7 @@ def cycles_table(steps: int, period: float, rl_period: float) -> list[CycleRow]:
             with slow_prepare(SLOW_PREPARE * period):
                 loop(f"SFT runner.loop depth={depth}, slow prep", SFT_REF, [f"depth={depth}"], period)
         rows.append(measure("RL naive (await sample, fb, optim)", steps, rl_period, lambda b: naive_rl(b, steps)))
-        ref, note = (recipe, recipe) if recipe else rl_ref(tmp)
+        ref, note = rl_ref(tmp)
         why = rl_available(ref)
         if why is not None:
             print(f"RL loop: NOT MEASURED: {why}")
