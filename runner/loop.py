@@ -210,6 +210,8 @@ async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm, 
     if run.resume is not None:
         where = f"at step {start}" if tc is not None else "after its last step, for the final row only"
         progress.message(f"resuming {run.path} {where} (checkpoint {run.resume['name']})")
+    elif run.announce:
+        progress.message(f"{run.path}: {run.note}")
     last_ckpt = run.resume
     if tc is not None:
         last_ckpt = await train_steps(recipe, run, backend, tc, algo, progress, clock)

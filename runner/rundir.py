@@ -48,6 +48,8 @@ class RunDir:
     resume: dict[str, Any] | None = None
     # What open_run_dir found, for the dry-run plan and the log.
     note: str = "new"
+    # The note is worth a line when training starts (an old run moved aside, a failed one replaced).
+    announce: bool = False
     # 1 for the first training session in this dir, n for the n-th (set by begin()).
     session: int = 1
 
@@ -117,12 +119,18 @@ def open_run_dir(recipe: Recipe, name: str, *, dry_run: bool = False) -> RunDir:
             aside = aside.with_name(f"{path.name}.old-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
         if not dry_run:
             path.rename(aside)
-        run.note = f"old run moved aside to {aside}"
+        run.note, run.announce = f"old run moved aside to {aside}", True
         return run
     if not (path / CONFIG).exists():
         raise UserError(f"{path} exists but is not a run dir (no {CONFIG}); set log_dir or if_exists = \"overwrite\"")
     old = load_config(path / CONFIG)
     differing = recipe_diff(old, recipe)
+    if differing and _nothing_trained(path):
+        # A run that failed before its first step (say, a python env with a wrong argument) left only its
+        # recipe and session log: fixing the recipe and running again starts over in the same dir.
+        run.note = f"held a different recipe (differs in: {', '.join(differing)}) but nothing trained: starts over"
+        run.announce = True
+        return run
     if differing:
         raise UserError(
             f"run dir {path} holds a different recipe (differs in: {', '.join(differing)}); "
@@ -133,6 +141,20 @@ def open_run_dir(recipe: Recipe, name: str, *, dry_run: bool = False) -> RunDir:
     run.note = (f"resume after checkpoint {run.resume['name']!r}" if run.resume
                 else "exists, no checkpoint yet: from step 0")
     return run
+
+
+def _nothing_trained(path: Path) -> bool:
+    """Whether the run dir holds nothing a new run could overwrite: no file but the recipe, the session
+    log and empty metrics/checkpoint logs (no metrics row, no checkpoint, no transcript)."""
+    for entry in path.iterdir():
+        if entry.name in (CONFIG, SESSIONS):
+            continue
+        if entry.name in (METRICS, CHECKPOINTS) and entry.is_file() and not entry.read_text().strip():
+            continue
+        if entry.is_dir() and not entry.is_symlink() and not any(entry.rglob("*")):
+            continue  # an empty folder (checkpoints/ before any save)
+        return False
+    return True
 
 
 def recipe_diff(a: Recipe, b: Recipe) -> list[str]:

@@ -172,6 +172,27 @@ def test_different_recipe_is_refused(tmp_path):
     assert "lr = 0.1" in (tmp_path / "run" / "config.toml").read_text()
 
 
+def test_a_run_that_trained_nothing_gives_way_to_a_fixed_recipe(tmp_path, capsys):
+    """A run that failed before its first step left only config.toml and sessions.jsonl: running a corrected
+    recipe into the same dir starts over (nothing can be lost), instead of "holds a different recipe"."""
+    from crashing import CrashingBackend
+
+    from backends.base import BackendError
+
+    recipe = make_recipe(tmp_path, max_steps=2)
+    with pytest.raises(BackendError, match="simulated crash"):
+        run(recipe, "t", backend=CrashingBackend(FakeBackend(TOK), crash_at=0))
+    assert (tmp_path / "run" / "config.toml").exists() and not (tmp_path / "run" / METRICS).exists()
+    fixed = msgspec.structs.replace(recipe, lr=0.1)
+    run(fixed, "t", backend=FakeBackend(TOK))
+    assert "nothing trained: starts over" in capsys.readouterr().err
+    assert "lr = 0.1" in (tmp_path / "run" / "config.toml").read_text()
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [0, 1]
+    # Once something trained, a different recipe is refused again.
+    with pytest.raises(UserError, match=r"differs in: lr"):
+        run(recipe, "t", backend=FakeBackend(TOK))
+
+
 def test_overwrite_twice_within_a_second_keeps_both_old_runs(tmp_path, monkeypatch):
     """The aside name has one-second resolution: a second overwrite in the same second gets a suffix (before: an
     OSError traceback, "Directory not empty")."""
