@@ -44,6 +44,8 @@ Target = Annotated[str, Meta(pattern=TARGET_PATTERN, description="'pkg.mod:fn'")
 
 
 class Base(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    # Subclasses inherit frozen=True (msgspec). pyright reports "a non-frozen class cannot inherit from a
+    # frozen class" for each of them: its dataclass_transform model does not inherit the option.
     pass
 
 
@@ -681,7 +683,7 @@ def _explain(message: str, raw: Any, root: Any) -> str:
         valid = sorted([f.encode_name for f in s.fields] + ([s.tag_field] if s.tag_field else [])) if isinstance(
             s, mi.StructType
         ) else []
-        close = difflib.get_close_matches(key, valid, n=1)
+        close = difflib.get_close_matches(str(key), valid, n=1)
         hint = f"; did you mean `{close[0]}`?" if close else ""
         return f"{_dotted([*parts, key])}: unknown key{hint} (valid: {', '.join(valid)})"
 
@@ -848,7 +850,7 @@ def check_recipe(recipe: Recipe, where: str) -> None:
                 # A target called as fn(**args) (python data sources and envs): the args must fit its signature.
                 args = getattr(node, "args", None) if field.name == "target" else None
                 problem = args_mismatch(fn, args) if isinstance(args, dict) else None
-                if problem:
+                if problem and isinstance(args, dict):
                     raise UserError(f"{where}: {_dotted([*path, 'args'])}: {value!r} cannot be called with "
                                     f"args {sorted(args)}: {problem}")
 

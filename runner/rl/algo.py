@@ -38,7 +38,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -64,7 +64,7 @@ def loss_of(cfg: RL) -> tuple[LossFn, dict[str, float] | None]:
     """The recipe's loss as Tinker's loss_fn name and loss_fn_config."""
     match cfg.loss:
         case PPO(clip_low=lo, clip_high=hi) | CISPO(clip_low=lo, clip_high=hi):
-            return cfg.loss.__struct_config__.tag, {"clip_low_threshold": lo, "clip_high_threshold": hi}
+            return cast(LossFn, cfg.loss.__struct_config__.tag), {"clip_low_threshold": lo, "clip_high_threshold": hi}
         case DRO(beta=beta):
             return "dro", {"beta": beta}
     return "importance_sampling", None
@@ -110,7 +110,8 @@ class RLAlgo:
         self.total_steps = min(full, max_steps) if max_steps else full
         self.params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
         self.max_context = context_window(tokenizer)
-        self.loss_fn, self.loss_config = loss_of(cfg)
+        loss_fn, self.loss_config = loss_of(cfg)
+        self.loss_fn: LossFn = loss_fn
         # Snapshots by sampler step (weights after that many optimizer steps), oldest first.
         self.samplers: dict[int, Future[SamplingClient]] = {}
         self.reference: SamplingClient | None = None
@@ -186,10 +187,11 @@ class RLAlgo:
             groups = kept
         data_D, _ = assemble_datums(groups, compute_advantages(groups, self.cfg.normalize_std))
         if isinstance(self.cfg.kl, ReferenceKL) and data_D:
-            if self.reference is None:
-                self.reference = await ctx.backend.create_sampling_client(base_model=self.base_model)
+            reference = self.reference
+            if reference is None:
+                reference = self.reference = await ctx.backend.create_sampling_client(base_model=self.base_model)
             t = time.monotonic()
-            ref_D = await reference_logprobs(self.reference, data_D)
+            ref_D = await reference_logprobs(reference, data_D)
             data_D, kl = apply_kl_penalty(data_D, ref_D, self.cfg.kl.coef)
             metrics.update(kl)
             metrics["time/kl_vs_base"] = time.monotonic() - t
@@ -327,6 +329,7 @@ class RLAlgo:
     def _write_transcripts(self, split: str, step: int, batch: RolloutBatch, sampler_step: int | None) -> None:
         if not self.transcript_due(split, step):
             return
+        assert self.log_dir is not None  # set by prepare / final before any rollout
         where = Path(self.log_dir) / f"iteration_{step:06d}"
         transcripts.write_html(where / f"{split}.html", batch.groups, self.renderer.decode,
                                title=f"{split} rollouts, step {step}", group_indices=batch.group_indices,

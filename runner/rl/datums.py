@@ -73,7 +73,7 @@ def trajectory_to_datums(traj: Trajectory, advantage: float) -> list[Datum]:
 
 
 def assemble_datums(
-    groups: Sequence[TrajectoryGroup], advantages_P_G: Sequence[Sequence[float]]
+    groups: Sequence[TrajectoryGroup], advantages_P_G: Sequence[Sequence[float] | np.ndarray]
 ) -> tuple[list[Datum], list[DatumSource]]:
     """All datums of a batch and, for each, the (group, trajectory) it came from."""
     data_D: list[Datum] = []

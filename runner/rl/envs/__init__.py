@@ -13,6 +13,7 @@ groups_per_batch and the recipe seed. Datasets hand out `EnvGroupBuilder`s (runn
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, cast
 
 from runner.errors import UserError
 from runner.recipe import (
@@ -80,7 +81,7 @@ def _user_datasets(cfg: PythonEnv, ctx: EnvContext) -> tuple[RLDataset, RLDatase
                 f"{where}: {name} dataset is {type(ds).__name__}, expected an RLDataset (get_batch, __len__)"
             )
         try:
-            n = len(ds)
+            n = len(cast(Any, ds))  # user code: checked by hasattr above, and any failure is reported
         except Exception as e:  # noqa: BLE001 - user code
             raise UserError(f"{where}: len() of the {name} dataset failed: {describe_error(e)}") from None
         if n == 0 and name == "train":

@@ -62,6 +62,7 @@ def build(cfg: GuessNumber, ctx: EnvContext) -> tuple[RLDataset, RLDataset | Non
     )
 
     def builder(group_size: int, secret: object) -> RepeatGroupBuilder:
+        assert isinstance(secret, int)
         env = functools.partial(GuessNumberEnv, ctx.renderer, secret, cfg.low, cfg.high, cfg.max_turns)
         return RepeatGroupBuilder(env, group_size, ["guess_number"])
 

@@ -169,7 +169,8 @@ class Game:
 class SelfPlayEnv(ChatEnv):
     def __init__(self, renderer: ChatRenderer, game: Game, seat: Seat):
         super().__init__(renderer, [])
-        self.game, self.seat = game, seat
+        self.game = game
+        self.seat: Seat = seat
 
     async def initial_observation(self) -> tuple[Observation, StopCondition] | None:
         await self.game.wait_turn(self.seat)

@@ -125,6 +125,7 @@ def build(cfg: TwentyQuestions, ctx: EnvContext) -> tuple[RLDataset, RLDataset |
     )
 
     def builder(group_size: int, obj: object) -> RepeatGroupBuilder:
+        assert isinstance(obj, str)
         env = functools.partial(TwentyQuestionsEnv, ctx.renderer, obj, cfg.max_turns)
         return RepeatGroupBuilder(env, group_size, ["twenty_questions"])
 
