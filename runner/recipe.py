@@ -344,6 +344,10 @@ class Async(ModeBase):
     k − max_staleness), so sampling for step k+1 runs while step k trains. Needs depth >= 1."""
 
     max_staleness: PosInt = 1
+    # Step k always samples the weights after step k − max_staleness (the first steps of a session: the
+    # weights it started from), never fresher ones that happen to be ready: which weights a step sees no
+    # longer depends on timing, so a seeded run on the local backend's CPU repeats exactly.
+    fixed_staleness: bool = False
 
 
 Mode = Sync | Stream | Async

@@ -167,6 +167,19 @@ def test_sync_crash_then_resume_equals_uninterrupted(tmp_path: Path) -> None:
         assert [x["total_reward"] for x in a] == [x["total_reward"] for x in b]
 
 
+def test_async_fixed_staleness_repeats_exactly(tmp_path: Path) -> None:
+    """fixed_staleness: step k samples the weights after step k - K whatever the timing, so two runs of the
+    same seeded recipe give the same metrics (time/* aside), logprob-derived ones included."""
+    mode = {"kind": "async", "max_staleness": 2, "fixed_staleness": True}
+    for name in ("a", "b"):
+        run(arith(tmp_path, name, algo={"mode": mode}, max_steps=5), "r")
+    a, b = no_time(rows(tmp_path / "a")), no_time(rows(tmp_path / "b"))
+    assert a == b
+    ms = train_rows(a)
+    assert [m["sampling_client/step_max"] for m in ms] == [0, 0, 0, 1, 2]
+    assert [m["async/staleness_max"] for m in ms] == [0, 1, 2, 2, 2]
+
+
 def test_async_is_off_policy_by_at_most_k(tmp_path: Path) -> None:
     run(arith(tmp_path, "async", algo={"mode": {"kind": "async", "max_staleness": 1}}, max_steps=5), "r")
     ms = train_rows(rows(tmp_path / "async"))

@@ -22,7 +22,9 @@ Which weights sample step k (the sampler "step" s = weights after s optimizer st
   stream  as sync, but each minibatch's forward_backward is submitted from prepare as soon as its groups
           finish (and each substep's optim_step after its last minibatch), so training overlaps sampling;
   async   the newest snapshot already made, at least k - max_staleness: with the loop's depth >= 1,
-          prepare(k+1) runs while step k trains, on the weights after step k-1 (staleness 1).
+          prepare(k+1) runs while step k trains, on the weights after step k-1 (staleness 1);
+          with fixed_staleness exactly k - max_staleness (the session's first snapshot until then), so
+          runs repeat whatever the timing.
           Staleness is per group: async/staleness_{min,max,mean} = k - s.
 
 Exact resume (sync, stream with one minibatch order aside): the data position is the step itself, every sample
@@ -143,7 +145,10 @@ class RLAlgo:
         if isinstance(self.cfg.mode, Async):
             allowed = [s for s in self.samplers if s >= step - self.cfg.mode.max_staleness]
             ready = [s for s in allowed if self.samplers[s].done()]
-            s = max(ready) if ready else min(allowed)  # FIFO: the oldest allowed snapshot is ready first
+            if self.cfg.mode.fixed_staleness or not ready:
+                s = min(allowed)  # FIFO: the oldest allowed snapshot is ready first
+            else:
+                s = max(ready)
         else:
             s = step
         client = await self.samplers[s]
