@@ -501,7 +501,7 @@ RL_ERRORS = [
      "algo: tictactoe self-play needs an even group_size (two seats per game)"),
     (['algo.env={kind="python", target="nocolon"}'], "algo.env.target: expected 'pkg.mod:fn', got 'nocolon'"),
     (["algo.mode.kind=async", "algo.mode.max_stalenes=2"],
-     "algo.mode.max_stalenes: unknown key; did you mean `max_staleness`? (valid: kind, max_staleness)"),
+     "algo.mode.max_stalenes: unknown key; did you mean `max_staleness`? (valid: fixed_staleness, kind, max_staleness)"),
     (["algo.mode.kind=async", "depth=0"],
      "algo.mode async samples while the previous step trains: it needs depth >= 1"),
     (['algo.mode={kind="stream", minibatches=3}'],
