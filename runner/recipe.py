@@ -480,7 +480,29 @@ def load_recipe(ref: str, overrides: Sequence[str] = ()) -> tuple[str, Recipe]:
     if name not in tables:
         raise UserError(f"{path}: no recipe named {name!r}; available: {', '.join(sorted(tables))}")
     where = f"{path}#{name}"
-    return name, decode_recipe(apply_overrides(tables[name], overrides, where), where)
+    recipe = decode_recipe(apply_overrides(tables[name], overrides, where), where)
+    return name, _data_next_to_recipe(recipe, where, Path(path).parent)
+
+
+def _data_next_to_recipe(recipe: Recipe, where: str, base: Path) -> Recipe:
+    """A relative data path is relative to the working directory; one that is not there but is next to the
+    recipe file (`runner run ~/proj/recipes.toml#x` from elsewhere) becomes that file's absolute path, which
+    config.toml then records."""
+    fixes = []
+    for keys, node in _structs(recipe, ()):
+        if isinstance(node, Jsonl):
+            rel = Path(node.path)
+            if not rel.is_absolute() and not rel.is_file() and (base / rel).is_file():
+                fixes.append((keys, str((base / rel).resolve())))
+    if not fixes:
+        return recipe
+    raw = msgspec.to_builtins(recipe)
+    for keys, value in fixes:
+        table = raw
+        for key in keys:
+            table = table[key]
+        table["path"] = value
+    return decode_recipe(raw, where)
 
 
 def split_ref(ref: str) -> tuple[str, str | None]:
@@ -843,7 +865,8 @@ def check_recipe(recipe: Recipe, where: str) -> None:
     `Target` field imports and is callable. Raises UserError prefixed with `where` ('FILE#name')."""
     for path, node in _structs(recipe, ()):
         if isinstance(node, Jsonl) and not Path(node.path).is_file():
-            raise UserError(f"{where}: {_dotted([*path, 'path'])}: data file not found: {node.path}")
+            looked = "" if Path(node.path).is_absolute() else f" (looked in {os.getcwd()} and next to the recipe file)"
+            raise UserError(f"{where}: {_dotted([*path, 'path'])}: data file not found: {node.path}{looked}")
         for field in _info(type(node)).fields:
             value = getattr(node, field.name)
             if isinstance(value, str) and _is_target(field.type):

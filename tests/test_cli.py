@@ -77,7 +77,8 @@ def test_check_reports_each_bad_recipe(workdir: Path, capsys: pytest.CaptureFixt
     assert out == "ok  recipes.toml#remote\n"
     assert err == (
         "error: recipes.toml#sl_basic: lr: expected float, got str 'fast'\n"
-        "error: recipes.toml#nodata: algo.data.path: data file not found: gone.jsonl\n"
+        f"error: recipes.toml#nodata: algo.data.path: data file not found: gone.jsonl (looked in {workdir} and "
+        "next to the recipe file)\n"
     )
 
 
@@ -119,7 +120,10 @@ def test_run_calls_the_loop(workdir: Path, fake_loop: list[Any]) -> None:
 def test_run_checks_data_first(workdir: Path, fake_loop: list[Any], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "recipes.toml#sl_basic", "algo.data.path=gone.jsonl"]) == 2
     assert fake_loop == []
-    assert capsys.readouterr().err == "error: recipes.toml#sl_basic: algo.data.path: data file not found: gone.jsonl\n"
+    assert capsys.readouterr().err == (
+        f"error: recipes.toml#sl_basic: algo.data.path: data file not found: gone.jsonl (looked in {workdir} and "
+        "next to the recipe file)\n"
+    )
 
 
 def test_run_exit_codes(workdir: Path, fake_loop: list[Any], capsys: pytest.CaptureFixture[str]) -> None:

@@ -454,12 +454,38 @@ def isolated_imports(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         del sys.modules[name]
 
 
+def test_relative_data_path_falls_back_to_the_recipe_files_folder(tmp_path: Path, monkeypatch) -> None:
+    """`runner run ~/proj/recipes.toml#x` from another folder finds the data next to the recipe (and records
+    its absolute path); a path that exists relative to the working directory wins."""
+    proj, elsewhere = tmp_path / "proj", tmp_path / "elsewhere"
+    (proj / "data").mkdir(parents=True)
+    elsewhere.mkdir()
+    (proj / "data" / "rows.jsonl").write_text('{"messages": []}\n')
+    (proj / "r.toml").write_text('[recipes.x.algo]\nkind = "sft"\ndata = {kind = "jsonl", path = "data/rows.jsonl"}\n')
+    monkeypatch.chdir(elsewhere)
+    recipe = load_recipe(str(proj / "r.toml"))[1]
+    assert isinstance(recipe.algo, SFT) and isinstance(recipe.algo.data, Jsonl)
+    assert recipe.algo.data.path == str((proj / "data" / "rows.jsonl").resolve())
+    check_recipe(recipe, "r.toml#x")
+    monkeypatch.chdir(proj)
+    recipe = load_recipe("r.toml")[1]
+    assert isinstance(recipe.algo, SFT) and isinstance(recipe.algo.data, Jsonl)
+    assert recipe.algo.data.path == "data/rows.jsonl"  # found where it says: left as written
+    (elsewhere / "data").mkdir()
+    (elsewhere / "data" / "rows.jsonl").write_text("")
+    monkeypatch.chdir(elsewhere)
+    recipe = load_recipe(str(proj / "r.toml"))[1]
+    assert isinstance(recipe.algo, SFT) and isinstance(recipe.algo.data, Jsonl)
+    assert recipe.algo.data.path == "data/rows.jsonl"  # the working directory's copy wins
+
+
 def test_check_recipe_data_and_targets(workdir: Path, isolated_imports: None) -> None:
     ref = f"{write(GOOD)}#sl_basic"
     check_recipe(load_recipe(ref)[1], "recipes.toml#sl_basic")
     missing = load_recipe(ref, ["algo.data.path=examples/data/nope.jsonl"])[1]
     assert error_of(check_recipe, missing, "recipes.toml#sl_basic") == (
-        "recipes.toml#sl_basic: algo.data.path: data file not found: examples/data/nope.jsonl"
+        f"recipes.toml#sl_basic: algo.data.path: data file not found: examples/data/nope.jsonl (looked in "
+        f"{workdir} and next to the recipe file)"
     )
     (workdir / "user_rows.py").write_text("ROWS = []\ndef rows():\n    return ROWS\n")
     (workdir / "broken_rows.py").write_text("import not_a_module_anywhere\n")
