@@ -481,6 +481,11 @@ def load_recipe(ref: str, overrides: Sequence[str] = ()) -> tuple[str, Recipe]:
         raise UserError(f"{path}: no recipe named {name!r}; available: {', '.join(sorted(tables))}")
     where = f"{path}#{name}"
     recipe = decode_recipe(apply_overrides(tables[name], overrides, where), where)
+    # User modules ("pkg.mod:fn" targets) may live next to the recipe file: importable after the working
+    # directory (import_target puts that first).
+    folder = str(Path(path).parent.resolve())
+    if folder not in sys.path:
+        sys.path.append(folder)
     return name, _data_next_to_recipe(recipe, where, Path(path).parent)
 
 

@@ -454,6 +454,18 @@ def isolated_imports(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         del sys.modules[name]
 
 
+def test_user_module_next_to_the_recipe_imports_from_elsewhere(tmp_path: Path, monkeypatch, isolated_imports) -> None:
+    proj, elsewhere = tmp_path / "proj", tmp_path / "elsewhere"
+    proj.mkdir()
+    elsewhere.mkdir()
+    (proj / "next_to_recipe_rows.py").write_text("def rows():\n    return []\n")
+    (proj / "r.toml").write_text(
+        '[recipes.x.algo]\nkind = "sft"\ndata = {kind = "python", target = "next_to_recipe_rows:rows"}\n'
+    )
+    monkeypatch.chdir(elsewhere)
+    check_recipe(load_recipe(str(proj / "r.toml"))[1], "r.toml#x")  # raises if it does not import
+
+
 def test_relative_data_path_falls_back_to_the_recipe_files_folder(tmp_path: Path, monkeypatch) -> None:
     """`runner run ~/proj/recipes.toml#x` from another folder finds the data next to the recipe (and records
     its absolute path); a path that exists relative to the working directory wins."""
