@@ -8,6 +8,8 @@ and `counter`, whose greedy continuation of token t is t+1, t+2, ... so stops la
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import transformers
@@ -365,3 +367,17 @@ def test_batch_invariant_samples_and_logprobs(rand, tok, threads):
         assert sampler.compute_logprobs_batch(seqs) == [sampler.compute_logprobs_batch([s])[0] for s in seqs]
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_bfloat16_model_samples(tok, attn):
+    """The bf16 path (CUDA's default dtype), run on the CPU: the cache buffers, masks and logprobs follow the
+    model's dtype, and seeded samples stay batch-invariant in tokens. (CUDA itself is not exercised here.)"""
+    model = _model(tok, attn=attn).to(torch.bfloat16)
+    sampler = Sampler(model, tok, CPU)
+    params = SamplingParams(max_tokens=10, seed=3, stop=[], temperature=0.8)
+    (alone,) = sampler.sample_batch([(tok.encode("bf16"), 2, params)])
+    crowd = sampler.sample_batch([(tok.encode("a longer prompt first"), 3, params), (tok.encode("bf16"), 2, params)])
+    assert [s.tokens for s in crowd[1].sequences] == [s.tokens for s in alone.sequences]
+    for s in alone.sequences:
+        assert len(s.tokens) == 10 and all(lp <= 0 and not math.isnan(lp) for lp in s.logprobs)
