@@ -62,6 +62,7 @@ class _GrowingLayer(DynamicLayer):
 
     def __init__(self, capacity: int, slots: _Slots):
         super().__init__()
+        self.is_initialized = False  # set by DynamicLayer itself only in newer transformers
         self.capacity = capacity
         self.slots = slots
         self.filled = 0  # slots [0, filled) may hold data in some row
