@@ -73,7 +73,7 @@ from runner.types import (
 )
 
 # As `runner run` does, before anything imports torch (OMP_WAIT_POLICY=ACTIVE in the environment overrides).
-PASSIVE_OPENMP = prefer_passive_openmp()
+prefer_passive_openmp()
 
 ROOT = Path(__file__).resolve().parent.parent
 SFT_REF = str(ROOT / "examples" / "sft_tiny.toml") + "#sft_tiny"

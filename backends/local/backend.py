@@ -17,12 +17,13 @@ because torch.set_num_threads also changes the count that threads starting later
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -90,8 +91,16 @@ class CoreShare:
         self._lock = threading.Lock()
         self._busy = 0
 
-    def sampling(self) -> _Sampling:
-        return _Sampling(self)
+    @contextlib.contextmanager
+    def sampling(self) -> Iterator[None]:
+        """Around a sampling worker's batch: it counts as decoding meanwhile."""
+        with self._lock:
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy -= 1
 
     def train_threads(self) -> int:
         with self._lock:
@@ -102,19 +111,6 @@ class CoreShare:
         n = self.train_threads()
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
-
-
-class _Sampling:
-    def __init__(self, share: CoreShare):
-        self.share = share
-
-    def __enter__(self) -> None:
-        with self.share._lock:
-            self.share._busy += 1
-
-    def __exit__(self, *exc: object) -> None:
-        with self.share._lock:
-            self.share._busy -= 1
 
 
 class LocalBackend:
@@ -487,19 +483,13 @@ class LocalSamplingClient:
         return self._worker.submit(f"compute_logprobs #{next(self._counter)}", ("logprobs", list(tokens)))
 
     def _handle(self, jobs: list[Job]) -> None:
-        if self._cores is None:
-            self._handle_all(jobs)
-        else:
-            with self._cores.sampling():
-                self._handle_all(jobs)
-
-    def _handle_all(self, jobs: list[Job]) -> None:
         valid = [job for job in jobs if self._check(job)]
-        # Logprobs first: one forward pass, so its callers go on while the samples decode.
-        self._run([j for j in valid if j.payload[0] == "logprobs"], self._sampler.compute_logprobs_batch,
-                  lambda j: j.payload[1])
-        self._run([j for j in valid if j.payload[0] == "sample"], self._sampler.sample_batch,
-                  lambda j: (j.payload[1], j.payload[2], j.payload[3]))
+        with self._cores.sampling() if self._cores is not None else contextlib.nullcontext():
+            # Logprobs first: one forward pass, so its callers go on while the samples decode.
+            self._run([j for j in valid if j.payload[0] == "logprobs"], self._sampler.compute_logprobs_batch,
+                      lambda j: j.payload[1])
+            self._run([j for j in valid if j.payload[0] == "sample"], self._sampler.sample_batch,
+                      lambda j: (j.payload[1], j.payload[2], j.payload[3]))
 
     def _check(self, job: Job) -> bool:
         tokens = job.payload[1]

@@ -322,8 +322,8 @@ class Sampler:
         prompts += [prompts[0]] * (_round_up(len(prompts), _ROW_QUANTUM) - len(prompts))
         longest = max(len(p) for p in prompts)
         capacity = _round_up(longest + steps)
+        # slots: the batch-invariant layout (see _ROW_QUANTUM), or None for HF's own cache, left-padded.
         cache, slots = self._new_cache(capacity)
-        right = slots is not None  # the batch-invariant layout (see _ROW_QUANTUM)
         logits = self._prefill(prompts, slots, cache)
         if source != list(range(len(prompts))):
             index = torch.tensor(source, device=dev)
@@ -332,7 +332,7 @@ class Sampler:
         # Which cache slots hold real tokens, per row.
         keys_ok = torch.zeros((n, capacity), dtype=torch.bool)
         for i, r in enumerate(rows):
-            if right:
+            if slots is not None:
                 keys_ok[i, : len(r.prompt)] = True
             else:
                 keys_ok[i, longest - len(r.prompt) : longest] = True
@@ -340,7 +340,7 @@ class Sampler:
         next_pos = torch.tensor([[len(r.prompt)] for r in rows], device=dev)
         dtype = self.dtype
         valid: bool | float = True
-        if right and self.attn_impl == "eager":
+        if slots is not None and self.attn_impl == "eager":
             # eager attention adds its mask to the scores; sdpa takes the boolean one as is.
             additive = torch.zeros(keys_ok.shape, dtype=dtype, device=dev)
             keys_ok = additive.masked_fill_(~keys_ok, torch.finfo(dtype).min)
@@ -348,6 +348,8 @@ class Sampler:
         lp_buf = torch.zeros((n, steps), dtype=torch.float32, device=dev)
         live = list(range(n))  # batch slot -> row
         plan = _Plan(rows, live, logits.shape[-1], dev)
+        if slots is not None:
+            slots.rows = torch.arange(n, device=dev)
         for t in range(steps):
             tok, lp = plan.choose(logits.float(), self.gen)
             lp_buf[plan.row_ids, t] = lp
@@ -376,10 +378,10 @@ class Sampler:
                 keys_ok, tok, next_pos = keys_ok[index], tok[index], next_pos[index]
                 live = [live[s] for s in keep]
                 plan = _Plan(rows, live, logits.shape[-1], dev)
-            if right:
-                assert slots is not None
+                if slots is not None:
+                    slots.rows = torch.arange(len(live), device=dev)
+            if slots is not None:
                 write = next_pos[:, 0]
-                slots.rows = torch.arange(len(live), device=dev)
                 slots.write = write
                 keys_ok[slots.rows, write] = valid
                 slots.view = min(capacity, _round_up(int(write.max()) + 1))
