@@ -68,12 +68,21 @@ def test_resume_after_crash_equals_uninterrupted(tmp_path):
 def test_kill_9_then_resume(tmp_path):
     """A real crash: SIGKILL the CLI process right after its first checkpoint row lands."""
     recipe = msgspec.structs.replace(recipe_for(tmp_path, "killed"), max_steps=40, save_every=3)
+    got, want = kill_9_resume_and_straight(tmp_path, recipe, {"OMP_NUM_THREADS": "1"})
+    assert got == want
+
+
+def kill_9_resume_and_straight(
+    tmp_path: Path, recipe: Recipe, env: dict[str, str] | None = None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Run `recipe` (whose log_dir is tmp_path/killed) with the CLI, SIGKILL it right after its first checkpoint
+    row lands (asserting it was really interrupted), resume it in-process, then run it uninterrupted under
+    tmp_path/straight: (resumed metrics, uninterrupted metrics), time/* aside."""
     ref = tmp_path / "recipe.toml"
     ref.write_text(dump_recipe("r", recipe))
     run_dir = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "runner", "run", f"{ref}#r"], cwd=tmp_path,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
         while not (run_dir / "checkpoints.jsonl").exists() or not (run_dir / "checkpoints.jsonl").read_text():
@@ -83,13 +92,12 @@ def test_kill_9_then_resume(tmp_path):
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-    killed_at = len(metrics(run_dir))
-    assert killed_at < 40  # it really was interrupted
+    assert len(metrics(run_dir)) < recipe.max_steps  # it really was interrupted
 
     _, resumed = load_recipe(f"{ref}#r")
     run(resumed, "r")
     run(msgspec.structs.replace(recipe, log_dir=str(tmp_path / "straight")), "r")
-    assert metrics(run_dir) == metrics(tmp_path / "straight")
+    return metrics(run_dir), metrics(tmp_path / "straight")
 
 
 def rl_recipe_for(tmp_path: Path, run_dir: str, steps: int) -> Recipe:
@@ -108,27 +116,6 @@ def test_kill_9_rl_then_resume(tmp_path):
     uninterrupted run's exactly, logprob-derived ones included. That needs the local sampler to be batch
     invariant, since its worker coalesces the concurrent sample requests however they happen to arrive."""
     steps = 40
-    recipe = rl_recipe_for(tmp_path, "killed", steps)
-    ref = tmp_path / "recipe.toml"
-    ref.write_text(dump_recipe("r", recipe))
-    run_dir = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "runner", "run", f"{ref}#r"], cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 120
-        while not (run_dir / "checkpoints.jsonl").exists() or not (run_dir / "checkpoints.jsonl").read_text():
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "no checkpoint within 120 s"
-            time.sleep(0.05)
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    killed_at = len(metrics(run_dir))
-    assert killed_at < steps  # it really was interrupted
-
-    _, resumed = load_recipe(f"{ref}#r")
-    run(resumed, "r")
-    run(msgspec.structs.replace(recipe, log_dir=str(tmp_path / "straight")), "r")
-    got, want = metrics(run_dir), metrics(tmp_path / "straight")
+    got, want = kill_9_resume_and_straight(tmp_path, rl_recipe_for(tmp_path, "killed", steps))
     assert len(want) >= steps and "optim/kl_sample_train_v1" in want[0]
     assert got == want
