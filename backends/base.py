@@ -1,4 +1,4 @@
-"""The backend protocol: Tinker's primitives, with our own types (runner/types.py) on the wire.
+"""The backend protocol: Tinker's primitives, with our own types (backends/types.py) on the wire.
 
 A `Backend` is the service client; it makes `TrainingClient`s and `SamplingClient`s. Every client
 method returns a `Future` at once. Guarantees every backend keeps (the loop relies on them):
@@ -18,7 +18,7 @@ import concurrent.futures
 from collections.abc import Callable, Generator
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
-from runner.types import (
+from backends.types import (
     AdamParams,
     Datum,
     ForwardBackwardOutput,
@@ -150,6 +150,11 @@ class Backend(Protocol):
 
     def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> Future[SamplingClient]:
         """From a save_weights_for_sampler path, or the base model (e.g. a KL / DPO reference)."""
+        ...
+
+    def checkpoint_ttl_seconds(self) -> int | None:
+        """How long periodic checkpoints should live (Tinker's ttl_seconds); None: as long as the backend keeps
+        files. The final checkpoint is always saved without a ttl."""
         ...
 
     def close(self, status: str = "success") -> None: ...

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from backends.base import BackendError, CustomLossFn, Future
-from runner.types import (
+from backends.types import (
     AdamParams,
     Datum,
     ForwardBackwardOutput,
@@ -88,6 +88,9 @@ class FakeBackend:
                                base_model: str | None = None) -> Future[FakeSamplingClient]:
         theta = self._load(model_path)["theta"] if model_path else np.random.default_rng(0).normal(0.0, 0.1, self.vocab)
         return Future.completed(FakeSamplingClient(self, theta))
+
+    def checkpoint_ttl_seconds(self) -> int | None:
+        return None
 
     def close(self, status: str = "success") -> None:
         for c in self.clients:

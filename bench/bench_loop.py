@@ -57,11 +57,9 @@ from typing import Any
 import numpy as np
 
 from backends.base import Backend, CustomLossFn, Future
+from backends.errors import UserError
 from backends.fake import FakeBackend
-from runner.errors import UserError
-from runner.recipe import Recipe, load_recipe
-from runner.threads import prefer_passive_openmp
-from runner.types import (
+from backends.types import (
     AdamParams,
     Datum,
     ForwardBackwardOutput,
@@ -71,6 +69,9 @@ from runner.types import (
     SampleOutput,
     SamplingParams,
 )
+from runner.load import load_recipe
+from runner.recipe import Recipe
+from runner.threads import prefer_passive_openmp
 
 # As `runner run` does, before anything imports torch (OMP_WAIT_POLICY=ACTIVE in the environment overrides).
 prefer_passive_openmp()
@@ -140,6 +141,9 @@ class ClockBackend:
         return Future(self._sampler.submit(lambda: call(*args).result()))
 
     # --- the Backend protocol
+
+    def checkpoint_ttl_seconds(self) -> int | None:
+        return self.inner.checkpoint_ttl_seconds()
 
     def get_tokenizer(self) -> Any:
         return self.inner.get_tokenizer()
@@ -289,6 +293,12 @@ def quiet_run(recipe: Recipe, backend: Backend) -> None:
         run(recipe, "bench", backend=backend)
 
 
+async def first_part(parts: Any) -> Any:
+    """The one part an SFT prepare() yields."""
+    async for part in parts:
+        return part
+
+
 def naive_sft(backend: ClockBackend, recipe: Recipe, steps: int) -> None:
     """Submit forward_backward, await it, submit optim_step, await it: one round trip per call."""
     from runner.loop import lora_spec, make_algo
@@ -296,7 +306,7 @@ def naive_sft(backend: ClockBackend, recipe: Recipe, steps: int) -> None:
     algo = make_algo(recipe)(backend.get_tokenizer())
     tc = backend.create_training_client(lora_spec(recipe)).result()
     for step in range(steps):
-        batch = asyncio.run(algo.prepare(step, None))
+        batch = asyncio.run(first_part(algo.prepare(step, None)))
         tc.forward_backward(batch, "cross_entropy").result()
         tc.optim_step(AdamParams(learning_rate=recipe.lr)).result()
 
@@ -397,7 +407,8 @@ def slow_prepare(seconds: float) -> Iterator[None]:
 
     async def prepare(self: SFTAlgo, step: int, ctx: Any) -> Any:
         await asyncio.sleep(seconds)
-        return await fast(self, step, ctx)
+        async for part in fast(self, step, ctx):
+            yield part
 
     SFTAlgo.prepare = prepare  # type: ignore[method-assign]
     try:

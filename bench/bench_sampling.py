@@ -22,7 +22,7 @@ import transformers
 
 from backends.local.sampler import Sampler
 from backends.local.tiny import build_config, build_tokenizer
-from runner.types import SamplingParams
+from backends.types import SamplingParams
 
 # name -> overrides of the tiny config. "tiny" is overhead-bound on CPU, "big" (~25M params) compute-bound.
 MODELS = {

@@ -37,7 +37,7 @@ def _backend(variant: str):
 
     from backends.local import backend as B
     from backends.local import worker as W
-    from runner.recipe import Local
+    from backends.local.config import Local
 
     if variant == "old":
         B.SAMPLER_CPU_THREADS = torch.get_num_threads()
@@ -47,7 +47,7 @@ def _backend(variant: str):
 
 
 def _snapshot(be):
-    from runner.types import LoraSpec
+    from backends.types import LoraSpec
 
     tc = be.create_training_client(LoraSpec("tiny", rank=4, seed=1)).result()
     return tc.save_weights_and_get_sampling_client().result()
@@ -66,7 +66,7 @@ def _count_batches(sc) -> list[int]:
 
 
 def lone(variant: str, args) -> dict:
-    from runner.types import SamplingParams
+    from backends.types import SamplingParams
 
     be = _backend(variant)
     params = SamplingParams(max_tokens=16, temperature=1.0, stop=[])
@@ -87,7 +87,7 @@ def lone(variant: str, args) -> dict:
 
 
 def episodes(variant: str, args) -> dict:
-    from runner.types import SamplingParams
+    from backends.types import SamplingParams
 
     be = _backend(variant)
     sc = _snapshot(be)
@@ -114,11 +114,11 @@ def episodes(variant: str, args) -> dict:
 
 
 def twentyq(variant: str, args) -> dict:
+    from backends.types import SamplingParams
+    from runner.recipe import TwentyQuestions
     from runner.rl.envs import EnvContext, build_datasets
     from runner.rl.renderer import ChatRenderer
     from runner.rl.rollouts import rollout_batch
-    from runner.rl.schema import TwentyQuestions
-    from runner.types import SamplingParams
 
     be = _backend(variant)
     ctx = EnvContext(ChatRenderer(be.get_tokenizer()), args.group_size, 1, args.groups, 0)

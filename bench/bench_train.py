@@ -45,10 +45,10 @@ import transformers
 from backends.local import batching
 from backends.local import model as M
 from backends.local.backend import LocalBackend
+from backends.local.config import Local
 from backends.local.tiny import _save, build_config, build_tokenizer
-from runner.recipe import Local
+from backends.types import AdamParams, Datum, LoraSpec
 from runner.sft import render, to_datum
-from runner.types import AdamParams, Datum, LoraSpec
 
 try:
     import trl

@@ -11,17 +11,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from runner.errors import UserError
-from runner.recipe import (
-    DEFAULT_FILE,
-    apply_overrides,
-    check_recipe,
-    decode_recipe,
-    dump_recipe,
-    load_recipe,
-    read_tables,
-    split_ref,
-)
+from backends.errors import UserError
+from runner.load import DEFAULT_FILE, check_recipe, dump_recipe, load_recipe, read_tables, resolve, split_ref
 from runner.threads import prefer_passive_openmp
 
 EPILOG = f"""\
@@ -75,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="runner",
-        description="Declarative LLM post-training (SFT, DPO, RL) from TOML recipes, on a local torch "
+        description="Declarative LLM post-training (SFT and RL) from TOML recipes, on a local torch "
         "backend or Tinker.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -126,9 +117,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     name, recipe = load_recipe(args.ref, args.overrides)
     check_recipe(recipe, _where(args.ref, name))
     prefer_passive_openmp()  # before torch loads (runner/threads.py)
-    from runner.loop import run  # torch and the backends load here, and only here
+    from runner.loop import Interrupted, run  # torch and the backends load here, and only here
 
-    run(recipe, name, dry_run=args.dry_run)
+    try:
+        run(recipe, name, dry_run=args.dry_run)
+    except Interrupted:  # Ctrl-C: the loop saved a checkpoint and said so
+        return 130
     return 0
 
 
@@ -144,7 +138,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     for name, raw in read_tables(path).items():
         where = f"{path}#{name}"
         try:
-            recipe = decode_recipe(apply_overrides(raw, args.overrides, where), where)
+            recipe = resolve(path, name, raw, args.overrides)
             check_recipe(recipe, where)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
@@ -163,7 +157,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     rows = []
     for name, raw in read_tables(args.file).items():
-        recipe = decode_recipe(raw, f"{args.file}#{name}")
+        recipe = resolve(args.file, name, raw)
         rows.append((name, _kind(recipe.algo), recipe.model, _kind(recipe.backend)))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for row in rows:

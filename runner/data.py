@@ -17,8 +17,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from runner.errors import UserError
-from runner.recipe import HF, DataSource, Jsonl, Python, import_target
+from backends.errors import UserError
+from runner.recipe import HF, DataSource, Jsonl, Python
+from runner.targets import import_target
 
 Message = dict[str, str]
 Conversation = list[Message]

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from runner.errors import UserError
+from backends.errors import UserError
 
 
 def append_jsonl(path: Path, row: dict[str, Any]) -> None:
@@ -59,55 +59,105 @@ def write_jsonl_atomic(path: Path, rows: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
-class Progress:
-    """One updating line on a terminal (stderr isatty); otherwise a plain line every `every` seconds
-    and at the last step, so CI logs stay short."""
+# The headline numbers of a step, by algorithm: (metrics key, label). RL shows the mean reward, and for envs
+# whose mean reward cannot move (pairwise judging: always about 0.5; self-play: zero-sum) a number that does.
+ALGO_KEYS: dict[str, list[tuple[str, str]]] = {
+    "sft": [("train_mean_nll", "nll"), ("test/nll", "test/nll")],
+    "rl": [("env/all/reward/total", "reward"), ("test/env/all/reward/total", "test/reward")],
+}
+ENV_KEYS: dict[str, list[tuple[str, str]]] = {
+    # Pairwise: the group's mean win rate is 0.5 by construction; reply length and format are what move.
+    "preference": [("env/all/ac_tokens_per_turn", "reply_tokens"), ("env/all/format", "format")],
+    # Self-play: wins and losses cancel; illegal moves and game length move, and the test split plays a fixed
+    # opponent, so its reward is a win rate that means something.
+    "tictactoe": [("env/all/illegal", "illegal"), ("env/all/turns_per_episode", "turns")],
+    "arithmetic": [("env/all/correct", "correct")],
+}
 
-    def __init__(self, total: int, start: int, stream: TextIO | None = None, every: float = 10.0):
+
+def algo_keys(recipe: Any) -> list[tuple[str, str]]:
+    """The progress line's metrics for a recipe (runner.recipe.Recipe)."""
+    algo = recipe.algo
+    keys = list(ALGO_KEYS.get(_tag(algo), [("loss", "loss")]))
+    env = getattr(algo, "env", None)
+    if env is not None:
+        keys[1:1] = ENV_KEYS.get(_tag(env), [])
+    return keys
+
+
+def _tag(struct: Any) -> str:
+    return str(type(struct).__struct_config__.tag)
+
+
+class Progress:
+    """A live bar (tqdm) on a terminal: step, the algorithm's headline metrics, ETA. Not on a terminal (CI, a
+    pipe, a file) a plain line per step for short runs, and about every `every` seconds plus the first and last
+    steps for long ones, so logs stay readable. Eval rows (any row with test/ metrics) always get a line of
+    their own."""
+
+    def __init__(self, total: int, start: int, keys: list[tuple[str, str]] | None = None,
+                 stream: TextIO | None = None, every: float = 10.0):
         self.total, self.start = total, start
+        self.keys = keys if keys is not None else [("train_mean_nll", "nll"), ("env/all/reward/total", "reward")]
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
-        self.every = every
+        # Short runs (<= 50 steps) print every step; longer ones every `every` seconds.
+        self.every = 0.0 if total - start <= 50 else every
         self.t0 = time.monotonic()
         self.last_print = -math.inf
+        self.bar: Any = None
+        if self.tty:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, file=self.stream, dynamic_ncols=True, unit="step",
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
 
     def update(self, step: int, metrics: dict[str, Any]) -> None:
         now = time.monotonic()
+        shown = self.shown(metrics, test=False)
+        if any(k.startswith("test/") for k in metrics):
+            self.message("  ".join([f"eval at step {step}", *self.shown(metrics, test=True)]))
+        if self.bar is not None:
+            self.bar.set_postfix_str("  ".join(shown), refresh=False)
+            self.bar.update(step + 1 - self.bar.n)
+            return
         done = step + 1 - self.start
         eta = (now - self.t0) / done * (self.total - step - 1) if done > 0 else 0.0
-        parts = [f"step {step + 1}/{self.total}", *_shown(metrics), f"eta {_fmt_seconds(eta)}"]
-        line = "  ".join(parts)
-        if self.tty:
-            self.stream.write("\r\033[K" + line)
-            if step + 1 == self.total:
-                self.stream.write("\n")
-        elif now - self.last_print >= self.every or step + 1 == self.total:
-            self.stream.write(line + "\n")
+        if now - self.last_print >= self.every or step + 1 == self.total or done == 1:
+            self.stream.write("  ".join([f"step {step + 1}/{self.total}", *shown, f"eta {_fmt_seconds(eta)}"]) + "\n")
+            self.stream.flush()
             self.last_print = now
-        self.stream.flush()
+
+    def shown(self, metrics: dict[str, Any], test: bool) -> list[str]:
+        """'label value' for each headline key the row has (test: only the test/ ones, else only the others)."""
+        parts = []
+        for key, label in self.keys:
+            if key.startswith("test/") != test:
+                continue
+            if isinstance(metrics.get(key), (int, float)):
+                parts.append(f"{label} {metrics[key]:.4f}")
+        if test:  # other test/ metrics of an eval row that the headline keys do not name
+            named = {k for k, _ in self.keys}
+            for key in ("test/nll", "test/env/all/reward/total", "test/accuracy"):
+                if key not in named and isinstance(metrics.get(key), (int, float)):
+                    parts.append(f"{key} {metrics[key]:.4f}")
+        return parts
 
     def final(self, metrics: dict[str, Any]) -> None:
         """The row logged after the last step (RL: the final eval), always printed."""
-        self.message("  ".join([f"final ({self.total} steps)", *_shown(metrics)]))
+        self.message("  ".join([f"final ({self.total} steps)", *self.shown(metrics, test=True)]))
 
     def message(self, text: str) -> None:
-        if self.tty:
-            self.stream.write("\r\033[K")
-        self.stream.write(text + "\n")
-        self.stream.flush()
+        if self.bar is not None:
+            self.bar.write(text, file=self.stream)
+        else:
+            self.stream.write(text + "\n")
+            self.stream.flush()
 
-
-def _shown(metrics: dict[str, Any]) -> list[str]:
-    """The headline numbers a row holds: SFT shows NLLs, RL rewards; whichever the row logged."""
-    parts = []
-    loss = metrics.get("train_mean_nll", metrics.get("loss"))
-    if isinstance(loss, (int, float)):
-        parts.append(f"loss {loss:.4f}")
-    for key, label in (("test/nll", "test/nll"), ("env/all/reward/total", "reward"),
-                       ("test/env/all/reward/total", "test/reward")):
-        if isinstance(metrics.get(key), (int, float)):
-            parts.append(f"{label} {metrics[key]:.4f}")
-    return parts
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def _fmt_seconds(s: float) -> str:

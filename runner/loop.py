@@ -21,35 +21,38 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
+import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from backends.base import Backend, BackendError, Future, TrainingClient
+from backends.base import Backend, BackendError, Future, SamplingClient, TrainingClient
+from backends.errors import UserError
+from backends.tokenizer import load_tokenizer
+from backends.types import AdamParams, LoraSpec
 from runner.data import load_conversations
-from runner.errors import UserError
-from runner.log import Progress
+from runner.log import Progress, algo_keys
 from runner.recipe import RL, SFT, Recipe
 from runner.rundir import RunDir, open_run_dir
 from runner.schedule import adam_at
-from runner.types import AdamParams, LoraSpec
 
 
 @dataclass
 class Context:
-    """What prepare() may use: RL samples from the current weights through ctx.tc (and, streaming, submits
-    its minibatches there with the step's optimizer parameters, ctx.adam(step))."""
+    """What prepare() may use. There is no training client: calls that train go through submit()."""
 
     backend: Backend
-    tc: TrainingClient
     tokenizer: Any
-    adam: Callable[[int], AdamParams]
     # The run dir, for what an algorithm writes besides metrics (RL transcripts).
     log_dir: Path
+    # A sampling client over the weights as of now in the training FIFO (after every step submitted so
+    # far): what RL samples its first step of a session from.
+    snapshot: Callable[[], Future[SamplingClient]]
 
 
 @dataclass
@@ -66,16 +69,19 @@ class Algorithm(Protocol):
     total_steps: int
 
     # Positional-only (`/`): implementations name their parameters after their own types.
-    async def prepare(self, step: int, ctx: Context, /) -> Any:
-        """The batch for `step`; advances the data position (and RNG) past it."""
+    def prepare(self, step: int, ctx: Context, /) -> AsyncIterator[Any]:
+        """The batch for `step`, as one or more parts, each handed to submit() the moment it is yielded (a
+        streaming algorithm yields minibatches as their rollouts finish, so training overlaps sampling);
+        advances the data position (and RNG) past the step."""
         ...
 
-    def submit(self, tc: TrainingClient, step: int, batch: Any, adam: AdamParams, evaluate: bool, /) -> Any:
-        """Queue the step's calls without waiting (with an eval first when `evaluate`); return their futures."""
+    def submit(self, tc: TrainingClient, step: int, part: Any, adam: AdamParams, evaluate: bool, /) -> Any:
+        """Queue one part's calls without waiting; `evaluate` is true for the first part of an eval step (queue
+        the eval first). Return the futures."""
         ...
 
-    async def finish(self, step: int, submitted: Any, /) -> dict[str, float]:
-        """Await what submit() queued; the step's metrics."""
+    async def finish(self, step: int, submitted: list[Any], /) -> dict[str, float]:
+        """Await what submit() queued for every part of the step; the step's metrics."""
         ...
 
     def state(self) -> dict[str, Any]:
@@ -123,21 +129,22 @@ def lora_spec(recipe: Recipe) -> LoraSpec:
 
 # ---------------------------------------------------------------- entry point
 
+class Interrupted(Exception):
+    """Ctrl-C: the steps already submitted finished and a checkpoint of the last one was saved (exit 130)."""
+
+
 def run(recipe: Recipe, name: str, *, dry_run: bool = False, backend: Backend | None = None) -> None:
     """Train `recipe` in its run dir (resuming it when it holds the same recipe). `backend` replaces
     the recipe's (tests pass backends.fake.FakeBackend)."""
     build_algo = make_algo(recipe)
     run_dir = open_run_dir(recipe, name, dry_run=dry_run)
     if dry_run:
-        from backends import load_tokenizer
-
-        tokenizer = backend.get_tokenizer() if backend is not None else load_tokenizer(recipe)
+        tokenizer = backend.get_tokenizer() if backend is not None else load_tokenizer(recipe.tokenizer or recipe.model)
         print_plan(recipe, name, run_dir, build_algo(tokenizer))
         return
     if backend is None:
-        from backends import make_backend
-
-        backend = make_backend(recipe, run_dir.path)
+        # Saved states live in the run dir, next to the checkpoints.jsonl rows that point at them.
+        backend = recipe.backend.make(recipe.model, recipe.tokenizer, run_dir.path / "checkpoints", recipe.seed)
     status = "error"
     try:
         algo = build_algo(backend.get_tokenizer())
@@ -148,14 +155,31 @@ def run(recipe: Recipe, name: str, *, dry_run: bool = False, backend: Backend | 
             print(f"{name}: already finished ({run_dir.start_step} steps in {run_dir.path}); nothing to do",
                   file=sys.stderr)
         else:
+            if (warning := short_data_warning(recipe, algo)) is not None:
+                print(f"warning: {warning}", file=sys.stderr)
             asyncio.run(train(recipe, run_dir, backend, algo, final is not None))
         status = "success"
     except BackendError as e:
         if e.user_error:
             raise UserError(str(e)) from None  # the message already names the request
         raise
+    except Interrupted:
+        status = "interrupted"
+        raise
     finally:
         backend.close(status)
+
+
+def short_data_warning(recipe: Recipe, algo: Algorithm) -> str | None:
+    """max_steps is a cap: when the data runs out first, say so (and how to get the steps) instead of silently
+    running fewer."""
+    if recipe.max_steps is None or algo.total_steps >= recipe.max_steps:
+        return None
+    epochs = getattr(recipe.algo, "epochs", 1)
+    per_epoch = max(1, algo.total_steps // max(1, epochs))
+    need = -(-recipe.max_steps // per_epoch)
+    return (f"max_steps = {recipe.max_steps}, but the data gives {algo.total_steps} steps ({per_epoch} batches per "
+            f"epoch x {epochs} epochs); running {algo.total_steps}. Set algo.epochs = {need} for {recipe.max_steps}.")
 
 
 # ---------------------------------------------------------------- the loop
@@ -165,13 +189,13 @@ class Pending:
     """A submitted step, until finish()."""
 
     step: int
-    submitted: Any
+    submitted: list[Any]
     lr: float
     prepare_s: float
+    # The algorithm's state after preparing this step: the data position of step + 1.
+    state: dict[str, Any]
     # Checkpoint name and save futures, when this step is a checkpoint step.
     save: tuple[str, Future[str], Future[str]] | None = None
-    # The algorithm's state after preparing this step: the data position of step + 1.
-    state: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -196,6 +220,38 @@ def final_due(run: RunDir, algo: Algorithm, final: str | None) -> bool:
     return final is not None and (start < total or (start == total and not run.has_row(total)))
 
 
+class StopFlag:
+    """Ctrl-C while training: the first sets the flag (the loop stops submitting, finishes what it submitted and
+    saves a checkpoint), the second exits at once. Installed on the running event loop (main thread only)."""
+
+    def __init__(self, progress: Progress):
+        self.set = False
+        self.progress = progress
+
+    def __enter__(self) -> StopFlag:
+        try:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGINT, self._first)
+            self.installed = True
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+            self.installed = False
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.installed:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
+
+    def _first(self) -> None:
+        self.set = True
+        self.progress.message("interrupted: finishing the submitted steps and saving a checkpoint "
+                              "(Ctrl-C again to quit now)")
+        asyncio.get_running_loop().add_signal_handler(signal.SIGINT, self._second)
+
+    def _second(self) -> None:
+        sys.stderr.write("interrupted again: quitting now, without a checkpoint of the last steps\n")
+        sys.stderr.flush()
+        os._exit(130)
+
+
 async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm, final: bool) -> None:
     """The steps from run.start_step on, then (when `final`) algo.final's row at step total_steps."""
     total, start = algo.total_steps, run.start_step
@@ -206,48 +262,65 @@ async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm, 
         else:
             tc = await backend.create_training_client(lora_spec(recipe))
     clock = Clock(before=run.begin())
-    progress = Progress(total, start)
+    progress = Progress(total, start, keys=algo_keys(recipe))
     if run.resume is not None:
         where = f"at step {start}" if tc is not None else "after its last step, for the final row only"
         progress.message(f"resuming {run.path} {where} (checkpoint {run.resume['name']})")
     elif run.announce:
         progress.message(f"{run.path}: {run.note}")
     last_ckpt = run.resume
-    if tc is not None:
-        last_ckpt = await train_steps(recipe, run, backend, tc, algo, progress, clock)
-    if final:
-        assert last_ckpt is not None and last_ckpt["next_step"] == total  # the last step always checkpoints
-        metrics = await algo.final(FinalContext(backend, last_ckpt["sampler_path"], run.path), recipe.eval_every > 0)
-        row = {"step": total, **metrics, "time/total": clock.lap()["time/total"]}
-        run.log_metrics(row)
-        progress.final(row)
+    with StopFlag(progress) as stop:
+        if tc is not None:
+            last_ckpt = await train_steps(recipe, run, backend, tc, algo, progress, clock, stop)
+        if stop.set:
+            done = last_ckpt["next_step"] if last_ckpt else 0
+            progress.message(f"interrupted after {done} of {total} steps: checkpoint "
+                             f"{last_ckpt['name'] if last_ckpt else '-'} saved in {run.path}; "
+                             "run the same command to resume")
+            raise Interrupted()
+        if final:
+            assert last_ckpt is not None and last_ckpt["next_step"] == total  # the last step always checkpoints
+            metrics = await algo.final(FinalContext(backend, last_ckpt["sampler_path"], run.path),
+                                       recipe.eval_every > 0)
+            row = {"step": total, **metrics, "time/total": clock.lap()["time/total"]}
+            run.log_metrics(row)
+            progress.final(row)
+    progress.close()
     progress.message(f"done: {total} steps in {run.path}")
 
 
 async def train_steps(recipe: Recipe, run: RunDir, backend: Backend, tc: TrainingClient, algo: Algorithm,
-                      progress: Progress, clock: Clock) -> dict[str, Any] | None:
-    """Steps start_step .. total_steps - 1, pipelined `depth` deep; returns the last checkpoint row."""
+                      progress: Progress, clock: Clock, stop: StopFlag) -> dict[str, Any] | None:
+    """Steps start_step .. total_steps - 1, pipelined `depth` deep; returns the last checkpoint row. When `stop`
+    is set, no further step is started: the submitted ones finish and the last of them is checkpointed."""
     total, start = algo.total_steps, run.start_step
-    ctx = Context(backend, tc, backend.get_tokenizer(), lambda step: adam_at(recipe, step, total), run.path)
+    ttl = backend.checkpoint_ttl_seconds()  # periodic checkpoints only; the final one never expires
+    ctx = Context(backend, backend.get_tokenizer(), run.path, tc.save_weights_and_get_sampling_client)
     pending: deque[Pending] = deque()
     ckpt: dict[str, Any] | None = None
     for step in range(start, total):
+        if stop.set:
+            break
         t = time.monotonic()
-        batch = await algo.prepare(step, ctx)
-        prepare_s = time.monotonic() - t
         adam = adam_at(recipe, step, total)
         evaluate = recipe.eval_every > 0 and step % recipe.eval_every == 0
-        p = Pending(step, algo.submit(tc, step, batch, adam, evaluate), adam.learning_rate, prepare_s)
+        submitted = []
+        async for part in algo.prepare(step, ctx):
+            submitted.append(algo.submit(tc, step, part, adam, evaluate and not submitted))
+        p = Pending(step, submitted, adam.learning_rate, time.monotonic() - t, algo.state())
         if checkpoint_due(recipe, step, total):  # queued right behind this step's optim_step
             last = step == total - 1
             name = run.checkpoint_name(step, last)
-            # Periodic checkpoints expire (Tinker's ttl_seconds; other backends have none); the final one never.
-            ttl = None if last else getattr(recipe.backend, "ttl_seconds", None)
-            p.save = (name, tc.save_state(name, ttl), tc.save_weights_for_sampler(name, ttl))
-            p.state = algo.state()
+            p.save = (name, tc.save_state(name, None if last else ttl),
+                      tc.save_weights_for_sampler(name, None if last else ttl))
         pending.append(p)
         while len(pending) > recipe.depth:
             ckpt = await finish(pending.popleft(), algo, run, progress, clock, total) or ckpt
+    if stop.set and pending and pending[-1].save is None:
+        # Interrupted: checkpoint the last submitted step, right behind it in the FIFO.
+        p = pending[-1]
+        name = run.checkpoint_name(p.step, False)
+        p.save = (name, tc.save_state(name, ttl), tc.save_weights_for_sampler(name, ttl))
     while pending:
         ckpt = await finish(pending.popleft(), algo, run, progress, clock, total) or ckpt
     return ckpt
@@ -296,6 +369,8 @@ def print_plan(recipe: Recipe, name: str, run: RunDir, algo: Algorithm) -> None:
          f"first {lrs[0]:.3g}, last {lrs[-1]:.3g}"),
         *algo.describe(),
     ]
+    if (warning := short_data_warning(recipe, algo)) is not None:
+        lines.append(f"warning: {warning}")
     if todo:
         lines.append(f"evals before steps: {_short(evals)}" if evals else "evals: none")
         lines.append(f"checkpoints after steps: {_short(saves)} (the last is \"final\": state + sampler weights)")

@@ -29,9 +29,10 @@ from typing import Any
 
 import msgspec
 
-from runner.errors import UserError
+from backends.errors import UserError
+from runner.load import dump_recipe, load_recipe
 from runner.log import append_jsonl, read_jsonl, write_jsonl_atomic
-from runner.recipe import Recipe, dump_recipe, load_recipe
+from runner.recipe import Recipe
 
 CONFIG, METRICS, CHECKPOINTS, SESSIONS = "config.toml", "metrics.jsonl", "checkpoints.jsonl", "sessions.jsonl"
 # Keys that may change between a run and its resumption: extending a run is a new max_steps, and the
@@ -61,7 +62,10 @@ class RunDir:
         """Commit to training from start_step: write config.toml, drop metrics rows at or after
         start_step (backup kept), record the session. Returns the time/total spent before start_step."""
         self.path.mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.path / CONFIG, dump_config(self.name, self.recipe))
+        # The run dir is recorded too (log_dir), so config.toml says where its run lives even when the recipe
+        # left it to the default.
+        recipe = msgspec.structs.replace(self.recipe, log_dir=self.recipe.log_dir or str(self.path))
+        _write_atomic(self.path / CONFIG, dump_config(self.name, recipe))
         self.session = len(read_jsonl(self.path / SESSIONS)) + 1
         append_jsonl(self.path / SESSIONS,
                      {"session": self.session, "start_step": self.start_step, "time": time.time()})

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 
+from backends.types import AdamParams
 from runner.recipe import Constant, Cosine, Linear, Optim, Recipe, Schedule
-from runner.types import AdamParams
 
 
 def multiplier(schedule: Schedule, step: int, total: int) -> float:

@@ -17,16 +17,17 @@ metrics.jsonl ends at the last step's row): the last held-out NLL is the one bef
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from backends.base import Future, TrainingClient
+from backends.errors import UserError
+from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
 from runner.data import Conversation
-from runner.errors import UserError
 from runner.recipe import SFT
-from runner.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
 
 # How many steps the dry-run plan renders to report datums and tokens per step.
 PLAN_STEPS = 20
@@ -188,9 +189,9 @@ class SFTAlgo:
 
     # --- one step
 
-    async def prepare(self, step: int, ctx: Any) -> list[Datum]:
+    async def prepare(self, step: int, ctx: Any) -> AsyncIterator[list[Datum]]:
         self.next_step = step + 1
-        return self.datums(self.rows_for(step))
+        yield self.datums(self.rows_for(step))
 
     def submit(self, tc: TrainingClient, step: int, batch: list[Datum], adam: AdamParams,
                evaluate: bool) -> Submitted:
@@ -202,7 +203,8 @@ class SFTAlgo:
         fb = tc.forward_backward(batch, "cross_entropy")
         return Submitted(batch, fb, tc.optim_step(adam), ev)
 
-    async def finish(self, step: int, sub: Submitted) -> dict[str, float]:
+    async def finish(self, step: int, subs: list[Submitted]) -> dict[str, float]:
+        (sub,) = subs  # one part per step
         fb = await sub.fwd_bwd
         opt = await sub.optim
         metrics = {

@@ -1,6 +1,6 @@
 """The same loop tests on both backends.
 
-`local` is backends/local in process. `tinker` is backends/tinker.py driving the real tinker SDK
+`local` is backends/local in process. `tinker` is backends/tinker/backend.py driving the real tinker SDK
 against tests/tinker_mock.py, whose engine is a LocalBackend on the same tiny model: every byte
 crosses the SDK's protobuf/JSON wire and the service's promise/poll/seq-id machinery, yet the math
 is the local backend's, so the two must agree number for number.
@@ -21,10 +21,11 @@ import pytest
 from tinker_mock import BASE_URL, MockTinker, respx_tinker
 
 from backends.base import BackendError, Future
+from backends.errors import UserError
+from backends.local.config import Local
 from backends.local.tiny import sft_conversations
-from runner.errors import UserError
 from runner.loop import run
-from runner.recipe import Local, Recipe
+from runner.recipe import Recipe
 
 STEPS = 4
 
@@ -189,7 +190,7 @@ def test_user_category_failure_is_a_user_error(tmp_path, monkeypatch, stack):
 def backend_for(service: Service, tmp_path: Path) -> Any:
     from backends.local import LocalBackend
     from backends.tinker import TinkerBackend
-    from runner.recipe import Tinker
+    from backends.tinker.config import Tinker
 
     if service.kind == "local":
         return LocalBackend(Local(device="cpu"), "tiny", None, tmp_path / "direct", seed=0)
@@ -202,7 +203,7 @@ def rl_steps(backend: Any, steps: int = 3) -> list[tuple[list[list[int]], float]
     sampled tokens and the loss."""
     import numpy as np
 
-    from runner.types import AdamParams, Datum, LoraSpec, SamplingParams
+    from backends.types import AdamParams, Datum, LoraSpec, SamplingParams
 
     tok = backend.get_tokenizer()
     text = tok.apply_chat_template([{"role": "user", "content": "say a"}], tokenize=False, add_generation_prompt=True)

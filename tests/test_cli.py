@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
+from backends.errors import UserError
 from runner.cli import main
-from runner.errors import UserError
-from runner.recipe import load_recipe
+from runner.load import load_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -50,7 +50,10 @@ def fake_loop(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
             raise calls[0]
         calls.append((name, recipe, dry_run))
 
-    monkeypatch.setitem(sys.modules, "runner.loop", types.SimpleNamespace(run=run))
+    class Interrupted(Exception):
+        pass
+
+    monkeypatch.setitem(sys.modules, "runner.loop", types.SimpleNamespace(run=run, Interrupted=Interrupted))
     return calls
 
 
@@ -169,3 +172,38 @@ def test_run_prefers_passive_openmp_unless_the_user_chose(tmp_path):
     out = subprocess.run([sys.executable, "-c", "import torch\n" + code], env=env, capture_output=True, text=True,
                          check=True)
     assert out.stdout.split() == ["False", "None"]  # too late once torch is loaded: left alone
+
+
+def test_check_a_whole_file_from_elsewhere_finds_data_and_modules_next_to_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`cd /tmp && runner check /path/to/recipes.toml` sees what `... recipes.toml#name` sees: data files and user
+    modules next to the recipe file (before, checking a whole file skipped that fallback)."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "data.jsonl").write_text('{"messages": []}\n')
+    (proj / "my_data_mod_xyz.py").write_text("def rows():\n    return []\n")
+    (proj / "recipes.toml").write_text(
+        RECIPES + '\n[recipes.py]\nalgo = {kind = "sft", data = {kind = "python", target = "my_data_mod_xyz:rows"}}\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    ref = str(proj / "recipes.toml")
+    assert main(["check", ref]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out == f"ok  {ref}#sl_basic\nok  {ref}#remote\nok  {ref}#py\n"
+    assert main(["check", f"{ref}#sl_basic"]) == 0
+    assert main(["list", ref]) == 0
+
+
+def test_help_names_only_the_algorithms_that_exist(capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    from runner.recipe import Algo
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    named = re.search(r"post-training \(([^)]*)\)", out.replace("\n", " "))
+    assert named is not None
+    kinds = {t.__struct_config__.tag for t in Algo.__args__}  # type: ignore[attr-defined]
+    assert {w.lower() for w in re.findall(r"[A-Za-z]+", named.group(1)) if w != "and"} == kinds

@@ -13,14 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from backends.base import Backend, BackendError, SamplingClient, TrainingClient
+from backends.errors import UserError
 from backends.local import batching
 from backends.local import model as M
 from backends.local.backend import LocalBackend
+from backends.local.config import Local
 from backends.local.device import pick_device
 from backends.local.tiny import TINY_DIR
-from runner.errors import UserError
-from runner.recipe import Local
-from runner.types import AdamParams, Datum, LoraSpec, SamplingParams
+from backends.types import AdamParams, Datum, LoraSpec, SamplingParams
 
 SPEC = LoraSpec("tiny", rank=4, seed=7)
 ADAM = AdamParams(learning_rate=3e-3)

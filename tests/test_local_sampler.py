@@ -16,7 +16,7 @@ import transformers
 
 from backends.local.sampler import Sampler
 from backends.local.tiny import build_config, build_tokenizer
-from runner.types import SamplingParams
+from backends.types import SamplingParams
 
 CPU = torch.device("cpu")
 EOS = 258  # <|im_end|>

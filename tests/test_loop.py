@@ -13,9 +13,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from backends.errors import UserError
 from backends.fake import FakeBackend
 from backends.local.tiny import build_tokenizer
-from runner.errors import UserError
 from runner.loop import run
 from runner.recipe import Recipe
 from runner.rundir import METRICS, open_run_dir
@@ -237,7 +237,7 @@ def test_schedules():
 
 
 def test_sft_through_the_tinker_sdk(tmp_path, monkeypatch):
-    """The same loop, unchanged, on backends/tinker.py over the real SDK and a mocked service
+    """The same loop, unchanged, on backends/tinker/backend.py over the real SDK and a mocked service
     (tests/tinker_mock.py); make_backend picks the adapter from the recipe. A resume extends the run
     from the service-side final checkpoint, optimizer state included."""
     from tinker_mock import BASE_URL, MockTinker, NumpyEngine, respx_tinker
@@ -272,10 +272,62 @@ def test_progress_line():
             return True
 
     tty, plain = Tty(), io.StringIO()
+    keys = [("train_mean_nll", "nll"), ("test/nll", "test/nll")]
     for stream in (tty, plain):
-        p = Progress(total=3, start=0, stream=stream, every=3600)
+        p = Progress(total=3, start=0, keys=keys, stream=stream, every=3600)
         for step in range(3):
-            p.update(step, {"train_mean_nll": 2.0 - step})
-    assert tty.getvalue().count("\r\033[K") == 3 and tty.getvalue().endswith("loss 0.0000  eta 0m00s\n")
-    # Not a terminal: the first line, then one per `every` seconds, and always the last.
-    assert plain.getvalue().splitlines() == ["step 1/3  loss 2.0000  eta 0m00s", "step 3/3  loss 0.0000  eta 0m00s"]
+            p.update(step, {"train_mean_nll": 2.0 - step, **({"test/nll": 5.0} if step == 1 else {})})
+        p.close()
+    # A terminal: a live bar (tqdm) with the step count and the headline metric; the eval row as its own line.
+    out = tty.getvalue()
+    assert "3/3" in out and "nll 0.0000" in out and "\r" in out
+    assert "eval at step 1  test/nll 5.0000\n" in out
+    # Not a terminal, a short run: a plain line per step, and each eval row as a line.
+    assert plain.getvalue().splitlines() == [
+        "step 1/3  nll 2.0000  eta 0m00s", "eval at step 1  test/nll 5.0000", "step 2/3  nll 1.0000  eta 0m00s",
+        "step 3/3  nll 0.0000  eta 0m00s"]
+    # A long run off a terminal: the first step, then one line per `every` seconds, and always the last step and
+    # every eval.
+    long = io.StringIO()
+    p = Progress(total=100, start=0, keys=keys, stream=long, every=3600)
+    for step in range(100):
+        p.update(step, {"train_mean_nll": 1.0, **({"test/nll": 2.0} if step % 50 == 0 else {})})
+    lines = long.getvalue().splitlines()
+    assert [ln.split("  ")[0] for ln in lines] == ["eval at step 0", "step 1/100", "eval at step 50", "step 100/100"]
+
+
+def test_progress_keys_per_algorithm():
+    """The headline numbers follow the algorithm, and envs whose mean reward cannot move get one that does."""
+    from runner.load import load_file
+    from runner.log import algo_keys
+
+    recipes = load_file("recipes.toml")
+    assert [k for k, _ in algo_keys(recipes["sl_basic"])] == ["train_mean_nll", "test/nll"]
+    pref = load_file("examples/rl_preference.toml")
+    keys = [k for r in pref.values() for k, _ in algo_keys(r)]
+    assert "env/all/reward/total" in keys and "env/all/ac_tokens_per_turn" in keys
+    ttt = load_file("examples/rl_tictactoe.toml")
+    assert "env/all/illegal" in [k for r in ttt.values() for k, _ in algo_keys(r)]
+
+
+
+def test_max_steps_beyond_the_data_warns_at_start(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """max_steps is a cap: when the data gives fewer steps, one line at start says how many will run and why."""
+    recipe = make_recipe(tmp_path, max_steps=30)
+    run(recipe, "r", dry_run=True, backend=FakeBackend())
+    out = capsys.readouterr().out
+    assert "warning: max_steps = 30, but the data gives" in out and "Set algo.epochs" in out
+    run(recipe, "r", backend=FakeBackend())
+    err = capsys.readouterr().err
+    assert err.count("warning: max_steps = 30") == 1
+    steps = len(metrics(tmp_path / "run"))
+    assert f"running {steps}." in err
+
+
+def test_config_toml_records_the_run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    recipe = msgspec.structs.replace(make_recipe(tmp_path, max_steps=1), log_dir=None)
+    run(recipe, "named", backend=FakeBackend())
+    text = (tmp_path / "runs" / "named" / "config.toml").read_text()
+    assert 'log_dir = "runs/named"' in text
+    run(recipe, "named", backend=FakeBackend())  # and it still resumes (log_dir may differ: it is the dir itself)

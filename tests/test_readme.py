@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from runner.recipe import load_recipe
+from runner.load import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 

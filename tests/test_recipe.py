@@ -14,24 +14,12 @@ import msgspec
 import msgspec.inspect as mi
 import pytest
 
-from runner.errors import UserError
-from runner.recipe import (
-    SFT,
-    Cosine,
-    Jsonl,
-    Linear,
-    Local,
-    Python,
-    Recipe,
-    Tinker,
-    check_recipe,
-    convert,
-    dump_recipe,
-    load_file,
-    load_recipe,
-    parse_override,
-    recipe_dict,
-)
+from backends.errors import UserError
+from backends.local.config import Local
+from backends.tinker.config import Tinker
+from runner.explain import convert
+from runner.load import check_recipe, dump_recipe, load_file, load_recipe, parse_override, recipe_dict
+from runner.recipe import SFT, Cosine, Jsonl, Linear, Python, Recipe
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = [REPO / "recipes.toml", *sorted((REPO / "examples").glob("*.toml"))]

@@ -21,8 +21,10 @@ from crashing import CrashingBackend
 
 from backends.base import BackendError
 from backends.local.tiny import sft_conversations
+from runner.load import dump_recipe, load_recipe
+from runner.log import read_jsonl
 from runner.loop import run
-from runner.recipe import Recipe, dump_recipe, load_recipe
+from runner.recipe import Recipe
 
 STEPS = 6
 
@@ -119,3 +121,65 @@ def test_kill_9_rl_then_resume(tmp_path):
     got, want = kill_9_resume_and_straight(tmp_path, rl_recipe_for(tmp_path, "killed", steps))
     assert len(want) >= steps and "optim/kl_sample_train_v1" in want[0]
     assert got == want
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_the_last_step_and_resumes(tmp_path):
+    """SIGINT (Ctrl-C) mid-run: the submitted steps finish, a checkpoint of the last one is saved, exit 130; the same
+    command resumes from there, and the run ends with the uninterrupted run's metrics (nothing lost but time)."""
+    recipe = msgspec.structs.replace(recipe_for(tmp_path, "killed"), max_steps=40, save_every=0)
+    ref = tmp_path / "recipe.toml"
+    ref.write_text(dump_recipe("r", recipe))
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "runner", "run", f"{ref}#r"], cwd=tmp_path,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (run_dir / "metrics.jsonl").exists() or len(metrics(run_dir)) < 3:  # a few steps in, with no checkpoint yet (save_every = 0)
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline, "no steps within 120 s"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err.decode()[-2000:]
+    assert "Traceback" not in err.decode() and "run the same command to resume" in err.decode()
+    done = len(metrics(run_dir))
+    assert 3 <= done < recipe.max_steps
+    [ckpt] = read_jsonl(run_dir / "checkpoints.jsonl")
+    assert ckpt["next_step"] == done  # the last finished step, not an older one
+
+    again = subprocess.run([sys.executable, "-m", "runner", "run", f"{ref}#r"], cwd=tmp_path, capture_output=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert again.returncode == 0, again.stderr.decode()[-2000:]
+    assert f"resuming {run_dir} at step {done}" in again.stderr.decode()
+    run(msgspec.structs.replace(recipe, log_dir=str(tmp_path / "straight")), "r")
+    assert metrics(run_dir) == metrics(tmp_path / "straight")
+
+
+def test_second_ctrl_c_quits_at_once(tmp_path):
+    """While the first Ctrl-C waits for slow in-flight steps, a second one exits at once (130, one line)."""
+    recipe = msgspec.structs.replace(recipe_for(tmp_path, "killed"), max_steps=400, save_every=0)
+    script = (
+        "import sys, msgspec\n"
+        "from backends.fake import FakeBackend\n"
+        "from runner.loop import Interrupted, run\n"
+        "from runner.recipe import Recipe\n"
+        f"recipe = msgspec.json.decode({msgspec.json.encode(recipe)!r}, type=Recipe)\n"
+        "try:\n"
+        "    run(recipe, 'r', backend=FakeBackend(delay=1.0))\n"
+        "except Interrupted:\n"
+        "    sys.exit(130)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "killed" / "metrics.jsonl").exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    t = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "quitting now" in err.decode() and "Traceback" not in err.decode()
+    assert time.monotonic() - t < 0.9  # before the in-flight call (1 s) could finish

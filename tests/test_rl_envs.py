@@ -10,8 +10,10 @@ import textwrap
 
 import pytest
 
+from backends.errors import UserError
 from backends.local.tiny import build_tokenizer
-from runner.errors import UserError
+from backends.types import SamplingParams
+from runner.recipe import Arithmetic, GuessNumber, Preference, PythonEnv, TicTacToe, TwentyQuestions
 from runner.rl.envs import EnvContext, build_datasets, get_batch
 from runner.rl.envs.arithmetic import ArithmeticEnv
 from runner.rl.envs.guess_number import GuessNumberEnv
@@ -20,9 +22,7 @@ from runner.rl.envs.tictactoe import OpponentEnv, optimal_move, winner
 from runner.rl.envs.twenty_questions import OBJECTS, TwentyQuestionsEnv
 from runner.rl.renderer import ChatRenderer
 from runner.rl.rollouts import do_group_rollout, rollout_batch, run_episode
-from runner.rl.schema import Arithmetic, GuessNumber, Preference, PythonEnv, TicTacToe, TwentyQuestions
 from runner.rl.testing import ScriptedSampler
-from runner.types import SamplingParams
 
 TOK = build_tokenizer()
 R = ChatRenderer(TOK)
@@ -422,7 +422,7 @@ def test_python_env_target(user_module):
 @pytest.mark.parametrize(
     "target, args, message",
     [
-        ("no_such_module_xyz:make", {}, "cannot import 'no_such_module_xyz'"),
+        ("no_such_module_xyz:make", {}, "cannot import 'no_such_module_xyz:make'"),
         ("my_rl_envs:missing", {}, "has no attribute 'missing'"),
         ("my_rl_envs:make", {"wrong": 1}, "calling it with args"),
         ("my_rl_envs:not_a_builder", {}, "returned int, expected a dataset builder"),

@@ -18,9 +18,10 @@ import pytest
 from crashing import CrashingBackend
 
 from backends.base import BackendError
-from runner.errors import UserError
+from backends.errors import UserError
+from runner.load import load_file, load_recipe
 from runner.loop import run
-from runner.recipe import Recipe, load_file, load_recipe
+from runner.recipe import Recipe
 
 REPO = Path(__file__).resolve().parent.parent
 RL_RECIPES = [
@@ -181,12 +182,24 @@ def test_async_fixed_staleness_repeats_exactly(tmp_path: Path) -> None:
 
 
 def test_async_is_off_policy_by_at_most_k(tmp_path: Path) -> None:
-    run(arith(tmp_path, "async", algo={"mode": {"kind": "async", "max_staleness": 1}}, max_steps=5), "r")
-    ms = train_rows(rows(tmp_path / "async"))
-    assert len(ms) == 5
-    assert ms[0]["async/staleness_max"] == 0  # nothing older exists at the start
-    assert all(0 <= m["async/staleness_min"] <= m["async/staleness_max"] <= 1 for m in ms)
-    assert all(m["sampling_client/step_max"] == m["step"] - m["async/staleness_max"] for m in ms)
+    """Async samples from weights older than the ones it trains (a sync implementation fails this), never more than
+    K steps older."""
+    run(arith(tmp_path, "sync", max_steps=5, lr=3e-2), "r")
+    run(arith(tmp_path, "fixed", max_steps=5, lr=3e-2,
+              algo={"mode": {"kind": "async", "max_staleness": 1, "fixed_staleness": True}}), "r")
+    run(arith(tmp_path, "async", max_steps=5, lr=3e-2, algo={"mode": {"kind": "async", "max_staleness": 1}}), "r")
+    sync, fixed, newest = (train_rows(rows(tmp_path / d)) for d in ("sync", "fixed", "async"))
+    # Fixed staleness: step k samples the weights after step k - 1 (the first step, the initial weights).
+    assert [m["async/staleness_max"] for m in fixed] == [0, 1, 1, 1, 1]
+    assert [m["sampling_client/step_max"] for m in fixed] == [0, 0, 1, 2, 3]
+    # ... and really did: the sampler's logprobs differ from the trained weights' by an update's worth, where sync
+    # (the same weights on both sides) differs only by float noise.
+    noise = max(abs(m["optim/kl_sample_train_v1"]) for m in sync)
+    assert noise < 1e-4
+    assert all(abs(m["optim/kl_sample_train_v1"]) > 10 * noise + 1e-5 for m in fixed[1:])
+    # The newest-ready policy: never staler than K, and the sampler step is what it says.
+    assert all(0 <= m["async/staleness_min"] <= m["async/staleness_max"] <= 1 for m in newest)
+    assert [m["async/staleness_max"] for m in newest][0] == 0
 
 
 def test_stream_submits_a_forward_backward_per_minibatch(tmp_path: Path) -> None:

@@ -9,8 +9,9 @@ import functools
 import numpy as np
 import pytest
 
+from backends.errors import UserError
 from backends.local.tiny import build_tokenizer
-from runner.errors import UserError
+from backends.types import SampledSequence, SamplingParams
 from runner.rl.advantages import compute_advantages, remove_constant_reward_groups
 from runner.rl.envs.arithmetic import ArithmeticEnv
 from runner.rl.envs.common import RepeatGroupBuilder
@@ -20,7 +21,6 @@ from runner.rl.renderer import ChatRenderer
 from runner.rl.rollouts import do_group_rollout, rollout_batch, sample_seed
 from runner.rl.testing import ScriptedSampler, fake_logprob
 from runner.rl.types import Env, StepResult, Trajectory, TrajectoryGroup, Transition
-from runner.types import SampledSequence, SamplingParams
 
 TOK = build_tokenizer()
 R = ChatRenderer(TOK)

@@ -13,9 +13,9 @@ import msgspec
 import numpy as np
 import pytest
 
+from backends.errors import UserError
 from backends.local.tiny import build_tokenizer
 from runner.data import load_conversations
-from runner.errors import UserError
 from runner.loop import run
 from runner.recipe import HF, SFT, Jsonl, Python, Recipe
 from runner.sft import SFTAlgo, render, to_datum

@@ -1,4 +1,4 @@
-"""backends/tinker.py against the real tinker SDK and a mocked service (tests/tinker_mock.py), offline.
+"""backends/tinker/backend.py against the real tinker SDK and a mocked service (tests/tinker_mock.py), offline.
 
 Run: python -m pytest tests/test_tinker_backend.py
 """
@@ -17,10 +17,10 @@ from tinker_mock import BASE_URL, MockTinker, NumpyEngine, respx_tinker
 from tinker_server import serve
 
 from backends.base import BackendError
-from backends.tinker import TinkerBackend, to_backend_error
-from runner import recipe
-from runner.errors import UserError
-from runner.types import (
+from backends.errors import UserError
+from backends.tinker.backend import TinkerBackend, to_backend_error
+from backends.tinker.config import Tinker
+from backends.types import (
     AdamParams,
     Datum,
     ForwardBackwardOutput,
@@ -55,7 +55,7 @@ def mock():
 @pytest.fixture
 def backend(mock):
     with respx_tinker(mock):
-        be = TinkerBackend(recipe.Tinker(), MODEL, "tiny")
+        be = TinkerBackend(Tinker(), MODEL, "tiny")
         try:
             yield be
         finally:
@@ -183,10 +183,13 @@ def test_forward_backward_custom(backend, mock):
 
 
 def test_tokenizer_errors():
-    with pytest.raises(UserError, match=r"set `tokenizer = \.\.\.`"):
-        TinkerBackend(recipe.Tinker(), "no-such-org/no-such-model", None).get_tokenizer()
+    # Offline, a tokenizer that is not in the local cache fails at once (no retry storm), with the fix.
+    t = time.monotonic()
+    with pytest.raises(UserError, match=r"not a local folder nor in the Hugging Face cache.*set tokenizer = "):
+        TinkerBackend(Tinker(), "no-such-org/no-such-model", None).get_tokenizer()
+    assert time.monotonic() - t < 10
     with pytest.raises(UserError, match="tokenizer"):
-        TinkerBackend(recipe.Tinker(), MODEL, "/no/such/tokenizer/dir").get_tokenizer()
+        TinkerBackend(Tinker(), MODEL, "/no/such/tokenizer/dir").get_tokenizer()
 
 
 # ---------------------------------------------------------------- ordering and pipelining
@@ -305,7 +308,7 @@ def test_unreachable_service_at_start(mock, monkeypatch):
     fast_backoff(monkeypatch)
     mock.faults.drop = {"*"}
     with respx_tinker(mock):
-        be = TinkerBackend(recipe.Tinker(), MODEL, "tiny")
+        be = TinkerBackend(Tinker(), MODEL, "tiny")
         try:
             with pytest.raises(BackendError, match="create_training_client 'Qwen/Qwen3-8B'") as err:
                 be.create_training_client(SPEC).result(WAIT)
@@ -321,10 +324,10 @@ def test_missing_or_malformed_key_fails_before_any_request(mock, monkeypatch):
     with respx_tinker(mock):
         monkeypatch.delenv("TINKER_API_KEY")
         with pytest.raises(UserError, match="set TINKER_API_KEY"):
-            TinkerBackend(recipe.Tinker(), MODEL, "tiny")
+            TinkerBackend(Tinker(), MODEL, "tiny")
         monkeypatch.setenv("TINKER_API_KEY", "sk-not-a-tinker-key")
         with pytest.raises(UserError, match="must start with 'tml-'") as err:
-            TinkerBackend(recipe.Tinker(), MODEL, "tiny")
+            TinkerBackend(Tinker(), MODEL, "tiny")
         assert "sk-not-a-tinker-key" not in str(err.value)
     assert mock.records == []
 
@@ -349,7 +352,7 @@ def test_real_http_server_with_pyqwest(mock, monkeypatch):
     mock.pyqwest = True  # client/config leaves the SDK's default (Rust) transport on
     with serve(mock) as url:
         monkeypatch.delenv("TINKER_BASE_URL")
-        be = TinkerBackend(recipe.Tinker(base_url=url), MODEL, "tiny")
+        be = TinkerBackend(Tinker(base_url=url), MODEL, "tiny")
         try:
             tc = be.create_training_client(SPEC).result(WAIT)
             losses = [step(tc)[0].metrics["loss:sum"] for _ in range(3)]

@@ -33,7 +33,7 @@ import respx
 from tinker.proto import tinker_public_pb2 as pb
 
 from backends.base import Future
-from runner.types import (
+from backends.types import (
     AdamParams,
     Datum,
     ForwardBackwardOutput,

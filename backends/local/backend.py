@@ -31,14 +31,14 @@ import numpy as np
 import torch
 
 from backends.base import BackendError, CustomLossFn, Future, SamplingClient, TrainingClient
+from backends.errors import UserError
 from backends.local import batching
 from backends.local import model as M
+from backends.local.config import Local
 from backends.local.device import pick_device
 from backends.local.losses import datum_loss, inputs_from_datum, resolve_config
 from backends.local.worker import Job, Worker, fail
-from runner.errors import UserError
-from runner.recipe import Local
-from runner.types import (
+from backends.types import (
     AdamParams,
     Datum,
     ForwardBackwardOutput,
@@ -152,6 +152,9 @@ class LocalBackend:
                 except Exception as exc:  # a folder without a usable tokenizer is the user's
                     raise UserError(f"cannot load a tokenizer from {self.tokenizer_dir}: {exc}") from exc
             return self._tokenizer
+
+    def checkpoint_ttl_seconds(self) -> int | None:
+        return None  # checkpoints are files in the run dir: they live as long as it does
 
     def create_training_client(self, spec: LoraSpec) -> Future[TrainingClient]:
         return self._worker.submit("create_training_client", lambda: self._new_training_client(spec, None, False))

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from runner.types import Datum
+from backends.types import Datum
 
 # Upper bound on padded tokens per chunk, and on the chunk's float32 logits (2**27 floats = 512 MiB).
 MAX_CHUNK_TOKENS = 16384

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from runner.errors import UserError
-from runner.recipe import Local
+from backends.errors import UserError
+from backends.local.config import Local
 
 
 def pick_device(cfg: Local) -> tuple[torch.device, torch.dtype]:

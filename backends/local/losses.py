@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.types import LOSS_FNS, Datum, LossFn
+from backends.types import LOSS_FNS, Datum, LossFn
 
 # loss_fn_config keys each loss accepts, with Tinker's defaults (tinker-sdk.md §3.3-3.5; dro's beta
 # follows the docs example, Tinker states no default).

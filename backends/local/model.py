@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from runner.errors import UserError
+from backends.errors import UserError
 
 ATTN_KEYS = ("attn", "attention")
 MLP_KEYS = ("mlp", "feed_forward", "ffn", "experts")

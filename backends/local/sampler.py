@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from runner.types import SampledSequence, SampleOutput, SamplingParams, StopReason
+from backends.types import SampledSequence, SampleOutput, SamplingParams, StopReason
 
 # Logit entries (rows x length x vocab) one compute_logprobs_batch forward may produce.
 _LOGPROB_BUDGET = 1 << 26

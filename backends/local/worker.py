@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.base import BackendError, Future
-from runner.errors import UserError
+from backends.errors import UserError
 
 IDLE_EXIT_S = 2.0
 

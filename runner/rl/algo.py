@@ -37,15 +37,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 
 from backends.base import BackendError, Future, SamplingClient, TrainingClient
-from runner.errors import UserError
+from backends.errors import UserError
+from backends.types import AdamParams, Datum, ForwardBackwardOutput, LossFn, OptimStepOutput, SamplingParams
 from runner.recipe import CISPO, DRO, PPO, RL, Async, ReferenceKL, Stream
 from runner.rl import transcripts
 from runner.rl.advantages import compute_advantages, remove_constant_reward_groups
@@ -56,7 +57,6 @@ from runner.rl.metrics import trajectory_metrics
 from runner.rl.renderer import ChatRenderer, context_window
 from runner.rl.rollouts import RolloutBatch, collect, guarded_group_rollout, rollout_batch
 from runner.rl.types import EnvGroupBuilder, TrajectoryGroup
-from runner.types import AdamParams, Datum, ForwardBackwardOutput, LossFn, OptimStepOutput, SamplingParams
 
 # Evals sample with their own seeds: (step, group) coordinates repeat between the train and test splits.
 EVAL_SEED_OFFSET = 1 << 40
@@ -81,16 +81,26 @@ def chunks(data_D: list[Datum], n: int) -> list[list[Datum]]:
 
 @dataclass
 class Prepared:
-    """A step's rollouts, made into datums (and, in stream mode, already submitted)."""
+    """A step's rollouts, made into datums."""
 
     step: int
     batch: RolloutBatch
     data_D: list[Datum]
     sampler: SamplingClient
     metrics: dict[str, float]
-    # Stream mode: (datums, forward_backward) per minibatch and one optim_step per substep, queued by prepare.
-    streamed: list[tuple[list[Datum], Future[ForwardBackwardOutput]]] | None = None
-    optims: list[Future[OptimStepOutput]] = field(default_factory=list)
+
+
+@dataclass
+class Part:
+    """What prepare() yields: the whole batch (sync, async), or in stream mode one minibatch, submitted the moment
+    its groups finish; `optim`: an optim_step follows it (the last minibatch of a substep); `last`: the step's
+    last part, behind which the next sampler snapshot is queued."""
+
+    prepared: Prepared
+    data_D: list[Datum]
+    streamed: bool = False
+    optim: bool = True
+    last: bool = True
 
 
 @dataclass
@@ -139,9 +149,9 @@ class RLAlgo:
 
     # ---------------------------------------------------------------- prepare: sample and build datums
 
-    async def sampler_for(self, step: int, tc: TrainingClient) -> tuple[int, SamplingClient]:
+    async def sampler_for(self, step: int, ctx: Any) -> tuple[int, SamplingClient]:
         if not self.samplers:  # first step of a session: the weights as they are now
-            self.samplers[step] = tc.save_weights_and_get_sampling_client()
+            self.samplers[step] = ctx.snapshot()
         if isinstance(self.cfg.mode, Async):
             allowed = [s for s in self.samplers if s >= step - self.cfg.mode.max_staleness]
             ready = [s for s in allowed if self.samplers[s].done()]
@@ -156,16 +166,17 @@ class RLAlgo:
             del self.samplers[old]  # each local snapshot holds a model copy
         return s, client
 
-    async def prepare(self, step: int, ctx: Any) -> Prepared:
+    async def prepare(self, step: int, ctx: Any) -> AsyncIterator[Part]:
         self.next_step = step + 1
         self.log_dir = ctx.log_dir
         t0 = time.monotonic()
-        sampler_step, sampler = await self.sampler_for(step, ctx.tc)
+        sampler_step, sampler = await self.sampler_for(step, ctx)
         t1 = time.monotonic()
         builders = self.builders(step)
         prepared = Prepared(step, RolloutBatch([], []), [], sampler, {})
         if isinstance(self.cfg.mode, Stream):
-            await self._stream(prepared, builders, ctx)
+            async for part in self._stream(prepared, builders, ctx):
+                yield part
         else:
             prepared.batch = await rollout_batch(builders, sampler, self.params, seed=self.seed, step=step,
                                                  max_context=self.max_context)
@@ -181,7 +192,8 @@ class RLAlgo:
         m["time/sampler_wait"] = t1 - t0
         m["time/sampling"] = time.monotonic() - t1
         self._write_transcripts("train", step, batch, sampler_step)
-        return prepared
+        if not isinstance(self.cfg.mode, Stream):
+            yield Part(prepared, prepared.data_D)
 
     async def _datums(self, groups: list[TrajectoryGroup], ctx: Any) -> tuple[list[Datum], dict[str, float]]:
         """Advantages, datums and the KL penalty for some groups of one step."""
@@ -202,9 +214,9 @@ class RLAlgo:
             metrics["time/kl_vs_base"] = time.monotonic() - t
         return data_D, metrics
 
-    async def _stream(self, prepared: Prepared, builders: list[EnvGroupBuilder], ctx: Any) -> None:
-        """Rollouts as tasks; every `per_minibatch` finished groups become a forward_backward at once, and the
-        last minibatch of each substep is followed by its optim_step."""
+    async def _stream(self, prepared: Prepared, builders: list[EnvGroupBuilder], ctx: Any) -> AsyncIterator[Part]:
+        """Rollouts as tasks; every `per_minibatch` finished groups become a part (a forward_backward, submitted by
+        the loop at once), and the last minibatch of each substep carries its optim_step."""
         assert isinstance(self.cfg.mode, Stream)
         per_substep = len(builders) // self.cfg.num_substeps
         per_minibatch = per_substep // self.cfg.mode.minibatches
@@ -213,7 +225,6 @@ class RLAlgo:
                 f"stream mode: batch {prepared.step % len(self.train)} of the train dataset has {len(builders)} groups, "
                 f"fewer than num_substeps × minibatches = {self.cfg.num_substeps * self.cfg.mode.minibatches}"
             )
-        adam = ctx.adam(prepared.step)
         done: asyncio.Queue[tuple[int, TrajectoryGroup | Exception]] = asyncio.Queue()
 
         async def rollout(i: int, builder: EnvGroupBuilder) -> None:
@@ -228,7 +239,6 @@ class RLAlgo:
         results: list[tuple[int, TrajectoryGroup | Exception]] = []
         pending: list[TrajectoryGroup] = []
         parts: list[dict[str, float]] = []
-        prepared.streamed = []
         try:
             while len(results) < len(tasks):
                 i, outcome = await done.get()
@@ -238,18 +248,18 @@ class RLAlgo:
                 if isinstance(outcome, TrajectoryGroup):
                     pending.append(outcome)
                 # A failed group still counts towards its minibatch (which then comes out smaller).
-                if len(results) % per_minibatch and len(results) < len(tasks):
+                last = len(results) == len(tasks)
+                if len(results) % per_minibatch and not last:
                     continue
+                data_D: list[Datum] = []
                 if pending:
                     data_D, metrics = await self._datums(pending, ctx)
                     parts.append(metrics)
                     pending = []
-                    if data_D:
-                        prepared.data_D += data_D
-                        fb = ctx.tc.forward_backward(data_D, self.loss_fn, self.loss_config)
-                        prepared.streamed.append((data_D, fb))
-                if len(results) % per_substep == 0 or len(results) == len(tasks):
-                    prepared.optims.append(ctx.tc.optim_step(adam))
+                    prepared.data_D += data_D
+                optim = len(results) % per_substep == 0 or last
+                if data_D or optim or last:
+                    yield Part(prepared, data_D, streamed=True, optim=optim, last=last)
         finally:
             for t in tasks:
                 t.cancel()
@@ -258,22 +268,28 @@ class RLAlgo:
 
     # ---------------------------------------------------------------- submit and finish
 
-    def submit(self, tc: TrainingClient, step: int, prepared: Prepared, adam: AdamParams, evaluate: bool) -> Submitted:
+    def submit(self, tc: TrainingClient, step: int, part: Part, adam: AdamParams, evaluate: bool) -> Submitted:
+        prepared = part.prepared
         ev = None
         if evaluate and self.test is not None:
             ev = asyncio.ensure_future(self._evaluate(step, prepared.sampler))
-        if prepared.streamed is not None:
-            fwd_bwd, optims = prepared.streamed, prepared.optims
+        fwd_bwd, optims = [], []
+        if part.streamed:
+            if part.data_D:
+                fwd_bwd.append((part.data_D, tc.forward_backward(part.data_D, self.loss_fn, self.loss_config)))
+            if part.optim:
+                optims.append(tc.optim_step(adam))
         else:
-            fwd_bwd, optims = [], []
-            for chunk in chunks(prepared.data_D, self.cfg.num_substeps):
+            for chunk in chunks(part.data_D, self.cfg.num_substeps):
                 fwd_bwd.append((chunk, tc.forward_backward(chunk, self.loss_fn, self.loss_config)))
                 optims.append(tc.optim_step(adam))
-        if step + 1 < self.total_steps or self.cfg.compute_post_kl:
+        if part.last and (step + 1 < self.total_steps or self.cfg.compute_post_kl):
             self.samplers[step + 1] = tc.save_weights_and_get_sampling_client()
         return Submitted(prepared, fwd_bwd, optims, ev)
 
-    async def finish(self, step: int, sub: Submitted) -> dict[str, float]:
+    async def finish(self, step: int, subs: list[Submitted]) -> dict[str, float]:
+        sub = Submitted(subs[0].prepared, [fb for s in subs for fb in s.fwd_bwd], [o for s in subs for o in s.optims],
+                        next((s.eval for s in subs if s.eval is not None), None))
         metrics = dict(sub.prepared.metrics)
         outs = [await f for _, f in sub.fwd_bwd]
         opts = [await f for f in sub.optims]

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from backends.types import Datum
 from runner.rl.types import Trajectory, TrajectoryGroup
-from runner.types import Datum
 
 PARSE_ERROR_MASKED = "parse_error_masked"
 

@@ -17,7 +17,7 @@ from dataclasses import replace
 import numpy as np
 
 from backends.base import SamplingClient
-from runner.types import Datum
+from backends.types import Datum
 
 
 async def reference_logprobs(client: SamplingClient, data_D: Sequence[Datum]) -> list[np.ndarray]:

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from runner.errors import UserError
+from backends.errors import UserError
 
 Message = dict[str, str]  # {"role": ..., "content": ...}
 

@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 from backends.base import BackendError, SamplingClient
-from runner.errors import UserError
+from backends.errors import UserError
+from backends.types import SamplingParams
 from runner.rl.types import Env, EnvGroupBuilder, StepResult, Trajectory, TrajectoryGroup, Transition
-from runner.types import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from backends.base import Future
-from runner.types import SampledSequence, SampleOutput, SamplingParams
+from backends.types import SampledSequence, SampleOutput, SamplingParams
 
 Policy = Callable[[str, SamplingParams], "str | list[int]"]
 

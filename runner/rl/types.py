@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from runner.types import SampledSequence, StopReason
+from backends.types import SampledSequence, StopReason
 
 Observation = list[int]
 # As in SamplingParams.stop: strings or token ids, the sample ends on (and includes) the first one;

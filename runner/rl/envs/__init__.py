@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, cast
 
-from runner.errors import UserError
+from backends.errors import UserError
 from runner.recipe import (
     Arithmetic,
     Env,
@@ -24,13 +24,12 @@ from runner.recipe import (
     PythonEnv,
     TicTacToe,
     TwentyQuestions,
-    args_mismatch,
 )
 from runner.rl.envs import arithmetic, guess_number, preference, tictactoe, twenty_questions
 from runner.rl.envs.common import EnvContext
-from runner.rl.envs.user import load_target
 from runner.rl.rollouts import describe_error
 from runner.rl.types import EnvGroupBuilder, RLDataset
+from runner.targets import args_mismatch, import_target
 
 __all__ = ["EnvContext", "build_datasets", "get_batch"]
 
@@ -54,7 +53,7 @@ def build_datasets(cfg: Env, ctx: EnvContext) -> tuple[RLDataset, RLDataset | No
 
 def _user_datasets(cfg: PythonEnv, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:
     where = f"env target {cfg.target!r}"
-    fn = load_target(cfg.target, "env")
+    fn = import_target(cfg.target)
     problem = args_mismatch(fn, cfg.args)
     if problem:  # wrong args from the recipe
         raise UserError(f"{where}: calling it with args {sorted(cfg.args)} failed: {problem}")

@@ -8,7 +8,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from runner.errors import UserError
+from backends.errors import UserError
 from runner.rl.renderer import ChatRenderer, Message, ParsedReply, Prompt
 from runner.rl.types import Env, EnvGroupBuilder, Observation, RLDataset, StopCondition
 

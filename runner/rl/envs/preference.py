@@ -11,10 +11,9 @@ import functools
 import random
 from collections.abc import Callable, Sequence
 
-from runner.errors import UserError
+from backends.errors import UserError
 from runner.recipe import Preference
 from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, check_train_size
-from runner.rl.envs.user import load_target
 from runner.rl.renderer import ChatRenderer
 from runner.rl.types import (
     Env,
@@ -26,6 +25,7 @@ from runner.rl.types import (
     StopCondition,
     Trajectory,
 )
+from runner.targets import import_target
 
 Judge = Callable[[str, str, str], float]
 
@@ -103,7 +103,7 @@ class PreferenceGroupBuilder(EnvGroupBuilder):
 
 def build(cfg: Preference, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:
     check_train_size(cfg.train_size, ctx.groups_per_batch, "preference")
-    judge: Judge = shorter_wins if cfg.judge is None else load_target(cfg.judge, "preference judge")
+    judge: Judge = shorter_wins if cfg.judge is None else import_target(cfg.judge)
     rng = random.Random(ctx.seed)
     train = [rng.choice(cfg.prompts) for _ in range(cfg.train_size)]
 

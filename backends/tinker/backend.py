@@ -1,6 +1,6 @@
 """The hosted Tinker service (or any Tinker-compatible server) behind our backend protocol.
 
-A thin adapter over the `tinker` SDK (0.38): our runner/types.py values are converted to `tinker.*`
+A thin adapter over the `tinker` SDK (0.38): our backends/types.py values are converted to `tinker.*`
 values here and nowhere else, and every SDK future comes back as a backends.base.Future whose result
 is already one of our types. Things the SDK does that shape this file:
 - Plain SDK methods return at once with an APIFuture; ordering (seq ids) is reserved on the calling
@@ -26,8 +26,9 @@ import tinker
 from tinker.types import RequestErrorCategory
 
 from backends.base import BackendError, CustomLossFn, Future
-from runner.errors import UserError
-from runner.types import (
+from backends.errors import UserError
+from backends.tokenizer import load_tokenizer
+from backends.types import (
     LOSS_INPUTS,
     AdamParams,
     Datum,
@@ -41,7 +42,7 @@ from runner.types import (
 )
 
 if TYPE_CHECKING:
-    from runner import recipe
+    from backends.tinker.config import Tinker
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +292,7 @@ class TinkerTrainingClient:
 class TinkerBackend:
     """The Tinker service. Constructing it checks the key and makes no network call."""
 
-    def __init__(self, cfg: recipe.Tinker, model: str, tokenizer: str | None = None):
+    def __init__(self, cfg: Tinker, model: str, tokenizer: str | None = None):
         self._key = api_key_from_env()
         self.model = model
         self._tokenizer_name = tokenizer
@@ -300,6 +301,10 @@ class TinkerBackend:
         # The key is passed explicitly so the SDK's other credential sources (files, commands) are not used.
         self._service = tinker.ServiceClient(base_url=base_url, api_key=self._key)
         self._closed = False
+        self._ttl = cfg.ttl_seconds
+
+    def checkpoint_ttl_seconds(self) -> int | None:
+        return self._ttl
 
     def get_tokenizer(self) -> Any:
         if self._tokenizer is None:
@@ -342,21 +347,3 @@ class TinkerBackend:
             self._service.close(st).result(timeout=CLOSE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - closing must not hide the error that ended the run
             log.warning("closing the Tinker session failed: %s", _first_line(_scrub(str(exc), self._key)))
-
-
-def load_tokenizer(name: str) -> Any:
-    """"tiny" is the embedded byte-level tokenizer; anything else is a local folder or a hub name
-    (never the SDK's get_tokenizer, which always goes to the hub)."""
-    try:
-        if name == "tiny":
-            from backends.local.tiny import build_tokenizer
-
-            return build_tokenizer()
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(name)
-    except Exception as exc:  # noqa: BLE001 - missing folder, no hub, bad files: one fix for all
-        raise UserError(
-            f"could not load a tokenizer for {name!r} ({type(exc).__name__}); set `tokenizer = ...` in the recipe "
-            "to a local tokenizer folder or a reachable Hugging Face name"
-        ) from None

@@ -1,0 +1,30 @@
+"""How a recipe names a backend: `backend = {kind = "local" | "tinker", ...}`.
+
+Each backend declares its own msgspec variant next to its code (backends/local/config.py,
+backends/tinker/config.py); the recipe schema (runner/recipe.py) takes their union. A variant knows how to
+make its backend, lazily, so that validating a recipe never imports torch or the tinker SDK.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgspec
+
+if TYPE_CHECKING:
+    from backends.base import Backend
+
+
+class ConfigStruct(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """A recipe table: unknown keys are errors, values immutable, fields by name.
+
+    Subclasses inherit frozen=True (msgspec). pyright reports "a non-frozen class cannot inherit from a
+    frozen class" for each of them: its dataclass_transform model does not inherit the option."""
+
+
+class BackendConfig(ConfigStruct, tag_field="kind", tag=str.lower):
+    def make(self, model: str, tokenizer: str | None, storage_dir: Path, seed: int) -> Backend:
+        """The backend this table describes. `model` is the base model, `tokenizer` its override, `storage_dir`
+        where a backend that stores checkpoints itself keeps them (the run dir's checkpoints/)."""
+        raise NotImplementedError

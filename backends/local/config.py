@@ -1,0 +1,31 @@
+"""The local backend's recipe table: `backend = {kind = "local", ...}` (the default)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Literal
+
+from msgspec import Meta
+
+from backends.config import BackendConfig
+
+if TYPE_CHECKING:
+    from backends.base import Backend
+
+
+class Local(BackendConfig):
+    """In-process torch trainer and sampler (backends/local)."""
+
+    # "auto": cuda if available, else cpu. Chosen in one place: backends/local/device.py.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # "auto": bfloat16 on cuda, float32 on cpu (bit-for-bit reproducible there).
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # LoRA scaling numerator (scale = alpha / rank); Tinker does not expose it.
+    lora_alpha: Annotated[float, Meta(gt=0)] = 32.0
+    # Train every weight instead of a LoRA adapter (local only; Tinker trains LoRA).
+    full_finetune: bool = False
+
+    def make(self, model: str, tokenizer: str | None, storage_dir: Path, seed: int) -> Backend:
+        from backends.local.backend import LocalBackend  # torch loads here, not when a recipe is validated
+
+        return LocalBackend(self, model, tokenizer, storage_dir, seed=seed)

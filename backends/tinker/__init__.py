@@ -1,0 +1,22 @@
+"""The Tinker backend: the real `tinker` SDK behind our protocol (see backend.py).
+
+`TinkerBackend` is imported lazily so that `runner check` / `runner list` and the recipe schema (which
+imports `backends.tinker.config`) never import the SDK.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from backends.tinker.backend import TinkerBackend
+
+__all__ = ["TinkerBackend"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TinkerBackend":
+        from backends.tinker.backend import TinkerBackend
+
+        return TinkerBackend
+    raise AttributeError(name)

@@ -1,0 +1,30 @@
+"""The Tinker backend's recipe table: `backend = {kind = "tinker", ...}`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+from msgspec import Meta
+
+from backends.config import BackendConfig
+
+if TYPE_CHECKING:
+    from backends.base import Backend
+
+
+class Tinker(BackendConfig):
+    """The hosted Tinker service or any Tinker-compatible server (backends/tinker/backend.py)."""
+
+    # None: $TINKER_BASE_URL, else the SDK's default (hosted service). The API key comes from
+    # $TINKER_API_KEY only and is never written anywhere.
+    base_url: str | None = None
+    # Lifetime of periodic checkpoints on the service (its limits: 1 hour to 10 years); the final
+    # checkpoint never expires. Not optional: TOML has no null, so `show` could not write None back.
+    ttl_seconds: Annotated[int, Meta(ge=3600, le=10 * 365 * 24 * 3600)] = 7 * 24 * 3600
+
+    def make(self, model: str, tokenizer: str | None, storage_dir: Path, seed: int) -> Backend:
+        # Checkpoints live on the service (tinker:// paths); storage_dir and seed are the local backend's.
+        from backends.tinker.backend import TinkerBackend  # the SDK loads here, not when a recipe is validated
+
+        return TinkerBackend(self, model, tokenizer)

@@ -1,0 +1,65 @@
+"""Loading a tokenizer by name, without a model, client or service (dry runs, the Tinker backend).
+
+"tiny" is the embedded byte-level tokenizer, built in code. Anything else is a local folder, a hub id in
+the local cache, or a hub id to download. Offline, transformers' hub client retries a missing file with
+back-off for most of a minute before failing; so the cache is tried first, and a download is tried only
+when the hub answers a quick connection check: a tokenizer that is neither local nor reachable fails at
+once with one line.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from backends.errors import UserError
+
+HUB_CHECK_TIMEOUT_S = 3.0
+
+
+def load_tokenizer(name: str) -> Any:
+    if name == "tiny":
+        from backends.local.tiny import build_tokenizer
+
+        return build_tokenizer()
+    from transformers import AutoTokenizer
+
+    if Path(name).expanduser().exists():
+        try:
+            return AutoTokenizer.from_pretrained(str(Path(name).expanduser()))
+        except Exception as e:  # noqa: BLE001 - a folder without a usable tokenizer is the user's to fix
+            raise UserError(f"cannot load a tokenizer from {name!r}: {_first(e)}") from None
+    try:
+        return AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not in the cache (or a bad name): try the hub below, if it is there
+        pass
+    fix = 'set tokenizer = "<local tokenizer folder>" in the recipe'
+    if _offline() or not hub_reachable():
+        raise UserError(f"tokenizer {name!r} is not a local folder nor in the Hugging Face cache, and the hub "
+                        f"cannot be reached; {fix}")
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except Exception as e:  # noqa: BLE001 - no such repo, gated, bad files: all one fix
+        raise UserError(f"cannot load tokenizer {name!r} ({_first(e)}); {fix}") from None
+
+
+def hub_reachable(timeout: float = HUB_CHECK_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to the Hugging Face endpoint opens within `timeout`."""
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _offline() -> bool:
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _first(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]

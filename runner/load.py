@@ -1,0 +1,253 @@
+"""Reading recipe files: TOML text -> a validated `Recipe` (runner/recipe.py), or one line that says what to fix.
+
+A recipe file holds named recipes under `[recipes.<name>]`; `FILE#name` selects one. Each table is decoded
+on its own, so an error names the file, the recipe and the key path. Overrides `a.b=value` are merged into
+the raw table before decoding, so they get the same checks. Precedence: CLI > recipe > defaults.
+
+Reading: load_recipe("FILE#name", overrides) -> (name, Recipe); load_file(FILE) -> {name: Recipe}; both go
+through `resolve`, which also finds data files and user modules next to the recipe file.
+Writing: dump_recipe(name, recipe) -> TOML that loads back to an equal Recipe (`runner show`).
+Checking what decoding cannot see: check_recipe (data files exist, Python targets import and fit their args).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import sys
+import tomllib
+from collections.abc import Iterator, Sequence
+from datetime import date, datetime, time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import tomli_w
+
+from backends.errors import UserError
+from runner.explain import NAME, child, convert, dotted, got, info, is_str, is_target
+from runner.recipe import Jsonl, Recipe
+from runner.targets import args_mismatch, import_target
+
+DEFAULT_FILE = "recipes.toml"
+
+
+def load_file(path: str, overrides: Sequence[str] = ()) -> dict[str, Recipe]:
+    """Every recipe in a file, by name, overrides applied to each; the first bad one raises UserError."""
+    return {name: resolve(path, name, raw, overrides) for name, raw in read_tables(path).items()}
+
+
+def load_recipe(ref: str, overrides: Sequence[str] = ()) -> tuple[str, Recipe]:
+    """`FILE#name` (or just FILE when it holds one recipe) with `a.b=value` overrides applied."""
+    path, name = split_ref(ref)
+    tables = read_tables(path)
+    if name is None:
+        if len(tables) != 1:
+            raise UserError(f"{path}: pick a recipe as {path}#NAME; available: {', '.join(sorted(tables))}")
+        name = next(iter(tables))
+    if name not in tables:
+        raise UserError(f"{path}: no recipe named {name!r}; available: {', '.join(sorted(tables))}")
+    return name, resolve(path, name, tables[name], overrides)
+
+
+def resolve(path: str, name: str, raw: dict[str, Any], overrides: Sequence[str] = ()) -> Recipe:
+    """One raw table of file `path` as a Recipe: overrides applied, decoded, and what lives next to the recipe
+    file found there (every way of loading a recipe goes through here, so `check FILE` sees what `run FILE#x` sees)."""
+    where = f"{path}#{name}"
+    recipe = decode_recipe(apply_overrides(raw, overrides, where), where)
+    # User modules ("pkg.mod:fn" targets) may live next to the recipe file: importable after the working
+    # directory (import_target puts that first).
+    folder = str(Path(path).parent.resolve())
+    if folder not in sys.path:
+        sys.path.append(folder)
+    return _data_next_to_recipe(recipe, where, Path(path).parent)
+
+
+def _data_next_to_recipe(recipe: Recipe, where: str, base: Path) -> Recipe:
+    """A relative data path is relative to the working directory; one that is not there but is next to the
+    recipe file (`runner run ~/proj/recipes.toml#x` from elsewhere) becomes that file's absolute path, which
+    config.toml then records."""
+    fixes = []
+    for keys, node in structs(recipe, ()):
+        if isinstance(node, Jsonl):
+            rel = Path(node.path)
+            if not rel.is_absolute() and not rel.is_file() and (base / rel).is_file():
+                fixes.append((keys, str((base / rel).resolve())))
+    if not fixes:
+        return recipe
+    raw = msgspec.to_builtins(recipe)
+    for keys, value in fixes:
+        table = raw
+        for key in keys:
+            table = table[key]
+        table["path"] = value
+    return decode_recipe(raw, where)
+
+
+def split_ref(ref: str) -> tuple[str, str | None]:
+    """'FILE#name' -> (FILE, name); 'FILE' -> (FILE, None)."""
+    path, sep, name = ref.rpartition("#")
+    if not sep:
+        return ref, None
+    if not path or not NAME.match(name):
+        raise UserError(f"bad recipe reference {ref!r}: expected FILE#NAME, e.g. {DEFAULT_FILE}#sl_basic")
+    return path, name
+
+
+def read_tables(path: str) -> dict[str, dict[str, Any]]:
+    """The raw `[recipes.<name>]` tables of a file, undecoded."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{path}: {'not a file' if p.exists() else 'file not found'}")
+    try:
+        data = tomllib.loads(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{path}: {_toml_error(e)}") from None
+    if "recipes" not in data:
+        raise UserError(f"{path}: no [recipes] table; write each recipe as [recipes.<name>]")
+    for key in data:
+        if key != "recipes":
+            raise UserError(f"{path}: {key}: unknown top-level key; write each recipe as [recipes.<name>]")
+    tables = data["recipes"]
+    if not isinstance(tables, dict):
+        raise UserError(f"{path}: recipes: expected a table of [recipes.<name>] tables, got {got(tables)}")
+    if not tables:
+        raise UserError(f"{path}: [recipes] is empty; write each recipe as [recipes.<name>]")
+    for name, raw in tables.items():
+        if not NAME.match(name):
+            raise UserError(f"{path}: recipe name {name!r}: use only letters, digits, '_' and '-'")
+        if not isinstance(raw, dict):
+            raise UserError(f"{path}#{name}: expected a table [recipes.{name}], got {got(raw)}")
+    return tables
+
+
+def decode_recipe(raw: dict[str, Any], where: str) -> Recipe:
+    """Validate one raw recipe table; `where` ('FILE#name') prefixes the error."""
+    return convert(raw, Recipe, where)
+
+
+def _toml_error(e: tomllib.TOMLDecodeError) -> str:
+    # tomllib (3.11) only puts the position in the message: "Invalid value (at line 12, column 5)".
+    m = re.fullmatch(r"(.*) \(at (line \d+, column \d+|end of document)\)", str(e))
+    if m is None:
+        return f"TOML syntax error: {e}"
+    reason, pos = m.groups()
+    pos = "end of file" if pos == "end of document" else pos
+    return f"TOML syntax error at {pos}: {reason[:1].lower()}{reason[1:]}"
+
+
+# ---------------------------------------------------------------- overrides
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'a.b=value' -> (['a', 'b'], value). The value is a TOML literal, else the plain string."""
+    key, sep, value = text.partition("=")
+    keys = key.strip().split(".")
+    if not sep or not all(NAME.match(k) for k in keys):
+        raise UserError(f"bad override {text!r}: expected KEY=VALUE, e.g. lr=3e-4 or lora.rank=8")
+    try:
+        doc = tomllib.loads(f"v = {value}")
+    except tomllib.TOMLDecodeError:
+        return keys, value.strip()
+    # "x\nlr = 1" parses as two keys: that is not one literal, so keep the text.
+    return keys, doc["v"] if len(doc) == 1 else value.strip()
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], where: str) -> dict[str, Any]:
+    """A copy of `raw` with each override set at its path (CLI > recipe > defaults).
+
+    A value replaces what was there (`backend={kind="tinker"}` switches variant). A missing table on
+    the way starts from the field's default, so `schedule.warmup_steps=5` keeps the default schedule."""
+    out = copy.deepcopy(raw)
+    for text in overrides:
+        keys, value = parse_override(text)
+        node, t = out, info(Recipe)
+        for i, key in enumerate(keys[:-1]):
+            t, field = child(t, node, key)
+            if key not in node:
+                node[key] = _seed(field.default if field is not None else None)
+            node = node[key]
+            if not isinstance(node, dict):
+                at = ".".join(keys[: i + 1])
+                raise UserError(f"{where}: {at}: is {got(node)}, not a table, so {text!r} cannot set it")
+        t, _ = child(t, node, keys[-1])
+        # `model=1e3` or `tokenizer=true` parse as numbers/bools; a str-only field takes the text.
+        if not isinstance(value, str) and t is not None and is_str(t):
+            value = text.partition("=")[2].strip()
+        node[keys[-1]] = value
+    return out
+
+
+def _seed(default: Any) -> dict[str, Any]:
+    """The raw table of a default struct: its tag and the fields that differ from their own defaults
+    (so an override of the tag alone, `backend.kind=tinker`, does not drag the old variant's fields)."""
+    if not isinstance(default, msgspec.Struct):
+        return {}
+    struct = info(type(default))
+    out: dict[str, Any] = {struct.tag_field: struct.tag} if struct.tag_field else {}
+    for f in struct.fields:
+        value = getattr(default, f.name)
+        own = f.default_factory() if f.default_factory is not msgspec.NODEFAULT else f.default
+        if value != own:
+            out[f.encode_name] = msgspec.to_builtins(value)
+    return out
+
+
+# ---------------------------------------------------------------- writing back, and checking
+
+def recipe_dict(recipe: Recipe) -> dict[str, Any]:
+    """Every field, defaults included, as TOML-ready builtins. None is left out: TOML has no null,
+    and every optional field defaults to None, so leaving it out reads back the same."""
+    return _drop_none(msgspec.to_builtins(recipe, builtin_types=(datetime, date, time)))
+
+
+def dump_recipe(name: str, recipe: Recipe) -> str:
+    """The fully resolved recipe as TOML, wrapped as [recipes.<name>]; loads back to an equal Recipe."""
+    return tomli_w.dumps({"recipes": {name: recipe_dict(recipe)}})
+
+
+def _drop_none(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _drop_none(x) for k, x in v.items() if x is not None}
+    if isinstance(v, list):
+        return [_drop_none(x) for x in v]
+    return v
+
+
+def check_recipe(recipe: Recipe, where: str) -> None:
+    """What decoding cannot see: data files exist (relative to the working directory) and every
+    `Target` field imports and is callable. Raises UserError prefixed with `where` ('FILE#name')."""
+    for path, node in structs(recipe, ()):
+        if isinstance(node, Jsonl) and not Path(node.path).is_file():
+            looked = "" if Path(node.path).is_absolute() else f" (looked in {os.getcwd()} and next to the recipe file)"
+            raise UserError(f"{where}: {dotted([*path, 'path'])}: data file not found: {node.path}{looked}")
+        for field in info(type(node)).fields:
+            value = getattr(node, field.name)
+            if isinstance(value, str) and is_target(field.type):
+                try:
+                    fn = import_target(value)
+                except UserError as e:
+                    raise UserError(f"{where}: {dotted([*path, field.encode_name])}: {e}") from None
+                # A target called as fn(**args) (python data sources and envs): the args must fit its signature.
+                args = getattr(node, "args", None) if field.name == "target" else None
+                problem = args_mismatch(fn, args) if isinstance(args, dict) else None
+                if problem and isinstance(args, dict):
+                    raise UserError(f"{where}: {dotted([*path, 'args'])}: {value!r} cannot be called with "
+                                    f"args {sorted(args)}: {problem}")
+
+
+
+def structs(v: Any, path: tuple[str | int, ...]) -> Iterator[tuple[tuple[str | int, ...], msgspec.Struct]]:
+    """Every struct inside a recipe, with its key path (through fields, lists and dict values)."""
+    if isinstance(v, msgspec.Struct):
+        yield path, v
+        for name in v.__struct_fields__:
+            yield from structs(getattr(v, name), (*path, name))
+    elif isinstance(v, (list, tuple)):
+        for i, x in enumerate(v):
+            yield from structs(x, (*path, i))
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            yield from structs(x, (*path, k))

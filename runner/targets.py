@@ -1,0 +1,42 @@
+"""User code named in a recipe as "pkg.mod:fn": the one importer of it (data sources, envs, judges)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from backends.errors import UserError
+
+
+def import_target(target: str) -> Callable[..., Any]:
+    """The callable named by 'pkg.mod:fn'; UserError if it does not import or is not callable."""
+    module, _, attr = target.partition(":")
+    # The console script does not put the working directory on sys.path (`python -m` does); user
+    # modules live next to the recipe, so both entry points must find them.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except Exception as e:  # noqa: BLE001 - any failure inside user code is the user's to fix
+        reason = " ".join(f"{type(e).__name__}: {e}".split())
+        raise UserError(f"cannot import {target!r}: {reason}") from None
+    if not callable(fn):
+        raise UserError(f"{target!r} is {type(fn).__name__}, not a callable")
+    return fn
+
+
+def args_mismatch(fn: Callable[..., Any], args: dict[str, Any]) -> str | None:
+    """Why fn(**args) cannot bind (a missing or unexpected argument), or None when it can or fn has no signature."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins and C callables have none: the call will tell
+        return None
+    try:
+        sig.bind(**args)
+    except TypeError as e:
+        return str(e)
+    return None
