@@ -12,7 +12,9 @@ import sys
 from collections.abc import Sequence
 
 from backends.errors import UserError
+from runner.chain import run_chain, upstreams
 from runner.load import DEFAULT_FILE, check_recipe, dump_recipe, load_recipe, read_tables, resolve, split_ref
+from runner.recipe import Recipe
 from runner.threads import prefer_passive_openmp
 
 EPILOG = f"""\
@@ -115,22 +117,31 @@ def _ref_and_overrides(parser: argparse.ArgumentParser, optional: bool = False) 
 
 def cmd_run(args: argparse.Namespace) -> int:
     name, recipe = load_recipe(args.ref, args.overrides)
-    check_recipe(recipe, _where(args.ref, name))
+    where = _where(args.ref, name)
+    check_chain(recipe, where)
     prefer_passive_openmp()  # before torch loads (runner/threads.py)
-    from runner.loop import Interrupted, run  # torch and the backends load here, and only here
+    from runner.loop import Interrupted  # torch and the backends load here, and only here
 
     try:
-        run(recipe, name, dry_run=args.dry_run)
+        run_chain(recipe, name, where, dry_run=args.dry_run)
     except Interrupted:  # Ctrl-C: the loop saved a checkpoint and said so
         return 130
     return 0
+
+
+def check_chain(recipe: Recipe, where: str) -> None:
+    """check_recipe for a recipe and every recipe its init_from chain runs first."""
+    check_recipe(recipe, where)
+    for stage in upstreams(recipe, where):
+        if stage.runnable:
+            check_recipe(stage.recipe, stage.ref)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     path, name = split_ref(args.ref)
     if name is not None:
         name, recipe = load_recipe(args.ref, args.overrides)
-        check_recipe(recipe, f"{path}#{name}")
+        check_chain(recipe, f"{path}#{name}")
         print(f"ok  {path}#{name}")
         return 0
     # Every recipe, each reported on its own line, so one bad recipe does not hide the others.
@@ -139,7 +150,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         where = f"{path}#{name}"
         try:
             recipe = resolve(path, name, raw, args.overrides)
-            check_recipe(recipe, where)
+            check_chain(recipe, where)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             failed += 1
@@ -150,6 +161,10 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     name, recipe = load_recipe(args.ref, args.overrides)
+    chain = upstreams(recipe, _where(args.ref, name))
+    if chain:
+        stages = " -> ".join([*(f"{s.label} ({s.ref})" for s in chain), name])
+        sys.stdout.write(f"# chain (init_from): {stages}\n")
     sys.stdout.write(dump_recipe(name, recipe))
     return 0
 

@@ -26,6 +26,7 @@ import msgspec
 import tomli_w
 
 from backends.errors import UserError
+from runner.chain import absolute_ref
 from runner.explain import NAME, child, convert, dotted, got, info, is_str, is_target
 from runner.recipe import Jsonl, Recipe
 from runner.targets import args_mismatch, import_target
@@ -61,6 +62,8 @@ def resolve(path: str, name: str, raw: dict[str, Any], overrides: Sequence[str] 
     folder = str(Path(path).parent.resolve())
     if folder not in sys.path:
         sys.path.append(folder)
+    if recipe.init_from is not None:  # "#name" means this file: absolute, so config.toml names it from anywhere
+        recipe = msgspec.structs.replace(recipe, init_from=absolute_ref(recipe.init_from, path))
     return _data_next_to_recipe(recipe, where, Path(path).parent)
 
 

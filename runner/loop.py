@@ -105,9 +105,36 @@ class Algorithm(Protocol):
         ...
 
 
-def make_algo(recipe: Recipe) -> Callable[[Any], Algorithm]:
+@dataclass(frozen=True)
+class InitWeights:
+    """Where a chained recipe starts (runner/chain.py): another run's final checkpoint. Training starts from its
+    state (weights only: fresh optimizer, step 0), and reference models (DPO, the RL KL penalty) are its sampler
+    weights, also after a resume."""
+
+    ref: str
+    name: str
+    recipe: Recipe
+    state_path: str
+    sampler_path: str
+    checkpoint: str
+
+    @staticmethod
+    def planned(stage: Any) -> InitWeights:
+        """A dry run's stand-in for an upstream that may not have trained yet."""
+        return InitWeights(stage.ref, stage.name, stage.recipe, "", "", "(its final checkpoint)")
+
+    def record(self) -> dict[str, Any]:
+        from runner.load import dump_recipe
+
+        return {"ref": self.ref, "name": self.name, "checkpoint": self.checkpoint, "state_path": self.state_path,
+                "sampler_path": self.sampler_path, "recipe": dump_recipe(self.name, self.recipe)}
+
+
+def make_algo(recipe: Recipe, init: InitWeights | None = None) -> Callable[[Any], Algorithm]:
     """The one place a recipe's algo variant becomes an Algorithm. Reads and validates the data now,
-    so the cheapest errors come before any model loads; the returned function takes the tokenizer."""
+    so the cheapest errors come before any model loads; the returned function takes the tokenizer.
+    `init`: the chained recipe's starting weights (its reference model)."""
+    reference = init.sampler_path if init is not None else None
     match recipe.algo:
         case SFT() as cfg:
             from runner.sft import SFTAlgo
@@ -117,7 +144,8 @@ def make_algo(recipe: Recipe) -> Callable[[Any], Algorithm]:
         case RL() as cfg:
             from runner.rl.algo import RLAlgo
 
-            return functools.partial(RLAlgo, cfg, seed=recipe.seed, base_model=recipe.model, max_steps=recipe.max_steps)
+            return functools.partial(RLAlgo, cfg, seed=recipe.seed, base_model=recipe.model, max_steps=recipe.max_steps,
+                                     reference_path=reference)
     raise TypeError(f"unknown algo {recipe.algo!r}")
 
 
@@ -133,11 +161,13 @@ class Interrupted(Exception):
     """Ctrl-C: the steps already submitted finished and a checkpoint of the last one was saved (exit 130)."""
 
 
-def run(recipe: Recipe, name: str, *, dry_run: bool = False, backend: Backend | None = None) -> None:
+def run(recipe: Recipe, name: str, *, dry_run: bool = False, backend: Backend | None = None,
+        init: InitWeights | None = None) -> None:
     """Train `recipe` in its run dir (resuming it when it holds the same recipe). `backend` replaces
-    the recipe's (tests pass backends.fake.FakeBackend)."""
-    build_algo = make_algo(recipe)
-    run_dir = open_run_dir(recipe, name, dry_run=dry_run)
+    the recipe's (tests pass backends.fake.FakeBackend). `init`: start from another run's final weights
+    (runner/chain.py, which runs the upstream first)."""
+    build_algo = make_algo(recipe, init)
+    run_dir = open_run_dir(recipe, name, dry_run=dry_run, init=init.record() if init is not None else None)
     if dry_run:
         tokenizer = backend.get_tokenizer() if backend is not None else load_tokenizer(recipe.tokenizer or recipe.model)
         print_plan(recipe, name, run_dir, build_algo(tokenizer))
@@ -157,7 +187,7 @@ def run(recipe: Recipe, name: str, *, dry_run: bool = False, backend: Backend | 
         else:
             if (warning := short_data_warning(recipe, algo)) is not None:
                 print(f"warning: {warning}", file=sys.stderr)
-            asyncio.run(train(recipe, run_dir, backend, algo, final is not None))
+            asyncio.run(train(recipe, run_dir, backend, algo, final is not None, init))
         status = "success"
     except BackendError as e:
         if e.user_error:
@@ -252,13 +282,17 @@ class StopFlag:
         os._exit(130)
 
 
-async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm, final: bool) -> None:
+async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm, final: bool,
+                init: InitWeights | None = None) -> None:
     """The steps from run.start_step on, then (when `final`) algo.final's row at step total_steps."""
     total, start = algo.total_steps, run.start_step
     tc: TrainingClient | None = None
     if start < total:  # a run resumed for final() alone creates no training client
         if run.resume is not None:  # weights, optimizer moments and Adam's step count
             tc = await backend.create_training_client_from_state(run.resume["state_path"], lora_spec(recipe))
+        elif init is not None:  # a chained recipe: the upstream's final weights, a fresh optimizer
+            tc = await backend.create_training_client_from_state(init.state_path, lora_spec(recipe),
+                                                                with_optimizer=False)
         else:
             tc = await backend.create_training_client(lora_spec(recipe))
     clock = Clock(before=run.begin())
@@ -268,6 +302,8 @@ async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm, 
         progress.message(f"resuming {run.path} {where} (checkpoint {run.resume['name']})")
     elif run.announce:
         progress.message(f"{run.path}: {run.note}")
+    if init is not None and run.resume is None:
+        progress.message(f"starting from #{init.name}'s checkpoint {init.checkpoint} (weights only, step 0)")
     last_ckpt = run.resume
     with StopFlag(progress) as stop:
         if tc is not None:
@@ -361,8 +397,11 @@ def print_plan(recipe: Recipe, name: str, run: RunDir, algo: Algorithm) -> None:
     evals = [s for s in todo if recipe.eval_every > 0 and s % recipe.eval_every == 0]
     algo_kind, backend_kind = type(recipe.algo).__name__, type(recipe.backend).__name__.lower()
     resuming = f", resuming at step {start}" if start else ""
+    init = run.init
     lines = [
         f"recipe {name}: {algo_kind} on {recipe.model!r}, backend {backend_kind}",
+        *([f"init_from: #{init['name']} ({init['ref']}), its checkpoint {init['checkpoint']}: weights only, fresh "
+           f"optimizer"] if init else []),
         f"run dir: {run.path} ({run.note})",
         f"steps: {total}{resuming}; depth {recipe.depth} (steps submitted ahead)",
         (f"lr: {type(recipe.schedule).__name__.lower()} schedule, peak {recipe.lr:g}, "

@@ -386,6 +386,10 @@ class Recipe(Base):
     max_steps: PosInt | None = None
     # Run directory; default runs/<recipe name>.
     log_dir: str | None = None
+    # Start from another run's final weights (fresh optimizer, step 0): "FILE#name", "#name" (a recipe in this
+    # file) or a run dir. `runner run` runs an unfinished upstream recipe first (resuming it if partial), chains
+    # of any depth. The upstream must train the same model and adapter shape (runner/chain.py).
+    init_from: str | None = None
 
     # ---- Advanced
     lora: LoRA = LoRA()

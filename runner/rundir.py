@@ -19,6 +19,7 @@ each session after the first names its checkpoints with a suffix (000040-s2, fin
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -35,6 +36,8 @@ from runner.log import append_jsonl, read_jsonl, write_jsonl_atomic
 from runner.recipe import Recipe
 
 CONFIG, METRICS, CHECKPOINTS, SESSIONS = "config.toml", "metrics.jsonl", "checkpoints.jsonl", "sessions.jsonl"
+# A chained run's starting point (runner/chain.py): the upstream's ref, recipe (TOML) and checkpoint.
+INIT = "init_from.json"
 # Keys that may change between a run and its resumption: extending a run is a new max_steps, and the
 # directory itself is the run's identity.
 RESUMABLE_CHANGES = ("max_steps", "if_exists", "log_dir")
@@ -53,6 +56,8 @@ class RunDir:
     announce: bool = False
     # 1 for the first training session in this dir, n for the n-th (set by begin()).
     session: int = 1
+    # A chained recipe's starting point (loop.InitWeights.record()), written to init_from.json by begin().
+    init: dict[str, Any] | None = None
 
     @property
     def start_step(self) -> int:
@@ -62,6 +67,8 @@ class RunDir:
         """Commit to training from start_step: write config.toml, drop metrics rows at or after
         start_step (backup kept), record the session. Returns the time/total spent before start_step."""
         self.path.mkdir(parents=True, exist_ok=True)
+        if self.init is not None and (self.start_step == 0 or not (self.path / INIT).exists()):
+            _write_atomic(self.path / INIT, json.dumps(self.init, indent=1) + "\n")
         # The run dir is recorded too (log_dir), so config.toml says where its run lives even when the recipe
         # left it to the default.
         recipe = msgspec.structs.replace(self.recipe, log_dir=self.recipe.log_dir or str(self.path))
@@ -106,11 +113,12 @@ def run_dir_path(recipe: Recipe, name: str) -> Path:
     return Path(recipe.log_dir) if recipe.log_dir else Path("runs") / name
 
 
-def open_run_dir(recipe: Recipe, name: str, *, dry_run: bool = False) -> RunDir:
+def open_run_dir(recipe: Recipe, name: str, *, dry_run: bool = False, init: dict[str, Any] | None = None) -> RunDir:
     """Apply recipe.if_exists to the run directory. Nothing is written here except that "overwrite"
-    moves an old directory aside (never deletes it); with dry_run nothing at all changes."""
+    moves an old directory aside (never deletes it); with dry_run nothing at all changes. `init`: a chained
+    recipe's starting point, which must be the one recorded when the run dir trained."""
     path = run_dir_path(recipe, name)
-    run = RunDir(path, name, recipe)
+    run = RunDir(path, name, recipe, init=init)
     if not path.exists() or not any(path.iterdir()):
         return run
     if recipe.if_exists == "error":
@@ -140,6 +148,11 @@ def open_run_dir(recipe: Recipe, name: str, *, dry_run: bool = False) -> RunDir:
             f"run dir {path} holds a different recipe (differs in: {', '.join(differing)}); "
             f"set if_exists = \"overwrite\" (moves it aside) or another log_dir"
         )
+    changed = _init_changed(path, init) if not _nothing_trained(path) else None
+    if changed:
+        raise UserError(f"run dir {path} was trained from init_from #{init['name'] if init else '?'} as it was then, "
+                        f"which has changed ({changed}); set if_exists = \"overwrite\" (moves it aside) or another "
+                        "log_dir")
     states = [r for r in run.checkpoints() if r.get("state_path")]
     run.resume = states[-1] if states else None
     run.note = (f"resume after checkpoint {run.resume['name']!r}" if run.resume
@@ -147,11 +160,44 @@ def open_run_dir(recipe: Recipe, name: str, *, dry_run: bool = False) -> RunDir:
     return run
 
 
+def _init_changed(path: Path, init: dict[str, Any] | None) -> str | None:
+    """How the upstream a run dir was started from differs from `init` now (its recipe's keys, or a different
+    checkpoint: the upstream was re-run); None when it is the same, or the run dir records none."""
+    recorded_file = path / INIT
+    if init is None or not recorded_file.exists():
+        return None
+    try:
+        recorded = json.loads(recorded_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        raise UserError(f"{recorded_file}: not valid JSON; fix or remove it") from None
+    old_recipe = _recipe_from_toml(recorded.get("recipe", ""), recorded_file)
+    new_recipe = _recipe_from_toml(init["recipe"], recorded_file)
+    keys = recipe_diff(old_recipe, new_recipe) if old_recipe is not None and new_recipe is not None else ["recipe"]
+    if keys:
+        return f"its recipe differs in: {', '.join(keys)}"
+    if recorded.get("state_path") != init["state_path"] and init["state_path"]:
+        return f"its final checkpoint is now {init['state_path']}, not {recorded.get('state_path')}"
+    return None
+
+
+def _recipe_from_toml(text: str, where: Path) -> Recipe | None:
+    from runner.load import decode_recipe
+
+    try:
+        tables = tomllib.loads(text).get("recipes", {})
+    except tomllib.TOMLDecodeError:
+        return None
+    if len(tables) != 1:
+        return None
+    name, raw = next(iter(tables.items()))
+    return decode_recipe(raw, f"{where}#{name}")
+
+
 def _nothing_trained(path: Path) -> bool:
     """Whether the run dir holds nothing a new run could overwrite: no file but the recipe, the session
     log and empty metrics/checkpoint logs (no metrics row, no checkpoint, no transcript)."""
     for entry in path.iterdir():
-        if entry.name in (CONFIG, SESSIONS):
+        if entry.name in (CONFIG, SESSIONS, INIT):
             continue
         if entry.name in (METRICS, CHECKPOINTS) and entry.is_file() and not entry.read_text().strip():
             continue

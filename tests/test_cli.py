@@ -53,7 +53,8 @@ def fake_loop(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     class Interrupted(Exception):
         pass
 
-    monkeypatch.setitem(sys.modules, "runner.loop", types.SimpleNamespace(run=run, Interrupted=Interrupted))
+    monkeypatch.setitem(sys.modules, "runner.loop", types.SimpleNamespace(run=run, Interrupted=Interrupted,
+                                                                         InitWeights=object))
     return calls
 
 

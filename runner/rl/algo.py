@@ -113,8 +113,11 @@ class Submitted:
 
 class RLAlgo:
     def __init__(self, cfg: RL, tokenizer: Any, *, seed: int = 0, base_model: str = "tiny",
+                 reference_path: str | None = None,
                  max_steps: int | None = None):
         self.cfg, self.seed, self.base_model = cfg, seed, base_model
+        # The KL penalty's reference: the initial weights (a chained recipe's upstream weights, else the base model).
+        self.reference_path = reference_path
         self.renderer = ChatRenderer(tokenizer)
         env_ctx = EnvContext(self.renderer, cfg.group_size, cfg.eval.group_size, cfg.groups_per_batch, seed)
         self.train, self.test = build_datasets(cfg.env, env_ctx)
@@ -206,7 +209,8 @@ class RLAlgo:
         if isinstance(self.cfg.kl, ReferenceKL) and data_D:
             reference = self.reference
             if reference is None:
-                reference = self.reference = await ctx.backend.create_sampling_client(base_model=self.base_model)
+                reference = self.reference = await ctx.backend.create_sampling_client(
+                    model_path=self.reference_path, base_model=None if self.reference_path else self.base_model)
             t = time.monotonic()
             ref_D = await reference_logprobs(reference, data_D)
             data_D, kl = apply_kl_penalty(data_D, ref_D, self.cfg.kl.coef)

@@ -1,0 +1,181 @@
+"""Recipe chaining: `init_from` starts a recipe from another run's final weights (runner/recipe.py).
+
+A reference is "FILE#name", "#name" (a recipe in the same file) or a run dir. Loading a recipe (runner/load.py)
+makes it absolute ("/abs/recipes.toml#name", "/abs/runs/x"), so a run dir's config.toml still names the same
+upstream from anywhere. `upstreams` walks the chain (deepest first) and reports a missing name, a cycle, or an
+upstream that trains another model or adapter shape as one line; `runner check` calls it. `run_chain` runs each
+unfinished upstream recipe (resuming a partial one), then the recipe itself from the last upstream's final
+checkpoint: weights only, fresh optimizer, step 0. The upstream run's recipe and checkpoint are recorded in the
+downstream run dir (init_from.json); if either changes after the downstream trained, resuming it is refused like
+any other recipe change (runner/rundir.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from backends.errors import UserError
+from runner.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """One stage a recipe starts from."""
+
+    ref: str  # absolute: "/abs/recipes.toml#name" or "/abs/run/dir"
+    name: str
+    recipe: Recipe
+    run_dir: Path
+    # A recipe (run when unfinished) or a run dir given directly (used as it is; it must be finished).
+    runnable: bool
+
+    @property
+    def label(self) -> str:
+        return f"#{self.name}" if self.runnable else str(self.run_dir)
+
+
+def absolute_ref(ref: str, recipe_file: str) -> str:
+    """`ref` as written in `recipe_file`, made absolute when what it names is found (relative paths: from the
+    working directory, else next to the recipe file, like data paths). Unfound references stay as written, for
+    `upstreams` to report."""
+    file, sep, name = ref.rpartition("#")
+    base = Path(recipe_file).parent
+    if not sep:  # a run dir
+        for p in (Path(ref), base / ref):
+            if p.is_dir():
+                return str(p.resolve())
+        return ref
+    if not file:
+        return f"{Path(recipe_file).resolve()}#{name}"
+    for p in (Path(file), base / file):
+        if p.is_file():
+            return f"{p.resolve()}#{name}"
+    return ref
+
+
+def upstreams(recipe: Recipe, where: str) -> list[Upstream]:
+    """The chain above `recipe` (named `where`, 'FILE#name'), deepest first; UserError on a missing reference, a
+    cycle, or an upstream whose weights cannot start this recipe."""
+    from runner.load import load_recipe  # load imports this module
+
+    chain: list[Upstream] = []
+    seen = [_key(where)]
+    current, current_where = recipe, where
+    while current.init_from is not None:
+        ref = current.init_from
+        prefix = f"{current_where}: init_from {ref!r}"
+        file, sep, name = ref.rpartition("#")
+        if sep:
+            if not Path(file).is_file():
+                raise UserError(f"{prefix}: recipe file not found: {file or '(this file)'}")
+            if _key(ref) in seen:
+                cycle = " -> ".join([*(_short(k) for k in seen), _short(_key(ref))])
+                raise UserError(f"{prefix}: the chain is a cycle ({cycle})")
+            seen.append(_key(ref))
+            try:
+                name, up = load_recipe(ref)
+            except UserError as e:
+                raise UserError(f"{prefix}: {e}") from None
+            from runner.rundir import run_dir_path
+
+            stage = Upstream(ref, name, up, run_dir_path(up, name).resolve(), runnable=True)
+        else:
+            from runner.rundir import CONFIG, load_config
+
+            run_dir = Path(ref)
+            if not (run_dir / CONFIG).is_file():
+                raise UserError(f"{prefix}: not a recipe reference (FILE#name or #name) nor a run dir with a {CONFIG}")
+            up = load_config(run_dir / CONFIG)
+            stage = Upstream(ref, run_dir.name, up, run_dir.resolve(), runnable=False)
+        _check_compatible(stage.recipe, current, prefix)
+        chain.append(stage)
+        current, current_where = stage.recipe, ref
+        if not stage.runnable:
+            break  # a finished run dir's own history is its business: its weights are what they are
+    return chain[::-1]
+
+
+def _check_compatible(up: Recipe, down: Recipe, prefix: str) -> None:
+    """The downstream loads the upstream's saved state into its own training client: same base model, backend
+    and adapter shape."""
+    problems = []
+    if up.model != down.model:
+        problems.append(f"model {up.model!r} vs {down.model!r}")
+    if type(up.backend) is not type(down.backend):
+        problems.append(f"backend {_tag(up.backend)} vs {_tag(down.backend)}")
+    full_up, full_down = (getattr(r.backend, "full_finetune", False) for r in (up, down))
+    if full_up != full_down:
+        problems.append("full_finetune differs")
+    elif not full_up and up.lora != down.lora:
+        diff = [f"lora.{k} {getattr(up.lora, k)} vs {getattr(down.lora, k)}" for k in up.lora.__struct_fields__
+                if getattr(up.lora, k) != getattr(down.lora, k)]
+        problems.extend(diff)
+    if problems:
+        raise UserError(f"{prefix}: its weights cannot start this recipe ({'; '.join(problems)}); "
+                        "a chained recipe trains the same model and adapter")
+
+
+def final_checkpoint(stage: Upstream) -> dict[str, Any]:
+    """The upstream run's last checkpoint row, which must be its final one (the weights after its last step)."""
+    from runner.log import read_jsonl
+    from runner.rundir import CHECKPOINTS
+
+    rows = [r for r in read_jsonl(stage.run_dir / CHECKPOINTS) if r.get("state_path") and r.get("sampler_path")]
+    if not rows:
+        raise UserError(f"init_from {stage.label}: {stage.run_dir} has no checkpoint yet"
+                        + ("" if stage.runnable else "; run it first"))
+    last = rows[-1]
+    if not str(last.get("name", "")).startswith("final"):
+        raise UserError(f"init_from {stage.label}: {stage.run_dir} is not finished (its last checkpoint is "
+                        f"{last.get('name')!r}, after step {last.get('next_step')}); run it first")
+    return last
+
+
+def run_chain(recipe: Recipe, name: str, where: str, *, dry_run: bool = False) -> None:
+    """`runner run`: the unfinished upstream recipes first, then this one from the last upstream's final weights."""
+    from runner.loop import InitWeights, run
+
+    chain = upstreams(recipe, where)
+    if not chain:
+        run(recipe, name, dry_run=dry_run)
+        return
+    if dry_run:
+        print(f"chain: {' -> '.join([*(f'{s.label} ({_status(s)})' for s in chain), name])}")
+        run(recipe, name, dry_run=True, init=InitWeights.planned(chain[-1]))
+        return
+    for stage in chain:
+        if stage.runnable:
+            print(f"chain: {stage.label} ({_status(stage)}) in {stage.run_dir}", file=sys.stderr)
+            run(stage.recipe, stage.name)
+    last = chain[-1]
+    ckpt = final_checkpoint(last)
+    run(recipe, name, init=InitWeights(last.ref, last.name, last.recipe, ckpt["state_path"], ckpt["sampler_path"],
+                                       ckpt["name"]))
+
+
+def _status(stage: Upstream) -> str:
+    from runner.log import read_jsonl
+    from runner.rundir import CHECKPOINTS
+
+    rows = [r for r in read_jsonl(stage.run_dir / CHECKPOINTS) if r.get("state_path")]
+    if not rows:
+        return "new" if stage.runnable else "no checkpoint"
+    if str(rows[-1].get("name", "")).startswith("final"):
+        return "finished"
+    return f"partial: resumes at step {rows[-1].get('next_step')}"
+
+
+def _key(ref: str) -> str:
+    file, _, name = ref.rpartition("#")
+    return f"{Path(file).resolve()}#{name}" if file else ref
+
+
+def _short(key: str) -> str:
+    return "#" + key.rpartition("#")[2] if "#" in key else key
+
+
+def _tag(struct: object) -> str:
+    return str(type(struct).__struct_config__.tag)  # type: ignore[attr-defined]

@@ -1,0 +1,138 @@
+"""Recipe chaining (`init_from`, runner/chain.py): upstream recipes run first, the downstream starts from their final
+weights (fresh optimizer, step 0), and every bad chain is one line, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from backends.local.tiny import sft_conversations
+from runner.cli import main
+from runner.log import read_jsonl
+
+STAGE = """
+[recipes.{name}]
+lr = 0.05
+max_steps = {steps}
+eval_every = 0
+save_every = 0
+{extra}
+algo = {{kind = "sft", data = {{kind = "jsonl", path = "data.jsonl"}}, batch_size = 4}}
+lora = {{rank = 4}}
+backend = {{kind = "local", device = "cpu"}}
+"""
+
+
+def stage(name: str, steps: int, extra: str = "") -> str:
+    return STAGE.format(name=name, steps=steps, extra=extra)
+
+
+@pytest.fixture
+def proj(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    rows = sft_conversations(64, seed=3)
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return tmp_path
+
+
+def nll(run_dir: Path) -> list[float]:
+    return [r["train_mean_nll"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+
+
+def test_chain_runs_the_upstream_first_and_starts_from_its_final_weights(
+        proj: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (proj / "recipes.toml").write_text(stage("warm", 8) + stage("next", 2, 'init_from = "#warm"'))
+    assert main(["run", "recipes.toml#next"]) == 0
+    warm, nxt = nll(proj / "runs" / "warm"), nll(proj / "runs" / "next")
+    assert len(warm) == 8 and len(nxt) == 2
+    # The downstream's first step sees the upstream's trained weights, not the base model's.
+    assert nxt[0] < warm[0] - 0.5 and abs(nxt[0] - warm[-1]) < 0.5 * (warm[0] - warm[-1])
+    init = json.loads((proj / "runs" / "next" / "init_from.json").read_text())
+    assert init["name"] == "warm" and init["checkpoint"] == "final" and "[recipes.warm]" in init["recipe"]
+    # config.toml names the upstream absolutely, so the run dir's recipe is runnable from anywhere.
+    config = (proj / "runs" / "next" / "config.toml").read_text()
+    assert f'init_from = "{(proj / "recipes.toml").resolve()}#warm"' in config
+    # Again: both finished, nothing reruns (no new session in either).
+    sessions = [len(read_jsonl(proj / "runs" / n / "sessions.jsonl")) for n in ("warm", "next")]
+    assert main(["run", "recipes.toml#next"]) == 0
+    assert [len(read_jsonl(proj / "runs" / n / "sessions.jsonl")) for n in ("warm", "next")] == sessions
+
+
+def test_chain_of_three_through_a_file_reference_and_a_run_dir(proj: Path) -> None:
+    (proj / "up.toml").write_text(stage("first", 3))
+    (proj / "recipes.toml").write_text(stage("second", 2, 'init_from = "up.toml#first"')
+                                       + stage("third", 1, 'init_from = "#second"'))
+    assert main(["check", "recipes.toml"]) == 0
+    assert main(["run", "recipes.toml#third"]) == 0
+    assert [len(nll(proj / "runs" / n)) for n in ("first", "second", "third")] == [3, 2, 1]
+    # A run dir as the reference: used as it is.
+    (proj / "fromdir.toml").write_text(stage("fourth", 1, 'init_from = "runs/third"'))
+    assert main(["run", "fromdir.toml#fourth"]) == 0
+    assert json.loads((proj / "runs" / "fourth" / "init_from.json").read_text())["name"] == "third"
+
+
+@pytest.mark.parametrize("recipes, message", [
+    (stage("a", 1, 'init_from = "#b"') + stage("b", 1, 'init_from = "#a"'), "cycle (#a -> #b -> #a)"),
+    (stage("a", 1, 'init_from = "#nope"'), "no recipe named 'nope'"),
+    (stage("a", 1, 'init_from = "other.toml#x"'), "recipe file not found: other.toml"),
+    (stage("a", 1, 'init_from = "no/such/dir"'), "nor a run dir"),
+    (stage("a", 1, 'init_from = "#b"') + stage("b", 1).replace("rank = 4", "rank = 8"), "lora.rank 8 vs 4"),
+])
+def test_bad_chains_are_one_line_exit_2_nothing_written(
+        proj: Path, capsys: pytest.CaptureFixture[str], recipes: str, message: str) -> None:
+    (proj / "recipes.toml").write_text(recipes)
+    for argv in (["check", "recipes.toml#a"], ["run", "recipes.toml#a"], ["run", "recipes.toml#a", "--dry-run"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert not (proj / "runs").exists()
+
+
+def test_changing_the_upstream_after_the_downstream_trained_is_refused(
+        proj: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (proj / "recipes.toml").write_text(stage("warm", 2) + stage("next", 2, 'init_from = "#warm"'))
+    assert main(["run", "recipes.toml#next"]) == 0
+    # The upstream's recipe changes: its own run dir refuses it first ...
+    (proj / "recipes.toml").write_text(stage("warm", 2).replace("lr = 0.05", "lr = 0.01")
+                                       + stage("next", 3, 'init_from = "#warm"'))
+    assert main(["run", "recipes.toml#next"]) == 2
+    assert "runs/warm holds a different recipe (differs in: lr)" in capsys.readouterr().err
+    # ... and once it is re-run, the downstream that trained from the old one is refused, never silently mixed.
+    (proj / "recipes.toml").write_text(stage("warm", 2, 'if_exists = "overwrite"').replace("lr = 0.05", "lr = 0.01")
+                                       + stage("next", 3, 'init_from = "#warm"'))
+    assert main(["run", "recipes.toml#next"]) == 2
+    err = capsys.readouterr().err
+    assert "was trained from init_from #warm as it was then, which has changed (its recipe differs in: lr)" in err
+    assert len(nll(proj / "runs" / "next")) == 2
+
+
+def test_dry_run_and_show_name_the_chain(proj: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (proj / "recipes.toml").write_text(stage("warm", 2) + stage("next", 2, 'init_from = "#warm"'))
+    assert main(["run", "recipes.toml#next", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "chain: #warm (new) -> next" in out and "init_from: #warm" in out
+    assert not (proj / "runs").exists()
+    assert main(["show", "recipes.toml#next"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith("# chain (init_from): #warm (") and "[recipes.next]" in shown
+
+
+def test_chain_on_the_tinker_backend(proj: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The downstream starts from the upstream's tinker:// state, weights only (the SDK's create from state without
+    optimizer)."""
+    from tinker_mock import BASE_URL, MockTinker, NumpyEngine, respx_tinker
+
+    monkeypatch.setenv("TINKER_API_KEY", "tml-test-0123456789")
+    monkeypatch.setenv("TINKER_BASE_URL", BASE_URL)
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    remote = 'model = "Qwen/Qwen3-8B"\ntokenizer = "tiny"\n'
+    text = (stage("warm", 3, remote) + stage("next", 2, remote + 'init_from = "#warm"'))
+    (proj / "recipes.toml").write_text(text.replace('{kind = "local", device = "cpu"}', '{kind = "tinker"}'))
+    with respx_tinker(MockTinker(NumpyEngine())):
+        assert main(["run", "recipes.toml#next"]) == 0
+    init = json.loads((proj / "runs" / "next" / "init_from.json").read_text())
+    assert init["state_path"].startswith("tinker://")
+    warm, nxt = nll(proj / "runs" / "warm"), nll(proj / "runs" / "next")
+    assert nxt[0] < warm[0]
