@@ -23,7 +23,7 @@ class ConfigStruct(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     frozen class" for each of them: its dataclass_transform model does not inherit the option."""
 
 
-class BackendConfig(ConfigStruct, tag_field="kind", tag=str.lower):
+class BackendConfig(ConfigStruct, tag_field="kind", tag=str.lower):  # pyright: ignore[reportGeneralTypeIssues]
     def make(self, model: str, tokenizer: str | None, storage_dir: Path, seed: int) -> Backend:
         """The backend this table describes. `model` is the base model, `tokenizer` its override, `storage_dir`
         where a backend that stores checkpoints itself keeps them (the run dir's checkpoints/)."""

@@ -166,6 +166,9 @@ def run(recipe: Recipe, name: str, *, dry_run: bool = False, backend: Backend | 
     """Train `recipe` in its run dir (resuming it when it holds the same recipe). `backend` replaces
     the recipe's (tests pass backends.fake.FakeBackend). `init`: start from another run's final weights
     (runner/chain.py, which runs the upstream first)."""
+    if recipe.init_from is not None and init is None:
+        raise UserError(f"{name}: init_from = {recipe.init_from!r} needs its upstream's weights: run it with "
+                        "`runner run` (runner.chain.run_chain), which runs the chain")
     build_algo = make_algo(recipe, init)
     run_dir = open_run_dir(recipe, name, dry_run=dry_run, init=init.record() if init is not None else None)
     if dry_run:

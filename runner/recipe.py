@@ -28,7 +28,7 @@ TARGET_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 Target = Annotated[str, Meta(pattern=TARGET_PATTERN, description="'pkg.mod:fn'")]
 
 
-class Base(ConfigStruct):
+class Base(ConfigStruct):  # pyright: ignore[reportGeneralTypeIssues] (see ConfigStruct)
     pass
 
 

@@ -19,7 +19,8 @@ from crashing import CrashingBackend
 
 from backends.base import BackendError
 from backends.errors import UserError
-from runner.load import load_file, load_recipe
+from runner.load import dump_recipe, load_file, load_recipe
+from runner.chain import run_chain, upstreams
 from runner.loop import run
 from runner.recipe import Recipe
 
@@ -87,7 +88,16 @@ def small_recipe(ref: str, tmp_path: Path, *extra: str) -> tuple[str, Recipe]:
 def test_shipped_rl_recipe_runs(path: str, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)
     name, recipe = small_recipe(f"{path}#{name}", tmp_path)
-    run(recipe, name)
+    if recipe.init_from is not None:  # a warm-started example: its SFT stage runs first, cut to 2 steps here
+        [warm] = upstreams(recipe, f"{path}#{name}")
+        small = tmp_path / "warm.toml"
+        small.write_text(dump_recipe(warm.name, msgspec.structs.replace(
+            warm.recipe, max_steps=2, log_dir=str(tmp_path / warm.name))))
+        recipe = msgspec.structs.replace(recipe, init_from=f"{small}#{warm.name}")
+        run_chain(recipe, name, f"{path}#{name}")
+        assert len(rows(tmp_path / warm.name)) == 2 and (tmp_path / name / "init_from.json").is_file()
+    else:
+        run(recipe, name)
     run_dir = tmp_path / name
     tested = recipe.algo.env.__struct_config__.tag != "preference" or recipe.algo.env.test_prompts
     ms = rows(run_dir)

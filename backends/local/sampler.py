@@ -144,6 +144,8 @@ class Sampler:
         self.pad_id = pad if isinstance(pad, int) and 0 <= pad < self.vocab else 0
         self.attn_impl = getattr(cfg, "_attn_implementation", None)
         self.keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
+        # transformers 5.24 renamed `past_key_values` to `cache` (the old name warns on every call until 5.40).
+        self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.dtype = next(model.parameters()).dtype
         # KV cache bytes one decode batch may hold; rows beyond it run in further batches. None: 2 GiB on
         # CPU, half the free memory on CUDA (measured per call).
@@ -290,7 +292,7 @@ class Sampler:
             pos = (mask.cumsum(1) - 1).clamp_(min=0)
             extra = {"logits_to_keep": 1} if self.keep_arg else {}
             out = self.model(
-                input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, **extra
+                input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{self.cache_kw: cache}, **extra
             )
             return out.logits[:, -1]
         # Right padding: prompt token i sits at slot i in every batch. Causal attention never lets a real
@@ -304,7 +306,7 @@ class Sampler:
         slots.write, slots.view = None, width
         last = sorted({n - 1 for n in lens})
         extra = {"logits_to_keep": torch.tensor(last, device=dev)} if self.keep_arg else {}
-        logits = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, **extra).logits
+        logits = self.model(input_ids=ids, position_ids=pos, use_cache=True, **{self.cache_kw: cache}, **extra).logits
         col = {p: (i if self.keep_arg else p) for i, p in enumerate(last)}
         return logits[torch.arange(len(prompts), device=dev), torch.tensor([col[n - 1] for n in lens], device=dev)]
 
@@ -393,8 +395,8 @@ class Sampler:
                 input_ids=tok[:, None],
                 attention_mask=attn,
                 position_ids=next_pos,
-                past_key_values=cache,
                 use_cache=True,
+                **{self.cache_kw: cache},
             ).logits[:, -1]
             next_pos += 1
         lps = lp_buf.tolist()
