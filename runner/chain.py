@@ -57,45 +57,111 @@ def absolute_ref(ref: str, recipe_file: str) -> str:
 
 
 def upstreams(recipe: Recipe, where: str) -> list[Upstream]:
-    """The chain above `recipe` (named `where`, 'FILE#name'), deepest first; UserError on a missing reference, a
-    cycle, or an upstream whose weights cannot start this recipe."""
-    from runner.load import load_recipe  # load imports this module
-
+    """The init_from chain above `recipe` (named `where`, 'FILE#name'), deepest first; UserError on a missing
+    reference, a cycle, or an upstream whose weights cannot start this recipe."""
     chain: list[Upstream] = []
     seen = [_key(where)]
     current, current_where = recipe, where
     while current.init_from is not None:
-        ref = current.init_from
-        prefix = f"{current_where}: init_from {ref!r}"
-        file, sep, name = ref.rpartition("#")
-        if sep:
-            if not Path(file).is_file():
-                raise UserError(f"{prefix}: recipe file not found: {file or '(this file)'}")
-            if _key(ref) in seen:
-                cycle = " -> ".join([*(_short(k) for k in seen), _short(_key(ref))])
-                raise UserError(f"{prefix}: the chain is a cycle ({cycle})")
-            seen.append(_key(ref))
-            try:
-                name, up = load_recipe(ref)
-            except UserError as e:
-                raise UserError(f"{prefix}: {e}") from None
-            from runner.rundir import run_dir_path
-
-            stage = Upstream(ref, name, up, run_dir_path(up, name).resolve(), runnable=True)
-        else:
-            from runner.rundir import CONFIG, load_config
-
-            run_dir = Path(ref)
-            if not (run_dir / CONFIG).is_file():
-                raise UserError(f"{prefix}: not a recipe reference (FILE#name or #name) nor a run dir with a {CONFIG}")
-            up = load_config(run_dir / CONFIG)
-            stage = Upstream(ref, run_dir.name, up, run_dir.resolve(), runnable=False)
+        prefix = f"{current_where}: init_from {current.init_from!r}"
+        stage = _stage(current.init_from, prefix, seen)
         _check_compatible(stage.recipe, current, prefix)
         chain.append(stage)
-        current, current_where = stage.recipe, ref
+        current, current_where = stage.recipe, stage.ref
         if not stage.runnable:
             break  # a finished run dir's own history is its business: its weights are what they are
     return chain[::-1]
+
+
+def ref_fields(recipe: Recipe) -> list[tuple[str, str]]:
+    """(key path, reference) of every RecipeRef in the recipe except the top-level init_from: runs whose final
+    weights the algorithm samples from (distillation teachers, model judges)."""
+    from runner.explain import dotted, info, is_ref
+    from runner.load import structs
+
+    return [(dotted([*keys, field.encode_name]), value) for keys, node in structs(recipe, ())
+            for field in info(type(node)).fields
+            if keys and is_ref(field.type) and isinstance(value := getattr(node, field.name), str)]
+
+
+def dependencies(recipe: Recipe, where: str, seen: tuple[str, ...] = ()) -> list[Upstream]:
+    """The runs the algorithm samples from (ref_fields), each after the runs it depends on itself, in the order
+    to run them; every init_from chain checked. UserError on a missing reference or a cycle."""
+    seen = (*seen, _key(where))
+    out: list[Upstream] = []
+    for stage in upstreams(recipe, where):
+        if stage.runnable:
+            out += [d for d in dependencies(stage.recipe, stage.ref, seen) if d.ref not in {o.ref for o in out}]
+    for path, ref in ref_fields(recipe):
+        prefix = f"{where}: {path} {ref!r}"
+        stage = _stage(ref, prefix, list(seen))
+        if type(stage.recipe.backend) is not type(recipe.backend):
+            raise UserError(f"{prefix}: it runs on backend {_tag(stage.recipe.backend)}, this recipe on "
+                            f"{_tag(recipe.backend)}; its weights must be on the same backend")
+        if (problem := tokenizer_mismatch(stage.recipe.tokenizer or stage.recipe.model,
+                                          recipe.tokenizer or recipe.model)) is not None:
+            raise UserError(f"{prefix}: {problem}")
+        if stage.runnable:
+            out += [d for d in dependencies(stage.recipe, stage.ref, seen) if d.ref not in {o.ref for o in out}]
+            out += [u for u in upstreams(stage.recipe, stage.ref) if u.ref not in {o.ref for o in out}]
+        if stage.ref not in {o.ref for o in out}:
+            out.append(stage)
+    return out
+
+
+def base_models(recipe: Recipe) -> list[tuple[str, str]]:
+    """(key path, model) of every other base model the recipe samples from (a teacher's `model`)."""
+    from runner.explain import dotted
+    from runner.load import structs
+    from runner.recipe import Teacher
+
+    return [(dotted([*keys, "model"]), node.model) for keys, node in structs(recipe, ())
+            if isinstance(node, Teacher) and node.model is not None and node.init_from is None]
+
+
+def tokenizer_mismatch(theirs: str, ours: str) -> str | None:
+    """Why a model with tokenizer `theirs` cannot score our tokens (None when it can: the same name, or two
+    tokenizers with the same vocabulary). Both are loaded only when the names differ; one that cannot be loaded
+    here (a hub name offline) is taken on trust."""
+    if theirs == ours:
+        return None
+    from backends.tokenizer import load_tokenizer
+
+    try:
+        a, b = load_tokenizer(theirs), load_tokenizer(ours)
+    except UserError:
+        return None
+    if a.get_vocab() != b.get_vocab():
+        return (f"its tokenizer ({theirs}) differs from this recipe's ({ours}): it would score other tokens than "
+                "the ones sampled")
+    return None
+
+
+def _stage(ref: str, prefix: str, seen: list[str]) -> Upstream:
+    """The run a reference names; `seen` (keys of the recipes on the way here) detects cycles."""
+    from runner.load import load_recipe  # load imports this module
+
+    file, sep, name = ref.rpartition("#")
+    if sep:
+        if not Path(file).is_file():
+            raise UserError(f"{prefix}: recipe file not found: {file or '(this file)'}")
+        if _key(ref) in seen:
+            cycle = " -> ".join([*(_short(k) for k in seen), _short(_key(ref))])
+            raise UserError(f"{prefix}: the chain is a cycle ({cycle})")
+        seen.append(_key(ref))
+        try:
+            name, up = load_recipe(ref)
+        except UserError as e:
+            raise UserError(f"{prefix}: {e}") from None
+        from runner.rundir import run_dir_path
+
+        return Upstream(ref, name, up, run_dir_path(up, name).resolve(), runnable=True)
+    from runner.rundir import CONFIG, load_config
+
+    run_dir = Path(ref)
+    if not (run_dir / CONFIG).is_file():
+        raise UserError(f"{prefix}: not a recipe reference (FILE#name or #name) nor a run dir with a {CONFIG}")
+    return Upstream(ref, run_dir.name, load_config(run_dir / CONFIG), run_dir.resolve(), runnable=False)
 
 
 def _check_compatible(up: Recipe, down: Recipe, prefix: str) -> None:
@@ -135,25 +201,45 @@ def final_checkpoint(stage: Upstream) -> dict[str, Any]:
 
 
 def run_chain(recipe: Recipe, name: str, where: str, *, dry_run: bool = False) -> None:
-    """`runner run`: the unfinished upstream recipes first, then this one from the last upstream's final weights."""
+    """`runner run`: the unfinished runs this recipe needs first (the init_from chain, teachers, judges), then this
+    one, from the last upstream's final weights and with every referenced run resolved to its final sampler weights."""
     from runner.loop import InitWeights, run
 
     chain = upstreams(recipe, where)
-    if not chain:
-        run(recipe, name, dry_run=dry_run)
-        return
+    deps = dependencies(recipe, where)
     if dry_run:
-        print(f"chain: {' -> '.join([*(f'{s.label} ({_status(s)})' for s in chain), name])}")
-        run(recipe, name, dry_run=True, init=InitWeights.planned(chain[-1]))
+        if deps:
+            print(f"runs this recipe samples from: {', '.join(f'{d.label} ({_status(d)})' for d in deps)}")
+        if chain:
+            print(f"chain: {' -> '.join([*(f'{s.label} ({_status(s)})' for s in chain), name])}")
+        init = InitWeights.planned(chain[-1]) if chain else None
+        run(recipe, name, dry_run=True, init=init, weights={d.ref: "" for d in deps})
         return
-    for stage in chain:
-        if stage.runnable:
+    for stage in [*deps, *chain]:
+        if stage.runnable:  # a finished one is a no-op (and a changed one is reported, never silently reused)
             print(f"chain: {stage.label} ({_status(stage)}) in {stage.run_dir}", file=sys.stderr)
-            run(stage.recipe, stage.name)
-    last = chain[-1]
-    ckpt = final_checkpoint(last)
-    run(recipe, name, init=InitWeights(last.ref, last.name, last.recipe, ckpt["state_path"], ckpt["sampler_path"],
-                                       ckpt["name"]))
+            run_stage(stage)
+    weights = {d.ref: final_checkpoint(d)["sampler_path"] for d in deps}
+    init = None
+    if chain:
+        last = chain[-1]
+        ckpt = final_checkpoint(last)
+        init = InitWeights(last.ref, last.name, last.recipe, ckpt["state_path"], ckpt["sampler_path"], ckpt["name"])
+    run(recipe, name, init=init, weights=weights)
+
+
+def run_stage(stage: Upstream) -> None:
+    """One upstream run, itself after its own init_from chain (already run: dependencies come in order)."""
+    from runner.loop import InitWeights, run
+
+    chain = upstreams(stage.recipe, stage.ref)
+    init = None
+    if chain:
+        last = chain[-1]
+        ckpt = final_checkpoint(last)
+        init = InitWeights(last.ref, last.name, last.recipe, ckpt["state_path"], ckpt["sampler_path"], ckpt["name"])
+    deps = dependencies(stage.recipe, stage.ref)
+    run(stage.recipe, stage.name, init=init, weights={d.ref: final_checkpoint(d)["sampler_path"] for d in deps})
 
 
 def _status(stage: Upstream) -> str:

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from backends.errors import UserError
-from runner.chain import run_chain, upstreams
+from runner.chain import base_models, dependencies, run_chain, tokenizer_mismatch, upstreams
 from runner.load import DEFAULT_FILE, check_recipe, dump_recipe, load_recipe, read_tables, resolve, split_ref
 from runner.recipe import Recipe
 from runner.threads import prefer_passive_openmp
@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="runner",
-        description="Declarative LLM post-training (SFT and RL) from TOML recipes, on a local torch "
+        description="Declarative LLM post-training (SFT, RL and distill) from TOML recipes, on a local torch "
         "backend or Tinker.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -130,11 +130,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def check_chain(recipe: Recipe, where: str) -> None:
-    """check_recipe for a recipe and every recipe its init_from chain runs first."""
+    """check_recipe for a recipe and every recipe it runs first (its init_from chain, teachers, judges), and that
+    every model it scores with shares its tokenizer."""
     check_recipe(recipe, where)
-    for stage in upstreams(recipe, where):
+    for stage in [*upstreams(recipe, where), *dependencies(recipe, where)]:
         if stage.runnable:
             check_recipe(stage.recipe, stage.ref)
+    for path, model in base_models(recipe):
+        if (problem := tokenizer_mismatch(model, recipe.tokenizer or recipe.model)) is not None:
+            raise UserError(f"{where}: {path} {model!r}: {problem}")
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from backends.errors import UserError
-from runner.recipe import TARGET_PATTERN
+from runner.recipe import REF_DESCRIPTION, TARGET_PATTERN
 
 T = TypeVar("T")
 # Recipe names and override keys: plain names (a recipe name becomes a run directory, runs/<name>).
@@ -255,6 +255,11 @@ def got(v: Any) -> str:
 @functools.cache
 def info(type_: Any) -> Any:
     return mi.type_info(type_)
+
+
+def is_ref(t: Any) -> bool:
+    """A RecipeRef field (runner/recipe.py): another run's weights, resolved by runner/chain.py."""
+    return _description(t) == REF_DESCRIPTION
 
 
 def is_target(t: Any) -> bool:

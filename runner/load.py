@@ -27,7 +27,7 @@ import tomli_w
 
 from backends.errors import UserError
 from runner.chain import absolute_ref
-from runner.explain import NAME, child, convert, dotted, got, info, is_str, is_target
+from runner.explain import NAME, child, convert, dotted, got, info, is_ref, is_str, is_target
 from runner.recipe import Jsonl, Recipe
 from runner.targets import args_mismatch, import_target
 
@@ -62,9 +62,30 @@ def resolve(path: str, name: str, raw: dict[str, Any], overrides: Sequence[str] 
     folder = str(Path(path).parent.resolve())
     if folder not in sys.path:
         sys.path.append(folder)
-    if recipe.init_from is not None:  # "#name" means this file: absolute, so config.toml names it from anywhere
-        recipe = msgspec.structs.replace(recipe, init_from=absolute_ref(recipe.init_from, path))
-    return _data_next_to_recipe(recipe, where, Path(path).parent)
+    return _data_next_to_recipe(_absolute_refs(recipe, where, path), where, Path(path).parent)
+
+
+def _absolute_refs(recipe: Recipe, where: str, path: str) -> Recipe:
+    """Every RecipeRef ("#name" means this file) made absolute, so config.toml names the same runs from anywhere."""
+    fixes = [(keys, field.encode_name, absolute_ref(value, path))
+             for keys, node in structs(recipe, ()) for field in info(type(node)).fields
+             if is_ref(field.type) and isinstance(value := getattr(node, field.name), str)]
+    fixes = [f for f in fixes if f[2] != _get_path(msgspec.to_builtins(recipe), [*f[0], f[1]])]
+    if not fixes:
+        return recipe
+    raw = msgspec.to_builtins(recipe)
+    for keys, name, value in fixes:
+        table = raw
+        for key in keys:
+            table = table[key]
+        table[name] = value
+    return decode_recipe(raw, where)
+
+
+def _get_path(raw: Any, keys: list[Any]) -> Any:
+    for key in keys:
+        raw = raw[key]
+    return raw
 
 
 def _data_next_to_recipe(recipe: Recipe, where: str, base: Path) -> Recipe:

@@ -26,7 +26,7 @@ import signal
 import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,7 +37,7 @@ from backends.tokenizer import load_tokenizer
 from backends.types import AdamParams, LoraSpec
 from runner.data import load_conversations
 from runner.log import Progress, algo_keys
-from runner.recipe import RL, SFT, Recipe
+from runner.recipe import RL, SFT, Distill, Recipe
 from runner.rundir import RunDir, open_run_dir
 from runner.schedule import adam_at
 
@@ -130,12 +130,19 @@ class InitWeights:
                 "sampler_path": self.sampler_path, "recipe": dump_recipe(self.name, self.recipe)}
 
 
-def make_algo(recipe: Recipe, init: InitWeights | None = None) -> Callable[[Any], Algorithm]:
+def make_algo(recipe: Recipe, init: InitWeights | None = None,
+              weights: Mapping[str, str] | None = None) -> Callable[[Any], Algorithm]:
     """The one place a recipe's algo variant becomes an Algorithm. Reads and validates the data now,
     so the cheapest errors come before any model loads; the returned function takes the tokenizer.
-    `init`: the chained recipe's starting weights (its reference model)."""
+    `init`: the chained recipe's starting weights (its reference model); `weights`: the final sampler weights of
+    every other run the recipe names (RecipeRef fields: teachers, judges), by reference."""
     reference = init.sampler_path if init is not None else None
     match recipe.algo:
+        case Distill() as cfg:
+            from runner.distill import DistillAlgo
+
+            return functools.partial(DistillAlgo, cfg, seed=recipe.seed, base_model=recipe.model,
+                                     max_steps=recipe.max_steps, weights=dict(weights or {}))
         case SFT() as cfg:
             from runner.sft import SFTAlgo
 
@@ -162,14 +169,14 @@ class Interrupted(Exception):
 
 
 def run(recipe: Recipe, name: str, *, dry_run: bool = False, backend: Backend | None = None,
-        init: InitWeights | None = None) -> None:
+        init: InitWeights | None = None, weights: Mapping[str, str] | None = None) -> None:
     """Train `recipe` in its run dir (resuming it when it holds the same recipe). `backend` replaces
     the recipe's (tests pass backends.fake.FakeBackend). `init`: start from another run's final weights
     (runner/chain.py, which runs the upstream first)."""
     if recipe.init_from is not None and init is None:
         raise UserError(f"{name}: init_from = {recipe.init_from!r} needs its upstream's weights: run it with "
                         "`runner run` (runner.chain.run_chain), which runs the chain")
-    build_algo = make_algo(recipe, init)
+    build_algo = make_algo(recipe, init, weights)
     run_dir = open_run_dir(recipe, name, dry_run=dry_run, init=init.record() if init is not None else None)
     if dry_run:
         tokenizer = backend.get_tokenizer() if backend is not None else load_tokenizer(recipe.tokenizer or recipe.model)

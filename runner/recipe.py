@@ -26,6 +26,10 @@ Frac = Annotated[float, Meta(ge=0, le=1)]
 # User code, "pkg.mod:fn". `runner check` imports every field of this type, wherever it appears.
 TARGET_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 Target = Annotated[str, Meta(pattern=TARGET_PATTERN, description="'pkg.mod:fn'")]
+# Another recipe's run, whose final weights a field uses: "FILE#name", "#name" (this file) or a run dir.
+# runner/chain.py finds every field of this type, runs the unfinished ones first and resolves them.
+REF_DESCRIPTION = "'FILE#name', '#name' or a run dir"
+RecipeRef = Annotated[str, Meta(min_length=1, description=REF_DESCRIPTION)]
 
 
 class Base(ConfigStruct):  # pyright: ignore[reportGeneralTypeIssues] (see ConfigStruct)
@@ -365,7 +369,63 @@ class RL(AlgoBase):
                 raise ValueError("stream mode: groups_per_batch must split evenly into num_substeps × minibatches")
 
 
-Algo = SFT | RL
+# ---------------------------------------------------------------- on-policy distillation
+
+
+class Teacher(Base):
+    """Whose logprobs the student learns from: a chained run's final weights (init_from), a saved sampler checkpoint
+    (a local adapter folder or a tinker:// path), or else the base model `model` (default: the recipe's model)."""
+
+    init_from: RecipeRef | None = None
+    checkpoint: str | None = None
+    # The teacher's base model. It must share the student's tokenizer (checked by `runner check`).
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.init_from is not None and self.checkpoint is not None:
+            raise ValueError("give init_from or checkpoint, not both")
+
+
+class DistillSet(Base):
+    """A prompt set and its teacher (several sets = the cookbook's multi-teacher distillation)."""
+
+    # Rows {"messages": [...]}: the conversation the student continues (its last message is the user's).
+    prompts: DataSource
+    teacher: Teacher = Teacher()
+    # Groups of this set per step.
+    groups_per_batch: PosInt = 8
+    # Prompts held out for evals (test/teacher_kl).
+    test_size: NonNegInt = 0
+
+
+class Distill(AlgoBase):
+    """On-policy distillation (cookbook distillation/train_on_policy.py): the student samples, each teacher scores the
+    student's own tokens (compute_logprobs), and the per-token reverse KL student_lp − teacher_lp is a penalty on the
+    advantages (no centring; optionally discounted). Trained with a built-in ratio loss like RL, in any RL mode."""
+
+    datasets: Annotated[list[DistillSet], Meta(min_length=1)]
+    # Samples per prompt (their reward is 0: only the KL term carries signal).
+    group_size: PosInt = 4
+    max_tokens: PosInt = 64
+    temperature: PosFloat = 1.0
+    kl_coef: PosFloat = 1.0
+    # 0: each token pays its own KL; γ > 0: a token also pays the discounted KL of the tokens after it.
+    kl_discount: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    loss: Loss = ImportanceSampling()
+    mode: Mode = Sync()
+    num_substeps: PosInt = 1
+    epochs: PosInt = 1
+    groups_to_log: NonNegInt = 4
+    transcript_every: NonNegInt = 10
+    compute_post_kl: bool = False
+    eval: RLEval = RLEval()
+
+    @property
+    def groups_per_batch(self) -> int:
+        return sum(d.groups_per_batch for d in self.datasets)
+
+
+Algo = SFT | RL | Distill
 
 
 # ---------------------------------------------------------------- the recipe
@@ -389,7 +449,7 @@ class Recipe(Base):
     # Start from another run's final weights (fresh optimizer, step 0): "FILE#name", "#name" (a recipe in this
     # file) or a run dir. `runner run` runs an unfinished upstream recipe first (resuming it if partial), chains
     # of any depth. The upstream must train the same model and adapter shape (runner/chain.py).
-    init_from: str | None = None
+    init_from: RecipeRef | None = None
 
     # ---- Advanced
     lora: LoRA = LoRA()

@@ -45,7 +45,7 @@ def fake_loop(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """runner.loop replaced by a recorder; `calls[0]`, if set to an exception, is raised instead."""
     calls: list[Any] = []
 
-    def run(recipe: Any, name: str, *, dry_run: bool = False) -> None:
+    def run(recipe: Any, name: str, *, dry_run: bool = False, **_: Any) -> None:
         if calls and isinstance(calls[0], BaseException):
             raise calls[0]
         calls.append((name, recipe, dry_run))

@@ -56,7 +56,7 @@ from runner.rl.kl import apply_kl_penalty, kl_sample_train, reference_logprobs
 from runner.rl.metrics import trajectory_metrics
 from runner.rl.renderer import ChatRenderer, context_window
 from runner.rl.rollouts import RolloutBatch, collect, guarded_group_rollout, rollout_batch
-from runner.rl.types import EnvGroupBuilder, TrajectoryGroup
+from runner.rl.types import EnvGroupBuilder, RLDataset, TrajectoryGroup
 
 # Evals sample with their own seeds: (step, group) coordinates repeat between the train and test splits.
 EVAL_SEED_OFFSET = 1 << 40
@@ -112,7 +112,10 @@ class Submitted:
 
 
 class RLAlgo:
-    def __init__(self, cfg: RL, tokenizer: Any, *, seed: int = 0, base_model: str = "tiny",
+    """`cfg` is an RL table, or one with the same sampling/training fields (runner.distill.DistillAlgo subclasses this
+    with its own datasets and KL term)."""
+
+    def __init__(self, cfg: Any, tokenizer: Any, *, seed: int = 0, base_model: str = "tiny",
                  reference_path: str | None = None,
                  max_steps: int | None = None):
         self.cfg, self.seed, self.base_model = cfg, seed, base_model
@@ -120,7 +123,7 @@ class RLAlgo:
         self.reference_path = reference_path
         self.renderer = ChatRenderer(tokenizer)
         env_ctx = EnvContext(self.renderer, cfg.group_size, cfg.eval.group_size, cfg.groups_per_batch, seed)
-        self.train, self.test = build_datasets(cfg.env, env_ctx)
+        self.train, self.test = self.build_datasets(env_ctx)
         full = len(self.train) * cfg.epochs
         self.total_steps = min(full, max_steps) if max_steps else full
         self.params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
@@ -133,6 +136,9 @@ class RLAlgo:
         self.next_step = 0
         # The run dir, for transcripts (set by prepare from the loop's context; None in a dry run).
         self.log_dir: Path | None = None
+
+    def build_datasets(self, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:
+        return build_datasets(self.cfg.env, ctx)
 
     # ---------------------------------------------------------------- data position
 
@@ -199,7 +205,7 @@ class RLAlgo:
             yield Part(prepared, prepared.data_D)
 
     async def _datums(self, groups: list[TrajectoryGroup], ctx: Any) -> tuple[list[Datum], dict[str, float]]:
-        """Advantages, datums and the KL penalty for some groups of one step."""
+        """Advantages, datums and the KL penalty for some groups of one step (a subclass adds its own terms)."""
         metrics: dict[str, float] = {}
         if self.cfg.remove_constant_reward_groups:
             kept = remove_constant_reward_groups(groups)
@@ -343,6 +349,9 @@ class RLAlgo:
 
     # ---------------------------------------------------------------- transcripts
 
+    def env_label(self) -> str:
+        return str(type(self.cfg.env).__struct_config__.tag)
+
     def transcript_due(self, split: str, step: int) -> bool:
         """Train transcripts on steps 0, N, 2N, ... (N = transcript_every) and the last step; eval transcripts
         (periodic and final) always; none at all when transcript_every or groups_to_log is 0."""
@@ -367,7 +376,7 @@ class RLAlgo:
 
     def describe(self) -> list[str]:
         cfg = self.cfg
-        env = type(cfg.env).__struct_config__.tag
+        env = self.env_label()
         mode = type(cfg.mode).__struct_config__.tag
         test = f"{len(self.test)} test batches (eval group size {cfg.eval.group_size})" if self.test else "no test set"
         lines = [
@@ -377,7 +386,7 @@ class RLAlgo:
             (f"calls per step: {cfg.num_substeps} x (forward_backward({self.loss_fn}) + optim_step) "
              "+ save_weights_and_get_sampling_client"),
         ]
-        if isinstance(cfg.kl, ReferenceKL):
+        if isinstance(getattr(cfg, "kl", None), ReferenceKL):
             lines.append(f"KL penalty vs the base model, coef {cfg.kl.coef:g}: compute_logprobs per datum")
         if cfg.transcript_every and cfg.groups_to_log:
             lines.append(f"transcripts (iteration_NNNNNN/): every {cfg.transcript_every} steps and the last step "

@@ -1,0 +1,229 @@
+"""On-policy distillation behind the loop's Algorithm interface (cookbook distillation/train_on_policy.py).
+
+The student samples `group_size` replies to each prompt of every prompt set; each set's teacher scores the
+student's own tokens (compute_logprobs of the whole sequence), and the per-token reverse KL
+rkl_t = (student_lp_t − teacher_lp_t)·mask_t is folded into the advantages as −kl_coef·rkl_t (optionally as a
+discounted sum over the later tokens), with no centring; the rewards are 0, so that is all the signal. Metrics
+`teacher_kl` = Σ rkl / Σ mask and `teacher_kl/dataset_<i>`; evals report `test/teacher_kl` on held-out prompts.
+
+Everything else is RL's (runner/rl/algo.py): the same sampling, datums, ratio loss, substeps and modes (sync, stream,
+async: unlike the cookbook's sync only), checkpoints and transcripts. Teachers: a chained run's final weights
+(`teacher = {init_from = "#teacher"}`, run first by runner/chain.py), a saved sampler checkpoint, or a base model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from backends.base import SamplingClient
+from backends.errors import UserError
+from backends.types import Datum
+from runner.data import load_conversations
+from runner.recipe import Distill
+from runner.rl.advantages import compute_advantages
+from runner.rl.algo import RLAlgo
+from runner.rl.datums import assemble_datums
+from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, RepeatGroupBuilder
+from runner.rl.kl import reference_logprobs
+from runner.rl.renderer import ChatRenderer
+from runner.rl.rollouts import rollout_batch
+from runner.rl.types import EnvGroupBuilder, Observation, RLDataset, StepResult, StopCondition, TrajectoryGroup
+
+
+class PromptEnv(ChatEnv):
+    """One reply to a fixed conversation; reward 0 (the cookbook's PromptOnlyEnv)."""
+
+    def __init__(self, renderer: ChatRenderer, messages: list[dict[str, str]]):
+        super().__init__(renderer, messages)
+
+    async def initial_observation(self) -> tuple[Observation, StopCondition]:
+        return self.observe()
+
+    async def step(self, action_tokens: list[int], stop_reason: str) -> StepResult:
+        reply = self.take_reply(action_tokens)
+        return StepResult(0.0, True, metrics={"format": float(reply.ended_on_stop)})
+
+
+class CompositeDataset(RLDataset):
+    """Batch k holds batch k of every prompt set (each `groups_per_batch` groups, tagged dataset_<i>); as long as
+    the shortest set."""
+
+    def __init__(self, parts: Sequence[ListDataset]):
+        self.parts = list(parts)
+
+    def get_batch(self, index: int) -> list[EnvGroupBuilder]:
+        return [b for part in self.parts for b in part.get_batch(index)]
+
+    def __len__(self) -> int:
+        return min(len(p) for p in self.parts)
+
+
+class DistillAlgo(RLAlgo):
+    def __init__(self, cfg: Distill, tokenizer: Any, *, seed: int = 0, base_model: str = "tiny",
+                 max_steps: int | None = None, weights: dict[str, str] | None = None):
+        self.weights = weights or {}
+        self.prompts: list[tuple[list[list[dict[str, str]]], list[list[dict[str, str]]]]] = []
+        for i, ds in enumerate(cfg.datasets):
+            convs, _ = load_conversations(ds.prompts)
+            if any(c[-1]["role"] == "assistant" for c in convs):
+                raise UserError(f"algo.datasets[{i}].prompts: a prompt ends with an assistant message; "
+                                "the student continues the conversation, so it must end with the user's turn")
+            order = np.random.default_rng([seed, i]).permutation(len(convs))
+            test = [convs[j] for j in order[: ds.test_size]]
+            train = [convs[j] for j in order[ds.test_size:]]
+            if len(train) < ds.groups_per_batch:
+                raise UserError(f"algo.datasets[{i}]: {len(train)} training prompts, fewer than groups_per_batch "
+                                f"{ds.groups_per_batch}")
+            self.prompts.append((train, test))
+        self.teachers: list[SamplingClient | None] = [None] * len(cfg.datasets)
+        super().__init__(cfg, tokenizer, seed=seed, base_model=base_model, max_steps=max_steps)
+
+    # ---------------------------------------------------------------- data
+
+    def build_datasets(self, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:
+        cfg: Distill = self.cfg
+
+        def builder(i: int, group_size: int, messages: object) -> EnvGroupBuilder:
+            assert isinstance(messages, list)
+            return RepeatGroupBuilder(functools.partial(PromptEnv, ctx.renderer, messages), group_size,
+                                      [f"dataset_{i}"])
+
+        train = CompositeDataset([
+            ListDataset(tr, functools.partial(builder, i, ctx.group_size), ds.groups_per_batch)
+            for i, (ds, (tr, _)) in enumerate(zip(cfg.datasets, self.prompts, strict=True))])
+        tests = [(i, t) for i, (_, test) in enumerate(self.prompts) for t in test]
+        if not tests:
+            return train, None
+        test = ListDataset([t for _, t in tests], lambda m: m, max(1, cfg.groups_per_batch), drop_last=False)
+        test.make_builder = lambda m: builder(next(i for i, t in tests if t is m), ctx.test_group_size, m)
+        return train, test
+
+    def env_label(self) -> str:
+        return f"distill ({len(self.cfg.datasets)} prompt set(s))"
+
+    # ---------------------------------------------------------------- the teacher KL
+
+    async def teacher(self, i: int, backend: Any) -> SamplingClient:
+        if self.teachers[i] is None:
+            t = self.cfg.datasets[i].teacher
+            path = self.weights.get(t.init_from, "") if t.init_from is not None else t.checkpoint
+            if t.init_from is not None and not path:
+                raise UserError(f"algo.datasets[{i}].teacher.init_from {t.init_from!r} was not resolved to weights; "
+                                "run the recipe with `runner run`, which runs the teacher first")
+            self.teachers[i] = await backend.create_sampling_client(
+                model_path=path or None, base_model=None if path else (t.model or self.base_model))
+        client = self.teachers[i]
+        assert client is not None
+        return client
+
+    async def _datums(self, groups: list[TrajectoryGroup], ctx: Any) -> tuple[list[Datum], dict[str, float]]:
+        data_D, sources_D = assemble_datums(groups, compute_advantages(groups))
+        if not data_D:
+            return data_D, {}
+        t = time.monotonic()
+        set_D = [_dataset_index(groups[src.group_idx].tags) for src in sources_D]
+        sets = sorted(set(set_D))
+        clients = await asyncio.gather(*(self.teacher(i, ctx.backend) for i in sets))
+        teacher_lp: list[np.ndarray | None] = [None] * len(data_D)
+        for i, client in zip(sets, clients, strict=True):
+            idx = [k for k, s in enumerate(set_D) if s == i]
+            for k, lp in zip(idx, await reference_logprobs(client, [data_D[k] for k in idx]), strict=True):
+                teacher_lp[k] = lp
+        out, metrics = apply_teacher_kl(data_D, [lp for lp in teacher_lp if lp is not None], set_D,
+                                        self.cfg.kl_coef, self.cfg.kl_discount)
+        metrics["time/teacher"] = time.monotonic() - t
+        return out, metrics
+
+    async def _evaluate(self, step: int, sampler: SamplingClient) -> dict[str, float]:
+        """test/teacher_kl (and per set) of the student's samples on the held-out prompts."""
+        assert self.test is not None
+        builders = [b for i in range(len(self.test)) for b in self.test.get_batch(i)][: self.cfg.eval.max_groups]
+        t = time.monotonic()
+        batch = await rollout_batch(builders, sampler, replace(self.params, temperature=self.cfg.eval.temperature),
+                                    seed=self.seed + (1 << 40), step=step, max_context=self.max_context,
+                                    what=f"the test prompts (eval at step {step})")
+        assert self._backend is not None
+        _, metrics = await self._datums(batch.groups, _Ctx(self._backend))
+        out = {f"test/{k}": v for k, v in metrics.items() if k.startswith("teacher_kl")}
+        out["time/eval"] = time.monotonic() - t
+        self._write_transcripts("test", step, batch, None)
+        return out
+
+    _backend: Any = None
+
+    async def prepare(self, step: int, ctx: Any):  # type: ignore[override]
+        self._backend = ctx.backend  # evals (started from submit) score with the teachers too
+        async for part in super().prepare(step, ctx):
+            yield part
+
+    async def final(self, ctx: Any, evaluate: bool) -> dict[str, float]:
+        self._backend = ctx.backend
+        return await super().final(ctx, evaluate)
+
+
+class _Ctx:
+    def __init__(self, backend: Any):
+        self.backend = backend
+
+
+def _dataset_index(tags: Sequence[str]) -> int:
+    return next(int(t.removeprefix("dataset_")) for t in tags if t.startswith("dataset_"))
+
+
+def apply_teacher_kl(data_D: Sequence[Datum], teacher_D: Sequence[np.ndarray], set_D: Sequence[int], coef: float,
+                     discount: float) -> tuple[list[Datum], dict[str, float]]:
+    """adv_t += −coef·mask_t·Σ_{s≥t} γ^{s−t}·rkl_s with rkl_t = (lp_sampler_t − lp_teacher_t)·mask_t (γ = 0: rkl_t
+    alone). Metrics: teacher_kl = Σ rkl / Σ mask over the batch, and per prompt set."""
+    out: list[Datum] = []
+    sums: dict[int, list[float]] = {}
+    for d, teacher, i in zip(data_D, teacher_D, set_D, strict=True):
+        assert d.logprobs is not None and d.advantages is not None and d.mask is not None
+        rkl = (d.logprobs - teacher) * d.mask
+        penalty = _discounted(rkl, discount) if discount > 0 else rkl
+        out.append(replace(d, advantages=d.advantages - coef * d.mask * penalty))
+        acc = sums.setdefault(i, [0.0, 0.0])
+        acc[0] += float(rkl.sum())
+        acc[1] += float(d.mask.sum())
+    total_kl, total_mask = sum(a for a, _ in sums.values()), sum(m for _, m in sums.values())
+    metrics = {"teacher_kl": total_kl / total_mask if total_mask else 0.0}
+    for i, (kl, mask) in sorted(sums.items()):
+        metrics[f"teacher_kl/dataset_{i}"] = kl / mask if mask else 0.0
+    return out, metrics
+
+
+def _discounted(x: np.ndarray, gamma: float) -> np.ndarray:
+    out = np.zeros_like(x)
+    acc = 0.0
+    for t in range(len(x) - 1, -1, -1):
+        acc = float(x[t]) + gamma * acc
+        out[t] = acc
+    return out
+
+
+def prompts_from_chats(path: str, limit: int | None = None) -> list[dict[str, Any]]:
+    """Prompts from a chat JSONL ({"messages": [...]} rows): each conversation up to, not including, its last
+    assistant message (a data source target: `{kind = "python", target = "runner.distill:prompts_from_chats",
+    args = {path = "chats.jsonl"}}`)."""
+    from pathlib import Path
+
+    from runner.data import conversation, load_rows
+    from runner.recipe import Jsonl
+
+    if not Path(path).is_file():
+        raise UserError(f"prompts_from_chats: file not found: {path}")
+    rows, where = load_rows(Jsonl(path=path))
+    out = []
+    for row, w in zip(rows, where, strict=True):
+        messages = conversation(row, w)
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+        if last is None or last == 0:
+            continue
+        out.append({"messages": messages[:last]})
+    return out[:limit] if limit else out
