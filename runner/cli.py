@@ -1,8 +1,8 @@
-"""`runner run | check | show | list`: the command line over runner/recipe.py and runner/loop.py.
+"""`runner run | check | show | list | export`: the command line over runner/recipe.py and runner/loop.py.
 
 Exit codes: 0 ok, 2 a user error (one line on stderr, no traceback), 130 interrupted, 1 a bug
 (with its traceback). `check`, `show` and `list` never import torch: the loop, and with it the
-backends, is imported inside `run` only.
+backends, is imported inside `run` only (and the local backend's export inside `export`).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from backends.errors import UserError
 from runner.chain import base_models, dependencies, run_chain, tokenizer_mismatch, upstreams
@@ -28,6 +29,7 @@ examples:
   runner show {DEFAULT_FILE}#sl_basic lr=3e-4 lora.rank=8
   runner run {DEFAULT_FILE}#sl_basic backend='{{kind="tinker"}}' model=Qwen/Qwen3-8B
   runner run examples/sft_tiny.toml --dry-run
+  runner export runs/sl_basic out/sl_basic-merged --merged
 """
 
 
@@ -101,6 +103,20 @@ def _parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("list", help="one line per recipe: name, algorithm, model, backend")
     ls.add_argument("file", nargs="?", default=DEFAULT_FILE, metavar="FILE", help=f"default: {DEFAULT_FILE}")
     ls.set_defaults(command=cmd_list)
+
+    export = sub.add_parser(
+        "export",
+        help="write a run's checkpoint as a PEFT adapter or a merged model folder",
+        description="Write a local-backend checkpoint of RUN_DIR to the new folder OUT, with the tokenizer: a "
+        "PEFT adapter that PeftModel.from_pretrained loads and merge_and_unload merges exactly, or with "
+        "--merged a plain Hugging Face model folder. A full fine-tune's checkpoint is a model folder either way.",
+    )
+    export.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holds config.toml, checkpoints.jsonl)")
+    export.add_argument("out", metavar="OUT", help="the folder to write; must not exist, or be empty")
+    export.add_argument("--checkpoint", metavar="NAME",
+                        help="a checkpoint by name (checkpoints.jsonl); default: the last one with sampler weights")
+    export.add_argument("--merged", action="store_true", help="merge the adapter into the weights")
+    export.set_defaults(command=cmd_export)
     return parser
 
 
@@ -181,6 +197,47 @@ def cmd_list(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths, strict=True)) + "  " + row[3])
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from runner.log import read_jsonl
+    from runner.rundir import CHECKPOINTS, CONFIG, load_config
+
+    run_dir, out = Path(args.run_dir), Path(args.out)
+    if not (run_dir / CONFIG).is_file():
+        raise UserError(f"{run_dir} is not a run dir (no {CONFIG})")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out} exists and is not an empty folder; export never overwrites")
+    recipe = load_config(run_dir / CONFIG)
+    rows = read_jsonl(run_dir / CHECKPOINTS)
+    if args.checkpoint is None:
+        with_weights = [r for r in rows if r.get("sampler_path")]
+        if not with_weights:
+            raise UserError(f"{run_dir} has no checkpoint with sampler weights yet ({CHECKPOINTS})")
+        row = with_weights[-1]
+    else:
+        named = [r for r in rows if r.get("name") == args.checkpoint]
+        if not named:
+            have = ", ".join(str(r.get("name")) for r in rows) or "none"
+            raise UserError(f"{run_dir} has no checkpoint named {args.checkpoint!r} (have: {have})")
+        row = named[-1]
+        if not row.get("sampler_path"):
+            raise UserError(f"checkpoint {args.checkpoint!r} in {run_dir} has no sampler weights")
+    sampler = str(row["sampler_path"])
+    if "://" in sampler:
+        raise UserError(f"checkpoint {row['name']!r} is a Tinker checkpoint ({sampler}): exporting it needs a "
+                        "download, which runner export does not support yet (local-backend runs only)")
+    sampler_dir = Path(sampler)
+    if not sampler_dir.is_dir():  # a run dir that was moved: the same checkpoint under its new location
+        moved = run_dir / "checkpoints" / "sampler_weights" / sampler_dir.name
+        if not moved.is_dir():
+            raise UserError(f"checkpoint {row['name']!r}: its sampler weights {sampler_dir} are missing")
+        sampler_dir = moved
+    prefer_passive_openmp()  # before torch loads (runner/threads.py)
+    from backends.local.export import export  # torch loads here
+
+    print(export(sampler_dir, out, recipe.model, recipe.tokenizer, merged=args.merged))
     return 0
 
 

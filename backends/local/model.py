@@ -268,7 +268,10 @@ def load_optimizer(path: Path, optimizer: torch.optim.Optimizer) -> None:
 
 def write_sampler_weights(path: Path, model: HFModel) -> None:
     """PEFT adapter folder (loadable with peft.PeftModel.from_pretrained(base, path)), or for a full
-    fine-tune an ordinary HF model folder."""
+    fine-tune an ordinary HF model folder. A LoRA on a tied lm_head is kept as plain LoRA here, to keep
+    periodic checkpoints small, so peft's merge_and_unload would break such an adapter (it merges into the
+    tensor shared with the input embeddings); `runner export` (backends/local/export.py) writes a
+    mergeable copy."""
     import peft
 
     if isinstance(model, peft.PeftModel):
