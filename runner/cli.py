@@ -113,17 +113,19 @@ def _science_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     sweep = sub.add_parser(
         "sweep",
         help="run a grid of one recipe's values, each point a run dir",
-        description="One run per value of each KEY=[v1, v2, ...] (the product of them; --zip pairs them), and of "
-        "the recipe's [recipes.<name>.sweep] table; plain KEY=VALUE applies to every point. Each point runs in "
-        "<log_dir>/<key=value,...>/ (default log_dir: runs/<name>); finished points are not run again, killed ones "
-        "resume. A key that takes an array is swept by an array of arrays: algo.env.prompts='[[\"a\"], [\"b\"]]'.",
+        description="One run per value of each KEY=[v1, v2, ...] (the product of them; --zip pairs them), and of\n"
+        "the recipe's [recipes.<name>.sweep] table; plain KEY=VALUE applies to every point. Each point runs in\n"
+        "<log_dir>/<key=value,...>/ (default log_dir: runs/<name>); finished points are not run again, killed\n"
+        "ones resume. A key that takes an array is swept by an array of arrays:\n"
+        "algo.env.prompts='[[\"a\"], [\"b\", \"c\"]]'. Every point is checked before any starts.",
         epilog=f"examples:\n  runner sweep {DEFAULT_FILE}#sl_basic 'lr=[1e-3,4e-3]' 'lora.rank=[8,16]' max_steps=20\n"
         f"  runner sweep {DEFAULT_FILE}#sl_basic 'lr=[1e-3,2e-3,4e-3]' 'seed=[0,1,2]' --zip --dry-run",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _ref_and_overrides(sweep)
     sweep.add_argument("--parallel", type=_positive, metavar="N",
-                       help="points running at once (default: local backend half the cores, Tinker 8)")
+                       help="points running at once (default: local CPU half the cores, at least 2; local GPU 1; "
+                       "Tinker 8)")
     sweep.add_argument("--zip", action="store_true", help="pair the swept values instead of taking their product")
     sweep.add_argument("--dry-run", action="store_true", help="list the points, their run dirs and status; run nothing")
     sweep.set_defaults(command=cmd_sweep)

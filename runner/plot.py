@@ -3,7 +3,8 @@
 One panel per metric (default: the main metrics of the runs' algorithms, runner/compare.py), step on the x axis,
 each run labelled by the recipe keys that differ between the runs (the legend's title names them); a single
 numeric key colours the runs along a colour scale in value order. `--smooth K` draws a trailing moving average
-over K logged points in bold over the raw curve, drawn faint. The PNG is drawn off screen (Agg), 150 dpi.
+over K logged points in bold over the raw curve, drawn faint (curves of fewer than 2K points, such as evals
+every N steps, are drawn as they are). The PNG is drawn off screen (Agg), 150 dpi.
 
 matplotlib is an optional dependency (`pip install 'runner[plot]'`): without it `runner plot` is one line
 saying so, and a sweep's index.html has the table without the curves.
@@ -81,7 +82,7 @@ def _colors(runs: Sequence[Run], n: int) -> list[Any]:
         # One numeric key (lr, rank): a colour scale in value order says which end is which.
         ranks = {v: i for i, v in enumerate(sorted(set(values)))}
         scale = colormaps["viridis"]
-        return [scale(0.9 * ranks[v] / max(1, len(ranks) - 1)) for v in values]
+        return [scale(0.8 * ranks[v] / max(1, len(ranks) - 1)) for v in values]  # not its pale yellow end
     palette = colormaps["tab10" if n <= 10 else "tab20"]
     return [palette(i % palette.N) for i in range(n)]
 
@@ -100,7 +101,7 @@ def figure(runs: Sequence[Run], metrics: Sequence[Metric], k: int = 1) -> Any:
     for ax in axes[len(metrics):]:
         ax.set_visible(False)
     for ax, m in zip(axes, metrics, strict=False):
-        drawn = 0
+        drawn = smoothed = 0
         for run, label, color in zip(ordered, labels, colors, strict=True):
             pts = series(run, m.name)
             if not pts:
@@ -109,13 +110,15 @@ def figure(runs: Sequence[Run], metrics: Sequence[Metric], k: int = 1) -> Any:
             xs = [p[0] for p in pts]
             ys = [p[1] for p in pts]
             marker = "o" if len(pts) <= 25 else None
-            if k > 1 and len(pts) > 2:
+            # A sparse curve (evals every N steps) is drawn as it is: averaging a few points only lags them.
+            if k > 1 and len(pts) >= 2 * k:
+                smoothed += 1
                 ax.plot(xs, ys, color=color, alpha=0.25, linewidth=1.0)
                 ax.plot(xs, smooth(ys, k), color=color, linewidth=2.0, label=label)
             else:
                 ax.plot(xs, ys, color=color, linewidth=1.8, marker=marker, markersize=3.5, label=label)
         better = "lower" if m.lower_is_better else "higher"
-        ax.set_title(m.name + (f"  (moving average of {k})" if k > 1 else ""), fontsize=12)
+        ax.set_title(m.name + (f"  (moving average of {k} points)" if smoothed else ""), fontsize=12)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(f"{m.name} ({better} is better)")

@@ -21,7 +21,7 @@ dir. Every point is decoded, checked and its run dir inspected before anything s
 line naming it and the key, exit 2.
 
 How: each point is a `python -m runner run <point>/config.toml` subprocess, `--parallel` at a time (local
-backend: the cores shared between them through OMP_NUM_THREADS; Tinker: 8, the work is on the service), its
+backend: the cores shared between them through OMP_NUM_THREADS, see default_parallel; Tinker: 8), its
 output in `<point>/output.log`. A point that finished before is not started again; one that was killed resumes
 from its last checkpoint (the loop's ordinary resume), so a killed sweep continues where it stopped. One point
 failing does not stop the others; the exit code is 1 if any failed. `--dry-run` lists the points with their
@@ -263,8 +263,9 @@ def show_value(v: Any) -> str:
 
 def point_name(values: dict[str, Any]) -> str:
     """'lora.rank=8,lr=0.001': stable (the same values give the same name whatever else the grid holds and however
-    the axes are ordered) and safe as a file name. A table value shows its keys (backend.kind=tinker); a value with other characters than
-    letters, digits and ._+-@ has them replaced by '_' and a hash of the exact values added, so names stay unique."""
+    the axes are ordered) and safe as a file name. A table value shows its keys (backend.kind=tinker), an array
+    its items joined by '+'; other characters than letters, digits and ._+-@=, become '_', and then a hash of
+    the exact values is added, so names stay unique."""
     parts: dict[str, str] = {}
 
     def add(key: str, v: Any) -> None:
@@ -323,11 +324,17 @@ def point_status(run_dir: Path, recipe: Recipe, note: str) -> tuple[str, bool]:
 # ---------------------------------------------------------------- running
 
 def default_parallel(points: Sequence[Point]) -> int:
-    """Tinker: TINKER_PARALLEL (the service does the work). Local: half the usable cores (at least 1), so each
-    point trains on 2 threads; `--parallel` chooses otherwise."""
+    """Tinker: TINKER_PARALLEL (the service does the work). Local on a machine with an NVIDIA GPU (unless every
+    point says device = "cpu"): 1, the points would share the one device. Local on the CPU: half the usable cores,
+    so each point trains on 2 threads, but at least 2 on a machine with 2 or 3 cores (bench/bench_sweep.py, 2
+    cores: 4 tiny points take 0.57x the time 2 at a time, 1 thread each, that they take one at a time on 2)."""
     if points and all(type(p.recipe.backend).__name__ == "Tinker" for p in points):
         return TINKER_PARALLEL
-    return max(1, usable_cores() // 2)
+    cores = usable_cores()
+    local = [p.recipe.backend for p in points if type(p.recipe.backend).__name__ == "Local"]
+    if any(getattr(b, "device", "cpu") != "cpu" for b in local) and Path("/dev/nvidia0").exists():
+        return 1
+    return max(min(2, cores), cores // 2)
 
 
 def usable_cores() -> int:
@@ -461,19 +468,22 @@ def run_sweep(sweep: Sweep, parallel: int | None, out: Any = None) -> int:
                 took = f"{time.monotonic() - t0:.1f}s"
                 if proc.returncode == 0:
                     say(f"[{index[p.name]}/{total}] {'done':<7}{p.name:<{width}}  {took}  {main_metrics_line(run_dir)}")
+                elif proc.returncode == 130 and interrupts:  # Ctrl-C: it saved a checkpoint and said so
+                    failed.append(p.name)
+                    say(f"[{index[p.name]}/{total}] {'stopped':<7}{p.name:<{width}}  after {took}: "
+                        f"{_last_error(run_dir / OUTPUT_LOG)}")
                 else:
                     failed.append(p.name)
-                    what = "interrupted" if proc.returncode == 130 else f"exit {proc.returncode}"
-                    say(f"[{index[p.name]}/{total}] {'FAILED':<7}{p.name:<{width}}  {what} after {took}: "
-                        f"{_last_error(run_dir / OUTPUT_LOG)} (log: {run_dir / OUTPUT_LOG})")
+                    say(f"[{index[p.name]}/{total}] {'FAILED':<7}{p.name:<{width}}  exit {proc.returncode} after "
+                        f"{took}: {_last_error(run_dir / OUTPUT_LOG)} (log: {run_dir / OUTPUT_LOG})")
             time.sleep(0.1)
         except KeyboardInterrupt:
             # The points run in their own sessions (a terminal's Ctrl-C reaches only this process): pass it on,
             # once (each finishes its submitted steps and saves a checkpoint), or again to make them quit now.
             interrupts += 1
             if queue:
-                say(f"interrupted: {len(queue)} points not started; waiting for {len(running)} running points "
-                    "to save a checkpoint (Ctrl-C again to stop them now)")
+                say(f"interrupted: {len(queue)} not started; waiting for {len(running)} running to save a "
+                    "checkpoint (Ctrl-C again to stop them now)")
                 queue.clear()
             for proc in running:
                 if proc.poll() is None:
@@ -500,8 +510,8 @@ def print_dry_run(sweep: Sweep, parallel: int | None, out: Any = None) -> None:
     out = out or sys.stdout
     todo = [p for p in sweep.points if not p.finished]
     n = parallel or default_parallel(todo)
-    out.write(f"sweep {sweep.dir}: {len(sweep.points)} points ({' x '.join(sweep.axes)}); {len(todo)} to run, "
-              f"{max(1, min(n, len(todo) or 1))} at a time\n")
+    todo_text = f"{len(todo)} to run, {max(1, min(n, len(todo)))} at a time" if todo else "nothing to run"
+    out.write(f"sweep {sweep.dir}: {len(sweep.points)} points ({' x '.join(sweep.axes)}); {todo_text}\n")
     width = max(len(str(p.recipe.log_dir)) for p in sweep.points)
     for p in sweep.points:
         out.write(f"  {p.recipe.log_dir!s:<{width}}  {p.status}\n")

@@ -91,6 +91,12 @@ def test_a_key_that_takes_an_array_is_swept_by_an_array_of_arrays(workdir: Path)
     two = plan("recipes.toml#pref", ['algo.env.prompts=[["a"], ["b", "c"]]'])
     assert names(two) == ["algo.env.prompts=a", "algo.env.prompts=b+c"]
     assert [p.recipe.algo.env.prompts for p in two.points] == [["a"], ["b", "c"]]  # type: ignore[union-attr]
+    # W&B: the points of a sweep are one group; a name the recipe gives gets the point added.
+    w = plan("recipes.toml#sl", ["lr=[1e-3]", 'log={wandb={project="p"}}']).points[0].recipe.log.wandb
+    assert w is not None and (w.group, w.name) == ("sl", None)
+    named = 'log={wandb={project="p", name="n", group="g"}}'
+    w = plan("recipes.toml#sl", ["lr=[1e-3]", named]).points[0].recipe.log.wandb
+    assert w is not None and (w.group, w.name) == ("g", "n/lr=0.001")
     # A table value names its keys.
     three = plan("recipes.toml#sl", ['backend=[{kind="local", device="cpu"}, {kind="tinker"}]'])
     assert names(three) == ["backend.device=cpu,backend.kind=local", "backend.kind=tinker"]
@@ -163,8 +169,8 @@ def test_run_refuses_a_sweep_recipe_and_show_round_trips_it(workdir: Path, capsy
     assert main(["check", "shown.toml"]) == 0
 
 
-def test_a_point_dir_holding_another_recipe_stops_the_sweep_before_it_starts(workdir: Path,
-                                                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_point_dir_holding_another_recipe_stops_the_sweep_before_it_starts(
+        workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     sweep = plan("recipes.toml#sl", ["lr=[1e-3,4e-3]"])
     other = sweep.points[1]
     run_dir = Path(other.recipe.log_dir or "")
@@ -272,9 +278,10 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 
 
-def test_sweep_runs_every_point_and_a_second_time_reruns_nothing(tmp_path: Path) -> None:
+def test_sweep_runs_every_point_and_a_second_time_reruns_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     done = subprocess.run(sweep_cmd("max_steps=5", "--parallel", "2"), cwd=tmp_path, env=env(),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     sweep_dir = tmp_path / "runs" / "sl_basic"
     for lr in ("0.001", "0.004"):
@@ -287,21 +294,22 @@ def test_sweep_runs_every_point_and_a_second_time_reruns_nothing(tmp_path: Path)
     before = {p: p.read_text() for p in sweep_dir.glob("*/*.jsonl")}
 
     again = subprocess.run(sweep_cmd("max_steps=5"), cwd=tmp_path, env=env(), capture_output=True, text=True,
-                           timeout=120)
+                           timeout=120, check=False)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "all finished before: nothing to run" in again.stdout and " start " not in again.stdout
     assert {p: p.read_text() for p in sweep_dir.glob("*/*.jsonl")} == before  # no new rows, sessions, checkpoints
 
-    # The comparison and the plot of it (tests/test_compare_plot.py has the details).
-    out = subprocess.run([sys.executable, "-m", "runner", "compare", "runs/sl_basic"], cwd=tmp_path, env=env(),
-                         capture_output=True, text=True, timeout=60)
-    header, *rows = out.stdout.splitlines()
+    # The comparison and the plot of it (in-process; tests/test_compare_plot.py has the details).
+    monkeypatch.chdir(tmp_path)
+    assert main(["compare", "runs/sl_basic"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
     assert header.split()[:3] == ["run", "lr", "steps"] and len(rows) == 2
-    assert rows[0].split()[:3] == ["runs/sl_basic/lr=0.004", "0.004", "5"]  # lower test/nll... then train nll first
+    # Both evals were at step 0 (the same test/nll), so the train NLL decides: the larger lr first.
+    assert rows[0].split()[:3] == ["runs/sl_basic/lr=0.004", "0.004", "5"]
+    assert rows[1].split()[:3] == ["runs/sl_basic/lr=0.001", "0.001", "5"]
     pytest.importorskip("matplotlib")
-    png = subprocess.run([sys.executable, "-m", "runner", "plot", "runs/sl_basic", "--metric", "train_mean_nll",
-                          "-o", "x.png"], cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=60)
-    assert png.returncode == 0, png.stderr
+    assert main(["plot", "runs/sl_basic", "--metric", "train_mean_nll", "-o", "x.png"]) == 0
+    assert capsys.readouterr().out == "wrote x.png (2 runs)\n"
     assert (tmp_path / "x.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -326,7 +334,8 @@ def test_kill_9_mid_sweep_then_the_same_command_completes_it(tmp_path: Path) -> 
     assert killed == {d.name: len(read_rows(d / "metrics.jsonl")) for d in (tmp_path / "runs/sl_basic").glob("lr=*")}
     assert 0 < killed["lr=0.001"] < 24
 
-    done = subprocess.run(sweep_cmd(*args), cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(sweep_cmd(*args), cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300,
+                          check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "lr=0.001  partial:" in done.stdout  # the start line says it resumes
     for lr in ("0.001", "0.004"):
