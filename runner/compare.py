@@ -27,14 +27,17 @@ from pathlib import Path
 from typing import Any
 
 from backends.errors import UserError
+from runner.log import ALGO_KEYS
 from runner.rundir import CONFIG, METRICS
 
 # The metrics that say how a run did, by algo kind: the held-out one first (it sorts the table), then the
-# training one. Lower is better for the NLLs, higher for rewards and accuracy (see better()).
+# training one. Lower is better for NLLs and losses, higher for rewards and accuracy (parse_metric). A kind not
+# listed here gets the progress line's headline metrics (runner.log.ALGO_KEYS), held-out ones first.
 MAIN_METRICS: dict[str, list[str]] = {
     "sft": ["test/nll", "train_mean_nll"],
     "rl": ["test/env/all/reward/total", "env/all/reward/total"],
-    "dpo": ["test/accuracy", "train_mean_nll"],
+    "dpo": ["test/accuracy", "accuracy"],
+    "reward_model": ["test/accuracy", "accuracy"],
 }
 _LOWER_IS_BETTER = re.compile(r"nll|loss|error|perplexity|(^|/)kl|time/|grad_norm|illegal")
 # Config keys that never make two runs different experiments.
@@ -208,8 +211,15 @@ def choose_metrics(runs: Sequence[Run], specs: Sequence[str] = ()) -> list[Metri
         return metrics
     names: list[str] = []
     for r in runs:
-        names.extend(m for m in MAIN_METRICS.get(r.kind, []) if m not in names and m in logged)
+        names.extend(m for m in main_metrics(r.kind) if m not in names and m in logged)
     return [parse_metric(n) for n in names]
+
+
+def main_metrics(kind: str) -> list[str]:
+    if kind in MAIN_METRICS:
+        return MAIN_METRICS[kind]
+    headline = [key for key, _ in ALGO_KEYS.get(kind, [])]
+    return sorted(headline, key=lambda k: not k.startswith("test/"))
 
 
 def summarize(run: Run, metric: Metric) -> Summary:

@@ -110,6 +110,16 @@ def test_rl_reward_is_higher_is_better_and_runs_can_mix(sweep_dir: Path) -> None
     assert "test/env/all/reward/total final" in mixed.splitlines()[0] and "test/nll final" in mixed.splitlines()[0]
 
 
+def test_main_metrics_of_other_algorithms(monkeypatch: pytest.MonkeyPatch) -> None:
+    from runner import log
+    from runner.compare import main_metrics
+
+    assert main_metrics("dpo") == ["test/accuracy", "accuracy"]
+    # A kind compare does not know gets the progress line's headline metrics, held-out first.
+    monkeypatch.setitem(log.ALGO_KEYS, "new", [("loss", "loss"), ("test/score", "s")])
+    assert main_metrics("new") == ["test/score", "loss"]
+
+
 @pytest.mark.parametrize(("args", "expected"), [
     (["compare", "runs/nope"], "error: runs/nope: no such run dir\n"),
     (["compare", "runs/zz*"], "error: runs/zz*: matches nothing\n"),

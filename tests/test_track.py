@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,12 @@ def test_wandb_offline_logs_rows_and_a_resumed_run_continues_it(tmp_path: Path,
     # Extended by two steps, with another tag (the log table may change): the same W&B run goes on.
     run(make_recipe(tmp_path, 5, {"wandb": {"project": "proj", "tags": ["more"]}}), "r", backend=fb)
     assert json.loads((run_dir / "wandb.json").read_text())["id"] == stored["id"]
+    # wandb's service process may still be writing the last session's file when finish() returns: wait for it.
+    deadline = time.monotonic() + 30
     sessions = logged(run_dir)
+    while [s[1] for s in sessions] != [[0, 1, 2], [3, 4]] and time.monotonic() < deadline:
+        time.sleep(0.2)
+        sessions = logged(run_dir)
     assert [(s[0], s[1]) for s in sessions] == [(stored["id"], [0, 1, 2]), (stored["id"], [3, 4])]
     config = sessions[0][2]
     assert config["lr"] == 0.05 and config["algo"]["kind"] == "sft" and config["max_steps"] == 3
