@@ -185,8 +185,9 @@ def plan(ref: str, overrides: Sequence[str] = (), zip_: bool = False, *, need_ax
             raise UserError(f"{where}: point {pname} appears twice in the grid (a value repeated?)")
         seen[pname] = values
         at = f"{where} point {pname}"
-        # The point's values first, then the plain overrides on top (command line > recipe).
-        texts = [f"{k}={toml_value(v)}" for k, v in values.items()] + plain
+        # A table before the keys inside it, whichever is swept: backend={...} then backend.lora_alpha=[16, 32].
+        texts = sorted([f"{k}={toml_value(v)}" for k, v in values.items()] + plain,
+                       key=lambda text: text.partition("=")[0].count("."))
         recipe = resolve(path, name, raw, texts, where=at)
         check_recipe(recipe, at)
         if not sweep.points:
