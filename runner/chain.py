@@ -109,6 +109,20 @@ def dependencies(recipe: Recipe, where: str, seen: tuple[str, ...] = ()) -> list
     return out
 
 
+def check_all(recipe: Recipe, where: str) -> None:
+    """`runner check` of one recipe: what decoding cannot see (runner.load.check_recipe) for it and every recipe it
+    runs first (its init_from chain, teachers, judges), and that every model it scores with shares its tokenizer."""
+    from runner.load import check_recipe
+
+    check_recipe(recipe, where)
+    for stage in [*upstreams(recipe, where), *dependencies(recipe, where)]:
+        if stage.runnable:
+            check_recipe(stage.recipe, stage.ref)
+    for path, model in base_models(recipe):
+        if (problem := tokenizer_mismatch(model, recipe.tokenizer or recipe.model)) is not None:
+            raise UserError(f"{where}: {path} {model!r}: {problem}")
+
+
 def base_models(recipe: Recipe) -> list[tuple[str, str]]:
     """(key path, model) of every other base model the recipe samples from (a teacher's `model`)."""
     from runner.explain import dotted

@@ -1,4 +1,5 @@
-"""`runner run | check | show | list | export`: the command line over runner/recipe.py and runner/loop.py.
+"""`runner run | check | show | list | export | sweep | compare | plot`: the command line over runner/recipe.py and
+runner/loop.py (sweeps, comparison and plots: runner/sweep.py, runner/compare.py, runner/plot.py).
 
 Exit codes: 0 ok, 2 a user error (one line on stderr, no traceback), 130 interrupted, 1 a bug
 (with its traceback). `check`, `show` and `list` never import torch: the loop, and with it the
@@ -13,9 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from backends.errors import UserError
-from runner.chain import base_models, dependencies, run_chain, tokenizer_mismatch, upstreams
-from runner.load import DEFAULT_FILE, check_recipe, dump_recipe, load_recipe, read_tables, resolve, split_ref
-from runner.recipe import Recipe
+from runner.chain import check_all, run_chain, upstreams
+from runner.load import DEFAULT_FILE, dump_recipe, load_recipe, read_tables, resolve, split_ref
+from runner.sweep import check_line, refuse_sweep, show_sweep
 from runner.threads import prefer_passive_openmp
 
 EPILOG = f"""\
@@ -30,6 +31,9 @@ examples:
   runner run {DEFAULT_FILE}#sl_basic backend='{{kind="tinker"}}' model=Qwen/Qwen3-8B
   runner run examples/sft_tiny.toml --dry-run
   runner export runs/sl_basic out/sl_basic-merged --merged
+  runner sweep {DEFAULT_FILE}#sl_basic 'lr=[1e-3,4e-3]' max_steps=20
+  runner compare runs/sl_basic
+  runner plot runs/sl_basic --metric train_mean_nll -o nll.png
 """
 
 
@@ -117,7 +121,67 @@ def _parser() -> argparse.ArgumentParser:
                         help="a checkpoint by name (checkpoints.jsonl); default: the last one with sampler weights")
     export.add_argument("--merged", action="store_true", help="merge the adapter into the weights")
     export.set_defaults(command=cmd_export)
+    _science_commands(sub)
     return parser
+
+
+def _science_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """sweep, compare, plot (runner/sweep.py, runner/compare.py, runner/plot.py)."""
+    sweep = sub.add_parser(
+        "sweep",
+        help="run a grid of one recipe's values, each point a run dir",
+        description="One run per value of each KEY=[v1, v2, ...] (the product of them; --zip pairs them), and of\n"
+        "the recipe's [recipes.<name>.sweep] table; plain KEY=VALUE applies to every point. Each point runs in\n"
+        "<log_dir>/<key=value,...>/ (default log_dir: runs/<name>); finished points are not run again, killed\n"
+        "ones resume. A key that takes an array is swept by an array of arrays:\n"
+        "algo.env.prompts='[[\"a\"], [\"b\", \"c\"]]'. Every point is checked before any starts.",
+        epilog=f"examples:\n  runner sweep {DEFAULT_FILE}#sl_basic 'lr=[1e-3,4e-3]' 'lora.rank=[8,16]' max_steps=20\n"
+        f"  runner sweep {DEFAULT_FILE}#sl_basic 'lr=[1e-3,2e-3,4e-3]' 'seed=[0,1,2]' --zip --dry-run",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _ref_and_overrides(sweep)
+    sweep.add_argument("--parallel", type=_positive, metavar="N",
+                       help="points running at once (default: local CPU half the cores, at least 2; local GPU 1; "
+                       "Tinker 8)")
+    sweep.add_argument("--zip", action="store_true", help="pair the swept values instead of taking their product")
+    sweep.add_argument("--dry-run", action="store_true", help="list the points, their run dirs and status; run nothing")
+    sweep.set_defaults(command=cmd_sweep)
+
+    compare = sub.add_parser(
+        "compare",
+        help="one table of runs: the keys that differ, final and best metrics",
+        description="A row per run (run dirs, sweep dirs, globs): the recipe keys that differ between the runs, the "
+        "steps trained, and the final and best value of each metric (default: the algorithm's main metrics), "
+        "best run first.",
+    )
+    compare.add_argument("dirs", nargs="+", metavar="DIR", help="run dirs, or dirs holding run dirs (a sweep)")
+    compare.add_argument("--metric", action="append", default=[], metavar="NAME",
+                         help="a metrics.jsonl key (repeatable); NAME:min or NAME:max says which way is better")
+    compare.add_argument("--format", choices=("table", "csv", "markdown", "json", "html"), default="table")
+    compare.set_defaults(command=cmd_compare)
+
+    plot = sub.add_parser(
+        "plot",
+        help="learning curves of runs as a PNG (needs matplotlib)",
+        description="One line per run, step on x, labelled by the keys that differ; one panel per metric. With one "
+        "DIR and no -o, writes DIR/index.html (the compare table and the plots, plot-<metric>.png next to it).",
+    )
+    plot.add_argument("dirs", nargs="+", metavar="DIR", help="run dirs, or dirs holding run dirs (a sweep)")
+    plot.add_argument("--metric", action="append", default=[], metavar="NAME", help="a metrics.jsonl key (repeatable)")
+    plot.add_argument("-o", "--output", metavar="PNG", help="the image to write (default: see above, or plot.png)")
+    plot.add_argument("--smooth", type=_positive, default=1, metavar="K",
+                      help="moving average over K points, bold over the faint raw curve (default 1: raw)")
+    plot.set_defaults(command=cmd_plot)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
 
 
 def _ref_and_overrides(parser: argparse.ArgumentParser, optional: bool = False) -> None:
@@ -133,8 +197,9 @@ def _ref_and_overrides(parser: argparse.ArgumentParser, optional: bool = False) 
 
 def cmd_run(args: argparse.Namespace) -> int:
     name, recipe = load_recipe(args.ref, args.overrides)
+    refuse_sweep(args.ref)
     where = _where(args.ref, name)
-    check_chain(recipe, where)
+    check_all(recipe, where)
     prefer_passive_openmp()  # before torch loads (runner/threads.py)
     from runner.loop import Interrupted  # torch and the backends load here, and only here
 
@@ -145,41 +210,29 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_chain(recipe: Recipe, where: str) -> None:
-    """check_recipe for a recipe and every recipe it runs first (its init_from chain, teachers, judges), and that
-    every model it scores with shares its tokenizer."""
-    check_recipe(recipe, where)
-    for stage in [*upstreams(recipe, where), *dependencies(recipe, where)]:
-        if stage.runnable:
-            check_recipe(stage.recipe, stage.ref)
-    for path, model in base_models(recipe):
-        if (problem := tokenizer_mismatch(model, recipe.tokenizer or recipe.model)) is not None:
-            raise UserError(f"{where}: {path} {model!r}: {problem}")
-
-
 def cmd_check(args: argparse.Namespace) -> int:
     path, name = split_ref(args.ref)
     if name is not None:
-        name, recipe = load_recipe(args.ref, args.overrides)
-        check_chain(recipe, f"{path}#{name}")
-        print(f"ok  {path}#{name}")
+        print(check_line(args.ref, args.overrides))  # a sweep: every point
         return 0
     # Every recipe, each reported on its own line, so one bad recipe does not hide the others.
     failed = 0
-    for name, raw in read_tables(path).items():
-        where = f"{path}#{name}"
+    for name in read_tables(path):
         try:
-            recipe = resolve(path, name, raw, args.overrides)
-            check_chain(recipe, where)
+            line = check_line(f"{path}#{name}", args.overrides)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             failed += 1
             continue
-        print(f"ok  {where}")
+        print(line)
     return 2 if failed else 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    swept = show_sweep(args.ref, args.overrides)  # a sweep: with its table (runner/sweep.py)
+    if swept is not None:
+        sys.stdout.write(swept)
+        return 0
     name, recipe = load_recipe(args.ref, args.overrides)
     chain = upstreams(recipe, _where(args.ref, name))
     if chain:
@@ -247,3 +300,47 @@ def _kind(struct: object) -> str:
 
 def _where(ref: str, name: str) -> str:
     return f"{split_ref(ref)[0]}#{name}"
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from runner.compare import find_runs
+    from runner.plot import write_report
+    from runner.sweep import plan, print_dry_run, run_sweep
+
+    sweep = plan(args.ref, args.overrides, args.zip)  # every point checked before anything starts
+    if args.dry_run:
+        print_dry_run(sweep, args.parallel)
+        return 0
+    code = run_sweep(sweep, args.parallel)
+    try:
+        page = write_report(sweep.dir, find_runs([str(sweep.dir)]))
+        print(f"report: {page}")
+    except UserError as e:  # no point got as far as a metrics row
+        print(f"no report: {e}", file=sys.stderr)
+    return code
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from runner.compare import choose_metrics, find_runs, render
+
+    runs = find_runs(args.dirs)
+    sys.stdout.write(render(runs, choose_metrics(runs, args.metric), args.format))
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from runner.compare import choose_metrics, find_runs
+    from runner.plot import MISSING, have_matplotlib, plot, write_report
+
+    if not have_matplotlib():
+        raise UserError(f"runner plot: {MISSING}")
+    runs = find_runs(args.dirs)
+    if args.output is None and len(args.dirs) == 1 and Path(args.dirs[0]).is_dir():
+        page = write_report(Path(args.dirs[0]), runs, args.metric, args.smooth)
+        print(f"wrote {page} and its plots")
+        return 0
+    out = plot(runs, choose_metrics(runs, args.metric), Path(args.output or "plot.png"), args.smooth)
+    print(f"wrote {out} ({len(runs)} runs)")
+    return 0

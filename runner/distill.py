@@ -90,19 +90,20 @@ class DistillAlgo(RLAlgo):
     def build_datasets(self, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:
         cfg: Distill = self.cfg
 
-        def builder(i: int, group_size: int, messages: object) -> EnvGroupBuilder:
+        def builder(i: int, messages: object, group_size: int) -> EnvGroupBuilder:
             assert isinstance(messages, list)
             return RepeatGroupBuilder(functools.partial(PromptEnv, ctx.renderer, messages), group_size,
                                       [f"dataset_{i}"])
 
         train = CompositeDataset([
-            ListDataset(tr, functools.partial(builder, i, ctx.group_size), ds.groups_per_batch)
+            ListDataset(tr, lambda m, i=i: builder(i, m, ctx.group_size), ds.groups_per_batch)
             for i, (ds, (tr, _)) in enumerate(zip(cfg.datasets, self.prompts, strict=True))])
         tests = [(i, t) for i, (_, test) in enumerate(self.prompts) for t in test]
         if not tests:
             return train, None
-        test = ListDataset([t for _, t in tests], lambda m: m, max(1, cfg.groups_per_batch), drop_last=False)
-        test.make_builder = lambda m: builder(next(i for i, t in tests if t is m), ctx.test_group_size, m)
+        # Items are (set index, prompt), so each test group is scored by its own set's teacher.
+        test = ListDataset(tests, lambda item: builder(*_set_and_prompt(item), ctx.test_group_size),
+                           max(1, cfg.groups_per_batch), drop_last=False)
         return train, test
 
     def env_label(self) -> str:
@@ -166,6 +167,11 @@ class DistillAlgo(RLAlgo):
     async def final(self, ctx: Any, evaluate: bool) -> dict[str, float]:
         self._backend = ctx.backend
         return await super().final(ctx, evaluate)
+
+
+def _set_and_prompt(item: object) -> tuple[int, object]:
+    assert isinstance(item, tuple)
+    return item[0], item[1]
 
 
 class _Ctx:

@@ -32,6 +32,8 @@ from runner.recipe import Jsonl, Recipe
 from runner.targets import args_mismatch, import_target
 
 DEFAULT_FILE = "recipes.toml"
+# `[recipes.<name>.sweep]`: the values to sweep (runner/sweep.py); not a recipe field.
+SWEEP_KEY = "sweep"
 
 
 def load_file(path: str, overrides: Sequence[str] = ()) -> dict[str, Recipe]:
@@ -52,10 +54,14 @@ def load_recipe(ref: str, overrides: Sequence[str] = ()) -> tuple[str, Recipe]:
     return name, resolve(path, name, tables[name], overrides)
 
 
-def resolve(path: str, name: str, raw: dict[str, Any], overrides: Sequence[str] = ()) -> Recipe:
+def resolve(path: str, name: str, raw: dict[str, Any], overrides: Sequence[str] = (),
+            where: str | None = None) -> Recipe:
     """One raw table of file `path` as a Recipe: overrides applied, decoded, and what lives next to the recipe
-    file found there (every way of loading a recipe goes through here, so `check FILE` sees what `run FILE#x` sees)."""
-    where = f"{path}#{name}"
+    file found there (every way of loading a recipe goes through here, so `check FILE` sees what `run FILE#x` sees).
+    A `sweep` table is not part of the recipe (runner/sweep.py reads it): it is left out here. `where` prefixes
+    errors (default 'FILE#name'; a sweep adds the point)."""
+    where = where or f"{path}#{name}"
+    raw = {k: v for k, v in raw.items() if k != SWEEP_KEY}
     recipe = decode_recipe(apply_overrides(raw, overrides, where), where)
     # User modules ("pkg.mod:fn" targets) may live next to the recipe file: importable after the working
     # directory (import_target puts that first).

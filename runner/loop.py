@@ -207,6 +207,7 @@ def run(recipe: Recipe, name: str, *, dry_run: bool = False, backend: Backend | 
         status = "interrupted"
         raise
     finally:
+        run_dir.end(status)
         backend.close(status)
 
 

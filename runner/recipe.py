@@ -428,6 +428,29 @@ class Distill(AlgoBase):
 Algo = SFT | RL | Distill
 
 
+# ---------------------------------------------------------------- experiment tracking
+
+
+class WandB(Base):
+    """Weights & Biases: every metrics.jsonl row is logged (x axis `step`), the resolved recipe is the run's config,
+    and a resumed run continues the same W&B run (its id is kept in the run dir's wandb.json). Needs the `wandb`
+    package; the API key comes from the environment (WANDB_API_KEY or `wandb login`), never from the recipe;
+    WANDB_MODE=offline logs locally (`wandb sync` later)."""
+
+    project: str
+    entity: str | None = None
+    # Default: the run dir's path under runs/ (sl_basic, or sl_basic/lr=0.001 for a sweep point).
+    name: str | None = None
+    # Default for sweep points: the sweep's name, so W&B groups them.
+    group: str | None = None
+    tags: list[str] = msgspec.field(default_factory=list)
+
+
+class Log(Base):
+    # Where metrics go besides metrics.jsonl (default: nowhere). Changing this table never stops a resume.
+    wandb: WandB | None = None
+
+
 # ---------------------------------------------------------------- the recipe
 
 class Recipe(Base):
@@ -464,6 +487,8 @@ class Recipe(Base):
     save_every: NonNegInt = 20
     # An existing run dir: resume it (only if it holds this same recipe), move it aside, or stop.
     if_exists: Literal["resume", "overwrite", "error"] = "resume"
+    # Experiment tracking (e.g. log = {wandb = {project = "my-project"}}); off by default.
+    log: Log = Log()
 
     def __post_init__(self) -> None:
         if isinstance(self.algo, RL) and isinstance(self.algo.mode, Async) and self.depth == 0:

@@ -34,13 +34,14 @@ from backends.errors import UserError
 from runner.load import dump_recipe, load_recipe
 from runner.log import append_jsonl, read_jsonl, write_jsonl_atomic
 from runner.recipe import Recipe
+from runner.track import start_tracker
 
 CONFIG, METRICS, CHECKPOINTS, SESSIONS = "config.toml", "metrics.jsonl", "checkpoints.jsonl", "sessions.jsonl"
 # A chained run's starting point (runner/chain.py): the upstream's ref, recipe (TOML) and checkpoint.
 INIT = "init_from.json"
-# Keys that may change between a run and its resumption: extending a run is a new max_steps, and the
-# directory itself is the run's identity.
-RESUMABLE_CHANGES = ("max_steps", "if_exists", "log_dir")
+# Keys that may change between a run and its resumption: extending a run is a new max_steps, the
+# directory itself is the run's identity, and where metrics are also sent (log) is not part of the training.
+RESUMABLE_CHANGES = ("max_steps", "if_exists", "log_dir", "log")
 
 
 @dataclass
@@ -58,6 +59,8 @@ class RunDir:
     session: int = 1
     # A chained recipe's starting point (loop.InitWeights.record()), written to init_from.json by begin().
     init: dict[str, Any] | None = None
+    # Where rows go besides metrics.jsonl (runner/track.py; the recipe's `log` table), from begin() to end().
+    tracker: Any = None
 
     @property
     def start_step(self) -> int:
@@ -85,7 +88,14 @@ class RunDir:
                 backup = backup.with_name(f"{backup.name}-s{self.session}")
             shutil.copyfile(metrics, backup)
             write_jsonl_atomic(metrics, kept)
+        self.tracker = start_tracker(recipe, self.path)
         return float(kept[-1].get("time/total", 0.0)) if kept else 0.0
+
+    def end(self, status: str) -> None:
+        """The session is over ("success", "interrupted", "error"): close the tracker, if any."""
+        if self.tracker is not None:
+            tracker, self.tracker = self.tracker, None
+            tracker.finish(status)
 
     def checkpoint_name(self, step: int, last: bool) -> str:
         """Named by steps done (000020 = after 20 steps), "final" after the last one."""
@@ -94,6 +104,8 @@ class RunDir:
 
     def log_metrics(self, row: dict[str, Any]) -> None:
         append_jsonl(self.path / METRICS, row)
+        if self.tracker is not None:
+            self.tracker.log(row)
 
     def add_checkpoint(self, row: dict[str, Any]) -> None:
         append_jsonl(self.path / CHECKPOINTS, row)
