@@ -73,15 +73,22 @@ def upstreams(recipe: Recipe, where: str) -> list[Upstream]:
     return chain[::-1]
 
 
-def ref_fields(recipe: Recipe) -> list[tuple[str, str]]:
-    """(key path, reference) of every RecipeRef in the recipe except the top-level init_from: runs whose final
-    weights the algorithm samples from (distillation teachers, model judges)."""
+def ref_fields(recipe: Recipe) -> list[tuple[str, str, bool]]:
+    """(key path, reference, weights?) of every RecipeRef in the recipe except the top-level init_from: runs whose
+    final weights the algorithm samples from (teachers, judges: weights? true) or whose output it reads (run_output
+    data: false)."""
     from runner.explain import dotted, info, is_ref
     from runner.load import structs
+    from runner.recipe import RunOutput
 
-    return [(dotted([*keys, field.encode_name]), value) for keys, node in structs(recipe, ())
-            for field in info(type(node)).fields
+    return [(dotted([*keys, field.encode_name]), value, not isinstance(node, RunOutput))
+            for keys, node in structs(recipe, ()) for field in info(type(node)).fields
             if keys and is_ref(field.type) and isinstance(value := getattr(node, field.name), str)]
+
+
+def resolve_ref(ref: str, prefix: str) -> Upstream:
+    """The run a (loaded, absolute) reference names."""
+    return _stage(ref, prefix, [])
 
 
 def dependencies(recipe: Recipe, where: str, seen: tuple[str, ...] = ()) -> list[Upstream]:
@@ -92,14 +99,14 @@ def dependencies(recipe: Recipe, where: str, seen: tuple[str, ...] = ()) -> list
     for stage in upstreams(recipe, where):
         if stage.runnable:
             out += [d for d in dependencies(stage.recipe, stage.ref, seen) if d.ref not in {o.ref for o in out}]
-    for path, ref in ref_fields(recipe):
+    for path, ref, samples in ref_fields(recipe):
         prefix = f"{where}: {path} {ref!r}"
         stage = _stage(ref, prefix, list(seen))
-        if type(stage.recipe.backend) is not type(recipe.backend):
+        if samples and type(stage.recipe.backend) is not type(recipe.backend):
             raise UserError(f"{prefix}: it runs on backend {_tag(stage.recipe.backend)}, this recipe on "
                             f"{_tag(recipe.backend)}; its weights must be on the same backend")
-        if (problem := tokenizer_mismatch(stage.recipe.tokenizer or stage.recipe.model,
-                                          recipe.tokenizer or recipe.model)) is not None:
+        if samples and (problem := tokenizer_mismatch(stage.recipe.tokenizer or stage.recipe.model,
+                                                      recipe.tokenizer or recipe.model)) is not None:
             raise UserError(f"{prefix}: {problem}")
         if stage.runnable:
             out += [d for d in dependencies(stage.recipe, stage.ref, seen) if d.ref not in {o.ref for o in out}]
@@ -233,7 +240,7 @@ def run_chain(recipe: Recipe, name: str, where: str, *, dry_run: bool = False) -
         if stage.runnable:  # a finished one is a no-op (and a changed one is reported, never silently reused)
             print(f"chain: {stage.label} ({_status(stage)}) in {stage.run_dir}", file=sys.stderr)
             run_stage(stage)
-    weights = {d.ref: final_checkpoint(d)["sampler_path"] for d in deps}
+    weights = {d.ref: final_checkpoint(d)["sampler_path"] for d in deps if has_weights(d)}
     init = None
     if chain:
         last = chain[-1]
@@ -253,7 +260,15 @@ def run_stage(stage: Upstream) -> None:
         ckpt = final_checkpoint(last)
         init = InitWeights(last.ref, last.name, last.recipe, ckpt["state_path"], ckpt["sampler_path"], ckpt["name"])
     deps = dependencies(stage.recipe, stage.ref)
-    run(stage.recipe, stage.name, init=init, weights={d.ref: final_checkpoint(d)["sampler_path"] for d in deps})
+    run(stage.recipe, stage.name, init=init,
+        weights={d.ref: final_checkpoint(d)["sampler_path"] for d in deps if has_weights(d)})
+
+
+def has_weights(stage: Upstream) -> bool:
+    """Whether a run ends with weights worth sampling (a generate run trains nothing; its output is data)."""
+    from runner.recipe import Generate
+
+    return not isinstance(stage.recipe.algo, Generate)
 
 
 def _status(stage: Upstream) -> str:

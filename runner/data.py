@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.errors import UserError
-from runner.recipe import HF, DataSource, Jsonl, Python
+from runner.recipe import HF, DataSource, Jsonl, Python, RunOutput
 from runner.targets import import_target
 
 Message = dict[str, str]
@@ -36,7 +36,28 @@ def load_rows(source: DataSource) -> tuple[list[Any], list[str]]:
         case Python(target=target, args=args):
             rows = _call_python(target, args)
             return rows, [f"{target}()[{i}]" for i in range(len(rows))]
+        case RunOutput(run=ref):
+            return _read_run_output(ref)
     raise TypeError(f"unknown data source {source!r}")
+
+
+def _read_run_output(ref: str) -> tuple[list[Any], list[str]]:
+    """The rows a generate run wrote (generated/step_*.jsonl, in step order)."""
+    from runner.chain import resolve_ref
+    from runner.generate import output_files
+
+    stage = resolve_ref(ref, f"run_output {ref!r}")
+    files = output_files(stage.run_dir)
+    if not files:
+        raise UserError(f"run_output {stage.label}: {stage.run_dir} has generated nothing yet; `runner run` of this "
+                        "recipe runs it first")
+    rows: list[Any] = []
+    where: list[str] = []
+    for f in files:
+        r, w = _read_jsonl(f)
+        rows += r
+        where += w
+    return rows, where
 
 
 def load_conversations(source: DataSource) -> tuple[list[Conversation], list[str]]:

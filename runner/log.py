@@ -65,6 +65,7 @@ ALGO_KEYS: dict[str, list[tuple[str, str]]] = {
     "sft": [("train_mean_nll", "nll"), ("test/nll", "test/nll")],
     "rl": [("env/all/reward/total", "reward"), ("test/env/all/reward/total", "test/reward")],
     "distill": [("teacher_kl", "teacher_kl"), ("test/teacher_kl", "test/teacher_kl")],
+    "generate": [("rows", "rows"), ("reply_chars", "reply_chars"), ("truncated_frac", "truncated")],
 }
 ENV_KEYS: dict[str, list[tuple[str, str]]] = {
     # Pairwise: the group's mean win rate is 0.5 by construction; reply length and format are what move.
@@ -139,7 +140,7 @@ class Progress:
                 parts.append(f"{label} {metrics[key]:.4f}")
         if test:  # other test/ metrics of an eval row that the headline keys do not name
             named = {k for k, _ in self.keys}
-            for key in ("test/nll", "test/env/all/reward/total", "test/accuracy", "test/teacher_kl"):
+            for key in ("test/nll", "test/env/all/reward/total", "test/accuracy", "test/teacher_kl", "test/agreement"):
                 if key not in named and isinstance(metrics.get(key), (int, float)):
                     parts.append(f"{key} {metrics[key]:.4f}")
         return parts

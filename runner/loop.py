@@ -37,7 +37,7 @@ from backends.tokenizer import load_tokenizer
 from backends.types import AdamParams, LoraSpec
 from runner.data import load_conversations
 from runner.log import Progress, algo_keys
-from runner.recipe import RL, SFT, Distill, Recipe
+from runner.recipe import RL, SFT, Distill, Generate, Recipe
 from runner.rundir import RunDir, open_run_dir
 from runner.schedule import adam_at
 
@@ -138,6 +138,12 @@ def make_algo(recipe: Recipe, init: InitWeights | None = None,
     every other run the recipe names (RecipeRef fields: teachers, judges), by reference."""
     reference = init.sampler_path if init is not None else None
     match recipe.algo:
+        case Generate() as cfg:
+            from runner.generate import GenerateAlgo
+
+            prompts, where = load_conversations(cfg.prompts)
+            return functools.partial(GenerateAlgo, cfg, prompts, where, seed=recipe.seed, base_model=recipe.model,
+                                     max_steps=recipe.max_steps, weights=dict(weights or {}))
         case Distill() as cfg:
             from runner.distill import DistillAlgo
 

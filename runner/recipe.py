@@ -112,7 +112,13 @@ class Python(DataBase):
     args: dict[str, Any] = {}
 
 
-DataSource = Jsonl | HF | Python
+class RunOutput(DataBase, tag="run_output"):
+    """The rows another run wrote (a `generate` recipe's conversations): run first by `runner run`."""
+
+    run: RecipeRef
+
+
+DataSource = Jsonl | HF | Python | RunOutput
 
 
 # ---------------------------------------------------------------- algorithms
@@ -138,6 +144,10 @@ class SFT(AlgoBase):
     reduction: Literal["mean", "none"] = "mean"
     # Rows held out (after the seeded shuffle) for the eval NLL; 0 = no eval.
     test_size: NonNegInt = 0
+    # After the last step, the final weights answer each held-out conversation's last user turn (greedy) and
+    # test/agreement is the share of answers equal to the data's (prompt distillation: the student answers like
+    # the prompted teacher). Needs test_size > 0.
+    agreement: bool = False
 
 
 # ---------------------------------------------------------------- RL: environments
@@ -425,7 +435,28 @@ class Distill(AlgoBase):
         return sum(d.groups_per_batch for d in self.datasets)
 
 
-Algo = SFT | RL | Distill
+class Generate(AlgoBase):
+    """Sample a teacher over prompts and write the conversations (without `system`) to the run dir's generated/,
+    for an SFT recipe to train on (`data = {kind = "run_output", run = "#this"}`): the first stage of prompt
+    distillation. Resumable and seeded like any run; it trains nothing."""
+
+    # Rows {"messages": [...]} ending with the user's turn.
+    prompts: DataSource
+    # The teacher's system prompt, which the written conversations leave out.
+    system: str | None = None
+    teacher: Teacher = Teacher()
+    # Replies per prompt.
+    n: PosInt = 1
+    # Prompts per step.
+    batch_size: PosInt = 64
+    max_tokens: PosInt = 64
+    # 0 = greedy.
+    temperature: NonNegFloat = 0.0
+    # Keep replies cut off by max_tokens (default: drop them, and count them).
+    keep_truncated: bool = False
+
+
+Algo = SFT | RL | Distill | Generate
 
 
 # ---------------------------------------------------------------- experiment tracking

@@ -221,13 +221,35 @@ class SFTAlgo:
             metrics["test/nll"] = mean_nll(self._test_data or [], ev.logprobs)
         return metrics
 
-    # --- after the last step: nothing (the cookbook's SL has no final eval)
+    # --- after the last step: the agreement eval when asked for (the cookbook's SL has no final eval)
 
     def final_plan(self, evaluate: bool) -> str | None:
-        return None
+        if not (self.cfg.agreement and self.test_rows):
+            return None
+        return (f"agreement eval: the final weights answer the {len(self.test_rows)} held-out prompts greedily, "
+                f"test/agreement = the share equal to the data's answers, logged at step {self.total_steps}")
 
     async def final(self, ctx: Any, evaluate: bool) -> dict[str, float]:
-        return {}
+        """test/agreement: greedy answers to each held-out conversation's last user turn vs the data's answer."""
+        import asyncio
+
+        from backends.types import SamplingParams
+        from runner.rl.renderer import ChatRenderer
+
+        renderer = ChatRenderer(self.tokenizer)
+        client = await ctx.backend.create_sampling_client(model_path=ctx.sampler_path)
+        cases = []
+        for messages, _ in self.test_rows:
+            last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            expected = messages[last]["content"].strip()
+            budget = len(self.tokenizer.encode(expected, add_special_tokens=False)) + 8
+            cases.append((renderer.build_prompt(messages[:last]), expected, budget))
+        outs = await asyncio.gather(*(client.sample(prompt, 1, SamplingParams(
+            max_tokens=budget, temperature=0.0, stop=list(renderer.stop_tokens), seed=0))
+            for prompt, _, budget in cases))
+        same = [renderer.parse(out.sequences[0].tokens).text.strip() == expected
+                for out, (_, expected, _) in zip(outs, cases, strict=True)]
+        return {"test/agreement": sum(same) / len(same)}
 
     # --- dry run
 

@@ -19,8 +19,8 @@ from crashing import CrashingBackend
 
 from backends.base import BackendError
 from backends.errors import UserError
-from runner.load import dump_recipe, load_file, load_recipe
 from runner.chain import run_chain, upstreams
+from runner.load import dump_recipe, load_file, load_recipe
 from runner.loop import run
 from runner.recipe import Recipe
 

@@ -172,6 +172,15 @@ def _arith_task(rng: random.Random, wide_frac: float) -> tuple[str, str]:
     return arithmetic_prompt(x, y), str(x + y)
 
 
+def task_prompts(n: int = 600, seed: int = 0, kinds: tuple[str, ...] | list[str] = ("string", "short")) -> list[dict]:
+    """Prompts of the pre-training tasks ("string": repeat/reverse/sort/... a random word; "short": counting,
+    parity, comparison, greetings), as chat rows {"messages": [{"role": "user", ...}]}: what the
+    prompt-distillation recipe asks its teacher."""
+    rng = random.Random(seed)
+    tasks = tuple({"string": _string_task, "short": _short_task}[k] for k in kinds)
+    return [{"messages": [{"role": "user", "content": rng.choice(tasks)(rng)[0]}]} for _ in range(n)]
+
+
 def pretrain_conversation(rng: random.Random, arith_frac: float = 0.35, wide_frac: float = 0.3) -> list[dict]:
     """One synthetic chat: 1-3 turns, sometimes with a system message (which may ask for uppercase)."""
     messages: list[dict] = []

@@ -1,0 +1,132 @@
+"""`algo = {kind = "generate"}` behind the loop's Algorithm interface: the first stage of prompt distillation.
+
+Step k samples the teacher (with its `system` prompt) over prompts [k·batch_size, (k+1)·batch_size) and writes the
+conversations *without* the system prompt to generated/step_<k>.jsonl in the run dir, one file per step written
+whole (atomically), so a resumed run rewrites exactly the steps after its checkpoint and nothing is duplicated.
+Every sample has an explicit seed from (recipe seed, prompt index), so a run repeats. An SFT recipe trains on the
+rows with `data = {kind = "run_output", run = "#this"}` (runner/data.py), and `runner run` of that recipe runs this
+one first (runner/chain.py).
+
+It goes through the same loop as training (checkpoints are its resume points); it submits no training call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from backends.base import SamplingClient
+from backends.errors import UserError
+from backends.types import SamplingParams
+from runner.data import Conversation
+from runner.recipe import Generate
+from runner.rl.renderer import ChatRenderer
+
+OUTPUT = "generated"
+
+
+def output_files(run_dir: Path) -> list[Path]:
+    return sorted((run_dir / OUTPUT).glob("step_*.jsonl"))
+
+
+class GenerateAlgo:
+    def __init__(self, cfg: Generate, prompts: list[Conversation], where: list[str], tokenizer: Any, *,
+                 seed: int = 0, base_model: str = "tiny", max_steps: int | None = None,
+                 weights: dict[str, str] | None = None):
+        for conv, w in zip(prompts, where, strict=True):
+            if conv[-1]["role"] != "user":
+                raise UserError(f"{w}: a prompt must end with the user's turn (the teacher replies to it)")
+        self.cfg, self.prompts, self.seed, self.base_model = cfg, prompts, seed, base_model
+        self.weights = weights or {}
+        self.renderer = ChatRenderer(tokenizer)
+        full = -(-len(prompts) // cfg.batch_size)
+        self.total_steps = min(full, max_steps) if max_steps else full
+        self.client: SamplingClient | None = None
+        self.next_step = 0
+        self.log_dir: Path | None = None
+
+    async def teacher(self, backend: Any) -> SamplingClient:
+        if self.client is None:
+            t = self.cfg.teacher
+            path = self.weights.get(t.init_from, "") if t.init_from is not None else t.checkpoint
+            if t.init_from is not None and not path:
+                raise UserError(f"algo.teacher.init_from {t.init_from!r} was not resolved to weights; run the recipe "
+                                "with `runner run`, which runs the teacher first")
+            self.client = await backend.create_sampling_client(
+                model_path=path or None, base_model=None if path else (t.model or self.base_model))
+        return self.client
+
+    async def prepare(self, step: int, ctx: Any):  # AsyncIterator[list[dict]]
+        self.next_step = step + 1
+        self.log_dir = ctx.log_dir
+        client = await self.teacher(ctx.backend)
+        cfg = self.cfg
+        first = step * cfg.batch_size
+        batch = self.prompts[first : first + cfg.batch_size]
+        system = [{"role": "system", "content": cfg.system}] if cfg.system else []
+        futures = [client.sample(self.renderer.build_prompt(system + conv), cfg.n,
+                                 SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                                                stop=list(self.renderer.stop_tokens),
+                                                seed=(self.seed * 1_000_003 + first + i) % 2**31))
+                   for i, conv in enumerate(batch)]
+        outs = await asyncio.gather(*futures)
+        rows: list[dict[str, Any]] = []
+        truncated = 0
+        for conv, out in zip(batch, outs, strict=True):
+            for seq in out.sequences:
+                reply = self.renderer.parse(seq.tokens)
+                if not reply.ended_on_stop and not cfg.keep_truncated:
+                    truncated += 1
+                    continue
+                rows.append({"messages": [*conv, {"role": "assistant", "content": reply.text.strip()}]})
+        yield {"rows": rows, "truncated": truncated, "samples": len(batch) * cfg.n}
+
+    def submit(self, tc: Any, step: int, part: dict[str, Any], adam: Any, evaluate: bool) -> dict[str, Any]:
+        return part  # nothing to train
+
+    async def finish(self, step: int, parts: list[dict[str, Any]]) -> dict[str, float]:
+        (part,) = parts
+        assert self.log_dir is not None
+        out = Path(self.log_dir) / OUTPUT
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"step_{step:06d}.jsonl"
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in part["rows"])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        rows = part["rows"]
+        replies = [r["messages"][-1]["content"] for r in rows]
+        return {"rows": float(len(rows)), "samples": float(part["samples"]),
+                "truncated_frac": part["truncated"] / part["samples"] if part["samples"] else 0.0,
+                "reply_chars": sum(map(len, replies)) / len(replies) if replies else 0.0}
+
+    def state(self) -> dict[str, Any]:
+        return {"generate_prompts": len(self.prompts)}
+
+    def load_state(self, state: dict[str, Any], next_step: int) -> None:
+        if state.get("generate_prompts") != len(self.prompts):
+            raise UserError(f"the prompts changed since the checkpoint ({state.get('generate_prompts')} -> "
+                            f"{len(self.prompts)}); use if_exists = \"overwrite\"")
+        self.next_step = next_step
+
+    def describe(self) -> list[str]:
+        cfg = self.cfg
+        teacher = (f"#{cfg.teacher.init_from.rpartition('#')[2]}" if cfg.teacher.init_from
+                   else cfg.teacher.checkpoint or cfg.teacher.model or self.base_model)
+        return [
+            f"generate: {len(self.prompts)} prompts x {cfg.n} replies, {cfg.batch_size} prompts per step, teacher "
+            f"{teacher}{' with a system prompt' if cfg.system else ''}; temperature {cfg.temperature:g}, max_tokens "
+            f"{cfg.max_tokens}",
+            f"writes {OUTPUT}/step_NNNNNN.jsonl (conversations without the system prompt); no training calls",
+        ]
+
+    def final_plan(self, evaluate: bool) -> str | None:
+        return None
+
+    async def final(self, ctx: Any, evaluate: bool) -> dict[str, float]:
+        return {}
