@@ -57,6 +57,7 @@ class GenerateAlgo:
                                 "with `runner run`, which runs the teacher first")
             self.client = await backend.create_sampling_client(
                 model_path=path or None, base_model=None if path else (t.model or self.base_model))
+        assert self.client is not None
         return self.client
 
     async def prepare(self, step: int, ctx: Any):  # AsyncIterator[list[dict]]

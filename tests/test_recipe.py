@@ -60,7 +60,7 @@ BAD_RECIPES = [
     (
         f'algo = {{kind = "sft", {DATA}, batch_sise = 8}}',
         ("recipes.toml#sl_basic: algo.batch_sise: unknown key; did you mean `batch_size`? "
-        "(valid: batch_size, data, epochs, kind, max_length, reduction, test_size, train_on_what)"),
+        "(valid: agreement, batch_size, data, epochs, kind, max_length, reduction, test_size, train_on_what)"),
     ),
     (
         f'lro = 1e-3\nalgo = {{kind = "sft", {DATA}}}',
@@ -167,20 +167,20 @@ BAD_RECIPES = [
     ),
     (
         'algo = {kind = "ppo"}',
-        "recipes.toml#sl_basic: algo.kind: invalid choice 'ppo'; expected one of: distill, rl, sft",
+        "recipes.toml#sl_basic: algo.kind: invalid choice 'ppo'; expected one of: distill, generate, rl, sft",
     ),
     (
         'model = "tiny"',
-        'recipes.toml#sl_basic: algo: missing key; write e.g. algo = {kind = "sft"} (kind one of: distill, rl, sft)',
+        'recipes.toml#sl_basic: algo: missing key; write e.g. algo = {kind = "sft"} (kind one of: distill, generate, rl, sft)',
     ),
     (
         'algo = {kind = "sft"}',
         ('recipes.toml#sl_basic: algo.data: missing key; write e.g. data = {kind = "jsonl"} '
-        "(kind one of: hf, jsonl, python)"),
+        "(kind one of: hf, jsonl, python, run_output)"),
     ),
     (
         'algo = {kind = "sft", data = {path = "data.jsonl"}}',
-        "recipes.toml#sl_basic: algo.data.kind: missing key; expected one of: hf, jsonl, python",
+        "recipes.toml#sl_basic: algo.data.kind: missing key; expected one of: hf, jsonl, python, run_output",
     ),
     (
         'algo = {kind = "sft", data = {kind = "jsonl"}}',
