@@ -260,3 +260,12 @@ def test_stream_with_fewer_groups_than_minibatches_is_a_user_error(tmp_path: Pat
     with pytest.raises(UserError, match=r"stream mode: batch 0 of the train dataset has 1 groups, fewer than "
                                         r"num_substeps × minibatches = 2"):
         run(recipe, "r")
+
+
+def test_train_and_snapshot_times_are_separate(tmp_path: Path) -> None:
+    """time/sampler_wait mixes training and the snapshot; time/train and time/snapshot tell them apart."""
+    run(arith(tmp_path, "times", max_steps=3, eval_every=0), "r")
+    ms = train_rows(rows(tmp_path / "times"))
+    assert all(m["time/train"] > 0 for m in ms)
+    assert all(m["time/snapshot"] >= 0 for m in ms[:-1])  # the last step makes no snapshot for a next one
+    assert all(m["time/train"] < m["time/total"] for m in ms)

@@ -38,7 +38,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -109,6 +109,8 @@ class Submitted:
     fwd_bwd: list[tuple[list[Datum], Future[ForwardBackwardOutput]]]
     optims: list[Future[OptimStepOutput]]
     eval: asyncio.Task[dict[str, float]] | None
+    # Clock: when the part was submitted, when its last call (optim_step) and the next snapshot completed.
+    times: dict[str, float] = field(default_factory=dict)
 
 
 class RLAlgo:
@@ -293,9 +295,13 @@ class RLAlgo:
             for chunk in chunks(part.data_D, self.cfg.num_substeps):
                 fwd_bwd.append((chunk, tc.forward_backward(chunk, self.loss_fn, self.loss_config)))
                 optims.append(tc.optim_step(adam))
+        times = {"submitted": time.monotonic()}
+        if optims:
+            _stamp(optims[-1], times, "trained")
         if part.last and (step + 1 < self.total_steps or self.cfg.compute_post_kl):
             self.samplers[step + 1] = tc.save_weights_and_get_sampling_client()
-        return Submitted(prepared, fwd_bwd, optims, ev)
+            _stamp(self.samplers[step + 1], times, "snapshot")
+        return Submitted(prepared, fwd_bwd, optims, ev, times)
 
     async def finish(self, step: int, subs: list[Submitted]) -> dict[str, float]:
         sub = Submitted(subs[0].prepared, [fb for s in subs for fb in s.fwd_bwd], [o for s in subs for o in s.optims],
@@ -303,6 +309,7 @@ class RLAlgo:
         metrics = dict(sub.prepared.metrics)
         outs = [await f for _, f in sub.fwd_bwd]
         opts = [await f for f in sub.optims]
+        metrics.update(self._train_times(subs))
         data_D = [d for chunk, _ in sub.fwd_bwd for d in chunk]
         train_lps = [lp for out in outs for lp in out.logprobs]
         metrics.update(kl_sample_train(data_D, train_lps))
@@ -319,6 +326,22 @@ class RLAlgo:
         if sub.eval is not None:
             metrics.update(await sub.eval)
         return metrics
+
+    _fifo_free = 0.0
+
+    def _train_times(self, subs: list[Submitted]) -> dict[str, float]:
+        """time/train: from when the FIFO reached the step (its submission, or the previous step's last call) to its
+        last optim_step; time/snapshot: from there to the next sampler snapshot. Both from completion callbacks, so
+        they are the backend's times, not the loop's waits (time/sampler_wait mixes the two)."""
+        first, last = subs[0].times, subs[-1].times
+        if "trained" not in last:
+            return {}
+        out = {"time/train": last["trained"] - max(first["submitted"], self._fifo_free)}
+        self._fifo_free = last["trained"]
+        if "snapshot" in last:
+            out["time/snapshot"] = last["snapshot"] - last["trained"]
+            self._fifo_free = last["snapshot"]
+        return out
 
     async def _evaluate(self, step: int, sampler: SamplingClient) -> dict[str, float]:
         """Mean test-set reward on the weights that sampled `step` (test/env/all/reward/total, ...)."""
@@ -394,6 +417,11 @@ class RLAlgo:
         else:
             lines.append("transcripts: none")
         return lines
+
+
+def _stamp(fut: Future[Any], times: dict[str, float], key: str) -> None:
+    """times[key] = the time `fut` completes (a callback on the backend's thread; dict writes are atomic)."""
+    fut.future().add_done_callback(lambda _: times.__setitem__(key, time.monotonic()))
 
 
 def _stats(prefix: str, xs: Sequence[float]) -> dict[str, float]:
