@@ -64,6 +64,8 @@ def write_jsonl_atomic(path: Path, rows: list[dict[str, Any]]) -> None:
 ALGO_KEYS: dict[str, list[tuple[str, str]]] = {
     "sft": [("train_mean_nll", "nll"), ("test/nll", "test/nll")],
     "rl": [("env/all/reward/total", "reward"), ("test/env/all/reward/total", "test/reward")],
+    "dpo": [("dpo_loss", "loss"), ("accuracy", "acc"), ("test/accuracy", "test/acc")],
+    "reward_model": [("train_mean_nll", "nll"), ("accuracy", "acc"), ("test/accuracy", "test/acc")],
 }
 ENV_KEYS: dict[str, list[tuple[str, str]]] = {
     # Pairwise: the group's mean win rate is 0.5 by construction; reply length and format are what move.

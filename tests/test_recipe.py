@@ -167,11 +167,11 @@ BAD_RECIPES = [
     ),
     (
         'algo = {kind = "ppo"}',
-        "recipes.toml#sl_basic: algo.kind: invalid choice 'ppo'; expected one of: rl, sft",
+        "recipes.toml#sl_basic: algo.kind: invalid choice 'ppo'; expected one of: dpo, reward_model, rl, sft",
     ),
     (
         'model = "tiny"',
-        'recipes.toml#sl_basic: algo: missing key; write e.g. algo = {kind = "sft"} (kind one of: rl, sft)',
+        'recipes.toml#sl_basic: algo: missing key; write e.g. algo = {kind = "sft"} (kind one of: dpo, reward_model, rl, sft)',
     ),
     (
         'algo = {kind = "sft"}',
