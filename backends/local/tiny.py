@@ -439,12 +439,13 @@ def preference_rows(n: int = 200, seed: int = 0) -> list[dict]:
 def comparison_rows(n: int = 600, seed: int = 0) -> list[dict]:
     """Labelled comparisons in the cookbook's format ({"comparison": {prompt_conversation, completion_A,
     completion_B}, "label": "A" | "B" | "Tie"}), on skills the pre-trained model has, so a preference is
-    learnable: single-digit sums and string tasks (the better answer is right, the worse one wrong), or any of
-    them padded with filler (the better answer is concise). The better side is A or B at random; about 5% of the
-    rows are ties (two wrong answers), which DPO and the reward model drop."""
+    learnable: single-digit sums and string tasks, where the better answer is the right one, concise, and the worse
+    one is wrong (40%), the right answer padded with filler (40%) or no answer at all (20%). The better side is A or
+    B at random; about 5% of the rows are ties (two wrong answers), which DPO and the reward model drop."""
     rng = random.Random(seed)
     filler = ("Well, that is a great question, let me think about it carefully. ", "Hmm, I believe that ",
               "Let me see. After some thought, ", "Okay, so, to answer your question, ")
+    evasive = ("I am not sure.", "I cannot help with that.", "Ask me something else.", "That is hard to say.")
     rows = []
     for _ in range(n):
         prompt: list[dict] = [{"role": "system", "content": rng.choice(SYSTEMS)}] if rng.random() < 0.2 else []
@@ -462,10 +463,12 @@ def comparison_rows(n: int = 600, seed: int = 0) -> list[dict]:
         r = rng.random()
         if r < 0.05:
             better, worse, label = rng.choice(wrong), rng.choice(filler) + rng.choice(wrong), "Tie"
-        elif r < 0.55:
+        elif r < 0.43:
             better, worse, label = good, rng.choice(wrong), "A"
-        else:
+        elif r < 0.81:
             better, worse, label = good, rng.choice(filler) + good, "A"
+        else:
+            better, worse, label = good, rng.choice(evasive), "A"
         if rng.random() < 0.5:
             better, worse = worse, better
             label = {"A": "B", "Tie": "Tie"}[label]
