@@ -117,13 +117,16 @@ def render_completion(tokenizer: Any, prompt: Conversation, completion: Conversa
 
 
 def _text(messages: Conversation) -> str:
+    """Messages as plain lines; a completion that is one assistant message is its content alone."""
+    if len(messages) == 1 and messages[0]["role"] == "assistant":
+        return messages[0]["content"]
     return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
 
 
 def judge_messages(prompt: Conversation, a: Conversation, b: Conversation) -> Conversation:
     """The reward model's question about completions a (shown as A) and b (shown as B)."""
-    text = (f"{_text(prompt)}\n==== Completion A ====\n{_text(a)}\n==== Completion B ====\n{_text(b)}\n"
-            "==== Preference ====\nWhich completion is better, A or B?")
+    conversation = "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
+    text = f"{conversation}\n\nCompletion A: {_text(a)}\n\nCompletion B: {_text(b)}\n\nWhich completion is better, A or B?"
     return [{"role": "user", "content": text}]
 
 

@@ -119,6 +119,7 @@ class DPOAlgo:
         self.total_steps = self.batches.total_steps
         self.next_step = 0
         self._reference: asyncio.Task[SamplingClient] | None = None
+        self._backend: Any = None  # the session's backend (set by prepare), for the held-out reference logprobs
         # The reference's sequence logprobs of (chosen, rejected) per training pair index: it never changes.
         self._train_ref: dict[int, tuple[float, float]] = {}
         self._test_data: list[Datum] | None = None
@@ -173,6 +174,7 @@ class DPOAlgo:
 
     async def prepare(self, step: int, ctx: Any) -> AsyncIterator[Batch]:
         self.next_step = step + 1
+        self._backend = ctx.backend
         idx = self.batches.indices(step)
         data = [d for i in idx for d in self.datums(self.batches.train[i])]
         t = time.monotonic()
@@ -188,17 +190,10 @@ class DPOAlgo:
         ev = None
         if evaluate and self.batches.test:
             ev = tc.forward(self.test_data(), "cross_entropy")  # the weights after step - 1; nothing accumulates
-            if self._test_ref is None:
-                assert self._reference is not None  # prepare made it
-                self._test_ref = asyncio.ensure_future(self._test_reference())
+            if self._test_ref is None:  # once: the reference never changes
+                self._test_ref = asyncio.ensure_future(self.reference_sums(self._backend, self.test_data()))
         fb = tc.forward_backward_custom(batch.data, dpo_loss_fn(batch.reference, self.cfg.beta))
         return Submitted(batch, fb, tc.optim_step(adam), ev)
-
-    async def _test_reference(self) -> np.ndarray:
-        assert self._reference is not None
-        client = await self._reference
-        data = self.test_data()
-        return sequence_logprobs(data, await reference_logprobs(client, data))
 
     async def finish(self, step: int, subs: list[Submitted]) -> dict[str, float]:
         (sub,) = subs  # one part per step

@@ -367,8 +367,12 @@ def test_dpo_learns_the_shipped_comparisons(tmp_path):
     }, Recipe)
     run(recipe, "d")
     rows = metrics(tmp_path / "run")
-    test = [r["test/accuracy"] for r in rows if "test/accuracy" in r]
-    assert len(test) == 3 and test[-1] >= 0.75 and test[-1] > test[0] + 0.3, test
+    evals = [r for r in rows if "test/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 10, 20]  # two periodic evals and the final one
+    # Step 0's policy is the reference (loss log 2, accuracy a coin toss on float noise); 20 steps later most
+    # held-out pairs rank the right way, by a clear margin.
+    assert evals[0]["test/dpo_loss"] == pytest.approx(np.log(2), abs=1e-3)
+    assert evals[-1]["test/accuracy"] >= 0.8 and evals[-1]["test/dpo_loss"] < 0.45, evals[-1]
     assert np.mean([r["dpo_loss"] for r in rows[-6:-1]]) < 0.5
 
 
@@ -390,8 +394,8 @@ def test_reward_model_renders_both_orders(tmp_path):
     assert (first.label, first.other, second.label, second.other) == (a, b, b, a)
     text1, text2 = TOK.decode(first.prefix), TOK.decode(second.prefix)
     assert text1.endswith("<|im_start|>assistant\n") and "Which completion is better, A or B?" in text1
-    assert "Completion A ====\nassistant: 4\n" in text1 and "Completion B ====\nassistant: no idea" in text1
-    assert "Completion A ====\nassistant: no idea\n" in text2 and "Completion B ====\nassistant: 4" in text2
+    assert "user: What is 3 + 1?\n\nCompletion A: 4\n\nCompletion B: no idea\n\n" in text1
+    assert "user: What is 3 + 1?\n\nCompletion A: no idea\n\nCompletion B: 4\n\n" in text2
     assert judge_messages(pair.prompt, pair.chosen, pair.rejected)[0]["content"] in text1
     d = to_datum(second)
     assert d.target_tokens.shape == (d.length, 2) and d.weights is not None
