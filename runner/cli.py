@@ -74,7 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="runner",
-        description="Declarative LLM post-training (SFT, RL, distill and generate) from TOML recipes, on a local torch "
+        description="Declarative LLM post-training (SFT, DPO, reward_model, RL, distill and generate) from TOML "
+        "recipes, on a local torch "
         "backend or Tinker.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

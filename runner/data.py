@@ -73,19 +73,24 @@ def conversation(row: Any, where: str) -> Conversation:
     chat template (e.g. "name")."""
     if not isinstance(row, dict) or "messages" not in row:
         raise UserError(f"{where}: expected an object with a \"messages\" list")
-    messages = row["messages"]
+    return messages_of(row["messages"], where, "messages")
+
+
+def messages_of(messages: Any, where: str, key: str) -> Conversation:
+    """`messages` (the value of `key` in the row at `where`) checked as a non-empty list of
+    {"role": str, "content": str}; None-valued keys dropped."""
     if not isinstance(messages, list) or not messages:
-        raise UserError(f"{where}: \"messages\" must be a non-empty list")
+        raise UserError(f"{where}: \"{key}\" must be a non-empty list of messages")
     out = []
     for j, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise UserError(f"{where}: messages[{j}] must be an object with \"role\" and \"content\"")
+            raise UserError(f"{where}: {key}[{j}] must be an object with \"role\" and \"content\"")
         m = {k: v for k, v in m.items() if v is not None}
-        for key in ("role", "content"):
-            if not isinstance(m.get(key), str):
-                raise UserError(f"{where}: messages[{j}].{key} must be a string")
+        for field in ("role", "content"):
+            if not isinstance(m.get(field), str):
+                raise UserError(f"{where}: {key}[{j}].{field} must be a string")
         if not m["role"]:
-            raise UserError(f"{where}: messages[{j}].role is empty")
+            raise UserError(f"{where}: {key}[{j}].role is empty")
         out.append(m)
     return out
 

@@ -66,6 +66,8 @@ ALGO_KEYS: dict[str, list[tuple[str, str]]] = {
     "rl": [("env/all/reward/total", "reward"), ("test/env/all/reward/total", "test/reward")],
     "distill": [("teacher_kl", "teacher_kl"), ("test/teacher_kl", "test/teacher_kl")],
     "generate": [("rows", "rows"), ("reply_chars", "reply_chars"), ("truncated_frac", "truncated")],
+    "dpo": [("dpo_loss", "loss"), ("accuracy", "acc"), ("test/accuracy", "test/acc")],
+    "reward_model": [("train_mean_nll", "nll"), ("accuracy", "acc"), ("test/accuracy", "test/acc")],
 }
 ENV_KEYS: dict[str, list[tuple[str, str]]] = {
     # Pairwise: the group's mean win rate is 0.5 by construction; reply length and format are what move.

@@ -37,7 +37,7 @@ from backends.tokenizer import load_tokenizer
 from backends.types import AdamParams, LoraSpec
 from runner.data import load_conversations
 from runner.log import Progress, algo_keys
-from runner.recipe import RL, SFT, Distill, Generate, Recipe
+from runner.recipe import DPO, RL, SFT, Distill, Generate, Recipe, RewardModel
 from runner.rundir import RunDir, open_run_dir
 from runner.schedule import adam_at
 
@@ -154,6 +154,18 @@ def make_algo(recipe: Recipe, init: InitWeights | None = None,
 
             convs, where = load_conversations(cfg.data)
             return functools.partial(SFTAlgo, cfg, convs, where, seed=recipe.seed, max_steps=recipe.max_steps)
+        case DPO() as cfg:
+            from runner.comparisons import load_pairs
+            from runner.dpo import DPOAlgo
+
+            return functools.partial(DPOAlgo, cfg, load_pairs(cfg.data), seed=recipe.seed, base_model=recipe.model,
+                                     max_steps=recipe.max_steps, reference_path=reference)
+        case RewardModel() as cfg:
+            from runner.comparisons import load_pairs
+            from runner.reward_model import RewardModelAlgo
+
+            return functools.partial(RewardModelAlgo, cfg, load_pairs(cfg.data), seed=recipe.seed,
+                                     max_steps=recipe.max_steps)
         case RL() as cfg:
             from runner.rl.algo import RLAlgo
 

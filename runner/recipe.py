@@ -150,6 +150,38 @@ class SFT(AlgoBase):
     agreement: bool = False
 
 
+class DPO(AlgoBase):
+    """Direct preference optimisation on comparisons (runner/comparisons.py has the row formats): per pair,
+    loss = −log σ(β·((π_c − ref_c) − (π_r − ref_r))), sequence logprobs summed over the completion's tokens; the
+    reference is the run's initial weights (the base model), also after a resume."""
+
+    data: DataSource
+    # Pairs per step (each is two datums: chosen and rejected).
+    batch_size: PosInt = 16
+    epochs: PosInt = 1
+    # Truncate each rendered prompt + completion (tokens) from the right.
+    max_length: PosInt = 1024
+    # Strength of the implicit KL to the reference: small β lets the policy move further (cookbook default 0.1).
+    beta: PosFloat = 0.1
+    # Pairs held out (after the seeded shuffle) for test/dpo_loss, test/accuracy, test/margin; 0 = no eval.
+    test_size: NonNegInt = 0
+
+
+class RewardModel(AlgoBase, tag="reward_model"):
+    """A pairwise judge (the cookbook's RLHF stage 2): SFT on "which completion is better, A or B?" with the
+    preferred label as the one trained token, every comparison in both orders (A/B swapped) so position carries
+    no signal. runner/preference_judge.py turns the trained weights into P(a better)."""
+
+    data: DataSource
+    # Comparisons per step (each is two datums: both orders).
+    batch_size: PosInt = 16
+    epochs: PosInt = 1
+    # Longest judge prompt (tokens); a comparison that renders longer is an error naming its row.
+    max_length: PosInt = 2048
+    # Comparisons held out for test/accuracy and test/nll; 0 = no eval.
+    test_size: NonNegInt = 0
+
+
 # ---------------------------------------------------------------- RL: environments
 
 class EnvBase(Base, tag_field="kind", tag=str.lower):
@@ -456,7 +488,7 @@ class Generate(AlgoBase):
     keep_truncated: bool = False
 
 
-Algo = SFT | RL | Distill | Generate
+Algo = SFT | DPO | RewardModel | RL | Distill | Generate
 
 
 # ---------------------------------------------------------------- experiment tracking
@@ -512,8 +544,9 @@ class Recipe(Base):
     # Steps submitted ahead of the one being finished; 0 = fully synchronous.
     depth: Annotated[int, Meta(ge=0, le=64)] = 1
     # Steps between evals / checkpoints; 0 = never (a final checkpoint is always written). Evals run before
-    # steps 0, N, 2N, ...; RL also evaluates the final weights once after the last step (logged at step =
-    # the number of steps, as the cookbook) when eval_every > 0 and there is a test set. SFT has no final eval.
+    # steps 0, N, 2N, ...; RL, DPO and the reward model also evaluate the final weights once after the last step
+    # (logged at step = the number of steps, as the cookbook) when eval_every > 0 and there is a test set. SFT has
+    # no final eval.
     eval_every: NonNegInt = 10
     save_every: NonNegInt = 20
     # An existing run dir: resume it (only if it holds this same recipe), move it aside, or stop.

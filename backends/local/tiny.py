@@ -445,12 +445,57 @@ def preference_rows(n: int = 200, seed: int = 0) -> list[dict]:
     return rows
 
 
+def comparison_rows(n: int = 600, seed: int = 0) -> list[dict]:
+    """Labelled comparisons in the cookbook's format ({"comparison": {prompt_conversation, completion_A,
+    completion_B}, "label": "A" | "B" | "Tie"}), on skills the pre-trained model has, so a preference is
+    learnable: single-digit sums and string tasks, where the better answer is the right one, concise, and the worse
+    one is wrong (40%), the right answer padded with filler (40%) or no answer at all (20%). The better side is A or
+    B at random; about 5% of the rows are ties (two wrong answers), which DPO and the reward model drop."""
+    rng = random.Random(seed)
+    filler = ("Well, that is a great question, let me think about it carefully. ", "Hmm, I believe that ",
+              "Let me see. After some thought, ", "Okay, so, to answer your question, ")
+    evasive = ("I am not sure.", "I cannot help with that.", "Ask me something else.", "That is hard to say.")
+    rows = []
+    for _ in range(n):
+        prompt: list[dict] = [{"role": "system", "content": rng.choice(SYSTEMS)}] if rng.random() < 0.2 else []
+        if rng.random() < 0.5:
+            x, y = rng.randint(0, 9), rng.randint(0, 9)
+            q, good = arithmetic_prompt(x, y), str(x + y)
+            wrong = [str(v) for v in range(max(0, x + y - 3), x + y + 4) if v != x + y]
+        else:
+            while True:
+                q, good = _string_task(rng)
+                # Sorted: a set's order changes with the process's string hash seed.
+                wrong = sorted({good[::-1], good.upper(), good[1:], good + good[-1], "".join(sorted(good))} - {good, ""})
+                if wrong:
+                    break
+        r = rng.random()
+        if r < 0.05:
+            better, worse, label = rng.choice(wrong), rng.choice(filler) + rng.choice(wrong), "Tie"
+        elif r < 0.43:
+            better, worse, label = good, rng.choice(wrong), "A"
+        elif r < 0.81:
+            better, worse, label = good, rng.choice(filler) + good, "A"
+        else:
+            better, worse, label = good, rng.choice(evasive), "A"
+        if rng.random() < 0.5:
+            better, worse = worse, better
+            label = {"A": "B", "Tie": "Tie"}[label]
+        prompt.append({"role": "user", "content": q})
+        rows.append({"comparison": {"prompt_conversation": prompt,
+                                    "completion_A": [{"role": "assistant", "content": better}],
+                                    "completion_B": [{"role": "assistant", "content": worse}]},
+                     "label": label})
+    return rows
+
+
 def write_data(out_dir: Path) -> list[Path]:
-    """Write chat_sft.jsonl and preferences.jsonl (deterministic)."""
+    """Write chat_sft.jsonl, preferences.jsonl and comparisons.jsonl (deterministic)."""
     import json
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = {"chat_sft.jsonl": sft_conversations(), "preferences.jsonl": preference_rows()}
+    files = {"chat_sft.jsonl": sft_conversations(), "preferences.jsonl": preference_rows(),
+             "comparisons.jsonl": comparison_rows()}
     for name, rows in files.items():
         with open(out_dir / name, "w") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)

@@ -1,0 +1,188 @@
+"""Preference data: labelled comparisons of two completions of one prompt, for DPO and the reward model.
+
+Rows (JSONL, or any data source of runner/data.py), one of:
+  {"prompt": [messages], "chosen": [messages], "rejected": [messages]}
+  {"comparison": {"prompt_conversation": [...], "completion_A": [...], "completion_B": [...]},
+   "label": "A" | "B" | "Tie"}                                    (the cookbook's LabeledComparison)
+A completion may also be a plain string (one assistant message). A "Tie" says nothing about which side is better,
+so it is dropped and counted (the cookbook silently makes B the winner). A bad row is one UserError naming its
+file and line.
+
+Rendering (shared by DPO, the reward model and runner/preference_judge.py):
+  - `render_completion`: prompt + completion through the tokenizer's chat template; weight 1 on every token after
+    the prompt's generation header (the completion's content and end-of-turn), 0 on the prompt;
+  - `judge_messages`: the reward model's input, one user message showing the conversation and both completions and
+    asking which is better; the target is the assistant reply "A" or "B". One user message (not the cookbook's
+    system separators between turns) so that any chat template renders it.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from backends.errors import UserError
+from runner.data import Conversation, load_rows, messages_of
+from runner.recipe import DataSource
+from runner.sft import _encode, _prefix_len, _template
+
+LABELS = ("A", "B", "Tie")
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A comparison with a winner."""
+
+    prompt: Conversation
+    chosen: Conversation
+    rejected: Conversation
+    where: str
+
+
+@dataclass(frozen=True)
+class Pairs:
+    pairs: list[Pair]
+    # Rows labelled "Tie", dropped.
+    ties: int
+    rows: int
+    source: str
+
+
+def load_pairs(source: DataSource) -> Pairs:
+    """Every row of `source` as a Pair (ties dropped and counted); UserError on the first bad row."""
+    rows, where = load_rows(source)
+    pairs, ties = [], 0
+    for row, w in zip(rows, where, strict=True):
+        pair = parse_row(row, w)
+        if pair is None:
+            ties += 1
+        else:
+            pairs.append(pair)
+    name = getattr(source, "path", None) or getattr(source, "name", None) or getattr(source, "target", "")
+    if not pairs:
+        raise UserError(f"data source {name} has no comparisons with a winner ({len(rows)} rows, {ties} ties)")
+    if ties:
+        print(f"note: {name}: {ties} of {len(rows)} rows are ties (label \"Tie\"), dropped: a tie says nothing "
+              "about which completion is better", file=sys.stderr)
+    return Pairs(pairs, ties, len(rows), str(name))
+
+
+def parse_row(row: Any, where: str) -> Pair | None:
+    """One row as a Pair; None for a tie."""
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: expected an object with \"prompt\", \"chosen\", \"rejected\" (or \"comparison\" "
+                        "and \"label\")")
+    if "comparison" in row:
+        c, label = row["comparison"], row.get("label")
+        if not isinstance(c, dict):
+            raise UserError(f"{where}: \"comparison\" must be an object with \"prompt_conversation\", "
+                            "\"completion_A\", \"completion_B\"")
+        missing = [k for k in ("prompt_conversation", "completion_A", "completion_B") if k not in c]
+        if missing:
+            raise UserError(f"{where}: comparison has no {', '.join(repr(k) for k in missing)}")
+        if label not in LABELS:
+            raise UserError(f"{where}: \"label\" must be one of \"A\", \"B\", \"Tie\", got {label!r}")
+        prompt = messages_of(c["prompt_conversation"], where, "comparison.prompt_conversation")
+        a = _completion(c["completion_A"], where, "comparison.completion_A")
+        b = _completion(c["completion_B"], where, "comparison.completion_B")
+        if label == "Tie":
+            return None
+        return Pair(prompt, a, b, where) if label == "A" else Pair(prompt, b, a, where)
+    missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
+    if missing:
+        raise UserError(f"{where}: no {', '.join(repr(k) for k in missing)} (expected \"prompt\", \"chosen\", "
+                        "\"rejected\", or the cookbook's \"comparison\" and \"label\")")
+    return Pair(messages_of(row["prompt"], where, "prompt"), _completion(row["chosen"], where, "chosen"),
+                _completion(row["rejected"], where, "rejected"), where)
+
+
+def _completion(value: Any, where: str, key: str) -> Conversation:
+    if isinstance(value, str):
+        return [{"role": "assistant", "content": value}]
+    return messages_of(value, where, key)
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def render_completion(tokenizer: Any, prompt: Conversation, completion: Conversation) -> tuple[list[int], list[float]]:
+    """Tokens of prompt + completion and their weights: 1 from the end of the prompt's generation header (when the
+    completion starts with an assistant turn) to the end, 0 before."""
+    tokens = _encode(tokenizer, _template(tokenizer, prompt + completion, False))
+    start = _prefix_len(tokenizer, prompt, tokens, completion[0]["role"] == "assistant")
+    return tokens, [0.0] * start + [1.0] * (len(tokens) - start)
+
+
+def _text(messages: Conversation) -> str:
+    """Messages as plain lines; a completion that is one assistant message is its content alone."""
+    if len(messages) == 1 and messages[0]["role"] == "assistant":
+        return messages[0]["content"]
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+
+
+def judge_messages(prompt: Conversation, a: Conversation, b: Conversation) -> Conversation:
+    """The reward model's question about completions a (shown as A) and b (shown as B)."""
+    conversation = "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
+    text = f"{conversation}\n\nCompletion A: {_text(a)}\n\nCompletion B: {_text(b)}\n\nWhich completion is better, A or B?"
+    return [{"role": "user", "content": text}]
+
+
+def render_judge(tokenizer: Any, prompt: Conversation, a: Conversation, b: Conversation) -> tuple[list[int], int, int]:
+    """(the judge prompt's tokens up to the label, the token of label "A", of label "B"): the assistant reply "A"
+    and "B" rendered in full, cut at the first token where they differ."""
+    question = judge_messages(prompt, a, b)
+    ta, tb = (_encode(tokenizer, _template(tokenizer, [*question, {"role": "assistant", "content": label}], False))
+              for label in ("A", "B"))
+    pos = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), min(len(ta), len(tb)))
+    if pos >= min(len(ta), len(tb)):
+        raise UserError("the chat template renders the replies \"A\" and \"B\" without a token where they differ; "
+                        "the reward model needs one")
+    return ta[:pos], ta[pos], tb[pos]
+
+
+# ---------------------------------------------------------------- held-out split and batches
+
+
+class Batches:
+    """A seeded held-out split of `items`, then per-epoch reshuffled batches of the rest (as runner/sft.py: one
+    seeded shuffle, then test_size held out; epoch e is shuffled with (seed, e); the last partial batch of an
+    epoch is dropped)."""
+
+    def __init__(self, items: list[Any], *, test_size: int, batch_size: int, epochs: int, seed: int,
+                 max_steps: int | None, what: str):
+        if test_size >= len(items):
+            raise UserError(f"algo.test_size = {test_size} leaves no training {what} (the data has {len(items)})")
+        order = np.random.default_rng(seed).permutation(len(items))
+        self.test = [items[i] for i in order[:test_size]]
+        self.train = [items[i] for i in order[test_size:]]
+        self.seed, self.batch_size = seed, batch_size
+        self.per_epoch = len(self.train) // batch_size
+        if self.per_epoch == 0:
+            raise UserError(f"algo.batch_size = {batch_size} is larger than the {len(self.train)} training {what}")
+        full = self.per_epoch * epochs
+        self.total_steps = min(full, max_steps) if max_steps else full
+        self._order: tuple[int, np.ndarray] | None = None
+
+    def position(self, step: int) -> tuple[int, int]:
+        return divmod(step, self.per_epoch)
+
+    def indices(self, step: int) -> list[int]:
+        """Indices into self.train of step's batch."""
+        epoch, batch = self.position(step)
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.train)))
+        return [int(i) for i in self._order[1][batch * self.batch_size : (batch + 1) * self.batch_size]]
+
+    def state(self, next_step: int) -> dict[str, Any]:
+        epoch, batch = self.position(next_step)
+        return {"epoch": epoch, "batch": batch, "train_rows": len(self.train)}
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        if state.get("train_rows") != len(self.train):
+            raise UserError(
+                f"the training data changed since the checkpoint ({state.get('train_rows')} -> "
+                f"{len(self.train)} rows), so its data position means nothing; use if_exists = \"overwrite\""
+            )
