@@ -186,3 +186,17 @@ class Batches:
                 f"the training data changed since the checkpoint ({state.get('train_rows')} -> "
                 f"{len(self.train)} rows), so its data position means nothing; use if_exists = \"overwrite\""
             )
+
+
+def preferred_conversations(path: str) -> list[dict[str, Any]]:
+    """SFT rows {"messages": prompt + the preferred completion} of a comparison file (ties skipped): the RLHF
+    pipeline's supervised stage trains on the answers the labels prefer (a data source target:
+    `{kind = "python", target = "runner.comparisons:preferred_conversations", args = {path = "..."}}`)."""
+    from pathlib import Path
+
+    from runner.recipe import Jsonl
+
+    if not Path(path).is_file():
+        raise UserError(f"preferred_conversations: file not found: {path}")
+    pairs = load_pairs(Jsonl(path=path))
+    return [{"messages": [*p.prompt, *p.chosen]} for p in pairs.pairs]

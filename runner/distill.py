@@ -83,7 +83,7 @@ class DistillAlgo(RLAlgo):
                                 f"{ds.groups_per_batch}")
             self.prompts.append((train, test))
         self.teachers: list[SamplingClient | None] = [None] * len(cfg.datasets)
-        super().__init__(cfg, tokenizer, seed=seed, base_model=base_model, max_steps=max_steps)
+        super().__init__(cfg, tokenizer, seed=seed, base_model=base_model, max_steps=max_steps, weights=weights)
 
     # ---------------------------------------------------------------- data
 

@@ -142,7 +142,8 @@ class Progress:
                 parts.append(f"{label} {metrics[key]:.4f}")
         if test:  # other test/ metrics of an eval row that the headline keys do not name
             named = {k for k, _ in self.keys}
-            for key in ("test/nll", "test/env/all/reward/total", "test/accuracy", "test/teacher_kl", "test/agreement"):
+            for key in ("test/nll", "test/env/all/reward/total", "test/accuracy", "test/teacher_kl", "test/agreement",
+                        "test/win_rate_vs_init"):
                 if key not in named and isinstance(metrics.get(key), (int, float)):
                     parts.append(f"{key} {metrics[key]:.4f}")
         return parts

@@ -170,7 +170,7 @@ def make_algo(recipe: Recipe, init: InitWeights | None = None,
             from runner.rl.algo import RLAlgo
 
             return functools.partial(RLAlgo, cfg, seed=recipe.seed, base_model=recipe.model, max_steps=recipe.max_steps,
-                                     reference_path=reference)
+                                     reference_path=reference, weights=dict(weights or {}))
     raise TypeError(f"unknown algo {recipe.algo!r}")
 
 

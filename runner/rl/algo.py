@@ -47,7 +47,7 @@ import numpy as np
 from backends.base import BackendError, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, LossFn, OptimStepOutput, SamplingParams
-from runner.recipe import CISPO, DRO, PPO, RL, Async, ReferenceKL, Stream
+from runner.recipe import CISPO, DRO, PPO, RL, Async, ModelJudge, Preference, ReferenceKL, Stream
 from runner.rl import transcripts
 from runner.rl.advantages import compute_advantages, remove_constant_reward_groups
 from runner.rl.datums import assemble_datums
@@ -119,12 +119,17 @@ class RLAlgo:
 
     def __init__(self, cfg: Any, tokenizer: Any, *, seed: int = 0, base_model: str = "tiny",
                  reference_path: str | None = None,
-                 max_steps: int | None = None):
+                 max_steps: int | None = None, weights: dict[str, str] | None = None):
         self.cfg, self.seed, self.base_model = cfg, seed, base_model
+        # Final sampler weights of the runs the recipe names (a model judge), by reference; opened on demand.
+        self.weights = weights or {}
+        self._opened: dict[str, SamplingClient] = {}
+        self._backend: Any = None
         # The KL penalty's reference: the initial weights (a chained recipe's upstream weights, else the base model).
         self.reference_path = reference_path
         self.renderer = ChatRenderer(tokenizer)
-        env_ctx = EnvContext(self.renderer, cfg.group_size, cfg.eval.group_size, cfg.groups_per_batch, seed)
+        env_ctx = EnvContext(self.renderer, cfg.group_size, cfg.eval.group_size, cfg.groups_per_batch, seed,
+                             self.open_weights)
         self.train, self.test = self.build_datasets(env_ctx)
         full = len(self.train) * cfg.epochs
         self.total_steps = min(full, max_steps) if max_steps else full
@@ -141,6 +146,16 @@ class RLAlgo:
 
     def build_datasets(self, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:
         return build_datasets(self.cfg.env, ctx)
+
+    async def open_weights(self, ref: str) -> SamplingClient:
+        """A sampling client over the final weights of the run `ref` names (resolved by runner/chain.py)."""
+        if ref not in self._opened:
+            if ref not in self.weights:
+                raise UserError(f"{ref!r} was not resolved to weights: run the recipe with `runner run`, which runs it "
+                                "first")
+            assert self._backend is not None, "open_weights before prepare/final set the backend"
+            self._opened[ref] = await self._backend.create_sampling_client(model_path=self.weights[ref])
+        return self._opened[ref]
 
     # ---------------------------------------------------------------- data position
 
@@ -178,6 +193,7 @@ class RLAlgo:
         return s, client
 
     async def prepare(self, step: int, ctx: Any) -> AsyncIterator[Part]:
+        self._backend = ctx.backend
         self.next_step = step + 1
         self.log_dir = ctx.log_dir
         t0 = time.monotonic()
@@ -366,9 +382,27 @@ class RLAlgo:
     async def final(self, ctx: Any, evaluate: bool) -> dict[str, float]:
         """The test-set eval on the final weights (ctx: runner.loop.FinalContext)."""
         self.log_dir = ctx.log_dir  # a session resumed for the final eval alone prepared no step
+        self._backend = ctx.backend
         self.samplers.clear()  # all older than the final weights (each local one holds a model copy)
         sampler = await ctx.backend.create_sampling_client(model_path=ctx.sampler_path)
-        return await self._evaluate(self.total_steps, sampler)
+        metrics = await self._evaluate(self.total_steps, sampler)
+        metrics.update(await self._win_rate_vs_init(sampler, ctx.backend))
+        return metrics
+
+    async def _win_rate_vs_init(self, sampler: SamplingClient, backend: Any) -> dict[str, float]:
+        """A chained preference recipe with a model judge: test/win_rate_vs_init, the final policy's replies to the
+        test prompts against the initial (init_from) policy's, judged by the reward model."""
+        env = getattr(self.cfg, "env", None)
+        if not (isinstance(env, Preference) and isinstance(env.judge, ModelJudge) and env.test_prompts
+                and self.reference_path):
+            return {}
+        from runner.rl.envs.preference import ModelJudgeFn, win_rate
+
+        init = await backend.create_sampling_client(model_path=self.reference_path)
+        ctx = EnvContext(self.renderer, 1, 1, 1, self.seed, self.open_weights)
+        rate = await win_rate(env.test_prompts, sampler, init, ModelJudgeFn(ctx, env.judge.init_from), self.renderer,
+                              replace(self.params, temperature=self.cfg.eval.temperature), self.seed + EVAL_SEED_OFFSET)
+        return {"test/win_rate_vs_init": rate}
 
     # ---------------------------------------------------------------- transcripts
 

@@ -4,10 +4,11 @@ builder that repeats one problem, a fixed-list dataset, and a seeded train/test 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from backends.base import SamplingClient
 from backends.errors import UserError
 from runner.rl.renderer import ChatRenderer, Message, ParsedReply, Prompt
 from runner.rl.types import Env, EnvGroupBuilder, Observation, RLDataset, StopCondition
@@ -26,6 +27,9 @@ class EnvContext:
     # Groups per get_batch(i).
     groups_per_batch: int
     seed: int
+    # A sampling client over another run's final weights, by the recipe's reference to it (a model judge's
+    # init_from); set by the RL algorithm, which owns the backend. None outside a run.
+    open_weights: Callable[[str], Awaitable[SamplingClient]] | None = None
 
 
 class ChatEnv(Env):

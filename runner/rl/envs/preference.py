@@ -7,12 +7,16 @@ judge(prompt, a, b) -> P(a is better) in [0, 1]; the default prefers the shorter
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import random
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
+from backends.base import SamplingClient
 from backends.errors import UserError
-from runner.recipe import Preference
+from backends.types import SamplingParams
+from runner.recipe import ModelJudge, Preference
 from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, check_train_size
 from runner.rl.renderer import ChatRenderer
 from runner.rl.types import (
@@ -78,8 +82,55 @@ class PromptEnv(ChatEnv):
         return StepResult(0.0, True, metrics={"reply_chars": float(len(parsed.text))})
 
 
+class ModelJudgeFn:
+    """A reward model's pairwise judgement (runner/preference_judge.py), on a sampling client over its final weights,
+    opened once through the run's backend."""
+
+    def __init__(self, ctx: EnvContext, ref: str):
+        self.ctx, self.ref = ctx, ref
+        self.client: SamplingClient | None = None
+
+    async def __call__(self, prompt: str, a: str, b: str) -> float:
+        from runner.preference_judge import judge_prob
+
+        if self.client is None:
+            if self.ctx.open_weights is None:
+                raise UserError(f"preference judge {self.ref!r}: a model judge needs the run's backend")
+            self.client = await self.ctx.open_weights(self.ref)
+        return await judge_prob(self.client, self.ctx.renderer.tokenizer, prompt, a, b)
+
+
+async def round_robin_model(prompt: str, replies: list[str], judge: ModelJudgeFn) -> list[float]:
+    """As round_robin, for a judge that already averages both orders: each unordered pair once, concurrently."""
+    n = len(replies)
+    if n < 2:
+        return [0.5] * n
+    pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
+    probs = await asyncio.gather(*(judge(prompt, replies[i], replies[j]) for i, j in pairs))
+    wins = [0.0] * n
+    for (i, j), p in zip(pairs, probs, strict=True):
+        wins[i] += p
+        wins[j] += 1.0 - p
+    return [w / (n - 1) for w in wins]
+
+
+async def win_rate(prompts: Sequence[str], policy: SamplingClient, other: SamplingClient, judge: ModelJudgeFn,
+                   renderer: ChatRenderer, params: SamplingParams, seed: int) -> float:
+    """The mean P(policy's reply better than other's) over the prompts, one seeded sample each."""
+    async def reply(client: SamplingClient, prompt: str, i: int) -> str:
+        out = await client.sample(renderer.build_prompt([{"role": "user", "content": prompt}]), 1,
+                                  replace(params, stop=list(renderer.stop_tokens), seed=seed + i))
+        return renderer.parse(out.sequences[0].tokens).text
+
+    mine = await asyncio.gather(*(reply(policy, p, i) for i, p in enumerate(prompts)))
+    theirs = await asyncio.gather(*(reply(other, p, i) for i, p in enumerate(prompts)))
+    probs = await asyncio.gather(*(judge(p, a, b) for p, a, b in zip(prompts, mine, theirs, strict=True)))
+    return sum(probs) / len(probs) if probs else 0.5
+
+
 class PreferenceGroupBuilder(EnvGroupBuilder):
-    def __init__(self, renderer: ChatRenderer, prompt: str, group_size: int, judge: Judge, format_coef: float):
+    def __init__(self, renderer: ChatRenderer, prompt: str, group_size: int, judge: Judge | ModelJudgeFn,
+                 format_coef: float):
         self.renderer, self.prompt, self.group_size = renderer, prompt, group_size
         self.judge, self.format_coef = judge, format_coef
 
@@ -90,7 +141,10 @@ class PreferenceGroupBuilder(EnvGroupBuilder):
         self, trajectories_G: list[Trajectory], envs_G: Sequence[Env]
     ) -> list[tuple[float, Metrics]]:
         replies = [env.reply or "" for env in envs_G]  # type: ignore[attr-defined]
-        wins_G = round_robin(self.prompt, replies, self.judge)
+        if isinstance(self.judge, ModelJudgeFn):
+            wins_G = await round_robin_model(self.prompt, replies, self.judge)
+        else:
+            wins_G = round_robin(self.prompt, replies, self.judge)
         out = []
         for env, win in zip(envs_G, wins_G, strict=True):
             fmt = float(env.ended_on_stop)  # type: ignore[attr-defined]
@@ -103,7 +157,11 @@ class PreferenceGroupBuilder(EnvGroupBuilder):
 
 def build(cfg: Preference, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:
     check_train_size(cfg.train_size, ctx.groups_per_batch, "preference")
-    judge: Judge = shorter_wins if cfg.judge is None else import_target(cfg.judge)
+    judge: Judge | ModelJudgeFn
+    if isinstance(cfg.judge, ModelJudge):
+        judge = ModelJudgeFn(ctx, cfg.judge.init_from)
+    else:
+        judge = shorter_wins if cfg.judge is None else import_target(cfg.judge)
     rng = random.Random(ctx.seed)
     train = [rng.choice(cfg.prompts) for _ in range(cfg.train_size)]
 
