@@ -263,6 +263,8 @@ def is_ref(t: Any) -> bool:
 
 
 def is_target(t: Any) -> bool:
-    t = _non_null(t)
+    """A Target field ("pkg.mod:fn"), alone or as the string choice of a union (a judge: a target or a table)."""
+    if isinstance(t, mi.UnionType):
+        return any(is_target(m) for m in t.types if not isinstance(m, mi.NoneType))
     t = t.type if isinstance(t, mi.Metadata) else t
     return isinstance(t, mi.StrType) and t.pattern == TARGET_PATTERN

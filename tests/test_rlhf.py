@@ -1,0 +1,104 @@
+"""The RLHF pipeline as chained recipes: SFT -> reward model -> RL whose preference judge is the reward model
+(`judge = {kind = "model", init_from = "#rm"}`), with test/win_rate_vs_init in the final row; both backends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runner.cli import main
+from runner.log import read_jsonl
+
+REPO = Path(__file__).resolve().parent.parent
+COMPARISONS = REPO / "examples" / "data" / "comparisons.jsonl"
+
+PIPELINE = """
+[recipes.sft]
+lr = 4e-3
+max_steps = 2
+eval_every = 0
+save_every = 0
+{backend}
+algo = {{kind = "sft", batch_size = 8, data = {{kind = "python", target = "runner.comparisons:preferred_conversations", \
+args = {{path = "{data}"}}}}}}
+lora = {{rank = 4}}
+
+[recipes.rm]
+lr = 3e-3
+max_steps = 2
+eval_every = 0
+save_every = 0
+{backend}
+algo = {{kind = "reward_model", batch_size = 8, data = {{kind = "jsonl", path = "{data}"}}}}
+lora = {{rank = 4}}
+
+[recipes.rl]
+init_from = "#sft"
+lr = 3e-3
+max_steps = 2
+eval_every = 1
+save_every = 0
+{backend}
+lora = {{rank = 4}}
+
+[recipes.rl.algo]
+kind = "rl"
+group_size = 3
+groups_per_batch = 2
+max_tokens = 4
+
+[recipes.rl.algo.env]
+kind = "preference"
+judge = {{kind = "model", init_from = "#rm"}}
+prompts = ["What is 1 + 2?", "What is 3 + 4?"]
+test_prompts = ["What is 2 + 2?", "What is 5 + 1?"]
+train_size = 8
+"""
+LOCAL = 'backend = {kind = "local", device = "cpu"}'
+TINKER = 'model = "Qwen/Qwen3-8B"\ntokenizer = "tiny"\nbackend = {kind = "tinker"}'
+
+
+def check_pipeline(proj: Path) -> None:
+    for stage in ("sft", "rm"):
+        assert (proj / "runs" / stage / "checkpoints.jsonl").is_file(), stage  # ran first, by the chain
+    rows = read_jsonl(proj / "runs" / "rl" / "metrics.jsonl")
+    train = [r for r in rows if "env/all/win_frac" in r]
+    # A round-robin of pairs judged in both orders: the group's win rates average 0.5 exactly.
+    assert all(r["env/all/win_frac"] == pytest.approx(0.5) for r in train) and len(train) == 2
+    final = rows[-1]
+    assert final["step"] == 2 and 0.0 <= final["test/win_rate_vs_init"] <= 1.0
+
+
+@pytest.fixture
+def proj(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_rlhf_pipeline_on_the_local_backend(proj: Path) -> None:
+    (proj / "r.toml").write_text(PIPELINE.format(backend=LOCAL, data=COMPARISONS))
+    assert main(["run", "r.toml#rl"]) == 0
+    check_pipeline(proj)
+
+
+def test_rlhf_pipeline_over_the_tinker_sdk(proj: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tinker_mock import BASE_URL, MockTinker, NumpyEngine, respx_tinker
+
+    monkeypatch.setenv("TINKER_API_KEY", "tml-test-0123456789")
+    monkeypatch.setenv("TINKER_BASE_URL", BASE_URL)
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    (proj / "r.toml").write_text(PIPELINE.format(backend=TINKER, data=COMPARISONS))
+    with respx_tinker(MockTinker(NumpyEngine())):
+        assert main(["run", "r.toml#rl"]) == 0
+    check_pipeline(proj)
+
+
+def test_a_judge_on_another_backend_is_a_check_error(proj: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = PIPELINE.format(backend=LOCAL, data=COMPARISONS)
+    a = text.index("[recipes.rm]")
+    b = text.index("[recipes.rl]")
+    text = text[:a] + text[a:b].replace(LOCAL, TINKER) + text[b:]
+    (proj / "r.toml").write_text(text)
+    assert main(["check", "r.toml#rl"]) == 2
+    assert "algo.env.judge.init_from" in capsys.readouterr().err
