@@ -31,6 +31,7 @@ def _handler_class(service: Service) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "runner-serve"
+        disable_nagle_algorithm = True  # headers and body are two writes: without this, 40 ms delayed-ACK stalls
 
         def _serve(self) -> None:
             length = int(self.headers.get("content-length") or 0)
@@ -39,7 +40,9 @@ def _handler_class(service: Service) -> type[BaseHTTPRequestHandler]:
             base_url = f"http://{headers.get('host') or '127.0.0.1'}"
             reply = service.handle(self.command, self.path, headers, body, base_url)
             log.debug("%s %s -> %d", self.command, self.path.split("?", 1)[0], reply.status)
-            self.send_response(reply.status)
+            # No Server / Date headers: the SDK's httpx walks every header of every reply (its main CPU cost
+            # per request, with ~64 sample requests per RL step).
+            self.send_response_only(reply.status)
             for k, v in reply.headers.items():
                 self.send_header(k, v)
             if reply.file is not None:
