@@ -13,7 +13,8 @@ sampler's per-sequence records (`record_stability_info=True` when sampling) name
 service here keeps those records and checks the spans against them (an unknown or mismatching sequence is
 the user's error, as on the service), then trains with a documented stand-in: truncated-importance-weight
 REINFORCE,
-    L = -sum_t sg(min(r_t, C)) * lp_t * A_t  +  kl_coeff * sum_{t sampled} (r_t - 1 - log r_t)
+    L = -sum_t sg(min(r_t, C) / r_t) * r_t * A_t  +  kl_coeff * sum_{t sampled} (r_t - 1 - log r_t)
+(value -sum_t min(r_t, C) A_t, gradient -sum_t min(r_t, C) A_t grad lp_t)
 with r_t = exp(lp_t - q_t), q_t the recorded sampler logprob, C = `clip_high_threshold` (default 2.0) and
 the k3 KL estimator of KL(sampler || learner) on sampled tokens. On-policy (r = 1) its gradient equals
 importance_sampling's; off-policy a stale token's weight is capped at C instead of growing without bound.
@@ -52,8 +53,9 @@ def gspo(lp: torch.Tensor, q: torch.Tensor, adv: torch.Tensor, mask: torch.Tenso
 def stable_reinforce(lp: torch.Tensor, q: torch.Tensor, adv: torch.Tensor, sampled: torch.Tensor,
                      cfg: Mapping[str, float]) -> torch.Tensor:
     log_r = lp - q
-    weight = torch.exp(log_r.detach()).clamp(max=cfg["clip_high_threshold"])
-    loss = -(weight * lp * adv).sum()
+    r = torch.exp(log_r)
+    capped = (r.detach().clamp(max=cfg["clip_high_threshold"]) / r.detach()).nan_to_num(0.0)
+    loss = -(capped * r * adv).sum()
     if cfg["kl_coeff"]:
         k3 = torch.exp(log_r) - 1 - log_r
         loss = loss + cfg["kl_coeff"] * (k3 * sampled).sum()
