@@ -976,6 +976,7 @@ class Service:
     def reap(self) -> None:
         """Free idle samplers, forget old results and stability records, end silent sessions."""
         self._evict()
+        _trim_heap()
         t = time.monotonic()
         with self._lock:
             for rid in [r for r, p in self._promises.items() if p.done_at is not None and t - p.done_at > PROMISE_KEEP_S]:
@@ -995,6 +996,23 @@ class Service:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+_libc: list[Any] = []
+
+
+def _trim_heap() -> None:
+    """Give freed heap pages back to the OS (glibc keeps them otherwise, so RSS would not show models freed)."""
+    if not _libc:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _libc.append(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim)
+        except (OSError, AttributeError):
+            _libc.append(None)
+    if _libc[0] is not None:
+        _libc[0](0)
 
 
 class _Gather:
