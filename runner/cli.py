@@ -1,5 +1,6 @@
-"""`runner run | check | show | list | export | sweep | compare | plot`: the command line over runner/recipe.py and
-runner/loop.py (sweeps, comparison and plots: runner/sweep.py, runner/compare.py, runner/plot.py).
+"""`runner run | check | show | list | export | sweep | compare | plot | serve`: the command line over runner/recipe.py
+and runner/loop.py (sweeps, comparison and plots: runner/sweep.py, runner/compare.py, runner/plot.py; the
+Tinker-compatible server: backends/serve/).
 
 Exit codes: 0 ok, 2 a user error (one line on stderr, no traceback), 130 interrupted, 1 a bug
 (with its traceback). `check`, `show` and `list` never import torch: the loop, and with it the
@@ -105,6 +106,34 @@ def _parser() -> argparse.ArgumentParser:
     _ref_and_overrides(show)
     show.set_defaults(command=cmd_show)
 
+    serve = sub.add_parser(
+        "serve",
+        help="serve the local backend as a Tinker-compatible API, so Tinker programs run offline",
+        description="Serve the Tinker API (the routes the tinker SDK and tinker-cookbook use) over the local "
+        "torch backend. Point a Tinker program at it with TINKER_BASE_URL=http://HOST:PORT and any "
+        "TINKER_API_KEY starting with tml- (or the key in --api-key-env).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  runner serve                                  # tiny, on 127.0.0.1:8000\n"
+        "  runner serve --model Qwen/Qwen3-0.6B=/models/qwen3-0.6b --storage ~/.runner-serve\n"
+        "  runner serve --port 0 --port-file /tmp/port  # a free port, written to the file once listening\n",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="port (0: a free one; see --port-file)")
+    serve.add_argument("--port-file", type=Path, help="write the bound port to this file once listening")
+    serve.add_argument("--model", action="append", default=[], metavar="NAME=PATH",
+                       help="serve the model at PATH (a Hugging Face folder, a cached hub id, or tiny) under NAME; "
+                       "repeatable; default: tiny")
+    serve.add_argument("--storage", type=Path, default=Path("serve-storage"),
+                       help="folder for training runs and checkpoints (kept across restarts; default ./serve-storage)")
+    serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    serve.add_argument("--api-key-env", metavar="VAR", help="require the API key held in environment variable VAR")
+    serve.add_argument("--sampler-idle-s", type=float, default=None,
+                       help="free a sampling session's model after this many idle seconds (default 30)")
+    serve.add_argument("--max-live-samplers", type=int, default=None,
+                       help="sampling sessions that may hold a loaded model at once (default 4)")
+    serve.add_argument("-v", "--verbose", action="store_true", help="log every request")
+    serve.set_defaults(command=cmd_serve)
+
     ls = sub.add_parser("list", help="one line per recipe: name, algorithm, model, backend")
     ls.add_argument("file", nargs="?", default=DEFAULT_FILE, metavar="FILE", help=f"default: {DEFAULT_FILE}")
     ls.set_defaults(command=cmd_list)
@@ -208,6 +237,33 @@ def cmd_run(args: argparse.Namespace) -> int:
         run_chain(recipe, name, where, dry_run=args.dry_run)
     except Interrupted:  # Ctrl-C: the loop saved a checkpoint and said so
         return 130
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("httpx", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if args.port_file is None and args.port == 0:
+        raise UserError("--port 0 picks a free port: give --port-file FILE to learn which")
+    prefer_passive_openmp()  # before torch loads (runner/threads.py)
+    from backends.serve.http import ServeConfig, serve_forever
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    cfg = ServeConfig(host=args.host, port=args.port, port_file=args.port_file, models=tuple(args.model),
+                      storage=args.storage, device=args.device, api_key_env=args.api_key_env,
+                      sampler_idle_s=args.sampler_idle_s, max_live_samplers=args.max_live_samplers)
+    try:
+        serve_forever(cfg)
+    except KeyboardInterrupt:
+        print("runner serve: stopped", file=sys.stderr)
     return 0
 
 

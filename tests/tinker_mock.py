@@ -33,6 +33,7 @@ import respx
 from tinker.proto import tinker_public_pb2 as pb
 
 from backends.base import Future
+from backends.serve.wire import PROTO, decode_datum, fb_proto, sample_proto
 from backends.types import (
     AdamParams,
     Datum,
@@ -49,7 +50,6 @@ SESSION = "sess-mock"
 # How long retrieve_future holds a poll open while the result is not ready (the service long-polls;
 # the SDK re-polls at once on try_again, so a short hold keeps it from spinning).
 LONG_POLL_S = 0.1
-PROTO = {"content-type": "application/x-protobuf"}
 
 
 # ---------------------------------------------------------------- a numpy engine
@@ -627,58 +627,11 @@ class MockTinker:
         return reply
 
 
-# ---------------------------------------------------------------- wire formats
-
-
-def _tensor(msg: Any) -> np.ndarray:
-    dtype = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64}[msg.dtype]
-    shape = list(msg.shape)
-    if msg.HasField("sparse_csr"):
-        vals = np.frombuffer(msg.sparse_csr.values, dtype=dtype)
-        crow = np.frombuffer(msg.sparse_csr.crow_indices, dtype=np.int64)
-        col = np.frombuffer(msg.sparse_csr.col_indices, dtype=np.int64)
-        dense = np.zeros(shape, dtype=dtype)
-        for i in range(shape[0]):
-            dense[i, col[crow[i]:crow[i + 1]]] = vals[crow[i]:crow[i + 1]]
-        return dense
-    arr = np.frombuffer(msg.dense, dtype=dtype).copy()  # writable, as an engine may hand it to torch
-    return arr.reshape(shape) if shape else arr
-
-
-def decode_datum(d: Any) -> Datum:
-    tokens = [int(t) for c in d.model_input for t in np.frombuffer(c.encoded_text.tokens, dtype=np.int32)]
-    inputs = {k: _tensor(v) for k, v in d.loss_fn_inputs.items()}
-    unknown = set(inputs) - {"target_tokens", "weights", "logprobs", "advantages"}
-    if unknown:  # the service has no `mask` (or other) input: the client must not send one
-        raise ValueError(f"unknown loss_fn_inputs {sorted(unknown)}")
-    return Datum(model_input=tokens, target_tokens=inputs["target_tokens"], weights=inputs.get("weights"),
-                 logprobs=inputs.get("logprobs"), advantages=inputs.get("advantages"))
+# ---------------------------------------------------------------- wire formats (shared with runner serve)
 
 
 def fb_reply(out: ForwardBackwardOutput) -> Reply:
-    """ForwardBackwardOutput as protobuf: one ArrayRecord per run of datums with the same trailing shape."""
-    records = []
-    for trailing, group in itertools.groupby(out.logprobs, key=lambda a: tuple(a.shape[1:])):
-        arrays = [np.ascontiguousarray(a, dtype=np.float32) for a in group]
-        offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
-        records.append(pb.ArrayRecord(
-            type_tag="ArrayRecord", num_datums=len(arrays),
-            fields={"logprobs": pb.BatchedTensor(data=b"".join(a.tobytes() for a in arrays), offsets=offsets.tobytes(),
-                                                 dtype=pb.DTYPE_FLOAT32, trailing_shape=list(trailing))}))
-    msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=records,
-                                   metrics={k: float(v) for k, v in out.metrics.items()})
-    return Reply(200, msg.SerializeToString(), PROTO)
-
-
-def sample_proto(out: SampleOutput, prompt_lps: list[float | None] | None) -> bytes:
-    seqs = [pb.SampledSequence(stop_reason=pb.STOP_REASON_STOP if s.stop_reason == "stop" else pb.STOP_REASON_LENGTH,
-                               tokens=np.asarray(s.tokens, dtype=np.int32).tobytes(),
-                               logprobs=np.asarray(s.logprobs, dtype=np.float32).tobytes())
-            for s in out.sequences]
-    msg = pb.SampleResponse(sequences=seqs)
-    if prompt_lps is not None:
-        msg.prompt_logprobs = np.asarray([np.nan if x is None else x for x in prompt_lps], dtype=np.float32).tobytes()
-    return msg.SerializeToString()
+    return Reply(200, fb_proto(out), PROTO)
 
 
 # ---------------------------------------------------------------- respx mounting

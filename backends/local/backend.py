@@ -339,6 +339,11 @@ class LocalTrainingClient:
         # The snapshot is taken when this job runs, i.e. at this point of the FIFO.
         return self._submit("save_weights_and_get_sampling_client", self._snapshot)
 
+    def trained_weights(self) -> Future[dict[str, torch.Tensor]]:
+        """CPU copies of the trainable weights at this point of the FIFO (`runner serve` keeps them to rebuild a
+        sampler it has freed: M.write_weights_only + LocalBackend.create_sampling_client)."""
+        return self._submit("trained_weights", lambda: {n: p.detach().to("cpu", copy=True) for n, p in self._params})
+
     # ---------------------------------------------------------------- jobs (worker thread)
 
     def _validate(self, data: list[Datum], loss_fn: LossFn | None) -> None:

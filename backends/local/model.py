@@ -237,6 +237,17 @@ def write_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, 
     (path / STATE_FILE).write_text(json.dumps(meta, indent=1))
 
 
+def write_weights_only(path: Path, weights: dict[str, torch.Tensor], setup: TrainSetup, base_model: str,
+                       step: int) -> None:
+    """A state folder without optimizer state (from LocalTrainingClient.trained_weights): enough to sample from
+    (LocalBackend.create_sampling_client(model_path=path)), not to resume training."""
+    from safetensors.torch import save_file
+
+    save_file({n: t.contiguous() for n, t in weights.items()}, str(path / WEIGHTS_FILE))
+    meta = {"base_model": base_model, "step": step, "setup": asdict(setup), "params": list(weights)}
+    (path / STATE_FILE).write_text(json.dumps(meta, indent=1))
+
+
 def read_state_meta(path: Path) -> dict:
     try:
         return json.loads((path / STATE_FILE).read_text())

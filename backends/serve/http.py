@@ -1,0 +1,189 @@
+"""`runner serve`'s HTTP server: backends/serve/service.py behind a ThreadingHTTPServer (one thread per
+connection, HTTP/1.1 keep-alive as the SDK's pooled clients expect; a long-polled retrieve_future holds only
+its own connection's thread).
+
+Logging: one INFO line per session, run, checkpoint event; requests at DEBUG. A client that hangs up mid-reply
+is one DEBUG line, not a traceback. The API key is never logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from backends.errors import UserError
+from backends.serve.service import ServedModel, Service
+from backends.serve.store import Store
+
+log = logging.getLogger("runner.serve")
+DISCONNECTS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
+
+
+def _handler_class(service: Service) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "runner-serve"
+        disable_nagle_algorithm = True  # headers and body are two writes: without this, 40 ms delayed-ACK stalls
+
+        def _serve(self) -> None:
+            length = int(self.headers.get("content-length") or 0)
+            body = self.rfile.read(length) if length else b""
+            headers = {k.lower(): v for k, v in self.headers.items()}
+            base_url = f"http://{headers.get('host') or '127.0.0.1'}"
+            reply = service.handle(self.command, self.path, headers, body, base_url)
+            log.debug("%s %s -> %d", self.command, self.path.split("?", 1)[0], reply.status)
+            # No Server / Date headers: the SDK's httpx walks every header of every reply (its main CPU cost
+            # per request, with ~64 sample requests per RL step).
+            self.send_response_only(reply.status)
+            for k, v in reply.headers.items():
+                self.send_header(k, v)
+            if reply.file is not None:
+                self.send_header("content-length", str(reply.file.stat().st_size))
+                self.end_headers()
+                with reply.file.open("rb") as f:
+                    shutil.copyfileobj(f, self.wfile)
+                return
+            self.send_header("content-length", str(len(reply.body)))
+            self.end_headers()
+            self.wfile.write(reply.body)
+
+        def handle_one_request(self) -> None:
+            try:
+                super().handle_one_request()
+            except DISCONNECTS as exc:
+                log.debug("client %s disconnected: %s", self.client_address[0], type(exc).__name__)
+                self.close_connection = True
+
+        do_GET = do_POST = do_PUT = do_DELETE = _serve
+
+        def log_message(self, format: str, *args: object) -> None:  # requests are logged at DEBUG above
+            pass
+
+    return Handler
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        import sys
+
+        exc = sys.exc_info()[1]
+        if isinstance(exc, DISCONNECTS):
+            log.debug("client %s disconnected: %s", client_address, type(exc).__name__)
+        else:
+            log.exception("error while serving %s", client_address)
+
+
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    port_file: Path | None = None
+    models: tuple[str, ...] = ()  # "NAME=PATH" or "PATH" (served under its own name)
+    storage: Path = Path("serve-storage")
+    device: str = "auto"
+    api_key_env: str | None = None
+    sampler_idle_s: float | None = None
+    max_live_samplers: int | None = None
+
+
+def parse_models(specs: tuple[str, ...]) -> dict[str, str]:
+    """NAME=PATH pairs; a bare PATH serves under its own name; nothing given serves `tiny`."""
+    out: dict[str, str] = {}
+    for spec in specs or ("tiny",):
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = spec, spec
+        if not name or not path:
+            raise UserError(f"--model {spec!r}: expected NAME=PATH (e.g. Qwen/Qwen3-0.6B=/models/qwen3-0.6b) or a PATH")
+        if name in out:
+            raise UserError(f"--model {name!r} is given twice")
+        out[name] = path
+    return out
+
+
+def build_service(cfg: ServeConfig) -> Service:
+    from backends.local import model as M
+    from backends.local.backend import LocalBackend, _user_error
+    from backends.local.config import Local
+
+    api_key = None
+    if cfg.api_key_env:
+        api_key = os.environ.get(cfg.api_key_env, "").strip()
+        if not api_key:
+            raise UserError(f"--api-key-env {cfg.api_key_env}: that environment variable is empty or unset")
+    store = Store(cfg.storage)
+    local = Local(device=cfg.device)  # type: ignore[arg-type]
+
+    class ServeBackend(LocalBackend):
+        """Checkpoints go where the store keeps them: the service names them <run_id>/<kind>/<name>."""
+
+        def new_checkpoint_dir(self, kind: str, name: str) -> Path:
+            run_id, real_kind, ckpt = name.split("/")
+            path = store.checkpoint_dir(run_id, real_kind, ckpt)
+            if path.exists():
+                raise _user_error(f"checkpoint tinker://{name} already exists")
+            return path
+
+    models = {}
+    for name, path in parse_models(cfg.models).items():
+        M.resolve_model_dir(path)  # UserError now for a missing folder, not at the first request
+        models[name] = ServedModel(name, path, lambda p=path: ServeBackend(local, p, None, store.root / "runs"))
+    kwargs = {}
+    if cfg.sampler_idle_s is not None:
+        kwargs["sampler_idle_s"] = cfg.sampler_idle_s
+    if cfg.max_live_samplers is not None:
+        kwargs["max_live_samplers"] = cfg.max_live_samplers
+    return Service(store, models, api_key=api_key, **kwargs)
+
+
+@contextlib.contextmanager
+def running(service: Service, host: str = "127.0.0.1", port: int = 0) -> Iterator[Server]:
+    """Serve in a background thread (tests, benchmarks); yields the bound server."""
+    server = Server((host, port), _handler_class(service))
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def serve_forever(cfg: ServeConfig) -> None:
+    service = build_service(cfg)
+    try:
+        server = Server((cfg.host, cfg.port), _handler_class(service))
+    except OSError as exc:
+        raise UserError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}") from None
+    host, port = server.server_address[:2]
+    url = f"http://{host}:{port}"
+    if cfg.port_file is not None:  # written once the socket listens, atomically: a reader never sees half
+        cfg.port_file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{cfg.port_file.name}.", dir=cfg.port_file.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{port}\n")
+        os.replace(tmp, cfg.port_file)
+    if host not in ("127.0.0.1", "localhost", "::1") and service.api_key is None:
+        log.warning("listening on %s without --api-key-env: anyone who can reach this address can use it", host)
+    models = ", ".join(f"{m.name}={m.path}" if m.name != m.path else m.name for m in service.models.values())
+    log.info("runner serve: %s (models: %s; storage: %s)", url, models, service.store.root)
+    log.info("use it: TINKER_BASE_URL=%s TINKER_API_KEY=%s python your_script.py", url,
+             f"${cfg.api_key_env}" if cfg.api_key_env else "tml-local")
+    try:
+        server.serve_forever(poll_interval=0.5)
+    finally:
+        server.server_close()
+        service.close()
+
