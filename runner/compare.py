@@ -28,7 +28,7 @@ from typing import Any
 
 from backends.errors import UserError
 from runner.log import ALGO_KEYS
-from runner.rundir import CONFIG, METRICS
+from runner.rundir import CONFIG, METRICS, flatten
 
 # The metrics that say how a run did, by algo kind: the held-out one first (it sorts the table), then the
 # training one. Lower is better for NLLs and losses, higher for rewards and accuracy (parse_metric). A kind not
@@ -155,16 +155,6 @@ def load_run(path: Path) -> Run:
     algo = raw.get("algo")
     kind = str(algo.get("kind", "?")) if isinstance(algo, dict) else "?"
     return Run(path, flatten(raw), kind, read_rows(path / METRICS))
-
-
-def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def _shown_path(p: Path) -> str:

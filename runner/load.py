@@ -43,6 +43,12 @@ def load_file(path: str, overrides: Sequence[str] = ()) -> dict[str, Recipe]:
 
 def load_recipe(ref: str, overrides: Sequence[str] = ()) -> tuple[str, Recipe]:
     """`FILE#name` (or just FILE when it holds one recipe) with `a.b=value` overrides applied."""
+    path, name, raw = pick(ref)
+    return name, resolve(path, name, raw, overrides)
+
+
+def pick(ref: str) -> tuple[str, str, dict[str, Any]]:
+    """(file, recipe name, raw table) of 'FILE#name' (or FILE alone when it holds one recipe)."""
     path, name = split_ref(ref)
     tables = read_tables(path)
     if name is None:
@@ -51,7 +57,7 @@ def load_recipe(ref: str, overrides: Sequence[str] = ()) -> tuple[str, Recipe]:
         name = next(iter(tables))
     if name not in tables:
         raise UserError(f"{path}: no recipe named {name!r}; available: {', '.join(sorted(tables))}")
-    return name, resolve(path, name, tables[name], overrides)
+    return path, name, tables[name]
 
 
 def resolve(path: str, name: str, raw: dict[str, Any], overrides: Sequence[str] = (),

@@ -221,16 +221,17 @@ def _nothing_trained(path: Path) -> bool:
 
 def recipe_diff(a: Recipe, b: Recipe) -> list[str]:
     """Dotted keys whose values differ, ignoring the keys a resumed run may change."""
-    fa, fb = _flatten(msgspec.to_builtins(a)), _flatten(msgspec.to_builtins(b))
+    fa, fb = flatten(msgspec.to_builtins(a)), flatten(msgspec.to_builtins(b))
     keys = sorted(set(fa) | set(fb))
     return [k for k in keys if k.split(".")[0] not in RESUMABLE_CHANGES and fa.get(k) != fb.get(k)]
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1} (an empty table stays a value)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, dict) and v:
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out

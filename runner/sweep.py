@@ -55,7 +55,7 @@ from backends.errors import UserError
 from runner.chain import check_all
 from runner.explain import NAME, child, got, info
 from runner.explain import resolve as resolve_type
-from runner.load import SWEEP_KEY, parse_override, read_tables, recipe_dict, resolve, split_ref
+from runner.load import SWEEP_KEY, parse_override, pick, recipe_dict, resolve
 from runner.recipe import Recipe
 from runner.rundir import CHECKPOINTS, CONFIG, METRICS, dump_config, open_run_dir
 
@@ -130,19 +130,6 @@ def takes_array(raw: dict[str, Any], keys: list[str]) -> bool:
         node = nxt
     t, _ = child(t, node, keys[-1])
     return t is not None and isinstance(resolve_type(t, None), _ARRAY_TYPES)
-
-
-def pick(ref: str) -> tuple[str, str, dict[str, Any]]:
-    """(file, recipe name, raw table) of 'FILE#name' (or FILE alone when it holds one recipe)."""
-    path, name = split_ref(ref)
-    tables = read_tables(path)
-    if name is None:
-        if len(tables) != 1:
-            raise UserError(f"{path}: pick a recipe as {path}#NAME; available: {', '.join(sorted(tables))}")
-        name = next(iter(tables))
-    if name not in tables:
-        raise UserError(f"{path}: no recipe named {name!r}; available: {', '.join(sorted(tables))}")
-    return path, name, tables[name]
 
 
 def plan(ref: str, overrides: Sequence[str] = (), zip_: bool = False, *, need_axes: bool = True,

@@ -119,19 +119,13 @@ def test_dry_run_and_show_name_the_chain(proj: Path, capsys: pytest.CaptureFixtu
     assert shown.startswith("# chain (init_from): #warm (") and "[recipes.next]" in shown
 
 
-def test_chain_on_the_tinker_backend(proj: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_chain_on_the_tinker_backend(proj: Path, mocked_tinker: None) -> None:
     """The downstream starts from the upstream's tinker:// state, weights only (the SDK's create from state without
     optimizer)."""
-    from tinker_mock import BASE_URL, MockTinker, NumpyEngine, respx_tinker
-
-    monkeypatch.setenv("TINKER_API_KEY", "tml-test-0123456789")
-    monkeypatch.setenv("TINKER_BASE_URL", BASE_URL)
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
     remote = 'model = "Qwen/Qwen3-8B"\ntokenizer = "tiny"\n'
     text = (stage("warm", 3, remote) + stage("next", 2, remote + 'init_from = "#warm"'))
     (proj / "recipes.toml").write_text(text.replace('{kind = "local", device = "cpu"}', '{kind = "tinker"}'))
-    with respx_tinker(MockTinker(NumpyEngine())):
-        assert main(["run", "recipes.toml#next"]) == 0
+    assert main(["run", "recipes.toml#next"]) == 0
     init = json.loads((proj / "runs" / "next" / "init_from.json").read_text())
     assert init["state_path"].startswith("tinker://")
     warm, nxt = nll(proj / "runs" / "warm"), nll(proj / "runs" / "next")

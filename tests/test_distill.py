@@ -98,15 +98,9 @@ def test_multi_teacher_distillation_on_the_local_backend(proj: Path) -> None:
     check_rows(proj)
 
 
-def test_distillation_over_the_tinker_sdk(proj: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tinker_mock import BASE_URL, MockTinker, NumpyEngine, respx_tinker
-
-    monkeypatch.setenv("TINKER_API_KEY", "tml-test-0123456789")
-    monkeypatch.setenv("TINKER_BASE_URL", BASE_URL)
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+def test_distillation_over_the_tinker_sdk(proj: Path, mocked_tinker: None) -> None:
     (proj / "r.toml").write_text(DISTILL.format(backend=TINKER))
-    with respx_tinker(MockTinker(NumpyEngine())):
-        assert main(["run", "r.toml#student"]) == 0
+    assert main(["run", "r.toml#student"]) == 0
     check_rows(proj, min_kl=1e-3)  # the mocked service's model is a unigram table: a small but real KL
 
 

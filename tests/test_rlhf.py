@@ -82,15 +82,9 @@ def test_rlhf_pipeline_on_the_local_backend(proj: Path) -> None:
     check_pipeline(proj)
 
 
-def test_rlhf_pipeline_over_the_tinker_sdk(proj: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tinker_mock import BASE_URL, MockTinker, NumpyEngine, respx_tinker
-
-    monkeypatch.setenv("TINKER_API_KEY", "tml-test-0123456789")
-    monkeypatch.setenv("TINKER_BASE_URL", BASE_URL)
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+def test_rlhf_pipeline_over_the_tinker_sdk(proj: Path, mocked_tinker: None) -> None:
     (proj / "r.toml").write_text(PIPELINE.format(backend=TINKER, data=COMPARISONS))
-    with respx_tinker(MockTinker(NumpyEngine())):
-        assert main(["run", "r.toml#rl"]) == 0
+    assert main(["run", "r.toml#rl"]) == 0
     check_pipeline(proj)
 
 
