@@ -83,6 +83,11 @@ def test_rest_routes_checkpoints_and_expiry(server, sc):
     assert rc.get_sampler(sid).result().base_model == "tiny"
 
 
+def test_unknown_model_is_a_clear_error(sc):
+    with pytest.raises(tinker.BadRequestError, match="not served here; runner serve offers: tiny"):
+        sc.create_lora_training_client("Qwen/Qwen3-8B", rank=4).result()
+
+
 def test_external_weights_download_is_a_peft_adapter(server, sc, tmp_path):
     _, url = server
     tc = sc.create_lora_training_client("tiny", rank=4, seed=0).result()
@@ -253,6 +258,10 @@ def test_cancel_future_and_quiet_disconnects(server, caplog):
         assert http.post("/api/v1/cancel_future", json={"request_id": "req-nope"}).status_code == 200
         assert http.post("/api/v1/retrieve_future", json={"request_id": "req-nope"}).status_code == 410
         assert http.post("/api/v1/nonsense", json={}).status_code == 404
+        # A retried submit (same X-Idempotency-Key) gets the first answer, not a second session.
+        once = [http.post("/api/v1/create_session", json={}, headers={"X-Idempotency-Key": "k1"}).json()
+                for _ in range(2)]
+        assert once[0] == once[1] != http.post("/api/v1/create_session", json={}).json()
     caplog.set_level(logging.DEBUG, logger="runner.serve")
     host, port = url.removeprefix("http://").split(":")
     for _ in range(3):  # hang up mid-request and right after sending one

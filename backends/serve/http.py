@@ -116,14 +116,22 @@ def build_service(cfg: ServeConfig) -> Service:
     from backends.local import model as M
     from backends.local.backend import LocalBackend, _user_error
     from backends.local.config import Local
+    from backends.local.device import pick_device
 
     api_key = None
     if cfg.api_key_env:
         api_key = os.environ.get(cfg.api_key_env, "").strip()
         if not api_key:
             raise UserError(f"--api-key-env {cfg.api_key_env}: that environment variable is empty or unset")
-    store = Store(cfg.storage)
+    served = parse_models(cfg.models)
+    for path in served.values():
+        M.resolve_model_dir(path)  # UserError now for a missing folder, before anything is written
     local = Local(device=cfg.device)  # type: ignore[arg-type]
+    try:
+        pick_device(local)  # --device cuda without CUDA fails here, not at the first request
+    except UserError:
+        raise UserError(f"--device {cfg.device}: torch sees no CUDA device; use --device auto or cpu") from None
+    store = Store(cfg.storage)
 
     class ServeBackend(LocalBackend):
         """Checkpoints go where the store keeps them: the service names them <run_id>/<kind>/<name>."""
@@ -136,8 +144,7 @@ def build_service(cfg: ServeConfig) -> Service:
             return path
 
     models = {}
-    for name, path in parse_models(cfg.models).items():
-        M.resolve_model_dir(path)  # UserError now for a missing folder, not at the first request
+    for name, path in served.items():
         models[name] = ServedModel(name, path, lambda p=path: ServeBackend(local, p, None, store.root / "runs"))
     kwargs = {}
     if cfg.sampler_idle_s is not None:

@@ -58,10 +58,12 @@ STABILITY_TTL_S = 86400.0  # recorded sequences for stable_reinforce (the servic
 STABILITY_MAX = 200_000
 DOWNLOAD_URL_TTL_S = 3600
 REAP_EVERY_S = 1.0
+IDEMPOTENCY_KEYS = 20_000  # submits remembered by X-Idempotency-Key
 
 
 class ApiError(Exception):
-    """An HTTP error reply: {"detail": ...} with this status."""
+    """An HTTP error reply: {"detail": ...} with this status. Never 408/409/429/5xx for the client's mistakes:
+    the SDK retries those for up to 5 minutes."""
 
     def __init__(self, status: int, detail: str):
         super().__init__(detail)
@@ -202,6 +204,7 @@ class Service:
         self._runs: dict[str, Run] = {}
         self._samplers: dict[str, SamplerSession] = {}
         self._sessions: dict[str, Session] = {}
+        self._idempotent: collections.OrderedDict[str, Reply] = collections.OrderedDict()
         self._stability: collections.OrderedDict[str, tuple[np.ndarray, np.ndarray, float]] = collections.OrderedDict()
         self._extras = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="serve-extras")
         self._gather = _Gather()
@@ -227,6 +230,23 @@ class Service:
         if (self.api_key is not None and route != "healthz"
                 and not hmac.compare_digest(headers.get("x-api-key", "").encode(), self.api_key.encode())):
             return Reply.json({"detail": "invalid API key"}, 401)
+        # A submit the SDK retries (its answer was lost) carries the same idempotency key: answer it again
+        # instead of running it twice (or refusing its seq id as used).
+        key = headers.get("x-idempotency-key") if method == "POST" and route != "retrieve_future" else None
+        if key is not None:
+            with self._lock:
+                seen = self._idempotent.get(key)
+            if seen is not None:
+                return seen
+        reply = self._handle(method, route, path, headers, body, base_url)
+        if key is not None and reply.status == 200:
+            with self._lock:
+                self._idempotent[key] = reply
+                while len(self._idempotent) > IDEMPOTENCY_KEYS:
+                    self._idempotent.popitem(last=False)
+        return reply
+
+    def _handle(self, method: str, route: str, path: str, headers: dict[str, str], body: bytes, base_url: str) -> Reply:
         try:
             if route == "forward_backward":
                 return self._forward_backward(headers, body)
@@ -397,7 +417,7 @@ class Service:
         run_id = f"{req['session_id']}:train:{req['model_seq_id']}"
         with self._lock:
             if run_id in self._runs or self.store.read_run(run_id) is not None:
-                raise ApiError(409, f"training run {run_id} already exists")
+                raise ApiError(400, f"training run {run_id} already exists")
         tc = model.engine().create_training_client(spec)
         self._new_run(run_id, model, spec, tc, req["session_id"], req.get("user_metadata"))
         log.info("run %s: %s, LoRA rank %d", run_id, model.name, rank)
@@ -486,7 +506,7 @@ class Service:
 
         with self._lock:
             if seq_id < run.next_seq or seq_id in run.pending:
-                raise ApiError(409, f"seq_id {seq_id} was already used for {run.run_id}")
+                raise ApiError(400, f"seq_id {seq_id} was already used for {run.run_id}")
             run.pending[seq_id] = go
         self._drain(run)
 
@@ -954,7 +974,7 @@ class Service:
                                           "last_request_time": iso(now()), "loaded_from": req["source_path"]})
         dest = self.store.checkpoint_dir(run_id, kind, name)
         if dest.exists():
-            raise ApiError(409, f"tinker://{run_id}/{kind}/{name} already exists")
+            raise ApiError(400, f"tinker://{run_id}/{kind}/{name} already exists")
         shutil.copytree(self.store.checkpoint_dir(src_run, kind, name), dest)
         self.store.write_checkpoint_meta(run_id, kind, name, req.get("ttl_seconds"), None)
         return Reply.json({"tinker_path": f"tinker://{run_id}/{kind}/{name}"})
