@@ -271,6 +271,21 @@ def has_weights(stage: Upstream) -> bool:
     return not isinstance(stage.recipe.algo, Generate)
 
 
+def resolved_inputs(recipe: Recipe, where: str) -> tuple[Any, dict[str, str]]:
+    """(InitWeights or None, weights by reference) of a recipe whose upstreams have run: what `runner eval` needs to
+    rebuild its algorithm (reference model, teachers, judges) without running anything."""
+    from runner.loop import InitWeights
+
+    chain = upstreams(recipe, where)
+    init = None
+    if chain:
+        last = chain[-1]
+        ckpt = final_checkpoint(last)
+        init = InitWeights(last.ref, last.name, last.recipe, ckpt["state_path"], ckpt["sampler_path"], ckpt["name"])
+    deps = dependencies(recipe, where)
+    return init, {d.ref: final_checkpoint(d)["sampler_path"] for d in deps if has_weights(d)}
+
+
 def _status(stage: Upstream) -> str:
     from runner.log import read_jsonl
     from runner.rundir import CHECKPOINTS

@@ -152,7 +152,84 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--merged", action="store_true", help="merge the adapter into the weights")
     export.set_defaults(command=cmd_export)
     _science_commands(sub)
+    _talk_commands(sub)
     return parser
+
+
+def _talk_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`runner sample | chat | eval` (runner/talk.py)."""
+    target_help = "a run dir, or a recipe FILE#name (its run dir)"
+    ckpt_help = "a checkpoint by name (checkpoints.jsonl); default: the last one; 'base': the base model"
+
+    sample = sub.add_parser("sample", help="sample completions from a checkpoint of a run",
+                            description="Sample replies to prompts from any checkpoint, through the run's backend.")
+    sample.add_argument("target", metavar="RUN_DIR|FILE#NAME", help=target_help)
+    sample.add_argument("prompt", nargs="?", help="a user message (or --file)")
+    sample.add_argument("--checkpoint", metavar="NAME", help=ckpt_help)
+    sample.add_argument("--file", metavar="PROMPTS.jsonl", help='rows {"prompt": "..."} or {"messages": [...]}')
+    sample.add_argument("--n", type=int, default=1, help="completions per prompt (default 1)")
+    sample.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1)")
+    sample.add_argument("--max-tokens", type=int, default=128, help="default 128")
+    sample.add_argument("--seed", type=int, default=None, help="make the samples reproducible")
+    sample.add_argument("--system", metavar="TEXT", help="a system message before each prompt")
+    sample.add_argument("--json", action="store_true", help="one JSON line per prompt")
+    sample.set_defaults(command=cmd_sample)
+
+    chat = sub.add_parser("chat", help="chat with a checkpoint of a run (stdin/stdout)",
+                          description="A multi-turn chat with any checkpoint; /reset starts over, /quit or EOF ends.")
+    chat.add_argument("target", metavar="RUN_DIR|FILE#NAME", help=target_help)
+    chat.add_argument("--checkpoint", metavar="NAME", help=ckpt_help)
+    chat.add_argument("--temperature", type=float, default=0.7, help="default 0.7")
+    chat.add_argument("--max-tokens", type=int, default=256, help="default 256")
+    chat.add_argument("--system", metavar="TEXT", help="a system message")
+    chat.set_defaults(command=cmd_chat)
+
+    ev = sub.add_parser("eval", help="run the recipe's evaluators on a checkpoint",
+                        description="The recipe's held-out evals (SFT test/nll, RL test reward, DPO and reward-model "
+                        "test/accuracy, distillation test/teacher_kl) on one checkpoint; appended to evals.jsonl.")
+    ev.add_argument("target", metavar="RUN_DIR|FILE#NAME", help=target_help)
+    ev.add_argument("--checkpoint", metavar="NAME", help="a checkpoint by name; default: the last one")
+    ev.set_defaults(command=cmd_eval)
+
+
+def _at_least_one(value: int, flag: str) -> None:
+    if value < 1:
+        raise UserError(f"{flag} must be >= 1, got {value}")
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from runner.talk import read_prompts, sample
+
+    if (args.prompt is None) == (args.file is None):
+        raise UserError("give a prompt or --file PROMPTS.jsonl (one of them)")
+    _at_least_one(args.n, "--n")
+    _at_least_one(args.max_tokens, "--max-tokens")
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
+    prompts = read_prompts(args.file) if args.file else [[{"role": "user", "content": args.prompt}]]
+    if args.system:
+        prompts = [[{"role": "system", "content": args.system}, *p] for p in prompts]
+    prefer_passive_openmp()
+    sample(args.target, args.checkpoint, prompts, args.n, args.temperature, args.max_tokens, args.seed, args.json,
+           sys.stdout)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from runner.talk import chat
+
+    _at_least_one(args.max_tokens, "--max-tokens")
+    prefer_passive_openmp()
+    chat(args.target, args.checkpoint, args.temperature, args.max_tokens, args.system, sys.stdin, sys.stdout)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from runner.talk import evaluate
+
+    prefer_passive_openmp()
+    evaluate(args.target, args.checkpoint, sys.stdout)
+    return 0
 
 
 def _science_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -1,0 +1,232 @@
+"""`runner sample | chat | eval`: talk to and evaluate any checkpoint of a run, through the backend the run used.
+
+A target is a run dir (its config.toml says model, backend and recipe) or a recipe `FILE#name` (its run dir).
+`--checkpoint NAME` picks a row of checkpoints.jsonl (default: the last one with sampler weights); `base` is the
+base model. Evals use the recipe's own evaluators on that checkpoint's sampler weights: the final eval of RL, DPO,
+the reward model and distillation (the same seeds, so on the final checkpoint of a CPU run they repeat the logged
+final row exactly), and for SFT the held-out NLL (`compute_logprobs`; the agreement eval too when the recipe asks
+for it). Eval rows are appended to the run dir's evals.jsonl, never to metrics.jsonl (one row per step there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from backends.errors import UserError
+from runner.recipe import Recipe
+
+EVALS = "evals.jsonl"
+
+
+@dataclass
+class Target:
+    name: str
+    recipe: Recipe
+    run_dir: Path
+    where: str
+    # The checkpoint row (None: the base model).
+    checkpoint: dict[str, Any] | None
+
+
+def open_target(target: str, checkpoint: str | None) -> Target:
+    """A run dir or FILE#name, and the checkpoint to use; one-line UserErrors for everything a user can get wrong."""
+    from runner.load import load_recipe
+    from runner.log import read_jsonl
+    from runner.rundir import CHECKPOINTS, CONFIG, load_config, run_dir_path
+
+    path = Path(target)
+    if "#" not in target and path.is_dir():
+        if not (path / CONFIG).is_file():
+            raise UserError(f"{target}: not a run dir (no {CONFIG})")
+        recipe = load_config(path / CONFIG)
+        run_dir, name, where = path, path.name, f"{path / CONFIG}"
+    elif "#" in target:
+        name, recipe = load_recipe(target)
+        run_dir, where = run_dir_path(recipe, name), target
+    else:
+        raise UserError(f"{target}: neither a run dir nor a recipe FILE#name")
+    if checkpoint == "base":
+        return Target(name, recipe, run_dir, where, None)
+    rows = [r for r in read_jsonl(run_dir / CHECKPOINTS) if r.get("sampler_path")]
+    if not rows:
+        raise UserError(f"{run_dir} has no checkpoint yet (run it first, or use --checkpoint base)")
+    if checkpoint is None:
+        return Target(name, recipe, run_dir, where, rows[-1])
+    for row in rows:
+        if row.get("name") == checkpoint:
+            return Target(name, recipe, run_dir, where, row)
+    names = ", ".join(str(r.get("name")) for r in rows)
+    raise UserError(f"{run_dir}: no checkpoint named {checkpoint!r}; available: {names}, base")
+
+
+def _backend(t: Target) -> Any:
+    return t.recipe.backend.make(t.recipe.model, t.recipe.tokenizer, t.run_dir / "checkpoints", t.recipe.seed)
+
+
+async def _client(backend: Any, t: Target) -> Any:
+    if t.checkpoint is None:
+        return await backend.create_sampling_client(base_model=t.recipe.model)
+    return await backend.create_sampling_client(model_path=t.checkpoint["sampler_path"])
+
+
+def read_prompts(file: str) -> list[list[dict[str, str]]]:
+    """Rows {"messages": [...]} (ending with the user's turn) or {"prompt": "..."}; errors name file:line."""
+    from runner.data import conversation
+
+    p = Path(file)
+    if not p.is_file():
+        raise UserError(f"{file}: file not found")
+    out = []
+    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{file}:{i}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: not JSON ({e.msg})") from None
+        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            out.append([{"role": "user", "content": row["prompt"]}])
+        elif isinstance(row, dict) and "messages" in row:
+            out.append(conversation(row, where))
+        else:
+            raise UserError(f'{where}: expected {{"prompt": "..."}} or {{"messages": [...]}}')
+    if not out:
+        raise UserError(f"{file}: no prompts")
+    return out
+
+
+def sample(target: str, checkpoint: str | None, prompts: list[list[dict[str, str]]], n: int, temperature: float,
+           max_tokens: int, seed: int | None, as_json: bool, out: TextIO) -> None:
+    from backends.types import SamplingParams
+    from runner.rl.renderer import ChatRenderer
+
+    t = open_target(target, checkpoint)
+    backend = _backend(t)
+    try:
+        renderer = ChatRenderer(backend.get_tokenizer())
+
+        async def go() -> list[list[str]]:
+            client = await _client(backend, t)
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=list(renderer.stop_tokens),
+                                    seed=seed)
+            outs = await asyncio.gather(*(client.sample(renderer.build_prompt(p), n, params) for p in prompts))
+            return [[renderer.parse(s.tokens).text for s in o.sequences] for o in outs]
+
+        replies = asyncio.run(go())
+    finally:
+        backend.close()
+    label = t.checkpoint["name"] if t.checkpoint else "base"
+    for prompt, texts in zip(prompts, replies, strict=True):
+        if as_json:
+            out.write(json.dumps({"checkpoint": label, "messages": prompt, "completions": texts}) + "\n")
+            continue
+        out.write(f"> {prompt[-1]['content']}\n")
+        for i, text in enumerate(texts):
+            out.write(f"[{i + 1}] {text}\n" if len(texts) > 1 else f"{text}\n")
+        out.write("\n")
+    out.flush()
+
+
+def chat(target: str, checkpoint: str | None, temperature: float, max_tokens: int, system: str | None,
+         stdin: TextIO, out: TextIO) -> None:
+    """A multi-turn chat: one reply per input line; `/reset` starts over, `/quit` (or EOF) ends."""
+    from backends.types import SamplingParams
+    from runner.rl.renderer import ChatRenderer
+
+    t = open_target(target, checkpoint)
+    backend = _backend(t)
+    tty = stdin.isatty()
+    try:
+        renderer = ChatRenderer(backend.get_tokenizer())
+        client = asyncio.run(_client(backend, t))
+        start = [{"role": "system", "content": system}] if system else []
+        messages = list(start)
+        if tty:
+            label = t.checkpoint["name"] if t.checkpoint else "base"
+            out.write(f"chatting with {t.name} (checkpoint {label}); /reset starts over, /quit or Ctrl-D ends\n")
+        while True:
+            if tty:
+                out.write("you> ")
+                out.flush()
+            line = stdin.readline()
+            if not line:
+                break
+            text = line.strip()
+            if text == "/quit":
+                break
+            if text == "/reset":
+                messages = list(start)
+                continue
+            if not text:
+                continue
+            messages.append({"role": "user", "content": text})
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=list(renderer.stop_tokens))
+            result = client.sample(renderer.build_prompt(messages), 1, params).result()
+            reply = renderer.parse(result.sequences[0].tokens).text
+            messages.append({"role": "assistant", "content": reply})
+            out.write(f"{t.name}> {reply}\n" if tty else f"{reply}\n")
+            out.flush()
+    finally:
+        backend.close()
+
+
+def evaluate(target: str, checkpoint: str | None, out: TextIO) -> dict[str, float]:
+    """The recipe's evaluators on one checkpoint; printed, and appended to the run dir's evals.jsonl."""
+    from runner.chain import resolved_inputs
+    from runner.log import append_jsonl
+    from runner.loop import FinalContext, make_algo
+    from runner.sft import SFTAlgo
+
+    t = open_target(target, checkpoint)
+    if t.checkpoint is None:
+        raise UserError("eval needs a checkpoint of the run (its sampler weights), not base")
+    init, weights = resolved_inputs(t.recipe, t.where)
+    backend = _backend(t)
+    try:
+        algo = make_algo(t.recipe, init, weights)(backend.get_tokenizer())
+        ctx = FinalContext(backend, t.checkpoint["sampler_path"], t.run_dir)
+
+        async def go() -> dict[str, float]:
+            metrics: dict[str, float] = {}
+            if isinstance(algo, SFTAlgo):
+                metrics.update(await sft_test_nll(algo, await backend.create_sampling_client(
+                    model_path=t.checkpoint["sampler_path"] if t.checkpoint else None)))
+            if algo.final_plan(True) is not None:
+                metrics.update(await algo.final(ctx, True))
+            return metrics
+
+        metrics = asyncio.run(go())
+    finally:
+        backend.close()
+    if not metrics:
+        raise UserError(f"{t.where}: the recipe has nothing to evaluate (no held-out data or test set)")
+    row = {"checkpoint": t.checkpoint["name"], "step": t.checkpoint.get("next_step"), **metrics, "time": time.time()}
+    append_jsonl(t.run_dir / EVALS, row)
+    out.write(f"{t.name} checkpoint {t.checkpoint['name']} (after {t.checkpoint.get('next_step')} steps)\n")
+    for k, v in sorted(metrics.items()):
+        if not k.startswith("time/"):
+            out.write(f"  {k} {v:.6g}\n")
+    out.flush()
+    return metrics
+
+
+async def sft_test_nll(algo: Any, client: Any) -> dict[str, float]:
+    """The held-out NLL (weights as the training loss has them) from the checkpoint's logprobs of every target."""
+    from runner.rl.kl import reference_logprobs
+    from runner.sft import mean_nll
+
+    if not algo.test_rows:
+        return {}
+    data = algo.datums(algo.test_rows)
+    lps = await reference_logprobs(client, data)
+    return {"test/nll": mean_nll(data, [np.asarray(lp) for lp in lps])}
+
+

@@ -1,0 +1,161 @@
+"""`runner sample | chat | eval` on any checkpoint of a run (runner/talk.py), local and over the tinker SDK."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from backends.local.tiny import sft_conversations
+from runner.cli import main
+from runner.log import read_jsonl
+
+SFT = """
+[recipes.s]
+lr = 0.02
+max_steps = 4
+eval_every = 2
+save_every = 2
+{extra}
+algo = {{kind = "sft", data = {{kind = "jsonl", path = "chats.jsonl"}}, batch_size = 8, test_size = 8}}
+lora = {{rank = 4}}
+"""
+RL = """
+[recipes.r]
+lr = 0.01
+max_steps = 2
+eval_every = 1
+save_every = 0
+backend = {kind = "local", device = "cpu"}
+lora = {rank = 4}
+algo = {kind = "rl", env = {kind = "arithmetic", max_value = 9, test_size = 4}, group_size = 2, groups_per_batch = 2, \
+max_tokens = 4}
+"""
+LOCAL = 'backend = {kind = "local", device = "cpu"}'
+
+
+@pytest.fixture
+def proj(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft_conversations(48, seed=2)))
+    (tmp_path / "p.jsonl").write_text('{"prompt": "How many legs does a vexle have?"}\n'
+                                      '{"messages": [{"role": "user", "content": "Who are you?"}]}\n')
+    return tmp_path
+
+
+@pytest.fixture
+def sft_run(proj: Path) -> Path:
+    (proj / "r.toml").write_text(SFT.format(extra=LOCAL))
+    assert main(["run", "r.toml#s"]) == 0
+    return proj / "runs" / "s"
+
+
+def test_sample_is_seeded_and_follows_the_checkpoint(sft_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["sample", str(sft_run), "--file", "p.jsonl", "--n", "2", "--seed", "3", "--json", "--max-tokens", "12"]
+    assert main(args) == 0
+    first = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert main(args) == 0
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == first
+    assert [len(r["completions"]) for r in first] == [2, 2] and first[0]["checkpoint"] == "final"
+    assert main([*args, "--checkpoint", "base"]) == 0
+    base = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert base[0]["checkpoint"] == "base" and base != first
+    assert main(["sample", "r.toml#s", "Who are you?", "--checkpoint", "000002", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("> Who are you?\n")
+
+
+def test_eval_repeats_the_logged_held_out_nll(sft_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The eval before step 2 saw the weights after 2 steps: checkpoint 000002's."""
+    assert main(["eval", str(sft_run), "--checkpoint", "000002"]) == 0
+    logged = next(r["test/nll"] for r in read_jsonl(sft_run / "metrics.jsonl") if r["step"] == 2)
+    [row] = read_jsonl(sft_run / "evals.jsonl")
+    assert row["checkpoint"] == "000002" and row["test/nll"] == pytest.approx(logged, rel=1e-4)
+    assert "test/nll" in capsys.readouterr().out
+
+
+def test_eval_of_rl_repeats_the_final_eval(proj: Path) -> None:
+    (proj / "r.toml").write_text(RL)
+    assert main(["run", "r.toml#r"]) == 0
+    final = read_jsonl(proj / "runs" / "r" / "metrics.jsonl")[-1]
+    assert main(["eval", "r.toml#r"]) == 0
+    [row] = read_jsonl(proj / "runs" / "r" / "evals.jsonl")
+    assert row["test/env/all/reward/total"] == final["test/env/all/reward/total"]
+
+
+def test_chat_through_a_pipe(sft_run: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    out = subprocess.run([sys.executable, "-m", "runner", "chat", str(sft_run), "--max-tokens", "8"],
+                         input="Who are you?\n/reset\n\nHello!\n/quit\nnot read\n", capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert len(out.stdout.splitlines()) == 2  # one reply per message; /reset and the blank line answer nothing
+
+
+def test_chat_through_a_terminal(sft_run: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: runner chat on a pseudo-terminal
+        os.execvpe(sys.executable, [sys.executable, "-m", "runner", "chat", str(sft_run), "--max-tokens", "8"], env)
+    seen = b""
+
+    def read_until(marker: bytes, timeout: float = 60) -> None:
+        nonlocal seen
+        end = time.monotonic() + timeout
+        while marker not in seen and time.monotonic() < end:
+            if select.select([fd], [], [], 0.5)[0]:
+                try:
+                    seen += os.read(fd, 4096)
+                except OSError:
+                    break
+        assert marker in seen, seen[-500:]
+
+    read_until(b"you> ")
+    os.write(fd, b"Who are you?\n")
+    read_until(b"s> ")  # the reply, labelled with the run's name
+    os.write(fd, b"/quit\n")
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert b"chatting with s (checkpoint final)" in seen
+
+
+def test_one_line_errors(proj: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (proj / "r.toml").write_text(SFT.format(extra=LOCAL))
+    cases = [
+        (["sample", "nowhere", "hi"], "neither a run dir nor a recipe FILE#name"),
+        (["sample", "r.toml#s", "hi"], "has no checkpoint yet"),
+        (["eval", "r.toml#s"], "has no checkpoint yet"),
+        (["sample", "r.toml#s"], "give a prompt or --file"),
+        (["sample", "r.toml#s", "hi", "--n", "0"], "--n must be >= 1"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, (argv, err)
+    assert main(["run", "r.toml#s"]) == 0
+    capsys.readouterr()
+    (proj / "bad.jsonl").write_text('{"prompt": "ok"}\n[1, 2]\n')
+    for argv, message in [(["sample", "r.toml#s", "hi", "--checkpoint", "nope"], "no checkpoint named 'nope'; "
+                                                                                   "available: 000002, final, base"),
+                          (["sample", "r.toml#s", "--file", "bad.jsonl"], "bad.jsonl:2: expected")]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, (argv, err)
+
+
+def test_sample_over_the_tinker_sdk(proj: Path, mocked_tinker: None, capsys: pytest.CaptureFixture[str]) -> None:
+    remote = 'model = "Qwen/Qwen3-8B"\ntokenizer = "tiny"\nbackend = {kind = "tinker"}'
+    (proj / "r.toml").write_text(SFT.format(extra=remote))
+    assert main(["run", "r.toml#s"]) == 0
+    capsys.readouterr()
+    assert main(["sample", "r.toml#s", "Who are you?", "--n", "2", "--json", "--max-tokens", "6"]) == 0
+    [row] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(row["completions"]) == 2
+    assert main(["eval", "r.toml#s"]) == 0
+    assert "test/nll" in read_jsonl(proj / "runs" / "s" / "evals.jsonl")[0]
