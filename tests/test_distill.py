@@ -121,3 +121,13 @@ def test_a_teacher_with_another_tokenizer_is_a_check_error(proj: Path, capsys: p
     err = capsys.readouterr().err
     assert "algo.datasets[1].teacher.model" in err and "its tokenizer" in err and err.count("\n") == 1
     assert not (proj / "runs").exists()
+
+
+def test_distillation_in_async_mode(proj: Path) -> None:
+    """The cookbook distils synchronously only; here any RL mode works: async K=1 samples one step behind."""
+    text = DISTILL.format(backend=LOCAL).replace('kind = "distill"\n', 'kind = "distill"\n'
+                                                  'mode = {kind = "async", max_staleness = 1, fixed_staleness = true}\n')
+    (proj / "r.toml").write_text(text)
+    assert main(["run", "r.toml#student"]) == 0
+    rows = [r for r in read_jsonl(proj / "runs" / "student" / "metrics.jsonl") if "async/staleness_max" in r]
+    assert [r["async/staleness_max"] for r in rows] == [0, 1]

@@ -82,3 +82,15 @@ def test_run_output_of_a_run_that_generated_nothing(proj: Path, capsys: pytest.C
     write(proj)
     assert main(["run", "r.toml#student", "--dry-run"]) == 2
     assert "has generated nothing yet" in capsys.readouterr().err
+
+
+def test_prompt_distillation_over_the_tinker_sdk(proj: Path, mocked_tinker: None) -> None:
+    remote = 'model = "Qwen/Qwen3-8B"\ntokenizer = "tiny"\nbackend = {kind = "tinker"}'
+    write(proj, extra=remote)
+    # The mocked service's model is a unigram table that rarely samples the stop token: keep cut-off replies.
+    text = (proj / "r.toml").read_text().replace("max_tokens = 16\n", "max_tokens = 16\nkeep_truncated = true\n")
+    (proj / "r.toml").write_text(text)
+    assert main(["run", "r.toml#student"]) == 0
+    assert generated(proj / "runs" / "gen")
+    final = read_jsonl(proj / "runs" / "student" / "metrics.jsonl")[-1]
+    assert 0.0 <= final["test/agreement"] <= 1.0

@@ -159,3 +159,21 @@ def test_sample_over_the_tinker_sdk(proj: Path, mocked_tinker: None, capsys: pyt
     assert len(row["completions"]) == 2
     assert main(["eval", "r.toml#s"]) == 0
     assert "test/nll" in read_jsonl(proj / "runs" / "s" / "evals.jsonl")[0]
+
+
+def test_eval_of_a_dpo_run(proj: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = Path(__file__).resolve().parent.parent / "examples" / "data" / "comparisons.jsonl"
+    (proj / "r.toml").write_text(f"""
+[recipes.d]
+lr = 0.01
+max_steps = 2
+eval_every = 0
+save_every = 0
+{LOCAL}
+lora = {{rank = 4}}
+algo = {{kind = "dpo", data = {{kind = "jsonl", path = "{data}"}}, batch_size = 4, test_size = 8}}
+""")
+    assert main(["run", "r.toml#d"]) == 0
+    assert main(["eval", "r.toml#d"]) == 0
+    [row] = read_jsonl(proj / "runs" / "d" / "evals.jsonl")
+    assert 0.0 <= row["test/accuracy"] <= 1.0 and "test/dpo_loss" in row
