@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import hashlib
 import hmac
+import importlib.util
 import itertools
 import json
 import logging
@@ -639,9 +640,9 @@ class Service:
             raise ApiError(400, f"checkpoint name {name!r} must be a plain file name (no '/', not starting with '.')")
         ttl = req.get("ttl_seconds")
         if kind == "external_weights" and req.get("age_encryption_recipients"):
-            with contextlib.suppress(ImportError):
-                import pyrage  # noqa: F401 - encryption needs it; checked now so the failure is immediate
-            if "pyrage" not in __import__("sys").modules:
+            # Encryption needs pyrage (optional: the cookbook's weights.download asks for it); checked now, so the
+            # failure is immediate.
+            if importlib.util.find_spec("pyrage") is None:
                 raise ApiError(400, "age encryption needs the pyrage package on the server (pip install pyrage)")
         promise, reply = self._promise(f"save_{kind}")
         target = f"{run.run_id}/{kind}/{name}"
