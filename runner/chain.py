@@ -240,28 +240,14 @@ def run_chain(recipe: Recipe, name: str, where: str, *, dry_run: bool = False) -
         if stage.runnable:  # a finished one is a no-op (and a changed one is reported, never silently reused)
             print(f"chain: {stage.label} ({_status(stage)}) in {stage.run_dir}", file=sys.stderr)
             run_stage(stage)
-    weights = {d.ref: final_checkpoint(d)["sampler_path"] for d in deps if has_weights(d)}
-    init = None
-    if chain:
-        last = chain[-1]
-        ckpt = final_checkpoint(last)
-        init = InitWeights(last.ref, last.name, last.recipe, ckpt["state_path"], ckpt["sampler_path"], ckpt["name"])
-    run(recipe, name, init=init, weights=weights)
+    run(recipe, name, **resolved_inputs(recipe, where))
 
 
 def run_stage(stage: Upstream) -> None:
     """One upstream run, itself after its own init_from chain (already run: dependencies come in order)."""
-    from runner.loop import InitWeights, run
+    from runner.loop import run
 
-    chain = upstreams(stage.recipe, stage.ref)
-    init = None
-    if chain:
-        last = chain[-1]
-        ckpt = final_checkpoint(last)
-        init = InitWeights(last.ref, last.name, last.recipe, ckpt["state_path"], ckpt["sampler_path"], ckpt["name"])
-    deps = dependencies(stage.recipe, stage.ref)
-    run(stage.recipe, stage.name, init=init,
-        weights={d.ref: final_checkpoint(d)["sampler_path"] for d in deps if has_weights(d)})
+    run(stage.recipe, stage.name, **resolved_inputs(stage.recipe, stage.ref))
 
 
 def has_weights(stage: Upstream) -> bool:
@@ -271,9 +257,10 @@ def has_weights(stage: Upstream) -> bool:
     return not isinstance(stage.recipe.algo, Generate)
 
 
-def resolved_inputs(recipe: Recipe, where: str) -> tuple[Any, dict[str, str]]:
-    """(InitWeights or None, weights by reference) of a recipe whose upstreams have run: what `runner eval` needs to
-    rebuild its algorithm (reference model, teachers, judges) without running anything."""
+def resolved_inputs(recipe: Recipe, where: str) -> dict[str, Any]:
+    """`init` (InitWeights or None) and `weights` (final sampler weights by reference) of a recipe whose upstreams
+    have run: what runner.loop.run and `runner eval` need to build its algorithm (start, reference, teachers,
+    judges) without running anything."""
     from runner.loop import InitWeights
 
     chain = upstreams(recipe, where)
@@ -283,7 +270,7 @@ def resolved_inputs(recipe: Recipe, where: str) -> tuple[Any, dict[str, str]]:
         ckpt = final_checkpoint(last)
         init = InitWeights(last.ref, last.name, last.recipe, ckpt["state_path"], ckpt["sampler_path"], ckpt["name"])
     deps = dependencies(recipe, where)
-    return init, {d.ref: final_checkpoint(d)["sampler_path"] for d in deps if has_weights(d)}
+    return {"init": init, "weights": {d.ref: final_checkpoint(d)["sampler_path"] for d in deps if has_weights(d)}}
 
 
 def _status(stage: Upstream) -> str:

@@ -26,9 +26,9 @@ from backends.base import SamplingClient
 from backends.errors import UserError
 from backends.types import Datum
 from runner.data import load_conversations
-from runner.recipe import Distill
+from runner.recipe import Distill, Teacher
 from runner.rl.advantages import compute_advantages
-from runner.rl.algo import RLAlgo
+from runner.rl.algo import EVAL_SEED_OFFSET, RLAlgo
 from runner.rl.datums import assemble_datums
 from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, RepeatGroupBuilder
 from runner.rl.kl import reference_logprobs
@@ -112,16 +112,10 @@ class DistillAlgo(RLAlgo):
     # ---------------------------------------------------------------- the teacher KL
 
     async def teacher(self, i: int, backend: Any) -> SamplingClient:
-        if self.teachers[i] is None:
-            t = self.cfg.datasets[i].teacher
-            path = self.weights.get(t.init_from, "") if t.init_from is not None else t.checkpoint
-            if t.init_from is not None and not path:
-                raise UserError(f"algo.datasets[{i}].teacher.init_from {t.init_from!r} was not resolved to weights; "
-                                "run the recipe with `runner run`, which runs the teacher first")
-            self.teachers[i] = await backend.create_sampling_client(
-                model_path=path or None, base_model=None if path else (t.model or self.base_model))
         client = self.teachers[i]
-        assert client is not None
+        if client is None:
+            client = self.teachers[i] = await open_teacher(self.cfg.datasets[i].teacher, self.weights, backend,
+                                                           self.base_model, f"algo.datasets[{i}].teacher")
         return client
 
     async def _datums(self, groups: list[TrajectoryGroup], ctx: Any) -> tuple[list[Datum], dict[str, float]]:
@@ -148,30 +142,32 @@ class DistillAlgo(RLAlgo):
         builders = [b for i in range(len(self.test)) for b in self.test.get_batch(i)][: self.cfg.eval.max_groups]
         t = time.monotonic()
         batch = await rollout_batch(builders, sampler, replace(self.params, temperature=self.cfg.eval.temperature),
-                                    seed=self.seed + (1 << 40), step=step, max_context=self.max_context,
+                                    seed=self.seed + EVAL_SEED_OFFSET, step=step, max_context=self.max_context,
                                     what=f"the test prompts (eval at step {step})")
-        assert self._backend is not None
+        assert self._backend is not None  # set by RLAlgo.prepare / final, before any eval starts
         _, metrics = await self._datums(batch.groups, _Ctx(self._backend))
         out = {f"test/{k}": v for k, v in metrics.items() if k.startswith("teacher_kl")}
         out["time/eval"] = time.monotonic() - t
         self._write_transcripts("test", step, batch, None)
         return out
 
-    _backend: Any = None
-
-    async def prepare(self, step: int, ctx: Any):  # type: ignore[override]
-        self._backend = ctx.backend  # evals (started from submit) score with the teachers too
-        async for part in super().prepare(step, ctx):
-            yield part
-
-    async def final(self, ctx: Any, evaluate: bool) -> dict[str, float]:
-        self._backend = ctx.backend
-        return await super().final(ctx, evaluate)
 
 
 def _set_and_prompt(item: object) -> tuple[int, object]:
     assert isinstance(item, tuple)
     return item[0], item[1]
+
+
+async def open_teacher(teacher: Teacher, weights: dict[str, str], backend: Any, base_model: str,
+                       where: str) -> SamplingClient:
+    """A sampling client over a Teacher: the resolved weights of its init_from run, its checkpoint, or a base model
+    (its own `model`, else the recipe's)."""
+    path = weights.get(teacher.init_from, "") if teacher.init_from is not None else teacher.checkpoint
+    if teacher.init_from is not None and not path:
+        raise UserError(f"{where}.init_from {teacher.init_from!r} was not resolved to weights; run the recipe with "
+                        "`runner run`, which runs the teacher first")
+    return await backend.create_sampling_client(model_path=path or None,
+                                                base_model=None if path else (teacher.model or base_model))
 
 
 class _Ctx:

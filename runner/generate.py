@@ -50,14 +50,9 @@ class GenerateAlgo:
 
     async def teacher(self, backend: Any) -> SamplingClient:
         if self.client is None:
-            t = self.cfg.teacher
-            path = self.weights.get(t.init_from, "") if t.init_from is not None else t.checkpoint
-            if t.init_from is not None and not path:
-                raise UserError(f"algo.teacher.init_from {t.init_from!r} was not resolved to weights; run the recipe "
-                                "with `runner run`, which runs the teacher first")
-            self.client = await backend.create_sampling_client(
-                model_path=path or None, base_model=None if path else (t.model or self.base_model))
-        assert self.client is not None
+            from runner.distill import open_teacher
+
+            self.client = await open_teacher(self.cfg.teacher, self.weights, backend, self.base_model, "algo.teacher")
         return self.client
 
     async def prepare(self, step: int, ctx: Any):  # AsyncIterator[list[dict]]

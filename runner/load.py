@@ -79,10 +79,10 @@ def resolve(path: str, name: str, raw: dict[str, Any], overrides: Sequence[str] 
 
 def _absolute_refs(recipe: Recipe, where: str, path: str) -> Recipe:
     """Every RecipeRef ("#name" means this file) made absolute, so config.toml names the same runs from anywhere."""
-    fixes = [(keys, field.encode_name, absolute_ref(value, path))
+    fixes = [(keys, field.encode_name, new)
              for keys, node in structs(recipe, ()) for field in info(type(node)).fields
-             if is_ref(field.type) and isinstance(value := getattr(node, field.name), str)]
-    fixes = [f for f in fixes if f[2] != _get_path(msgspec.to_builtins(recipe), [*f[0], f[1]])]
+             if is_ref(field.type) and isinstance(value := getattr(node, field.name), str)
+             and (new := absolute_ref(value, path)) != value]
     if not fixes:
         return recipe
     raw = msgspec.to_builtins(recipe)
@@ -92,12 +92,6 @@ def _absolute_refs(recipe: Recipe, where: str, path: str) -> Recipe:
             table = table[key]
         table[name] = value
     return decode_recipe(raw, where)
-
-
-def _get_path(raw: Any, keys: list[Any]) -> Any:
-    for key in keys:
-        raw = raw[key]
-    return raw
 
 
 def _data_next_to_recipe(recipe: Recipe, where: str, base: Path) -> Recipe:

@@ -188,10 +188,10 @@ def evaluate(target: str, checkpoint: str | None, out: TextIO) -> dict[str, floa
     t = open_target(target, checkpoint)
     if t.checkpoint is None:
         raise UserError("eval needs a checkpoint of the run (its sampler weights), not base")
-    init, weights = resolved_inputs(t.recipe, t.where)
+    inputs = resolved_inputs(t.recipe, t.where)
     backend = _backend(t)
     try:
-        algo = make_algo(t.recipe, init, weights)(backend.get_tokenizer())
+        algo = make_algo(t.recipe, inputs["init"], inputs["weights"])(backend.get_tokenizer())
         ctx = FinalContext(backend, t.checkpoint["sampler_path"], t.run_dir)
 
         async def go() -> dict[str, float]:
