@@ -34,9 +34,11 @@ from backends.base import BackendError, CustomLossFn, Future, SamplingClient, Tr
 from backends.errors import UserError
 from backends.local import batching
 from backends.local import model as M
+from backends.local.alloc import keep_freed_memory
 from backends.local.config import Local
 from backends.local.device import pick_device
 from backends.local.losses import datum_loss, inputs_from_datum, resolve_config
+from backends.local.packed import PackedLM
 from backends.local.worker import Job, Worker, fail
 from backends.types import (
     AdamParams,
@@ -125,6 +127,7 @@ class LocalBackend:
         self.storage_dir = Path(storage_dir).resolve()
         self.seed = seed
         self.device, self.dtype = pick_device(cfg)
+        keep_freed_memory()  # no page faults re-fetching each step's activations (backends/local/alloc.py)
         if not _default_threads:  # before any sampling worker has changed the inherited count
             _default_threads.append(torch.get_num_threads())
         self.train_threads = _pin_threads(_default_threads[0])
@@ -284,6 +287,8 @@ class LocalTrainingClient:
         self.setup = setup
         self.step = 0
         self._params = M.trainable_params(model)
+        # The padding-free path where the model allows it (backends/local/packed.py), else padded chunks.
+        self.packed, self.unpacked_reason = (None, "packed = false") if not backend.cfg.packed else PackedLM.build(model)
         # Hyper-parameters are set from AdamParams at every step; these are placeholders.
         self.optimizer = torch.optim.AdamW([p for _, p in self._params], lr=0.0)
         self.name = name
@@ -361,9 +366,11 @@ class LocalTrainingClient:
             raise _user_error(str(exc)) from None
 
     def _logprobs(self, data: list[Datum]):
-        return batching.chunk_logprobs(
-            self.model, data, self._backend.device, batching.chunk_tokens(self._backend.vocab_size())
-        )
+        budget = batching.chunk_tokens(self._backend.vocab_size())
+        if self.packed is not None:
+            chunks = batching.plan_packs([d.length for d in data], budget)
+            return self.packed.chunk_logprobs(data, chunks, self._backend.device)
+        return batching.chunk_logprobs(self.model, data, self._backend.device, budget)
 
     def _run_loss(
         self, data: list[Datum], loss_fn: LossFn, loss_config: Mapping[str, float] | None, backward: bool

@@ -24,6 +24,10 @@ class Local(BackendConfig):
     lora_alpha: Annotated[float, Meta(gt=0)] = 32.0
     # Train every weight instead of a LoRA adapter (local only; Tinker trains LoRA).
     full_finetune: bool = False
+    # Padding-free training: a batch's sequences packed into one token matrix, attention per sequence
+    # (backends/local/packed.py; Llama/Mistral/Qwen2/Qwen3 LoRA models). false, or any other model: each
+    # batch runs as padded chunks (backends/local/batching.py). Both compute the same numbers to float rounding.
+    packed: bool = True
 
     def make(self, model: str, tokenizer: str | None, storage_dir: Path, seed: int) -> Backend:
         from backends.local.backend import LocalBackend  # torch loads here, not when a recipe is validated

@@ -1,0 +1,121 @@
+"""The padding-free packed forward (backends/local/packed.py) computes what the HF model computes on each
+sequence alone: logprobs and LoRA gradients, for every family member it accepts; anything else falls back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from backends.local import batching
+from backends.local import model as M
+from backends.local.packed import PackedLM, _spans
+from backends.local.tiny import build_tokenizer
+from backends.types import Datum
+
+CPU = torch.device("cpu")
+
+
+def _model(kind: str) -> torch.nn.Module:
+    tok = build_tokenizer()
+    common = {"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
+    torch.manual_seed(0)
+    if kind == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
+    elif kind == "qwen2":  # q/k/v biases
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=False)
+    elif kind == "llama":  # MHA, llama3 rope scaling, untied head
+        cfg = transformers.LlamaConfig(**{**common, "num_key_value_heads": 4}, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})
+    else:
+        raise ValueError(kind)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    if kind == "qwen2":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.1)
+    model.requires_grad_(False)
+    return model
+
+
+def _lora(base: torch.nn.Module, unembed: bool = True, mlp: bool = True) -> torch.nn.Module:
+    model = M.make_trainable(base, M.TrainSetup(4, 8.0, M.lora_targets(base, True, mlp, unembed)), 0)
+    with torch.no_grad():  # B = 0 at init would hide any error in the LoRA terms
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    return model
+
+
+def _data(lengths: list[int], k: int = 1, seed: int = 0) -> list[Datum]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        ids = rng.integers(0, 259, n)
+        targets = rng.integers(0, 259, (n, k)) if k > 1 else rng.integers(0, 259, n)
+        out.append(Datum(list(map(int, ids)), targets, weights=rng.random(targets.shape).astype(np.float32)))
+    return out
+
+
+def _run(model, data, chunks_iter) -> tuple[dict[int, torch.Tensor], dict[str, torch.Tensor], float]:
+    lps: dict[int, torch.Tensor] = {}
+    total = 0.0
+    for idx, lp in chunks_iter:
+        loss = sum((x * torch.as_tensor(data[i].weights)).sum() for i, x in zip(idx, lp))
+        assert isinstance(loss, torch.Tensor)
+        loss.backward()
+        total += float(loss.detach())
+        lps.update({i: x.detach() for i, x in zip(idx, lp)})
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return lps, grads, total
+
+
+def _compare(model, data, chunks: list[list[int]]) -> None:
+    packed, why = PackedLM.build(model)
+    assert packed is not None, why
+    ref_lp, ref_g, ref_loss = _run(model, data, batching.chunk_logprobs(model, data, CPU, 16384))
+    lp, g, loss = _run(model, data, packed.chunk_logprobs(data, chunks, CPU))
+    assert sorted(lp) == list(range(len(data)))
+    for i, d in enumerate(data):
+        assert lp[i].shape == d.target_tokens.shape
+        torch.testing.assert_close(lp[i], ref_lp[i], atol=2e-5, rtol=1e-5)
+    assert set(g) == set(ref_g) and len(g) > 0
+    for name in g:  # float noise only: a wrong term would be off by O(1) of the gradient's norm
+        err = float((g[name] - ref_g[name]).norm() / ref_g[name].norm())
+        assert err < 1e-5, (name, err)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama"])
+def test_packed_matches_hf_per_sequence(kind):
+    model = _lora(_model(kind))
+    data = _data([37, 5, 64, 1, 19, 19, 19, 40])  # equal lengths exercise the batched attention runs
+    _compare(model, data, batching.plan_packs([d.length for d in data], 16384))
+
+
+def test_packed_chunks_and_topk_targets():
+    model = _lora(_model("qwen3"), unembed=False, mlp=False)
+    data = _data([30, 12, 30, 7], k=3)
+    chunks = batching.plan_packs([d.length for d in data], 40)  # several chunks, one row alone (30 + 12 > 40)
+    assert len(chunks) == 3 and sorted(i for c in chunks for i in c) == [0, 1, 2, 3]
+    _compare(model, data, chunks)
+
+
+def test_plan_packs_fills_to_budget_longest_first():
+    assert batching.plan_packs([5, 9, 3, 9], 20) == [[1, 3], [0, 2]]
+    assert batching.plan_packs([50, 2], 10) == [[0], [1]]  # a row over the budget goes alone
+    assert _spans([4, 4, 2, 4]) == [(0, 2, 4), (8, 1, 2), (10, 1, 4)]
+
+
+def test_unsupported_models_fall_back():
+    base = _model("qwen3")
+    full = M.make_trainable(base, M.TrainSetup(0, 1.0, ()), 0)
+    assert PackedLM.build(full)[0] is None and "trainable" in PackedLM.build(full)[1]
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    packed, why = PackedLM.build(gpt2)
+    assert packed is None and "gpt2" in why
