@@ -10,7 +10,7 @@ import transformers
 
 from backends.local import batching
 from backends.local import model as M
-from backends.local.packed import PackedLM, _spans
+from backends.local.packed import MIN_SHARED, PackedLM, plan
 from backends.local.tiny import build_tokenizer
 from backends.types import Datum
 
@@ -75,11 +75,11 @@ def _run(model, data, chunks_iter) -> tuple[dict[int, torch.Tensor], dict[str, t
     return lps, grads, total
 
 
-def _compare(model, data, chunks: list[list[int]]) -> None:
+def _compare(model, data, budget: int = 16384) -> None:
     packed, why = PackedLM.build(model)
     assert packed is not None, why
     ref_lp, ref_g, ref_loss = _run(model, data, batching.chunk_logprobs(model, data, CPU, 16384))
-    lp, g, loss = _run(model, data, packed.chunk_logprobs(data, chunks, CPU))
+    lp, g, loss = _run(model, data, packed.chunk_logprobs(data, budget, CPU))
     assert sorted(lp) == list(range(len(data)))
     for i, d in enumerate(data):
         assert lp[i].shape == d.target_tokens.shape
@@ -95,21 +95,57 @@ def _compare(model, data, chunks: list[list[int]]) -> None:
 def test_packed_matches_hf_per_sequence(kind):
     model = _lora(_model(kind))
     data = _data([37, 5, 64, 1, 19, 19, 19, 40])  # equal lengths exercise the batched attention runs
-    _compare(model, data, batching.plan_packs([d.length for d in data], 16384))
+    _compare(model, data)
 
 
 def test_packed_chunks_and_topk_targets():
     model = _lora(_model("qwen3"), unembed=False, mlp=False)
     data = _data([30, 12, 30, 7], k=3)
-    chunks = batching.plan_packs([d.length for d in data], 40)  # several chunks, one row alone (30 + 12 > 40)
+    chunks = [layout.datums for layout in plan(data, 40)]  # several chunks (30 + 12 > 40)
     assert len(chunks) == 3 and sorted(i for c in chunks for i in c) == [0, 1, 2, 3]
-    _compare(model, data, chunks)
+    _compare(model, data, 40)
 
 
 def test_plan_packs_fills_to_budget_longest_first():
     assert batching.plan_packs([5, 9, 3, 9], 20) == [[1, 3], [0, 2]]
     assert batching.plan_packs([50, 2], 10) == [[0], [1]]  # a row over the budget goes alone
-    assert _spans([4, 4, 2, 4]) == [(0, 2, 4), (8, 1, 2), (10, 1, 4)]
+
+
+def _group(prompt: list[int], completions: list[int], seed: int) -> list[Datum]:
+    """An RL group: one prompt, completions of the given lengths (datum = prompt + completion, shifted)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in completions:
+        seq = prompt + list(map(int, rng.integers(0, 259, n + 1)))
+        k = len(seq) - 1
+        out.append(Datum(seq[:-1], np.array(seq[1:]), weights=rng.random(k).astype(np.float32)))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_shared_prompts_pack_as_trees_and_match_hf(kind):
+    rng = np.random.default_rng(1)
+    p1, p2 = list(map(int, rng.integers(0, 259, 40))), list(map(int, rng.integers(0, 259, 25)))
+    data = _group(p1, [3, 0, 7, 3], 0) + _data([33, 12]) + _group(p2, [5, 1], 2)
+    data.insert(1, Datum(p1[:30], np.array(p1[1:31])))  # shares 30 tokens with the first group
+    data[-1] = Datum(data[-1].model_input, data[-1].target_tokens, weights=None, logprobs=None)
+    for d in data:  # every datum has weights for _run
+        if d.weights is None:
+            object.__setattr__(d, "weights", np.ones(d.length, np.float32))
+    (layout,) = plan(data, 16384)
+    assert sorted(layout.datums) == list(range(len(data)))
+    assert len(layout.trees) == 2 and {t[1] for t in layout.trees} == {30, 25}
+    shared = sum(t[1] * (len(t[2]) - 1) for t in layout.trees)
+    assert len(layout.tokens) == sum(d.length for d in data) - shared  # each prefix packed once
+    _compare(_lora(_model(kind)), data)
+
+
+def test_short_common_prefixes_are_not_shared():
+    rng = np.random.default_rng(3)
+    prompt = list(map(int, rng.integers(0, 259, MIN_SHARED - 1)))
+    data = _group(prompt, [20, 30], 0)
+    (layout,) = plan(data, 16384)
+    assert layout.trees == [] and len(layout.tokens) == sum(d.length for d in data)
 
 
 def test_unsupported_models_fall_back():

@@ -368,8 +368,7 @@ class LocalTrainingClient:
     def _logprobs(self, data: list[Datum]):
         budget = batching.chunk_tokens(self._backend.vocab_size())
         if self.packed is not None:
-            chunks = batching.plan_packs([d.length for d in data], budget)
-            return self.packed.chunk_logprobs(data, chunks, self._backend.device)
+            return self.packed.chunk_logprobs(data, budget, self._backend.device)
         return batching.chunk_logprobs(self.model, data, self._backend.device, budget)
 
     def _run_loss(
