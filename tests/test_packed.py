@@ -10,6 +10,7 @@ import transformers
 
 from backends.local import batching
 from backends.local import model as M
+from backends.local import packed as packed_mod
 from backends.local.packed import MIN_SHARED, PackedLM, plan
 from backends.local.tiny import build_tokenizer
 from backends.types import Datum
@@ -122,11 +123,14 @@ def _group(prompt: list[int], completions: list[int], seed: int) -> list[Datum]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama"])
-def test_shared_prompts_pack_as_trees_and_match_hf(kind):
+@pytest.mark.parametrize(("kind", "call_cost"), [("qwen3", None), ("llama", None), ("qwen3", 0), ("qwen3", 10**9)])
+def test_shared_prompts_pack_as_trees_and_match_hf(kind, call_cost, monkeypatch):
+    # call_cost 0: every tree runs member by member; 10**9: every tree is one masked call.
+    if call_cost is not None:
+        monkeypatch.setattr(packed_mod, "_CALL_COST", call_cost)
     rng = np.random.default_rng(1)
     p1, p2 = list(map(int, rng.integers(0, 259, 40))), list(map(int, rng.integers(0, 259, 25)))
-    data = _group(p1, [3, 0, 7, 3], 0) + _data([33, 12]) + _group(p2, [5, 1], 2)
+    data = _group(p1, [3, 0, 7, 3], 0) + _data([33, 12]) + _group(p2, [5, 1, 60], 2)
     data.insert(1, Datum(p1[:30], np.array(p1[1:31])))  # shares 30 tokens with the first group
     data[-1] = Datum(data[-1].model_input, data[-1].target_tokens, weights=None, logprobs=None)
     for d in data:  # every datum has weights for _run

@@ -351,17 +351,39 @@ class Layout:
     runs: list[tuple[int, int, int]]  # (first row, sequences, length) of lone sequences
     trees: list[tuple[int, int, list[int]]]  # (first row, prefix length, suffix lengths)
 
-    def attention_blocks(self, device: torch.device) -> list[tuple[int, int, int, torch.Tensor | None]]:
-        """(first row, count, length, mask) in row order: a run of `count` causal sequences of `length` rows
-        (mask None), or one tree of `length` rows with its boolean mask (True = may attend)."""
-        blocks: list[tuple[int, int, int, torch.Tensor | None]] = [(s, c, n, None) for s, c, n in self.runs]
-        for start, prefix, suffixes in self.trees:
-            owner = torch.as_tensor(np.repeat(np.arange(-1, len(suffixes)), [prefix, *suffixes]), device=device)
-            n = len(owner)
-            causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-            mask = causal & ((owner[None, :] == -1) | (owner[None, :] == owner[:, None]))
-            blocks.append((start, 1, n, mask))
-        return sorted(blocks, key=lambda b: b[0])
+    def attention_blocks(self, device: torch.device) -> list[_Block]:
+        """The attention blocks in row order: runs of lone causal sequences, and trees. A tree whose suffixes
+        are short (an RL group: a prompt and a few answer tokens) is one SDPA call with its mask over all its
+        rows; one with long suffixes would waste most of that square, so it runs as the prefix (causal), then
+        each suffix against the prefix and itself (a lower-right causal mask)."""
+        blocks = [_Block(start, c * n, c) for start, c, n in self.runs]
+        for start, p, suffixes in self.trees:
+            n = p + sum(suffixes)
+            split_cost = p * p / 2 + sum(x * (p + x / 2) for x in suffixes) + _CALL_COST * (len(suffixes) + 1)
+            if n * n <= split_cost:
+                owner = torch.as_tensor(np.repeat(np.arange(-1, len(suffixes)), [p, *suffixes]), device=device)
+                causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+                blocks.append(_Block(start, n, mask=causal & ((owner[None, :] == -1) | (owner[None, :] == owner[:, None]))))
+            else:
+                masks = [torch.arange(p + x, device=device)[None, :] <= torch.arange(x, device=device)[:, None] + p
+                         for x in suffixes]
+                blocks.append(_Block(start, n, prefix=p, suffixes=suffixes, masks=masks))
+        return sorted(blocks, key=lambda b: b.start)
+
+
+# One SDPA call's fixed cost, in units of attention scores (one query x one key), for choosing how a tree runs.
+_CALL_COST = 4096
+
+
+@dataclass
+class _Block:
+    start: int
+    size: int  # rows
+    count: int = 1  # a run of `count` causal sequences of size // count rows each
+    mask: torch.Tensor | None = None  # a tree in one call
+    prefix: int = 0  # a tree member by member: the prefix's rows, then each suffix's
+    suffixes: list[int] | None = None
+    masks: list[torch.Tensor] | None = None
 
 
 def plan(data: list[Datum], budget: int) -> list[Layout]:
@@ -448,18 +470,30 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               blocks: list[tuple[int, int, int, torch.Tensor | None]], scale: float) -> torch.Tensor:
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[_Block], scale: float) -> torch.Tensor:
     """Attention within each block: q (T, H, D), k/v (T, K, D) -> (T, H*D). A run of c causal sequences of
-    length n is one SDPA call over (c, heads, n, D); a tree is one call with its mask. torch.split, not
-    slicing: a slice's backward zero-fills a whole-size gradient per piece, split's concatenates once."""
+    length n is one SDPA call over (c, heads, n, D). torch.split, not slicing: a slice's backward zero-fills a
+    whole-size gradient per piece, split's concatenates once."""
     _, H, D = q.shape
     K = k.shape[1]
-    sizes = [c * n for _, c, n, _ in blocks]
-    outs = []
-    for qs, ks, vs, (_, c, n, mask) in zip(q.split(sizes), k.split(sizes), v.split(sizes), blocks):
-        o = F.scaled_dot_product_attention(qs.view(c, n, H, D).transpose(1, 2), ks.view(c, n, K, D).transpose(1, 2),
-                                           vs.view(c, n, K, D).transpose(1, 2), attn_mask=mask,
+
+    def sdpa(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, c: int, mask: torch.Tensor | None) -> torch.Tensor:
+        n, m = qs.shape[0] // c, ks.shape[0] // c
+        o = F.scaled_dot_product_attention(qs.view(c, n, H, D).transpose(1, 2), ks.view(c, m, K, D).transpose(1, 2),
+                                           vs.view(c, m, K, D).transpose(1, 2), attn_mask=mask,
                                            is_causal=mask is None, scale=scale, enable_gqa=H != K)
-        outs.append(o.transpose(1, 2).reshape(c * n, H * D))
+        return o.transpose(1, 2).reshape(c * n, H * D)
+
+    sizes = [b.size for b in blocks]
+    outs = []
+    for qs, ks, vs, b in zip(q.split(sizes), k.split(sizes), v.split(sizes), blocks):
+        if b.suffixes is None or b.masks is None:
+            outs.append(sdpa(qs, ks, vs, b.count, b.mask))
+            continue
+        parts = [b.prefix, *b.suffixes]
+        (qp, *qx), (kp, *kx), (vp, *vx) = qs.split(parts), ks.split(parts), vs.split(parts)
+        outs.append(sdpa(qp, kp, vp, 1, None))
+        for qj, kj, vj, mj in zip(qx, kx, vx, b.masks):
+            if qj.shape[0]:
+                outs.append(sdpa(qj, torch.cat((kp, kj)), torch.cat((vp, vj)), 1, mj))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
