@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from backends.local.losses import LossInputs, datum_loss, resolve_config
+from backends.local.losses import LossInputs, datum_loss, inputs_from_datum, resolve_config
+from backends.types import Datum
 
 N = 23
 RNG = np.random.default_rng(0)
@@ -118,3 +119,25 @@ def test_resolve_config():
         resolve_config("cross_entropy", {"beta": 1.0})
     with pytest.raises(ValueError, match="unknown loss_fn 'grpo'"):
         resolve_config("grpo", None)
+
+
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"])
+def test_batch_loss_equals_the_sum_of_datum_losses(loss_fn):
+    # batch_loss concatenates a chunk's datums; a datum without a mask counts every token, as alone.
+    from backends.local.losses import batch_loss
+
+    rng = np.random.default_rng(0)
+    data, lps = [], []
+    for i, n in enumerate([5, 1, 9]):
+        f = lambda: rng.standard_normal(n).astype(np.float32)
+        mask = (rng.random(n) > 0.3).astype(np.float32) if i != 1 else None
+        data.append(Datum(list(range(n)), np.arange(n), weights=f(), logprobs=f() - 2, advantages=f(), mask=mask))
+        lps.append(torch.tensor(f() - 2, requires_grad=True))
+    cpu = torch.device("cpu")
+    config = resolve_config(loss_fn, None)
+    joined = batch_loss(loss_fn, lps, data, cpu, config)
+    grads = torch.autograd.grad(joined, lps)
+    alone = sum(datum_loss(loss_fn, lp, inputs_from_datum(d, cpu), config) for lp, d in zip(lps, data))
+    assert float(joined) == pytest.approx(float(alone), rel=1e-6, abs=1e-6)
+    for g, want in zip(grads, torch.autograd.grad(alone, lps)):
+        torch.testing.assert_close(g, want)

@@ -25,7 +25,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ from backends.local import model as M
 from backends.local.alloc import keep_freed_memory
 from backends.local.config import Local
 from backends.local.device import pick_device
-from backends.local.losses import datum_loss, inputs_from_datum, resolve_config
+from backends.local.losses import batch_loss, resolve_config
 from backends.local.packed import PackedLM
 from backends.local.worker import Job, Worker, fail
 from backends.types import (
@@ -384,10 +384,7 @@ class LocalTrainingClient:
         total = 0.0
         with torch.set_grad_enabled(backward):
             for idx, lps in self._logprobs(data):
-                loss = cast(
-                    torch.Tensor,
-                    sum(datum_loss(loss_fn, lp, inputs_from_datum(data[i], device), config) for i, lp in zip(idx, lps)),
-                )
+                loss = batch_loss(loss_fn, lps, [data[i] for i in idx], device, config)
                 if backward:
                     loss.backward()  # per chunk: grads accumulate in .grad, activations are freed
                 total += float(loss.detach())
