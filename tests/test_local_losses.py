@@ -129,7 +129,10 @@ def test_batch_loss_equals_the_sum_of_datum_losses(loss_fn):
     rng = np.random.default_rng(0)
     data, lps = [], []
     for i, n in enumerate([5, 1, 9]):
-        f = lambda: rng.standard_normal(n).astype(np.float32)
+
+        def f(n: int = n) -> np.ndarray:
+            return rng.standard_normal(n).astype(np.float32)
+
         mask = (rng.random(n) > 0.3).astype(np.float32) if i != 1 else None
         data.append(Datum(list(range(n)), np.arange(n), weights=f(), logprobs=f() - 2, advantages=f(), mask=mask))
         lps.append(torch.tensor(f() - 2, requires_grad=True))
