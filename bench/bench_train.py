@@ -48,6 +48,7 @@ import itertools
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -57,6 +58,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
+
+# Measure the checkout this file is in: run as `python bench/bench_train.py`, sys.path[0] is bench/, and an
+# editable install of the package elsewhere (another worktree) would otherwise supply backends/ and runner/.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backends.local import batching
 from backends.local import model as M
@@ -616,6 +621,7 @@ def main() -> None:
     datasets.disable_progress_bars()
     trl_version = f", trl {trl.__version__}" if args.trl else ""
 
+    print(f"backends from {Path(M.__file__).parent}")
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}{trl_version}; "
           f"fp32 cpu, {args.threads} thread(s), {args.clock} clock; batch {args.batch}, max_length {args.max_length}, "
           f"LoRA r{RANK}/alpha{ALPHA:g} attn+mlp, AdamW lr {LR:g}; medians of interleaved rounds; "
