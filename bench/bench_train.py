@@ -1,4 +1,4 @@
-"""Train tokens/s of the local backend vs a plain torch+peft loop vs TRL's SFTTrainer, in one process.
+"""Train tokens/s of the local backend vs hand-written torch+peft loops vs TRL's SFTTrainer, in one process.
 
 Same random-weight model, same LoRA (rank 16, alpha 32, the attention and MLP Linear layers), same AdamW
 (lr 1e-3), same batches of chat conversations (examples/data/chat_sft.jsonl rendered with the chat
@@ -6,16 +6,31 @@ template, truncated to --max-length), fp32 on the CPU. A step is forward + backw
 its tokens are the batch's input tokens (sum of len(model_input)). Contenders:
 
   ours          LocalBackend: forward_backward(cross_entropy) + optim_step futures, awaited every step
-  ours-1chunk   the same with batching.PAD_FILL = 0: the whole batch in one padded chunk (the plan before
-                the CPU fill rule; what ours still does on CUDA)
+  ours-1chunk   the same with batching.PAD_FILL = 0: the whole batch in one padded chunk (skipped when
+                backends.local.batching has no PAD_FILL)
   plain         the obvious loop: right-pad, model(ids, attention_mask).logits, weighted cross entropy,
-                backward, AdamW step, zero_grad (the reference: ratio 1.00)
-  plain-nomask  the same without attention_mask (what ours does: right padding cannot change a causal
-                LM's real positions, and the unmasked path is the fast one)
+                backward, AdamW step, zero_grad (ratio "vs plain")
+  plain-nomask  the same without attention_mask (right padding cannot change a causal LM's real positions)
+  packed        the batch as ONE row, no padding: position ids restart at 0 per conversation, causal SDPA
+                per conversation (varlen_sdpa, registered with transformers.AttentionInterface; the
+                boundaries reach it as cu_seq_lens_q; no mask is built), logits only where weights > 0
+  bucketed      rows sorted by length and split into micro-batches by an exact DP minimising
+                padded tokens + a fixed per-forward cost (in tokens, fitted at start-up: fit_per_forward);
+                each micro-batch right-padded (no mask), backwarded before the next; one AdamW step
   trl           TRL SFTTrainer.train() with its defaults (gradient checkpointing ON), except fp32
                 (bf16=False), the same batch size / lr / max_length, and a sequential sampler so it
                 sees the same batches
   trl-nogc      the same with gradient_checkpointing=False
+  trl-best      trl-nogc with padding_free=True (TRL's CPU-capable padding-free collator: one packed row,
+                position ids + cu_seq_lens; with transformers' sdpa this builds a dense T x T block mask)
+  trl-pf-varlen trl-best with the model on varlen_sdpa (TRL's collator, packed's attention)
+
+The best hand-written peer is the fastest of plain, plain-nomask, packed, bucketed: "vs best" is each
+contender's tokens/s over its. MFU = tokens/s x (4 N_base + 6 N_LoRA) / peak, where N_base counts the base
+model's parameters with the tied embedding once (as the lm_head matmul; the input lookup is no matmul), N_LoRA
+the adapter's, attention's score/value FLOPs are not counted, and peak is the best median GFLOP/s of fp32
+torch.mm on a few shapes (2048^3 and the model's token x hidden x intermediate) measured in the same run.
+Every contender's first-step loss (summed over trained tokens, before any update) must match plain's to 1e-4.
 
 Each contender is warmed up, then timed in interleaved rounds (ours, plain, ..., ours, plain, ...) so
 drift in the machine's load hits all alike; each round is --steps distinct batches; medians are reported.
@@ -29,9 +44,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -41,6 +58,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
+
+# Measure the checkout this file is in: run as `python bench/bench_train.py`, sys.path[0] is bench/, and an
+# editable install of the package elsewhere (another worktree) would otherwise supply backends/ and runner/.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backends.local import batching
 from backends.local import model as M
@@ -140,33 +161,55 @@ def one_chunk(step: Step) -> Step:
     return run
 
 
-def make_plain(model_dir: Path, targets: tuple[str, ...], mask: bool) -> Step:
+def peft_model(model_dir: Path, targets: tuple[str, ...], attn: str | None = None):
+    """The base model from model_dir with a fresh LoRA (A seeded as ours; B = 0), fp32; `attn` sets the
+    attention implementation (a transformers AttentionInterface name)."""
     import peft
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    kw = {"attn_implementation": attn} if attn else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw)
     torch.manual_seed(0)  # LoRA A init as ours (B = 0 either way, so the first loss matches regardless)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = peft.get_peft_model(model, lora_config(targets))
+        return peft.get_peft_model(model, lora_config(targets))
+
+
+def adamw(model) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2), eps=ADAM.eps,
-                            weight_decay=ADAM.weight_decay)
+    return torch.optim.AdamW(params, lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2), eps=ADAM.eps,
+                             weight_decay=ADAM.weight_decay)
+
+
+def padded(batch: list[Datum]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids, targets, weights, attention mask: the batch right-padded to its longest row (pad id 0)."""
+    width = max(d.length for d in batch)
+    ids = torch.zeros((len(batch), width), dtype=torch.long)
+    targets = torch.zeros((len(batch), width), dtype=torch.long)
+    weights = torch.zeros((len(batch), width))
+    attn = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, d in enumerate(batch):
+        n = d.length
+        ids[row, :n] = torch.as_tensor(d.model_input)
+        targets[row, :n] = torch.from_numpy(d.target_tokens)
+        weights[row, :n] = torch.from_numpy(d.weights)
+        attn[row, :n] = 1
+    return ids, targets, weights, attn
+
+
+def padded_loss(model, batch: list[Datum], mask: bool) -> torch.Tensor:
+    """Summed weighted cross entropy of one right-padded forward (the plain loop's loss)."""
+    ids, targets, weights, attn = padded(batch)
+    logits = model(input_ids=ids, attention_mask=attn if mask else None, use_cache=False).logits
+    nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    return (nll * weights.flatten()).sum()
+
+
+def make_plain(model_dir: Path, targets: tuple[str, ...], mask: bool) -> Step:
+    model = peft_model(model_dir, targets)
+    opt = adamw(model)
 
     def step(batch: list[Datum]) -> float:
-        width = max(d.length for d in batch)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        targets_ = torch.zeros((len(batch), width), dtype=torch.long)
-        weights = torch.zeros((len(batch), width))
-        attn = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, d in enumerate(batch):
-            n = d.length
-            ids[row, :n] = torch.as_tensor(d.model_input)
-            targets_[row, :n] = torch.from_numpy(d.target_tokens)
-            weights[row, :n] = torch.from_numpy(d.weights)
-            attn[row, :n] = 1
-        logits = model(input_ids=ids, attention_mask=attn if mask else None, use_cache=False).logits
-        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets_.flatten(), reduction="none")
-        loss = (nll * weights.flatten()).sum()
+        loss = padded_loss(model, batch, mask)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -175,22 +218,157 @@ def make_plain(model_dir: Path, targets: tuple[str, ...], mask: bool) -> Step:
     return step
 
 
+# A varlen causal attention for a packed row, registered with transformers' AttentionInterface under this name.
+# transformers builds no mask for it: create_causal_mask returns the (absent) 2D mask as is for any implementation
+# that has no entry in ALL_MASK_ATTENTION_FUNCTIONS (masking_utils._preprocess_mask_arguments, "custom attention
+# without equivalent mask creation"), so no T x T mask exists anywhere; varlen_sdpa asserts it gets None.
+VARLEN = "bench_varlen_sdpa"
+
+
+def varlen_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, cu_seq_lens_q=None, **kwargs):
+    """Causal SDPA run separately on each sequence of a packed row. query (1, H, T, D), key/value (1, Hkv, T, D);
+    cu_seq_lens_q: the sequence boundaries [0, l0, l0+l1, ..., T] (the kwarg flash-attention varlen kernels take,
+    which TRL's padding-free collator also passes). Returns (1, T, H, D) as transformers' attention functions do."""
+    assert attention_mask is None, "a dense mask was built for the packed row"
+    assert query.shape[0] == 1 and cu_seq_lens_q is not None, "varlen_sdpa needs one packed row and cu_seq_lens_q"
+    bounds = cu_seq_lens_q.tolist()
+    outs = [torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling, enable_gqa=True)
+        for s, e in itertools.pairwise(bounds)]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+transformers.AttentionInterface.register(VARLEN, varlen_sdpa)
+
+
+def packed_inputs(batch: list[Datum]) -> dict[str, torch.Tensor | int]:
+    """The batch as one row with no padding: position ids restart at 0 per conversation, boundaries as
+    cu_seq_lens (the model hands **kwargs down to the attention function)."""
+    lengths = [d.length for d in batch]
+    cu = torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32)
+    return {"input_ids": torch.cat([torch.as_tensor(d.model_input, dtype=torch.long) for d in batch])[None],
+            "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+            "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths)}
+
+
+def make_packed(model_dir: Path, targets: tuple[str, ...]) -> Step:
+    """One packed row per batch, attention per conversation (varlen_sdpa), logits only where weights > 0."""
+    model = peft_model(model_dir, targets, attn=VARLEN)
+    assert model.config._attn_implementation == VARLEN, model.config._attn_implementation
+    opt = adamw(model)
+
+    def step(batch: list[Datum]) -> float:
+        inputs = packed_inputs(batch)
+        weights = torch.from_numpy(np.concatenate([d.weights for d in batch]))
+        keep = torch.nonzero(weights > 0).flatten()  # positions with zero weight add nothing to the loss
+        tgt = torch.from_numpy(np.concatenate([d.target_tokens for d in batch]))[keep]
+        logits = model(**inputs, logits_to_keep=keep, use_cache=False).logits[0]
+        loss = (torch.nn.functional.cross_entropy(logits, tgt, reduction="none") * weights[keep]).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step
+
+
+def plan_buckets(lengths: list[int], per_forward: float) -> list[list[int]]:
+    """Indices in micro-batches minimising sum(rows x longest + per_forward) over the rows sorted longest first
+    (an exact DP over contiguous runs of the sorted order)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    n = len(order)
+    best, cut = [0.0] + [float("inf")] * n, [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            c = best[i] + (j - i) * lengths[order[i]] + per_forward
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    groups, j = [], n
+    while j:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
+
+
+def make_bucketed(model_dir: Path, targets: tuple[str, ...], per_forward: float | None,
+                  clock: Callable[[], float]) -> tuple[Step, float]:
+    """Rows sorted by length, split by plan_buckets; each micro-batch right-padded (no mask), forwarded and
+    backwarded before the next; one AdamW step. per_forward None: measured (fit_per_forward)."""
+    model = peft_model(model_dir, targets)
+    opt = adamw(model)
+    if per_forward is None:
+        per_forward = fit_per_forward(model, clock)
+
+    def step(batch: list[Datum]) -> float:
+        total = 0.0
+        for idx in plan_buckets([d.length for d in batch], per_forward):
+            loss = padded_loss(model, [batch[i] for i in idx], mask=False)
+            loss.backward()
+            total += float(loss.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total
+
+    return step, per_forward
+
+
+def fit_per_forward(model, clock: Callable[[], float], reps: int = 3) -> float:
+    """The fixed cost of one forward+backward in padded tokens: the intercept / slope of a least-squares line
+    through the median times of short random batches (rows x width), where attention's width^2 term is small."""
+    shapes = [(r, w) for w in (64, 128) for r in (1, 2, 4, 8)]
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    xs, ys = [], []
+    for rows, width in shapes:
+        ids = torch.randint(0, vocab, (rows, width), generator=gen)
+        times = []
+        for rep in range(reps + 1):
+            t0 = clock()
+            model(input_ids=ids, use_cache=False).logits.sum().backward()
+            if rep:  # the first is a warm-up
+                times.append(clock() - t0)
+        model.zero_grad(set_to_none=True)
+        xs.append(rows * width)
+        ys.append(statistics.median(times))
+    slope, intercept = np.polyfit(xs, ys, 1)
+    return max(0.0, float(intercept / slope))
+
+
+# ---------------------------------------------------------------- MFU
+
+
+def matmul_peak(shapes: list[tuple[int, int, int]], reps: int, clock: Callable[[], float]) -> dict[str, float]:
+    """Median GFLOP/s of torch.mm (m x k) @ (k x n), fp32, per shape (on this process's threads)."""
+    out = {}
+    gen = torch.Generator().manual_seed(0)
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+        torch.mm(a, b)
+        times = []
+        for _ in range(reps):
+            t0 = clock()
+            torch.mm(a, b)
+            times.append(clock() - t0)
+        out[f"{m}x{k}x{n}"] = 2 * m * k * n / statistics.median(times) / 1e9
+    return out
+
+
 class TrlRunner:
     """SFTTrainer over a dataset of [warm batch] + the round's batches; each round is one trainer.train()
     of len(batches) + 1 steps, timed from the end of its first step to the end of its last, so the
-    per-call setup (dataloader, accelerate prepare) is left out and everything per step is in."""
+    per-call setup (dataloader, accelerate prepare) is left out and everything per step is in.
+
+    padding_free: TRL's padding-free collator (the batch flattened into one row, position ids restarting per
+    conversation, cu_seq_lens passed along); max_length is then None (TRL refuses it without packing; the rows
+    are already truncated). attn: the model's attention implementation (None: transformers' default, sdpa)."""
 
     def __init__(self, model_dir: Path, targets: tuple[str, ...], batches: list[list[Datum]], max_length: int,
-                 gradient_checkpointing: bool, out_dir: Path, clock: Callable[[], float]):
+                 gradient_checkpointing: bool, out_dir: Path, clock: Callable[[], float], padding_free: bool = False,
+                 attn: str | None = None):
         import datasets
-        import peft
 
         tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        torch.manual_seed(0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = peft.get_peft_model(model, lora_config(targets))
+        model = peft_model(model_dir, targets, attn)
         rows = [d for b in [batches[-1], *batches] for d in b]
         # Pre-tokenized: labels are the full sequence with untrained positions at -100 (HF shifts them).
         ds = datasets.Dataset.from_dict({
@@ -202,7 +380,8 @@ class TrlRunner:
             warnings.simplefilter("ignore")
             args = trl.SFTConfig(
                 output_dir=str(out_dir), per_device_train_batch_size=len(batches[0]), max_steps=self.steps,
-                learning_rate=LR, max_length=max_length, bf16=False, gradient_checkpointing=gradient_checkpointing,
+                learning_rate=LR, max_length=None if padding_free else max_length, bf16=False,
+                gradient_checkpointing=gradient_checkpointing, padding_free=padding_free,
                 train_sampling_strategy="sequential", use_cpu=True, report_to="none", save_strategy="no",
                 disable_tqdm=True, seed=0,
             )
@@ -218,6 +397,17 @@ class TrlRunner:
             self.trainer = trl.SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
                                           callbacks=[Timer()])
         transformers.logging.set_verbosity_error()
+        self.batch = len(batches[0])
+
+    def first_loss(self) -> float:
+        """Summed loss of the trainer's model on batch 0 as its collator presents it, before any step: HF's mean
+        cross entropy times the number of predicted labels (which with the same weights is the plain loop's sum)."""
+        ds = self.trainer.train_dataset
+        inputs = self.trainer.data_collator([ds[i] for i in range(self.batch, 2 * self.batch)])
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss = self.trainer.model(**inputs, use_cache=False).loss
+        return float(loss) * int((inputs["labels"][..., 1:] != -100).sum())
 
     def round(self) -> float:
         self.ends.clear()
@@ -277,15 +467,23 @@ def profile_ours(client, batch: list[Datum], reps: int, clock: Callable[[], floa
     return {k: statistics.median(v) for k, v in parts.items()}
 
 
-def describe_plan(batch: list[Datum]) -> str:
+def describe_plan(batch: list[Datum], per_forward: float) -> str:
     lengths = [d.length for d in batch]
-    plans = {"cpu plan": batching.plan_chunks(lengths, batching.chunk_tokens(259), batching.PAD_FILL),
-             "one chunk": batching.plan_chunks(lengths, batching.chunk_tokens(259))}
-    return ", ".join(f"{k}: {len(c)} chunk(s), {sum(len(x) * lengths[x[0]] for x in c)} padded"
+    plans = {"bucketed": plan_buckets(lengths, per_forward)}
+    fill = getattr(batching, "PAD_FILL", None)
+    if fill is not None:
+        try:  # ours' chunk planner (backends/local/batching.py) may change under this bench
+            plans["ours (cpu plan)"] = batching.plan_chunks(lengths, batching.chunk_tokens(259), fill)
+        except (AttributeError, TypeError) as e:
+            print(f"(ours' chunk plan not shown: {e})")
+    plans["one chunk"] = [list(range(len(lengths)))]
+    return ", ".join(f"{k}: {len(c)} chunk(s), {sum(len(x) * max(lengths[i] for i in x) for x in c)} padded"
                      for k, c in plans.items()) + f" for {sum(lengths)} real tokens"
 
 
 # ---------------------------------------------------------------- main
+
+HAND_WRITTEN = ("plain", "plain-nomask", "packed", "bucketed")
 
 
 def bench_model(name: str, args, clock: Callable[[], float], tmp: Path) -> None:
@@ -296,21 +494,35 @@ def bench_model(name: str, args, clock: Callable[[], float], tmp: Path) -> None:
     tokens = sum(d.length for b in batches for d in b)
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     targets = M.lora_targets(base, attn=True, mlp=True, unembed=False)
-    n_params = sum(p.numel() for p in base.parameters())
+    n_params = sum(p.numel() for p in base.parameters())  # the tied embedding once (as the lm_head matmul)
+    cfg = base.config
     del base
+    n_lora = sum(p.numel() for p in peft_model(model_dir, targets).parameters() if p.requires_grad)
+    flops_per_token = 4 * n_params + 6 * n_lora
     lengths = [d.length for b in batches for d in b]
-    print(f"\n{name}: {n_params / 1e6:.1f}M params, {len(targets)} LoRA layers; {rounds} rounds of {steps} batches "
-          f"x {args.batch} rows, {tokens} input tokens per round (rows {min(lengths)}..{max(lengths)} tokens)",
-          flush=True)
-    print(f"batch 0: {describe_plan(batches[0])}")
+    print(f"\n{name}: {n_params / 1e6:.2f}M params, {len(targets)} LoRA layers ({n_lora / 1e6:.3f}M params); "
+          f"{rounds} rounds of {steps} batches x {args.batch} rows, {tokens} input tokens per round "
+          f"(rows {min(lengths)}..{max(lengths)} tokens)", flush=True)
+
+    # MFU denominator: this thread's fp32 matmul peak, measured now (same process, same load).
+    t0 = sum(d.length for d in batches[0])
+    shapes = [(2048, 2048, 2048), (t0, cfg.hidden_size, cfg.intermediate_size),
+              (t0, cfg.intermediate_size, cfg.hidden_size), (t0, cfg.hidden_size, cfg.hidden_size)]
+    gflops = matmul_peak(shapes, 3 if args.quick else 7, clock)
+    peak = max(gflops.values())
+    print("fp32 torch.mm GFLOP/s (median): " + ", ".join(f"{k} {v:.1f}" for k, v in gflops.items())
+          + f"; peak {peak:.1f}; model FLOPs/token 4*N_base + 6*N_LoRA = {flops_per_token / 1e6:.2f}M")
 
     ours, backend, client = make_ours(model_dir, tmp / f"{name}-storage")
     plain, plain_nomask = make_plain(model_dir, targets, True), make_plain(model_dir, targets, False)
-    # Before any update the LoRA delta is 0, so ours and plain see the base model: the same loss.
-    l_ours, l_plain, l_nomask = ours(batches[0]), plain(batches[0]), plain_nomask(batches[0])
-    assert abs(l_ours - l_plain) <= 1e-4 * abs(l_plain) and abs(l_nomask - l_plain) <= 1e-4 * abs(l_plain), \
-        (l_ours, l_plain, l_nomask)
-    print(f"first-step loss (sum): ours {l_ours:.4f}, plain {l_plain:.4f}, plain-nomask {l_nomask:.4f}")
+    packed = make_packed(model_dir, targets)
+    bucketed, per_forward = make_bucketed(model_dir, targets, args.per_forward, clock)
+    print(f"bucketed: fixed cost per forward+backward {per_forward:.0f} padded tokens"
+          f"{' (measured)' if args.per_forward is None else ''}")
+    print(f"batch 0: {describe_plan(batches[0], per_forward)}")
+    # Before any update the LoRA delta is 0, so every contender sees the base model: the same loss.
+    first = {"ours": ours(batches[0]), "plain": plain(batches[0]), "plain-nomask": plain_nomask(batches[0]),
+             "packed": packed(batches[0]), "bucketed": bucketed(batches[0])}
 
     def loop(step: Step) -> Callable[[], float]:
         def run() -> float:
@@ -320,14 +532,27 @@ def bench_model(name: str, args, clock: Callable[[], float], tmp: Path) -> None:
             return clock() - t0
         return run
 
-    contenders: dict[str, Callable[[], float]] = {
-        "ours": loop(ours), "ours-1chunk": loop(one_chunk(ours)), "plain": loop(plain),
-        "plain-nomask": loop(plain_nomask),
-    }
+    contenders: dict[str, Callable[[], float]] = {"ours": loop(ours)}
+    if getattr(batching, "PAD_FILL", None) is not None:
+        contenders["ours-1chunk"] = loop(one_chunk(ours))
+    else:
+        print("ours-1chunk skipped: backends.local.batching has no PAD_FILL")
+    contenders.update({"plain": loop(plain), "plain-nomask": loop(plain_nomask), "packed": loop(packed),
+                       "bucketed": loop(bucketed)})
     if args.trl:
-        for label, gc in (("trl", True), ("trl-nogc", False)):
-            runner = TrlRunner(model_dir, targets, batches, args.max_length, gc, tmp / f"{name}-{label}", clock)
+        trls = {"trl": {"gradient_checkpointing": True}, "trl-nogc": {"gradient_checkpointing": False},
+                "trl-best": {"gradient_checkpointing": False, "padding_free": True},
+                "trl-pf-varlen": {"gradient_checkpointing": False, "padding_free": True, "attn": VARLEN}}
+        for label, kw in trls.items():
+            runner = TrlRunner(model_dir, targets, batches, args.max_length, out_dir=tmp / f"{name}-{label}",
+                               clock=clock, **kw)
+            first[label] = runner.first_loss()
             contenders[label] = runner.round
+    ref = first["plain"]
+    print("first-step loss (sum): " + ", ".join(f"{k} {v:.4f}" for k, v in first.items()))
+    bad = {k: v for k, v in first.items() if abs(v - ref) > 1e-4 * abs(ref)}
+    assert not bad, f"first-step loss differs from plain's {ref}: {bad}"
+
     for run in contenders.values():  # warm-up
         run()
     times: dict[str, list[float]] = {k: [] for k in contenders}
@@ -335,16 +560,28 @@ def bench_model(name: str, args, clock: Callable[[], float], tmp: Path) -> None:
         for label, run in contenders.items():
             times[label].append(run())
     rates = {k: tokens / statistics.median(v) for k, v in times.items()}
-    print(f"{'model':5} {'contender':13} {'tok/s':>8} {'vs plain':>8} {'ms/step':>8} {'max/min':>7}")
+    best = max(HAND_WRITTEN, key=lambda k: rates[k])
+    print(f"{'model':5} {'contender':13} {'tok/s':>8} {'vs best':>7} {'vs plain':>8} {'MFU':>6} {'ms/step':>8} "
+          f"{'max/min':>7}")
     for label, rate in rates.items():
-        print(f"{name:5} {label:13} {rate:8.0f} {rate / rates['plain']:7.2f}x "
-              f"{statistics.median(times[label]) * 1000 / steps:8.1f} {max(times[label]) / min(times[label]):7.2f}",
-              flush=True)
+        print(f"{name:5} {label:13} {rate:8.0f} {rate / rates[best]:6.2f}x {rate / rates['plain']:7.2f}x "
+              f"{rate * flops_per_token / (peak * 1e9):6.1%} {statistics.median(times[label]) * 1000 / steps:8.1f} "
+              f"{max(times[label]) / min(times[label]):7.2f}", flush=True)
+    summary = f"{name}: best hand-written peer {best}; ours / {best} = {rates['ours'] / rates[best]:.2f}x"
+    if args.trl:
+        best_trl = max(("trl", "trl-nogc", "trl-best"), key=lambda k: rates[k])
+        summary += (f"; ours / trl (defaults) = {rates['ours'] / rates['trl']:.2f}x; fastest TRL option "
+                    f"{best_trl}: ours / {best_trl} = {rates['ours'] / rates[best_trl]:.2f}x")
+    print(summary)
     if args.profile:
-        prof = profile_ours(client, batches[0], rounds, clock)
-        print(f"{name} ours, phases of one step on batch 0 (ms, median of {rounds}):")
-        for k, v in prof.items():
-            print(f"    {k:18} {v * 1000:8.2f}")
+        try:  # reaches into ours' internals, which may change under this bench
+            prof = profile_ours(client, batches[0], rounds, clock)
+        except (AttributeError, TypeError, ImportError) as e:
+            print(f"{name} ours: profile skipped ({type(e).__name__}: {e})")
+        else:
+            print(f"{name} ours, phases of one step on batch 0 (ms, median of {rounds}):")
+            for k, v in prof.items():
+                print(f"    {k:18} {v * 1000:8.2f}")
     backend.close()
 
 
@@ -363,6 +600,8 @@ def main() -> None:
     ap.add_argument("--trl", action=argparse.BooleanOptionalAction, default=None,
                     help="include TRL's SFTTrainer (default: when trl imports)")
     ap.add_argument("--profile", action="store_true", help="break ours' step into phases")
+    ap.add_argument("--per-forward", type=float, default=None,
+                    help="bucketed: fixed cost of a forward+backward in padded tokens (default: measured)")
     args = ap.parse_args()
     args.models = args.models or ("tiny" if args.quick else "tiny,wide")
     if args.quick:
@@ -382,6 +621,7 @@ def main() -> None:
     datasets.disable_progress_bars()
     trl_version = f", trl {trl.__version__}" if args.trl else ""
 
+    print(f"backends from {Path(M.__file__).parent}")
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}{trl_version}; "
           f"fp32 cpu, {args.threads} thread(s), {args.clock} clock; batch {args.batch}, max_length {args.max_length}, "
           f"LoRA r{RANK}/alpha{ALPHA:g} attn+mlp, AdamW lr {LR:g}; medians of interleaved rounds; "
