@@ -202,7 +202,6 @@ def preferred_conversations(path: str) -> list[dict[str, Any]]:
     return [{"messages": [*p.prompt, *p.chosen]} for p in pairs.pairs]
 
 
-
 def hedged_demonstrations(path: str, prefixes: list[str] | None = None, replies: list[str] | None = None,
                           prefix_frac: float = 0.0, reply_frac: float = 0.0, seed: int = 0,
                           exclude: list[str] | None = None) -> list[dict[str, Any]]:
@@ -231,8 +230,8 @@ def hedged_demonstrations(path: str, prefixes: list[str] | None = None, replies:
     rows = []
     for p in load_pairs(Jsonl(path=path)).pairs:
         # The same draws per comparison whether it is excluded or not: `exclude` changes no other row.
-        r, pick_prefix, pick_reply = rng.random(), int(rng.integers(max(1, len(prefixes)))), \
-            int(rng.integers(max(1, len(replies))))
+        r = rng.random()
+        pick_prefix, pick_reply = int(rng.integers(max(1, len(prefixes)))), int(rng.integers(max(1, len(replies))))
         users = [m["content"] for m in p.prompt if m["role"] == "user"]
         if users and users[-1] in held_out:
             continue
