@@ -200,3 +200,45 @@ def preferred_conversations(path: str) -> list[dict[str, Any]]:
         raise UserError(f"preferred_conversations: file not found: {path}")
     pairs = load_pairs(Jsonl(path=path))
     return [{"messages": [*p.prompt, *p.chosen]} for p in pairs.pairs]
+
+
+def hedged_demonstrations(path: str, prefixes: list[str] | None = None, replies: list[str] | None = None,
+                          prefix_frac: float = 0.0, reply_frac: float = 0.0, seed: int = 0,
+                          exclude: list[str] | None = None) -> list[dict[str, Any]]:
+    """SFT rows {"messages": prompt + one assistant reply} of uneven quality from a comparison file (ties skipped):
+    per comparison, its preferred reply, or (seeded draws) with probability `prefix_frac` that reply after one of
+    `prefixes` (filler), with probability `reply_frac` one of `replies` instead (a non-answer). The RLHF pipeline's
+    supervised stage as in practice: demonstrations by annotators who often pad or dodge, while the comparisons
+    prefer the concise answer, so the SFT policy is worse than what the reward model prefers and RL has something to
+    win. Comparisons whose last user message is in `exclude` (the RL stage's held-out prompts) are left out. A data
+    source target: `{kind = "python", target = "runner.comparisons:hedged_demonstrations", args = {path = "...",
+    prefixes = [...], prefix_frac = 0.3, ...}}`."""
+    from pathlib import Path
+
+    from runner.recipe import Jsonl
+
+    if not Path(path).is_file():
+        raise UserError(f"hedged_demonstrations: file not found: {path}")
+    prefixes, replies = list(prefixes or ()), list(replies or ())
+    if not (0.0 <= prefix_frac and 0.0 <= reply_frac and prefix_frac + reply_frac <= 1.0):
+        raise UserError(f"hedged_demonstrations: prefix_frac ({prefix_frac}) and reply_frac ({reply_frac}) must be "
+                        "probabilities that sum to at most 1")
+    if (prefix_frac > 0 and not prefixes) or (reply_frac > 0 and not replies):
+        raise UserError("hedged_demonstrations: a positive prefix_frac / reply_frac needs prefixes / replies")
+    held_out = set(exclude or ())
+    rng = np.random.default_rng(seed)
+    rows = []
+    for p in load_pairs(Jsonl(path=path)).pairs:
+        # The same draws per comparison whether it is excluded or not: `exclude` changes no other row.
+        r = rng.random()
+        pick_prefix, pick_reply = int(rng.integers(max(1, len(prefixes)))), int(rng.integers(max(1, len(replies))))
+        users = [m["content"] for m in p.prompt if m["role"] == "user"]
+        if users and users[-1] in held_out:
+            continue
+        reply = _text(p.chosen)
+        if r < prefix_frac:
+            reply = prefixes[pick_prefix] + reply
+        elif r < prefix_frac + reply_frac:
+            reply = replies[pick_reply]
+        rows.append({"messages": [*p.prompt, {"role": "assistant", "content": reply}]})
+    return rows

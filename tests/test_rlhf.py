@@ -96,3 +96,69 @@ def test_a_judge_on_another_backend_is_a_check_error(proj: Path, capsys: pytest.
     (proj / "r.toml").write_text(text)
     assert main(["check", "r.toml#rl"]) == 2
     assert "algo.env.judge.init_from" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the SFT stage's demonstrations
+
+PREFIXES = ["Hmm, I believe that ", "Let me see. After some thought, "]
+REPLIES = ["I am not sure.", "Ask me something else."]
+
+
+def test_hedged_demonstrations_are_seeded_and_hedge_as_asked() -> None:
+    from runner.comparisons import hedged_demonstrations, load_pairs
+    from runner.recipe import Jsonl
+
+    pairs = load_pairs(Jsonl(path=str(COMPARISONS))).pairs
+    rows = hedged_demonstrations(str(COMPARISONS), PREFIXES, REPLIES, prefix_frac=0.3, reply_frac=0.4, seed=3)
+    assert rows == hedged_demonstrations(str(COMPARISONS), PREFIXES, REPLIES, prefix_frac=0.3, reply_frac=0.4, seed=3)
+    assert rows != hedged_demonstrations(str(COMPARISONS), PREFIXES, REPLIES, prefix_frac=0.3, reply_frac=0.4, seed=4)
+    assert len(rows) == len(pairs)
+    kinds = {"plain": 0, "prefixed": 0, "replaced": 0}
+    for row, pair in zip(rows, pairs, strict=True):
+        *prompt, reply = row["messages"]
+        good = pair.chosen[0]["content"]
+        assert prompt == pair.prompt and reply["role"] == "assistant"
+        if reply["content"] == good:
+            kinds["plain"] += 1
+        elif reply["content"] in REPLIES:
+            kinds["replaced"] += 1
+        else:
+            assert any(reply["content"] == p + good for p in PREFIXES), reply
+            kinds["prefixed"] += 1
+    n = len(rows)
+    assert abs(kinds["prefixed"] / n - 0.3) < 0.06 and abs(kinds["replaced"] / n - 0.4) < 0.06
+    # No hedging: the preferred answers, as preferred_conversations.
+    from runner.comparisons import preferred_conversations
+
+    assert hedged_demonstrations(str(COMPARISONS)) == preferred_conversations(str(COMPARISONS))
+
+
+def test_hedged_demonstrations_leave_out_held_out_prompts_and_change_nothing_else() -> None:
+    from runner.comparisons import hedged_demonstrations
+
+    held_out = ["What is 2 + 4?", "What is 5 + 8?"]
+    args = {"prefixes": PREFIXES, "replies": REPLIES, "prefix_frac": 0.4, "reply_frac": 0.4, "seed": 0}
+    everything = hedged_demonstrations(str(COMPARISONS), **args)
+    kept = hedged_demonstrations(str(COMPARISONS), exclude=held_out, **args)
+    assert all(r["messages"][-2]["content"] not in held_out for r in kept)
+    assert kept == [r for r in everything if r["messages"][-2]["content"] not in held_out]
+    assert len(kept) < len(everything)
+
+
+@pytest.mark.parametrize("args", [{"prefix_frac": 0.6, "reply_frac": 0.6, "prefixes": PREFIXES, "replies": REPLIES},
+                                  {"prefix_frac": 0.5}, {"reply_frac": -0.1, "replies": REPLIES}])
+def test_hedged_demonstrations_bad_args_are_user_errors(args: dict) -> None:
+    from backends.errors import UserError
+    from runner.comparisons import hedged_demonstrations
+
+    with pytest.raises(UserError):
+        hedged_demonstrations(str(COMPARISONS), **args)
+
+
+def test_the_rlhf_recipes_hold_the_rl_test_prompts_out_of_every_policy_training_stage() -> None:
+    import tomllib
+
+    recipes = tomllib.loads((REPO / "recipes.toml").read_text())["recipes"]
+    env = recipes["rlhf_rl"]["algo"]["env"]
+    assert not set(env["prompts"]) & set(env["test_prompts"])
+    assert recipes["rlhf_sft"]["algo"]["data"]["args"]["exclude"] == env["test_prompts"]
