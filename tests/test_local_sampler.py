@@ -293,11 +293,10 @@ def test_mixed_params_in_one_batch(rand, tok):
 
 
 def _batch_sizes(model, fn):
-    """Rows fed to each forward call while fn runs."""
+    """Rows fed to each forward while fn runs (counted at the input embeddings, which the HF path and the
+    sampler's plain-tensor path both call once per forward)."""
     sizes: list[int] = []
-    handle = model.register_forward_pre_hook(
-        lambda _m, _a, kw: sizes.append(kw["input_ids"].shape[0]), with_kwargs=True
-    )
+    handle = model.get_input_embeddings().register_forward_pre_hook(lambda _m, args: sizes.append(args[0].shape[0]))
     try:
         return fn(), sizes
     finally:
