@@ -320,12 +320,8 @@ class Sampler:
     def _fast_prefill(self, fast: _Llama, prompts: list[list[int]], cache: _FastCache) -> torch.Tensor:
         """_prefill's right-padded layout on the fast path: the next-token logits of each prompt."""
         width = _round_up(max(len(p) for p in prompts))
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        for j, prompt in enumerate(prompts):
-            ids[j, : len(prompt)] = torch.tensor(prompt)
         cache.slots.view = width
-        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
-        return fast.prefill(ids.to(self.device), last, cache)
+        return fast.prefill(prompts, width, self.pad_id, cache)
 
     def _generate(self, rows: list[_Row]) -> None:
         dev = self.device
@@ -537,34 +533,48 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
 # on q and k), rotary embedding, attention, o projection, residual, RMSNorm, act(gate) * up, down, residual.
 _LLAMA_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
-_TRANSPOSED: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
-_TRANSPOSED_LOCK = threading.Lock()
+# Weights derived once from a source weight (transposed, or packed for oneDNN), kept as long as the source
+# lives: the samplers of one base model share one copy of its frozen weights. Keyed by (id, kind); the weak
+# reference tells a live entry from one whose id was reused.
+_DERIVED: dict[tuple[int, str], tuple[weakref.ref, torch.Tensor]] = {}
+_DERIVED_LOCK = threading.Lock()
+
+# Weights of at least this many bytes use oneDNN's prepacked fp32 matmul. Streaming a large weight from
+# memory, it beats MKL's sgemm: 8 rows x 512 -> 1536: 341 us vs 501 (transposed) and 540 (F.linear's
+# layout); 32 rows: 595 vs 692. On cache-resident weights its ~15 us per call overhead loses (tiny's
+# 128 -> 384 at 8 rows: 21 us vs 5), and at 1 MiB (512 x 512) it is a draw. Measured on this project's
+# CPU box (2 cores of a Xeon, one thread); its row results are batch-invariant like sgemm's.
+_ONEDNN_MIN_BYTES = 2 << 20
+
+
+def _derived(w: torch.Tensor, kind: str, make: Any) -> torch.Tensor:
+    key = (id(w), kind)
+    with _DERIVED_LOCK:
+        hit = _DERIVED.get(key)
+        if hit is not None and hit[0]() is w:
+            return hit[1]
+        out = make()
+        _DERIVED[key] = (weakref.ref(w, lambda _ref, key=key: _forget(key)), out)
+        return out
+
+
+def _forget(key: tuple[int, str]) -> None:
+    with _DERIVED_LOCK:
+        hit = _DERIVED.get(key)
+        if hit is not None and hit[0]() is None:
+            del _DERIVED[key]
 
 
 def _transposed(w: torch.Tensor) -> torch.Tensor:
     """A Linear weight (out, in) as a contiguous (in, out) matrix, for `x @ it`. MKL's sgemm runs that layout
-    2.3x faster than F.linear's (out, in) one at 8 rows and 1.3x at 32 (measured: one thread, fp32, 512x1536;
-    the row results are as batch-invariant, see _ROW_QUANTUM). A weight already stored that way (the merged
-    snapshots of model.sampling_snapshot) is used as is; any other is copied once and the copy kept as long as
-    the weight lives, so the samplers of one base model share one copy of its frozen weights."""
+    2.3x faster than F.linear's (out, in) one at 8 rows and 1.3x at 32 on cache-resident weights (measured:
+    one thread, fp32, 512x1536), and it keeps 4-row matmuls batch-invariant where F.linear's layout does not
+    (see _Llama). A weight already stored that way (the merged snapshots of model.sampling_snapshot) is used
+    as is; any other is copied once (see _derived)."""
     w = w.detach()
     if w.t().is_contiguous():
         return w.t()
-    with _TRANSPOSED_LOCK:
-        hit = _TRANSPOSED.get(id(w))
-        if hit is not None and hit[0]() is w:
-            return hit[1]
-        wt = w.t().contiguous()
-        key = id(w)
-        _TRANSPOSED[key] = (weakref.ref(w, lambda _ref, key=key: _forget(key)), wt)
-        return wt
-
-
-def _forget(key: int) -> None:
-    with _TRANSPOSED_LOCK:
-        hit = _TRANSPOSED.get(key)
-        if hit is not None and hit[0]() is None:
-            del _TRANSPOSED[key]
+    return _derived(w, "t", lambda: w.t().contiguous())
 
 
 def _bias(linear: nn.Linear) -> torch.Tensor | None:
@@ -588,14 +598,26 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class _Linear:
-    """y = x @ wt (+ b) with wt the contiguous (in, out) matrix."""
+    """y = x @ W.T (+ b): oneDNN's prepacked matmul for large fp32 weights, else x @ wt with wt the contiguous
+    (in, out) matrix (see _ONEDNN_MIN_BYTES and _transposed)."""
 
-    __slots__ = ("b", "wt")
+    __slots__ = ("b", "packed", "wt")
 
     def __init__(self, linear: nn.Linear):
-        self.wt, self.b = _transposed(linear.weight), _bias(linear)
+        w, self.b = linear.weight.detach(), _bias(linear)
+        self.packed: torch.Tensor | None = None
+        self.wt: torch.Tensor | None = None
+        big = w.dtype == torch.float32 and w.numel() * w.element_size() >= _ONEDNN_MIN_BYTES
+        if big and torch.backends.mkldnn.is_available():
+            # The batch-size hint (8) only picks the packed layout; any row count runs (and is batch-invariant).
+            self.packed = _derived(w, "onednn", lambda: torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 8))
+        else:
+            self.wt = _transposed(w)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
+        assert self.wt is not None
         return torch.mm(x, self.wt) if self.b is None else torch.addmm(self.b, x, self.wt)
 
 
@@ -730,25 +752,50 @@ class _Llama:
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(_rms(x, self.norm, self.eps))
 
-    def prefill(self, ids: torch.Tensor, last: torch.Tensor, cache: _FastCache) -> torch.Tensor:
-        """ids (rows, width), right-padded; fills cache slots 0..width-1. The logits at column last[i] of row i."""
-        p, t = ids.shape
+    def prefill(self, prompts: list[list[int]], width: int, pad_id: int, cache: _FastCache) -> torch.Tensor:
+        """Fills cache slots 0..len-1 of row i with prompt i (slots up to `width` stay zero, never attended);
+        returns the next-token logits of each prompt. The matmuls run on the prompts' tokens packed one
+        after another (no padding: mixed-length prompts cost their own length, not the longest one's); only
+        attention works per row, on the padded (rows, heads, width, head_dim) layout. Both are
+        batch-invariant: a matmul row's result depends neither on its position nor on the other rows
+        (measured, for row counts that are multiples of _ROW_QUANTUM, which the packed count is rounded to),
+        and each prompt's attention sees its own keys at the same slots."""
+        dev, p, t = self.embed.device, len(prompts), width
+        lens = [len(q) for q in prompts]
+        n = sum(lens)
+        rows = _round_up(n, _ROW_QUANTUM)
+        ids = torch.full((rows,), pad_id, dtype=torch.long)
+        ids[:n] = torch.tensor([tok for q in prompts for tok in q])
+        pos = torch.zeros(rows, dtype=torch.long)
+        pos[:n] = torch.cat([torch.arange(k) for k in lens])
+        # Packed row -> its slot in the padded (rows * width) layout.
+        dest = torch.cat([j * t + torch.arange(k) for j, k in enumerate(lens)]).to(dev)
+        last = (torch.tensor(lens).cumsum(0) - 1).to(dev)
+        ids, pos = ids.to(dev), pos.to(dev)
         cos, sin = self._table(t)
-        cos, sin = cos[:t, None], sin[:t, None]  # broadcast over (rows, width, heads, head_dim)
-        x = self.embed_tokens(ids).view(p * t, -1)
+        cos, sin = cos[pos][:, None], sin[pos][:, None]
+        x = self.embed_tokens(ids)
         for layer, kbuf, vbuf in zip(self.layers, cache.keys, cache.values):
-            q, k, v = self._qkv(layer, _rms(x, layer.ln1, self.eps), (p, t))
-            q, k = _rope(q, cos, sin).transpose(1, 2), _rope(k, cos, sin).transpose(1, 2)
-            v = v.transpose(1, 2)
+            q, k, v = self._qkv(layer, _rms(x, layer.ln1, self.eps), (rows,))
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            padded = []
+            for a in (q, k, v):
+                buf = a.new_zeros((p * t, *a.shape[1:]))
+                buf.index_copy_(0, dest, a[:n])
+                padded.append(buf.view(p, t, *a.shape[1:]).transpose(1, 2))
+            q, k, v = padded
             kbuf[:, :, :t] = k
             vbuf[:, :, :t] = v
             a = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.scaling, enable_gqa=self.heads != self.kv_heads
             )
-            x = x + layer.o(a.transpose(1, 2).reshape(p * t, -1))
+            a = a.transpose(1, 2).reshape(p * t, -1).index_select(0, dest)
+            if rows > n:
+                a = torch.cat((a, a.new_zeros((rows - n, a.shape[1]))))
+            x = x + layer.o(a)
             x = self._mlp(layer, x)
         cache.filled = max(cache.filled, t)
-        return self._logits(x.view(p, t, -1)[torch.arange(p, device=ids.device), last])
+        return self._logits(x[last])
 
     def step(self, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: _FastCache) -> torch.Tensor:
         """One new token per row: tok and pos (rows,), written at cache slot pos of its row; mask (rows, 1, 1,
