@@ -15,14 +15,21 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import transformers
 
-from backends.local.sampler import Sampler
-from backends.local.tiny import build_config, build_tokenizer
-from backends.types import SamplingParams
+# This checkout's code, not whatever `runner` the venv has installed (an editable install of another checkout
+# would otherwise win, as the script's own folder, not the repository root, leads sys.path).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+from backends.local.sampler import Sampler  # noqa: E402
+from backends.local.tiny import build_config, build_tokenizer  # noqa: E402
+from backends.types import SamplingParams  # noqa: E402
 
 # name -> overrides of the tiny config. "tiny" is overhead-bound on CPU, "big" (~25M params) compute-bound.
 MODELS = {

@@ -547,6 +547,14 @@ _DERIVED_LOCK = threading.Lock()
 _ONEDNN_MIN_BYTES = 2 << 20
 
 
+def packs_for_onednn(w: torch.Tensor) -> bool:
+    """Whether the fast path runs this Linear weight through oneDNN (which wants it (out, in) contiguous, as
+    stored by default) rather than as a transposed matrix (see _transposed): model.sampling_snapshot writes
+    merged weights in the layout their use wants, so the sampler need not copy them again."""
+    big = w.dtype == torch.float32 and w.numel() * w.element_size() >= _ONEDNN_MIN_BYTES
+    return big and torch.backends.mkldnn.is_available()
+
+
 def _derived(w: torch.Tensor, kind: str, make: Any) -> torch.Tensor:
     key = (id(w), kind)
     with _DERIVED_LOCK:
@@ -607,8 +615,7 @@ class _Linear:
         w, self.b = linear.weight.detach(), _bias(linear)
         self.packed: torch.Tensor | None = None
         self.wt: torch.Tensor | None = None
-        big = w.dtype == torch.float32 and w.numel() * w.element_size() >= _ONEDNN_MIN_BYTES
-        if big and torch.backends.mkldnn.is_available():
+        if packs_for_onednn(w):
             # The batch-size hint (8) only picks the packed layout; any row count runs (and is batch-invariant).
             self.packed = _derived(w, "onednn", lambda: torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 8))
         else:
