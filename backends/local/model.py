@@ -253,7 +253,7 @@ def sampling_snapshot(model: HFModel, base: HFModel) -> HFModel:
         a, b = m.lora_A[ad], m.lora_B[ad]
         if type(a) is not nn.Linear or type(b) is not nn.Linear:
             return sampling_copy(model)
-        adapted[name] = (m.get_base_layer().weight, a.weight, b.weight, float(m.scaling[ad]))
+        adapted[name] = (cast(torch.Tensor, m.get_base_layer().weight), a.weight, b.weight, float(m.scaling[ad]))
     # Every weight must still be the base's own tensor (an adapted layer's through its base_layer).
     for name, p in base.named_parameters():
         module, _, attr = name.rpartition(".")

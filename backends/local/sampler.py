@@ -710,14 +710,18 @@ class _Llama:
                 raise TypeError("not plain Linear layers (an unmerged adapter?)")
             qn, kn = getattr(att, "q_norm", None), getattr(att, "k_norm", None)
             self.layers.append(_Layer(
-                layer.input_layernorm.weight.detach(),
-                *(_Linear(m) for m in linears[:3]),
-                None if qn is None else qn.weight.detach(),
-                None if kn is None else kn.weight.detach(),
-                _Linear(att.o_proj),
-                layer.post_attention_layernorm.weight.detach(),
-                *(_Linear(m) for m in linears[4:]),
-                mlp.act_fn,
+                ln1=layer.input_layernorm.weight.detach(),
+                q=_Linear(att.q_proj),
+                k=_Linear(att.k_proj),
+                v=_Linear(att.v_proj),
+                q_norm=None if qn is None else qn.weight.detach(),
+                k_norm=None if kn is None else kn.weight.detach(),
+                o=_Linear(att.o_proj),
+                ln2=layer.post_attention_layernorm.weight.detach(),
+                gate=_Linear(mlp.gate_proj),
+                up=_Linear(mlp.up_proj),
+                down=_Linear(mlp.down_proj),
+                act=mlp.act_fn,
             ))
         att = inner.layers[0].self_attn
         self.head_dim = int(att.head_dim)
