@@ -579,10 +579,10 @@ def _transposed(w: torch.Tensor) -> torch.Tensor:
     one thread, fp32, 512x1536), and it keeps 4-row matmuls batch-invariant where F.linear's layout does not
     (see _Llama). A weight already stored that way (the merged snapshots of model.sampling_snapshot) is used
     as is; any other is copied once (see _derived)."""
-    w = w.detach()
-    if w.t().is_contiguous():
-        return w.t()
-    return _derived(w, "t", lambda: w.t().contiguous())
+    d = w.detach()
+    if d.t().is_contiguous():
+        return d.t()
+    return _derived(w, "t", lambda: d.t().contiguous())
 
 
 def _bias(linear: nn.Linear) -> torch.Tensor | None:
@@ -612,12 +612,14 @@ class _Linear:
     __slots__ = ("b", "packed", "wt")
 
     def __init__(self, linear: nn.Linear):
-        w, self.b = linear.weight.detach(), _bias(linear)
+        # Cached under the parameter itself (a .detach() is a new object each time, and would never hit).
+        w, self.b = linear.weight, _bias(linear)
         self.packed: torch.Tensor | None = None
         self.wt: torch.Tensor | None = None
         if packs_for_onednn(w):
             # The batch-size hint (8) only picks the packed layout; any row count runs (and is batch-invariant).
-            self.packed = _derived(w, "onednn", lambda: torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 8))
+            d = w.detach()
+            self.packed = _derived(w, "onednn", lambda: torch.ops.mkldnn._reorder_linear_weight(d.contiguous(), 8))
         else:
             self.wt = _transposed(w)
 
