@@ -9,6 +9,12 @@ Speed comes from doing less per step than `model.generate`: the cache is preallo
 place (no torch.cat per layer per step), the decode-step attention mask is a slice of a prebuilt
 buffer (HF passes 4-D masks through untouched), top-k/top-p touch only the rows that ask for them,
 and a sampling step is one cumsum + searchsorted over the batch.
+
+Llama, Mistral, Qwen2 and Qwen3 decoders on the CPU take a faster path (_Llama, at the end of this file): the
+same layers on plain tensors instead of HF's modules, with their matmul weights in the layouts MKL and oneDNN
+run fastest, prompt tokens packed without padding for the prefill, and no per-step module or cache
+machinery. Every other model (or attention variant) decodes through HF's modules, as the rest of this file
+does. bench/bench_sampling.py measures both against `model.generate`; the ratios are in bench/README.md.
 """
 
 from __future__ import annotations
@@ -537,7 +543,9 @@ _LLAMA_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # lives: the samplers of one base model share one copy of its frozen weights. Keyed by (id, kind); the weak
 # reference tells a live entry from one whose id was reused.
 _DERIVED: dict[tuple[int, str], tuple[weakref.ref, torch.Tensor]] = {}
-_DERIVED_LOCK = threading.Lock()
+# Reentrant: a garbage collection while the lock is held may run a weak reference's callback (_forget) on
+# the same thread.
+_DERIVED_LOCK = threading.RLock()
 
 # Weights of at least this many bytes use oneDNN's prepacked fp32 matmul. Streaming a large weight from
 # memory, it beats MKL's sgemm: 8 rows x 512 -> 1536: 341 us vs 501 (transposed) and 540 (F.linear's
