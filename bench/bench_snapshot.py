@@ -1,12 +1,13 @@
 """Cost of a sampler snapshot (`save_weights_and_get_sampling_client` on the local backend): the LoRA model's
 weights merged into a model the Sampler can decode with, plus the Sampler's own setup.
 
-    before: model.sampling_copy      deep copy of the peft model, then peft's merge_and_unload
-    after:  model.sampling_snapshot  a module tree over the base's tensors, merged tensors only for the
-                                     adapted layers (W + s B A, one addmm each)
-
-Both are followed by `Sampler(...)` (what LocalSamplingClient does), which on the fast path derives its
-matmul weights (backends/local/sampler.py, _Linear). Same random-weight models as bench_sampling.py, LoRA
+    before:      model.sampling_copy      deep copy of the peft model, then peft's merge_and_unload (the
+                                          Sampler then cost nothing: it only read the config)
+    copy+fast:   sampling_copy, then Sampler(...), which on the fast path derives its matmul weights
+                 (backends/local/sampler.py, _Linear): what the old snapshot would cost today
+    after:       model.sampling_snapshot  a module tree over the base's tensors, merged tensors only for
+                                          the adapted layers (W + s B A, one addmm each, in the layout the
+                                          sampler wants), then Sampler(...) Same random-weight models as bench_sampling.py, LoRA
 rank 16, alpha 32 on every attention and MLP Linear layer and on the tied lm_head (the local backend's
 defaults for train_unembed=True), lora_B randomised so the merge is not a no-op. Interleaved rounds, medians,
 CPU clock; the script checks both snapshots give the same logits.
@@ -43,7 +44,8 @@ def main() -> None:
     clock = time.process_time
     cpu = torch.device("cpu")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, LoRA rank {args.rank}, median of {args.runs}")
-    print(f"{'model':6} {'before ms':>10} {'after ms':>9} {'ratio':>6} {'max |logit diff|':>17}")
+    print(f"{'model':6} {'before ms':>10} {'copy+fast ms':>13} {'after ms':>9} {'before/after':>13} "
+          f"{'max |logit diff|':>17}")
     for name in args.models.split(","):
         base, tok = make_model(name, cpu, torch.float32)
         base.requires_grad_(False)
@@ -56,6 +58,9 @@ def main() -> None:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
 
         def before():
+            return M.sampling_copy(trained)
+
+        def copy_fast():
             return Sampler(M.sampling_copy(trained), tok, cpu)
 
         def after():
@@ -63,8 +68,8 @@ def main() -> None:
 
         ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(2))
         with torch.inference_mode():
-            diff = (before().model(ids).logits - after().model(ids).logits).abs().max().item()
-        fns = [before, after]
+            diff = (before()(ids).logits - after().model(ids).logits).abs().max().item()
+        fns = [before, copy_fast, after]
         times: list[list[float]] = [[] for _ in fns]
         for fn in fns:
             fn()  # warm-up (and the base's derived weights, made once per base)
@@ -73,8 +78,8 @@ def main() -> None:
                 t0 = clock()
                 fn()
                 times[i].append(clock() - t0)
-        b, a = (statistics.median(t) * 1e3 for t in times)
-        print(f"{name:6} {b:10.1f} {a:9.1f} {b / a:6.1f} {diff:17.2e}", flush=True)
+        b, c, a = (statistics.median(t) * 1e3 for t in times)
+        print(f"{name:6} {b:10.1f} {c:13.1f} {a:9.1f} {b / a:13.1f} {diff:17.2e}", flush=True)
 
 
 if __name__ == "__main__":
