@@ -28,9 +28,9 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-from backends.local.sampler import Sampler  # noqa: E402
-from backends.local.tiny import build_config, build_tokenizer  # noqa: E402
-from backends.types import SamplingParams  # noqa: E402
+from backends.local.sampler import Sampler
+from backends.local.tiny import build_config, build_tokenizer
+from backends.types import SamplingParams
 
 # name -> overrides of the tiny config. "tiny" is overhead-bound on CPU, "big" (~25M params) compute-bound.
 MODELS = {

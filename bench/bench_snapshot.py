@@ -30,9 +30,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-from backends.local import model as M  # noqa: E402
-from backends.local.sampler import Sampler  # noqa: E402
-from bench.bench_sampling import make_model  # noqa: E402
+from backends.local import model as M
+from backends.local.sampler import Sampler
+from bench.bench_sampling import make_model
 
 
 def main() -> None:
@@ -57,13 +57,13 @@ def main() -> None:
                 if "lora_B" in n:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
 
-        def before():
+        def before(trained=trained):
             return M.sampling_copy(trained)
 
-        def copy_fast():
+        def copy_fast(trained=trained, tok=tok):
             return Sampler(M.sampling_copy(trained), tok, cpu)
 
-        def after():
+        def after(trained=trained, base=base, tok=tok):
             return Sampler(M.sampling_snapshot(trained, base), tok, cpu)
 
         ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(2))

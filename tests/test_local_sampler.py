@@ -234,11 +234,11 @@ def test_other_attention_paths_agree(rand, tok, attn):
 
 
 def _family_model(kind: str, **extra):
-    common = dict(
-        vocab_size=259, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.2,
-        pad_token_id=256, eos_token_id=258, tie_word_embeddings=kind != "llama",
-    )
+    common = {
+        "vocab_size": 259, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+        "initializer_range": 0.2, "pad_token_id": 256, "eos_token_id": 258, "tie_word_embeddings": kind != "llama",
+    }
     llama3_rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
     cfg = {

@@ -674,7 +674,8 @@ class _FastCache:
 
 class _Llama:
     """The forward of a Llama-family decoder (`_LLAMA_TYPES`) on plain tensors, for decoding: what HF's
-    modules compute, in fewer and cheaper operations. Linear weights are used transposed (see _transposed),
+    modules compute, in fewer and cheaper operations. Linear weights are used in the layouts that multiply
+    fastest (see _Linear),
     the rotary tables are computed once by the model's own rotary module (so every rope_type whose table
     does not depend on the sequence length works), the KV cache is written in place, and only the rows
     whose logits are needed reach the final norm and the unembedding. `of` returns None for any model it
@@ -738,7 +739,6 @@ class _Llama:
         self.heads = int(cfg.num_attention_heads)
         self.kv_heads = int(cfg.num_key_value_heads or cfg.num_attention_heads)
         self.scaling = float(att.scaling)
-        self.dtype = self.embed.dtype
         self.cos = self.sin = self.embed.new_zeros((0, self.head_dim))
 
     def _table(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
