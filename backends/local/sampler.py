@@ -632,6 +632,8 @@ class _Linear:
             self.wt = _transposed(w)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # torch.ops.mkldnn's linear ops are the ones inductor's CPU weight prepacking emits; were they ever
+        # missing, _Linear's constructor raises AttributeError and _Llama.of falls back to HF's modules.
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
         assert self.wt is not None
