@@ -633,7 +633,7 @@ class _Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # torch.ops.mkldnn's linear ops are the ones inductor's CPU weight prepacking emits; were they ever
-        # missing, _Linear's constructor raises AttributeError and _Llama.of falls back to HF's modules.
+        # missing (or failing), _Linear's constructor raises and _Llama.of falls back to HF's modules.
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
         assert self.wt is not None
@@ -690,7 +690,7 @@ class _Llama:
             return None
         try:
             return cls(model, cfg)
-        except (AttributeError, TypeError, ValueError):
+        except (AttributeError, TypeError, ValueError, RuntimeError):  # RuntimeError: oneDNN refused a weight
             return None
 
     def __init__(self, model: Any, cfg: Any):
