@@ -4,7 +4,8 @@ Same random-weight model, same prompts (mixed lengths, so left padding is exerci
 temperature 1 with no top-k/top-p, exactly the budgeted tokens per row (stop=[] for the Sampler,
 min_new_tokens for generate). Median of `--runs` interleaved timed runs after one warm-up each.
 Batch shapes: B distinct prompts; PxG (P prompts, G samples each: num_return_sequences for generate);
-Bragged (per-row budgets from new/8 to new, counted as delivered tokens for both).
+Bragged (per-row budgets from new/8 to new, counted as delivered tokens for both). --modules adds the
+Sampler with its Llama-family fast path off (HF's modules decode, as for any other architecture).
 
     OMP_NUM_THREADS=1 python bench/bench_sampling.py                 # tiny + 512x8, batch 8 and 32
     python bench/bench_sampling.py --models big --batches 32 --device cuda --dtype bfloat16
@@ -15,10 +16,17 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import transformers
+
+# This checkout's code, not whatever `runner` the venv has installed (an editable install of another checkout
+# would otherwise win, as the script's own folder, not the repository root, leads sys.path).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 
 from backends.local.sampler import Sampler
 from backends.local.tiny import build_config, build_tokenizer
@@ -115,6 +123,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     # Also time each batch with per-row budgets (the Sampler drops rows as they finish; generate cannot).
     ap.add_argument("--ragged", action=argparse.BooleanOptionalAction, default=True)
+    # Also time the Sampler with its Llama-family fast path off (HF's modules decode: its path for other models).
+    ap.add_argument("--modules", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--device", default="cpu")
@@ -131,10 +141,13 @@ def main() -> None:
         f"torch {torch.__version__}, transformers {transformers.__version__}, device {device}, {args.dtype}, "
         f"threads {torch.get_num_threads()}, {args.new} new tokens/row, median of {args.runs}, {clock_name} clock"
     )
-    print(f"{'model':6} {'batch':>9} {'sampler tok/s':>14} {'generate tok/s':>15} {'ratio':>6}")
+    extra = f" {'modules tok/s':>14} {'ratio':>6}" if args.modules else ""
+    print(f"{'model':6} {'batch':>9} {'sampler tok/s':>14} {'generate tok/s':>15} {'ratio':>6}{extra}")
     for name in args.models.split(","):
         model, tok = make_model(name, device, dtype)
         sampler = Sampler(model, tok, device, seed=0)
+        plain = Sampler(model, tok, device, seed=0)
+        plain.fast = None
         batches = [int(b) for b in args.batches.split(",")]
         # (label, rows, samples per prompt, ragged budgets)
         shapes = [(str(b), b, 1, False) for b in batches]
@@ -147,10 +160,18 @@ def main() -> None:
             budgets = budgets if ragged else [args.new] * len(prompts)
             ours = functools.partial(run_sampler, sampler, prompts, budgets, group)
             hf = functools.partial(run_generate, model, prompts, budgets, group, tok.pad_token_id)
-            (t_ours, n_ours), (t_hf, n_hf) = measure([ours, hf], args.runs, sync, clock)
+            fns = [ours, hf]
+            if args.modules:
+                fns.append(functools.partial(run_sampler, plain, prompts, budgets, group))
+            results = measure(fns, args.runs, sync, clock)
+            (t_ours, n_ours), (t_hf, n_hf) = results[:2]
             assert n_ours == n_hf == sum(budgets) * group, (n_ours, n_hf)
             r_ours, r_hf = n_ours / t_ours, n_hf / t_hf
-            print(f"{name:6} {label:>9} {r_ours:14.0f} {r_hf:15.0f} {r_ours / r_hf:6.2f}", flush=True)
+            line = f"{name:6} {label:>9} {r_ours:14.0f} {r_hf:15.0f} {r_ours / r_hf:6.2f}"
+            if args.modules:
+                r_mod = results[2][1] / results[2][0]
+                line += f" {r_mod:14.0f} {r_mod / r_hf:6.2f}"
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -213,19 +213,78 @@ def test_left_padding_changes_nothing(rand, tok):
     assert padded.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
 
 
-@pytest.mark.parametrize("attn", ["eager", "2d-mask"])
+@pytest.mark.parametrize("attn", ["eager", "hf-sdpa", "hf-eager", "2d-mask"])
 def test_other_attention_paths_agree(rand, tok, attn):
-    """The 4-D additive mask (eager attention) and the generic 2-D mask path give the sdpa result."""
+    """The sampler's plain-tensor path (the reference here) agrees with HF's modules decoding: under sdpa and
+    eager attention (hf-*: the per-row cache slots, eager with its 4-D additive mask) and through the generic
+    2-D mask path."""
     requests = [(tok.encode("left padded"), 1, _greedy(12, stop=[])), (tok.encode("x"), 1, _greedy(12, stop=[]))]
     ref = Sampler(rand, tok, CPU).sample_batch(requests)
-    if attn == "eager":
+    if attn.endswith("eager"):
         sampler = Sampler(_model(tok, attn="eager"), tok, CPU)
     else:
         sampler = Sampler(rand, tok, CPU)
+    if attn.startswith("hf-"):
+        sampler.fast = None
+    elif attn == "2d-mask":
         sampler.attn_impl = "generic"  # as for flash-attention or sliding-window models
     for a, b in zip(ref, sampler.sample_batch(requests)):
         assert a.sequences[0].tokens == b.sequences[0].tokens
         assert a.sequences[0].logprobs == pytest.approx(b.sequences[0].logprobs, abs=1e-5)
+
+
+def _family_model(kind: str, **extra):
+    common = {
+        "vocab_size": 259, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+        "initializer_range": 0.2, "pad_token_id": 256, "eos_token_id": 258, "tie_word_embeddings": kind != "llama",
+    }
+    llama3_rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    cfg = {
+        # Biases everywhere and a rope_type with its own frequency table.
+        "llama": lambda: transformers.LlamaConfig(**common, attention_bias=True, mlp_bias=True,
+                                                  rope_parameters=llama3_rope, **extra),
+        "qwen2": lambda: transformers.Qwen2Config(**common, **extra),  # q/k/v biases
+        "mistral": lambda: transformers.MistralConfig(**common, **{"sliding_window": None, **extra}),
+        "qwen3": lambda: transformers.Qwen3Config(**common, **extra),  # q/k norms
+    }[kind]()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "qwen3"])
+def test_fast_path_of_each_family_matches_hf(tok, kind, one_thread):
+    """The plain-tensor path (sampler._Llama) of every family it takes gives HF's greedy tokens, with
+    logprobs within 1e-5 of a plain HF forward of the whole sequence and of HF's modules decoding."""
+    model = _family_model(kind)
+    sampler = Sampler(model, tok, CPU)
+    assert sampler.fast is not None
+    requests = [(tok.encode("a longer prompt, thirty-odd bytes"), 1, _greedy(20, stop=[])),
+                (tok.encode("short"), 2, _greedy(20, stop=[]))]
+    fast = sampler.sample_batch(requests)
+    sampler.fast = None
+    hf = sampler.sample_batch(requests)
+    for (prompt, _, _), a, b in zip(requests, fast, hf):
+        for s, h in zip(a.sequences, b.sequences):
+            assert s.tokens == h.tokens
+            assert s.logprobs == pytest.approx(h.logprobs, abs=1e-5)
+            lp = _logits(model, prompt + s.tokens).log_softmax(-1)
+            ref = [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(s.tokens)]
+            assert s.logprobs == pytest.approx(ref, abs=1e-5)
+
+
+def test_fast_path_declines_what_it_does_not_know(tok):
+    """Sliding-window attention (and any non-Llama-family model) decodes through HF's modules."""
+    sampler = Sampler(_family_model("mistral", sliding_window=8), tok, CPU)
+    assert sampler.fast is None
+    (s,) = _one(sampler, tok.encode("a prompt longer than the window"), _greedy(12, stop=[]))
+    assert len(s.tokens) == 12
 
 
 # ---------------------------------------------------------------- seeds and mixed batches
@@ -293,11 +352,10 @@ def test_mixed_params_in_one_batch(rand, tok):
 
 
 def _batch_sizes(model, fn):
-    """Rows fed to each forward call while fn runs."""
+    """Rows fed to each forward while fn runs (counted at the input embeddings, which the HF path and the
+    sampler's plain-tensor path both call once per forward)."""
     sizes: list[int] = []
-    handle = model.register_forward_pre_hook(
-        lambda _m, _a, kw: sizes.append(kw["input_ids"].shape[0]), with_kwargs=True
-    )
+    handle = model.get_input_embeddings().register_forward_pre_hook(lambda _m, args: sizes.append(args[0].shape[0]))
     try:
         return fn(), sizes
     finally:
@@ -320,12 +378,12 @@ def test_finished_rows_leave_the_batch(rand, tok, one_thread):
     requests = [([i + 1, 2, 3], 1, _greedy(2 if i < 6 else 12, stop=[])) for i in range(8)]
     outs, sizes = _batch_sizes(rand, lambda: sampler.sample_batch(requests))
     assert [len(o.sequences[0].tokens) for o in outs] == [2] * 6 + [12] * 2
-    # Prefill, step 2, then the two long rows and two finished ones: no forward has fewer than 4 rows
-    # (batch invariance, see sampler._MIN_ROWS).
-    assert sizes == [8, 8] + [4] * 10
+    # Prefill (the 8 prompts' 3 tokens each, packed into one matrix), step 2, then the two long rows and two
+    # finished ones: no forward has fewer than 4 rows (batch invariance, see sampler._ROW_QUANTUM).
+    assert sizes == [8 * 3, 8] + [4] * 10
     # Samples of one prompt share a single prefill row (padded to 4 rows).
     outs, sizes = _batch_sizes(rand, lambda: sampler.sample_batch([([5, 6, 7], 6, _greedy(4, stop=[]))]))
-    assert sizes[0] == 4 and sizes[1:] == [8] * 3  # 6 rows and 2 fillers
+    assert sizes[0] == 4 * 3 and sizes[1:] == [8] * 3  # 6 rows and 2 fillers
     assert all(s == outs[0].sequences[0] for s in outs[0].sequences)
     (alone,) = _one(sampler, [5, 6, 7], _greedy(4, stop=[]))
     assert outs[0].sequences[0].tokens == alone.tokens
@@ -338,7 +396,8 @@ def test_rows_over_the_cache_budget_run_in_turn(rand, tok, one_thread):
     sampler = Sampler(rand, tok, CPU)
     sampler.cache_budget = 1  # one row per decode batch
     split, sizes = _batch_sizes(rand, lambda: sampler.sample_batch(requests))
-    assert set(sizes) == {4} and len(sizes) == 10 * 6  # one real row and three fillers per batch
+    # Per batch, one real row and three fillers: a prefill of 4 x 7 packed prompt tokens, then 5 steps of 4 rows.
+    assert sizes == ([4 * 7] + [4] * 5) * 10
     assert [s.tokens for o in split for s in o.sequences] == [s.tokens for o in whole for s in o.sequences]
     assert [s.logprobs for o in split for s in o.sequences] == [s.logprobs for o in whole for s in o.sequences]
 

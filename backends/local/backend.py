@@ -243,7 +243,7 @@ class LocalBackend:
             setup = M.setup_from_meta(meta)
             trained = M.make_trainable(self.base(), setup, 0)
             M.load_weights(path, trained)
-            return self.sampling_client(M.sampling_copy(trained), path.name)
+            return self.sampling_client(M.sampling_snapshot(trained, self.base()), path.name)
         if (path / "adapter_config.json").is_file():
             trained = M.load_adapter(self.base(), path)
             return self.sampling_client(M.sampling_copy(trained, private=True), path.name)
@@ -443,7 +443,8 @@ class LocalTrainingClient:
         return OptimStepOutput({"grad_norm:mean": norm, "lr:mean": p.learning_rate})
 
     def _snapshot(self) -> LocalSamplingClient:
-        return self._backend.sampling_client(M.sampling_copy(self.model), f"{self.name}-step{self.step}")
+        snap = M.sampling_snapshot(self.model, self._backend.base())
+        return self._backend.sampling_client(snap, f"{self.name}-step{self.step}")
 
     def _save_state(self, name: str) -> str:
         path = self._backend.new_checkpoint_dir("weights", name)

@@ -219,6 +219,69 @@ def sampling_copy(model: HFModel, private: bool = False) -> HFModel:
     return snap
 
 
+def sampling_snapshot(model: HFModel, base: HFModel) -> HFModel:
+    """sampling_copy of a LoRA model that make_trainable built on `base`, without copying the model: a new
+    module tree over base's frozen tensors (shared_copy), in which each adapted Linear layer gets its merged
+    weight W + scale * B @ A as a new tensor. Nothing is deep-copied and peft's merge_and_unload (which
+    needs a private copy to merge into) is not run; untouched weights stay shared with the frozen base,
+    which nothing writes. One addmm makes each merged tensor, in the layout the sampler's fast path wants
+    for it (sampler.packs_for_onednn): as stored by default for the large weights it packs for oneDNN, else
+    transposed (a contiguous (in, out) matrix, the parameter being its .t() view; sampler._transposed), so
+    it needs no further transposing copy. A tied lm_head with an adapter gets
+    its own merged tensor; the input embeddings stay the base's. Anything this does not recognise exactly
+    (not a peft LoRA model, DoRA, fan_in_fan_out, several adapters, weights that are no longer the base's)
+    takes sampling_copy."""
+    import peft
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    from backends.local.sampler import packs_for_onednn
+
+    if not isinstance(model, peft.PeftModel):
+        return sampling_copy(model)
+    inner: HFModel = model.get_base_model()
+    adapted: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]] = {}
+    for name, m in inner.named_modules():
+        if not isinstance(m, LoraLayer):
+            continue
+        names = list(m.active_adapters)
+        if type(m) is not LoraLinear or len(names) != 1 or m.merged or m.fan_in_fan_out:
+            return sampling_copy(model)
+        ad = names[0]
+        if m.use_dora.get(ad) or getattr(m, "lora_bias", {}).get(ad):
+            return sampling_copy(model)
+        a, b = m.lora_A[ad], m.lora_B[ad]
+        if type(a) is not nn.Linear or type(b) is not nn.Linear:
+            return sampling_copy(model)
+        adapted[name] = (cast(torch.Tensor, m.get_base_layer().weight), a.weight, b.weight, float(m.scaling[ad]))
+    # Every weight must still be the base's own tensor (an adapted layer's through its base_layer).
+    for name, p in base.named_parameters():
+        module, _, attr = name.rpartition(".")
+        if module in adapted:
+            ok = attr == "weight" and adapted[module][0] is p
+        else:
+            try:
+                ok = inner.get_parameter(name) is p
+            except AttributeError:
+                ok = False
+        if not ok:
+            return sampling_copy(model)
+    snap: HFModel = shared_copy(base)
+    out_emb = snap.get_output_embeddings()
+    with torch.no_grad():
+        for name, (w, a, b, scale) in adapted.items():
+            module = snap.get_submodule(name)
+            if module is out_emb:
+                snap.config.tie_word_embeddings = False  # lm_head gets its own tensor below
+            if packs_for_onednn(w):
+                merged = torch.addmm(w, b, a, alpha=scale)
+            else:  # (W + s B A)^T = W^T + s A^T B^T, written straight into the transposed layout
+                merged = torch.addmm(w.t(), a.t(), b.t(), alpha=scale).t()
+            module.weight = nn.Parameter(merged, requires_grad=False)
+    snap.eval()
+    return snap
+
+
 # ---------------------------------------------------------------- checkpoint folders
 
 STATE_FILE, WEIGHTS_FILE, OPTIMIZER_FILE = "state.json", "weights.safetensors", "optimizer.pt"
