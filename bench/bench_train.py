@@ -6,8 +6,10 @@ template, truncated to --max-length), fp32 on the CPU. A step is forward + backw
 its tokens are the batch's input tokens (sum of len(model_input)). Contenders:
 
   ours          LocalBackend: forward_backward(cross_entropy) + optim_step futures, awaited every step
-  ours-1chunk   the same with batching.PAD_FILL = 0: the whole batch in one padded chunk (skipped when
-                backends.local.batching has no PAD_FILL)
+                (padding-free packed training, backends/local/packed.py: conversations that share a
+                prefix of >= 16 tokens, here the system prompt, compute it once)
+  ours-noshare  the same with prefix sharing off (packed.MIN_SHARED huge): every token of every row computed
+  ours-padded   the same with backend.packed = false: padded chunks (batching.PAD_FILL), ours before packing
   plain         the obvious loop: right-pad, model(ids, attention_mask).logits, weighted cross entropy,
                 backward, AdamW step, zero_grad (ratio "vs plain")
   plain-nomask  the same without attention_mask (right padding cannot change a causal LM's real positions)
@@ -132,8 +134,8 @@ def lora_config(targets: tuple[str, ...]):
 # ---------------------------------------------------------------- contenders: each returns a step function
 
 
-def make_ours(model_dir: Path, storage: Path) -> tuple[Step, LocalBackend, object]:
-    cfg = Local(device="cpu", dtype="float32", lora_alpha=ALPHA)
+def make_ours(model_dir: Path, storage: Path, packed: bool = True) -> tuple[Step, LocalBackend, object]:
+    cfg = Local(device="cpu", dtype="float32", lora_alpha=ALPHA, packed=packed)
     backend = LocalBackend(cfg, str(model_dir), None, storage, seed=0)
     spec = LoraSpec(base_model=str(model_dir), rank=RANK, seed=0, train_unembed=False)
     client = backend.create_training_client(spec).result()
@@ -148,15 +150,16 @@ def make_ours(model_dir: Path, storage: Path) -> tuple[Step, LocalBackend, objec
     return step, backend, client
 
 
-def one_chunk(step: Step) -> Step:
-    """`step` with the CPU fill rule off: the whole batch goes through as one padded chunk."""
+def no_share(step: Step) -> Step:
+    """`step` with packed training's prefix sharing off (the step's jobs run while it waits for them)."""
+    from backends.local import packed
 
     def run(batch: list[Datum]) -> float:
-        fill, batching.PAD_FILL = batching.PAD_FILL, 0.0
+        keep, packed.MIN_SHARED = packed.MIN_SHARED, 1 << 30
         try:
             return step(batch)
         finally:
-            batching.PAD_FILL = fill
+            packed.MIN_SHARED = keep
 
     return run
 
@@ -514,6 +517,13 @@ def bench_model(name: str, args, clock: Callable[[], float], tmp: Path) -> None:
           + f"; peak {peak:.1f}; model FLOPs/token 4*N_base + 6*N_LoRA = {flops_per_token / 1e6:.2f}M")
 
     ours, backend, client = make_ours(model_dir, tmp / f"{name}-storage")
+    ours_padded, backend_padded, _ = make_ours(model_dir, tmp / f"{name}-storage-padded", packed=False)
+    ours_noshare, backend_noshare, _ = make_ours(model_dir, tmp / f"{name}-storage-noshare")
+    ours_noshare = no_share(ours_noshare)
+    from backends.local.packed import plan
+
+    computed = sum(len(layout.tokens) for b in batches for layout in plan(b, 1 << 30))
+    print(f"ours computes {computed} of the {tokens} input tokens per round (shared prefixes once)")
     plain, plain_nomask = make_plain(model_dir, targets, True), make_plain(model_dir, targets, False)
     packed = make_packed(model_dir, targets)
     bucketed, per_forward = make_bucketed(model_dir, targets, args.per_forward, clock)
@@ -521,7 +531,8 @@ def bench_model(name: str, args, clock: Callable[[], float], tmp: Path) -> None:
           f"{' (measured)' if args.per_forward is None else ''}")
     print(f"batch 0: {describe_plan(batches[0], per_forward)}")
     # Before any update the LoRA delta is 0, so every contender sees the base model: the same loss.
-    first = {"ours": ours(batches[0]), "plain": plain(batches[0]), "plain-nomask": plain_nomask(batches[0]),
+    first = {"ours": ours(batches[0]), "ours-noshare": ours_noshare(batches[0]),
+             "ours-padded": ours_padded(batches[0]), "plain": plain(batches[0]), "plain-nomask": plain_nomask(batches[0]),
              "packed": packed(batches[0]), "bucketed": bucketed(batches[0])}
 
     def loop(step: Step) -> Callable[[], float]:
@@ -532,11 +543,8 @@ def bench_model(name: str, args, clock: Callable[[], float], tmp: Path) -> None:
             return clock() - t0
         return run
 
-    contenders: dict[str, Callable[[], float]] = {"ours": loop(ours)}
-    if getattr(batching, "PAD_FILL", None) is not None:
-        contenders["ours-1chunk"] = loop(one_chunk(ours))
-    else:
-        print("ours-1chunk skipped: backends.local.batching has no PAD_FILL")
+    contenders: dict[str, Callable[[], float]] = {"ours": loop(ours), "ours-noshare": loop(ours_noshare),
+                                                  "ours-padded": loop(ours_padded)}
     contenders.update({"plain": loop(plain), "plain-nomask": loop(plain_nomask), "packed": loop(packed),
                        "bucketed": loop(bucketed)})
     if args.trl:
@@ -583,6 +591,8 @@ def bench_model(name: str, args, clock: Callable[[], float], tmp: Path) -> None:
             for k, v in prof.items():
                 print(f"    {k:18} {v * 1000:8.2f}")
     backend.close()
+    backend_padded.close()
+    backend_noshare.close()
 
 
 def main() -> None:
