@@ -17,13 +17,12 @@ because torch.set_num_threads also changes the count that threads starting later
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -68,51 +67,13 @@ def _pin_threads(n: int) -> Callable[[], None]:
 
     def pin() -> None:
         torch.get_num_threads()  # torch's lazy per-thread init runs now, so it cannot undo the next line later
-        if torch.get_num_threads() != n:
-            torch.set_num_threads(n)
+        # Always, even when the count is already n: torch.set_num_threads also switches MKL's dynamic thread
+        # choice off for the whole process, and MKL then splits some matmuls (sums over a batch's tokens, as in
+        # a LoRA weight gradient) differently. Called only by the samplers, that switch happened whenever the
+        # first sampler thread started, and training results depended on it (tests/test_local_backend.py).
+        torch.set_num_threads(n)
 
     return pin
-
-
-class CoreShare:
-    """The CPU's intra-op threads, shared between training and sampling workers. A sampling worker decodes on
-    one thread (SAMPLER_CPU_THREADS); a training job started while one is decoding takes the cores less one
-    per such sampler, so the two do not fight over the same cores. Otherwise training takes them all, as in
-    sync RL (whose sampling is over before its training starts: a grace period after a sampler's batch,
-    meant to bridge the pauses between multi-turn rollouts' turns, caught sync training too and cost it 20%)
-    and SFT.
-
-    Measured on 2 cores (bench/bench_loop.py --part speed, async K=1 vs sync): twenty_questions with 3 turns,
-    where sampling and training take about as long, went from 1.34x to 1.4x; rl_basic, where training
-    dominates, is unchanged (its samples are decoded before the next training job starts). Training results
-    do not depend on the thread count here (tests/test_local_backend.py checks it), so sync runs stay exact.
-    """
-
-    def __init__(self, total: int):
-        self.total = total
-        self._lock = threading.Lock()
-        self._busy = 0
-
-    @contextlib.contextmanager
-    def sampling(self) -> Iterator[None]:
-        """Around a sampling worker's batch: it counts as decoding meanwhile."""
-        with self._lock:
-            self._busy += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._busy -= 1
-
-    def train_threads(self) -> int:
-        with self._lock:
-            return max(1, self.total - self._busy)
-
-    def fit(self) -> None:
-        """Sets the calling training thread's intra-op thread count to train_threads()."""
-        n = self.train_threads()
-        if torch.get_num_threads() != n:
-            torch.set_num_threads(n)
 
 
 class LocalBackend:
@@ -132,8 +93,11 @@ class LocalBackend:
             _default_threads.append(torch.get_num_threads())
         self.train_threads = _pin_threads(_default_threads[0])
         self.sample_threads = _pin_threads(SAMPLER_CPU_THREADS) if self.device.type == "cpu" else self.train_threads
-        # On the CPU, training jobs leave a core to each sampler that is decoding; on CUDA nothing is shared.
-        self.cores: CoreShare | None = CoreShare(_default_threads[0]) if self.device.type == "cpu" else None
+        # Training keeps its thread count whatever the samplers do: on this project's Xeon (MKL), a LoRA
+        # weight gradient (a matmul that sums over the batch's tokens) gives other bits on 1 thread than on 2,
+        # so the CoreShare of before (training took a thread fewer while a sampler decoded) made RL runs of one
+        # seed differ from each other once sampling and training overlapped by chance (rl_basic: three runs,
+        # three final test rewards). With a fixed count they repeat exactly (tests/test_local_backend.py).
         self._tokenizer: Any = None
         self._base: torch.nn.Module | None = None
         self._lock = threading.Lock()
@@ -255,7 +219,7 @@ class LocalBackend:
         # Unseeded samples draw from a generator seeded per client, so a rerun repeats them too.
         seed = self.seed * 1000 + next(self._sampler_ids)
         client = LocalSamplingClient(
-            model, self.get_tokenizer(), self.device, name, seed, self.sample_threads, self.cores
+            model, self.get_tokenizer(), self.device, name, seed, self.sample_threads
         )
         self._workers.add(client._worker)
         return client
@@ -299,37 +263,25 @@ class LocalTrainingClient:
     def _submit(self, what: str, fn: Callable[[], Any]) -> Future[Any]:
         return self._worker.submit(f"{what} #{next(self._counter)}", fn)
 
-    def _compute(self, fn: Callable[[], Any]) -> Callable[[], Any]:
-        """fn as a job that first takes its share of the CPU's threads (CoreShare)."""
-        cores = self._backend.cores
-        if cores is None:
-            return fn
-
-        def job() -> Any:
-            cores.fit()
-            return fn()
-
-        return job
-
     # ---------------------------------------------------------------- protocol
 
     def forward(
         self, data: list[Datum], loss_fn: LossFn, loss_config: dict[str, float] | None = None
     ) -> Future[ForwardBackwardOutput]:
         data = list(data)
-        return self._submit("forward", self._compute(lambda: self._run_loss(data, loss_fn, loss_config, backward=False)))
+        return self._submit("forward", lambda: self._run_loss(data, loss_fn, loss_config, backward=False))
 
     def forward_backward(
         self, data: list[Datum], loss_fn: LossFn, loss_config: dict[str, float] | None = None
     ) -> Future[ForwardBackwardOutput]:
         data = list(data)
         return self._submit(
-            "forward_backward", self._compute(lambda: self._run_loss(data, loss_fn, loss_config, backward=True))
+            "forward_backward", lambda: self._run_loss(data, loss_fn, loss_config, backward=True)
         )
 
     def forward_backward_custom(self, data: list[Datum], loss_fn: CustomLossFn) -> Future[ForwardBackwardOutput]:
         data = list(data)
-        return self._submit("forward_backward_custom", self._compute(lambda: self._run_custom(data, loss_fn)))
+        return self._submit("forward_backward_custom", lambda: self._run_custom(data, loss_fn))
 
     def optim_step(self, params: AdamParams) -> Future[OptimStepOutput]:
         return self._submit("optim_step", lambda: self._optim_step(params))
@@ -476,11 +428,9 @@ class LocalSamplingClient:
         name: str,
         seed: int,
         on_start: Callable[[], None] | None = None,
-        cores: CoreShare | None = None,
     ):
         from backends.local.sampler import Sampler
 
-        self._cores = cores
         self.model = model
         self._vocab = M.vocab_size(model)
         self._sampler = Sampler(model, tokenizer, device, seed=seed)
@@ -496,12 +446,11 @@ class LocalSamplingClient:
 
     def _handle(self, jobs: list[Job]) -> None:
         valid = [job for job in jobs if self._check(job)]
-        with self._cores.sampling() if self._cores is not None else contextlib.nullcontext():
-            # Logprobs first: one forward pass, so its callers go on while the samples decode.
-            self._run([j for j in valid if j.payload[0] == "logprobs"], self._sampler.compute_logprobs_batch,
-                      lambda j: j.payload[1])
-            self._run([j for j in valid if j.payload[0] == "sample"], self._sampler.sample_batch,
-                      lambda j: (j.payload[1], j.payload[2], j.payload[3]))
+        # Logprobs first: one forward pass, so its callers go on while the samples decode.
+        self._run([j for j in valid if j.payload[0] == "logprobs"], self._sampler.compute_logprobs_batch,
+                  lambda j: j.payload[1])
+        self._run([j for j in valid if j.payload[0] == "sample"], self._sampler.sample_batch,
+                  lambda j: (j.payload[1], j.payload[2], j.payload[3]))
 
     def _check(self, job: Job) -> bool:
         tokens = job.payload[1]
