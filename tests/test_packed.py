@@ -156,6 +156,9 @@ def test_unsupported_models_fall_back():
     base = _model("qwen3")
     full = M.make_trainable(base, M.TrainSetup(0, 1.0, ()), 0)
     assert PackedLM.build(full)[0] is None and "trainable" in PackedLM.build(full)[1]
+    dynamic = _model("llama")
+    dynamic.model.rotary_emb.rope_type = "dynamic"  # scaling that depends on the forward's longest position
+    assert PackedLM.build(_lora(dynamic))[0] is None
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     packed, why = PackedLM.build(gpt2)
     assert packed is None and "gpt2" in why

@@ -9,9 +9,9 @@ sequence alone, to float rounding (tests/test_packed.py compares it with the HF 
 Why not the peft modules' own forward over a packed row: measured side by side (bench/bench_train.py), the
 HF + peft module path spends much of a step outside the matmuls on small and mid-size models (peft's
 per-layer base + lora_A + lora_B + scale + add, HF's RMSNorm in six ops, autograd saving every
-intermediate). Measured, tiny model, batches of 16 chat rows, fp32, 1 thread: this 13.4k train tokens/s
-(forward + backward) against 10.8k for the same packed batch through the peft modules with the same
-per-sequence attention, and 9.2k for the padded chunks; on the 25M model 960 vs 771 vs 740. Here, per layer:
+intermediate). Measured (bench/bench_train.py: batches of 16 chat rows, fp32, 1 thread, the whole step through
+the backend): without prefix sharing 1.28x (tiny) and 1.18x (25M model) the tokens/s of a packed loop through
+the peft modules with per-conversation SDPA, the best hand-written peer; 1.50x and 1.44x with it. Per layer:
 - the projections that share an input (q/k/v; gate/up) share one x @ A^T for their LoRA A matrices, the
   LoRA term is added in place, and a custom autograd function computes only what a frozen base needs in
   backward (the input gradient, accumulated in place, plus the LoRA A/B gradients). Fusing the frozen q/k/v
@@ -236,6 +236,11 @@ class PackedLM:
         if self.embed.weight.requires_grad:
             raise _Unsupported("trainable embeddings")
         self.rotary = body.rotary_emb
+        rope_type = getattr(self.rotary, "rope_type", "default")
+        if not isinstance(rope_type, str) or "dynamic" in rope_type or rope_type == "longrope":
+            # Their tables depend on the longest position in the forward: packed, a short sequence would get
+            # the longest one's scaling, not its own.
+            raise _Unsupported(f"rope_type {rope_type!r} (depends on the sequence length)")
         self.final_norm = body.norm.weight
         self.eps = float(cfg.rms_norm_eps)
         self.n_heads = int(cfg.num_attention_heads)
