@@ -252,7 +252,7 @@ class LocalTrainingClient:
         self.step = 0
         self._params = M.trainable_params(model)
         # The padding-free path where the model allows it (backends/local/packed.py), else padded chunks.
-        self.packed, self.unpacked_reason = (None, "packed = false") if not backend.cfg.packed else PackedLM.build(model)
+        self.packed = PackedLM.build(model)[0] if backend.cfg.packed else None
         # Hyper-parameters are set from AdamParams at every step; these are placeholders.
         self.optimizer = torch.optim.AdamW([p for _, p in self._params], lr=0.0)
         self.name = name

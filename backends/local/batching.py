@@ -59,8 +59,8 @@ def plan_chunks(lengths: list[int], budget: int, fill: float = 0.0) -> list[list
 
 
 def plan_packs(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices grouped into packed chunks of at most `budget` tokens in all (a longer row alone), longest
-    first, so equal lengths sit next to each other (backends/local/packed.py batches their attention)."""
+    """Indices grouped into packed chunks of at most `budget` tokens in all (a longer row alone), filled
+    greedily longest first (backends/local/packed.py packs its segments with it)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     chunks: list[list[int]] = []
     total = 0

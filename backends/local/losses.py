@@ -108,4 +108,3 @@ def batch_loss(loss_fn: LossFn, lps: list[torch.Tensor], data: list[Datum], devi
 
     inputs = LossInputs(joined("weights", 0.0), joined("logprobs", 0.0), joined("advantages", 0.0), joined("mask", 1.0))
     return datum_loss(loss_fn, torch.cat(lps), inputs, config)
-

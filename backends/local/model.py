@@ -93,6 +93,51 @@ def load_base(path: Path, device: torch.device, dtype: torch.dtype) -> HFModel:
     return model
 
 
+# ---------------------------------------------------------------- the model family with hand-written paths
+
+# Decoders whose layers backends/local/packed.py (training) and sampler.py (decoding) compute on plain tensors.
+LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def llama_family_problem(cfg: Any, rotary: Any) -> str | None:
+    """Why a model (its text config and rotary module) is outside what the plain-tensor paths compute exactly,
+    or None if it is inside."""
+    if getattr(cfg, "model_type", None) not in LLAMA_FAMILY:
+        return f"model_type {getattr(cfg, 'model_type', None)!r}"
+    rope_type = getattr(rotary, "rope_type", "default")
+    if not isinstance(rope_type, str) or "dynamic" in rope_type or rope_type == "longrope":
+        # Their tables depend on the longest position in the forward (a packed short sequence would get the
+        # longest one's scaling, a decode step the prompt's).
+        return f"rope_type {rope_type!r} depends on the sequence length"
+    if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
+        return "sliding-window attention"
+    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
+        return "not every layer is full attention"
+    return None
+
+
+def lora_linear_parts(layer: Any) -> tuple[nn.Linear, torch.Tensor, torch.Tensor, float] | str:
+    """(frozen base Linear, A, B, scale) of a plain peft LoRA Linear with one active adapter, or why it is not
+    one (several adapters, merged or disabled, DoRA, LoRA bias, fan_in_fan_out, non-Linear parts)."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    m = layer  # Any: peft's ModuleDicts and dicts, which nn.Module's typing does not know
+    if type(m) is not LoraLinear:
+        return f"{type(m).__name__} is not a plain LoRA Linear"
+    names = list(m.active_adapters)
+    if len(names) != 1:
+        return "more than one active LoRA adapter"
+    ad = names[0]
+    if m.merged or m.disable_adapters or m.fan_in_fan_out:
+        return "merged, disabled or fan_in_fan_out adapter"
+    if m.use_dora.get(ad) or getattr(m, "lora_bias", {}).get(ad):
+        return "DoRA / LoRA bias"
+    base, a, b = m.get_base_layer(), m.lora_A[ad], m.lora_B[ad]
+    if type(base) is not nn.Linear or type(a) is not nn.Linear or type(b) is not nn.Linear:
+        return "LoRA over or made of something else than Linear layers"
+    return base, a.weight, b.weight, float(m.scaling[ad])
+
+
 # ---------------------------------------------------------------- what gets trained
 
 
@@ -232,7 +277,6 @@ def sampling_snapshot(model: HFModel, base: HFModel) -> HFModel:
     (not a peft LoRA model, DoRA, fan_in_fan_out, several adapters, weights that are no longer the base's)
     takes sampling_copy."""
     import peft
-    from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
 
     from backends.local.sampler import packs_for_onednn
@@ -244,16 +288,11 @@ def sampling_snapshot(model: HFModel, base: HFModel) -> HFModel:
     for name, m in inner.named_modules():
         if not isinstance(m, LoraLayer):
             continue
-        names = list(m.active_adapters)
-        if type(m) is not LoraLinear or len(names) != 1 or m.merged or m.fan_in_fan_out:
+        parts = lora_linear_parts(m)
+        if isinstance(parts, str):
             return sampling_copy(model)
-        ad = names[0]
-        if m.use_dora.get(ad) or getattr(m, "lora_bias", {}).get(ad):
-            return sampling_copy(model)
-        a, b = m.lora_A[ad], m.lora_B[ad]
-        if type(a) is not nn.Linear or type(b) is not nn.Linear:
-            return sampling_copy(model)
-        adapted[name] = (cast(torch.Tensor, m.get_base_layer().weight), a.weight, b.weight, float(m.scaling[ad]))
+        base_layer, a, b, scale = parts
+        adapted[name] = (base_layer.weight, a, b, scale)
     # Every weight must still be the base's own tensor (an adapted layer's through its base_layer).
     for name, p in base.named_parameters():
         module, _, attr = name.rpartition(".")

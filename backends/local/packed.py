@@ -30,17 +30,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends.local.batching import plan_packs
+from backends.local.model import llama_family_problem, lora_linear_parts
 from backends.types import Datum
-
-FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-
 
 # ---------------------------------------------------------------- autograd functions
 
@@ -151,28 +150,18 @@ class _Group:
         return _LoraGroup.apply(x, self, a_cat, *self.b_params)  # type: ignore[no-any-return]
 
 
-def _lora_parts(layer: nn.Module) -> tuple[nn.Linear, nn.Parameter | None, nn.Parameter | None, float]:
-    """(frozen Linear, A, B, scale) of a peft LoRA Linear, or (layer, None, None, 0) for a plain Linear."""
-    module: Any = layer  # peft's ModuleDicts and dicts, which nn.Module's typing does not know
-    base = getattr(module, "base_layer", None)
-    if base is None:
-        if not isinstance(module, nn.Linear):
-            raise _Unsupported(f"{type(module).__name__} where a Linear layer was expected")
-        return module, None, None, 0.0
-    names = list(getattr(module, "active_adapters", []) or [])
-    if len(names) != 1:
-        raise _Unsupported("more than one active LoRA adapter")
-    name = names[0]
-    if getattr(module, "use_dora", {}).get(name, False) or getattr(module, "lora_bias", {}).get(name, False):
-        raise _Unsupported("DoRA / LoRA bias")
-    if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
-        raise _Unsupported("merged or disabled adapter")
-    dropout = module.lora_dropout[name]
+def _lora_parts(layer: nn.Module) -> tuple[nn.Linear, torch.Tensor | None, torch.Tensor | None, float]:
+    """(frozen Linear, A, B, scale) of a peft LoRA Linear (model.lora_linear_parts), or (layer, None, None, 0)
+    for a plain Linear."""
+    if type(layer) is nn.Linear:
+        return layer, None, None, 0.0
+    parts = lora_linear_parts(layer)
+    if isinstance(parts, str):
+        raise _Unsupported(parts)
+    dropout = cast(Any, layer).lora_dropout[cast(Any, layer).active_adapters[0]]
     if not isinstance(dropout, nn.Identity) and getattr(dropout, "p", 0.0) != 0.0:
         raise _Unsupported("LoRA dropout")
-    if not isinstance(base, nn.Linear):
-        raise _Unsupported(f"LoRA over {type(base).__name__}")
-    return base, module.lora_A[name].weight, module.lora_B[name].weight, float(module.scaling[name])
+    return parts
 
 
 def _group(modules: Sequence[nn.Module]) -> _Group:
@@ -223,24 +212,16 @@ class PackedLM:
         wrapped: Any = model
         inner: Any = wrapped.get_base_model() if hasattr(wrapped, "get_base_model") else wrapped
         cfg = inner.config
-        if cfg.model_type not in FAMILY:
-            raise _Unsupported(f"model_type {cfg.model_type!r}")
+        problem = llama_family_problem(cfg, getattr(getattr(inner, "model", None), "rotary_emb", None))
+        if problem is not None:
+            raise _Unsupported(problem)
+        body = inner.model
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise _Unsupported(f"hidden_act {cfg.hidden_act!r}")
-        if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
-            raise _Unsupported("sliding-window layers")
-        if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
-            raise _Unsupported("sliding-window attention")
-        body = inner.model
         self.embed = body.embed_tokens
         if self.embed.weight.requires_grad:
             raise _Unsupported("trainable embeddings")
         self.rotary = body.rotary_emb
-        rope_type = getattr(self.rotary, "rope_type", "default")
-        if not isinstance(rope_type, str) or "dynamic" in rope_type or rope_type == "longrope":
-            # Their tables depend on the longest position in the forward: packed, a short sequence would get
-            # the longest one's scaling, not its own.
-            raise _Unsupported(f"rope_type {rope_type!r} (depends on the sequence length)")
         self.final_norm = body.norm.weight
         self.eps = float(cfg.rms_norm_eps)
         self.n_heads = int(cfg.num_attention_heads)
@@ -407,8 +388,6 @@ class _Block:
 def plan(data: list[Datum], budget: int) -> list[Layout]:
     """The datums as packed chunks: shared prefixes found, segments packed longest first into chunks of at
     most `budget` tokens."""
-    from backends.local.batching import plan_packs
-
     segments = _segments(data)
     chunks = plan_packs([seg.size(data) for seg in segments], budget)
     return [_layout(data, [segments[j] for j in chunk]) for chunk in chunks]
@@ -419,7 +398,7 @@ def _segments(data: list[Datum]) -> list[_Segment]:
     order = sorted(range(len(data)), key=lambda i: data[i].model_input)
     out: list[_Segment] = []
     for i in order:
-        if out and len(out[-1].members) >= 1:
+        if out:
             last = out[-1]
             head = data[last.members[0]].model_input
             common = _common_prefix(head, data[i].model_input, last.prefix)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from backends.local.model import LLAMA_FAMILY, llama_family_problem
 from backends.types import SampledSequence, SampleOutput, SamplingParams, StopReason
 
 # Logit entries (rows x length x vocab) one compute_logprobs_batch forward may produce.
@@ -537,7 +538,6 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
 
 # Decoders whose layers are exactly: RMSNorm, q/k/v projections (optional bias; Qwen3 adds a per-head RMSNorm
 # on q and k), rotary embedding, attention, o projection, residual, RMSNorm, act(gate) * up, down, residual.
-_LLAMA_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 # Weights derived once from a source weight (transposed, or packed for oneDNN), kept as long as the source
 # lives: the samplers of one base model share one copy of its frozen weights. Keyed by (id, kind); the weak
@@ -675,7 +675,7 @@ class _FastCache:
 
 
 class _Llama:
-    """The forward of a Llama-family decoder (`_LLAMA_TYPES`) on plain tensors, for decoding: what HF's
+    """The forward of a Llama-family decoder (`model.LLAMA_FAMILY`) on plain tensors, for decoding: what HF's
     modules compute, in fewer and cheaper operations. Linear weights are used in the layouts that multiply
     fastest (see _Linear),
     the rotary tables are computed once by the model's own rotary module (so every rope_type whose table
@@ -686,7 +686,7 @@ class _Llama:
     @classmethod
     def of(cls, model: Any) -> _Llama | None:
         cfg = model.config.get_text_config(decoder=True)
-        if getattr(cfg, "model_type", None) not in _LLAMA_TYPES:
+        if getattr(cfg, "model_type", None) not in LLAMA_FAMILY:
             return None
         try:
             return cls(model, cfg)
@@ -696,13 +696,9 @@ class _Llama:
     def __init__(self, model: Any, cfg: Any):
         inner = model.model
         rope = inner.rotary_emb
-        rope_type = getattr(rope, "rope_type", "default")
-        if not isinstance(rope_type, str) or "dynamic" in rope_type or rope_type == "longrope":
-            raise ValueError(f"rope_type {rope_type!r} depends on the sequence length")
-        if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
-            raise ValueError("sliding-window attention")
-        if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
-            raise ValueError("not every layer is full attention")
+        problem = llama_family_problem(cfg, rope)
+        if problem is not None:
+            raise ValueError(problem)
         self.rotary = rope
         if type(inner.embed_tokens) is not nn.Embedding:
             raise TypeError("scaled or custom embedding")
