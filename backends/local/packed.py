@@ -38,6 +38,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from backends.local.batching import plan_packs
+from backends.local.kernels import MAX_HEAD_DIM as kernels_max_head_dim
+from backends.local.kernels import Kernels
+from backends.local.kernels import load as load_kernels
 from backends.local.model import llama_family_problem, lora_linear_parts
 from backends.types import Datum
 
@@ -68,6 +71,68 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return _RMSNorm.apply(x, w, eps)  # type: ignore[no-any-return]
+
+
+# The fused forms (backends/local/kernels.py: float32 on the CPU), each one pass over memory each way. Their
+# backward recomputes what the eager forms save (x * rstd, silu(g)) from the inputs, which are kept anyway.
+
+
+class _FusedNorm(torch.autograd.Function):
+    """norm(x) * w, or with r: (x + r, norm(x + r) * w), the residual add and the next norm in one pass; the
+    backward adds the residual stream's gradient (of x + r) to the norm's in the same pass."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float, k: Kernels
+                ) -> Any:
+        xo, y, rstd = k.rms_fwd(x, w, eps, r)
+        ctx.set_materialize_grads(False)  # the last layer's x + r is not used: no zeros to add
+        ctx.k, ctx.added = k, r is not None
+        ctx.save_for_backward(xo, w, rstd)
+        return (xo, y) if r is not None else y
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        xo, w, rstd = ctx.saved_tensors
+        dres, dy = grads if ctx.added else (None, grads[0])
+        if dy is None:
+            d = dres
+        else:
+            d = ctx.k.rms_bwd(dy.contiguous(), xo, w, rstd, None if dres is None else dres.contiguous())
+        return d, d if ctx.added else None, None, None, None
+
+
+class _FusedNormRope(torch.autograd.Function):
+    """rotary(norm(x) * w) per head (Qwen3's q/k norms), or rotary(x) when w is None; x (T, H, D)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                eps: float, k: Kernels) -> torch.Tensor:
+        out, rstd = k.norm_rope_fwd(x, w, cos, sin, eps)
+        ctx.k, ctx.w, ctx.rstd = k, w, rstd
+        ctx.save_for_backward(x if w is not None else None, cos, sin)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, cos, sin = ctx.saved_tensors
+        dy = grads[0].contiguous()
+        return ctx.k.norm_rope_bwd(dy, x if x is not None else dy, ctx.w, cos, sin, ctx.rstd), None, None, None, None, None
+
+
+class _FusedSwiGLU(torch.autograd.Function):
+    """silu(g) * u."""
+
+    @staticmethod
+    def forward(ctx: Any, g: torch.Tensor, u: torch.Tensor, k: Kernels) -> torch.Tensor:
+        ctx.k = k
+        ctx.save_for_backward(g, u)
+        return k.swiglu_fwd(g, u)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        g, u = ctx.saved_tensors
+        dg, du = ctx.k.swiglu_bwd(grads[0].contiguous(), g, u)
+        return dg, du, None
 
 
 class _LoraGroup(torch.autograd.Function):
@@ -106,9 +171,11 @@ class _LoraGroup(torch.autograd.Function):
     def backward(ctx: Any, *dys: torch.Tensor) -> tuple[Any, ...]:
         spec: _Group = ctx.spec
         xa, u, a_cat, *bs = ctx.saved_tensors
-        dx = dys[0] @ spec.weights[0]
-        for d, w in zip(dys[1:], spec.weights[1:]):
-            dx.addmm_(d, w)
+        dx = None
+        if ctx.needs_input_grad[0]:  # not for the first layer's projections of the (frozen) embeddings
+            dx = dys[0] @ spec.weights[0]
+            for d, w in zip(dys[1:], spec.weights[1:]):
+                dx.addmm_(d, w)
         da = None
         dbs: list[torch.Tensor | None] = []
         if u is not None:
@@ -123,13 +190,15 @@ class _LoraGroup(torch.autograd.Function):
                 dus.append(torch.mm(d, bs[bi]).mul_(s))
                 bi += 1
             du = torch.cat(dus, dim=1) if len(dus) > 1 else dus[0]
-            if dx.dtype == du.dtype:
+            if dx is None:
+                pass
+            elif dx.dtype == du.dtype:
                 dx.addmm_(du, a_cat)
             else:
                 dx = dx.add_((du @ a_cat).to(dx.dtype))
             if ctx.needs_input_grad[2]:
                 da = du.t() @ xa
-        return (dx if ctx.needs_input_grad[0] else None, None, da, *dbs)
+        return (dx, None, da, *dbs)
 
 
 @dataclass
@@ -249,6 +318,8 @@ class PackedLM:
             raise _Unsupported("trainable lm_head")
         if head.bias is not None:
             raise _Unsupported("lm_head bias")
+        # Fused elementwise kernels for float32 on the CPU (None: torch's eager ops everywhere).
+        self.kernels = load_kernels() if self.head_dim <= kernels_max_head_dim else None
 
     @staticmethod
     def build(model: nn.Module) -> tuple[PackedLM | None, str]:
@@ -266,9 +337,30 @@ class PackedLM:
         x = self.embed(ids)
         pos = torch.as_tensor(layout.positions, device=ids.device)
         cos, sin = self.rotary(x[None], pos[None])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # (T, 1, D): broadcast over heads
         blocks = layout.attention_blocks(ids.device)
         T, H, K, D = ids.shape[0], self.n_heads, self.n_kv, self.head_dim
+        kern = self.kernels if self.kernels is not None and Kernels.usable(x, cos, sin) else None
+        if kern is None:
+            return self._hidden_eager(x, cos[0, :, None, :], sin[0, :, None, :], blocks)
+        cos, sin, eps = cos[0].contiguous(), sin[0].contiguous(), self.eps
+        h = _FusedNorm.apply(x, None, self.layers[0].ln1, eps, kern)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(h)
+            q = _FusedNormRope.apply(q.view(T, H, D), layer.q_norm, cos, sin, eps, kern)
+            k = _FusedNormRope.apply(k.view(T, K, D), layer.k_norm, cos, sin, eps, kern)
+            a = _attention(q, k, v.view(T, K, D), blocks, self.scaling)
+            (o,) = layer.o(a)
+            x, h = _FusedNorm.apply(x, o, layer.ln2, eps, kern)
+            g, u = layer.gate_up(h)
+            (d,) = layer.down(_FusedSwiGLU.apply(g, u, kern))
+            nxt = self.layers[i + 1].ln1 if i + 1 < len(self.layers) else self.final_norm
+            x, h = _FusedNorm.apply(x, d, nxt, eps, kern)
+        return h
+
+    def _hidden_eager(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, blocks: list[_Block]
+                      ) -> torch.Tensor:
+        """hidden() in torch's eager ops (no fused kernels: another device or dtype, or no C compiler)."""
+        T, H, K, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
         for layer in self.layers:
             h = rms_norm(x, layer.ln1, self.eps)
             q, k, v = layer.qkv(h)
