@@ -31,7 +31,8 @@ The best hand-written peer is the fastest of plain, plain-nomask, packed, bucket
 contender's tokens/s over its. MFU = tokens/s x (4 N_base + 6 N_LoRA) / peak, where N_base counts the base
 model's parameters with the tied embedding once (as the lm_head matmul; the input lookup is no matmul), N_LoRA
 the adapter's, attention's score/value FLOPs are not counted, and peak is the best median GFLOP/s of fp32
-torch.mm on a few shapes (2048^3 and the model's token x hidden x intermediate) measured in the same run.
+torch.mm on a few shapes (2048^3 and the model's token x hidden x intermediate) sampled in the same run, at the start
+and before every round.
 Every contender's first-step loss (summed over trained tokens, before any update) must match plain's to 1e-4.
 
 Each contender is warmed up, then timed in interleaved rounds (ours, plain, ..., ours, plain, ...) so
@@ -340,20 +341,24 @@ def fit_per_forward(model, clock: Callable[[], float], reps: int = 3) -> float:
 # ---------------------------------------------------------------- MFU
 
 
-def matmul_peak(shapes: list[tuple[int, int, int]], reps: int, clock: Callable[[], float]) -> dict[str, float]:
-    """Median GFLOP/s of torch.mm (m x k) @ (k x n), fp32, per shape (on this process's threads)."""
-    out = {}
+def matmul_samples(shapes: list[tuple[int, int, int]], reps: int, clock: Callable[[], float],
+                   into: dict[str, list[float]]) -> None:
+    """Add `reps` GFLOP/s samples of torch.mm (m x k) @ (k x n), fp32, per shape (on this process's threads)."""
     gen = torch.Generator().manual_seed(0)
     for m, k, n in shapes:
         a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
         torch.mm(a, b)
-        times = []
         for _ in range(reps):
             t0 = clock()
             torch.mm(a, b)
-            times.append(clock() - t0)
-        out[f"{m}x{k}x{n}"] = 2 * m * k * n / statistics.median(times) / 1e9
-    return out
+            into.setdefault(f"{m}x{k}x{n}", []).append(2 * m * k * n / (clock() - t0) / 1e9)
+
+
+def matmul_peak(shapes: list[tuple[int, int, int]], reps: int, clock: Callable[[], float]) -> dict[str, float]:
+    """Median GFLOP/s of torch.mm (m x k) @ (k x n), fp32, per shape (on this process's threads)."""
+    samples: dict[str, list[float]] = {}
+    matmul_samples(shapes, reps, clock, samples)
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 class TrlRunner:
@@ -511,10 +516,13 @@ def bench_model(name: str, args, clock: Callable[[], float], tmp: Path) -> None:
     t0 = sum(d.length for d in batches[0])
     shapes = [(2048, 2048, 2048), (t0, cfg.hidden_size, cfg.intermediate_size),
               (t0, cfg.intermediate_size, cfg.hidden_size), (t0, cfg.hidden_size, cfg.hidden_size)]
-    gflops = matmul_peak(shapes, 3 if args.quick else 7, clock)
-    peak = max(gflops.values())
-    print("fp32 torch.mm GFLOP/s (median): " + ", ".join(f"{k} {v:.1f}" for k, v in gflops.items())
-          + f"; peak {peak:.1f}; model FLOPs/token 4*N_base + 6*N_LoRA = {flops_per_token / 1e6:.2f}M")
+    # Sampled now and again before every round (this machine's speed drifts by ~5-10% over minutes): the peak is
+    # the best shape's median over all samples.
+    peak_samples: dict[str, list[float]] = {}
+    matmul_samples(shapes, 3 if args.quick else 7, clock, peak_samples)
+    print("fp32 torch.mm GFLOP/s at the start (median): "
+          + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in peak_samples.items())
+          + f"; model FLOPs/token 4*N_base + 6*N_LoRA = {flops_per_token / 1e6:.2f}M")
 
     ours, backend, client = make_ours(model_dir, tmp / f"{name}-storage")
     ours_padded, backend_padded, _ = make_ours(model_dir, tmp / f"{name}-storage-padded", packed=False)
@@ -565,8 +573,13 @@ def bench_model(name: str, args, clock: Callable[[], float], tmp: Path) -> None:
         run()
     times: dict[str, list[float]] = {k: [] for k in contenders}
     for _ in range(rounds):
+        matmul_samples(shapes, 3, clock, peak_samples)
         for label, run in contenders.items():
             times[label].append(run())
+    gflops = {k: statistics.median(v) for k, v in peak_samples.items()}
+    peak = max(gflops.values())
+    print("fp32 torch.mm GFLOP/s over the run (median of " + f"{len(next(iter(peak_samples.values())))} samples): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in gflops.items()) + f"; peak {peak:.1f}")
     rates = {k: tokens / statistics.median(v) for k, v in times.items()}
     best = max(HAND_WRITTEN, key=lambda k: rates[k])
     print(f"{'model':5} {'contender':13} {'tok/s':>8} {'vs best':>7} {'vs plain':>8} {'MFU':>6} {'ms/step':>8} "

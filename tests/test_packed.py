@@ -76,9 +76,14 @@ def _run(model, data, chunks_iter) -> tuple[dict[int, torch.Tensor], dict[str, t
     return lps, grads, total
 
 
-def _compare(model, data, budget: int = 16384) -> None:
+def _compare(model, data, budget: int = 16384, fused: bool = True) -> None:
+    """fused: the packed forward with its fused CPU kernels (backends/local/kernels.py), else torch's eager ops."""
     packed, why = PackedLM.build(model)
     assert packed is not None, why
+    if not fused:
+        packed.kernels = None
+    elif packed.kernels is None:
+        pytest.skip("no C compiler: the fused kernels are not built")
     ref_lp, ref_g, ref_loss = _run(model, data, batching.chunk_logprobs(model, data, CPU, 16384))
     lp, g, loss = _run(model, data, packed.chunk_logprobs(data, budget, CPU))
     assert sorted(lp) == list(range(len(data)))
@@ -92,11 +97,12 @@ def _compare(model, data, budget: int = 16384) -> None:
     assert loss == pytest.approx(ref_loss, rel=1e-5)
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama"])
-def test_packed_matches_hf_per_sequence(kind):
+def test_packed_matches_hf_per_sequence(kind, fused):
     model = _lora(_model(kind))
     data = _data([37, 5, 64, 1, 19, 19, 19, 40])  # equal lengths exercise the batched attention runs
-    _compare(model, data)
+    _compare(model, data, fused=fused)
 
 
 def test_packed_chunks_and_topk_targets():
@@ -123,8 +129,9 @@ def _group(prompt: list[int], completions: list[int], seed: int) -> list[Datum]:
     return out
 
 
-@pytest.mark.parametrize(("kind", "call_cost"), [("qwen3", None), ("llama", None), ("qwen3", 0), ("qwen3", 10**9)])
-def test_shared_prompts_pack_as_trees_and_match_hf(kind, call_cost, monkeypatch):
+@pytest.mark.parametrize(("kind", "call_cost", "fused"), [("qwen3", None, True), ("qwen3", None, False), ("llama", None, True),
+                                                    ("qwen3", 0, True), ("qwen3", 10**9, True)])
+def test_shared_prompts_pack_as_trees_and_match_hf(kind, call_cost, fused, monkeypatch):
     # call_cost 0: every tree runs member by member; 10**9: every tree is one masked call.
     if call_cost is not None:
         monkeypatch.setattr(packed_mod, "_CALL_COST", call_cost)
@@ -141,7 +148,7 @@ def test_shared_prompts_pack_as_trees_and_match_hf(kind, call_cost, monkeypatch)
     assert len(layout.trees) == 2 and {t[1] for t in layout.trees} == {30, 25}
     shared = sum(t[1] * (len(t[2]) - 1) for t in layout.trees)
     assert len(layout.tokens) == sum(d.length for d in data) - shared  # each prefix packed once
-    _compare(_lora(_model(kind)), data)
+    _compare(_lora(_model(kind)), data, fused=fused)
 
 
 def test_short_common_prefixes_are_not_shared():

@@ -1,0 +1,145 @@
+"""The fused CPU kernels (backends/local/kernels.c) against torch's eager ops, forward and backward, on shapes
+that exercise the vector tails; their build cache and their fallbacks."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backends.local import kernels as kmod
+
+K = kmod.load()
+needs_kernels = pytest.mark.skipif(K is None, reason="no C compiler: the fused kernels are not built")
+
+
+def _norm(x: torch.Tensor, w: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y if w is None else w * y
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return x * cos[:, None] + torch.cat((-x[..., h:], x[..., :h]), -1) * sin[:, None]
+
+
+def _tables(t: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = (torch.arange(t) % 97).float()[:, None] * inv[None]
+    emb = torch.cat([freqs, freqs], -1)
+    return emb.cos().contiguous(), emb.sin().contiguous()
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [64, 83])  # 83: not a multiple of the 16 lanes
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_forward_and_backward(n, residual):
+    assert K is not None
+    g = torch.Generator().manual_seed(n)
+    x, r = torch.randn(37, n, generator=g) * 3, torch.randn(37, n, generator=g)
+    w = torch.rand(n, generator=g) + 0.5
+    dy, dres = torch.randn(37, n, generator=g), torch.randn(37, n, generator=g)
+    xo, y, rstd = K.rms_fwd(x, w, 1e-6, r if residual else None)
+    xr = (x + r if residual else x).requires_grad_()
+    ref = _norm(xr, w)
+    ref.backward(dy)
+    torch.testing.assert_close(xo, xr.detach(), atol=0, rtol=0)
+    torch.testing.assert_close(y, ref.detach(), atol=1e-5, rtol=1e-5)
+    dx = K.rms_bwd(dy, xo, w, rstd, dres if residual else None)
+    assert xr.grad is not None
+    torch.testing.assert_close(dx, xr.grad + (dres if residual else 0), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("with_norm", [True, False])
+@pytest.mark.parametrize("d", [64, 10])
+def test_norm_rope_forward_and_backward(with_norm, d):
+    assert K is not None
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(29, 3, d, generator=g) * 2
+    w = torch.rand(d, generator=g) + 0.5 if with_norm else None
+    cos, sin = _tables(29, d)
+    xr = x.clone().requires_grad_()
+    ref = _rope(_norm(xr, w) if w is not None else xr, cos, sin)
+    dy = torch.randn(ref.shape, generator=g)
+    ref.backward(dy)
+    out, rstd = K.norm_rope_fwd(x, w, cos, sin, 1e-6)
+    assert (rstd is None) == (w is None)
+    torch.testing.assert_close(out, ref.detach(), atol=1e-5, rtol=1e-5)
+    dx = K.norm_rope_bwd(dy, x, w, cos, sin, rstd)
+    assert xr.grad is not None
+    torch.testing.assert_close(dx, xr.grad, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_swiglu_forward_and_backward_including_extremes():
+    assert K is not None
+    g = torch.Generator().manual_seed(0)
+    gate = torch.randn(61, 77, generator=g) * 6
+    gate[0, :8] = torch.tensor([-200.0, -100.0, -87.5, -80.0, 0.0, 80.0, 100.0, 200.0])
+    up = torch.randn(61, 77, generator=g)
+    dp = torch.randn(61, 77, generator=g)
+    gr, ur = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    ref = F.silu(gr) * ur
+    ref.backward(dp)
+    p = K.swiglu_fwd(gate, up)
+    assert torch.isfinite(p).all()
+    torch.testing.assert_close(p, ref.detach(), atol=1e-5, rtol=1e-5)
+    dg, du = K.swiglu_bwd(dp, gate, up)
+    assert gr.grad is not None and ur.grad is not None
+    torch.testing.assert_close(dg, gr.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(du, ur.grad, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_results_do_not_depend_on_the_thread_count():
+    assert K is not None
+    g = torch.Generator().manual_seed(1)
+    x, r, w = torch.randn(300, 256, generator=g), torch.randn(300, 256, generator=g), torch.rand(256, generator=g)
+    gate, up = torch.randn(300, 512, generator=g), torch.randn(300, 512, generator=g)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            xo, y, rstd = K.rms_fwd(x, w, 1e-6, r)
+            outs.append([y, K.rms_bwd(x, xo, w, rstd, r), K.swiglu_fwd(gate, up), *K.swiglu_bwd(x.repeat(1, 2), gate, up)])
+    finally:
+        torch.set_num_threads(before)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
+
+
+def test_build_is_cached_and_can_be_turned_off(tmp_path, monkeypatch):
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(kmod, "_state", [])
+    first = kmod.load()
+    assert first is not None
+    built = list((tmp_path / "runner" / "kernels").glob("kernels-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(kmod, "_state", [])
+    assert kmod.load() is not None
+    assert built[0].stat().st_mtime_ns == stamp  # loaded from the cache, not rebuilt
+    monkeypatch.setattr(kmod, "_state", [])
+    monkeypatch.setenv("RUNNER_KERNELS", "0")
+    assert kmod.load() is None
+
+
+def test_a_failing_build_falls_back_with_a_log_line(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(kmod, "_state", [])
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\necho 'cc: error: no such thing' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    with caplog.at_level(logging.INFO, logger="backends.local.kernels"):
+        assert kmod.load() is None
+    assert "fused kernels not built" in caplog.text and "no such thing" in caplog.text
+    assert kmod.load() is None  # decided once per process
