@@ -18,6 +18,10 @@ the peft modules with per-conversation SDPA, the best hand-written peer; 1.50x a
   weights into one matmul was measured too: no faster on the CPU (190-200 GFLOP/s either way), and it
   copies the weights, so it went;
 - RMSNorm is one function with a hand-written backward (two saved tensors instead of five).
+- In float32 on the CPU, the elementwise work runs as fused C kernels (backends/local/kernels.py, built on first
+  use): the residual add with the next RMSNorm, Qwen3's per-head q/k norm with the rotary embedding, and SwiGLU,
+  each one pass over memory forward and one backward, where torch's eager ops take 3-10 (these tensors do not
+  stay in cache). Without a C compiler, or on another device or dtype, torch's eager ops do the same work.
 The parameters are still peft's (the same lora_A / lora_B tensors the optimizer steps and checkpoints save);
 only the arithmetic is ours, so peft keeps owning adapters, checkpoints and export.
 
@@ -341,7 +345,7 @@ class PackedLM:
         cos, sin = self.rotary(x[None], pos[None])
         blocks = layout.attention_blocks(ids.device)
         T, H, K, D = ids.shape[0], self.n_heads, self.n_kv, self.head_dim
-        kern = self.kernels if self.kernels is not None and Kernels.usable(x, cos, sin) else None
+        kern = self.kernels if self.kernels is not None and Kernels.usable(x, cos, sin) and cos.shape[-1] == D else None
         if kern is None:
             return self._hidden_eager(x, cos[0, :, None, :], sin[0, :, None, :], blocks)
         cos, sin, eps = cos[0].contiguous(), sin[0].contiguous(), self.eps
