@@ -588,6 +588,8 @@ def bench_model(name: str, args, clock: Callable[[], float], tmp: Path) -> None:
         print(f"{name:5} {label:13} {rate:8.0f} {rate / rates[best]:6.2f}x {rate / rates['plain']:7.2f}x "
               f"{rate * flops_per_token / (peak * 1e9):6.1%} {statistics.median(times[label]) * 1000 / steps:8.1f} "
               f"{max(times[label]) / min(times[label]):7.2f}", flush=True)
+    print(f"{name} seconds per round, in round order: "
+          + "; ".join(f"{k} " + " ".join(f"{t:.2f}" for t in v) for k, v in times.items()))
     summary = f"{name}: best hand-written peer {best}; ours / {best} = {rates['ours'] / rates[best]:.2f}x"
     if args.trl:
         best_trl = max(("trl", "trl-nogc", "trl-best"), key=lambda k: rates[k])

@@ -145,10 +145,41 @@ def test_shared_prompts_pack_as_trees_and_match_hf(kind, call_cost, fused, monke
             object.__setattr__(d, "weights", np.ones(d.length, np.float32))
     (layout,) = plan(data, 16384)
     assert sorted(layout.datums) == list(range(len(data)))
-    assert len(layout.trees) == 2 and {t[1] for t in layout.trees} == {30, 25}
-    shared = sum(t[1] * (len(t[2]) - 1) for t in layout.trees)
-    assert len(layout.tokens) == sum(d.length for d in data) - shared  # each prefix packed once
+    assert len(layout.trees) == 2 and {t[0][1] for t in layout.trees} == {30, 25}  # root runs
+    assert len(layout.tokens) == sum(d.length for d in data) - 30 * 4 - 25 * 2  # each prefix packed once
     _compare(_lora(_model(kind)), data, fused=fused)
+
+
+@pytest.mark.parametrize("call_cost", [0, 10**9])
+def test_nested_sharing_packs_each_shared_run_once_and_matches_hf(call_cost, monkeypatch):
+    # A system prompt shared by six datums; below it, two first turns each shared by two of them (one of them
+    # also the whole of an earlier turn: a datum that is a prefix of another), a duplicate, and a short
+    # common run (< MIN_SHARED) that stays unshared.
+    monkeypatch.setattr(packed_mod, "_CALL_COST", call_cost)
+    rng = np.random.default_rng(7)
+
+    def toks(n: int) -> list[int]:
+        return list(map(int, rng.integers(0, 259, n)))
+
+    system, turn_a, turn_b, short = toks(20), toks(18), toks(24), toks(MIN_SHARED - 2)
+    seqs = [system + turn_a + toks(5), system + turn_a, system + turn_b + toks(20), system + turn_b + toks(3),
+            system + short + toks(4), system + short + toks(6), toks(33)]
+    seqs.append(list(seqs[2]))  # a duplicate
+    data = [Datum(s[:-1], np.array(s[1:]), weights=rng.random(len(s) - 1).astype(np.float32)) for s in seqs]
+    (layout,) = plan(data, 16384)
+    assert sorted(layout.datums) == list(range(len(data)))
+    (tree,) = layout.trees
+    assert tree[0][1] == 20 and tree[0][2] == -1  # the system prompt is the root
+    # tokens: the system prompt once, turn_a once, turn_b once and each tail once (the duplicate shares all
+    # of its tokens), the short run once per datum, the lone sequence
+    n_inputs = [d.length for d in data]
+    expected = 20 + 18 + (n_inputs[0] - 38) + 24 + (n_inputs[2] - 44) + (n_inputs[3] - 44) \
+        + (n_inputs[4] - 20) + (n_inputs[5] - 20) + n_inputs[6]
+    assert len(layout.tokens) == expected
+    for i, d in enumerate(data):  # each datum's rows hold its own tokens at its own positions
+        assert [layout.tokens[r] for r in layout.rows[i]] == d.model_input
+        assert [layout.positions[r] for r in layout.rows[i]] == list(range(d.length))
+    _compare(_lora(_model("qwen3")), data)
 
 
 def test_short_common_prefixes_are_not_shared():

@@ -418,53 +418,74 @@ class PackedLM:
 # ---------------------------------------------------------------- layout: what goes where in a packed chunk
 
 # Datums that share a prompt (an RL group: group_size samples of one prompt; the turns of one multi-turn
-# episode) are packed as one tree: the shared prefix once, then each datum's own suffix, which attends to
-# the prefix and causally to itself, at the positions it has in its own sequence. The prefix's hidden states
-# are the same for every member, so computing them once changes no number beyond float rounding, and its
-# gradient is the sum of the members' (tests/test_packed.py). rl_basic (8 samples of a 69-token prompt with
-# 2-8 answer tokens) trains on ~900 tokens a step instead of ~4,600. A prefix is shared when at least
-# MIN_SHARED tokens long.
+# episode; chats with one system prompt) are packed as a tree: each shared run of tokens once, then what
+# continues it, nested as deep as the sharing goes (a system prompt shared by a whole batch, then a first user
+# turn shared by some of those chats, ...). Every row attends causally to its own run and to all of its
+# ancestors' rows, at the position it has in its own sequence. A shared run's hidden states are the same for
+# every datum through it, so computing them once changes no number beyond float rounding, and its gradient is
+# the sum of theirs (tests/test_packed.py). rl_basic (8 samples of a 69-token prompt with 2-8 answer tokens)
+# trains on ~900 tokens a step instead of ~4,600; bench_train's chat batches (16 chats, 14 with one system
+# prompt, some also with one first turn) on 2093 of 2551 tokens. A run is shared when at least MIN_SHARED
+# tokens long.
 MIN_SHARED = 16
 
 
 @dataclass
-class _Segment:
-    prefix: int  # tokens every member shares (a lone sequence: all of its tokens)
-    members: list[int]  # datum indices
+class _Node:
+    """Tokens [offset, offset + length) of every datum in `members` (they agree on them and on everything
+    before), then the subtrees that continue them. A lone sequence is one node with one member."""
 
-    def size(self, data: list[Datum]) -> int:
-        return self.prefix + sum(data[m].length - self.prefix for m in self.members)
+    offset: int
+    length: int
+    members: list[int]  # datum indices, in sorted order
+    children: list[_Node]
+
+    def size(self) -> int:
+        return self.length + sum(c.size() for c in self.children)
 
 
 @dataclass
 class Layout:
-    """One packed chunk: its tokens and rotary positions, each datum's rows (the prefix's, then its own), and
-    the attention blocks (runs of lone sequences of equal length; trees with their mask)."""
+    """One packed chunk: its tokens and rotary positions, each datum's rows (its ancestors' runs, then its own),
+    and the attention blocks (runs of lone sequences of equal length; trees)."""
 
     datums: list[int]
     tokens: list[int]
     positions: list[int]
     rows: dict[int, np.ndarray]
     runs: list[tuple[int, int, int]]  # (first row, sequences, length) of lone sequences
-    trees: list[tuple[int, int, list[int]]]  # (first row, prefix length, suffix lengths)
+    trees: list[list[tuple[int, int, int]]]  # per tree, its nodes in row order: (first row, length, parent or -1)
 
     def attention_blocks(self, device: torch.device) -> list[_Block]:
-        """The attention blocks in row order: runs of lone causal sequences, and trees. A tree whose suffixes
+        """The attention blocks in row order: runs of lone causal sequences, and trees. A tree whose branches
         are short (an RL group: a prompt and a few answer tokens) is one SDPA call with its mask over all its
-        rows; one with long suffixes would waste most of that square, so it runs as the prefix (causal), then
-        each suffix against the prefix and itself (a lower-right causal mask)."""
+        rows; one with long branches would waste most of that square, so it runs node by node: each node's
+        rows against its ancestors' rows and its own (a lower-right causal mask; a root alone is causal)."""
         blocks = [_Block(start, c * n, c) for start, c, n in self.runs]
-        for start, p, suffixes in self.trees:
-            n = p + sum(suffixes)
-            split_cost = p * p / 2 + sum(x * (p + x / 2) for x in suffixes) + _CALL_COST * (len(suffixes) + 1)
+        for nodes in self.trees:
+            start = nodes[0][0]
+            n = sum(length for _, length, _ in nodes)
+            ancestors: list[list[int]] = []  # per node, its ancestors' indices, root first
+            above: list[int] = []  # per node, its ancestors' rows
+            for parent in (p for _, _, p in nodes):
+                ancestors.append([] if parent < 0 else [*ancestors[parent], parent])
+                above.append(sum(nodes[a][1] for a in ancestors[-1]))
+            split_cost = sum(length * (up + length / 2) + _CALL_COST for (_, length, _), up in zip(nodes, above) if length)
             if n * n <= split_cost:
-                owner = torch.as_tensor(np.repeat(np.arange(-1, len(suffixes)), [p, *suffixes]), device=device)
-                causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-                blocks.append(_Block(start, n, mask=causal & ((owner[None, :] == -1) | (owner[None, :] == owner[:, None]))))
+                visible = np.zeros((len(nodes), len(nodes)), dtype=bool)  # [i, j]: node j is i or an ancestor of i
+                for i, anc in enumerate(ancestors):
+                    visible[i, [*anc, i]] = True
+                owner = np.repeat(np.arange(len(nodes)), [length for _, length, _ in nodes])
+                mask = torch.as_tensor(visible[owner[:, None], owner[None, :]], device=device)
+                blocks.append(_Block(start, n, mask=mask & torch.ones(n, n, dtype=torch.bool, device=device).tril()))
             else:
-                masks = [torch.arange(p + x, device=device)[None, :] <= torch.arange(x, device=device)[:, None] + p
-                         for x in suffixes]
-                blocks.append(_Block(start, n, prefix=p, suffixes=suffixes, masks=masks))
+                plan_nodes = []
+                for (_, length, _), anc, up in zip(nodes, ancestors, above):
+                    mask = None
+                    if up and length:  # lower-right causal: row r sees every ancestor row and its own rows <= r
+                        mask = torch.arange(up + length, device=device)[None, :] <= torch.arange(length, device=device)[:, None] + up
+                    plan_nodes.append((length, anc, mask))
+                blocks.append(_Block(start, n, nodes=plan_nodes))
         return sorted(blocks, key=lambda b: b.start)
 
 
@@ -478,34 +499,38 @@ class _Block:
     size: int  # rows
     count: int = 1  # a run of `count` causal sequences of size // count rows each
     mask: torch.Tensor | None = None  # a tree in one call
-    prefix: int = 0  # a tree member by member: the prefix's rows, then each suffix's
-    suffixes: list[int] | None = None
-    masks: list[torch.Tensor] | None = None
+    # a tree node by node, in row order: (rows, ancestor node indices, mask against ancestors' rows + its own)
+    nodes: list[tuple[int, list[int], torch.Tensor | None]] | None = None
 
 
 def plan(data: list[Datum], budget: int) -> list[Layout]:
-    """The datums as packed chunks: shared prefixes found, segments packed longest first into chunks of at
-    most `budget` tokens."""
-    segments = _segments(data)
-    chunks = plan_packs([seg.size(data) for seg in segments], budget)
-    return [_layout(data, [segments[j] for j in chunk]) for chunk in chunks]
-
-
-def _segments(data: list[Datum]) -> list[_Segment]:
-    """Neighbours in sorted order with a common prefix of at least MIN_SHARED tokens form a tree."""
+    """The datums as packed chunks: shared prefixes found, trees and lone sequences packed longest first into
+    chunks of at most `budget` tokens."""
     order = sorted(range(len(data)), key=lambda i: data[i].model_input)
-    out: list[_Segment] = []
-    for i in order:
-        if out:
-            last = out[-1]
-            head = data[last.members[0]].model_input
-            common = _common_prefix(head, data[i].model_input, last.prefix)
-            if common >= MIN_SHARED:
-                last.members.append(i)
-                last.prefix = common
+    roots = _grow(data, order, 0)
+    chunks = plan_packs([root.size() for root in roots], budget)
+    return [_layout(data, [roots[j] for j in chunk]) for chunk in chunks]
+
+
+def _grow(data: list[Datum], members: list[int], offset: int) -> list[_Node]:
+    """The nodes for `members` (sorted; they agree on their first `offset` tokens): neighbours that agree on at
+    least MIN_SHARED more tokens share a node for those, with the rest below it."""
+    groups: list[tuple[list[int], int]] = []  # (members, tokens from offset all of them agree on)
+    for i in members:
+        if groups:
+            group, common = groups[-1]
+            head = data[group[0]].model_input
+            more = _common_prefix(head, data[i].model_input, offset + common) - offset
+            if more >= MIN_SHARED:
+                group.append(i)
+                groups[-1] = (group, more)
                 continue
-        out.append(_Segment(data[i].length, [i]))
-    return out
+        groups.append(([i], data[i].length - offset))
+    nodes = []
+    for group, common in groups:
+        children = _grow(data, group, offset + common) if len(group) > 1 else []
+        nodes.append(_Node(offset, common, group, children))
+    return nodes
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
@@ -522,41 +547,47 @@ def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
     return lo
 
 
-def _layout(data: list[Datum], segments: list[_Segment]) -> Layout:
-    lone = sorted((s for s in segments if len(s.members) == 1), key=lambda s: -s.prefix)
-    trees = [s for s in segments if len(s.members) > 1]
+def _layout(data: list[Datum], roots: list[_Node]) -> Layout:
+    lone = sorted((r for r in roots if not r.children), key=lambda r: -r.length)
+    trees = [r for r in roots if r.children]
     tokens: list[int] = []
     positions: list[int] = []
     rows: dict[int, np.ndarray] = {}
     runs: list[tuple[int, int, int]] = []
-    tree_blocks: list[tuple[int, int, list[int]]] = []
-    for seg in lone:
-        (i,) = seg.members
-        n = data[i].length
-        start = len(tokens)
-        tokens += data[i].model_input
+    tree_nodes: list[list[tuple[int, int, int]]] = []
+    order: list[int] = []
+    for node in lone:  # a root without children has one member
+        n, start = node.length, len(tokens)
+        tokens += data[node.members[0]].model_input
         positions += range(n)
-        rows[i] = np.arange(start, start + n)
+        for i in node.members:
+            rows[i] = np.arange(start, start + n)
+            order.append(i)
         if runs and runs[-1][2] == n:
             runs[-1] = (runs[-1][0], runs[-1][1] + 1, n)
         else:
             runs.append((start, 1, n))
-    for seg in trees:
-        start, p = len(tokens), seg.prefix
-        tokens += data[seg.members[0]].model_input[:p]
-        positions += range(p)
-        prefix_rows = np.arange(start, start + p)
-        suffixes = []
-        for m in seg.members:
-            seq = data[m].model_input
-            at = len(tokens)
-            tokens += seq[p:]
-            positions += range(p, len(seq))
-            rows[m] = np.concatenate([prefix_rows, np.arange(at, at + len(seq) - p)])
-            suffixes.append(len(seq) - p)
-        tree_blocks.append((start, p, suffixes))
-    order = [i for seg in lone for i in seg.members] + [i for seg in trees for i in seg.members]
-    return Layout(order, tokens, positions, rows, runs, tree_blocks)
+
+    def place(node: _Node, parent: int, path: np.ndarray, out: list[tuple[int, int, int]]) -> None:
+        start = len(tokens)
+        tokens.extend(data[node.members[0]].model_input[node.offset:node.offset + node.length])
+        positions.extend(range(node.offset, node.offset + node.length))
+        out.append((start, node.length, parent))
+        here = len(out) - 1
+        path = np.concatenate([path, np.arange(start, start + node.length)])
+        below = {m for c in node.children for m in c.members}
+        for m in node.members:
+            if m not in below:  # the datum ends here
+                rows[m] = path
+                order.append(m)
+        for child in node.children:
+            place(child, here, path, out)
+
+    for root in trees:
+        nodes: list[tuple[int, int, int]] = []
+        place(root, -1, np.zeros(0, dtype=np.int64), nodes)
+        tree_nodes.append(nodes)
+    return Layout(order, tokens, positions, rows, runs, tree_nodes)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -582,13 +613,18 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[_
     sizes = [b.size for b in blocks]
     outs = []
     for qs, ks, vs, b in zip(q.split(sizes), k.split(sizes), v.split(sizes), blocks):
-        if b.suffixes is None or b.masks is None:
+        if b.nodes is None:
             outs.append(sdpa(qs, ks, vs, b.count, b.mask))
             continue
-        parts = [b.prefix, *b.suffixes]
-        (qp, *qx), (kp, *kx), (vp, *vx) = qs.split(parts), ks.split(parts), vs.split(parts)
-        outs.append(sdpa(qp, kp, vp, 1, None))
-        for qj, kj, vj, mj in zip(qx, kx, vx, b.masks):
-            if qj.shape[0]:
-                outs.append(sdpa(qj, torch.cat((kp, kj)), torch.cat((vp, vj)), 1, mj))
+        parts = [length for length, _, _ in b.nodes]
+        qx, kx, vx = qs.split(parts), ks.split(parts), vs.split(parts)
+        for j, (length, anc, mask) in enumerate(b.nodes):
+            if not length:
+                continue
+            if not anc:
+                outs.append(sdpa(qx[j], kx[j], vx[j], 1, None))
+            else:
+                kj = torch.cat([kx[a] for a in anc] + [kx[j]])
+                vj = torch.cat([vx[a] for a in anc] + [vx[j]])
+                outs.append(sdpa(qx[j], kj, vj, 1, mask))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
