@@ -452,6 +452,35 @@ def test_dropped_sampling_client_is_freed(backend, data, monkeypatch):
     assert ref() is None
 
 
+def test_training_worker_keeps_its_thread_and_a_dropped_client_is_freed(backend, data, monkeypatch):
+    # The training thread outlives idle spells (a new thread may land in another malloc arena and re-fault a
+    # whole step's activations: backends/local/worker.py), and still goes away with its client.
+    import gc
+    import weakref
+
+    from backends.local import worker
+
+    monkeypatch.setattr(worker, "IDLE_EXIT_S", 0.05)
+    tc = backend.create_training_client(SPEC).result()
+    tc.forward(data[:2], "cross_entropy").result()
+    thread = tc._worker._thread
+    assert thread is not None and thread.is_alive()
+    time.sleep(0.3)  # six idle spells of a sampling worker
+    tc.forward(data[:2], "cross_entropy").result()
+    assert tc._worker._thread is thread and thread.is_alive()
+    ref = weakref.ref(tc.model)
+    del tc
+    deadline = time.monotonic() + 5
+    while (ref() is not None or thread.is_alive()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        gc.collect()
+    assert ref() is None and not thread.is_alive()
+    # A client dropped right after a submit still runs it: the queued job keeps its worker alive.
+    fut = backend.create_training_client(SPEC).result().forward(data[:2], "cross_entropy")
+    gc.collect()
+    assert len(fut.result(timeout=30).logprobs) == 2
+
+
 # ---------------------------------------------------------------- determinism, full fine-tune
 
 

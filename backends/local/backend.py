@@ -50,6 +50,10 @@ from backends.types import (
     SamplingParams,
 )
 
+# At import, before this process starts the threads that torch, tokenizers and the workers bring: glibc fixes
+# the malloc arena count when a second thread first allocates, so a limit set later has no effect.
+keep_freed_memory()
+
 # Intra-op threads of a sampling worker on the CPU. Tiny model, 2 cores loaded by other processes, 1-128 rows
 # x 32 tokens: 1 thread 36-255 ms; 2 threads 1.0-2.8 s (libgomp spinning), or 39-373 ms with spinning off
 # (OMP_WAIT_POLICY=PASSIVE). Decode steps are too small to split; a large model on many idle cores may
@@ -257,7 +261,7 @@ class LocalTrainingClient:
         self.optimizer = torch.optim.AdamW([p for _, p in self._params], lr=0.0)
         self.name = name
         self._counter = itertools.count(1)
-        self._worker = Worker(name, on_start=backend.train_threads)
+        self._worker = Worker(name, on_start=backend.train_threads, persistent=True)
         backend._workers.add(self._worker)
 
     def _submit(self, what: str, fn: Callable[[], Any]) -> Future[Any]:
