@@ -80,7 +80,7 @@ def _build(cc: str) -> Path | None:
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 out = Path(tmp) / target.name
                 proc = subprocess.run([cc, *flags, "-shared", "-fPIC", "-std=c99", "-o", str(out), str(SOURCE)],
-                                      capture_output=True, text=True, timeout=120)
+                                      check=False, capture_output=True, text=True, timeout=120)
                 if proc.returncode != 0:
                     errors.append(f"{cc} {' '.join(flags)}: {proc.stderr.strip().splitlines()[-1:]}")
                     continue
