@@ -530,7 +530,8 @@ def bench_model(name: str, args, clock: Callable[[], float], tmp: Path) -> None:
     ours_noshare = no_share(ours_noshare)
     from backends.local.packed import plan
 
-    computed = sum(len(layout.tokens) for b in batches for layout in plan(b, 1 << 30))
+    min_shared = client.packed.min_shared() if client.packed is not None else None
+    computed = sum(len(layout.tokens) for b in batches for layout in plan(b, 1 << 30, min_shared))
     print(f"ours computes {computed} of the {tokens} input tokens per round (shared prefixes once)")
     plain, plain_nomask = make_plain(model_dir, targets, True), make_plain(model_dir, targets, False)
     packed = make_packed(model_dir, targets)

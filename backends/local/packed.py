@@ -299,6 +299,7 @@ class PackedLM:
         self.rotary = body.rotary_emb
         self.final_norm = body.norm.weight
         self.eps = float(cfg.rms_norm_eps)
+        self.hidden_size = int(cfg.hidden_size)
         self.n_heads = int(cfg.num_attention_heads)
         self.n_kv = int(cfg.num_key_value_heads)
         first = body.layers[0].self_attn
@@ -326,6 +327,14 @@ class PackedLM:
             raise _Unsupported("lm_head bias")
         # Fused elementwise kernels for float32 on the CPU (None: torch's eager ops everywhere).
         self.kernels = load_kernels() if self.head_dim <= kernels_max_head_dim else None
+
+    def min_shared(self) -> int:
+        """The shortest run worth sharing for this model. Sharing a run saves its tokens' work in every layer
+        but adds an attention call per layer; the saving grows with hidden^2, the call's cost does not.
+        Measured (bench_train batches, 1 thread, interleaved): hidden 512 (25M) 3% faster with 6 than with 16;
+        hidden 128 (tiny) 1.5% slower. So MIN_SHARED up to hidden 128, scaled by (128 / hidden)^2 above, at
+        least 4."""
+        return max(4, round(MIN_SHARED * min(1.0, (128 / self.hidden_size) ** 2)))
 
     @staticmethod
     def build(model: nn.Module) -> tuple[PackedLM | None, str]:
@@ -395,7 +404,7 @@ class PackedLM:
                        ) -> Iterator[tuple[list[int], list[torch.Tensor]]]:
         """As batching.chunk_logprobs: (datum indices, their float32 target logprobs shaped like target_tokens),
         one packed chunk of at most `budget` tokens (a longer segment alone) at a time."""
-        for layout in plan(data, budget):
+        for layout in plan(data, budget, self.min_shared()):
             idx = layout.datums
             ids = torch.as_tensor(layout.tokens, dtype=torch.long, device=device)
             logits = self.logits(self.hidden(ids, layout)).float()
@@ -425,8 +434,8 @@ class PackedLM:
 # every datum through it, so computing them once changes no number beyond float rounding, and its gradient is
 # the sum of theirs (tests/test_packed.py). rl_basic (8 samples of a 69-token prompt with 2-8 answer tokens)
 # trains on ~900 tokens a step instead of ~4,600; bench_train's chat batches (16 chats, 14 with one system
-# prompt, some also with one first turn) on 2093 of 2551 tokens. A run is shared when at least MIN_SHARED
-# tokens long.
+# prompt, some also with one first turn) on 2157 of 2551 tokens (2105 on the 25M model). A run is shared when
+# at least PackedLM.min_shared() tokens long (MIN_SHARED on small models, fewer on wide ones).
 MIN_SHARED = 16
 
 
@@ -503,16 +512,16 @@ class _Block:
     nodes: list[tuple[int, list[int], torch.Tensor | None]] | None = None
 
 
-def plan(data: list[Datum], budget: int) -> list[Layout]:
-    """The datums as packed chunks: shared prefixes found, trees and lone sequences packed longest first into
-    chunks of at most `budget` tokens."""
+def plan(data: list[Datum], budget: int, min_shared: int | None = None) -> list[Layout]:
+    """The datums as packed chunks: shared runs of at least `min_shared` tokens (default MIN_SHARED) found,
+    trees and lone sequences packed longest first into chunks of at most `budget` tokens."""
     order = sorted(range(len(data)), key=lambda i: data[i].model_input)
-    roots = _grow(data, order, 0)
+    roots = _grow(data, order, 0, MIN_SHARED if min_shared is None else min_shared)
     chunks = plan_packs([root.size() for root in roots], budget)
     return [_layout(data, [roots[j] for j in chunk]) for chunk in chunks]
 
 
-def _grow(data: list[Datum], members: list[int], offset: int) -> list[_Node]:
+def _grow(data: list[Datum], members: list[int], offset: int, min_shared: int) -> list[_Node]:
     """The nodes for `members` (sorted; they agree on their first `offset` tokens): neighbours that agree on at
     least MIN_SHARED more tokens share a node for those, with the rest below it."""
     groups: list[tuple[list[int], int]] = []  # (members, tokens from offset all of them agree on)
@@ -521,14 +530,14 @@ def _grow(data: list[Datum], members: list[int], offset: int) -> list[_Node]:
             group, common = groups[-1]
             head = data[group[0]].model_input
             more = _common_prefix(head, data[i].model_input, offset + common) - offset
-            if more >= MIN_SHARED:
+            if more >= min_shared:
                 group.append(i)
                 groups[-1] = (group, more)
                 continue
         groups.append(([i], data[i].length - offset))
     nodes = []
     for group, common in groups:
-        children = _grow(data, group, offset + common) if len(group) > 1 else []
+        children = _grow(data, group, offset + common, min_shared) if len(group) > 1 else []
         nodes.append(_Node(offset, common, group, children))
     return nodes
 
