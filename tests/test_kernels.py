@@ -143,3 +143,10 @@ def test_a_failing_build_falls_back_with_a_log_line(tmp_path, monkeypatch, caplo
         assert kmod.load() is None
     assert "fused kernels not built" in caplog.text and "no such thing" in caplog.text
     assert kmod.load() is None  # decided once per process
+
+
+def test_a_missing_source_falls_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(kmod, "_state", [])
+    monkeypatch.setattr(kmod, "SOURCE", tmp_path / "gone.c")
+    assert kmod.load() is None
