@@ -31,63 +31,69 @@ static inline float dot(const float *a, const float *b, long n) {
     return s;
 }
 
+/* ---------------------------------------------------------------- RMSNorm, one row (rms_* and norm_rope_*)
+ * y = w * (x * rs) (no weight when w is NULL); returns rs = 1 / sqrt(mean(x^2) + eps). */
+static inline float norm_row(const float *x, const float *w, float *y, long n, float eps) {
+    float rs = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
+    if (w)
+        for (long j = 0; j < n; j++) y[j] = w[j] * (x[j] * rs);
+    else
+        for (long j = 0; j < n; j++) y[j] = x[j] * rs;
+    return rs;
+}
+
+/* dx = rs * (g - xhat * mean(g * xhat)), g = dy * w, xhat = x * rs; plus dres (the gradient that reaches x
+ * around the norm, from the residual stream) when given. */
+static inline void norm_row_bwd(const float *dy, const float *x, const float *w, float rs, const float *dres,
+                                float *dx, long n) {
+    float acc[LANES] = {0};
+    long j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int l = 0; l < LANES; l++) {
+            float g = w ? dy[j + l] * w[j + l] : dy[j + l];
+            acc[l] += g * (x[j + l] * rs);
+        }
+    float m = 0.0f;
+    for (int l = 0; l < LANES; l++) m += acc[l];
+    for (; j < n; j++) m += (w ? dy[j] * w[j] : dy[j]) * (x[j] * rs);
+    m /= (float)n;
+    if (dres) {
+        for (j = 0; j < n; j++) {
+            float g = w ? dy[j] * w[j] : dy[j];
+            dx[j] = (g - (x[j] * rs) * m) * rs + dres[j];
+        }
+    } else {
+        for (j = 0; j < n; j++) {
+            float g = w ? dy[j] * w[j] : dy[j];
+            dx[j] = (g - (x[j] * rs) * m) * rs;
+        }
+    }
+}
+
 /* ---------------------------------------------------------------- RMSNorm
- * y = w * (x * rstd), rstd = 1 / sqrt(mean(x^2) + eps), per row of n. With r: x <- x + r first (the residual
- * add), written to xo. rstd (rows) is kept for the backward. */
+ * Per row of n: y = norm(x) * w; with r, x <- x + r first (the residual add), written to xo. rstd (rows) is
+ * kept for the backward. */
 void rms_fwd(const float *x, const float *r, const float *w, float *xo, float *y, float *rstd, long rows, long n,
              float eps, int nt) {
 #pragma omp parallel for schedule(static) PAR_ROWS(nt, rows, n)
     for (long t = 0; t < rows; t++) {
         const float *xt = x + t * n;
-        float *yt = y + t * n;
         if (r) {
             const float *rt = r + t * n;
             float *ot = xo + t * n;
             for (long j = 0; j < n; j++) ot[j] = xt[j] + rt[j];
             xt = ot;
         }
-        float rs = 1.0f / sqrtf(dot(xt, xt, n) / (float)n + eps);
-        rstd[t] = rs;
-        if (w)
-            for (long j = 0; j < n; j++) yt[j] = w[j] * (xt[j] * rs);
-        else
-            for (long j = 0; j < n; j++) yt[j] = xt[j] * rs;
+        rstd[t] = norm_row(xt, w, y + t * n, n, eps);
     }
 }
 
-/* dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w, xhat = x * rstd; plus dres (the gradient that reaches
- * x around the norm, from the residual stream) when given. */
+/* The backward of rms_fwd (x: its xo), plus dres when given. */
 void rms_bwd(const float *dy, const float *x, const float *w, const float *rstd, const float *dres, float *dx,
              long rows, long n, int nt) {
 #pragma omp parallel for schedule(static) PAR_ROWS(nt, rows, n)
-    for (long t = 0; t < rows; t++) {
-        const float *dyt = dy + t * n, *xt = x + t * n;
-        float *dxt = dx + t * n;
-        float rs = rstd[t];
-        float acc[LANES] = {0};
-        long j = 0;
-        for (; j + LANES <= n; j += LANES)
-            for (int l = 0; l < LANES; l++) {
-                float g = w ? dyt[j + l] * w[j + l] : dyt[j + l];
-                acc[l] += g * (xt[j + l] * rs);
-            }
-        float m = 0.0f;
-        for (int l = 0; l < LANES; l++) m += acc[l];
-        for (; j < n; j++) m += (w ? dyt[j] * w[j] : dyt[j]) * (xt[j] * rs);
-        m /= (float)n;
-        if (dres) {
-            const float *dr = dres + t * n;
-            for (j = 0; j < n; j++) {
-                float g = w ? dyt[j] * w[j] : dyt[j];
-                dxt[j] = (g - (xt[j] * rs) * m) * rs + dr[j];
-            }
-        } else {
-            for (j = 0; j < n; j++) {
-                float g = w ? dyt[j] * w[j] : dyt[j];
-                dxt[j] = (g - (xt[j] * rs) * m) * rs;
-            }
-        }
-    }
+    for (long t = 0; t < rows; t++)
+        norm_row_bwd(dy + t * n, x + t * n, w, rstd[t], dres ? dres + t * n : NULL, dx + t * n, n);
 }
 
 /* ---------------------------------------------------------------- per-head RMSNorm (optional) + rotary
@@ -105,9 +111,7 @@ void norm_rope_fwd(const float *x, const float *w, const float *cs, const float 
             float z[512];
             const float *zz = xt;
             if (w) {
-                float rs = 1.0f / sqrtf(dot(xt, xt, d) / (float)d + eps);
-                rstd[t * heads + k] = rs;
-                for (long j = 0; j < d; j++) z[j] = w[j] * (xt[j] * rs);
+                rstd[t * heads + k] = norm_row(xt, w, z, d, eps);
                 zz = z;
             }
             for (long j = 0; j < h; j++) {
@@ -134,14 +138,7 @@ void norm_rope_bwd(const float *dy, const float *x, const float *w, const float 
                 zt[j] = dyt[j] * c[j] + dyt[j + h] * s[j + h];
                 zt[j + h] = dyt[j + h] * c[j + h] - dyt[j] * s[j];
             }
-            if (w) {
-                const float *xt = x + (t * heads + k) * d;
-                float rs = rstd[t * heads + k];
-                float m = 0.0f;
-                for (long j = 0; j < d; j++) m += (dz[j] * w[j]) * (xt[j] * rs);
-                m /= (float)d;
-                for (long j = 0; j < d; j++) dxt[j] = (dz[j] * w[j] - (xt[j] * rs) * m) * rs;
-            }
+            if (w) norm_row_bwd(dz, x + (t * heads + k) * d, w, rstd[t * heads + k], NULL, dxt, d);
         }
     }
 }

@@ -73,9 +73,9 @@ def _build(cc: str) -> Path | None:
         log.info("fused kernels not built (%s); using torch's ops", exc)
         return None
     errors = []
+    machine = [cc.encode(), _cpu_id().encode(), sys.platform.encode()]
     for flags in _FLAG_SETS:
-        key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), cc.encode(), _cpu_id().encode(),
-                                         sys.platform.encode()])).hexdigest()[:16]
+        key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), *machine])).hexdigest()[:16]
         target = _cache_dir() / f"kernels-{key}.so"
         if target.exists():
             return target

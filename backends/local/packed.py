@@ -196,12 +196,11 @@ class _LoraGroup(torch.autograd.Function):
                 dus.append(torch.mm(d, bs[bi]).mul_(s))
                 bi += 1
             du = torch.cat(dus, dim=1) if len(dus) > 1 else dus[0]
-            if dx is None:
-                pass
-            elif dx.dtype == du.dtype:
-                dx.addmm_(du, a_cat)
-            else:
-                dx = dx.add_((du @ a_cat).to(dx.dtype))
+            if dx is not None:
+                if dx.dtype == du.dtype:
+                    dx.addmm_(du, a_cat)
+                else:
+                    dx = dx.add_((du @ a_cat).to(dx.dtype))
             if ctx.needs_input_grad[2]:
                 da = du.t() @ xa
         return (dx, None, da, *dbs)
