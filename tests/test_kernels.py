@@ -114,6 +114,62 @@ def test_results_do_not_depend_on_the_thread_count():
             assert torch.equal(a, b)
 
 
+def _attn_case(c: int, n: int, m: int, h: int, kv: int, d: int, seed: int = 0):
+    """Inputs for attn_bwd and the reference gradients: torch's math attention with the lower-right causal mask."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = torch.randn(c * n, h, d, generator=g), torch.randn(c * m, kv, d, generator=g), torch.randn(c * m, kv, d, generator=g)
+    do = torch.randn(c * n, h, d, generator=g)
+    scale = d ** -0.5
+    allowed = torch.ones(n, m, dtype=torch.bool).tril(m - n)
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        o = F.scaled_dot_product_attention(qr.view(c, n, h, d).transpose(1, 2), kr.view(c, m, kv, d).transpose(1, 2),
+                                           vr.view(c, m, kv, d).transpose(1, 2), attn_mask=allowed, scale=scale,
+                                           enable_gqa=h != kv)
+    o.backward(do.view(c, n, h, d).transpose(1, 2))
+    s = torch.einsum("cihd,cjhd->chij", q.view(c, n, h, d), k.view(c, m, kv, d).repeat_interleave(h // kv, 2)) * scale
+    lse = s.masked_fill(~allowed, float("-inf")).logsumexp(-1).contiguous()
+    o = o.detach().transpose(1, 2).reshape(c * n, h, d).contiguous()
+    assert qr.grad is not None and kr.grad is not None and vr.grad is not None
+    return (q, k, v, o, do, lse, scale), (qr.grad, kr.grad, vr.grad)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("c", "n", "m", "h", "kv", "d"), [
+    (1, 1, 1, 2, 2, 32),  # one token
+    (1, 7, 7, 4, 2, 32),  # fewer rows than a row block
+    (3, 21, 21, 4, 2, 32),  # a run of sequences, causal
+    (1, 37, 90, 8, 4, 64),  # a tree node: 53 ancestor rows, then its own 37 (keys past one tile)
+    (2, 50, 50, 4, 1, 64),  # one KV head for four query heads
+    (1, 70, 70, 2, 2, 64),  # no grouping
+    (2, 19, 33, 4, 2, 16),
+    (1, 45, 60, 4, 2, 128),  # two-row blocks
+])
+def test_attention_backward_matches_torch(c, n, m, h, kv, d):
+    assert K is not None and d in kmod.ATTN_HEAD_DIMS
+    (q, k, v, o, do, lse, scale), ref = _attn_case(c, n, m, h, kv, d)
+    got = K.attn_bwd(q, k, v, o, do, lse, c, scale)
+    for name, a, b in zip("qkv", got, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=lambda e, name=name: f"d{name}: {e}")
+
+
+@needs_kernels
+def test_attention_backward_does_not_depend_on_the_thread_count():
+    assert K is not None
+    (q, k, v, o, do, lse, scale), _ = _attn_case(3, 40, 60, 8, 4, 64, seed=3)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(K.attn_bwd(q, k, v, o, do, lse, 3, scale))
+    finally:
+        torch.set_num_threads(before)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
+
+
 def test_build_is_cached_and_can_be_turned_off(tmp_path, monkeypatch):
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler")

@@ -130,11 +130,18 @@ def _group(prompt: list[int], completions: list[int], seed: int) -> list[Datum]:
 
 
 @pytest.mark.parametrize(("kind", "call_cost", "fused"), [("qwen3", None, True), ("qwen3", None, False), ("llama", None, True),
-                                                    ("qwen3", 0, True), ("qwen3", 10**9, True)])
+                                                    ("qwen3", 0, True), ("qwen3", 10**9, True), ("qwen3", 0, "torch-attn")])
 def test_shared_prompts_pack_as_trees_and_match_hf(kind, call_cost, fused, monkeypatch):
-    # call_cost 0: every tree runs member by member; 10**9: every tree is one masked call.
+    # call_cost 0: every tree runs member by member; 10**9: every tree is one masked call. "torch-attn": the
+    # fused kernels but torch's attention backward (a head size without a C attention kernel).
     if call_cost is not None:
         monkeypatch.setattr(packed_mod, "_CALL_COST", call_cost)
+    calls = []
+    if fused == "torch-attn":
+        monkeypatch.setattr(packed_mod, "ATTN_HEAD_DIMS", ())
+    else:
+        real = packed_mod._CausalAttention.apply
+        monkeypatch.setattr(packed_mod._CausalAttention, "apply", lambda *a: calls.append(a[3]) or real(*a))
     rng = np.random.default_rng(1)
     p1, p2 = list(map(int, rng.integers(0, 259, 40))), list(map(int, rng.integers(0, 259, 25)))
     data = _group(p1, [3, 0, 7, 3], 0) + _data([33, 12]) + _group(p2, [5, 1, 60], 2)
@@ -147,7 +154,9 @@ def test_shared_prompts_pack_as_trees_and_match_hf(kind, call_cost, fused, monke
     assert sorted(layout.datums) == list(range(len(data)))
     assert len(layout.trees) == 2 and {t[0][1] for t in layout.trees} == {30, 25}  # root runs
     assert len(layout.tokens) == sum(d.length for d in data) - 30 * 4 - 25 * 2  # each prefix packed once
-    _compare(_lora(_model(kind)), data, fused=fused)
+    _compare(_lora(_model(kind)), data, fused=bool(fused))
+    # the C attention backward ran where it applies (fused, float32, head size 16: runs and tree nodes), only there
+    assert bool(calls) == (fused is True), calls
 
 
 @pytest.mark.parametrize("call_cost", [0, 10**9])

@@ -194,3 +194,176 @@ void swiglu_bwd(const float *dp, const float *g, const float *u, float *dg, floa
         }
     }
 }
+
+/* ---------------------------------------------------------------- attention backward
+ * Causal attention's input gradients, for c sequences of n queries against m keys (m >= n: the last n keys are
+ * the queries' own, any before them ancestors that every query sees): query i sees key j when j <= i + m - n.
+ * The forward ran elsewhere (torch's flash attention) and left its output o and row logsumexp lse, so the
+ * probabilities are recomputed here, not stored: p = exp(scale q.k - lse).
+ *
+ *   dv_j = sum_i p_ij do_i        dp_ij = do_i . v_j        ds_ij = p_ij (dp_ij - do_i . o_i)
+ *   dq_i = scale sum_j ds_ij k_j  dk_j = scale sum_i ds_ij q_i
+ *
+ * Layouts (contiguous float32, token-major as the packed trainer holds them): q, o, do, dq (c*n, H, D); k, v, dk,
+ * dv (c*m, KV, D); lse (c, H, n). Query head h reads KV head h / (H / KV) (grouped-query attention).
+ *
+ * One task per (sequence, KV head): it owns its dk, dv rows and its query heads' dq rows, so tasks never share
+ * an output and the result does not depend on the thread count. Within a task, queries go in blocks of QB rows
+ * and keys in tiles of KT: a tile's scores are QB x KT registers (keys and values transposed, so KT keys are two
+ * vectors), dq's QB rows stay in registers over a row block, dk and dv accumulate in the task's m x D buffers (L2).
+ * Written with GCC/clang vector types (16 floats; a target without 512-bit vectors splits them). D is a
+ * compile-time constant: one function per head size, torch's backward for the others. */
+typedef float v16 __attribute__((vector_size(64)));
+static inline v16 ld16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void st16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+/* exp_le80 on 16 lanes, for x <= 0 (larger x is clamped to 0: the scores here are at most their logsumexp) */
+static inline v16 exp16(v16 x) {
+    x = (v16)(((i16)x & (x < 0.0f)));  /* x > 0 (rounding) -> 0 */
+    x = (v16)(((i16)x & (x >= -87.0f)) | ((i16)((v16){0} - 87.0f) & (x < -87.0f)));
+    v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    i16 e = (__builtin_convertvector(n, i16) + 127) << 23;
+    return p * (v16)e;
+}
+
+#define KT 16
+#define QBMAX 4
+
+/* floats of workspace one thread needs (the caller passes nt of them): kt, vt, dk, dv and the row dots */
+long attn_work(long m, long n, long D) { return 4 * ((m + KT - 1) / KT * KT) * D + n; }
+
+#ifdef _OPENMP
+#include <omp.h>
+static inline int omp_thread(void) { return omp_get_thread_num(); }
+#else
+static inline int omp_thread(void) { return 0; }
+#endif
+
+static inline void attn_bwd_task(const float *q, const float *k, const float *v, const float *o, const float *dout,
+                                 const float *lse, float *dq, float *dk, float *dv, long b, long kh, long n, long m,
+                                 long H, long KV, float scale, float *buf, const int D, const int QB) {
+    const int DV = D / 16;
+    long g = H / KV, off = m - n, mp = (m + KT - 1) / KT * KT;
+    float *kt = buf, *vt = kt + mp * D, *dkb = vt + mp * D, *dvb = dkb + mp * D, *di = dvb + mp * D;
+    memset(buf, 0, sizeof(float) * (size_t)(4 * mp * D));
+    for (long j = 0; j < m; j++) {  /* kt, vt: keys and values transposed (D x mp, zero past m) */
+        const float *kr = k + ((b * m + j) * KV + kh) * D, *vr = v + ((b * m + j) * KV + kh) * D;
+        for (int d = 0; d < D; d++) { kt[d * mp + j] = kr[d]; vt[d * mp + j] = vr[d]; }
+    }
+    for (long h = kh * g; h < (kh + 1) * g; h++) {
+        const float *ls = lse + (b * H + h) * n;
+        for (long i = 0; i < n; i++) {
+            const float *orow = o + ((b * n + i) * H + h) * D, *dorow = dout + ((b * n + i) * H + h) * D;
+            v16 acc = {0};
+            for (int e = 0; e < DV; e++) acc += ld16(orow + 16 * e) * ld16(dorow + 16 * e);
+            float t = 0.0f;
+            for (int l = 0; l < 16; l++) t += acc[l];
+            di[i] = t;
+        }
+        for (long i0 = 0; i0 < n; i0 += QB) {
+            float qs[QBMAX][128] __attribute__((aligned(64))), dor[QBMAX][128] __attribute__((aligned(64)));
+            float lr[QBMAX], dd[QBMAX];
+            long lim[QBMAX], jend = -1;
+            v16 dqr[QBMAX][8];
+            for (int r = 0; r < QB; r++) {
+                long i = i0 + r < n ? i0 + r : n - 1;  /* past the end: the last row again, all masked out */
+                const float *qrow = q + ((b * n + i) * H + h) * D, *dorow = dout + ((b * n + i) * H + h) * D;
+                for (int d = 0; d < D; d++) { qs[r][d] = qrow[d] * scale; dor[r][d] = dorow[d]; }
+                for (int e = 0; e < DV; e++) dqr[r][e] = (v16){0};
+                lr[r] = ls[i]; dd[r] = di[i];
+                lim[r] = i0 + r < n ? i0 + r + off : -1;  /* the last key row r sees */
+                jend = lim[r] > jend ? lim[r] : jend;
+            }
+            for (long j0 = 0; j0 <= jend; j0 += KT) {
+                v16 s[QBMAX][KT / 16] = {{{0}}}, dp[QBMAX][KT / 16] = {{{0}}};
+                for (int d = 0; d < D; d++) {
+                    const float *kd = kt + d * mp + j0, *vd = vt + d * mp + j0;
+                    for (int t = 0; t < KT / 16; t++) {
+                        v16 kk = ld16(kd + 16 * t), vv = ld16(vd + 16 * t);
+                        for (int r = 0; r < QB; r++) { s[r][t] += qs[r][d] * kk; dp[r][t] += dor[r][d] * vv; }
+                    }
+                }
+                float P[QBMAX][KT] __attribute__((aligned(64))), DS[QBMAX][KT] __attribute__((aligned(64)));
+                for (int r = 0; r < QB; r++)
+                    for (int t = 0; t < KT / 16; t++) {
+                        i16 idx = (i16){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + (int)(j0 + 16 * t);
+                        i16 seen = idx <= (int)lim[r];  /* all ones where key j0 + 16 t + lane is visible */
+                        v16 p = exp16(s[r][t] - lr[r]);
+                        p = (v16)((i16)p & seen);
+                        st16(P[r] + 16 * t, p);
+                        st16(DS[r] + 16 * t, p * (dp[r][t] - dd[r]));
+                    }
+                long jn = jend + 1 - j0 < KT ? jend + 1 - j0 : KT;
+                {  /* dv += P^T do */
+                    v16 x[QBMAX][8];
+                    for (int r = 0; r < QB; r++) for (int e = 0; e < DV; e++) x[r][e] = ld16(dor[r] + 16 * e);
+                    for (long jj = 0; jj < jn; jj++) {
+                        float *row = dvb + (j0 + jj) * D;
+                        for (int e = 0; e < DV; e++) {
+                            v16 a = ld16(row + 16 * e), a2 = P[0][jj] * x[0][e];  /* two chains (QB is even) */
+                            for (int r = 1; r + 1 < QB; r += 2) { a += P[r][jj] * x[r][e]; a2 += P[r + 1][jj] * x[r + 1][e]; }
+                            a += P[QB - 1][jj] * x[QB - 1][e];
+                            st16(row + 16 * e, a + a2);
+                        }
+                    }
+                }
+                {  /* dk += DS^T (scale q) */
+                    v16 x[QBMAX][8];
+                    for (int r = 0; r < QB; r++) for (int e = 0; e < DV; e++) x[r][e] = ld16(qs[r] + 16 * e);
+                    for (long jj = 0; jj < jn; jj++) {
+                        float *row = dkb + (j0 + jj) * D;
+                        for (int e = 0; e < DV; e++) {
+                            v16 a = ld16(row + 16 * e), a2 = DS[0][jj] * x[0][e];  /* two chains (QB is even) */
+                            for (int r = 1; r + 1 < QB; r += 2) { a += DS[r][jj] * x[r][e]; a2 += DS[r + 1][jj] * x[r + 1][e]; }
+                            a += DS[QB - 1][jj] * x[QB - 1][e];
+                            st16(row + 16 * e, a + a2);
+                        }
+                    }
+                }
+                for (long jj = 0; jj < jn; jj++) {  /* dq += DS k */
+                    const float *kr = k + ((b * m + j0 + jj) * KV + kh) * D;
+                    for (int e = 0; e < DV; e++) {
+                        v16 kv = ld16(kr + 16 * e);
+                        for (int r = 0; r < QB; r++) dqr[r][e] += DS[r][jj] * kv;
+                    }
+                }
+            }
+            for (int r = 0; r < QB && i0 + r < n; r++) {
+                float *dqrow = dq + ((b * n + i0 + r) * H + h) * D;
+                for (int e = 0; e < DV; e++) st16(dqrow + 16 * e, dqr[r][e] * scale);
+            }
+        }
+    }
+    for (long j = 0; j < m; j++) {
+        float *dkr = dk + ((b * m + j) * KV + kh) * D, *dvr = dv + ((b * m + j) * KV + kh) * D;
+        memcpy(dkr, dkb + j * D, sizeof(float) * (size_t)D);
+        memcpy(dvr, dvb + j * D, sizeof(float) * (size_t)D);
+    }
+}
+
+#define ATTN_BWD(D, QB)                                                                                          \
+void attn_bwd_##D(const float *q, const float *k, const float *v, const float *o, const float *dout,            \
+                  const float *lse, float *dq, float *dk, float *dv, long c, long n, long m, long H, long KV,    \
+                  float scale, float *work, int nt) {                                                            \
+    long per = attn_work(m, n, D);                                                                               \
+    _Pragma("omp parallel if (nt > 1 && c * KV > 1) num_threads(nt)")                                            \
+    {                                                                                                            \
+        float *buf = work + per * omp_thread();                                                                  \
+        _Pragma("omp for schedule(dynamic)")                                                                     \
+        for (long task = 0; task < c * KV; task++)                                                               \
+            attn_bwd_task(q, k, v, o, dout, lse, dq, dk, dv, task / KV, task % KV, n, m, H, KV, scale, buf, D, QB); \
+    }                                                                                                            \
+}
+
+ATTN_BWD(16, 4)
+ATTN_BWD(32, 4)
+ATTN_BWD(64, 4)
+ATTN_BWD(128, 2)

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backends.local.batching import plan_packs
+from backends.local.kernels import ATTN_HEAD_DIMS
 from backends.local.kernels import MAX_HEAD_DIM as kernels_max_head_dim
 from backends.local.kernels import Kernels
 from backends.local.kernels import load as load_kernels
@@ -137,6 +138,37 @@ class _FusedSwiGLU(torch.autograd.Function):
         g, u = ctx.saved_tensors
         dg, du = ctx.k.swiglu_bwd(grads[0].contiguous(), g, u)
         return dg, du, None
+
+
+class _CausalAttention(torch.autograd.Function):
+    """Attention of c sequences of n queries over m keys, query i seeing keys j <= i + m - n (a lower-right causal
+    mask: m - n ancestor rows, then the queries' own): q (c*n, H, D), k, v (c*m, KV, D) -> (c*n, H*D).
+
+    The forward is torch's flash attention for the CPU (it also returns the row logsumexp); the backward is the C
+    kernel (kernels.c, attn_bwd_*), which recomputes the probabilities from the logsumexp, as flash's own
+    backward does, ~2x faster than it at head size 64 (bench/README.md). `mask` is the forward's additive float
+    mask when m > n (None: m == n, causal)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: int, mask: torch.Tensor | None,
+                scale: float, kern: Kernels) -> torch.Tensor:
+        cn, H, D = q.shape
+        cm, K, _ = k.shape
+        n, m = cn // c, cm // c
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.view(c, n, H, D).transpose(1, 2), k.view(c, m, K, D).transpose(1, 2), v.view(c, m, K, D).transpose(1, 2),
+            0.0, mask is None, attn_mask=mask, scale=scale)
+        o = o.transpose(1, 2).reshape(cn, H, D)  # flash lays its output out (c, n, H, D): a view
+        ctx.c, ctx.scale, ctx.kern = c, scale, kern
+        ctx.save_for_backward(q, k, v, o, lse)
+        return o.view(cn, H * D)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, o, lse = ctx.saved_tensors
+        do = grads[0].contiguous().view(q.shape)
+        dq, dk, dv = ctx.kern.attn_bwd(q, k, v, o.contiguous(), do, lse.contiguous(), ctx.c, ctx.scale)
+        return dq, dk, dv, None, None, None, None
 
 
 class _LoraGroup(torch.autograd.Function):
@@ -357,12 +389,13 @@ class PackedLM:
         if kern is None:
             return self._hidden_eager(x, cos[0, :, None, :], sin[0, :, None, :], blocks)
         cos, sin, eps = cos[0].contiguous(), sin[0].contiguous(), self.eps
+        masks: dict[tuple[int, int], torch.Tensor] = {}  # _attention's float masks, shared by the layers
         h = _FusedNorm.apply(x, None, self.layers[0].ln1, eps, kern)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.qkv(h)
             q = _FusedNormRope.apply(q.view(T, H, D), layer.q_norm, cos, sin, eps, kern)
             k = _FusedNormRope.apply(k.view(T, K, D), layer.k_norm, cos, sin, eps, kern)
-            a = _attention(q, k, v.view(T, K, D), blocks, self.scaling)
+            a = _attention(q, k, v.view(T, K, D), blocks, self.scaling, kern, masks)
             (o,) = layer.o(a)
             x, h = _FusedNorm.apply(x, o, layer.ln2, eps, kern)
             g, u = layer.gate_up(h)
@@ -604,15 +637,30 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[_Block], scale: float) -> torch.Tensor:
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[_Block], scale: float,
+               kern: Kernels | None = None, masks: dict[tuple[int, int], torch.Tensor] | None = None) -> torch.Tensor:
     """Attention within each block: q (T, H, D), k/v (T, K, D) -> (T, H*D). A run of c causal sequences of
     length n is one SDPA call over (c, heads, n, D). torch.split, not slicing: a slice's backward zero-fills a
-    whole-size gradient per piece, split's concatenates once."""
+    whole-size gradient per piece, split's concatenates once.
+
+    With `kern` (the C kernels, float32 on the CPU, a head size in ATTN_HEAD_DIMS) causal and lower-right causal
+    calls (runs, roots, tree nodes) go through _CausalAttention; `masks` caches its float masks by shape."""
     _, H, D = q.shape
     K = k.shape[1]
+    fast = kern is not None and D in ATTN_HEAD_DIMS and Kernels.usable(q, k, v)
+    masks = {} if masks is None else masks
 
-    def sdpa(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, c: int, mask: torch.Tensor | None) -> torch.Tensor:
+    def sdpa(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, c: int, mask: torch.Tensor | None,
+             lower_right: bool = True) -> torch.Tensor:
         n, m = qs.shape[0] // c, ks.shape[0] // c
+        if fast and lower_right and kern is not None:
+            fmask = None
+            if m != n:
+                fmask = masks.get((n, m))
+                if fmask is None:
+                    allowed = torch.ones(n, m, dtype=torch.bool).tril(m - n)
+                    fmask = masks[(n, m)] = torch.zeros(n, m).masked_fill_(~allowed, float("-inf"))
+            return _CausalAttention.apply(qs, ks, vs, c, fmask, scale, kern)  # type: ignore[no-any-return]
         o = F.scaled_dot_product_attention(qs.view(c, n, H, D).transpose(1, 2), ks.view(c, m, K, D).transpose(1, 2),
                                            vs.view(c, m, K, D).transpose(1, 2), attn_mask=mask,
                                            is_causal=mask is None, scale=scale, enable_gqa=H != K)
@@ -622,7 +670,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[_
     outs = []
     for qs, ks, vs, b in zip(q.split(sizes), k.split(sizes), v.split(sizes), blocks):
         if b.nodes is None:
-            outs.append(sdpa(qs, ks, vs, b.count, b.mask))
+            outs.append(sdpa(qs, ks, vs, b.count, b.mask, lower_right=b.mask is None))
             continue
         parts = [length for length, _, _ in b.nodes]
         qx, kx, vx = qs.split(parts), ks.split(parts), vs.split(parts)
@@ -631,7 +679,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[_
                 continue
             if not anc:
                 outs.append(sdpa(qx[j], kx[j], vx[j], 1, None))
-            else:
+            else:  # mask: lower-right causal (attention_blocks)
                 kj = torch.cat([kx[a] for a in anc] + [kx[j]])
                 vj = torch.cat([vx[a] for a in anc] + [vx[j]])
                 outs.append(sdpa(qx[j], kj, vj, 1, mask))
