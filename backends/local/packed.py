@@ -42,9 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from backends.local.batching import plan_packs
-from backends.local.kernels import ATTN_HEAD_DIMS
+from backends.local.kernels import ATTN_HEAD_DIMS, Kernels
 from backends.local.kernels import MAX_HEAD_DIM as kernels_max_head_dim
-from backends.local.kernels import Kernels
 from backends.local.kernels import load as load_kernels
 from backends.local.model import llama_family_problem, lora_linear_parts
 from backends.types import Datum
