@@ -114,55 +114,74 @@ def test_results_do_not_depend_on_the_thread_count():
             assert torch.equal(a, b)
 
 
-def _attn_case(c: int, n: int, m: int, h: int, kv: int, d: int, seed: int = 0):
-    """Inputs for attn_bwd and the reference gradients: torch's math attention with the lower-right causal mask."""
+def _tree_case(segments: list[tuple[int, list[int]]], h: int, kv: int, d: int, seed: int = 0):
+    """A packed chunk of segments (rows, ancestor segment indices, root first), laid out in order: the inputs of
+    the tree attention kernels and torch's math attention over the chunk with the equivalent T x T mask."""
+    starts = [sum(n for n, _ in segments[:i]) for i in range(len(segments))]
+    t = sum(n for n, _ in segments)
+    allowed = torch.zeros(t, t, dtype=torch.bool)
+    seg, anc = [], []
+    for (n, ancestors), s0 in zip(segments, starts):
+        a0 = len(anc)
+        for a in ancestors:
+            anc.append((starts[a], segments[a][0]))
+            allowed[s0:s0 + n, starts[a]:starts[a] + segments[a][0]] = True
+        allowed[s0:s0 + n, s0:s0 + n] = torch.ones(n, n, dtype=torch.bool).tril()
+        seg.append((s0, n, a0, len(anc)))
+    keys = [n + sum(segments[a][0] for a in ancestors) for n, ancestors in segments]
+    plan = (torch.tensor(seg, dtype=torch.int64), torch.tensor(anc or [(0, 0)], dtype=torch.int64), max(keys),
+            max(n for n, _ in segments))
     g = torch.Generator().manual_seed(seed)
-    q, k, v = torch.randn(c * n, h, d, generator=g), torch.randn(c * m, kv, d, generator=g), torch.randn(c * m, kv, d, generator=g)
-    do = torch.randn(c * n, h, d, generator=g)
+    q, k, v = torch.randn(t, h, d, generator=g), torch.randn(t, kv, d, generator=g), torch.randn(t, kv, d, generator=g)
+    do = torch.randn(t, h, d, generator=g)
     scale = d ** -0.5
-    allowed = torch.ones(n, m, dtype=torch.bool).tril(m - n)
     qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-        o = F.scaled_dot_product_attention(qr.view(c, n, h, d).transpose(1, 2), kr.view(c, m, kv, d).transpose(1, 2),
-                                           vr.view(c, m, kv, d).transpose(1, 2), attn_mask=allowed, scale=scale,
-                                           enable_gqa=h != kv)
-    o.backward(do.view(c, n, h, d).transpose(1, 2))
-    s = torch.einsum("cihd,cjhd->chij", q.view(c, n, h, d), k.view(c, m, kv, d).repeat_interleave(h // kv, 2)) * scale
-    lse = s.masked_fill(~allowed, float("-inf")).logsumexp(-1).contiguous()
-    o = o.detach().transpose(1, 2).reshape(c * n, h, d).contiguous()
+        o = F.scaled_dot_product_attention(qr.transpose(0, 1), kr.transpose(0, 1), vr.transpose(0, 1),
+                                           attn_mask=allowed, scale=scale, enable_gqa=h != kv)
+    o.backward(do.transpose(0, 1))
+    sc = torch.einsum("ihd,jhd->hij", q, k.repeat_interleave(h // kv, 1)) * scale
+    lse = sc.masked_fill(~allowed, float("-inf")).logsumexp(-1).t()
     assert qr.grad is not None and kr.grad is not None and vr.grad is not None
-    return (q, k, v, o, do, lse, scale), (qr.grad, kr.grad, vr.grad)
+    return (q, k, v, do, plan, scale), (o.detach().transpose(0, 1), lse, qr.grad, kr.grad, vr.grad)
+
+
+# (rows, ancestors) per segment
+TREE = [(9, []), (37, [0]), (5, [0]), (20, [0, 2]), (1, [0, 2]), (3, [])]
 
 
 @needs_kernels
-@pytest.mark.parametrize(("c", "n", "m", "h", "kv", "d"), [
-    (1, 1, 1, 2, 2, 32),  # one token
-    (1, 7, 7, 4, 2, 32),  # fewer rows than a row block
-    (3, 21, 21, 4, 2, 32),  # a run of sequences, causal
-    (1, 37, 90, 8, 4, 64),  # a tree node: 53 ancestor rows, then its own 37 (keys past one tile)
-    (2, 50, 50, 4, 1, 64),  # one KV head for four query heads
-    (1, 70, 70, 2, 2, 64),  # no grouping
-    (2, 19, 33, 4, 2, 16),
-    (1, 45, 60, 4, 2, 128),  # two-row blocks
+@pytest.mark.parametrize(("segments", "h", "kv", "d"), [
+    ([(1, [])], 2, 2, 32),  # one token
+    ([(7, []), (7, []), (7, [])], 4, 2, 32),  # a run of sequences
+    (TREE, 8, 4, 64),  # a nested tree: two levels of ancestors, keys past one tile, a one-row node
+    ([(50, []), (70, [0])], 4, 1, 64),  # one KV head for four query heads
+    ([(70, [])], 2, 2, 64),  # no grouping
+    (TREE, 4, 2, 16),
+    ([(30, []), (45, [0])], 4, 2, 128),  # two-row blocks
 ])
-def test_attention_backward_matches_torch(c, n, m, h, kv, d):
+def test_tree_attention_matches_torch(segments, h, kv, d):
     assert K is not None and d in kmod.ATTN_HEAD_DIMS
-    (q, k, v, o, do, lse, scale), ref = _attn_case(c, n, m, h, kv, d)
-    got = K.attn_bwd(q, k, v, o, do, lse, c, scale)
-    for name, a, b in zip("qkv", got, ref):
+    (q, k, v, do, plan, scale), (ro, rlse, rdq, rdk, rdv) = _tree_case(segments, h, kv, d)
+    o, lse = K.tree_attn_fwd(q, k, v, *plan, scale)
+    torch.testing.assert_close(o, ro, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(lse, rlse, atol=1e-5, rtol=1e-5)
+    got = K.tree_attn_bwd(q, k, v, o, do, lse, *plan, scale)
+    for name, a, b in zip("qkv", got, (rdq, rdk, rdv)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=lambda e, name=name: f"d{name}: {e}")
 
 
 @needs_kernels
-def test_attention_backward_does_not_depend_on_the_thread_count():
+def test_tree_attention_does_not_depend_on_the_thread_count():
     assert K is not None
-    (q, k, v, o, do, lse, scale), _ = _attn_case(3, 40, 60, 8, 4, 64, seed=3)
+    (q, k, v, do, plan, scale), _ = _tree_case(TREE, 8, 4, 64, seed=3)
     before = torch.get_num_threads()
     outs = []
     try:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            outs.append(K.attn_bwd(q, k, v, o, do, lse, 3, scale))
+            o, lse = K.tree_attn_fwd(q, k, v, *plan, scale)
+            outs.append([o, lse, *K.tree_attn_bwd(q, k, v, o, do, lse, *plan, scale)])
     finally:
         torch.set_num_threads(before)
     for other in outs[1:]:

@@ -140,8 +140,8 @@ def test_shared_prompts_pack_as_trees_and_match_hf(kind, call_cost, fused, monke
     if fused == "torch-attn":
         monkeypatch.setattr(packed_mod, "ATTN_HEAD_DIMS", ())
     else:
-        real = packed_mod._CausalAttention.apply
-        monkeypatch.setattr(packed_mod._CausalAttention, "apply", lambda *a: calls.append(a[3]) or real(*a))
+        real = packed_mod._TreeAttention.apply
+        monkeypatch.setattr(packed_mod._TreeAttention, "apply", lambda *a: calls.append(a[3]) or real(*a))
     rng = np.random.default_rng(1)
     p1, p2 = list(map(int, rng.integers(0, 259, 40))), list(map(int, rng.integers(0, 259, 25)))
     data = _group(p1, [3, 0, 7, 3], 0) + _data([33, 12]) + _group(p2, [5, 1, 60], 2)
@@ -155,7 +155,7 @@ def test_shared_prompts_pack_as_trees_and_match_hf(kind, call_cost, fused, monke
     assert len(layout.trees) == 2 and {t[0][1] for t in layout.trees} == {30, 25}  # root runs
     assert len(layout.tokens) == sum(d.length for d in data) - 30 * 4 - 25 * 2  # each prefix packed once
     _compare(_lora(_model(kind)), data, fused=bool(fused))
-    # the C attention backward ran where it applies (fused, float32, head size 16: runs and tree nodes), only there
+    # the C tree attention ran where it applies (fused, float32, head size 16), and only there
     assert bool(calls) == (fused is True), calls
 
 

@@ -195,32 +195,35 @@ void swiglu_bwd(const float *dp, const float *g, const float *u, float *dg, floa
     }
 }
 
-/* ---------------------------------------------------------------- attention backward
- * Causal attention's input gradients, for c sequences of n queries against m keys (m >= n: the last n keys are
- * the queries' own, any before them ancestors that every query sees): query i sees key j when j <= i + m - n.
- * The forward ran elsewhere (torch's flash attention) and left its output o and row logsumexp lse, so the
- * probabilities are recomputed here, not stored: p = exp(scale q.k - lse).
+/* ---------------------------------------------------------------- tree attention
+ * Attention over a packed chunk made of segments. A segment is a run of query rows (a lone sequence, or one node
+ * of a prefix tree) that sees every row of its ancestors' segments, in order, then its own rows causally: with m
+ * keys in all and n own rows, its query i sees key j when j <= i + m - n. Every tensor is token-major over the
+ * chunk's T rows (float32, contiguous), so no segment's rows are copied out or concatenated:
+ *   q, o, do, dq (T, H, D); k, v, dk, dv (T, KV, D); lse (T, H), the row logsumexp of scale q.k.
+ * seg (nseg x 4, int64): a segment's first row, its row count, and the first and end index of its ancestors in
+ * anc (x 2, int64: an ancestor's first row and row count, root first). Query head h reads KV head h / (H / KV).
  *
- *   dv_j = sum_i p_ij do_i        dp_ij = do_i . v_j        ds_ij = p_ij (dp_ij - do_i . o_i)
- *   dq_i = scale sum_j ds_ij k_j  dk_j = scale sum_i ds_ij q_i
+ *   forward   s = scale q.k, lse = logsumexp_j s, o = sum_j softmax(s)_j v_j      (online, one pass over keys)
+ *   backward  p = exp(s - lse) (recomputed, not stored), dv_j = sum_i p_ij do_i, dp_ij = do_i . v_j,
+ *             ds_ij = p_ij (dp_ij - do_i . o_i), dq_i = scale sum_j ds_ij k_j, dk_j = scale sum_i ds_ij q_i
  *
- * Layouts (contiguous float32, token-major as the packed trainer holds them): q, o, do, dq (c*n, H, D); k, v, dk,
- * dv (c*m, KV, D); lse (c, H, n). Query head h reads KV head h / (H / KV) (grouped-query attention).
- *
- * One task per (sequence, KV head): it owns its dk, dv rows and its query heads' dq rows, so tasks never share
- * an output and the result does not depend on the thread count. Within a task, queries go in blocks of QB rows
- * and keys in tiles of KT: a tile's scores are QB x KT registers (keys and values transposed, so KT keys are two
- * vectors), dq's QB rows stay in registers over a row block, dk and dv accumulate in the task's m x D buffers (L2).
- * Written with GCC/clang vector types (16 floats; a target without 512-bit vectors splits them). D is a
- * compile-time constant: one function per head size, torch's backward for the others. */
+ * A task is one segment for one KV head: it gathers the segment's keys and values into its workspace (keys and
+ * values transposed, D x mp, so a tile of KT keys is one vector), then takes its query heads' rows in blocks
+ * of QB: a tile's scores are QB vectors, the block's output (or dq) rows stay in registers. The forward's tasks
+ * are independent. In the backward a segment's ancestors' dk and dv rows also receive its gradient, so the
+ * tasks of one KV head run in segment order on one thread (threads split the KV heads): the sums, and so the
+ * result, do not depend on the thread count. Written with GCC/clang vector types (16 floats; a target without
+ * 512-bit vectors splits them). D is a compile-time constant: one function per head size. */
 typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
 static inline v16 ld16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 static inline void st16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-typedef int32_t i16 __attribute__((vector_size(64)));
+static const i16 LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
-/* exp_le80 on 16 lanes, for x <= 0 (larger x is clamped to 0: the scores here are at most their logsumexp) */
+/* exp_le80 on 16 lanes, for x <= 0 (larger x is taken as 0: scores here are at most their row's max) */
 static inline v16 exp16(v16 x) {
-    x = (v16)(((i16)x & (x < 0.0f)));  /* x > 0 (rounding) -> 0 */
+    x = (v16)(((i16)x & (x < 0.0f)));
     x = (v16)(((i16)x & (x >= -87.0f)) | ((i16)((v16){0} - 87.0f) & (x < -87.0f)));
     v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -234,11 +237,25 @@ static inline v16 exp16(v16 x) {
     return p * (v16)e;
 }
 
+/* the larger of each lane; a row's largest lane (four shuffle steps) */
+static inline v16 vmax16(v16 a, v16 b) { i16 gt = a > b; return (v16)(((i16)a & gt) | ((i16)b & ~gt)); }
+#if defined(__clang__)
+#define SHUF16(x, ...) __builtin_shufflevector(x, x, __VA_ARGS__)
+#else
+#define SHUF16(x, ...) __builtin_shuffle(x, (i16){__VA_ARGS__})
+#endif
+static inline float hmax16(v16 x) {
+    x = vmax16(x, SHUF16(x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    x = vmax16(x, SHUF16(x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    x = vmax16(x, SHUF16(x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    x = vmax16(x, SHUF16(x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    return x[0];
+}
+
 #define KT 16
 #define QBMAX 4
 
-/* floats of workspace one thread needs (the caller passes nt of them): kt, vt, dk, dv and the row dots */
-long attn_work(long m, long n, long D) { return 4 * ((m + KT - 1) / KT * KT) * D + n; }
+static inline long round_kt(long m) { return (m + KT - 1) / KT * KT; }
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -247,68 +264,179 @@ static inline int omp_thread(void) { return omp_get_thread_num(); }
 static inline int omp_thread(void) { return 0; }
 #endif
 
-static inline void attn_bwd_task(const float *q, const float *k, const float *v, const float *o, const float *dout,
-                                 const float *lse, float *dq, float *dk, float *dv, long b, long kh, long n, long m,
-                                 long H, long KV, float scale, float *buf, const int D, const int QB) {
-    const int DV = D / 16;
-    long g = H / KV, off = m - n, mp = (m + KT - 1) / KT * KT;
-    float *kt = buf, *vt = kt + mp * D, *dkb = vt + mp * D, *dvb = dkb + mp * D, *di = dvb + mp * D;
-    memset(buf, 0, sizeof(float) * (size_t)(4 * mp * D));
-    for (long j = 0; j < m; j++) {  /* kt, vt: keys and values transposed (D x mp, zero past m) */
-        const float *kr = k + ((b * m + j) * KV + kh) * D, *vr = v + ((b * m + j) * KV + kh) * D;
-        for (int d = 0; d < D; d++) { kt[d * mp + j] = kr[d]; vt[d * mp + j] = vr[d]; }
+/* floats of workspace one thread needs (the caller passes nt of them), for segments of at most mmax keys and
+ * nmax rows */
+long tree_attn_work(long mmax, long nmax, long D) { return 5 * round_kt(mmax) * D + nmax; }
+
+/* keys a segment sees: its ancestors' rows and its own */
+static inline long seg_keys(const int64_t *sg, const int64_t *anc) {
+    long m = sg[1];
+    for (long a = sg[2]; a < sg[3]; a++) m += anc[2 * a + 1];
+    return m;
+}
+
+/* Calls body(j, row) for the segment's key rows in order: j counts from 0, row is the chunk row. */
+#define FOR_KEYS(sg, anc, j, row, ...)                                                                           \
+    {                                                                                                            \
+        long j = 0;                                                                                              \
+        for (long a_ = (sg)[2]; a_ <= (sg)[3]; a_++) {                                                           \
+            long r0_ = a_ < (sg)[3] ? (anc)[2 * a_] : (sg)[0], len_ = a_ < (sg)[3] ? (anc)[2 * a_ + 1] : (sg)[1]; \
+            for (long row = r0_; row < r0_ + len_; row++, j++) { __VA_ARGS__ }                                        \
+        }                                                                                                        \
     }
+
+/* The segment's keys for KV head kh: kt (and vt) transposed, D x mp, zero past m; kr or vr row-major, m x D. */
+static inline void gather(const float *k, const float *v, const int64_t *sg, const int64_t *anc, long KV, long kh,
+                          long m, long mp, float *kt, float *vt, float *kr, float *vr, const int D) {
+    FOR_KEYS(sg, anc, j, row, {
+        const float *ks = k + (row * KV + kh) * D, *vs = v + (row * KV + kh) * D;
+        for (int d = 0; d < D; d++) kt[d * mp + j] = ks[d];
+        if (vt) for (int d = 0; d < D; d++) vt[d * mp + j] = vs[d];
+        if (kr) memcpy(kr + j * D, ks, sizeof(float) * (size_t)D);
+        if (vr) memcpy(vr + j * D, vs, sizeof(float) * (size_t)D);
+    })
+    for (int d = 0; d < D; d++)
+        for (long j = m; j < mp; j++) {
+            kt[d * mp + j] = 0.0f;
+            if (vt) vt[d * mp + j] = 0.0f;
+        }
+}
+
+/* The rows of one query block: q scaled (qs), do (dor, backward only), and the last key each row sees (-1 for
+ * rows past the segment's end, which repeat its last row and are masked out). Returns the largest. */
+static inline long load_rows(const float *q, const float *dout, long row0, long n, long i0, long h, long H,
+                             float scale, long off, float qs[][128], float dor[][128], long *lim, const int D,
+                             const int QB) {
+    long jend = -1;
+    for (int r = 0; r < QB; r++) {
+        long i = i0 + r < n ? i0 + r : n - 1;
+        const float *qrow = q + ((row0 + i) * H + h) * D;
+        for (int d = 0; d < D; d++) qs[r][d] = qrow[d] * scale;
+        if (dor) {
+            const float *drow = dout + ((row0 + i) * H + h) * D;
+            for (int d = 0; d < D; d++) dor[r][d] = drow[d];
+        }
+        lim[r] = i0 + r < n ? i0 + r + off : -1;
+        jend = lim[r] > jend ? lim[r] : jend;
+    }
+    return jend;
+}
+
+static inline void fwd_task(const float *q, const float *k, const float *v, float *o, float *lse,
+                            const int64_t *sg, const int64_t *anc, long H, long KV, long kh, float scale, float *buf,
+                            const int D, const int QB) {
+    const int DV = D / 16;
+    long row0 = sg[0], n = sg[1], m = seg_keys(sg, anc), mp = round_kt(m), off = m - n, g = H / KV;
+    float *kt = buf, *vr = kt + mp * D;
+    gather(k, v, sg, anc, KV, kh, m, mp, kt, NULL, NULL, vr, D);
+    for (long h = kh * g; h < (kh + 1) * g; h++)
+        for (long i0 = 0; i0 < n; i0 += QB) {
+            float qs[QBMAX][128] __attribute__((aligned(64)));
+            float P[QBMAX][KT] __attribute__((aligned(64)));
+            float mx[QBMAX];
+            long lim[QBMAX];
+            v16 acc[QBMAX][8], sum[QBMAX];  /* sum: per lane, added up at the end */
+            long jend = load_rows(q, NULL, row0, n, i0, h, H, scale, off, qs, NULL, lim, D, QB);
+            for (int r = 0; r < QB; r++) {
+                mx[r] = -INFINITY;
+                sum[r] = (v16){0};
+                for (int e = 0; e < DV; e++) acc[r][e] = (v16){0};
+            }
+            const v16 ninf = (v16){0} - INFINITY;
+            for (long j0 = 0; j0 <= jend; j0 += KT) {
+                v16 s[QBMAX] = {{0}}, s2[QBMAX] = {{0}};  /* two chains per row: even and odd d */
+                for (int d = 0; d < D; d += 2) {
+                    v16 k0 = ld16(kt + d * mp + j0), k1 = ld16(kt + (d + 1) * mp + j0);
+                    for (int r = 0; r < QB; r++) { s[r] += qs[r][d] * k0; s2[r] += qs[r][d + 1] * k1; }
+                }
+                for (int r = 0; r < QB; r++) {
+                    if (lim[r] < j0) {  /* sees no key of this tile */
+                        st16(P[r], (v16){0});
+                        continue;
+                    }
+                    i16 seen = (LANE + (int)j0) <= (int)lim[r];
+                    v16 sr = (v16)(((i16)(s[r] + s2[r]) & seen) | ((i16)ninf & ~seen));
+                    float t = hmax16(sr);
+                    if (t > mx[r]) {  /* a new row max: rescale what was summed so far */
+                        float corr = expf(mx[r] - t);  /* 0 on the first tile (mx = -inf) */
+                        sum[r] *= corr;
+                        for (int e = 0; e < DV; e++) acc[r][e] *= corr;
+                        mx[r] = t;
+                    }
+                    v16 p = (v16)((i16)exp16(sr - mx[r]) & seen);
+                    sum[r] += p;
+                    st16(P[r], p);
+                }
+                long jn = jend + 1 - j0 < KT ? jend + 1 - j0 : KT;
+                for (long jj = 0; jj < jn; jj++) {
+                    const float *vrow = vr + (j0 + jj) * D;
+                    for (int e = 0; e < DV; e++) {
+                        v16 vv = ld16(vrow + 16 * e);
+                        for (int r = 0; r < QB; r++) acc[r][e] += P[r][jj] * vv;
+                    }
+                }
+            }
+            for (int r = 0; r < QB && i0 + r < n; r++) {
+                float tot = 0.0f;
+                for (int l = 0; l < 16; l++) tot += sum[r][l];
+                float *orow = o + ((row0 + i0 + r) * H + h) * D, inv = 1.0f / tot;
+                for (int e = 0; e < DV; e++) st16(orow + 16 * e, acc[r][e] * inv);
+                lse[(row0 + i0 + r) * H + h] = mx[r] + logf(tot);
+            }
+        }
+}
+
+static inline void bwd_task(const float *q, const float *k, const float *v, const float *o, const float *dout,
+                            const float *lse, float *dq, float *dk, float *dv, const int64_t *sg, const int64_t *anc,
+                            long H, long KV, long kh, float scale, float *buf, const int D, const int QB) {
+    const int DV = D / 16;
+    long row0 = sg[0], n = sg[1], m = seg_keys(sg, anc), mp = round_kt(m), off = m - n, g = H / KV;
+    float *kt = buf, *vt = kt + mp * D, *kr = vt + mp * D, *dkb = kr + mp * D, *dvb = dkb + mp * D;
+    float *di = dvb + mp * D;
+    gather(k, v, sg, anc, KV, kh, m, mp, kt, vt, kr, NULL, D);
+    memset(dkb, 0, sizeof(float) * (size_t)(2 * mp * D));
     for (long h = kh * g; h < (kh + 1) * g; h++) {
-        const float *ls = lse + (b * H + h) * n;
-        for (long i = 0; i < n; i++) {
-            const float *orow = o + ((b * n + i) * H + h) * D, *dorow = dout + ((b * n + i) * H + h) * D;
-            v16 acc = {0};
-            for (int e = 0; e < DV; e++) acc += ld16(orow + 16 * e) * ld16(dorow + 16 * e);
+        for (long i = 0; i < n; i++) {  /* di = do . o per row */
+            const float *orow = o + ((row0 + i) * H + h) * D, *drow = dout + ((row0 + i) * H + h) * D;
+            v16 a = {0};
+            for (int e = 0; e < DV; e++) a += ld16(orow + 16 * e) * ld16(drow + 16 * e);
             float t = 0.0f;
-            for (int l = 0; l < 16; l++) t += acc[l];
+            for (int l = 0; l < 16; l++) t += a[l];
             di[i] = t;
         }
         for (long i0 = 0; i0 < n; i0 += QB) {
             float qs[QBMAX][128] __attribute__((aligned(64))), dor[QBMAX][128] __attribute__((aligned(64)));
+            float P[QBMAX][KT] __attribute__((aligned(64))), DS[QBMAX][KT] __attribute__((aligned(64)));
             float lr[QBMAX], dd[QBMAX];
-            long lim[QBMAX], jend = -1;
+            long lim[QBMAX];
             v16 dqr[QBMAX][8];
+            long jend = load_rows(q, dout, row0, n, i0, h, H, scale, off, qs, dor, lim, D, QB);
             for (int r = 0; r < QB; r++) {
-                long i = i0 + r < n ? i0 + r : n - 1;  /* past the end: the last row again, all masked out */
-                const float *qrow = q + ((b * n + i) * H + h) * D, *dorow = dout + ((b * n + i) * H + h) * D;
-                for (int d = 0; d < D; d++) { qs[r][d] = qrow[d] * scale; dor[r][d] = dorow[d]; }
+                long i = i0 + r < n ? i0 + r : n - 1;
+                lr[r] = lse[(row0 + i) * H + h];
+                dd[r] = di[i];
                 for (int e = 0; e < DV; e++) dqr[r][e] = (v16){0};
-                lr[r] = ls[i]; dd[r] = di[i];
-                lim[r] = i0 + r < n ? i0 + r + off : -1;  /* the last key row r sees */
-                jend = lim[r] > jend ? lim[r] : jend;
             }
             for (long j0 = 0; j0 <= jend; j0 += KT) {
-                v16 s[QBMAX][KT / 16] = {{{0}}}, dp[QBMAX][KT / 16] = {{{0}}};
+                v16 s[QBMAX] = {{0}}, dp[QBMAX] = {{0}};
                 for (int d = 0; d < D; d++) {
-                    const float *kd = kt + d * mp + j0, *vd = vt + d * mp + j0;
-                    for (int t = 0; t < KT / 16; t++) {
-                        v16 kk = ld16(kd + 16 * t), vv = ld16(vd + 16 * t);
-                        for (int r = 0; r < QB; r++) { s[r][t] += qs[r][d] * kk; dp[r][t] += dor[r][d] * vv; }
-                    }
+                    v16 kk = ld16(kt + d * mp + j0), vv = ld16(vt + d * mp + j0);
+                    for (int r = 0; r < QB; r++) { s[r] += qs[r][d] * kk; dp[r] += dor[r][d] * vv; }
                 }
-                float P[QBMAX][KT] __attribute__((aligned(64))), DS[QBMAX][KT] __attribute__((aligned(64)));
-                for (int r = 0; r < QB; r++)
-                    for (int t = 0; t < KT / 16; t++) {
-                        i16 idx = (i16){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + (int)(j0 + 16 * t);
-                        i16 seen = idx <= (int)lim[r];  /* all ones where key j0 + 16 t + lane is visible */
-                        v16 p = exp16(s[r][t] - lr[r]);
-                        p = (v16)((i16)p & seen);
-                        st16(P[r] + 16 * t, p);
-                        st16(DS[r] + 16 * t, p * (dp[r][t] - dd[r]));
-                    }
+                for (int r = 0; r < QB; r++) {
+                    i16 seen = (LANE + (int)j0) <= (int)lim[r];
+                    v16 p = (v16)((i16)exp16(s[r] - lr[r]) & seen);
+                    st16(P[r], p);
+                    st16(DS[r], p * (dp[r] - dd[r]));
+                }
                 long jn = jend + 1 - j0 < KT ? jend + 1 - j0 : KT;
                 {  /* dv += P^T do */
                     v16 x[QBMAX][8];
                     for (int r = 0; r < QB; r++) for (int e = 0; e < DV; e++) x[r][e] = ld16(dor[r] + 16 * e);
                     for (long jj = 0; jj < jn; jj++) {
                         float *row = dvb + (j0 + jj) * D;
-                        for (int e = 0; e < DV; e++) {
-                            v16 a = ld16(row + 16 * e), a2 = P[0][jj] * x[0][e];  /* two chains (QB is even) */
+                        for (int e = 0; e < DV; e++) {  /* two chains (QB is even) */
+                            v16 a = ld16(row + 16 * e), a2 = P[0][jj] * x[0][e];
                             for (int r = 1; r + 1 < QB; r += 2) { a += P[r][jj] * x[r][e]; a2 += P[r + 1][jj] * x[r + 1][e]; }
                             a += P[QB - 1][jj] * x[QB - 1][e];
                             st16(row + 16 * e, a + a2);
@@ -321,7 +449,7 @@ static inline void attn_bwd_task(const float *q, const float *k, const float *v,
                     for (long jj = 0; jj < jn; jj++) {
                         float *row = dkb + (j0 + jj) * D;
                         for (int e = 0; e < DV; e++) {
-                            v16 a = ld16(row + 16 * e), a2 = DS[0][jj] * x[0][e];  /* two chains (QB is even) */
+                            v16 a = ld16(row + 16 * e), a2 = DS[0][jj] * x[0][e];
                             for (int r = 1; r + 1 < QB; r += 2) { a += DS[r][jj] * x[r][e]; a2 += DS[r + 1][jj] * x[r + 1][e]; }
                             a += DS[QB - 1][jj] * x[QB - 1][e];
                             st16(row + 16 * e, a + a2);
@@ -329,41 +457,48 @@ static inline void attn_bwd_task(const float *q, const float *k, const float *v,
                     }
                 }
                 for (long jj = 0; jj < jn; jj++) {  /* dq += DS k */
-                    const float *kr = k + ((b * m + j0 + jj) * KV + kh) * D;
+                    const float *krow = kr + (j0 + jj) * D;
                     for (int e = 0; e < DV; e++) {
-                        v16 kv = ld16(kr + 16 * e);
+                        v16 kv = ld16(krow + 16 * e);
                         for (int r = 0; r < QB; r++) dqr[r][e] += DS[r][jj] * kv;
                     }
                 }
             }
             for (int r = 0; r < QB && i0 + r < n; r++) {
-                float *dqrow = dq + ((b * n + i0 + r) * H + h) * D;
+                float *dqrow = dq + ((row0 + i0 + r) * H + h) * D;
                 for (int e = 0; e < DV; e++) st16(dqrow + 16 * e, dqr[r][e] * scale);
             }
         }
     }
-    for (long j = 0; j < m; j++) {
-        float *dkr = dk + ((b * m + j) * KV + kh) * D, *dvr = dv + ((b * m + j) * KV + kh) * D;
-        memcpy(dkr, dkb + j * D, sizeof(float) * (size_t)D);
-        memcpy(dvr, dvb + j * D, sizeof(float) * (size_t)D);
-    }
+    FOR_KEYS(sg, anc, j, row, {  /* add into the chunk's dk, dv (ancestors' rows get every descendant's share) */
+        float *dkr = dk + (row * KV + kh) * D, *dvr = dv + (row * KV + kh) * D;
+        for (int d = 0; d < D; d++) { dkr[d] += dkb[j * D + d]; dvr[d] += dvb[j * D + d]; }
+    })
 }
 
-#define ATTN_BWD(D, QB)                                                                                          \
-void attn_bwd_##D(const float *q, const float *k, const float *v, const float *o, const float *dout,            \
-                  const float *lse, float *dq, float *dk, float *dv, long c, long n, long m, long H, long KV,    \
-                  float scale, float *work, int nt) {                                                            \
-    long per = attn_work(m, n, D);                                                                               \
-    _Pragma("omp parallel if (nt > 1 && c * KV > 1) num_threads(nt)")                                            \
+/* dk and dv must be zero on entry. */
+#define TREE_ATTN(D, QB)                                                                                         \
+void tree_attn_fwd_##D(const float *q, const float *k, const float *v, float *o, float *lse, const int64_t *seg, \
+                       long nseg, const int64_t *anc, long H, long KV, float scale, float *work, long per, int nt) { \
+    _Pragma("omp parallel if (nt > 1 && nseg * KV > 1) num_threads(nt)")                                        \
     {                                                                                                            \
         float *buf = work + per * omp_thread();                                                                  \
         _Pragma("omp for schedule(dynamic)")                                                                     \
-        for (long task = 0; task < c * KV; task++)                                                               \
-            attn_bwd_task(q, k, v, o, dout, lse, dq, dk, dv, task / KV, task % KV, n, m, H, KV, scale, buf, D, QB); \
+        for (long t = 0; t < nseg * KV; t++)                                                                     \
+            fwd_task(q, k, v, o, lse, seg + 4 * (t / KV), anc, H, KV, t % KV, scale, buf, D, QB);                \
     }                                                                                                            \
+}                                                                                                                \
+void tree_attn_bwd_##D(const float *q, const float *k, const float *v, const float *o, const float *dout,       \
+                       const float *lse, float *dq, float *dk, float *dv, const int64_t *seg, long nseg,         \
+                       const int64_t *anc, long H, long KV, float scale, float *work, long per, int nt) {          \
+    _Pragma("omp parallel for schedule(static) if (nt > 1 && KV > 1) num_threads(nt)")                          \
+    for (long kh = 0; kh < KV; kh++)                                                                             \
+        for (long s = 0; s < nseg; s++)                                                                          \
+            bwd_task(q, k, v, o, dout, lse, dq, dk, dv, seg + 4 * s, anc, H, KV, kh, scale,                      \
+                     work + per * omp_thread(), D, QB);                                                          \
 }
 
-ATTN_BWD(16, 4)
-ATTN_BWD(32, 4)
-ATTN_BWD(64, 4)
-ATTN_BWD(128, 2)
+TREE_ATTN(16, 4)
+TREE_ATTN(32, 4)
+TREE_ATTN(64, 4)
+TREE_ATTN(128, 2)

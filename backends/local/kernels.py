@@ -49,11 +49,11 @@ _SIGNATURES = {
     "norm_rope_bwd": [_P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _I],
     "swiglu_fwd": [_P, _P, _P, _L, _I],
     "swiglu_bwd": [_P, _P, _P, _P, _P, _L, _I],
-    **{f"attn_bwd_{d}": [_P] * 9 + [_L] * 5 + [_F, _P, _I] for d in (16, 32, 64, 128)},
-    "attn_work": [_L, _L, _L],
+    **{f"tree_attn_fwd_{d}": [_P] * 5 + [_P, _L, _P, _L, _L, _F, _P, _L, _I] for d in (16, 32, 64, 128)},
+    **{f"tree_attn_bwd_{d}": [_P] * 9 + [_P, _L, _P, _L, _L, _F, _P, _L, _I] for d in (16, 32, 64, 128)},
+    "tree_attn_work": [_L, _L, _L],
 }
-# Head sizes whose attention backward runs here; others use torch's. Against torch's flash backward, 1 thread
-# (bench/README.md): 2.7-3.5x at 16, 1.7-2.4x at 32 and 64, 1.1-1.3x at 128.
+# Head sizes the tree attention kernels are built for (packed.py uses torch's SDPA for others).
 ATTN_HEAD_DIMS = (16, 32, 64, 128)
 MAX_HEAD_DIM = 512  # norm_rope keeps one head's row on the stack
 
@@ -111,7 +111,7 @@ class Kernels:
         for name, args in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
-        lib.attn_work.restype = _L
+        lib.tree_attn_work.restype = _L
         self.lib = lib
 
     @staticmethod
@@ -168,20 +168,37 @@ class Kernels:
         return dg, du
 
 
-    def attn_bwd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
-                 lse: torch.Tensor, c: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Causal attention's (dq, dk, dv) for c sequences: q, o, do (c*n, H, D); k, v (c*m, KV, D), m >= n, query i
-        seeing keys j <= i + m - n; lse (c, H, n) from the forward. D must be in ATTN_HEAD_DIMS."""
-        cn, h, d = q.shape
-        cm, kv, _ = k.shape
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        nt = torch.get_num_threads()
-        # Scratch from torch's allocator, which reuses it call to call (the C side allocates nothing).
-        work = torch.empty(nt * self.lib.attn_work(cm // c, cn // c, d), dtype=torch.float32)
-        getattr(self.lib, f"attn_bwd_{d}")(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), do.data_ptr(),
-                                           lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), c, cn // c,
-                                           cm // c, h, kv, scale, work.data_ptr(), nt)
+    def tree_attn_fwd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor, anc: torch.Tensor,
+                      mmax: int, nmax: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over a packed chunk of segments (kernels.c, tree attention): q (T, H, D), k/v (T, KV, D), seg
+        (nseg, 4) and anc (x, 2) int64, mmax/nmax the most keys/rows of a segment -> (o (T, H, D), lse (T, H)).
+        Every row must belong to a segment."""
+        t, h, d = q.shape
+        o, lse = torch.empty_like(q), torch.empty(t, h, dtype=torch.float32)
+        work, per, nt = self._work(mmax, nmax, d)
+        getattr(self.lib, f"tree_attn_fwd_{d}")(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                                                seg.data_ptr(), seg.shape[0], anc.data_ptr(), h, k.shape[1], scale,
+                                                work.data_ptr(), per, nt)
+        return o, lse
+
+    def tree_attn_bwd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
+                      lse: torch.Tensor, seg: torch.Tensor, anc: torch.Tensor, mmax: int, nmax: int, scale: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(dq, dk, dv) of tree_attn_fwd, given its o and lse and the output's gradient do (T, H, D)."""
+        d = q.shape[-1]
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        work, per, nt = self._work(mmax, nmax, d)
+        getattr(self.lib, f"tree_attn_bwd_{d}")(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), do.data_ptr(),
+                                                lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                                                seg.data_ptr(), seg.shape[0], anc.data_ptr(), q.shape[1], k.shape[1],
+                                                scale, work.data_ptr(), per, nt)
         return dq, dk, dv
+
+    def _work(self, mmax: int, nmax: int, d: int) -> tuple[torch.Tensor, int, int]:
+        """Per-thread scratch from torch's allocator, which reuses it call to call (the C side allocates nothing)."""
+        nt = torch.get_num_threads()
+        per = int(self.lib.tree_attn_work(mmax, nmax, d))
+        return torch.empty(nt * per, dtype=torch.float32), per, nt
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -139,35 +139,39 @@ class _FusedSwiGLU(torch.autograd.Function):
         return dg, du, None
 
 
-class _CausalAttention(torch.autograd.Function):
-    """Attention of c sequences of n queries over m keys, query i seeing keys j <= i + m - n (a lower-right causal
-    mask: m - n ancestor rows, then the queries' own): q (c*n, H, D), k, v (c*m, KV, D) -> (c*n, H*D).
-
-    The forward is torch's flash attention for the CPU (it also returns the row logsumexp); the backward is the C
-    kernel (kernels.c, attn_bwd_*), which recomputes the probabilities from the logsumexp, as flash's own
-    backward does, ~2x faster than it at head size 64 (bench/README.md). `mask` is the forward's additive float
-    mask when m > n (None: m == n, causal)."""
+class _TreeAttention(torch.autograd.Function):
+    """Attention over the whole packed chunk in one call per direction (kernels.c, tree attention): every lone
+    sequence and every prefix-tree node is a segment that sees its ancestors' rows and its own causally, read in
+    place from q (T, H, D), k, v (T, KV, D) -> (T, H*D). The forward keeps the row logsumexp; the backward
+    recomputes the probabilities from it (as flash attention does) and forms dk, dv for ancestors' rows as the sum
+    over their descendants. Nothing is split, masked or concatenated around it (see _attention for torch's way)."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: int, mask: torch.Tensor | None,
-                scale: float, kern: Kernels) -> torch.Tensor:
-        cn, H, D = q.shape
-        cm, K, _ = k.shape
-        n, m = cn // c, cm // c
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.view(c, n, H, D).transpose(1, 2), k.view(c, m, K, D).transpose(1, 2), v.view(c, m, K, D).transpose(1, 2),
-            0.0, mask is None, attn_mask=mask, scale=scale)
-        o = o.transpose(1, 2).reshape(cn, H, D)  # flash lays its output out (c, n, H, D): a view
-        ctx.c, ctx.scale, ctx.kern = c, scale, kern
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _AttnPlan, scale: float,
+                kern: Kernels) -> torch.Tensor:
+        o, lse = kern.tree_attn_fwd(q, k, v, plan.seg, plan.anc, plan.mmax, plan.nmax, scale)
+        ctx.plan, ctx.scale, ctx.kern = plan, scale, kern
         ctx.save_for_backward(q, k, v, o, lse)
-        return o.view(cn, H * D)
+        return o.view(q.shape[0], -1)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, o, lse = ctx.saved_tensors
+        plan: _AttnPlan = ctx.plan
         do = grads[0].contiguous().view(q.shape)
-        dq, dk, dv = ctx.kern.attn_bwd(q, k, v, o.contiguous(), do, lse.contiguous(), ctx.c, ctx.scale)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = ctx.kern.tree_attn_bwd(q, k, v, o, do, lse, plan.seg, plan.anc, plan.mmax, plan.nmax, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+@dataclass
+class _AttnPlan:
+    """A Layout's segments for _TreeAttention: seg (nseg, 4) = first row, rows, first and end index into anc;
+    anc (x, 2) = an ancestor segment's first row and rows, root first; the most keys and rows of a segment."""
+
+    seg: torch.Tensor
+    anc: torch.Tensor
+    mmax: int
+    nmax: int
 
 
 class _LoraGroup(torch.autograd.Function):
@@ -382,19 +386,22 @@ class PackedLM:
         x = self.embed(ids)
         pos = torch.as_tensor(layout.positions, device=ids.device)
         cos, sin = self.rotary(x[None], pos[None])
-        blocks = layout.attention_blocks(ids.device)
         T, H, K, D = ids.shape[0], self.n_heads, self.n_kv, self.head_dim
         kern = self.kernels if self.kernels is not None and Kernels.usable(x, cos, sin) and cos.shape[-1] == D else None
         if kern is None:
-            return self._hidden_eager(x, cos[0, :, None, :], sin[0, :, None, :], blocks)
+            return self._hidden_eager(x, cos[0, :, None, :], sin[0, :, None, :], layout.attention_blocks(ids.device))
         cos, sin, eps = cos[0].contiguous(), sin[0].contiguous(), self.eps
-        masks: dict[tuple[int, int], torch.Tensor] = {}  # _attention's float masks, shared by the layers
+        plan = layout.attention_plan() if D in ATTN_HEAD_DIMS else None
+        blocks = layout.attention_blocks(ids.device) if plan is None else []
         h = _FusedNorm.apply(x, None, self.layers[0].ln1, eps, kern)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.qkv(h)
             q = _FusedNormRope.apply(q.view(T, H, D), layer.q_norm, cos, sin, eps, kern)
             k = _FusedNormRope.apply(k.view(T, K, D), layer.k_norm, cos, sin, eps, kern)
-            a = _attention(q, k, v.view(T, K, D), blocks, self.scaling, kern, masks)
+            if plan is not None:
+                a = _TreeAttention.apply(q, k, v.view(T, K, D), plan, self.scaling, kern)
+            else:
+                a = _attention(q, k, v.view(T, K, D), blocks, self.scaling)
             (o,) = layer.o(a)
             x, h = _FusedNorm.apply(x, o, layer.ln2, eps, kern)
             g, u = layer.gate_up(h)
@@ -495,6 +502,27 @@ class Layout:
     rows: dict[int, np.ndarray]
     runs: list[tuple[int, int, int]]  # (first row, sequences, length) of lone sequences
     trees: list[list[tuple[int, int, int]]]  # per tree, its nodes in row order: (first row, length, parent or -1)
+
+    def attention_plan(self) -> _AttnPlan:
+        """The chunk's segments for _TreeAttention: each lone sequence, and each tree node with rows (its
+        ancestors with rows, root first)."""
+        seg: list[tuple[int, int, int, int]] = []
+        anc: list[tuple[int, int]] = []
+        for start, c, n in self.runs:
+            seg.extend((start + i * n, n, len(anc), len(anc)) for i in range(c))
+        for nodes in self.trees:
+            chains: list[list[int]] = []  # per node, its ancestors' indices, root first
+            for first, length, parent in nodes:
+                chains.append([] if parent < 0 else [*chains[parent], parent])
+                if length:
+                    a0 = len(anc)
+                    anc.extend((nodes[a][0], nodes[a][1]) for a in chains[-1] if nodes[a][1])
+                    seg.append((first, length, a0, len(anc)))
+        seg.sort()
+        assert sum(n for _, n, _, _ in seg) == len(self.tokens), "segments must cover every row"
+        keys = [n + sum(length for _, length in anc[a0:a1]) for _, n, a0, a1 in seg]
+        return _AttnPlan(torch.tensor(seg, dtype=torch.int64).view(-1, 4),
+                         torch.tensor(anc or [(0, 0)], dtype=torch.int64), max(keys), max(n for _, n, _, _ in seg))
 
     def attention_blocks(self, device: torch.device) -> list[_Block]:
         """The attention blocks in row order: runs of lone causal sequences, and trees. A tree whose branches
@@ -636,30 +664,16 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[_Block], scale: float,
-               kern: Kernels | None = None, masks: dict[tuple[int, int], torch.Tensor] | None = None) -> torch.Tensor:
-    """Attention within each block: q (T, H, D), k/v (T, K, D) -> (T, H*D). A run of c causal sequences of
-    length n is one SDPA call over (c, heads, n, D). torch.split, not slicing: a slice's backward zero-fills a
-    whole-size gradient per piece, split's concatenates once.
-
-    With `kern` (the C kernels, float32 on the CPU, a head size in ATTN_HEAD_DIMS) causal and lower-right causal
-    calls (runs, roots, tree nodes) go through _CausalAttention; `masks` caches its float masks by shape."""
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[_Block], scale: float) -> torch.Tensor:
+    """Attention within each block in torch's SDPA (no C kernels, or another head size or device): q (T, H, D),
+    k/v (T, K, D) -> (T, H*D). A run of c causal sequences of length n is one SDPA call over (c, heads, n, D).
+    torch.split, not slicing: a slice's backward zero-fills a whole-size gradient per piece, split's concatenates
+    once."""
     _, H, D = q.shape
     K = k.shape[1]
-    fast = kern is not None and D in ATTN_HEAD_DIMS and Kernels.usable(q, k, v)
-    masks = {} if masks is None else masks
 
-    def sdpa(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, c: int, mask: torch.Tensor | None,
-             lower_right: bool = True) -> torch.Tensor:
+    def sdpa(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, c: int, mask: torch.Tensor | None) -> torch.Tensor:
         n, m = qs.shape[0] // c, ks.shape[0] // c
-        if fast and lower_right and kern is not None:
-            fmask = None
-            if m != n:
-                fmask = masks.get((n, m))
-                if fmask is None:
-                    allowed = torch.ones(n, m, dtype=torch.bool).tril(m - n)
-                    fmask = masks[(n, m)] = torch.zeros(n, m).masked_fill_(~allowed, float("-inf"))
-            return _CausalAttention.apply(qs, ks, vs, c, fmask, scale, kern)  # type: ignore[no-any-return]
         o = F.scaled_dot_product_attention(qs.view(c, n, H, D).transpose(1, 2), ks.view(c, m, K, D).transpose(1, 2),
                                            vs.view(c, m, K, D).transpose(1, 2), attn_mask=mask,
                                            is_causal=mask is None, scale=scale, enable_gqa=H != K)
@@ -669,7 +683,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[_
     outs = []
     for qs, ks, vs, b in zip(q.split(sizes), k.split(sizes), v.split(sizes), blocks):
         if b.nodes is None:
-            outs.append(sdpa(qs, ks, vs, b.count, b.mask, lower_right=b.mask is None))
+            outs.append(sdpa(qs, ks, vs, b.count, b.mask))
             continue
         parts = [length for length, _, _ in b.nodes]
         qx, kx, vx = qs.split(parts), ks.split(parts), vs.split(parts)
@@ -678,7 +692,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[_
                 continue
             if not anc:
                 outs.append(sdpa(qx[j], kx[j], vx[j], 1, None))
-            else:  # mask: lower-right causal (attention_blocks)
+            else:
                 kj = torch.cat([kx[a] for a in anc] + [kx[j]])
                 vj = torch.cat([vx[a] for a in anc] + [vx[j]])
                 outs.append(sdpa(qx[j], kj, vj, 1, mask))
