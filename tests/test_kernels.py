@@ -3,6 +3,7 @@ that exercise the vector tails; their build cache and their fallbacks."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import shutil
 
@@ -129,8 +130,8 @@ def _tree_case(segments: list[tuple[int, list[int]]], h: int, kv: int, d: int, s
         allowed[s0:s0 + n, s0:s0 + n] = torch.ones(n, n, dtype=torch.bool).tril()
         seg.append((s0, n, a0, len(anc)))
     keys = [n + sum(segments[a][0] for a in ancestors) for n, ancestors in segments]
-    plan = (torch.tensor(seg, dtype=torch.int64), torch.tensor(anc or [(0, 0)], dtype=torch.int64), max(keys),
-            max(n for n, _ in segments))
+    plan = (torch.tensor(seg, dtype=torch.int64), torch.tensor(anc or [(0, 0)], dtype=torch.int64),
+            torch.tensor([0, *itertools.accumulate(keys)], dtype=torch.int64), max(n for n, _ in segments))
     g = torch.Generator().manual_seed(seed)
     q, k, v = torch.randn(t, h, d, generator=g), torch.randn(t, kv, d, generator=g), torch.randn(t, kv, d, generator=g)
     do = torch.randn(t, h, d, generator=g)

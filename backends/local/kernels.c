@@ -211,9 +211,9 @@ void swiglu_bwd(const float *dp, const float *g, const float *u, float *dg, floa
  * A task is one segment for one KV head: it gathers the segment's keys and values into its workspace (keys and
  * values transposed, D x mp, so a tile of KT keys is one vector), then takes its query heads' rows in blocks
  * of QB: a tile's scores are QB vectors, the block's output (or dq) rows stay in registers. The forward's tasks
- * are independent. In the backward a segment's ancestors' dk and dv rows also receive its gradient, so the
- * tasks of one KV head run in segment order on one thread (threads split the KV heads): the sums, and so the
- * result, do not depend on the thread count. Written with GCC/clang vector types (16 floats; a target without
+ * are independent, and so are the backward's, which leave each segment's share of dk and dv apart; a second
+ * phase adds the shares up in segment order (an ancestor's rows get one from each descendant), so the result
+ * does not depend on the thread count. Written with GCC/clang vector types (16 floats; a target without
  * 512-bit vectors splits them). D is a compile-time constant: one function per head size. */
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i16 __attribute__((vector_size(64)));
@@ -266,7 +266,7 @@ static inline int omp_thread(void) { return 0; }
 
 /* floats of workspace one thread needs (the caller passes nt of them), for segments of at most mmax keys and
  * nmax rows */
-long tree_attn_work(long mmax, long nmax, long D) { return 5 * round_kt(mmax) * D + nmax; }
+long tree_attn_work(long mmax, long nmax, long D) { return 3 * round_kt(mmax) * D + nmax; }
 
 /* keys a segment sees: its ancestors' rows and its own */
 static inline long seg_keys(const int64_t *sg, const int64_t *anc) {
@@ -386,15 +386,16 @@ static inline void fwd_task(const float *q, const float *k, const float *v, floa
         }
 }
 
+/* dkb, dvb (m x D each): this task's share of the dk, dv of the segment's key rows */
 static inline void bwd_task(const float *q, const float *k, const float *v, const float *o, const float *dout,
-                            const float *lse, float *dq, float *dk, float *dv, const int64_t *sg, const int64_t *anc,
+                            const float *lse, float *dq, float *dkb, float *dvb, const int64_t *sg, const int64_t *anc,
                             long H, long KV, long kh, float scale, float *buf, const int D, const int QB) {
     const int DV = D / 16;
     long row0 = sg[0], n = sg[1], m = seg_keys(sg, anc), mp = round_kt(m), off = m - n, g = H / KV;
-    float *kt = buf, *vt = kt + mp * D, *kr = vt + mp * D, *dkb = kr + mp * D, *dvb = dkb + mp * D;
-    float *di = dvb + mp * D;
+    float *kt = buf, *vt = kt + mp * D, *kr = vt + mp * D, *di = kr + mp * D;
     gather(k, v, sg, anc, KV, kh, m, mp, kt, vt, kr, NULL, D);
-    memset(dkb, 0, sizeof(float) * (size_t)(2 * mp * D));
+    memset(dkb, 0, sizeof(float) * (size_t)(m * D));
+    memset(dvb, 0, sizeof(float) * (size_t)(m * D));
     for (long h = kh * g; h < (kh + 1) * g; h++) {
         for (long i = 0; i < n; i++) {  /* di = do . o per row */
             const float *orow = o + ((row0 + i) * H + h) * D, *drow = dout + ((row0 + i) * H + h) * D;
@@ -470,13 +471,13 @@ static inline void bwd_task(const float *q, const float *k, const float *v, cons
             }
         }
     }
-    FOR_KEYS(sg, anc, j, row, {  /* add into the chunk's dk, dv (ancestors' rows get every descendant's share) */
-        float *dkr = dk + (row * KV + kh) * D, *dvr = dv + (row * KV + kh) * D;
-        for (int d = 0; d < D; d++) { dkr[d] += dkb[j * D + d]; dvr[d] += dvb[j * D + d]; }
-    })
 }
 
-/* dk and dv must be zero on entry. */
+/* The backward in two phases. First every (segment, KV head) task, in parallel: its dq rows, and its share of
+ * dk, dv for the segment's key rows into part (per segment s, from key offset koff[s]: KV blocks of m_s x D for
+ * dk, then for dv). Then per KV head, segments in order, the shares are added into dk and dv (which must be zero
+ * on entry): an ancestor's rows get every descendant's share, always summed in the same order, so the result
+ * does not depend on the thread count. */
 #define TREE_ATTN(D, QB)                                                                                         \
 void tree_attn_fwd_##D(const float *q, const float *k, const float *v, float *o, float *lse, const int64_t *seg, \
                        long nseg, const int64_t *anc, long H, long KV, float scale, float *work, long per, int nt) { \
@@ -490,12 +491,28 @@ void tree_attn_fwd_##D(const float *q, const float *k, const float *v, float *o,
 }                                                                                                                \
 void tree_attn_bwd_##D(const float *q, const float *k, const float *v, const float *o, const float *dout,       \
                        const float *lse, float *dq, float *dk, float *dv, const int64_t *seg, long nseg,         \
-                       const int64_t *anc, long H, long KV, float scale, float *work, long per, int nt) {          \
-    _Pragma("omp parallel for schedule(static) if (nt > 1 && KV > 1) num_threads(nt)")                          \
-    for (long kh = 0; kh < KV; kh++)                                                                             \
-        for (long s = 0; s < nseg; s++)                                                                          \
-            bwd_task(q, k, v, o, dout, lse, dq, dk, dv, seg + 4 * s, anc, H, KV, kh, scale,                      \
-                     work + per * omp_thread(), D, QB);                                                          \
+                       const int64_t *anc, const int64_t *koff, float *part, long H, long KV, float scale,       \
+                       float *work, long per, int nt) {                                                          \
+    _Pragma("omp parallel if (nt > 1) num_threads(nt)")                                                          \
+    {                                                                                                            \
+        float *buf = work + per * omp_thread();                                                                  \
+        _Pragma("omp for schedule(dynamic)")                                                                     \
+        for (long t = 0; t < nseg * KV; t++) {                                                                   \
+            long s = t / KV, kh = t % KV, m = koff[s + 1] - koff[s];                                             \
+            float *dkb = part + (2 * koff[s] * KV + kh * m) * D, *dvb = dkb + KV * m * D;                        \
+            bwd_task(q, k, v, o, dout, lse, dq, dkb, dvb, seg + 4 * s, anc, H, KV, kh, scale, buf, D, QB);       \
+        }                                                                                                        \
+        _Pragma("omp for schedule(static)")                                                                      \
+        for (long kh = 0; kh < KV; kh++)                                                                         \
+            for (long s = 0; s < nseg; s++) {                                                                    \
+                long m = koff[s + 1] - koff[s];                                                                  \
+                const float *dkb = part + (2 * koff[s] * KV + kh * m) * D, *dvb = dkb + KV * m * D;              \
+                FOR_KEYS(seg + 4 * s, anc, j, row, {                                                             \
+                    float *dkr = dk + (row * KV + kh) * D, *dvr = dv + (row * KV + kh) * D;                      \
+                    for (int d = 0; d < D; d++) { dkr[d] += dkb[j * D + d]; dvr[d] += dvb[j * D + d]; }          \
+                })                                                                                               \
+            }                                                                                                    \
+    }                                                                                                            \
 }
 
 TREE_ATTN(16, 4)

@@ -50,7 +50,7 @@ _SIGNATURES = {
     "swiglu_fwd": [_P, _P, _P, _L, _I],
     "swiglu_bwd": [_P, _P, _P, _P, _P, _L, _I],
     **{f"tree_attn_fwd_{d}": [_P] * 5 + [_P, _L, _P, _L, _L, _F, _P, _L, _I] for d in (16, 32, 64, 128)},
-    **{f"tree_attn_bwd_{d}": [_P] * 9 + [_P, _L, _P, _L, _L, _F, _P, _L, _I] for d in (16, 32, 64, 128)},
+    **{f"tree_attn_bwd_{d}": [_P] * 9 + [_P, _L, _P, _P, _P, _L, _L, _F, _P, _L, _I] for d in (16, 32, 64, 128)},
     "tree_attn_work": [_L, _L, _L],
 }
 # Head sizes the tree attention kernels are built for (packed.py uses torch's SDPA for others).
@@ -169,35 +169,37 @@ class Kernels:
 
 
     def tree_attn_fwd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor, anc: torch.Tensor,
-                      mmax: int, nmax: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention over a packed chunk of segments (kernels.c, tree attention): q (T, H, D), k/v (T, KV, D), seg
-        (nseg, 4) and anc (x, 2) int64, mmax/nmax the most keys/rows of a segment -> (o (T, H, D), lse (T, H)).
-        Every row must belong to a segment."""
+                      koff: torch.Tensor, nmax: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over a packed chunk of segments (kernels.c, tree attention): q (T, H, D), k/v (T, KV, D); seg
+        (nseg, 4) and anc (x, 2) int64; koff (nseg + 1) int64, the running count of the segments' keys (their
+        ancestors' rows and their own); nmax, the most rows of a segment -> (o (T, H, D), lse (T, H)). Every
+        row must belong to a segment."""
         t, h, d = q.shape
         o, lse = torch.empty_like(q), torch.empty(t, h, dtype=torch.float32)
-        work, per, nt = self._work(mmax, nmax, d)
+        work, per, nt = self._work(koff, nmax, d)
         getattr(self.lib, f"tree_attn_fwd_{d}")(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                                                 seg.data_ptr(), seg.shape[0], anc.data_ptr(), h, k.shape[1], scale,
                                                 work.data_ptr(), per, nt)
         return o, lse
 
     def tree_attn_bwd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
-                      lse: torch.Tensor, seg: torch.Tensor, anc: torch.Tensor, mmax: int, nmax: int, scale: float
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      lse: torch.Tensor, seg: torch.Tensor, anc: torch.Tensor, koff: torch.Tensor, nmax: int,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(dq, dk, dv) of tree_attn_fwd, given its o and lse and the output's gradient do (T, H, D)."""
-        d = q.shape[-1]
+        d, kv = q.shape[-1], k.shape[1]
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        work, per, nt = self._work(mmax, nmax, d)
+        work, per, nt = self._work(koff, nmax, d)
+        part = torch.empty(2 * int(koff[-1]) * kv * d, dtype=torch.float32)  # each segment's share of dk, dv
         getattr(self.lib, f"tree_attn_bwd_{d}")(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), do.data_ptr(),
                                                 lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-                                                seg.data_ptr(), seg.shape[0], anc.data_ptr(), q.shape[1], k.shape[1],
-                                                scale, work.data_ptr(), per, nt)
+                                                seg.data_ptr(), seg.shape[0], anc.data_ptr(), koff.data_ptr(),
+                                                part.data_ptr(), q.shape[1], kv, scale, work.data_ptr(), per, nt)
         return dq, dk, dv
 
-    def _work(self, mmax: int, nmax: int, d: int) -> tuple[torch.Tensor, int, int]:
+    def _work(self, koff: torch.Tensor, nmax: int, d: int) -> tuple[torch.Tensor, int, int]:
         """Per-thread scratch from torch's allocator, which reuses it call to call (the C side allocates nothing)."""
         nt = torch.get_num_threads()
-        per = int(self.lib.tree_attn_work(mmax, nmax, d))
+        per = int(self.lib.tree_attn_work(int((koff[1:] - koff[:-1]).max()), nmax, d))
         return torch.empty(nt * per, dtype=torch.float32), per, nt
 
 

@@ -149,7 +149,7 @@ class _TreeAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _AttnPlan, scale: float,
                 kern: Kernels) -> torch.Tensor:
-        o, lse = kern.tree_attn_fwd(q, k, v, plan.seg, plan.anc, plan.mmax, plan.nmax, scale)
+        o, lse = kern.tree_attn_fwd(q, k, v, plan.seg, plan.anc, plan.koff, plan.nmax, scale)
         ctx.plan, ctx.scale, ctx.kern = plan, scale, kern
         ctx.save_for_backward(q, k, v, o, lse)
         return o.view(q.shape[0], -1)
@@ -159,18 +159,19 @@ class _TreeAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         plan: _AttnPlan = ctx.plan
         do = grads[0].contiguous().view(q.shape)
-        dq, dk, dv = ctx.kern.tree_attn_bwd(q, k, v, o, do, lse, plan.seg, plan.anc, plan.mmax, plan.nmax, ctx.scale)
+        dq, dk, dv = ctx.kern.tree_attn_bwd(q, k, v, o, do, lse, plan.seg, plan.anc, plan.koff, plan.nmax, ctx.scale)
         return dq, dk, dv, None, None, None
 
 
 @dataclass
 class _AttnPlan:
     """A Layout's segments for _TreeAttention: seg (nseg, 4) = first row, rows, first and end index into anc;
-    anc (x, 2) = an ancestor segment's first row and rows, root first; the most keys and rows of a segment."""
+    anc (x, 2) = an ancestor segment's first row and rows, root first; koff (nseg + 1) = the running count of
+    the segments' keys (ancestors' rows and their own); the most rows of a segment."""
 
     seg: torch.Tensor
     anc: torch.Tensor
-    mmax: int
+    koff: torch.Tensor
     nmax: int
 
 
@@ -521,8 +522,8 @@ class Layout:
         seg.sort()
         assert sum(n for _, n, _, _ in seg) == len(self.tokens), "segments must cover every row"
         keys = [n + sum(length for _, length in anc[a0:a1]) for _, n, a0, a1 in seg]
-        return _AttnPlan(torch.tensor(seg, dtype=torch.int64).view(-1, 4),
-                         torch.tensor(anc or [(0, 0)], dtype=torch.int64), max(keys), max(n for _, n, _, _ in seg))
+        return _AttnPlan(torch.tensor(seg, dtype=torch.int64).view(-1, 4), torch.tensor(anc or [(0, 0)], dtype=torch.int64),
+                         torch.tensor([0, *np.cumsum(keys)], dtype=torch.int64), max(n for _, n, _, _ in seg))
 
     def attention_blocks(self, device: torch.device) -> list[_Block]:
         """The attention blocks in row order: runs of lone causal sequences, and trees. A tree whose branches
