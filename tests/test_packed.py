@@ -23,8 +23,9 @@ def _model(kind: str) -> torch.nn.Module:
     common = {"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
     torch.manual_seed(0)
-    if kind == "qwen3":
-        cfg = transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
+    if kind in ("qwen3", "qwen3-d64", "qwen3-d128"):  # the C tree attention has a build per head size
+        head_dim = {"qwen3": 16, "qwen3-d64": 64, "qwen3-d128": 128}[kind]
+        cfg = transformers.Qwen3Config(**common, head_dim=head_dim, tie_word_embeddings=True)
     elif kind == "qwen2":  # q/k/v biases
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=False)
     elif kind == "llama":  # MHA, llama3 rope scaling, untied head
@@ -98,7 +99,7 @@ def _compare(model, data, budget: int = 16384, fused: bool = True) -> None:
 
 
 @pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama", "qwen3-d64", "qwen3-d128"])
 def test_packed_matches_hf_per_sequence(kind, fused):
     model = _lora(_model(kind))
     data = _data([37, 5, 64, 1, 19, 19, 19, 40])  # equal lengths exercise the batched attention runs
