@@ -266,7 +266,7 @@ static inline int omp_thread(void) { return 0; }
 
 /* floats of workspace one thread needs (the caller passes nt of them), for segments of at most mmax keys and
  * nmax rows */
-long tree_attn_work(long mmax, long nmax, long D) { return 3 * round_kt(mmax) * D + nmax; }
+long tree_attn_work(long mmax, long nmax, long D) { return 5 * round_kt(mmax) * D + nmax; }
 
 /* keys a segment sees: its ancestors' rows and its own */
 static inline long seg_keys(const int64_t *sg, const int64_t *anc) {
@@ -473,11 +473,13 @@ static inline void bwd_task(const float *q, const float *k, const float *v, cons
     }
 }
 
-/* The backward in two phases. First every (segment, KV head) task, in parallel: its dq rows, and its share of
- * dk, dv for the segment's key rows into part (per segment s, from key offset koff[s]: KV blocks of m_s x D for
- * dk, then for dv). Then per KV head, segments in order, the shares are added into dk and dv (which must be zero
- * on entry): an ancestor's rows get every descendant's share, always summed in the same order, so the result
- * does not depend on the thread count. */
+/* The backward. With part: in two phases. First every (segment, KV head) task, in parallel: its dq rows, and its
+ * share of dk, dv for the segment's key rows into part (per segment s, from key offset koff[s]: KV blocks of
+ * m_s x D for dk, then for dv). Then per KV head, segments in order, the shares are added into dk and dv (zero on
+ * entry): an ancestor's rows get a share from each descendant. Without part (one thread, or part would be too
+ * large): threads split the KV heads and each adds a segment's share as soon as it is formed, in the same
+ * segment order. Either way every row's sum runs in the same order, so the bits do not depend on the thread
+ * count or the form. */
 #define TREE_ATTN(D, QB)                                                                                         \
 void tree_attn_fwd_##D(const float *q, const float *k, const float *v, float *o, float *lse, const int64_t *seg, \
                        long nseg, const int64_t *anc, long H, long KV, float scale, float *work, long per, int nt) { \
@@ -496,17 +498,22 @@ void tree_attn_bwd_##D(const float *q, const float *k, const float *v, const flo
     _Pragma("omp parallel if (nt > 1) num_threads(nt)")                                                          \
     {                                                                                                            \
         float *buf = work + per * omp_thread();                                                                  \
-        _Pragma("omp for schedule(dynamic)")                                                                     \
-        for (long t = 0; t < nseg * KV; t++) {                                                                   \
-            long s = t / KV, kh = t % KV, m = koff[s + 1] - koff[s];                                             \
-            float *dkb = part + (2 * koff[s] * KV + kh * m) * D, *dvb = dkb + KV * m * D;                        \
-            bwd_task(q, k, v, o, dout, lse, dq, dkb, dvb, seg + 4 * s, anc, H, KV, kh, scale, buf, D, QB);       \
+        if (part) {                                                                                              \
+            _Pragma("omp for schedule(dynamic)")                                                                 \
+            for (long t = 0; t < nseg * KV; t++) {                                                               \
+                long s = t / KV, kh = t % KV, m = koff[s + 1] - koff[s];                                         \
+                float *dkb = part + (2 * koff[s] * KV + kh * m) * D, *dvb = dkb + KV * m * D;                    \
+                bwd_task(q, k, v, o, dout, lse, dq, dkb, dvb, seg + 4 * s, anc, H, KV, kh, scale, buf, D, QB);   \
+            }                                                                                                    \
         }                                                                                                        \
         _Pragma("omp for schedule(static)")                                                                      \
         for (long kh = 0; kh < KV; kh++)                                                                         \
             for (long s = 0; s < nseg; s++) {                                                                    \
                 long m = koff[s + 1] - koff[s];                                                                  \
-                const float *dkb = part + (2 * koff[s] * KV + kh * m) * D, *dvb = dkb + KV * m * D;              \
+                float *dkb = part ? part + (2 * koff[s] * KV + kh * m) * D : buf + per - 2 * m * D;              \
+                float *dvb = part ? dkb + KV * m * D : dkb + m * D;                                              \
+                if (!part)                                                                                       \
+                    bwd_task(q, k, v, o, dout, lse, dq, dkb, dvb, seg + 4 * s, anc, H, KV, kh, scale, buf, D, QB); \
                 FOR_KEYS(seg + 4 * s, anc, j, row, {                                                             \
                     float *dkr = dk + (row * KV + kh) * D, *dvr = dv + (row * KV + kh) * D;                      \
                     for (int d = 0; d < D; d++) { dkr[d] += dkb[j * D + d]; dvr[d] += dvb[j * D + d]; }          \

@@ -55,6 +55,7 @@ _SIGNATURES = {
 }
 # Head sizes the tree attention kernels are built for (packed.py uses torch's SDPA for others).
 ATTN_HEAD_DIMS = (16, 32, 64, 128)
+PART_LIMIT = 8  # tree_attn_bwd keeps the segments' dk, dv shares apart up to this many times dk's size
 MAX_HEAD_DIM = 512  # norm_rope keeps one head's row on the stack
 
 
@@ -189,11 +190,15 @@ class Kernels:
         d, kv = q.shape[-1], k.shape[1]
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         work, per, nt = self._work(koff, nmax, d)
-        part = torch.empty(2 * int(koff[-1]) * kv * d, dtype=torch.float32)  # each segment's share of dk, dv
+        # Each segment's share of dk, dv, kept apart so that all (segment, KV head) tasks run in parallel: only with
+        # threads to use, and not when it would outgrow dk and dv 4x over (long shared prompts, many samples), where
+        # threads split the KV heads instead. The bits are the same either way.
+        size = 2 * int(koff[-1]) * kv * d
+        part = torch.empty(size, dtype=torch.float32) if nt > 1 and size <= PART_LIMIT * dk.numel() else None
         getattr(self.lib, f"tree_attn_bwd_{d}")(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), do.data_ptr(),
                                                 lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                                                 seg.data_ptr(), seg.shape[0], anc.data_ptr(), koff.data_ptr(),
-                                                part.data_ptr(), q.shape[1], kv, scale, work.data_ptr(), per, nt)
+                                                _ptr(part), q.shape[1], kv, scale, work.data_ptr(), per, nt)
         return dq, dk, dv
 
     def _work(self, koff: torch.Tensor, nmax: int, d: int) -> tuple[torch.Tensor, int, int]:
