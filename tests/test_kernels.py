@@ -175,14 +175,17 @@ def test_tree_attention_matches_torch(segments, h, kv, d):
 @needs_kernels
 def test_tree_attention_does_not_depend_on_the_thread_count(monkeypatch):
     # 1 thread: the backward adds each segment's dk, dv share at once; 2 and 3: all tasks in parallel, shares
-    # kept apart, then added; 3 with no room for the shares: threads split the KV heads. The same bits.
+    # kept apart, then added; 3 with no room for the shares: threads split the KV heads; 3 with no room for more
+    # than one thread's scratch: one thread. The same bits.
     assert K is not None
     (q, k, v, do, plan, scale), _ = _tree_case(TREE, 8, 4, 64, seed=3)
     before = torch.get_num_threads()
     outs = []
     try:
-        for n, limit in ((1, 8), (2, 8), (3, 8), (3, 0)):
+        for n, limit, work in ((1, 8, 1 << 30), (2, 8, 1 << 30), (3, 8, 1 << 30), (3, 0, 1 << 30), (3, 8, 1)):
+            # work 1: no room for a second thread's scratch, so one thread runs it
             monkeypatch.setattr(kmod, "PART_LIMIT", limit)
+            monkeypatch.setattr(kmod, "WORK_LIMIT", work)
             torch.set_num_threads(n)
             o, lse = K.tree_attn_fwd(q, k, v, *plan, scale)
             outs.append([o, lse, *K.tree_attn_bwd(q, k, v, o, do, lse, *plan, scale)])

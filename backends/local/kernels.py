@@ -56,6 +56,7 @@ _SIGNATURES = {
 # Head sizes the tree attention kernels are built for (packed.py uses torch's SDPA for others).
 ATTN_HEAD_DIMS = (16, 32, 64, 128)
 PART_LIMIT = 8  # tree_attn_bwd keeps the segments' dk, dv shares apart up to this many times dk's size
+WORK_LIMIT = 256 << 20  # bytes of per-thread tree attention scratch, all threads together (one thread may pass it)
 MAX_HEAD_DIM = 512  # norm_rope keeps one head's row on the stack
 
 
@@ -202,9 +203,11 @@ class Kernels:
         return dq, dk, dv
 
     def _work(self, koff: torch.Tensor, nmax: int, d: int) -> tuple[torch.Tensor, int, int]:
-        """Per-thread scratch from torch's allocator, which reuses it call to call (the C side allocates nothing)."""
-        nt = torch.get_num_threads()
+        """Per-thread scratch from torch's allocator, which reuses it call to call (the C side allocates nothing),
+        and the thread count: fewer threads than torch's where their scratch would pass WORK_LIMIT bytes (a very
+        long sequence on many cores; the bits do not depend on the count)."""
         per = int(self.lib.tree_attn_work(int((koff[1:] - koff[:-1]).max()), nmax, d))
+        nt = max(1, min(torch.get_num_threads(), WORK_LIMIT // (4 * per)))
         return torch.empty(nt * per, dtype=torch.float32), per, nt
 
 
