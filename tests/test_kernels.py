@@ -159,7 +159,7 @@ TREE = [(9, []), (37, [0]), (5, [0]), (20, [0, 2]), (1, [0, 2]), (3, [])]
     ([(50, []), (70, [0])], 4, 1, 64),  # one KV head for four query heads
     ([(70, [])], 2, 2, 64),  # no grouping
     (TREE, 4, 2, 16),
-    ([(30, []), (45, [0])], 4, 2, 128),  # two-row blocks
+    ([(30, []), (45, [0])], 4, 2, 128),
 ])
 def test_tree_attention_matches_torch(segments, h, kv, d):
     assert K is not None and d in kmod.ATTN_HEAD_DIMS

@@ -525,4 +525,4 @@ void tree_attn_bwd_##D(const float *q, const float *k, const float *v, const flo
 TREE_ATTN(16, 4)
 TREE_ATTN(32, 4)
 TREE_ATTN(64, 4)
-TREE_ATTN(128, 2)
+TREE_ATTN(128, 4)
