@@ -386,6 +386,25 @@ static inline void fwd_task(const float *q, const float *k, const float *v, floa
         }
 }
 
+/* dst[jj] += sum_r w[r][jj] x[r] for the tile's jn key rows (m x D, row-major): dv's and dk's update. Two
+ * chains per vector (QB is even), x's rows held in registers across the rows of dst. */
+static inline void add_outer(float *dst, const float w[][KT], const float x[][128], long jn, const int D,
+                             const int QB) {
+    const int DV = D / 16;
+    v16 xv[QBMAX][8];
+    for (int r = 0; r < QB; r++)
+        for (int e = 0; e < DV; e++) xv[r][e] = ld16(x[r] + 16 * e);
+    for (long jj = 0; jj < jn; jj++) {
+        float *row = dst + jj * D;
+        for (int e = 0; e < DV; e++) {
+            v16 a = ld16(row + 16 * e), a2 = w[0][jj] * xv[0][e];
+            for (int r = 1; r + 1 < QB; r += 2) { a += w[r][jj] * xv[r][e]; a2 += w[r + 1][jj] * xv[r + 1][e]; }
+            a += w[QB - 1][jj] * xv[QB - 1][e];
+            st16(row + 16 * e, a + a2);
+        }
+    }
+}
+
 /* dkb, dvb (m x D each): this task's share of the dk, dv of the segment's key rows */
 static inline void bwd_task(const float *q, const float *k, const float *v, const float *o, const float *dout,
                             const float *lse, float *dq, float *dkb, float *dvb, const int64_t *sg, const int64_t *anc,
@@ -431,32 +450,8 @@ static inline void bwd_task(const float *q, const float *k, const float *v, cons
                     st16(DS[r], p * (dp[r] - dd[r]));
                 }
                 long jn = jend + 1 - j0 < KT ? jend + 1 - j0 : KT;
-                {  /* dv += P^T do */
-                    v16 x[QBMAX][8];
-                    for (int r = 0; r < QB; r++) for (int e = 0; e < DV; e++) x[r][e] = ld16(dor[r] + 16 * e);
-                    for (long jj = 0; jj < jn; jj++) {
-                        float *row = dvb + (j0 + jj) * D;
-                        for (int e = 0; e < DV; e++) {  /* two chains (QB is even) */
-                            v16 a = ld16(row + 16 * e), a2 = P[0][jj] * x[0][e];
-                            for (int r = 1; r + 1 < QB; r += 2) { a += P[r][jj] * x[r][e]; a2 += P[r + 1][jj] * x[r + 1][e]; }
-                            a += P[QB - 1][jj] * x[QB - 1][e];
-                            st16(row + 16 * e, a + a2);
-                        }
-                    }
-                }
-                {  /* dk += DS^T (scale q) */
-                    v16 x[QBMAX][8];
-                    for (int r = 0; r < QB; r++) for (int e = 0; e < DV; e++) x[r][e] = ld16(qs[r] + 16 * e);
-                    for (long jj = 0; jj < jn; jj++) {
-                        float *row = dkb + (j0 + jj) * D;
-                        for (int e = 0; e < DV; e++) {
-                            v16 a = ld16(row + 16 * e), a2 = DS[0][jj] * x[0][e];
-                            for (int r = 1; r + 1 < QB; r += 2) { a += DS[r][jj] * x[r][e]; a2 += DS[r + 1][jj] * x[r + 1][e]; }
-                            a += DS[QB - 1][jj] * x[QB - 1][e];
-                            st16(row + 16 * e, a + a2);
-                        }
-                    }
-                }
+                add_outer(dvb + j0 * D, P, dor, jn, D, QB);  /* dv += P^T do */
+                add_outer(dkb + j0 * D, DS, qs, jn, D, QB);  /* dk += DS^T (scale q) */
                 for (long jj = 0; jj < jn; jj++) {  /* dq += DS k */
                     const float *krow = kr + (j0 + jj) * D;
                     for (int e = 0; e < DV; e++) {

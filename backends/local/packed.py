@@ -512,12 +512,10 @@ class Layout:
         for start, c, n in self.runs:
             seg.extend((start + i * n, n, len(anc), len(anc)) for i in range(c))
         for nodes in self.trees:
-            chains: list[list[int]] = []  # per node, its ancestors' indices, root first
-            for first, length, parent in nodes:
-                chains.append([] if parent < 0 else [*chains[parent], parent])
+            for (first, length, _), chain in zip(nodes, _ancestors(nodes)):
                 if length:
                     a0 = len(anc)
-                    anc.extend((nodes[a][0], nodes[a][1]) for a in chains[-1] if nodes[a][1])
+                    anc.extend((nodes[a][0], nodes[a][1]) for a in chain if nodes[a][1])
                     seg.append((first, length, a0, len(anc)))
         seg.sort()
         assert sum(n for _, n, _, _ in seg) == len(self.tokens), "segments must cover every row"
@@ -534,11 +532,8 @@ class Layout:
         for nodes in self.trees:
             start = nodes[0][0]
             n = sum(length for _, length, _ in nodes)
-            ancestors: list[list[int]] = []  # per node, its ancestors' indices, root first
-            above: list[int] = []  # per node, its ancestors' rows
-            for parent in (p for _, _, p in nodes):
-                ancestors.append([] if parent < 0 else [*ancestors[parent], parent])
-                above.append(sum(nodes[a][1] for a in ancestors[-1]))
+            ancestors = _ancestors(nodes)
+            above = [sum(nodes[a][1] for a in chain) for chain in ancestors]  # per node, its ancestors' rows
             split_cost = sum(length * (up + length / 2) + _CALL_COST for (_, length, _), up in zip(nodes, above) if length)
             if n * n <= split_cost:
                 visible = np.zeros((len(nodes), len(nodes)), dtype=bool)  # [i, j]: node j is i or an ancestor of i
@@ -556,6 +551,14 @@ class Layout:
                     plan_nodes.append((length, anc, mask))
                 blocks.append(_Block(start, n, nodes=plan_nodes))
         return sorted(blocks, key=lambda b: b.start)
+
+
+def _ancestors(nodes: list[tuple[int, int, int]]) -> list[list[int]]:
+    """Per node of a tree (first row, length, parent or -1; parents first), its ancestors' indices, root first."""
+    chains: list[list[int]] = []
+    for _, _, parent in nodes:
+        chains.append([] if parent < 0 else [*chains[parent], parent])
+    return chains
 
 
 # One SDPA call's fixed cost, in units of attention scores (one query x one key), for choosing how a tree runs.
