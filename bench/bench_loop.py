@@ -23,7 +23,7 @@ an rl_basic batch (64 samples) on a busy 2-core machine, and a batch that is not
 cycle. Sampling calls run on a helper thread, so submitting them is instant, as with the real service.
 
 Part 1 (cycles/step): the naive loops written here (SFT: await forward_backward, then await optim_step;
-RL: await samples, then forward_backward, then optim_step), and the project's loop (runner.loop.run) on an
+RL: await samples, then forward_backward, then optim_step), and the project's loop (runner.engine.loop.run) on an
 SFT recipe at depth 0/1/2 and on the RL recipe in sync / stream / async mode.
 Part 2 (steps/s): RL async (max_staleness 1) vs sync on the LOCAL backend with the tiny model, the
 rl_basic recipe, interleaved repeated runs, medians and their ratio; also the per-step sampling (S) and
@@ -69,8 +69,8 @@ from backends.types import (
     SampleOutput,
     SamplingParams,
 )
-from runner.load import load_recipe
-from runner.recipe import Recipe
+from runner.recipe.load import load_recipe
+from runner.recipe.schema import Recipe
 from runner.threads import prefer_passive_openmp
 
 # As `runner run` does, before anything imports torch (OMP_WAIT_POLICY=ACTIVE in the environment overrides).
@@ -164,7 +164,7 @@ class ClockBackend:
         return fut.map(lambda sc: ClockSamplingClient(self, sc))
 
     def close(self, status: str = "success") -> None:
-        if self._stop.is_set():  # closed already (runner.loop.run closes its backend)
+        if self._stop.is_set():  # closed already (runner.engine.loop.run closes its backend)
             return
         self._stop.set()
         self._thread.join()
@@ -286,8 +286,8 @@ def recipe_for(ref: str, run_dir: Path, overrides: Sequence[str]) -> Recipe:
 
 
 def quiet_run(recipe: Recipe, backend: Backend) -> None:
-    """runner.loop.run without its progress lines (they would interleave with the tables)."""
-    from runner.loop import run
+    """runner.engine.loop.run without its progress lines (they would interleave with the tables)."""
+    from runner.engine.loop import run
 
     with contextlib.redirect_stderr(io.StringIO()):
         run(recipe, "bench", backend=backend)
@@ -301,7 +301,7 @@ async def first_part(parts: Any) -> Any:
 
 def naive_sft(backend: ClockBackend, recipe: Recipe, steps: int) -> None:
     """Submit forward_backward, await it, submit optim_step, await it: one round trip per call."""
-    from runner.loop import lora_spec, make_algo
+    from runner.engine.loop import lora_spec, make_algo
 
     algo = make_algo(recipe)(backend.get_tokenizer())
     tc = backend.create_training_client(lora_spec(recipe)).result()
@@ -380,7 +380,7 @@ def rl_ref(scratch: Path) -> tuple[str, str]:
 
 def rl_available(ref: str) -> str | None:
     """None when the RL loop can run `ref` here, else why not."""
-    from runner.loop import make_algo
+    from runner.engine.loop import make_algo
 
     try:
         with tempfile.TemporaryDirectory() as d:
@@ -401,7 +401,7 @@ def rl_mode_overrides(mode: str) -> list[str]:
 @contextlib.contextmanager
 def slow_prepare(seconds: float) -> Iterator[None]:
     """SFTAlgo.prepare sleeps `seconds` first: data preparation that costs more than a cycle."""
-    from runner.sft import SFTAlgo
+    from runner.algos.sft import SFTAlgo
 
     fast = SFTAlgo.prepare
 
@@ -429,11 +429,11 @@ def cycles_table(steps: int, period: float, rl_period: float) -> list[CycleRow]:
         sft = recipe_for(SFT_REF, tmp / "naive", [f"max_steps={steps}"])
         rows.append(measure("SFT naive (await fb, await optim)", steps, period, lambda b: naive_sft(b, sft, steps)))
         for depth in (0, 1, 2):
-            loop(f"SFT runner.loop depth={depth}", SFT_REF, [f"depth={depth}"], period)
+            loop(f"SFT runner.engine.loop depth={depth}", SFT_REF, [f"depth={depth}"], period)
         # A prepare() slower than a cycle (as RL sampling is): depth > 0 hides it behind the queued step.
         for depth in (0, 1):
             with slow_prepare(SLOW_PREPARE * period):
-                loop(f"SFT runner.loop depth={depth}, slow prep", SFT_REF, [f"depth={depth}"], period)
+                loop(f"SFT runner.engine.loop depth={depth}, slow prep", SFT_REF, [f"depth={depth}"], period)
         rows.append(measure("RL naive (await sample, fb, optim)", steps, rl_period, lambda b: naive_rl(b, steps)))
         ref, note = rl_ref(tmp)
         why = rl_available(ref)
@@ -443,7 +443,7 @@ def cycles_table(steps: int, period: float, rl_period: float) -> list[CycleRow]:
         print(f"RL recipe: {note}")
         for mode in ("sync", "stream", "async"):
             label = "async K=1" if mode == "async" else mode
-            loop(f"RL runner.loop {label}", ref, rl_mode_overrides(mode), rl_period)
+            loop(f"RL runner.engine.loop {label}", ref, rl_mode_overrides(mode), rl_period)
     return rows
 
 
@@ -471,8 +471,8 @@ class LocalRun:
 
 def rl_local_once(ref: str, mode: str, steps: int, run_dir: Path, overrides: Sequence[str]) -> LocalRun:
     """One run of the RL recipe on the local backend (the model load is inside `whole` only)."""
-    from runner.loop import run
-    from runner.rundir import METRICS
+    from runner.engine.loop import run
+    from runner.engine.rundir import METRICS
 
     recipe = recipe_for(
         ref, run_dir, [f"max_steps={steps}", 'backend={kind="local"}', *rl_mode_overrides(mode), *overrides]

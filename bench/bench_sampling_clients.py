@@ -115,7 +115,7 @@ def episodes(variant: str, args) -> dict:
 
 def twentyq(variant: str, args) -> dict:
     from backends.types import SamplingParams
-    from runner.recipe import TwentyQuestions
+    from runner.recipe.schema import TwentyQuestions
     from runner.rl.envs import EnvContext, build_datasets
     from runner.rl.renderer import ChatRenderer
     from runner.rl.rollouts import rollout_batch

@@ -1,5 +1,5 @@
-"""`runner run | check | show | list | export | sweep | compare | plot | serve`: the command line over runner/recipe.py
-and runner/loop.py (sweeps, comparison and plots: runner/sweep.py, runner/compare.py, runner/plot.py; the
+"""`runner run | check | show | list | export | sweep | compare | plot | serve`: the command line over runner/recipe/schema.py
+and runner/engine/loop.py (sweeps, comparison and plots: runner/tools/sweep.py, runner/tools/compare.py, runner/tools/plot.py; the
 Tinker-compatible server: backends/serve/).
 
 Exit codes: 0 ok, 2 a user error (one line on stderr, no traceback), 130 interrupted, 1 a bug
@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from backends.errors import UserError
-from runner.chain import check_all, run_chain, upstreams
-from runner.load import DEFAULT_FILE, dump_recipe, load_recipe, read_tables, resolve, split_ref
-from runner.sweep import check_line, refuse_sweep, show_sweep
+from runner.engine.chain import check_all, upstreams
+from runner.recipe.load import DEFAULT_FILE, dump_recipe, load_recipe, read_tables, resolve, split_ref
 from runner.threads import prefer_passive_openmp
+from runner.tools.sweep import check_line, refuse_sweep, show_sweep
 
 EPILOG = f"""\
 A recipe is a [recipes.<name>] table in a TOML file; FILE#NAME picks one (FILE alone when it
@@ -157,7 +157,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _talk_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """`runner sample | chat | eval` (runner/talk.py)."""
+    """`runner sample | chat | eval` (runner/tools/talk.py)."""
     target_help = "a run dir, or a recipe FILE#name (its run dir)"
     ckpt_help = "a checkpoint by name (checkpoints.jsonl); default: the last one; 'base': the base model"
 
@@ -198,7 +198,7 @@ def _at_least_one(value: int, flag: str) -> None:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from runner.talk import read_prompts, sample
+    from runner.tools.talk import read_prompts, sample
 
     if (args.prompt is None) == (args.file is None):
         raise UserError("give a prompt or --file PROMPTS.jsonl (one of them)")
@@ -216,7 +216,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from runner.talk import chat
+    from runner.tools.talk import chat
 
     _at_least_one(args.max_tokens, "--max-tokens")
     prefer_passive_openmp()
@@ -225,7 +225,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from runner.talk import evaluate
+    from runner.tools.talk import evaluate
 
     prefer_passive_openmp()
     evaluate(args.target, args.checkpoint, sys.stdout)
@@ -233,7 +233,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _science_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """sweep, compare, plot (runner/sweep.py, runner/compare.py, runner/plot.py)."""
+    """sweep, compare, plot (runner/tools/sweep.py, runner/tools/compare.py, runner/tools/plot.py)."""
     sweep = sub.add_parser(
         "sweep",
         help="run a grid of one recipe's values, each point a run dir",
@@ -308,7 +308,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     where = _where(args.ref, name)
     check_all(recipe, where)
     prefer_passive_openmp()  # before torch loads (runner/threads.py)
-    from runner.loop import Interrupted  # torch and the backends load here, and only here
+    from runner.engine.loop import Interrupted  # torch and the backends load here, and only here
+    from runner.engine.pipeline import run_chain
 
     try:
         run_chain(recipe, name, where, dry_run=args.dry_run)
@@ -363,7 +364,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    swept = show_sweep(args.ref, args.overrides)  # a sweep: with its table (runner/sweep.py)
+    swept = show_sweep(args.ref, args.overrides)  # a sweep: with its table (runner/tools/sweep.py)
     if swept is not None:
         sys.stdout.write(swept)
         return 0
@@ -388,8 +389,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from runner.log import read_jsonl
-    from runner.rundir import CHECKPOINTS, CONFIG, load_config
+    from runner.engine.log import read_jsonl
+    from runner.engine.rundir import CHECKPOINTS, CONFIG, load_config
 
     run_dir, out = Path(args.run_dir), Path(args.out)
     if not (run_dir / CONFIG).is_file():
@@ -437,9 +438,9 @@ def _where(ref: str, name: str) -> str:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from runner.compare import find_runs
-    from runner.plot import write_report
-    from runner.sweep import plan, print_dry_run, run_sweep
+    from runner.tools.compare import find_runs
+    from runner.tools.plot import write_report
+    from runner.tools.sweep import plan, print_dry_run, run_sweep
 
     sweep = plan(args.ref, args.overrides, args.zip)  # every point checked before anything starts
     if args.dry_run:
@@ -455,7 +456,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from runner.compare import choose_metrics, find_runs, render
+    from runner.tools.compare import choose_metrics, find_runs, render
 
     runs = find_runs(args.dirs)
     sys.stdout.write(render(runs, choose_metrics(runs, args.metric), args.format))
@@ -465,8 +466,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from runner.compare import choose_metrics, find_runs
-    from runner.plot import MISSING, have_matplotlib, plot, write_report
+    from runner.tools.compare import choose_metrics, find_runs
+    from runner.tools.plot import MISSING, have_matplotlib, plot, write_report
 
     if not have_matplotlib():
         raise UserError(f"runner plot: {MISSING}")

@@ -24,8 +24,8 @@ from backends.base import BackendError, Future
 from backends.errors import UserError
 from backends.local.config import Local
 from backends.local.tiny import sft_conversations
-from runner.loop import run
-from runner.recipe import Recipe
+from runner.engine.loop import run
+from runner.recipe.schema import Recipe
 
 STEPS = 4
 
@@ -198,7 +198,7 @@ def backend_for(service: Service, tmp_path: Path) -> Any:
 
 
 def rl_steps(backend: Any, steps: int = 3) -> list[tuple[list[list[int]], float]]:
-    """A bare RL loop on the protocol (the RL algorithm is not in runner/loop.py yet): sample a group
+    """A bare RL loop on the protocol (the RL algorithm is not in runner/engine/loop.py yet): sample a group
     from the current weights, reward 'a'-heavy answers, importance-sampling step. Per step: the
     sampled tokens and the loss."""
     import numpy as np

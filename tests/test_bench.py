@@ -18,7 +18,7 @@ def test_clock_bench_cycles_per_step():
 
     rows = {r.name: r for r in bench_loop.cycles_table(steps=4, period=0.05, rl_period=0.5)}
     assert rows["SFT naive (await fb, await optim)"].steady == pytest.approx(2.0, abs=0.05)
-    assert rows["SFT runner.loop depth=1"].steady <= 1.05
+    assert rows["SFT runner.engine.loop depth=1"].steady <= 1.05
     assert rows["RL naive (await sample, fb, optim)"].steady == pytest.approx(3.0, abs=0.1)
-    assert rows["RL runner.loop sync"].steady == pytest.approx(2.0, abs=0.1)
-    assert rows["RL runner.loop async K=1"].steady <= 1.1
+    assert rows["RL runner.engine.loop sync"].steady == pytest.approx(2.0, abs=0.1)
+    assert rows["RL runner.engine.loop async K=1"].steady <= 1.1

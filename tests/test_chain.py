@@ -1,4 +1,4 @@
-"""Recipe chaining (`init_from`, runner/chain.py): upstream recipes run first, the downstream starts from their final
+"""Recipe chaining (`init_from`, runner/engine/chain.py): upstream recipes run first, the downstream starts from their final
 weights (fresh optimizer, step 0), and every bad chain is one line, exit 2, nothing written."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from backends.local.tiny import sft_conversations
 from runner.cli import main
-from runner.log import read_jsonl
+from runner.engine.log import read_jsonl
 
 STAGE = """
 [recipes.{name}]

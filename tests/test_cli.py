@@ -16,7 +16,7 @@ import pytest
 
 from backends.errors import UserError
 from runner.cli import main
-from runner.load import load_recipe
+from runner.recipe.load import load_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,7 +42,7 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture
 def fake_loop(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """runner.loop replaced by a recorder; `calls[0]`, if set to an exception, is raised instead."""
+    """runner.engine.loop replaced by a recorder; `calls[0]`, if set to an exception, is raised instead."""
     calls: list[Any] = []
 
     def run(recipe: Any, name: str, *, dry_run: bool = False, **_: Any) -> None:
@@ -53,7 +53,7 @@ def fake_loop(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     class Interrupted(Exception):
         pass
 
-    monkeypatch.setitem(sys.modules, "runner.loop", types.SimpleNamespace(run=run, Interrupted=Interrupted,
+    monkeypatch.setitem(sys.modules, "runner.engine.loop", types.SimpleNamespace(run=run, Interrupted=Interrupted,
                                                                          InitWeights=object))
     return calls
 
@@ -199,7 +199,7 @@ def test_check_a_whole_file_from_elsewhere_finds_data_and_modules_next_to_it(
 def test_help_names_only_the_algorithms_that_exist(capsys: pytest.CaptureFixture[str]) -> None:
     import re
 
-    from runner.recipe import Algo
+    from runner.recipe.schema import Algo
 
     with pytest.raises(SystemExit):
         main(["--help"])

@@ -18,9 +18,9 @@ import msgspec
 import pytest
 
 from runner.cli import main
-from runner.compare import choose_metrics, find_runs, render
-from runner.load import dump_recipe
-from runner.recipe import Recipe
+from runner.recipe.load import dump_recipe
+from runner.recipe.schema import Recipe
+from runner.tools.compare import choose_metrics, find_runs, render
 
 
 def make_run(run_dir: Path, rows: list[dict[str, Any]], algo: dict[str, Any] | None = None, **over: Any) -> Path:
@@ -111,8 +111,8 @@ def test_rl_reward_is_higher_is_better_and_runs_can_mix(sweep_dir: Path) -> None
 
 
 def test_main_metrics_of_other_algorithms(monkeypatch: pytest.MonkeyPatch) -> None:
-    from runner import log
-    from runner.compare import main_metrics
+    from runner.engine import log
+    from runner.tools.compare import main_metrics
 
     assert main_metrics("dpo") == ["test/accuracy", "accuracy"]
     # A kind compare does not know gets the progress line's headline metrics, held-out first.
@@ -138,7 +138,7 @@ def test_compare_errors_are_one_line(sweep_dir: Path, capsys: pytest.CaptureFixt
 
 def test_plot_draws_one_labelled_curve_per_run(sweep_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
-    from runner.plot import figure
+    from runner.tools.plot import figure
 
     runs = find_runs(["runs/sl/lr=0.001", "runs/sl/lr=0.004"])
     fig = figure(runs, choose_metrics(runs, ["train_mean_nll"]))
@@ -184,7 +184,7 @@ def test_plot_without_matplotlib_is_one_line(sweep_dir: Path, capsys: pytest.Cap
     assert capsys.readouterr().err == (
         "error: runner plot: matplotlib is not installed: pip install 'runner[plot]' (or pip install matplotlib)\n")
     # The sweep report still has its table, and says what the curves need.
-    from runner.plot import write_report
+    from runner.tools.plot import write_report
 
     page = write_report(sweep_dir, find_runs(["runs/sl"])).read_text()
     assert "<td>runs/sl/lr=0.004</td>" in page and "No curves: matplotlib is not installed" in page

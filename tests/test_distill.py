@@ -1,4 +1,4 @@
-"""On-policy distillation (runner/distill.py): the teacher-KL math, multi-teacher runs through the loop on both
+"""On-policy distillation (runner/algos/distill.py): the teacher-KL math, multi-teacher runs through the loop on both
 backends, and a teacher with another tokenizer refused by `runner check`."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 
 from backends.local.tiny import sft_conversations
 from backends.types import Datum
+from runner.algos.distill import apply_teacher_kl, prompts_from_chats
 from runner.cli import main
-from runner.distill import apply_teacher_kl, prompts_from_chats
-from runner.log import read_jsonl
+from runner.engine.log import read_jsonl
 
 
 def rl_datum(lps: list[float], mask: list[float], adv: float = 0.0) -> Datum:
@@ -62,13 +62,13 @@ group_size = 2
 max_tokens = 8
 
 [[recipes.student.algo.datasets]]
-prompts = {{kind = "python", target = "runner.distill:prompts_from_chats", args = {{path = "chats.jsonl"}}}}
+prompts = {{kind = "python", target = "runner.algos.distill:prompts_from_chats", args = {{path = "chats.jsonl"}}}}
 teacher = {{init_from = "#teacher"}}
 groups_per_batch = 2
 test_size = 2
 
 [[recipes.student.algo.datasets]]
-prompts = {{kind = "python", target = "runner.distill:prompts_from_chats", args = {{path = "chats.jsonl"}}}}
+prompts = {{kind = "python", target = "runner.algos.distill:prompts_from_chats", args = {{path = "chats.jsonl"}}}}
 groups_per_batch = 2
 """
 LOCAL = 'backend = {kind = "local", device = "cpu"}'
@@ -112,9 +112,9 @@ def test_a_teacher_with_another_tokenizer_is_a_check_error(proj: Path, capsys: p
     other = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")))
     other.save_pretrained(proj / "other_tok")
     text = DISTILL.format(backend=LOCAL).replace(
-        'prompts = {kind = "python", target = "runner.distill:prompts_from_chats", args = {path = "chats.jsonl"}}\n'
+        'prompts = {kind = "python", target = "runner.algos.distill:prompts_from_chats", args = {path = "chats.jsonl"}}\n'
         "groups_per_batch = 2\n",
-        'prompts = {kind = "python", target = "runner.distill:prompts_from_chats", args = {path = "chats.jsonl"}}\n'
+        'prompts = {kind = "python", target = "runner.algos.distill:prompts_from_chats", args = {path = "chats.jsonl"}}\n'
         f'teacher = {{model = "{proj / "other_tok"}"}}\ngroups_per_batch = 2\n')
     (proj / "r.toml").write_text(text)
     assert main(["check", "r.toml#student"]) == 2

@@ -1,5 +1,5 @@
-"""Preference learning: DPO (runner/dpo.py) and the reward model (runner/reward_model.py, runner/preference_judge.py)
-on comparisons (runner/comparisons.py).
+"""Preference learning: DPO (runner/algos/dpo.py) and the reward model (runner/algos/reward_model.py, runner/algos/judge.py)
+on comparisons (runner/data/comparisons.py).
 
 Run: pytest tests/test_dpo.py   (about a minute on 2 cores; the learning tests are marked slow)
 """
@@ -19,11 +19,11 @@ import torch
 from backends.errors import UserError
 from backends.local.tiny import build_tokenizer
 from backends.types import Datum, LoraSpec
-from runner.comparisons import judge_messages, load_pairs, render_completion
-from runner.dpo import DPOAlgo, dpo_loss_fn, dpo_stats, sequence_logprobs
-from runner.loop import run
-from runner.recipe import DPO, Jsonl, Recipe, RewardModel
-from runner.reward_model import RewardModelAlgo, judge_stats, orders, to_datum
+from runner.algos.dpo import DPOAlgo, dpo_loss_fn, dpo_stats, sequence_logprobs
+from runner.algos.reward_model import RewardModelAlgo, judge_stats, orders, to_datum
+from runner.data.comparisons import judge_messages, load_pairs, render_completion
+from runner.engine.loop import run
+from runner.recipe.schema import DPO, Jsonl, Recipe, RewardModel
 
 TOK = build_tokenizer()
 REPO = Path(__file__).resolve().parents[1]
@@ -334,7 +334,7 @@ def test_reference_is_the_initial_weights_after_a_resume(tmp_path):
 
 
 def test_reference_path_is_used_when_given():
-    """A chained recipe's initial weights (runner/chain.py passes the upstream's final sampler weights)."""
+    """A chained recipe's initial weights (runner/engine/chain.py passes the upstream's final sampler weights)."""
     cfg = msgspec.convert({"kind": "dpo", "data": {"kind": "jsonl", "path": "x"}}, DPO)
     calls: list[dict[str, Any]] = []
 
@@ -417,7 +417,7 @@ def test_reward_model_accuracy_metric():
 def test_judge_prob_is_a_symmetric_probability(tmp_path):
     from backends.local import LocalBackend
     from backends.local.config import Local
-    from runner.preference_judge import judge_prob
+    from runner.algos.judge import judge_prob
 
     backend = LocalBackend(Local(device="cpu"), "tiny", None, tmp_path / "store", seed=0)
     try:

@@ -21,8 +21,8 @@ import torch
 
 from backends.local.tiny import TINY_DIR, sft_conversations
 from runner.cli import main
-from runner.loop import run
-from runner.recipe import Recipe
+from runner.engine.loop import run
+from runner.recipe.schema import Recipe
 
 TOL = 1e-4
 

@@ -30,7 +30,7 @@ def test_backends_import_alone() -> None:
 
 
 def test_schema_is_only_the_schema() -> None:
-    """runner/recipe.py declares tables; reading, overrides, error text and imports of user code live elsewhere."""
+    """runner/recipe/schema.py declares tables; reading, overrides, error text and imports of user code live elsewhere."""
     text = (REPO / "runner" / "recipe.py").read_text()
     for word in ("tomllib", "importlib", "def load_", "def apply_overrides", "def explain", "def import_target"):
         assert word not in text, word

@@ -16,10 +16,10 @@ import pytest
 from backends.errors import UserError
 from backends.fake import FakeBackend
 from backends.local.tiny import build_tokenizer
-from runner.loop import run
-from runner.recipe import Recipe
-from runner.rundir import METRICS, open_run_dir
-from runner.schedule import multiplier
+from runner.engine.loop import run
+from runner.engine.rundir import METRICS, open_run_dir
+from runner.engine.schedule import multiplier
+from runner.recipe.schema import Recipe
 
 TOK = build_tokenizer()
 
@@ -196,9 +196,9 @@ def test_a_run_that_trained_nothing_gives_way_to_a_fixed_recipe(tmp_path, capsys
 def test_overwrite_twice_within_a_second_keeps_both_old_runs(tmp_path, monkeypatch):
     """The aside name has one-second resolution: a second overwrite in the same second gets a suffix (before: an
     OSError traceback, "Directory not empty")."""
-    import runner.rundir
+    import runner.engine.rundir
 
-    monkeypatch.setattr(runner.rundir.time, "strftime", lambda fmt: "20250101-000000")
+    monkeypatch.setattr(runner.engine.rundir.time, "strftime", lambda fmt: "20250101-000000")
     recipe = msgspec.structs.replace(make_recipe(tmp_path, max_steps=1), if_exists="overwrite")
     for i in range(3):
         (tmp_path / "run").mkdir(exist_ok=True)
@@ -265,7 +265,7 @@ def test_sft_through_the_tinker_sdk(tmp_path, monkeypatch):
 def test_progress_line():
     import io
 
-    from runner.log import Progress
+    from runner.engine.log import Progress
 
     class Tty(io.StringIO):
         def isatty(self) -> bool:
@@ -298,8 +298,8 @@ def test_progress_line():
 
 def test_progress_keys_per_algorithm():
     """The headline numbers follow the algorithm, and envs whose mean reward cannot move get one that does."""
-    from runner.load import load_file
-    from runner.log import algo_keys
+    from runner.engine.log import algo_keys
+    from runner.recipe.load import load_file
 
     recipes = load_file("recipes.toml")
     assert [k for k, _ in algo_keys(recipes["sl_basic"])] == ["train_mean_nll", "test/nll"]

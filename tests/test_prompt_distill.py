@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from runner.cli import main
-from runner.log import read_jsonl
+from runner.engine.log import read_jsonl
 
 RECIPES = """
 [recipes.gen]

@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from runner.load import load_recipe
+from runner.recipe.load import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 

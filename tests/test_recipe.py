@@ -17,9 +17,9 @@ import pytest
 from backends.errors import UserError
 from backends.local.config import Local
 from backends.tinker.config import Tinker
-from runner.explain import convert
-from runner.load import check_recipe, dump_recipe, load_file, load_recipe, parse_override, recipe_dict
-from runner.recipe import SFT, Cosine, Jsonl, Linear, Python, Recipe
+from runner.recipe.explain import convert
+from runner.recipe.load import check_recipe, dump_recipe, load_file, load_recipe, parse_override, recipe_dict
+from runner.recipe.schema import SFT, Cosine, Jsonl, Linear, Python, Recipe
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = [REPO / "recipes.toml", *sorted((REPO / "examples").glob("*.toml"))]

@@ -21,10 +21,10 @@ from crashing import CrashingBackend
 
 from backends.base import BackendError
 from backends.local.tiny import sft_conversations
-from runner.load import dump_recipe, load_recipe
-from runner.log import read_jsonl
-from runner.loop import run
-from runner.recipe import Recipe
+from runner.engine.log import read_jsonl
+from runner.engine.loop import run
+from runner.recipe.load import dump_recipe, load_recipe
+from runner.recipe.schema import Recipe
 
 STEPS = 6
 
@@ -162,8 +162,8 @@ def test_second_ctrl_c_quits_at_once(tmp_path):
     script = (
         "import sys, msgspec\n"
         "from backends.fake import FakeBackend\n"
-        "from runner.loop import Interrupted, run\n"
-        "from runner.recipe import Recipe\n"
+        "from runner.engine.loop import Interrupted, run\n"
+        "from runner.recipe.schema import Recipe\n"
         f"recipe = msgspec.json.decode({msgspec.json.encode(recipe)!r}, type=Recipe)\n"
         "try:\n"
         "    run(recipe, 'r', backend=FakeBackend(delay=1.0))\n"

@@ -13,7 +13,7 @@ import pytest
 
 from backends.local.tiny import build_tokenizer
 from backends.types import Datum, SampledSequence, SamplingParams
-from runner.recipe import PPO, RL, Arithmetic, ReferenceKL, Stream
+from runner.recipe.schema import PPO, RL, Arithmetic, ReferenceKL, Stream
 from runner.rl.advantages import compute_advantages
 from runner.rl.datums import assemble_datums, trajectory_to_datums
 from runner.rl.envs.common import RepeatGroupBuilder

@@ -13,7 +13,7 @@ import pytest
 from backends.errors import UserError
 from backends.local.tiny import build_tokenizer
 from backends.types import SamplingParams
-from runner.recipe import Arithmetic, GuessNumber, Preference, PythonEnv, TicTacToe, TwentyQuestions
+from runner.recipe.schema import Arithmetic, GuessNumber, Preference, PythonEnv, TicTacToe, TwentyQuestions
 from runner.rl.envs import EnvContext, build_datasets, get_batch
 from runner.rl.envs.arithmetic import ArithmeticEnv
 from runner.rl.envs.guess_number import GuessNumberEnv

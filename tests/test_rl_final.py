@@ -1,4 +1,4 @@
-"""RL after the loop (runner/loop.py `final`, runner/rl/algo.py `final`): one eval of the test set on the final
+"""RL after the loop (runner/engine/loop.py `final`, runner/rl/algo.py `final`): one eval of the test set on the final
 weights, logged at step = the number of steps (the cookbook's end_batch); resuming a run stopped before it runs
 it once, a finished run never again; and `transcript_every`, which steps write iteration_NNNNNN/ transcripts.
 
@@ -16,8 +16,8 @@ import pytest
 from crashing import CrashingBackend
 
 from backends.base import BackendError
-from runner.loop import run
-from runner.recipe import Recipe
+from runner.engine.loop import run
+from runner.recipe.schema import Recipe
 
 
 def recipe(tmp_path: Path, run_dir: str, **over: Any) -> Recipe:

@@ -1,4 +1,4 @@
-"""RL through the one training loop (runner/loop.py + runner/rl/algo.py) on the local backend and the tiny model:
+"""RL through the one training loop (runner/engine/loop.py + runner/rl/algo.py) on the local backend and the tiny model:
 every shipped RL recipe runs a couple of steps, writes the cookbook's metric names, an HTML transcript that
 parses, rollout summaries and checkpoints; sync, stream and async modes behave as documented; a crashed sync
 run resumes to the same metrics as an uninterrupted one.
@@ -19,10 +19,11 @@ from crashing import CrashingBackend
 
 from backends.base import BackendError
 from backends.errors import UserError
-from runner.chain import run_chain, upstreams
-from runner.load import dump_recipe, load_file, load_recipe
-from runner.loop import run
-from runner.recipe import Recipe
+from runner.engine.chain import upstreams
+from runner.engine.loop import run
+from runner.engine.pipeline import run_chain
+from runner.recipe.load import dump_recipe, load_file, load_recipe
+from runner.recipe.schema import Recipe
 
 REPO = Path(__file__).resolve().parent.parent
 RL_RECIPES = [

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from runner.cli import main
-from runner.log import read_jsonl
+from runner.engine.log import read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 COMPARISONS = REPO / "examples" / "data" / "comparisons.jsonl"
@@ -20,7 +20,7 @@ max_steps = 2
 eval_every = 0
 save_every = 0
 {backend}
-algo = {{kind = "sft", batch_size = 8, data = {{kind = "python", target = "runner.comparisons:preferred_conversations", \
+algo = {{kind = "sft", batch_size = 8, data = {{kind = "python", target = "runner.data.comparisons:preferred_conversations", \
 args = {{path = "{data}"}}}}}}
 lora = {{rank = 4}}
 
@@ -105,8 +105,8 @@ REPLIES = ["I am not sure.", "Ask me something else."]
 
 
 def test_hedged_demonstrations_are_seeded_and_hedge_as_asked() -> None:
-    from runner.comparisons import hedged_demonstrations, load_pairs
-    from runner.recipe import Jsonl
+    from runner.data.comparisons import hedged_demonstrations, load_pairs
+    from runner.recipe.schema import Jsonl
 
     pairs = load_pairs(Jsonl(path=str(COMPARISONS))).pairs
     rows = hedged_demonstrations(str(COMPARISONS), PREFIXES, REPLIES, prefix_frac=0.3, reply_frac=0.4, seed=3)
@@ -128,13 +128,13 @@ def test_hedged_demonstrations_are_seeded_and_hedge_as_asked() -> None:
     n = len(rows)
     assert abs(kinds["prefixed"] / n - 0.3) < 0.06 and abs(kinds["replaced"] / n - 0.4) < 0.06
     # No hedging: the preferred answers, as preferred_conversations.
-    from runner.comparisons import preferred_conversations
+    from runner.data.comparisons import preferred_conversations
 
     assert hedged_demonstrations(str(COMPARISONS)) == preferred_conversations(str(COMPARISONS))
 
 
 def test_hedged_demonstrations_leave_out_held_out_prompts_and_change_nothing_else() -> None:
-    from runner.comparisons import hedged_demonstrations
+    from runner.data.comparisons import hedged_demonstrations
 
     held_out = ["What is 2 + 4?", "What is 5 + 8?"]
     args = {"prefixes": PREFIXES, "replies": REPLIES, "prefix_frac": 0.4, "reply_frac": 0.4, "seed": 0}
@@ -149,7 +149,7 @@ def test_hedged_demonstrations_leave_out_held_out_prompts_and_change_nothing_els
                                   {"prefix_frac": 0.5}, {"reply_frac": -0.1, "replies": REPLIES}])
 def test_hedged_demonstrations_bad_args_are_user_errors(args: dict) -> None:
     from backends.errors import UserError
-    from runner.comparisons import hedged_demonstrations
+    from runner.data.comparisons import hedged_demonstrations
 
     with pytest.raises(UserError):
         hedged_demonstrations(str(COMPARISONS), **args)

@@ -15,10 +15,10 @@ import pytest
 
 from backends.errors import UserError
 from backends.local.tiny import build_tokenizer
-from runner.data import load_conversations
-from runner.loop import run
-from runner.recipe import HF, SFT, Jsonl, Python, Recipe
-from runner.sft import SFTAlgo, render, to_datum
+from runner.algos.sft import SFTAlgo, render, to_datum
+from runner.data.conversations import load_conversations
+from runner.engine.loop import run
+from runner.recipe.schema import HF, SFT, Jsonl, Python, Recipe
 
 TOK = build_tokenizer()
 CONV = [

@@ -21,8 +21,8 @@ import msgspec
 import pytest
 
 from runner.cli import main
-from runner.compare import read_rows
-from runner.sweep import plan, point_name, run_sweep, toml_value
+from runner.tools.compare import read_rows
+from runner.tools.sweep import plan, point_name, run_sweep, toml_value
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -184,7 +184,7 @@ def test_a_point_dir_holding_another_recipe_stops_the_sweep_before_it_starts(
     other = sweep.points[1]
     run_dir = Path(other.recipe.log_dir or "")
     run_dir.mkdir(parents=True)
-    from runner.rundir import dump_config
+    from runner.engine.rundir import dump_config
 
     (run_dir / "config.toml").write_text(dump_config("sl", other.recipe))
     (run_dir / "metrics.jsonl").write_text('{"step": 0, "progress/done_frac": 0.3}\n')
@@ -211,7 +211,7 @@ def fake_run(run_dir: Path, steps: int, final: bool) -> None:
 
 def test_dry_run_says_what_each_point_holds(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     sweep = plan("recipes.toml#sl", ["lr=[1e-3,2e-3,4e-3]"])
-    from runner.rundir import dump_config
+    from runner.engine.rundir import dump_config
 
     for p, (steps, final) in zip(sweep.points[:2], [(3, True), (2, False)], strict=True):
         d = Path(p.recipe.log_dir or "")
@@ -251,7 +251,7 @@ def test_points_run_in_parallel_and_one_failure_does_not_stop_the_others(
         workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     script = workdir / "fake_point.py"
     script.write_text(FAKE_POINT)
-    monkeypatch.setattr("runner.sweep.point_command", lambda config: [sys.executable, str(script), str(config)])
+    monkeypatch.setattr("runner.tools.sweep.point_command", lambda config: [sys.executable, str(script), str(config)])
     sweep = plan("recipes.toml#sl", ["lr=[1e-3,2e-3,4e-3,8e-3]"])
     out = io.StringIO()
     assert run_sweep(sweep, parallel=2, out=out) == 1

@@ -1,4 +1,4 @@
-"""`runner sample | chat | eval` on any checkpoint of a run (runner/talk.py), local and over the tinker SDK."""
+"""`runner sample | chat | eval` on any checkpoint of a run (runner/tools/talk.py), local and over the tinker SDK."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from backends.local.tiny import sft_conversations
 from runner.cli import main
-from runner.log import read_jsonl
+from runner.engine.log import read_jsonl
 
 SFT = """
 [recipes.s]

@@ -22,9 +22,9 @@ import pytest
 from backends.errors import UserError
 from backends.fake import FakeBackend
 from backends.local.tiny import build_tokenizer
-from runner.loop import run
-from runner.recipe import Recipe
-from runner.rundir import open_run_dir, recipe_diff
+from runner.engine.loop import run
+from runner.engine.rundir import open_run_dir, recipe_diff
+from runner.recipe.schema import Recipe
 
 KEY = "0123456789abcdef0123456789abcdef01234567"
 

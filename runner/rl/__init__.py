@@ -15,6 +15,6 @@ The loop's RL algorithm is algo.RLAlgo (sync / stream / async modes, evals, tran
 
 Modules: algo, types (Env, StepResult, Transition, Trajectory, TrajectoryGroup, EnvGroupBuilder, RLDataset),
 renderer (chat messages <-> tokens), envs/ (built-in envs and the python escape hatch), rollouts, advantages,
-datums, kl, metrics, transcripts, testing (a scripted sampler); the recipe section is in runner/recipe.py
+datums, kl, metrics, transcripts, testing (a scripted sampler); the recipe section is in runner/recipe/schema.py
 (schema re-exports it).
 """

@@ -1,4 +1,4 @@
-"""RL behind the loop's Algorithm interface (runner/loop.py): group rollouts -> advantages -> datums -> a ratio loss.
+"""RL behind the loop's Algorithm interface (runner/engine/loop.py): group rollouts -> advantages -> datums -> a ratio loss.
 
 Per step k (the loop calls prepare, submit, finish):
   prepare(k)  picks the sampling client (below), rolls out batch k % len(train) of group builders, then
@@ -47,7 +47,7 @@ import numpy as np
 from backends.base import BackendError, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, LossFn, OptimStepOutput, SamplingParams
-from runner.recipe import CISPO, DRO, PPO, RL, Async, ModelJudge, Preference, ReferenceKL, Stream
+from runner.recipe.schema import CISPO, DRO, PPO, RL, Async, ModelJudge, Preference, ReferenceKL, Stream
 from runner.rl import transcripts
 from runner.rl.advantages import compute_advantages, remove_constant_reward_groups
 from runner.rl.datums import assemble_datums
@@ -114,7 +114,7 @@ class Submitted:
 
 
 class RLAlgo:
-    """`cfg` is an RL table, or one with the same sampling/training fields (runner.distill.DistillAlgo subclasses this
+    """`cfg` is an RL table, or one with the same sampling/training fields (runner.algos.distill.DistillAlgo subclasses this
     with its own datasets and KL term)."""
 
     def __init__(self, cfg: Any, tokenizer: Any, *, seed: int = 0, base_model: str = "tiny",
@@ -148,7 +148,7 @@ class RLAlgo:
         return build_datasets(self.cfg.env, ctx)
 
     async def open_weights(self, ref: str) -> SamplingClient:
-        """A sampling client over the final weights of the run `ref` names (resolved by runner/chain.py)."""
+        """A sampling client over the final weights of the run `ref` names (resolved by runner/engine/chain.py)."""
         if ref not in self._opened:
             if ref not in self.weights:
                 raise UserError(f"{ref!r} was not resolved to weights: run the recipe with `runner run`, which runs it "
@@ -380,7 +380,7 @@ class RLAlgo:
         return f"final eval (the test set on the final weights), logged at step {self.total_steps}"
 
     async def final(self, ctx: Any, evaluate: bool) -> dict[str, float]:
-        """The test-set eval on the final weights (ctx: runner.loop.FinalContext)."""
+        """The test-set eval on the final weights (ctx: runner.engine.loop.FinalContext)."""
         self.log_dir = ctx.log_dir  # a session resumed for the final eval alone prepared no step
         self._backend = ctx.backend
         self.samplers.clear()  # all older than the final weights (each local one holds a model copy)

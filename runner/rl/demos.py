@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from backends.errors import UserError
-from runner.recipe import Env, GuessNumber, Preference, TicTacToe, TwentyQuestions
+from runner.recipe.schema import Env, GuessNumber, Preference, TicTacToe, TwentyQuestions
 from runner.rl.envs import build_datasets, get_batch
 from runner.rl.envs import tictactoe as ttt
 from runner.rl.envs import twenty_questions as tq
@@ -46,7 +46,7 @@ GENERIC = ["Yes.", "I can help.", "I am happy to help you with that today."]
 def demonstrations(env: dict[str, Any], n: int = 256, seed: int = 0, epsilon: float = 0.0) -> list[dict[str, Any]]:
     """`n` SFT rows {"messages": [...]}: the expert's episodes on the env's training problems (from the start of
     its training split, cycling). `env` is the RL recipe's env table."""
-    from runner.explain import convert
+    from runner.recipe.explain import convert
 
     cfg = convert(env, Env, "demonstrations: env")  # type: ignore[arg-type]
     expert = _expert(cfg)

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any, cast
 
 from backends.errors import UserError
-from runner.recipe import (
+from runner.recipe.schema import (
     Arithmetic,
     Env,
     GuessNumber,
@@ -25,11 +25,11 @@ from runner.recipe import (
     TicTacToe,
     TwentyQuestions,
 )
+from runner.recipe.targets import args_mismatch, import_target
 from runner.rl.envs import arithmetic, guess_number, preference, tictactoe, twenty_questions
 from runner.rl.envs.common import EnvContext
 from runner.rl.rollouts import describe_error
 from runner.rl.types import EnvGroupBuilder, RLDataset
-from runner.targets import args_mismatch, import_target
 
 __all__ = ["EnvContext", "build_datasets", "get_batch"]
 

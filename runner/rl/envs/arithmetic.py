@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import re
 
-from runner.recipe import Arithmetic
+from runner.recipe.schema import Arithmetic
 from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, RepeatGroupBuilder, check_train_size, split_problems
 from runner.rl.renderer import ChatRenderer, Message
 from runner.rl.types import Observation, RLDataset, StepResult, StopCondition

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 
-from runner.recipe import GuessNumber
+from runner.recipe.schema import GuessNumber
 from runner.rl.envs.arithmetic import INTEGER
 from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, RepeatGroupBuilder, check_train_size, split_problems
 from runner.rl.renderer import ChatRenderer

@@ -16,7 +16,8 @@ from dataclasses import replace
 from backends.base import SamplingClient
 from backends.errors import UserError
 from backends.types import SamplingParams
-from runner.recipe import ModelJudge, Preference
+from runner.recipe.schema import ModelJudge, Preference
+from runner.recipe.targets import import_target
 from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, check_train_size
 from runner.rl.renderer import ChatRenderer
 from runner.rl.types import (
@@ -29,7 +30,6 @@ from runner.rl.types import (
     StopCondition,
     Trajectory,
 )
-from runner.targets import import_target
 
 Judge = Callable[[str, str, str], float]
 
@@ -83,7 +83,7 @@ class PromptEnv(ChatEnv):
 
 
 class ModelJudgeFn:
-    """A reward model's pairwise judgement (runner/preference_judge.py), on a sampling client over its final weights,
+    """A reward model's pairwise judgement (runner/algos/judge.py), on a sampling client over its final weights,
     opened once through the run's backend."""
 
     def __init__(self, ctx: EnvContext, ref: str):
@@ -91,7 +91,7 @@ class ModelJudgeFn:
         self.client: SamplingClient | None = None
 
     async def __call__(self, prompt: str, a: str, b: str) -> float:
-        from runner.preference_judge import judge_prob
+        from runner.algos.judge import judge_prob
 
         if self.client is None:
             if self.ctx.open_weights is None:

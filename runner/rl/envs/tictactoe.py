@@ -16,7 +16,7 @@ import random
 from collections.abc import Sequence
 from typing import Literal
 
-from runner.recipe import TicTacToe
+from runner.recipe.schema import TicTacToe
 from runner.rl.envs.arithmetic import INTEGER
 from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, RepeatGroupBuilder, check_train_size, split_problems
 from runner.rl.renderer import ChatRenderer

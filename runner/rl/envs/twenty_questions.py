@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import re
 
-from runner.recipe import TwentyQuestions
+from runner.recipe.schema import TwentyQuestions
 from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, RepeatGroupBuilder, check_train_size, split_problems
 from runner.rl.renderer import ChatRenderer
 from runner.rl.types import Observation, RLDataset, StepResult, StopCondition

@@ -1,6 +1,6 @@
 """Preference data: labelled comparisons of two completions of one prompt, for DPO and the reward model.
 
-Rows (JSONL, or any data source of runner/data.py), one of:
+Rows (JSONL, or any data source of runner/data/conversations.py), one of:
   {"prompt": [messages], "chosen": [messages], "rejected": [messages]}
   {"comparison": {"prompt_conversation": [...], "completion_A": [...], "completion_B": [...]},
    "label": "A" | "B" | "Tie"}                                    (the cookbook's LabeledComparison)
@@ -8,7 +8,7 @@ A completion may also be a plain string (one assistant message). A "Tie" says no
 so it is dropped and counted (the cookbook silently makes B the winner). A bad row is one UserError naming its
 file and line.
 
-Rendering (shared by DPO, the reward model and runner/preference_judge.py):
+Rendering (shared by DPO, the reward model and runner/algos/judge.py):
   - `render_completion`: prompt + completion through the tokenizer's chat template; weight 1 on every token after
     the prompt's generation header (the completion's content and end-of-turn), 0 on the prompt;
   - `judge_messages`: the reward model's input, one user message showing the conversation and both completions and
@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from backends.errors import UserError
-from runner.data import Conversation, load_rows, messages_of
-from runner.recipe import DataSource
-from runner.sft import _encode, _prefix_len, _template
+from runner.data.chat_template import encode, prefix_len, template
+from runner.data.conversations import Conversation, load_rows, messages_of
+from runner.recipe.schema import DataSource
 
 LABELS = ("A", "B", "Tie")
 
@@ -111,8 +111,8 @@ def _completion(value: Any, where: str, key: str) -> Conversation:
 def render_completion(tokenizer: Any, prompt: Conversation, completion: Conversation) -> tuple[list[int], list[float]]:
     """Tokens of prompt + completion and their weights: 1 from the end of the prompt's generation header (when the
     completion starts with an assistant turn) to the end, 0 before."""
-    tokens = _encode(tokenizer, _template(tokenizer, prompt + completion, False))
-    start = _prefix_len(tokenizer, prompt, tokens, completion[0]["role"] == "assistant")
+    tokens = encode(tokenizer, template(tokenizer, prompt + completion, False))
+    start = prefix_len(tokenizer, prompt, tokens, completion[0]["role"] == "assistant")
     return tokens, [0.0] * start + [1.0] * (len(tokens) - start)
 
 
@@ -134,7 +134,7 @@ def render_judge(tokenizer: Any, prompt: Conversation, a: Conversation, b: Conve
     """(the judge prompt's tokens up to the label, the token of label "A", of label "B"): the assistant reply "A"
     and "B" rendered in full, cut at the first token where they differ."""
     question = judge_messages(prompt, a, b)
-    ta, tb = (_encode(tokenizer, _template(tokenizer, [*question, {"role": "assistant", "content": label}], False))
+    ta, tb = (encode(tokenizer, template(tokenizer, [*question, {"role": "assistant", "content": label}], False))
               for label in ("A", "B"))
     pos = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), min(len(ta), len(tb)))
     if pos >= min(len(ta), len(tb)):
@@ -147,7 +147,7 @@ def render_judge(tokenizer: Any, prompt: Conversation, a: Conversation, b: Conve
 
 
 class Batches:
-    """A seeded held-out split of `items`, then per-epoch reshuffled batches of the rest (as runner/sft.py: one
+    """A seeded held-out split of `items`, then per-epoch reshuffled batches of the rest (as runner/algos/sft.py: one
     seeded shuffle, then test_size held out; epoch e is shuffled with (seed, e); the last partial batch of an
     epoch is dropped)."""
 
@@ -191,10 +191,10 @@ class Batches:
 def preferred_conversations(path: str) -> list[dict[str, Any]]:
     """SFT rows {"messages": prompt + the preferred completion} of a comparison file (ties skipped): the RLHF
     pipeline's supervised stage trains on the answers the labels prefer (a data source target:
-    `{kind = "python", target = "runner.comparisons:preferred_conversations", args = {path = "..."}}`)."""
+    `{kind = "python", target = "runner.data.comparisons:preferred_conversations", args = {path = "..."}}`)."""
     from pathlib import Path
 
-    from runner.recipe import Jsonl
+    from runner.recipe.schema import Jsonl
 
     if not Path(path).is_file():
         raise UserError(f"preferred_conversations: file not found: {path}")
@@ -211,11 +211,11 @@ def hedged_demonstrations(path: str, prefixes: list[str] | None = None, replies:
     supervised stage as in practice: demonstrations by annotators who often pad or dodge, while the comparisons
     prefer the concise answer, so the SFT policy is worse than what the reward model prefers and RL has something to
     win. Comparisons whose last user message is in `exclude` (the RL stage's held-out prompts) are left out. A data
-    source target: `{kind = "python", target = "runner.comparisons:hedged_demonstrations", args = {path = "...",
+    source target: `{kind = "python", target = "runner.data.comparisons:hedged_demonstrations", args = {path = "...",
     prefixes = [...], prefix_frac = 0.3, ...}}`."""
     from pathlib import Path
 
-    from runner.recipe import Jsonl
+    from runner.recipe.schema import Jsonl
 
     if not Path(path).is_file():
         raise UserError(f"hedged_demonstrations: file not found: {path}")

@@ -80,7 +80,7 @@ ENV_KEYS: dict[str, list[tuple[str, str]]] = {
 
 
 def algo_keys(recipe: Any) -> list[tuple[str, str]]:
-    """The progress line's metrics for a recipe (runner.recipe.Recipe)."""
+    """The progress line's metrics for a recipe (runner.recipe.schema.Recipe)."""
     algo = recipe.algo
     keys = list(ALGO_KEYS.get(_tag(algo), [("loss", "loss")]))
     env = getattr(algo, "env", None)

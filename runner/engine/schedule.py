@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from backends.types import AdamParams
-from runner.recipe import Constant, Cosine, Linear, Optim, Recipe, Schedule
+from runner.recipe.schema import Constant, Cosine, Linear, Optim, Recipe, Schedule
 
 
 def multiplier(schedule: Schedule, step: int, total: int) -> float:

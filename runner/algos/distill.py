@@ -8,7 +8,7 @@ discounted sum over the later tokens), with no centring; the rewards are 0, so t
 
 Everything else is RL's (runner/rl/algo.py): the same sampling, datums, ratio loss, substeps and modes (sync, stream,
 async: unlike the cookbook's sync only), checkpoints and transcripts. Teachers: a chained run's final weights
-(`teacher = {init_from = "#teacher"}`, run first by runner/chain.py), a saved sampler checkpoint, or a base model.
+(`teacher = {init_from = "#teacher"}`, run first by runner/engine/chain.py), a saved sampler checkpoint, or a base model.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import numpy as np
 from backends.base import SamplingClient
 from backends.errors import UserError
 from backends.types import Datum
-from runner.data import load_conversations
-from runner.recipe import Distill, Teacher
+from runner.data.conversations import load_conversations
+from runner.recipe.schema import Distill, Teacher
 from runner.rl.advantages import compute_advantages
 from runner.rl.algo import EVAL_SEED_OFFSET, RLAlgo
 from runner.rl.datums import assemble_datums
@@ -211,12 +211,12 @@ def _discounted(x: np.ndarray, gamma: float) -> np.ndarray:
 
 def prompts_from_chats(path: str, limit: int | None = None) -> list[dict[str, Any]]:
     """Prompts from a chat JSONL ({"messages": [...]} rows): each conversation up to, not including, its last
-    assistant message (a data source target: `{kind = "python", target = "runner.distill:prompts_from_chats",
+    assistant message (a data source target: `{kind = "python", target = "runner.algos.distill:prompts_from_chats",
     args = {path = "chats.jsonl"}}`)."""
     from pathlib import Path
 
-    from runner.data import conversation, load_rows
-    from runner.recipe import Jsonl
+    from runner.data.conversations import conversation, load_rows
+    from runner.recipe.schema import Jsonl
 
     if not Path(path).is_file():
         raise UserError(f"prompts_from_chats: file not found: {path}")

@@ -1,4 +1,4 @@
-"""Reading recipe files: TOML text -> a validated `Recipe` (runner/recipe.py), or one line that says what to fix.
+"""Reading recipe files: TOML text -> a validated `Recipe` (runner/recipe/schema.py), or one line that says what to fix.
 
 A recipe file holds named recipes under `[recipes.<name>]`; `FILE#name` selects one. Each table is decoded
 on its own, so an error names the file, the recipe and the key path. Overrides `a.b=value` are merged into
@@ -13,12 +13,14 @@ Checking what decoding cannot see: check_recipe (data files exist, Python target
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import sys
 import tomllib
 from collections.abc import Iterator, Sequence
-from datetime import date, datetime, time
+from datetime import date, datetime
+from datetime import time as dtime
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +28,13 @@ import msgspec
 import tomli_w
 
 from backends.errors import UserError
-from runner.chain import absolute_ref
-from runner.explain import NAME, child, convert, dotted, got, info, is_ref, is_str, is_target
-from runner.recipe import Jsonl, Recipe
-from runner.targets import args_mismatch, import_target
+from runner.recipe.explain import NAME, child, convert, dotted, got, info, is_ref, is_str, is_target
+from runner.recipe.refs import absolute_ref
+from runner.recipe.schema import Jsonl, Recipe
+from runner.recipe.targets import args_mismatch, import_target
 
 DEFAULT_FILE = "recipes.toml"
-# `[recipes.<name>.sweep]`: the values to sweep (runner/sweep.py); not a recipe field.
+# `[recipes.<name>.sweep]`: the values to sweep (runner/tools/sweep.py); not a recipe field.
 SWEEP_KEY = "sweep"
 
 
@@ -64,7 +66,7 @@ def resolve(path: str, name: str, raw: dict[str, Any], overrides: Sequence[str] 
             where: str | None = None) -> Recipe:
     """One raw table of file `path` as a Recipe: overrides applied, decoded, and what lives next to the recipe
     file found there (every way of loading a recipe goes through here, so `check FILE` sees what `run FILE#x` sees).
-    A `sweep` table is not part of the recipe (runner/sweep.py reads it): it is left out here. `where` prefixes
+    A `sweep` table is not part of the recipe (runner/tools/sweep.py reads it): it is left out here. `where` prefixes
     errors (default 'FILE#name'; a sweep adds the point)."""
     where = where or f"{path}#{name}"
     raw = {k: v for k, v in raw.items() if k != SWEEP_KEY}
@@ -185,6 +187,33 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return keys, doc["v"] if len(doc) == 1 else value.strip()
 
 
+def toml_value(v: Any) -> str:
+    """A value as a TOML inline literal (what an override's right-hand side holds)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(v, (datetime, date, dtime)):
+        return v.isoformat()
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        items = ", ".join(f"{k if NAME.match(k) else json.dumps(k)} = {toml_value(x)}" for k, x in v.items())
+        return "{" + items + "}"
+    raise TypeError(f"not a TOML value: {v!r}")
+
+
+def show_value(v: Any) -> str:
+    """A swept value as a point's dir name shows it: 0.001, 8, true, local; an array's items joined by '+'."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list) and v:
+        return "+".join(show_value(x) for x in v)
+    return toml_value(v)
+
+
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], where: str) -> dict[str, Any]:
     """A copy of `raw` with each override set at its path (CLI > recipe > defaults).
 
@@ -230,7 +259,7 @@ def _seed(default: Any) -> dict[str, Any]:
 def recipe_dict(recipe: Recipe) -> dict[str, Any]:
     """Every field, defaults included, as TOML-ready builtins. None is left out: TOML has no null,
     and every optional field defaults to None, so leaving it out reads back the same."""
-    return _drop_none(msgspec.to_builtins(recipe, builtin_types=(datetime, date, time)))
+    return _drop_none(msgspec.to_builtins(recipe, builtin_types=(datetime, date, dtime)))
 
 
 def dump_recipe(name: str, recipe: Recipe) -> str:

@@ -2,8 +2,8 @@
 
 A recipe file holds named recipes under `[recipes.<name>]`; `FILE#name` selects one. Each table is decoded
 with msgspec into `Recipe` (unknown keys forbidden, tagged unions with `kind` for every choice, limits in
-the types). This module is only the schema: reading files, overrides and `runner show` are runner/load.py,
-turning msgspec's errors into one line is runner/explain.py, importing `pkg.mod:fn` targets runner/targets.py.
+the types). This module is only the schema: reading files, overrides and `runner show` are runner/recipe/load.py,
+turning msgspec's errors into one line is runner/recipe/explain.py, importing `pkg.mod:fn` targets runner/recipe/targets.py.
 The backend tables (`backend = {kind = ...}`) are declared by each backend (backends/*/config.py).
 """
 
@@ -27,7 +27,7 @@ Frac = Annotated[float, Meta(ge=0, le=1)]
 TARGET_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 Target = Annotated[str, Meta(pattern=TARGET_PATTERN, description="'pkg.mod:fn'")]
 # Another recipe's run, whose final weights a field uses: "FILE#name", "#name" (this file) or a run dir.
-# runner/chain.py finds every field of this type, runs the unfinished ones first and resolves them.
+# runner/engine/chain.py finds every field of this type, runs the unfinished ones first and resolves them.
 REF_DESCRIPTION = "'FILE#name', '#name' or a run dir"
 RecipeRef = Annotated[str, Meta(min_length=1, description=REF_DESCRIPTION)]
 
@@ -151,7 +151,7 @@ class SFT(AlgoBase):
 
 
 class DPO(AlgoBase):
-    """Direct preference optimisation on comparisons (runner/comparisons.py has the row formats): per pair,
+    """Direct preference optimisation on comparisons (runner/data/comparisons.py has the row formats): per pair,
     loss = −log σ(β·((π_c − ref_c) − (π_r − ref_r))), sequence logprobs summed over the completion's tokens; the
     reference is the run's initial weights (the base model), also after a resume."""
 
@@ -170,7 +170,7 @@ class DPO(AlgoBase):
 class RewardModel(AlgoBase, tag="reward_model"):
     """A pairwise judge (the cookbook's RLHF stage 2): SFT on "which completion is better, A or B?" with the
     preferred label as the one trained token, every comparison in both orders (A/B swapped) so position carries
-    no signal. runner/preference_judge.py turns the trained weights into P(a better)."""
+    no signal. runner/algos/judge.py turns the trained weights into P(a better)."""
 
     data: DataSource
     # Comparisons per step (each is two datums: both orders).
@@ -238,7 +238,7 @@ class TicTacToe(EnvBase, tag="tictactoe"):
 
 class ModelJudge(Base, tag_field="kind", tag="model"):
     """A trained pairwise reward model as the preference judge: P(a better) from the logprobs of its "A"/"B" label
-    tokens, averaged over both orders (runner/preference_judge.py). When the RL recipe is chained (init_from), the
+    tokens, averaged over both orders (runner/algos/judge.py). When the RL recipe is chained (init_from), the
     final eval also reports test/win_rate_vs_init: the final policy's replies against the initial policy's, judged by
     it on the test prompts."""
 
@@ -544,7 +544,7 @@ class Recipe(Base):
     log_dir: str | None = None
     # Start from another run's final weights (fresh optimizer, step 0): "FILE#name", "#name" (a recipe in this
     # file) or a run dir. `runner run` runs an unfinished upstream recipe first (resuming it if partial), chains
-    # of any depth. The upstream must train the same model and adapter shape (runner/chain.py).
+    # of any depth. The upstream must train the same model and adapter shape (runner/engine/chain.py).
     init_from: RecipeRef | None = None
 
     # ---- Advanced

@@ -40,10 +40,10 @@ import numpy as np
 from backends.base import CustomLossFn, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
-from runner.comparisons import Batches, Pair, Pairs, render_completion
-from runner.recipe import DPO
+from runner.algos.sft import PLAN_STEPS, to_datum, weights
+from runner.data.comparisons import Batches, Pair, Pairs, render_completion
+from runner.recipe.schema import DPO
 from runner.rl.kl import reference_logprobs
-from runner.sft import PLAN_STEPS, to_datum, weights
 
 # ---------------------------------------------------------------- the math
 
@@ -106,7 +106,7 @@ class Submitted:
 
 
 class DPOAlgo:
-    """DPO behind the loop's Algorithm interface (runner/loop.py)."""
+    """DPO behind the loop's Algorithm interface (runner/engine/loop.py)."""
 
     def __init__(self, cfg: DPO, pairs: Pairs, tokenizer: Any, *, seed: int = 0, base_model: str = "tiny",
                  reference_path: str | None = None, max_steps: int | None = None):
@@ -228,7 +228,7 @@ class DPOAlgo:
         return f"final eval (the held-out pairs on the final weights), logged at step {self.total_steps}"
 
     async def final(self, ctx: Any, evaluate: bool) -> dict[str, float]:
-        """test/... on the final checkpoint's sampler weights (ctx: runner.loop.FinalContext)."""
+        """test/... on the final checkpoint's sampler weights (ctx: runner.engine.loop.FinalContext)."""
         data = self.test_data()
         policy = await ctx.backend.create_sampling_client(model_path=ctx.sampler_path)
         pol, ref = await asyncio.gather(reference_logprobs(policy, data), self.reference_sums(ctx.backend, data))

@@ -1,7 +1,7 @@
 """A pairwise reward model (the cookbook's RLHF stage 2, preference/rlhf) behind the loop's Algorithm interface.
 
 Supervised training of a judge on comparisons: the input is one user message showing the conversation and both
-completions, "which completion is better, A or B?" (runner/comparisons.py `judge_messages`), and the target is the
+completions, "which completion is better, A or B?" (runner/data/comparisons.py `judge_messages`), and the target is the
 preferred label as the assistant's reply, cut right after the label token, so exactly one token is trained. Every
 comparison is trained in both orders (A/B swapped, so the label flips): a judge cannot learn that one position
 tends to win. Plain forward_backward(cross_entropy) + optim_step, as SFT.
@@ -9,11 +9,11 @@ tends to win. Plain forward_backward(cross_entropy) + optim_step, as SFT.
 The label position carries two targets (a (N, 2) cross_entropy datum): the preferred label, weight 1, and the
 other label, weight 0. The gradient is SFT's, and the same forward also returns the logprob of the other label, so
 accuracy comes for free: per comparison, P(chosen better) = the mean over both orders of σ(lp(preferred label) −
-lp(other label)), correct when > 0.5 (what runner/preference_judge.py `judge_prob` computes from a sampling
+lp(other label)), correct when > 0.5 (what runner/algos/judge.py `judge_prob` computes from a sampling
 client). Metrics: train_mean_nll (−lp of the preferred label, whole vocabulary), accuracy; test/nll and
 test/accuracy on the held-out comparisons every eval_every steps (a forward, no gradient) and, as RL and DPO, once
 more after the last step on the final sampler weights (through compute_logprobs), at step = total steps.
-Ties are dropped and counted (runner/comparisons.py).
+Ties are dropped and counted (runner/data/comparisons.py).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import numpy as np
 from backends.base import Future, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
-from runner.comparisons import Batches, Pair, Pairs, render_judge
-from runner.preference_judge import label_logprobs, p_first
-from runner.recipe import RewardModel
-from runner.sft import PLAN_STEPS
+from runner.algos.judge import label_logprobs, p_first
+from runner.algos.sft import PLAN_STEPS
+from runner.data.comparisons import Batches, Pair, Pairs, render_judge
+from runner.recipe.schema import RewardModel
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class Submitted:
 
 
 class RewardModelAlgo:
-    """The reward model behind the loop's Algorithm interface (runner/loop.py)."""
+    """The reward model behind the loop's Algorithm interface (runner/engine/loop.py)."""
 
     def __init__(self, cfg: RewardModel, pairs: Pairs, tokenizer: Any, *, seed: int = 0,
                  max_steps: int | None = None):

@@ -1,24 +1,28 @@
-"""Recipe chaining: `init_from` starts a recipe from another run's final weights (runner/recipe.py).
+"""Recipe chaining: `init_from` starts a recipe from another run's final weights (runner/recipe/schema.py).
 
-A reference is "FILE#name", "#name" (a recipe in the same file) or a run dir. Loading a recipe (runner/load.py)
+A reference is "FILE#name", "#name" (a recipe in the same file) or a run dir. Loading a recipe (runner/recipe/load.py)
 makes it absolute ("/abs/recipes.toml#name", "/abs/runs/x"), so a run dir's config.toml still names the same
 upstream from anywhere. `upstreams` walks the chain (deepest first) and reports a missing name, a cycle, or an
 upstream that trains another model or adapter shape as one line; `runner check` calls it. `run_chain` runs each
 unfinished upstream recipe (resuming a partial one), then the recipe itself from the last upstream's final
 checkpoint: weights only, fresh optimizer, step 0. The upstream run's recipe and checkpoint are recorded in the
 downstream run dir (init_from.json); if either changes after the downstream trained, resuming it is refused like
-any other recipe change (runner/rundir.py).
+any other recipe change (runner/engine/rundir.py).
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from backends.errors import UserError
-from runner.recipe import Recipe
+from runner.engine.context import InitWeights
+from runner.engine.log import read_jsonl
+from runner.engine.rundir import CHECKPOINTS, CONFIG, load_config, run_dir_path
+from runner.recipe.explain import dotted, info, is_ref
+from runner.recipe.load import check_recipe, load_recipe, structs
+from runner.recipe.schema import Generate, Recipe, RunOutput, Teacher
 
 
 @dataclass(frozen=True)
@@ -35,25 +39,6 @@ class Upstream:
     @property
     def label(self) -> str:
         return f"#{self.name}" if self.runnable else str(self.run_dir)
-
-
-def absolute_ref(ref: str, recipe_file: str) -> str:
-    """`ref` as written in `recipe_file`, made absolute when what it names is found (relative paths: from the
-    working directory, else next to the recipe file, like data paths). Unfound references stay as written, for
-    `upstreams` to report."""
-    file, sep, name = ref.rpartition("#")
-    base = Path(recipe_file).parent
-    if not sep:  # a run dir
-        for p in (Path(ref), base / ref):
-            if p.is_dir():
-                return str(p.resolve())
-        return ref
-    if not file:
-        return f"{Path(recipe_file).resolve()}#{name}"
-    for p in (Path(file), base / file):
-        if p.is_file():
-            return f"{p.resolve()}#{name}"
-    return ref
 
 
 def upstreams(recipe: Recipe, where: str) -> list[Upstream]:
@@ -77,10 +62,6 @@ def ref_fields(recipe: Recipe) -> list[tuple[str, str, bool]]:
     """(key path, reference, weights?) of every RecipeRef in the recipe except the top-level init_from: runs whose
     final weights the algorithm samples from (teachers, judges: weights? true) or whose output it reads (run_output
     data: false)."""
-    from runner.explain import dotted, info, is_ref
-    from runner.load import structs
-    from runner.recipe import RunOutput
-
     return [(dotted([*keys, field.encode_name]), value, not isinstance(node, RunOutput))
             for keys, node in structs(recipe, ()) for field in info(type(node)).fields
             if keys and is_ref(field.type) and isinstance(value := getattr(node, field.name), str)]
@@ -117,10 +98,8 @@ def dependencies(recipe: Recipe, where: str, seen: tuple[str, ...] = ()) -> list
 
 
 def check_all(recipe: Recipe, where: str) -> None:
-    """`runner check` of one recipe: what decoding cannot see (runner.load.check_recipe) for it and every recipe it
+    """`runner check` of one recipe: what decoding cannot see (runner.recipe.load.check_recipe) for it and every recipe it
     runs first (its init_from chain, teachers, judges), and that every model it scores with shares its tokenizer."""
-    from runner.load import check_recipe
-
     check_recipe(recipe, where)
     for stage in [*upstreams(recipe, where), *dependencies(recipe, where)]:
         if stage.runnable:
@@ -132,10 +111,6 @@ def check_all(recipe: Recipe, where: str) -> None:
 
 def base_models(recipe: Recipe) -> list[tuple[str, str]]:
     """(key path, model) of every other base model the recipe samples from (a teacher's `model`)."""
-    from runner.explain import dotted
-    from runner.load import structs
-    from runner.recipe import Teacher
-
     return [(dotted([*keys, "model"]), node.model) for keys, node in structs(recipe, ())
             if isinstance(node, Teacher) and node.model is not None and node.init_from is None]
 
@@ -160,8 +135,6 @@ def tokenizer_mismatch(theirs: str, ours: str) -> str | None:
 
 def _stage(ref: str, prefix: str, seen: list[str]) -> Upstream:
     """The run a reference names; `seen` (keys of the recipes on the way here) detects cycles."""
-    from runner.load import load_recipe  # load imports this module
-
     file, sep, name = ref.rpartition("#")
     if sep:
         if not Path(file).is_file():
@@ -174,11 +147,7 @@ def _stage(ref: str, prefix: str, seen: list[str]) -> Upstream:
             name, up = load_recipe(ref)
         except UserError as e:
             raise UserError(f"{prefix}: {e}") from None
-        from runner.rundir import run_dir_path
-
         return Upstream(ref, name, up, run_dir_path(up, name).resolve(), runnable=True)
-    from runner.rundir import CONFIG, load_config
-
     run_dir = Path(ref)
     if not (run_dir / CONFIG).is_file():
         raise UserError(f"{prefix}: not a recipe reference (FILE#name or #name) nor a run dir with a {CONFIG}")
@@ -207,9 +176,6 @@ def _check_compatible(up: Recipe, down: Recipe, prefix: str) -> None:
 
 def final_checkpoint(stage: Upstream) -> dict[str, Any]:
     """The upstream run's last checkpoint row, which must be its final one (the weights after its last step)."""
-    from runner.log import read_jsonl
-    from runner.rundir import CHECKPOINTS
-
     rows = [r for r in read_jsonl(stage.run_dir / CHECKPOINTS) if r.get("state_path") and r.get("sampler_path")]
     if not rows:
         raise UserError(f"init_from {stage.label}: {stage.run_dir} has no checkpoint yet"
@@ -221,48 +187,15 @@ def final_checkpoint(stage: Upstream) -> dict[str, Any]:
     return last
 
 
-def run_chain(recipe: Recipe, name: str, where: str, *, dry_run: bool = False) -> None:
-    """`runner run`: the unfinished runs this recipe needs first (the init_from chain, teachers, judges), then this
-    one, from the last upstream's final weights and with every referenced run resolved to its final sampler weights."""
-    from runner.loop import InitWeights, run
-
-    chain = upstreams(recipe, where)
-    deps = dependencies(recipe, where)
-    if dry_run:
-        if deps:
-            print(f"runs this recipe samples from: {', '.join(f'{d.label} ({_status(d)})' for d in deps)}")
-        if chain:
-            print(f"chain: {' -> '.join([*(f'{s.label} ({_status(s)})' for s in chain), name])}")
-        init = InitWeights.planned(chain[-1]) if chain else None
-        run(recipe, name, dry_run=True, init=init, weights={d.ref: "" for d in deps})
-        return
-    for stage in [*deps, *chain]:
-        if stage.runnable:  # a finished one is a no-op (and a changed one is reported, never silently reused)
-            print(f"chain: {stage.label} ({_status(stage)}) in {stage.run_dir}", file=sys.stderr)
-            run_stage(stage)
-    run(recipe, name, **resolved_inputs(recipe, where))
-
-
-def run_stage(stage: Upstream) -> None:
-    """One upstream run, itself after its own init_from chain (already run: dependencies come in order)."""
-    from runner.loop import run
-
-    run(stage.recipe, stage.name, **resolved_inputs(stage.recipe, stage.ref))
-
-
 def has_weights(stage: Upstream) -> bool:
     """Whether a run ends with weights worth sampling (a generate run trains nothing; its output is data)."""
-    from runner.recipe import Generate
-
     return not isinstance(stage.recipe.algo, Generate)
 
 
 def resolved_inputs(recipe: Recipe, where: str) -> dict[str, Any]:
     """`init` (InitWeights or None) and `weights` (final sampler weights by reference) of a recipe whose upstreams
-    have run: what runner.loop.run and `runner eval` need to build its algorithm (start, reference, teachers,
+    have run: what runner.engine.loop.run and `runner eval` need to build its algorithm (start, reference, teachers,
     judges) without running anything."""
-    from runner.loop import InitWeights
-
     chain = upstreams(recipe, where)
     init = None
     if chain:
@@ -274,9 +207,6 @@ def resolved_inputs(recipe: Recipe, where: str) -> dict[str, Any]:
 
 
 def _status(stage: Upstream) -> str:
-    from runner.log import read_jsonl
-    from runner.rundir import CHECKPOINTS
-
     rows = [r for r in read_jsonl(stage.run_dir / CHECKPOINTS) if r.get("state_path")]
     if not rows:
         return "new" if stage.runnable else "no checkpoint"

@@ -26,7 +26,7 @@ output in `<point>/output.log`. A point that finished before is not started agai
 from its last checkpoint (the loop's ordinary resume), so a killed sweep continues where it stopped. One point
 failing does not stop the others; the exit code is 1 if any failed. `--dry-run` lists the points with their
 status and starts nothing. At the end the sweep dir gets index.html: the comparison table and the curves
-(runner/compare.py, runner/plot.py).
+(runner/tools/compare.py, runner/tools/plot.py).
 """
 
 from __future__ import annotations
@@ -42,8 +42,6 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import date, datetime
-from datetime import time as dtime
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +50,12 @@ import msgspec.inspect as mi
 import tomli_w
 
 from backends.errors import UserError
-from runner.chain import check_all
-from runner.explain import NAME, child, got, info
-from runner.explain import resolve as resolve_type
-from runner.load import SWEEP_KEY, parse_override, pick, recipe_dict, resolve
-from runner.recipe import Recipe
-from runner.rundir import CHECKPOINTS, CONFIG, METRICS, dump_config, open_run_dir
+from runner.engine.chain import check_all
+from runner.engine.rundir import CHECKPOINTS, CONFIG, METRICS, dump_config, open_run_dir
+from runner.recipe.explain import NAME, child, got, info
+from runner.recipe.explain import resolve as resolve_type
+from runner.recipe.load import SWEEP_KEY, parse_override, pick, recipe_dict, resolve, show_value, toml_value
+from runner.recipe.schema import Recipe
 
 SWEEP_FILE = "sweep.json"
 OUTPUT_LOG = "output.log"
@@ -223,33 +221,6 @@ def _point_recipe(recipe: Recipe, run_dir: Path, sweep_name: str) -> Recipe:
 
 # ---------------------------------------------------------------- names and values
 
-def toml_value(v: Any) -> str:
-    """A value as a TOML inline literal (what an override's right-hand side holds)."""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
-    if isinstance(v, (datetime, date, dtime)):
-        return v.isoformat()
-    if isinstance(v, list):
-        return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        items = ", ".join(f"{k if NAME.match(k) else json.dumps(k)} = {toml_value(x)}" for k, x in v.items())
-        return "{" + items + "}"
-    raise TypeError(f"not a TOML value: {v!r}")
-
-
-def show_value(v: Any) -> str:
-    """A swept value as a point's dir name shows it: 0.001, 8, true, local; an array's items joined by '+'."""
-    if isinstance(v, str):
-        return v
-    if isinstance(v, list) and v:
-        return "+".join(show_value(x) for x in v)
-    return toml_value(v)
-
-
 def point_name(values: dict[str, Any]) -> str:
     """'lora.rank=8,lr=0.001': stable (the same values give the same name whatever else the grid holds and however
     the axes are ordered) and safe as a file name. A table value shows its keys (backend.kind=tinker), an array
@@ -283,7 +254,7 @@ def point_status(run_dir: Path, recipe: Recipe, note: str) -> tuple[str, bool]:
     Finished: its last checkpoint is the final one (the loop saves "final" after the last step), at max_steps
     if the recipe sets it (a larger max_steps extends the run), and for RL with evals, the final eval row is
     there. When unsure it says not finished: the loop then decides, and a finished run is a no-op there."""
-    from runner.compare import read_rows
+    from runner.tools.compare import read_rows
 
     if "moved aside" in note:
         return "new (the old run dir is moved aside: if_exists = \"overwrite\")", False
@@ -394,7 +365,7 @@ def _die_with_parent() -> None:
 def run_sweep(sweep: Sweep, parallel: int | None, out: Any = None) -> int:
     """Run the points that are not finished, `parallel` at a time; one line per start and per finish. Returns
     the exit code: 0, 1 if any point failed, 130 if interrupted (each running point saves a checkpoint)."""
-    from runner.compare import main_metrics_line
+    from runner.tools.compare import main_metrics_line
 
     out = out or sys.stdout
 

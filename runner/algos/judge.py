@@ -1,6 +1,6 @@
-"""A trained reward model (runner/reward_model.py) as a pairwise judge: P(a is better than b).
+"""A trained reward model (runner/algos/reward_model.py) as a pairwise judge: P(a is better than b).
 
-The judge prompt (runner/comparisons.py `judge_messages`) shows the conversation and both completions and asks
+The judge prompt (runner/data/comparisons.py `judge_messages`) shows the conversation and both completions and asks
 "A or B?"; the model's answer is read from the logprobs of the two label tokens, not sampled:
 P(slot A better) = σ(lp("A") − lp("B")). Both orders are asked (a shown as A, then as B) and averaged, which
 removes the judge's position bias and makes the judge symmetric: judge_prob(a, b) + judge_prob(b, a) = 1.
@@ -13,8 +13,8 @@ import math
 from typing import Any
 
 from backends.base import SamplingClient
-from runner.comparisons import render_judge
-from runner.data import Conversation
+from runner.data.comparisons import render_judge
+from runner.data.conversations import Conversation
 
 
 async def label_logprobs(client: SamplingClient, prefix: list[int], token_a: int, token_b: int) -> tuple[float, float]:

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from backends.errors import UserError
-from runner.recipe import HF, DataSource, Jsonl, Python, RunOutput
-from runner.targets import import_target
+from runner.recipe.schema import HF, DataSource, Jsonl, Python, RunOutput
+from runner.recipe.targets import import_target
 
 Message = dict[str, str]
 Conversation = list[Message]
@@ -43,8 +43,8 @@ def load_rows(source: DataSource) -> tuple[list[Any], list[str]]:
 
 def _read_run_output(ref: str) -> tuple[list[Any], list[str]]:
     """The rows a generate run wrote (generated/step_*.jsonl, in step order)."""
-    from runner.chain import resolve_ref
-    from runner.generate import output_files
+    from runner.engine.chain import resolve_ref  # reads run dirs: only for run_output sources
+    from runner.engine.rundir import output_files
 
     stage = resolve_ref(ref, f"run_output {ref!r}")
     files = output_files(stage.run_dir)

@@ -31,14 +31,16 @@ from typing import Any
 import msgspec
 
 from backends.errors import UserError
-from runner.load import dump_recipe, load_recipe
-from runner.log import append_jsonl, read_jsonl, write_jsonl_atomic
-from runner.recipe import Recipe
-from runner.track import start_tracker
+from runner.engine.log import append_jsonl, read_jsonl, write_jsonl_atomic
+from runner.engine.track import start_tracker
+from runner.recipe.load import dump_recipe, load_recipe
+from runner.recipe.schema import Recipe
 
 CONFIG, METRICS, CHECKPOINTS, SESSIONS = "config.toml", "metrics.jsonl", "checkpoints.jsonl", "sessions.jsonl"
-# A chained run's starting point (runner/chain.py): the upstream's ref, recipe (TOML) and checkpoint.
+# A chained run's starting point (runner/engine/chain.py): the upstream's ref, recipe (TOML) and checkpoint.
 INIT = "init_from.json"
+# What a generate run writes (runner/algos/generate.py): generated/step_NNNNNN.jsonl.
+OUTPUT = "generated"
 # Keys that may change between a run and its resumption: extending a run is a new max_steps, the
 # directory itself is the run's identity, and where metrics are also sent (log) is not part of the training.
 RESUMABLE_CHANGES = ("max_steps", "if_exists", "log_dir", "log")
@@ -59,7 +61,7 @@ class RunDir:
     session: int = 1
     # A chained recipe's starting point (loop.InitWeights.record()), written to init_from.json by begin().
     init: dict[str, Any] | None = None
-    # Where rows go besides metrics.jsonl (runner/track.py; the recipe's `log` table), from begin() to end().
+    # Where rows go besides metrics.jsonl (runner/engine/track.py; the recipe's `log` table), from begin() to end().
     tracker: Any = None
 
     @property
@@ -193,7 +195,7 @@ def _init_changed(path: Path, init: dict[str, Any] | None) -> str | None:
 
 
 def _recipe_from_toml(text: str, where: Path) -> Recipe | None:
-    from runner.load import decode_recipe
+    from runner.recipe.load import decode_recipe
 
     try:
         tables = tomllib.loads(text).get("recipes", {})
@@ -238,7 +240,7 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- config.toml
-# The recipe loader owns the TOML format (runner/recipe.py); these two wrappers are the only place
+# The recipe loader owns the TOML format (runner/recipe/schema.py); these two wrappers are the only place
 # the run dir touches it.
 
 def dump_config(name: str, recipe: Recipe) -> str:
@@ -263,3 +265,8 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def output_files(run_dir: Path) -> list[Path]:
+    """The files a generate run wrote, in step order."""
+    return sorted((run_dir / OUTPUT).glob("step_*.jsonl"))

@@ -13,7 +13,7 @@ the cookbook's "after the loop") and its metrics are one more row at step = tota
 end_batch). A run killed between its last step and that row resumes for final() alone; a run that has
 the row (or whose algorithm has no final()) is finished.
 
-An algorithm is anything with the `Algorithm` interface below (SFT: runner/sft.py); `make_algo` is
+An algorithm is anything with the `Algorithm` interface below (SFT: runner/algos/sft.py); `make_algo` is
 the one place a recipe's algo variant becomes one. Nothing here knows which backend runs.
 """
 
@@ -26,108 +26,20 @@ import signal
 import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from backends.base import Backend, BackendError, Future, SamplingClient, TrainingClient
+from backends.base import Backend, BackendError, Future, TrainingClient
 from backends.errors import UserError
 from backends.tokenizer import load_tokenizer
-from backends.types import AdamParams, LoraSpec
-from runner.data import load_conversations
-from runner.log import Progress, algo_keys
-from runner.recipe import DPO, RL, SFT, Distill, Generate, Recipe, RewardModel
-from runner.rundir import RunDir, open_run_dir
-from runner.schedule import adam_at
-
-
-@dataclass
-class Context:
-    """What prepare() may use. There is no training client: calls that train go through submit()."""
-
-    backend: Backend
-    tokenizer: Any
-    # The run dir, for what an algorithm writes besides metrics (RL transcripts).
-    log_dir: Path
-    # A sampling client over the weights as of now in the training FIFO (after every step submitted so
-    # far): what RL samples its first step of a session from.
-    snapshot: Callable[[], Future[SamplingClient]]
-
-
-@dataclass
-class FinalContext:
-    """What final() may use. There is no training client: a run resumed only for final() creates none."""
-
-    backend: Backend
-    # The final checkpoint's sampler weights: exactly the weights after the last optim_step.
-    sampler_path: str
-    log_dir: Path
-
-
-class Algorithm(Protocol):
-    total_steps: int
-
-    # Positional-only (`/`): implementations name their parameters after their own types.
-    def prepare(self, step: int, ctx: Context, /) -> AsyncIterator[Any]:
-        """The batch for `step`, as one or more parts, each handed to submit() the moment it is yielded (a
-        streaming algorithm yields minibatches as their rollouts finish, so training overlaps sampling);
-        advances the data position (and RNG) past the step."""
-        ...
-
-    def submit(self, tc: TrainingClient, step: int, part: Any, adam: AdamParams, evaluate: bool, /) -> Any:
-        """Queue one part's calls without waiting; `evaluate` is true for the first part of an eval step (queue
-        the eval first). Return the futures."""
-        ...
-
-    async def finish(self, step: int, submitted: list[Any], /) -> dict[str, float]:
-        """Await what submit() queued for every part of the step; the step's metrics."""
-        ...
-
-    def state(self) -> dict[str, Any]:
-        """JSON-able data position / RNG as of the last prepare(): stored in the checkpoint row."""
-        ...
-
-    def load_state(self, state: dict[str, Any], next_step: int, /) -> None: ...
-
-    def describe(self) -> list[str]:
-        """Dry-run plan lines: data, datums and tokens per step, calls per step."""
-        ...
-
-    def final_plan(self, evaluate: bool, /) -> str | None:
-        """What final() does after the last step, as a dry-run plan line; None when it does nothing (then
-        no row is logged for it). `evaluate`: evals are on (eval_every > 0)."""
-        ...
-
-    async def final(self, ctx: FinalContext, evaluate: bool, /) -> dict[str, float]:
-        """After the last step, on the final weights: the metrics of the row logged at step total_steps
-        (RL: the final eval). Called only when final_plan(evaluate) is not None."""
-        ...
-
-
-@dataclass(frozen=True)
-class InitWeights:
-    """Where a chained recipe starts (runner/chain.py): another run's final checkpoint. Training starts from its
-    state (weights only: fresh optimizer, step 0), and reference models (DPO, the RL KL penalty) are its sampler
-    weights, also after a resume."""
-
-    ref: str
-    name: str
-    recipe: Recipe
-    state_path: str
-    sampler_path: str
-    checkpoint: str
-
-    @staticmethod
-    def planned(stage: Any) -> InitWeights:
-        """A dry run's stand-in for an upstream that may not have trained yet."""
-        return InitWeights(stage.ref, stage.name, stage.recipe, "", "", "(its final checkpoint)")
-
-    def record(self) -> dict[str, Any]:
-        from runner.load import dump_recipe
-
-        return {"ref": self.ref, "name": self.name, "checkpoint": self.checkpoint, "state_path": self.state_path,
-                "sampler_path": self.sampler_path, "recipe": dump_recipe(self.name, self.recipe)}
+from backends.types import LoraSpec
+from runner.data.conversations import load_conversations
+from runner.engine.context import Algorithm, Context, FinalContext, InitWeights
+from runner.engine.log import Progress, algo_keys
+from runner.engine.rundir import RunDir, open_run_dir
+from runner.engine.schedule import adam_at
+from runner.recipe.schema import DPO, RL, SFT, Distill, Generate, Recipe, RewardModel
 
 
 def make_algo(recipe: Recipe, init: InitWeights | None = None,
@@ -139,30 +51,30 @@ def make_algo(recipe: Recipe, init: InitWeights | None = None,
     reference = init.sampler_path if init is not None else None
     match recipe.algo:
         case Generate() as cfg:
-            from runner.generate import GenerateAlgo
+            from runner.algos.generate import GenerateAlgo
 
             prompts, where = load_conversations(cfg.prompts)
             return functools.partial(GenerateAlgo, cfg, prompts, where, seed=recipe.seed, base_model=recipe.model,
                                      max_steps=recipe.max_steps, weights=dict(weights or {}))
         case Distill() as cfg:
-            from runner.distill import DistillAlgo
+            from runner.algos.distill import DistillAlgo
 
             return functools.partial(DistillAlgo, cfg, seed=recipe.seed, base_model=recipe.model,
                                      max_steps=recipe.max_steps, weights=dict(weights or {}))
         case SFT() as cfg:
-            from runner.sft import SFTAlgo
+            from runner.algos.sft import SFTAlgo
 
             convs, where = load_conversations(cfg.data)
             return functools.partial(SFTAlgo, cfg, convs, where, seed=recipe.seed, max_steps=recipe.max_steps)
         case DPO() as cfg:
-            from runner.comparisons import load_pairs
-            from runner.dpo import DPOAlgo
+            from runner.algos.dpo import DPOAlgo
+            from runner.data.comparisons import load_pairs
 
             return functools.partial(DPOAlgo, cfg, load_pairs(cfg.data), seed=recipe.seed, base_model=recipe.model,
                                      max_steps=recipe.max_steps, reference_path=reference)
         case RewardModel() as cfg:
-            from runner.comparisons import load_pairs
-            from runner.reward_model import RewardModelAlgo
+            from runner.algos.reward_model import RewardModelAlgo
+            from runner.data.comparisons import load_pairs
 
             return functools.partial(RewardModelAlgo, cfg, load_pairs(cfg.data), seed=recipe.seed,
                                      max_steps=recipe.max_steps)
@@ -190,10 +102,10 @@ def run(recipe: Recipe, name: str, *, dry_run: bool = False, backend: Backend | 
         init: InitWeights | None = None, weights: Mapping[str, str] | None = None) -> None:
     """Train `recipe` in its run dir (resuming it when it holds the same recipe). `backend` replaces
     the recipe's (tests pass backends.fake.FakeBackend). `init`: start from another run's final weights
-    (runner/chain.py, which runs the upstream first)."""
+    (runner/engine/chain.py, which runs the upstream first)."""
     if recipe.init_from is not None and init is None:
         raise UserError(f"{name}: init_from = {recipe.init_from!r} needs its upstream's weights: run it with "
-                        "`runner run` (runner.chain.run_chain), which runs the chain")
+                        "`runner run` (runner.engine.chain.run_chain), which runs the chain")
     build_algo = make_algo(recipe, init, weights)
     run_dir = open_run_dir(recipe, name, dry_run=dry_run, init=init.record() if init is not None else None)
     if dry_run:

@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from backends.errors import UserError
-from runner.log import ALGO_KEYS
-from runner.rundir import CONFIG, METRICS, flatten
+from runner.engine.log import ALGO_KEYS
+from runner.engine.rundir import CONFIG, METRICS, flatten
+from runner.recipe.load import show_value
 
 # The metrics that say how a run did, by algo kind: the held-out one first (it sorts the table), then the
 # training one. Lower is better for NLLs and losses, higher for rewards and accuracy (parse_metric). A kind not
-# listed here gets the progress line's headline metrics (runner.log.ALGO_KEYS), held-out ones first.
+# listed here gets the progress line's headline metrics (runner.engine.log.ALGO_KEYS), held-out ones first.
 MAIN_METRICS: dict[str, list[str]] = {
     "sft": ["test/nll", "train_mean_nll"],
     "rl": ["test/env/all/reward/total", "env/all/reward/total"],
@@ -84,7 +85,7 @@ class Summary:
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """A JSONL file's rows, read only: a line that does not parse (the torn last line of a running or killed
-    run) is skipped, never cut off (runner.log.read_jsonl cuts it; that is the writer's job)."""
+    run) is skipped, never cut off (runner.engine.log.read_jsonl cuts it; that is the writer's job)."""
     try:
         text = path.read_text(encoding="utf-8")
     except (FileNotFoundError, IsADirectoryError):
@@ -263,8 +264,6 @@ def table(runs: Sequence[Run], metrics: Sequence[Metric]) -> tuple[list[str], li
 
 def cell(v: Any, config: bool = False) -> str:
     """A table cell: a recipe value as written (`config`: 0.001, 8, local), a metric to 4 decimals."""
-    from runner.sweep import show_value
-
     if v is None:
         return "-"
     if isinstance(v, float) and not config:

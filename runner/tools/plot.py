@@ -1,6 +1,6 @@
 """`runner plot DIR...`: learning curves, one line per run, and the sweep report (index.html).
 
-One panel per metric (default: the main metrics of the runs' algorithms, runner/compare.py), step on the x axis,
+One panel per metric (default: the main metrics of the runs' algorithms, runner/tools/compare.py), step on the x axis,
 each run labelled by the recipe keys that differ between the runs (the legend's title names them); a single
 numeric key colours the runs along a colour scale in value order. `--smooth K` draws a trailing moving average
 over K logged points in bold over the raw curve, drawn faint (curves of fewer than 2K points, such as evals
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.errors import UserError
-from runner.compare import (
+from runner.tools.compare import (
     Metric,
     Run,
     cell,

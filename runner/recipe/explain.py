@@ -19,7 +19,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from backends.errors import UserError
-from runner.recipe import REF_DESCRIPTION, TARGET_PATTERN
+from runner.recipe.schema import REF_DESCRIPTION, TARGET_PATTERN
 
 T = TypeVar("T")
 # Recipe names and override keys: plain names (a recipe name becomes a run directory, runs/<name>).
@@ -258,7 +258,7 @@ def info(type_: Any) -> Any:
 
 
 def is_ref(t: Any) -> bool:
-    """A RecipeRef field (runner/recipe.py): another run's weights, resolved by runner/chain.py."""
+    """A RecipeRef field (runner/recipe/schema.py): another run's weights, resolved by runner/engine/chain.py."""
     return _description(t) == REF_DESCRIPTION
 
 

@@ -20,7 +20,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from backends.errors import UserError
-from runner.recipe import Recipe
+from runner.recipe.schema import Recipe
 
 EVALS = "evals.jsonl"
 
@@ -37,9 +37,9 @@ class Target:
 
 def open_target(target: str, checkpoint: str | None) -> Target:
     """A run dir or FILE#name, and the checkpoint to use; one-line UserErrors for everything a user can get wrong."""
-    from runner.load import load_recipe
-    from runner.log import read_jsonl
-    from runner.rundir import CHECKPOINTS, CONFIG, load_config, run_dir_path
+    from runner.engine.log import read_jsonl
+    from runner.engine.rundir import CHECKPOINTS, CONFIG, load_config, run_dir_path
+    from runner.recipe.load import load_recipe
 
     path = Path(target)
     if "#" not in target and path.is_dir():
@@ -78,7 +78,7 @@ async def _client(backend: Any, t: Target) -> Any:
 
 def read_prompts(file: str) -> list[list[dict[str, str]]]:
     """Rows {"messages": [...]} (ending with the user's turn) or {"prompt": "..."}; errors name file:line."""
-    from runner.data import conversation
+    from runner.data.conversations import conversation
 
     p = Path(file)
     if not p.is_file():
@@ -180,10 +180,11 @@ def chat(target: str, checkpoint: str | None, temperature: float, max_tokens: in
 
 def evaluate(target: str, checkpoint: str | None, out: TextIO) -> dict[str, float]:
     """The recipe's evaluators on one checkpoint; printed, and appended to the run dir's evals.jsonl."""
-    from runner.chain import resolved_inputs
-    from runner.log import append_jsonl
-    from runner.loop import FinalContext, make_algo
-    from runner.sft import SFTAlgo
+    from runner.algos.sft import SFTAlgo
+    from runner.engine.chain import resolved_inputs
+    from runner.engine.context import FinalContext
+    from runner.engine.log import append_jsonl
+    from runner.engine.loop import make_algo
 
     t = open_target(target, checkpoint)
     if t.checkpoint is None:
@@ -220,8 +221,8 @@ def evaluate(target: str, checkpoint: str | None, out: TextIO) -> dict[str, floa
 
 async def sft_test_nll(algo: Any, client: Any) -> dict[str, float]:
     """The held-out NLL (weights as the training loss has them) from the checkpoint's logprobs of every target."""
+    from runner.algos.sft import mean_nll
     from runner.rl.kl import reference_logprobs
-    from runner.sft import mean_nll
 
     if not algo.test_rows:
         return {}

@@ -4,8 +4,8 @@ Step k samples the teacher (with its `system` prompt) over prompts [k·batch_siz
 conversations *without* the system prompt to generated/step_<k>.jsonl in the run dir, one file per step written
 whole (atomically), so a resumed run rewrites exactly the steps after its checkpoint and nothing is duplicated.
 Every sample has an explicit seed from (recipe seed, prompt index), so a run repeats. An SFT recipe trains on the
-rows with `data = {kind = "run_output", run = "#this"}` (runner/data.py), and `runner run` of that recipe runs this
-one first (runner/chain.py).
+rows with `data = {kind = "run_output", run = "#this"}` (runner/data/conversations.py), and `runner run` of that recipe runs this
+one first (runner/engine/chain.py).
 
 It goes through the same loop as training (checkpoints are its resume points); it submits no training call.
 """
@@ -21,15 +21,10 @@ from typing import Any
 from backends.base import SamplingClient
 from backends.errors import UserError
 from backends.types import SamplingParams
-from runner.data import Conversation
-from runner.recipe import Generate
+from runner.data.conversations import Conversation
+from runner.engine.rundir import OUTPUT
+from runner.recipe.schema import Generate
 from runner.rl.renderer import ChatRenderer
-
-OUTPUT = "generated"
-
-
-def output_files(run_dir: Path) -> list[Path]:
-    return sorted((run_dir / OUTPUT).glob("step_*.jsonl"))
 
 
 class GenerateAlgo:
@@ -50,7 +45,7 @@ class GenerateAlgo:
 
     async def teacher(self, backend: Any) -> SamplingClient:
         if self.client is None:
-            from runner.distill import open_teacher
+            from runner.algos.distill import open_teacher
 
             self.client = await open_teacher(self.cfg.teacher, self.weights, backend, self.base_model, "algo.teacher")
         return self.client

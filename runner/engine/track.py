@@ -1,6 +1,6 @@
 """Experiment tracking: where a run's metrics go besides metrics.jsonl (`[recipes.x.log]` in the recipe).
 
-The run dir (runner/rundir.py) starts a tracker when a training session begins, hands it every row it writes to
+The run dir (runner/engine/rundir.py) starts a tracker when a training session begins, hands it every row it writes to
 metrics.jsonl, and ends it with the session; nothing else knows trackers exist, and nothing here knows which
 backend or algorithm runs. Only Weights & Biases for now:
 
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from backends.errors import UserError
-from runner.load import recipe_dict
-from runner.recipe import Recipe, WandB
+from runner.recipe.load import recipe_dict
+from runner.recipe.schema import Recipe, WandB
 
 WANDB_FILE = "wandb.json"
 
@@ -32,7 +32,7 @@ class Tracker(Protocol):
     def log(self, row: dict[str, Any]) -> None: ...
 
     def finish(self, status: str) -> None:
-        """status: "success", "interrupted" or "error" (runner/loop.py)."""
+        """status: "success", "interrupted" or "error" (runner/engine/loop.py)."""
         ...
 
 

@@ -1,0 +1,3 @@
+"""The engine: the one training loop (`loop.py`) and what it stands on: the algorithm interface and contexts
+(`context.py`), the run dir (`rundir.py`), JSONL and progress (`log.py`), lr schedules (`schedule.py`), trackers
+(`track.py`), recipe chains (`chain.py` walks the references, `pipeline.py` runs them in order)."""

@@ -1,0 +1,2 @@
+"""What reads and drives runs from outside the loop: sweeps (`sweep.py`), tables (`compare.py`), plots
+(`plot.py`), sampling, chat and evals of a checkpoint (`talk.py`)."""
