@@ -5,9 +5,9 @@ from runner.threads import prefer_passive_openmp
 
 prefer_passive_openmp()
 
-from collections.abc import Iterator  # noqa: E402
+from collections.abc import Iterator
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture

@@ -110,14 +110,18 @@ def test_rl_reward_is_higher_is_better_and_runs_can_mix(sweep_dir: Path) -> None
     assert "test/env/all/reward/total final" in mixed.splitlines()[0] and "test/nll final" in mixed.splitlines()[0]
 
 
-def test_main_metrics_of_other_algorithms(monkeypatch: pytest.MonkeyPatch) -> None:
-    from runner.engine import log
+def test_main_metrics_of_other_algorithms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from runner.tools.compare import main_metrics
 
     assert main_metrics("dpo") == ["test/accuracy", "accuracy"]
-    # A kind compare does not know gets the progress line's headline metrics, held-out first.
-    monkeypatch.setitem(log.ALGO_KEYS, "new", [("loss", "loss"), ("test/score", "s")])
-    assert main_metrics("new") == ["test/score", "loss"]
+    assert main_metrics("no_such_kind") == []
+    # A custom algorithm's spec without `compare` gets its headline metrics, held-out first.
+    (tmp_path / "my_algo_mod.py").write_text(
+        "from runner.algos import AlgoSpec\n"
+        "SPEC = AlgoSpec(build=lambda cfg, args: None, headline=[('loss', 'loss'), ('test/score', 's')])\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main_metrics("custom", "my_algo_mod:SPEC") == ["test/score", "loss"]
+    assert main_metrics("custom", "my_algo_mod:GONE") == []
 
 
 @pytest.mark.parametrize(("args", "expected"), [

@@ -298,8 +298,11 @@ def test_progress_line():
 
 def test_progress_keys_per_algorithm():
     """The headline numbers follow the algorithm, and envs whose mean reward cannot move get one that does."""
-    from runner.engine.log import algo_keys
+    from runner.algos import spec_of
     from runner.recipe.load import load_file
+
+    def algo_keys(recipe):
+        return spec_of(recipe.algo).progress_keys(recipe.algo)
 
     recipes = load_file("recipes.toml")
     assert [k for k, _ in algo_keys(recipes["sl_basic"])] == ["train_mean_nll", "test/nll"]

@@ -25,6 +25,7 @@ import numpy as np
 from backends.base import SamplingClient
 from backends.errors import UserError
 from backends.types import Datum
+from runner.algos import AlgoSpec, BuildArgs
 from runner.data.conversations import load_conversations
 from runner.recipe.schema import Distill, Teacher
 from runner.rl.advantages import compute_advantages
@@ -229,3 +230,14 @@ def prompts_from_chats(path: str, limit: int | None = None) -> list[dict[str, An
             continue
         out.append({"messages": messages[:last]})
     return out[:limit] if limit else out
+
+
+# ---------------------------------------------------------------- the registry entry (runner/algos/__init__.py)
+
+def build(cfg: Distill, args: BuildArgs) -> functools.partial[DistillAlgo]:
+    r = args.recipe
+    return functools.partial(DistillAlgo, cfg, seed=r.seed, base_model=r.model, max_steps=r.max_steps,
+                             weights=dict(args.weights))
+
+
+SPEC = AlgoSpec(build=build, headline=[("teacher_kl", "teacher_kl"), ("test/teacher_kl", "test/teacher_kl")])

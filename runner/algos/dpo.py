@@ -30,6 +30,7 @@ Departures from the cookbook:
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -40,8 +41,9 @@ import numpy as np
 from backends.base import CustomLossFn, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
+from runner.algos import AlgoSpec, BuildArgs
 from runner.algos.sft import PLAN_STEPS, to_datum, weights
-from runner.data.comparisons import Batches, Pair, Pairs, render_completion
+from runner.data.comparisons import Batches, Pair, Pairs, load_pairs, render_completion
 from runner.recipe.schema import DPO
 from runner.rl.kl import reference_logprobs
 
@@ -263,3 +265,15 @@ class DPOAlgo:
         else:
             lines.append("no held-out pairs (algo.test_size = 0): eval steps evaluate nothing")
         return lines
+
+
+# ---------------------------------------------------------------- the registry entry (runner/algos/__init__.py)
+
+def build(cfg: DPO, args: BuildArgs) -> functools.partial[DPOAlgo]:
+    r = args.recipe
+    return functools.partial(DPOAlgo, cfg, load_pairs(cfg.data), seed=r.seed, base_model=r.model,
+                             max_steps=r.max_steps, reference_path=args.reference_path)
+
+
+SPEC = AlgoSpec(build=build, headline=[("dpo_loss", "loss"), ("accuracy", "acc"), ("test/accuracy", "test/acc")],
+                compare=["test/accuracy", "accuracy"])

@@ -13,6 +13,7 @@ It goes through the same loop as training (checkpoints are its resume points); i
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 from pathlib import Path
@@ -21,7 +22,8 @@ from typing import Any
 from backends.base import SamplingClient
 from backends.errors import UserError
 from backends.types import SamplingParams
-from runner.data.conversations import Conversation
+from runner.algos import AlgoSpec, BuildArgs
+from runner.data.conversations import Conversation, load_conversations
 from runner.engine.rundir import OUTPUT
 from runner.recipe.schema import Generate
 from runner.rl.renderer import ChatRenderer
@@ -121,3 +123,16 @@ class GenerateAlgo:
 
     async def final(self, ctx: Any, evaluate: bool) -> dict[str, float]:
         return {}
+
+
+# ---------------------------------------------------------------- the registry entry (runner/algos/__init__.py)
+
+def build(cfg: Generate, args: BuildArgs) -> functools.partial[GenerateAlgo]:
+    r = args.recipe
+    prompts, where = load_conversations(cfg.prompts)
+    return functools.partial(GenerateAlgo, cfg, prompts, where, seed=r.seed, base_model=r.model,
+                             max_steps=r.max_steps, weights=dict(args.weights))
+
+
+SPEC = AlgoSpec(build=build,
+                headline=[("rows", "rows"), ("reply_chars", "reply_chars"), ("truncated_frac", "truncated")])

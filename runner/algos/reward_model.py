@@ -19,6 +19,7 @@ Ties are dropped and counted (runner/data/comparisons.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +29,10 @@ import numpy as np
 from backends.base import Future, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
+from runner.algos import AlgoSpec, BuildArgs
 from runner.algos.judge import label_logprobs, p_first
 from runner.algos.sft import PLAN_STEPS
-from runner.data.comparisons import Batches, Pair, Pairs, render_judge
+from runner.data.comparisons import Batches, Pair, Pairs, load_pairs, render_judge
 from runner.recipe.schema import RewardModel
 
 
@@ -188,3 +190,15 @@ class RewardModelAlgo:
         else:
             lines.append("no held-out comparisons (algo.test_size = 0): eval steps evaluate nothing")
         return lines
+
+
+# ---------------------------------------------------------------- the registry entry (runner/algos/__init__.py)
+
+def build(cfg: RewardModel, args: BuildArgs) -> functools.partial[RewardModelAlgo]:
+    return functools.partial(RewardModelAlgo, cfg, load_pairs(cfg.data), seed=args.recipe.seed,
+                             max_steps=args.recipe.max_steps)
+
+
+SPEC = AlgoSpec(build=build,
+                headline=[("train_mean_nll", "nll"), ("accuracy", "acc"), ("test/accuracy", "test/acc")],
+                compare=["test/accuracy", "accuracy"])

@@ -17,6 +17,7 @@ metrics.jsonl ends at the last step's row): the last held-out NLL is the one bef
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +27,9 @@ import numpy as np
 from backends.base import Future, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
+from runner.algos import AlgoSpec, BuildArgs
 from runner.data.chat_template import render
-from runner.data.conversations import Conversation
+from runner.data.conversations import Conversation, load_conversations
 from runner.recipe.schema import SFT
 
 # How many steps the dry-run plan renders to report datums and tokens per step.
@@ -218,3 +220,14 @@ class SFTAlgo:
         else:
             lines.append("no held-out rows (algo.test_size = 0): eval steps evaluate nothing")
         return lines
+
+
+# ---------------------------------------------------------------- the registry entry (runner/algos/__init__.py)
+
+def build(cfg: SFT, args: BuildArgs) -> functools.partial[SFTAlgo]:
+    convs, where = load_conversations(cfg.data)
+    return functools.partial(SFTAlgo, cfg, convs, where, seed=args.recipe.seed, max_steps=args.recipe.max_steps)
+
+
+SPEC = AlgoSpec(build=build, headline=[("train_mean_nll", "nll"), ("test/nll", "test/nll")],
+                compare=["test/nll", "train_mean_nll"])

@@ -38,7 +38,7 @@ def render(tokenizer: Any, messages: Conversation, train_on_what: str) -> tuple[
 
 
 def template(tokenizer: Any, messages: Conversation, generation_prompt: bool) -> str:
-    return tokenizer.apply_chattemplate(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:

@@ -59,40 +59,6 @@ def write_jsonl_atomic(path: Path, rows: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
-# The headline numbers of a step, by algorithm: (metrics key, label). RL shows the mean reward, and for envs
-# whose mean reward cannot move (pairwise judging: always about 0.5; self-play: zero-sum) a number that does.
-ALGO_KEYS: dict[str, list[tuple[str, str]]] = {
-    "sft": [("train_mean_nll", "nll"), ("test/nll", "test/nll")],
-    "rl": [("env/all/reward/total", "reward"), ("test/env/all/reward/total", "test/reward")],
-    "distill": [("teacher_kl", "teacher_kl"), ("test/teacher_kl", "test/teacher_kl")],
-    "generate": [("rows", "rows"), ("reply_chars", "reply_chars"), ("truncated_frac", "truncated")],
-    "dpo": [("dpo_loss", "loss"), ("accuracy", "acc"), ("test/accuracy", "test/acc")],
-    "reward_model": [("train_mean_nll", "nll"), ("accuracy", "acc"), ("test/accuracy", "test/acc")],
-}
-ENV_KEYS: dict[str, list[tuple[str, str]]] = {
-    # Pairwise: the group's mean win rate is 0.5 by construction; reply length and format are what move.
-    "preference": [("env/all/ac_tokens_per_turn", "reply_tokens"), ("env/all/format", "format")],
-    # Self-play: wins and losses cancel; illegal moves and game length move, and the test split plays a fixed
-    # opponent, so its reward is a win rate that means something.
-    "tictactoe": [("env/all/illegal", "illegal"), ("env/all/turns_per_episode", "turns")],
-    "arithmetic": [("env/all/correct", "correct")],
-}
-
-
-def algo_keys(recipe: Any) -> list[tuple[str, str]]:
-    """The progress line's metrics for a recipe (runner.recipe.schema.Recipe)."""
-    algo = recipe.algo
-    keys = list(ALGO_KEYS.get(_tag(algo), [("loss", "loss")]))
-    env = getattr(algo, "env", None)
-    if env is not None:
-        keys[1:1] = ENV_KEYS.get(_tag(env), [])
-    return keys
-
-
-def _tag(struct: Any) -> str:
-    return str(type(struct).__struct_config__.tag)
-
-
 class Progress:
     """A live bar (tqdm) on a terminal: step, the algorithm's headline metrics, ETA. Not on a terminal (CI, a
     pipe, a file) a plain line per step for short runs, and about every `every` seconds plus the first and last

@@ -20,13 +20,12 @@ the one place a recipe's algo variant becomes one. Nothing here knows which back
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,56 +33,12 @@ from backends.base import Backend, BackendError, Future, TrainingClient
 from backends.errors import UserError
 from backends.tokenizer import load_tokenizer
 from backends.types import LoraSpec
-from runner.data.conversations import load_conversations
+from runner.algos import make_algo, spec_of
 from runner.engine.context import Algorithm, Context, FinalContext, InitWeights
-from runner.engine.log import Progress, algo_keys
+from runner.engine.log import Progress
 from runner.engine.rundir import RunDir, open_run_dir
 from runner.engine.schedule import adam_at
-from runner.recipe.schema import DPO, RL, SFT, Distill, Generate, Recipe, RewardModel
-
-
-def make_algo(recipe: Recipe, init: InitWeights | None = None,
-              weights: Mapping[str, str] | None = None) -> Callable[[Any], Algorithm]:
-    """The one place a recipe's algo variant becomes an Algorithm. Reads and validates the data now,
-    so the cheapest errors come before any model loads; the returned function takes the tokenizer.
-    `init`: the chained recipe's starting weights (its reference model); `weights`: the final sampler weights of
-    every other run the recipe names (RecipeRef fields: teachers, judges), by reference."""
-    reference = init.sampler_path if init is not None else None
-    match recipe.algo:
-        case Generate() as cfg:
-            from runner.algos.generate import GenerateAlgo
-
-            prompts, where = load_conversations(cfg.prompts)
-            return functools.partial(GenerateAlgo, cfg, prompts, where, seed=recipe.seed, base_model=recipe.model,
-                                     max_steps=recipe.max_steps, weights=dict(weights or {}))
-        case Distill() as cfg:
-            from runner.algos.distill import DistillAlgo
-
-            return functools.partial(DistillAlgo, cfg, seed=recipe.seed, base_model=recipe.model,
-                                     max_steps=recipe.max_steps, weights=dict(weights or {}))
-        case SFT() as cfg:
-            from runner.algos.sft import SFTAlgo
-
-            convs, where = load_conversations(cfg.data)
-            return functools.partial(SFTAlgo, cfg, convs, where, seed=recipe.seed, max_steps=recipe.max_steps)
-        case DPO() as cfg:
-            from runner.algos.dpo import DPOAlgo
-            from runner.data.comparisons import load_pairs
-
-            return functools.partial(DPOAlgo, cfg, load_pairs(cfg.data), seed=recipe.seed, base_model=recipe.model,
-                                     max_steps=recipe.max_steps, reference_path=reference)
-        case RewardModel() as cfg:
-            from runner.algos.reward_model import RewardModelAlgo
-            from runner.data.comparisons import load_pairs
-
-            return functools.partial(RewardModelAlgo, cfg, load_pairs(cfg.data), seed=recipe.seed,
-                                     max_steps=recipe.max_steps)
-        case RL() as cfg:
-            from runner.rl.algo import RLAlgo
-
-            return functools.partial(RLAlgo, cfg, seed=recipe.seed, base_model=recipe.model, max_steps=recipe.max_steps,
-                                     reference_path=reference, weights=dict(weights or {}))
-    raise TypeError(f"unknown algo {recipe.algo!r}")
+from runner.recipe.schema import Recipe
 
 
 def lora_spec(recipe: Recipe) -> LoraSpec:
@@ -237,7 +192,7 @@ async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm, 
         else:
             tc = await backend.create_training_client(lora_spec(recipe))
     clock = Clock(before=run.begin())
-    progress = Progress(total, start, keys=algo_keys(recipe))
+    progress = Progress(total, start, keys=spec_of(recipe.algo).progress_keys(recipe.algo))
     if run.resume is not None:
         where = f"at step {start}" if tc is not None else "after its last step, for the final row only"
         progress.message(f"resuming {run.path} {where} (checkpoint {run.resume['name']})")

@@ -8,13 +8,14 @@ import sys
 
 from runner.engine.chain import Upstream, _status, dependencies, resolved_inputs, upstreams
 from runner.engine.context import InitWeights
-from runner.engine.loop import run
 from runner.recipe.schema import Recipe
 
 
 def run_chain(recipe: Recipe, name: str, where: str, *, dry_run: bool = False) -> None:
     """`runner run`: the unfinished runs this recipe needs first (the init_from chain, teachers, judges), then this
     one, from the last upstream's final weights and with every referenced run resolved to its final sampler weights."""
+    from runner.engine.loop import run  # at call time: tests stand a recorder in for the loop module
+
     chain = upstreams(recipe, where)
     deps = dependencies(recipe, where)
     if dry_run:
@@ -34,4 +35,6 @@ def run_chain(recipe: Recipe, name: str, where: str, *, dry_run: bool = False) -
 
 def run_stage(stage: Upstream) -> None:
     """One upstream run, itself after its own init_from chain (already run: dependencies come in order)."""
+    from runner.engine.loop import run
+
     run(stage.recipe, stage.name, **resolved_inputs(stage.recipe, stage.ref))

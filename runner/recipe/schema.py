@@ -9,7 +9,7 @@ The backend tables (`backend = {kind = ...}`) are declared by each backend (back
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import msgspec
 from msgspec import Meta
@@ -124,11 +124,14 @@ DataSource = Jsonl | HF | Python | RunOutput
 # ---------------------------------------------------------------- algorithms
 
 class AlgoBase(Base, tag_field="kind", tag=str.lower):
-    pass
+    # The module that implements the variant: it declares `SPEC = AlgoSpec(...)` (runner/algos/__init__.py).
+    implementation: ClassVar[str] = ""
 
 
 class SFT(AlgoBase):
     """Supervised fine-tuning on conversations: {"messages": [{"role", "content"}, ...]} per row."""
+
+    implementation: ClassVar[str] = "runner.algos.sft"
 
     data: DataSource
     # Conversations per step.
@@ -155,6 +158,8 @@ class DPO(AlgoBase):
     loss = −log σ(β·((π_c − ref_c) − (π_r − ref_r))), sequence logprobs summed over the completion's tokens; the
     reference is the run's initial weights (the base model), also after a resume."""
 
+    implementation: ClassVar[str] = "runner.algos.dpo"
+
     data: DataSource
     # Pairs per step (each is two datums: chosen and rejected).
     batch_size: PosInt = 16
@@ -171,6 +176,8 @@ class RewardModel(AlgoBase, tag="reward_model"):
     """A pairwise judge (the cookbook's RLHF stage 2): SFT on "which completion is better, A or B?" with the
     preferred label as the one trained token, every comparison in both orders (A/B swapped) so position carries
     no signal. runner/algos/judge.py turns the trained weights into P(a better)."""
+
+    implementation: ClassVar[str] = "runner.algos.reward_model"
 
     data: DataSource
     # Comparisons per step (each is two datums: both orders).
@@ -381,6 +388,8 @@ class RL(AlgoBase):
     """Group-relative policy gradient on environments (cookbook rl/train.py): per group, advantage = reward −
     group mean; datums carry sampler logprobs and per-token advantages; a built-in ratio loss."""
 
+    implementation: ClassVar[str] = "runner.rl.algo"
+
     env: Env
     # ---- Core
     # Episodes per group (the baseline is their mean reward; 1 would make every advantage 0).
@@ -455,6 +464,8 @@ class Distill(AlgoBase):
     student's own tokens (compute_logprobs), and the per-token reverse KL student_lp − teacher_lp is a penalty on the
     advantages (no centring; optionally discounted). Trained with a built-in ratio loss like RL, in any RL mode."""
 
+    implementation: ClassVar[str] = "runner.algos.distill"
+
     datasets: Annotated[list[DistillSet], Meta(min_length=1)]
     # Samples per prompt (their reward is 0: only the KL term carries signal).
     group_size: PosInt = 4
@@ -482,6 +493,8 @@ class Generate(AlgoBase):
     for an SFT recipe to train on (`data = {kind = "run_output", run = "#this"}`): the first stage of prompt
     distillation. Resumable and seeded like any run; it trains nothing."""
 
+    implementation: ClassVar[str] = "runner.algos.generate"
+
     # Rows {"messages": [...]} ending with the user's turn.
     prompts: DataSource
     # The teacher's system prompt, which the written conversations leave out.
@@ -498,7 +511,24 @@ class Generate(AlgoBase):
     keep_truncated: bool = False
 
 
-Algo = SFT | DPO | RewardModel | RL | Distill | Generate
+# A user's algorithm: an `AlgoSpec` in their module (runner/algos/__init__.py, examples/custom_algo.py).
+SpecRef = Annotated[str, Meta(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w]*$", description="'pkg.mod:SPEC'")]
+
+
+class Custom(AlgoBase):
+    """A user-defined algorithm: `spec = "pkg.mod:SPEC"` names an AlgoSpec; `args` is validated by its config struct
+    (`runner check`)."""
+
+    spec: SpecRef
+    args: dict[str, Any] = {}
+
+    @property
+    def target(self) -> str:
+        return self.spec
+
+
+Algo = SFT | DPO | RewardModel | RL | Distill | Generate | Custom
+ALGO_VARIANTS: tuple[type[AlgoBase], ...] = get_args(Algo)
 
 
 # ---------------------------------------------------------------- experiment tracking

@@ -14,6 +14,14 @@ from backends.errors import UserError
 
 def import_target(target: str) -> Callable[..., Any]:
     """The callable named by 'pkg.mod:fn'; UserError if it does not import or is not callable."""
+    fn = import_object(target)
+    if not callable(fn):
+        raise UserError(f"{target!r} is {type(fn).__name__}, not a callable")
+    return fn
+
+
+def import_object(target: str) -> Any:
+    """Whatever 'pkg.mod:name' names (an AlgoSpec, a loss spec); UserError if it does not import."""
     module, _, attr = target.partition(":")
     # The console script does not put the working directory on sys.path (`python -m` does); user
     # modules live next to the recipe, so both entry points must find them.
@@ -24,8 +32,6 @@ def import_target(target: str) -> Callable[..., Any]:
     except Exception as e:  # noqa: BLE001 - any failure inside user code is the user's to fix
         reason = " ".join(f"{type(e).__name__}: {e}".split())
         raise UserError(f"cannot import {target!r}: {reason}") from None
-    if not callable(fn):
-        raise UserError(f"{target!r} is {type(fn).__name__}, not a callable")
     return fn
 
 

@@ -35,6 +35,7 @@ snapshot of the restored weights, which are exactly those after the previous ste
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -47,6 +48,7 @@ import numpy as np
 from backends.base import BackendError, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, LossFn, OptimStepOutput, SamplingParams
+from runner.algos import AlgoSpec, BuildArgs
 from runner.recipe.schema import CISPO, DRO, PPO, RL, Async, ModelJudge, Preference, ReferenceKL, Stream
 from runner.rl import transcripts
 from runner.rl.advantages import compute_advantages, remove_constant_reward_groups
@@ -469,3 +471,29 @@ def _merge(parts: list[dict[str, float]]) -> dict[str, float]:
     keys = {k for p in parts for k in p}
     return {k: float((np.sum if k.startswith("time/") or "dropped" in k else np.mean)([p[k] for p in parts if k in p]))
             for k in keys}
+
+
+# ---------------------------------------------------------------- the registry entry (runner/algos/__init__.py)
+
+def build(cfg: RL, args: BuildArgs) -> functools.partial[RLAlgo]:
+    r = args.recipe
+    return functools.partial(RLAlgo, cfg, seed=r.seed, base_model=r.model, max_steps=r.max_steps,
+                             reference_path=args.reference_path, weights=dict(args.weights))
+
+
+# Envs whose mean reward cannot move show a number that does. Pairwise judging: the group's mean win rate is 0.5 by
+# construction; reply length and format are what move. Self-play: wins and losses cancel; illegal moves and game
+# length move, and the test split plays a fixed opponent, so its reward is a win rate that means something.
+ENV_HEADLINE: dict[str, list[tuple[str, str]]] = {
+    "preference": [("env/all/ac_tokens_per_turn", "reply_tokens"), ("env/all/format", "format")],
+    "tictactoe": [("env/all/illegal", "illegal"), ("env/all/turns_per_episode", "turns")],
+    "arithmetic": [("env/all/correct", "correct")],
+}
+
+
+def env_headline(cfg: RL) -> list[tuple[str, str]]:
+    return ENV_HEADLINE.get(str(type(cfg.env).__struct_config__.tag), [])
+
+
+SPEC = AlgoSpec(build=build, headline=[("env/all/reward/total", "reward"), ("test/env/all/reward/total", "test/reward")],
+                compare=["test/env/all/reward/total", "env/all/reward/total"], headline_for=env_headline)

@@ -3,7 +3,7 @@
 The DIRs are run dirs, sweep dirs (every run dir below them; moved-aside `*.old-*` dirs left out) or globs.
 Columns: the run dir; the recipe keys whose values differ between the runs (from each run's config.toml,
 flattened to dotted keys; log_dir and the log table left out); the steps trained; then the final and the best
-value of each metric: by default the main ones of the runs' algorithms (MAIN_METRICS), or those named with
+value of each metric: by default the main ones of the runs' algorithms (their registry entries, runner/algos), or those named with
 `--metric NAME` (`NAME:min` / `NAME:max` says which way is better when the name does not). Rows are sorted by the
 first metric's final value, best first. Formats: table (aligned text), csv, markdown, json, html.
 
@@ -27,19 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from backends.errors import UserError
-from runner.engine.log import ALGO_KEYS
+from runner.algos import spec_of_kind
 from runner.engine.rundir import CONFIG, METRICS, flatten
 from runner.recipe.load import show_value
 
-# The metrics that say how a run did, by algo kind: the held-out one first (it sorts the table), then the
-# training one. Lower is better for NLLs and losses, higher for rewards and accuracy (parse_metric). A kind not
-# listed here gets the progress line's headline metrics (runner.engine.log.ALGO_KEYS), held-out ones first.
-MAIN_METRICS: dict[str, list[str]] = {
-    "sft": ["test/nll", "train_mean_nll"],
-    "rl": ["test/env/all/reward/total", "env/all/reward/total"],
-    "dpo": ["test/accuracy", "accuracy"],
-    "reward_model": ["test/accuracy", "accuracy"],
-}
+# Lower is better for NLLs and losses, higher for rewards and accuracy (parse_metric).
 _LOWER_IS_BETTER = re.compile(r"nll|loss|error|perplexity|(^|/)kl|time/|grad_norm|illegal")
 # Config keys that never make two runs different experiments.
 _NOT_COMPARED = ("log_dir", "log", "if_exists")
@@ -202,15 +194,14 @@ def choose_metrics(runs: Sequence[Run], specs: Sequence[str] = ()) -> list[Metri
         return metrics
     names: list[str] = []
     for r in runs:
-        names.extend(m for m in main_metrics(r.kind) if m not in names and m in logged)
+        names.extend(m for m in main_metrics(r.kind, r.config.get("algo.spec")) if m not in names and m in logged)
     return [parse_metric(n) for n in names]
 
 
-def main_metrics(kind: str) -> list[str]:
-    if kind in MAIN_METRICS:
-        return MAIN_METRICS[kind]
-    headline = [key for key, _ in ALGO_KEYS.get(kind, [])]
-    return sorted(headline, key=lambda k: not k.startswith("test/"))
+def main_metrics(kind: str, spec: str | None = None) -> list[str]:
+    """An algorithm's default columns, from its registry entry (runner/algos); none for an unknown one."""
+    found = spec_of_kind(kind, spec)
+    return found.compare_keys() if found is not None else []
 
 
 def summarize(run: Run, metric: Metric) -> Summary:

@@ -129,8 +129,7 @@ def sample(target: str, checkpoint: str | None, prompts: list[list[dict[str, str
             out.write(json.dumps({"checkpoint": label, "messages": prompt, "completions": texts}) + "\n")
             continue
         out.write(f"> {prompt[-1]['content']}\n")
-        for i, text in enumerate(texts):
-            out.write(f"[{i + 1}] {text}\n" if len(texts) > 1 else f"{text}\n")
+        out.writelines(f"[{i + 1}] {text}\n" if len(texts) > 1 else f"{text}\n" for i, text in enumerate(texts))
         out.write("\n")
     out.flush()
 
