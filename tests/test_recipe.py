@@ -167,11 +167,11 @@ BAD_RECIPES = [
     ),
     (
         'algo = {kind = "ppo"}',
-        "recipes.toml#sl_basic: algo.kind: invalid choice 'ppo'; expected one of: distill, dpo, generate, reward_model, rl, sft",
+        "recipes.toml#sl_basic: algo.kind: invalid choice 'ppo'; expected one of: custom, distill, dpo, generate, reward_model, rl, sft",
     ),
     (
         'model = "tiny"',
-        'recipes.toml#sl_basic: algo: missing key; write e.g. algo = {kind = "sft"} (kind one of: distill, dpo, generate, reward_model, rl, sft)',
+        'recipes.toml#sl_basic: algo: missing key; write e.g. algo = {kind = "sft"} (kind one of: custom, distill, dpo, generate, reward_model, rl, sft)',
     ),
     (
         'algo = {kind = "sft"}',

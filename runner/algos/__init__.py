@@ -121,9 +121,9 @@ def _custom_spec(target: str, where: str = "") -> AlgoSpec:
     try:
         obj: Any = import_object(target)
     except UserError as e:
-        raise UserError(f"{where + ': ' if where else ''}algo.target: {e}") from None
+        raise UserError(f"{where + ': ' if where else ''}algo.spec: {e}") from None
     if not isinstance(obj, AlgoSpec):
-        raise UserError(f"{where + ': ' if where else ''}algo.target {target!r} is a {type(obj).__name__}, not an "
+        raise UserError(f"{where + ': ' if where else ''}algo.spec {target!r} is a {type(obj).__name__}, not an "
                         "AlgoSpec (declare `SPEC = AlgoSpec(build=...)` in your module; see examples/custom_algo.py)")
     return obj
 

@@ -118,6 +118,10 @@ class GenerateAlgo:
             f"writes {OUTPUT}/step_NNNNNN.jsonl (conversations without the system prompt); no training calls",
         ]
 
+    async def evaluate(self, ctx: Any) -> dict[str, float]:
+        """`runner eval`: the held-out evals on ctx's sampler weights (the same as the final row's)."""
+        return await self.final(ctx, True) if self.final_plan(True) is not None else {}
+
     def final_plan(self, evaluate: bool) -> str | None:
         return None
 

@@ -30,6 +30,7 @@ from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOu
 from runner.algos import AlgoSpec, BuildArgs
 from runner.data.chat_template import render
 from runner.data.conversations import Conversation, load_conversations
+from runner.engine.context import FinalContext
 from runner.recipe.schema import SFT
 
 # How many steps the dry-run plan renders to report datums and tokens per step.
@@ -169,15 +170,38 @@ class SFTAlgo:
             metrics["test/nll"] = mean_nll(self._test_data or [], ev.logprobs)
         return metrics
 
-    # --- after the last step: the agreement eval when asked for (the cookbook's SL has no final eval)
+    # --- after the last step, and `runner eval` at any checkpoint: the held-out NLL (the cookbook's SL has no final
+    # eval, so its last test/nll is from before the last eval_every steps), plus the agreement eval when asked for
 
     def final_plan(self, evaluate: bool) -> str | None:
-        if not (self.cfg.agreement and self.test_rows):
+        if not self.test_rows or not (evaluate or self.cfg.agreement):
             return None
-        return (f"agreement eval: the final weights answer the {len(self.test_rows)} held-out prompts greedily, "
-                f"test/agreement = the share equal to the data's answers, logged at step {self.total_steps}")
+        parts = [f"test/nll of the {len(self.test_rows)} held-out rows"] if evaluate else []
+        if self.cfg.agreement:
+            parts.append("test/agreement (greedy answers to the held-out prompts equal to the data's)")
+        return f"on the final weights: {' and '.join(parts)}, logged at step {self.total_steps}"
 
-    async def final(self, ctx: Any, evaluate: bool) -> dict[str, float]:
+    async def final(self, ctx: FinalContext, evaluate: bool) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        if evaluate and self.test_rows:
+            metrics.update(await self.test_nll(ctx))
+        if self.cfg.agreement and self.test_rows:
+            metrics.update(await self.agreement(ctx))
+        return metrics
+
+    async def evaluate(self, ctx: FinalContext) -> dict[str, float]:
+        return await self.final(ctx, True)
+
+    async def test_nll(self, ctx: FinalContext) -> dict[str, float]:
+        """test/nll of the held-out rows on ctx's sampler weights (weights as the training loss has them)."""
+        from runner.rl.kl import reference_logprobs
+
+        data = self.datums(self.test_rows)
+        client = await ctx.backend.create_sampling_client(model_path=ctx.sampler_path)
+        lps = await reference_logprobs(client, data)
+        return {"test/nll": mean_nll(data, [np.asarray(lp) for lp in lps])}
+
+    async def agreement(self, ctx: FinalContext) -> dict[str, float]:
         """test/agreement: greedy answers to each held-out conversation's last user turn vs the data's answer."""
         import asyncio
 

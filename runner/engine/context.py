@@ -75,6 +75,11 @@ class Algorithm(Protocol):
         (RL: the final eval). Called only when final_plan(evaluate) is not None."""
         ...
 
+    async def evaluate(self, ctx: FinalContext, /) -> dict[str, float]:
+        """`runner eval`: the held-out evals on ctx's sampler weights, any checkpoint (the same numbers the run
+        logs for them); {} when the recipe has none."""
+        ...
+
 
 @dataclass(frozen=True)
 class InitWeights:

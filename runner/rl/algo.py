@@ -376,6 +376,10 @@ class RLAlgo:
 
     # ---------------------------------------------------------------- after the last step: the final eval
 
+    async def evaluate(self, ctx: Any) -> dict[str, float]:
+        """`runner eval`: the held-out evals on ctx's sampler weights (the same as the final row's)."""
+        return await self.final(ctx, True) if self.final_plan(True) is not None else {}
+
     def final_plan(self, evaluate: bool) -> str | None:
         if not evaluate or not self.test:
             return None

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-import numpy as np
-
 from backends.errors import UserError
 from runner.recipe.schema import Recipe
 
@@ -179,7 +177,6 @@ def chat(target: str, checkpoint: str | None, temperature: float, max_tokens: in
 
 def evaluate(target: str, checkpoint: str | None, out: TextIO) -> dict[str, float]:
     """The recipe's evaluators on one checkpoint; printed, and appended to the run dir's evals.jsonl."""
-    from runner.algos.sft import SFTAlgo
     from runner.engine.chain import resolved_inputs
     from runner.engine.context import FinalContext
     from runner.engine.log import append_jsonl
@@ -194,16 +191,7 @@ def evaluate(target: str, checkpoint: str | None, out: TextIO) -> dict[str, floa
         algo = make_algo(t.recipe, inputs["init"], inputs["weights"])(backend.get_tokenizer())
         ctx = FinalContext(backend, t.checkpoint["sampler_path"], t.run_dir)
 
-        async def go() -> dict[str, float]:
-            metrics: dict[str, float] = {}
-            if isinstance(algo, SFTAlgo):
-                metrics.update(await sft_test_nll(algo, await backend.create_sampling_client(
-                    model_path=t.checkpoint["sampler_path"] if t.checkpoint else None)))
-            if algo.final_plan(True) is not None:
-                metrics.update(await algo.final(ctx, True))
-            return metrics
-
-        metrics = asyncio.run(go())
+        metrics = asyncio.run(algo.evaluate(ctx))
     finally:
         backend.close()
     if not metrics:
@@ -216,17 +204,3 @@ def evaluate(target: str, checkpoint: str | None, out: TextIO) -> dict[str, floa
             out.write(f"  {k} {v:.6g}\n")
     out.flush()
     return metrics
-
-
-async def sft_test_nll(algo: Any, client: Any) -> dict[str, float]:
-    """The held-out NLL (weights as the training loss has them) from the checkpoint's logprobs of every target."""
-    from runner.algos.sft import mean_nll
-    from runner.rl.kl import reference_logprobs
-
-    if not algo.test_rows:
-        return {}
-    data = algo.datums(algo.test_rows)
-    lps = await reference_logprobs(client, data)
-    return {"test/nll": mean_nll(data, [np.asarray(lp) for lp in lps])}
-
-
