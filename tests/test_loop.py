@@ -83,16 +83,20 @@ def test_depth_does_not_change_results(tmp_path):
         run(make_recipe(d, depth=depth), "t", backend=FakeBackend(TOK))
         runs.append([{k: v for k, v in r.items()} for r in metrics(d / "run")])
     assert runs[0] == runs[1] == runs[2]
-    nll = [r["train_mean_nll"] for r in runs[0]]
+    nll = [r["train_mean_nll"] for r in runs[0] if "train_mean_nll" in r]
     assert len(nll) == 8  # 32 training rows / batch 4
     assert nll[-1] < nll[0]  # the toy model learns the answer tokens' unigram
-    assert [r["step"] for r in runs[0] if "test/nll" in r] == [0, 3, 6]
+    # Evals before steps 0, 3 and 6, and the final weights' at step 8 (SFT evaluates its final weights).
+    assert [r["step"] for r in runs[0] if "test/nll" in r] == [0, 3, 6, 8]
+    assert runs[0][-1]["test/nll"] < runs[0][0]["test/nll"]
 
 
 def test_metrics_rows(tmp_path):
     run(make_recipe(tmp_path, max_steps=4), "t", backend=FakeBackend(TOK))
     rows = [json.loads(line) for line in (tmp_path / "run" / METRICS).read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]  # 4: the final weights' test/nll
+    assert set(rows[-1]) == {"step", "test/nll", "time/total"}
+    rows = rows[:-1]
     first = rows[0]
     for key in ("train_mean_nll", "test/nll", "optim/lr", "optim/grad_norm", "progress/done_frac", "epoch",
                 "num_sequences", "num_tokens", "num_loss_tokens", "time/step", "time/total"):
@@ -136,7 +140,7 @@ def test_torn_lines_are_tolerated(tmp_path):
     with open(run_dir / METRICS, "a") as f:
         f.write('{"step": 3, "train_')
     run(recipe, "t", backend=FakeBackend(TOK, storage_dir=store))
-    assert [r["step"] for r in metrics(run_dir)] == [0, 1, 2, 3]
+    assert [r["step"] for r in metrics(run_dir)] == [0, 1, 2, 3, 4]
     names = [json.loads(line)["name"] for line in (run_dir / "checkpoints.jsonl").read_text().splitlines()]
     assert names == ["000002", "final-s2"]  # the second session's names never collide with the first's
 
@@ -153,7 +157,8 @@ def test_finished_run_is_a_noop_and_can_be_extended(tmp_path, capsys):
     longer = msgspec.structs.replace(recipe, max_steps=6)
     more = FakeBackend(TOK, storage_dir=store)
     run(longer, "t", backend=more)
-    assert [r["step"] for r in metrics(tmp_path / "run")] == [0, 1, 2, 3, 4, 5]
+    # The first run's final row (step 4) was dropped on resuming at step 4; the extended run has its own at 6.
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [0, 1, 2, 3, 4, 5, 6]
     assert len(calls_of(more, "submit fb#")) == 2
 
 
@@ -187,7 +192,7 @@ def test_a_run_that_trained_nothing_gives_way_to_a_fixed_recipe(tmp_path, capsys
     run(fixed, "t", backend=FakeBackend(TOK))
     assert "nothing trained: starts over" in capsys.readouterr().err
     assert "lr = 0.1" in (tmp_path / "run" / "config.toml").read_text()
-    assert [r["step"] for r in metrics(tmp_path / "run")] == [0, 1]
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [0, 1, 2]
     # Once something trained, a different recipe is refused again.
     with pytest.raises(UserError, match=r"differs in: lr"):
         run(recipe, "t", backend=FakeBackend(TOK))
@@ -252,8 +257,8 @@ def test_sft_through_the_tinker_sdk(tmp_path, monkeypatch):
         run(recipe, "t")
         run(msgspec.structs.replace(recipe, max_steps=6), "t")
     rows = metrics(tmp_path / "run")
-    assert [r["step"] for r in rows] == list(range(6))
-    assert rows[-1]["train_mean_nll"] < rows[0]["train_mean_nll"]
+    assert [r["step"] for r in rows] == list(range(7))  # 6 steps and the final weights' eval
+    assert rows[-2]["train_mean_nll"] < rows[0]["train_mean_nll"]
     ckpts = [json.loads(line) for line in (tmp_path / "run" / "checkpoints.jsonl").read_text().splitlines()]
     assert [c["name"] for c in ckpts] == ["000002", "final", "final-s2"]
     assert all(c["state_path"].startswith("tinker://") and "/sampler_weights/" in c["sampler_path"] for c in ckpts)
@@ -323,7 +328,7 @@ def test_max_steps_beyond_the_data_warns_at_start(tmp_path: Path, capsys: pytest
     run(recipe, "r", backend=FakeBackend())
     err = capsys.readouterr().err
     assert err.count("warning: max_steps = 30") == 1
-    steps = len(metrics(tmp_path / "run"))
+    steps = len([r for r in metrics(tmp_path / "run") if "train_mean_nll" in r])
     assert f"running {steps}." in err
 
 

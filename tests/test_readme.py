@@ -28,11 +28,20 @@ def test_main_command_names_a_real_recipe() -> None:
     assert main_command.startswith("python3 -m venv .venv && ") and "torch==2.13.0" in main_command
 
 
-def test_pyproject_lists_every_package() -> None:
-    """A non-editable install ships only the packages pyproject names: a new subpackage must be listed."""
+def test_pyproject_ships_every_package() -> None:
+    """A non-editable install ships what setuptools finds under pyproject's include patterns: every subpackage of
+    runner/ and backends/ (each with an __init__.py), and nothing else (tests, bench, tools, examples)."""
     import tomllib
 
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    from setuptools import find_packages
+
+    found_by_setuptools = set(find_packages(
+        str(ROOT), include=tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+        ["include"]))
+    dirs = {str(p.parent.relative_to(ROOT)).replace("/", ".") for top in ("runner", "backends")
+            for p in (ROOT / top).rglob("*.py") if "__pycache__" not in p.parts}
+    assert dirs <= found_by_setuptools, f"a folder of modules without __init__.py: {dirs - found_by_setuptools}"
+    listed = found_by_setuptools
     found = {
         str(p.parent.relative_to(ROOT)).replace("/", ".")
         for top in ("runner", "backends")

@@ -294,7 +294,7 @@ def test_sweep_runs_every_point_and_a_second_time_reruns_nothing(
     sweep_dir = tmp_path / "runs" / "sl_basic"
     for lr in ("0.001", "0.004"):
         run_dir = sweep_dir / f"lr={lr}"
-        assert [r["step"] for r in read_rows(run_dir / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+        assert [r["step"] for r in read_rows(run_dir / "metrics.jsonl")] == [0, 1, 2, 3, 4, 5]  # 5: final eval
         assert f"lr = {lr}" in (run_dir / "config.toml").read_text()
         assert f'log_dir = "runs/sl_basic/lr={lr}"' in (run_dir / "config.toml").read_text()
         assert f"done   lr={lr}" in done.stdout
@@ -348,6 +348,6 @@ def test_kill_9_mid_sweep_then_the_same_command_completes_it(tmp_path: Path) -> 
     assert "lr=0.001  partial:" in done.stdout  # the start line says it resumes
     for lr in ("0.001", "0.004"):
         run_dir = tmp_path / f"runs/sl_basic/lr={lr}"
-        assert [r["step"] for r in read_rows(run_dir / "metrics.jsonl")] == list(range(24))
+        assert [r["step"] for r in read_rows(run_dir / "metrics.jsonl")] == list(range(25))  # 24: final eval
     sessions = read_rows(tmp_path / "runs/sl_basic/lr=0.001/sessions.jsonl")
     assert len(sessions) == 2 and sessions[1]["start_step"] > 0  # resumed from its checkpoint, not from scratch

@@ -14,7 +14,7 @@ import asyncio
 import functools
 import random
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from runner.recipe.schema import TicTacToe
 from runner.rl.envs.arithmetic import INTEGER
@@ -244,7 +244,8 @@ def build(cfg: TicTacToe, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]
         return RepeatGroupBuilder(env, group_size, ["tictactoe", opponent])
 
     if cfg.opponent == "self":
-        make_train = lambda item: SelfPlayGroupBuilder(ctx.renderer, ctx.group_size)
+        def make_train(item: Any) -> EnvGroupBuilder:
+            return SelfPlayGroupBuilder(ctx.renderer, ctx.group_size)
     else:
         make_train = functools.partial(vs, cfg.opponent, ctx.group_size)
     train_ds = ListDataset(train, make_train, ctx.groups_per_batch)
