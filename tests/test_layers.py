@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -31,16 +29,7 @@ def test_backends_import_alone() -> None:
 
 def test_schema_is_only_the_schema() -> None:
     """runner/recipe/schema.py declares tables; reading, overrides, error text and imports of user code live elsewhere."""
-    text = (REPO / "runner" / "recipe.py").read_text()
+    text = (REPO / "runner" / "recipe" / "schema.py").read_text()
     for word in ("tomllib", "importlib", "def load_", "def apply_overrides", "def explain", "def import_target"):
         assert word not in text, word
     assert not (REPO / "runner" / "rl" / "schema.py").exists()
-
-
-@pytest.mark.slow
-def test_pyright_reports_nothing() -> None:
-    """pyright (standard mode, config in pyproject.toml) is clean on runner/ and backends/."""
-    pytest.importorskip("pyright")
-    out = subprocess.run([sys.executable, "-m", "pyright", "--pythonpath", sys.executable, "runner", "backends"],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and "0 errors" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
