@@ -36,7 +36,6 @@ TEMPERATURE = 1.5  # at 1.0 tiny already gets most single-digit sums right; at 2
 RL_LR = 2e-3
 
 
-@contextlib.contextmanager
 COOKBOOK_TRAINING_DEPS = ("tinker_cookbook", "chz", "termcolor", "aiohttp", "blobfile", "cloudpickle", "PIL", "tiktoken",
                           "math_verify", "pylatexenc", "datasets")
 INSTALL = ("pip install --no-deps tinker-cookbook==0.6.1 chz termcolor && pip install aiohttp blobfile cloudpickle "
@@ -50,6 +49,7 @@ def missing_cookbook_deps() -> list[str]:
     return [m for m in COOKBOOK_TRAINING_DEPS if importlib.util.find_spec(m) is None]
 
 
+@contextlib.contextmanager
 def runner_serve(storage: Path) -> Iterator[str]:
     port_file = storage.parent / "serve.port"
     with open(storage.parent / "serve.log", "w") as log:
