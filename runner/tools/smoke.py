@@ -46,6 +46,8 @@ CACHE_ENV = "RUNNER_SMOKE_CACHE"
 # The sizes a smoked stage runs at (caps: a recipe's smaller values are kept).
 CAPS = {"batch_size": 4, "group_size": 2, "groups_per_batch": 2, "max_tokens": 16, "n": 2, "minibatches": 2}
 TEST_CAP = 2
+# Tables whose fields are not the algorithm's sizes: data sources, user code's args, teachers, judges.
+OPAQUE = frozenset({"data", "prompts", "args", "teacher", "judge"})
 # The stand-in model's shape (the family's config with these sizes; vocabulary and chat template unchanged).
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 16, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
@@ -121,6 +123,8 @@ def _replace_data(recipe: Recipe, raw: dict[str, Any], table: Smoke, where: str)
 def _shrink(algo: dict[str, Any]) -> None:
     """Small sizes, in place, through the algorithm's tables (env, eval, datasets, mode)."""
     for key, value in list(algo.items()):
+        if key in OPAQUE:
+            continue
         if key in CAPS and isinstance(value, int) and not isinstance(value, bool):
             algo[key] = min(value, CAPS[key])
         elif key == "test_size" and isinstance(value, int):
