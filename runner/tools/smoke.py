@@ -263,6 +263,7 @@ class Stage:
     ref: str  # the original reference: "/abs/file.toml#name"
     name: str  # its name in the smoke file
     original: Recipe
+    where: str  # errors name it as the user did ("FILE#name")
     recipe: Recipe | None = None  # smoked
 
 
@@ -307,7 +308,7 @@ def plan(path: str, names: Sequence[str], overrides: Sequence[str] = (), out: Pa
     for name in names:
         _, recipe = load_recipe(f"{path}#{name}", overrides)
         ref = f"{Path(path).resolve()}#{name}"
-        smoke.stages[ref] = Stage(ref, name, recipe)
+        smoke.stages[ref] = Stage(ref, name, recipe, f"{path}#{name}")
         smoke.targets[name] = name
         queue.append((ref, recipe, f"{path}#{name}"))
     while queue:
@@ -324,11 +325,11 @@ def plan(path: str, names: Sequence[str], overrides: Sequence[str] = (), out: Pa
                 raise UserError(f"{where}: {up!r}: {e}") from None
             taken = {s.name for s in smoke.stages.values()}
             label = up_name if up_name not in taken else f"{Path(up.rpartition('#')[0]).stem}__{up_name}"
-            smoke.stages[up] = Stage(up, label, up_recipe)
+            smoke.stages[up] = Stage(up, label, up_recipe, up)
             queue.append((up, up_recipe, up))
     refs = {s.ref: f"{smoke.file}#{s.name}" for s in smoke.stages.values()}
     for stage in smoke.stages.values():
-        stage.recipe = smoke_recipe(stage.original, stage.name, stage.ref, refs)
+        stage.recipe = smoke_recipe(stage.original, stage.name, stage.where, refs)
     return smoke
 
 
@@ -387,14 +388,28 @@ def run_smoke(path: str, names: Sequence[str], overrides: Sequence[str] = (), *,
     from runner.engine.chain import check_all
     from runner.engine.pipeline import run_chain
 
-    smoke = plan(path, names, overrides)
-    write(smoke)
-    if not dry_run:
+    planned: dict[str, str | None] = {}  # a recipe that cannot be smoked is reported; the others still run
+    for name in names:
+        try:
+            plan(path, [name], overrides)
+            planned[name] = None
+        except UserError as e:
+            if not keep_going:
+                raise
+            planned[name] = str(e)
+    ok = [n for n in names if planned[n] is None]
+    smoke = plan(path, ok, overrides) if ok else SmokePlan(Path(), {})
+    if ok:
+        write(smoke)
+    if ok and not dry_run:
         for stage in smoke.stages.values():
             assert stage.recipe is not None
             _empty(Path(stage.recipe.log_dir or ""))
     results = []
     for name in names:
+        if (problem := planned[name]) is not None:
+            results.append(Result(name, 0, 0, 0.0, problem))
+            continue
         stages = smoke.needs(name)
         t0 = time.perf_counter()
         error = None
