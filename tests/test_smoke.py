@@ -184,11 +184,13 @@ env = {{kind = "arithmetic", max_value = 9}}
 
 
 def test_cookbook_hh_rlhf_conversion() -> None:
-    sys.path.insert(0, str(REPO / "examples"))
-    try:
-        from cookbook_data import hh_comparison, hh_rlhf
-    finally:
-        sys.path.remove(str(REPO / "examples"))
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cookbook_data", REPO / "examples" / "cookbook_data.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    hh_comparison, hh_rlhf = module.hh_comparison, module.hh_rlhf
     row = {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: 2+2?\n\nAssistant: 4",
            "rejected": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: 2+2?\n\nAssistant: 5"}
     assert hh_comparison(row) == {

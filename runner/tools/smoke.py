@@ -36,8 +36,16 @@ import tomli_w
 
 from backends.errors import UserError
 from runner.recipe.explain import dotted, info, is_ref
-from runner.recipe.load import (apply_overrides, decode_recipe, load_recipe, read_tables, recipe_dict, split_ref,
-                                structs, toml_value)
+from runner.recipe.load import (
+    apply_overrides,
+    decode_recipe,
+    load_recipe,
+    read_tables,
+    recipe_dict,
+    split_ref,
+    structs,
+    toml_value,
+)
 from runner.recipe.schema import HF, DataBase, Recipe, Smoke, Teacher
 
 SMOKE_DIR = Path("runs") / ".smoke"
