@@ -52,7 +52,8 @@ SMOKE_DIR = Path("runs") / ".smoke"
 # Where small stand-in models are built (once per source config + tokenizer); RUNNER_SMOKE_CACHE overrides it.
 CACHE_ENV = "RUNNER_SMOKE_CACHE"
 # The sizes a smoked stage runs at (caps: a recipe's smaller values are kept).
-CAPS = {"batch_size": 4, "group_size": 2, "groups_per_batch": 2, "max_tokens": 16, "n": 2, "minibatches": 2}
+CAPS = {"batch_size": 4, "group_size": 2, "groups_per_batch": 2, "max_tokens": 16, "n": 2, "minibatches": 2,
+        "max_turns": 3, "max_length": 2048}
 TEST_CAP = 2
 # Tables whose fields are not the algorithm's sizes: data sources, user code's args, teachers, judges.
 OPAQUE = frozenset({"data", "prompts", "args", "teacher", "judge"})
