@@ -410,7 +410,7 @@ def run_smoke(path: str, names: Sequence[str], overrides: Sequence[str] = (), *,
     smoke = plan(path, ok, overrides) if ok else SmokePlan(Path(), {})
     if ok:
         write(smoke)
-    if ok and not dry_run:
+    if ok:  # also for a dry run, whose plan is then the one a smoke runs (smoke run dirs are scratch)
         for stage in smoke.stages.values():
             assert stage.recipe is not None
             _empty(Path(stage.recipe.log_dir or ""))
