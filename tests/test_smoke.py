@@ -56,6 +56,12 @@ def test_smoke_every_shipped_recipe(workdir: Path, capsys: pytest.CaptureFixture
         assert result == "ok", (name, rows[name])
         assert steps == "2", name
     assert rows["rlhf_rl"][0] == "3" and rows["prompt_distill"][0] == "2" and rows["sl_basic"][0] == "1"
+    # A local JSONL file is smoked on its first rows.
+    sl = tomllib.loads((workdir / "runs" / "sl_basic-smoke" / "config.toml").read_text())["recipes"]["sl_basic"]
+    head = Path(sl["algo"]["data"]["path"])
+    assert head == Path("runs/.smoke/data/sl_basic.algo.data.jsonl")
+    full = (REPO / "examples" / "data" / "chat_sft.jsonl").read_text().splitlines(keepends=True)
+    assert len(full) > 256 and head.read_text() == "".join(full[:256])
 
     assert main(["smoke", "examples/cookbook.toml"]) == 0
     rows = _table(capsys.readouterr().out)
@@ -200,3 +206,29 @@ def test_cookbook_hh_rlhf_conversion() -> None:
     assert hh_comparison({"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": "\n\nHuman: c\n\nAssistant: d"}) is None
     rows = hh_rlhf(path=str(REPO / "examples" / "data" / "hh_rlhf_sample.jsonl"))
     assert len(rows) == 10  # of 11: the malformed one is skipped
+
+
+def test_stand_in_of_a_cached_hub_model(workdir: Path, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A hub id whose config and tokenizer are in the Hugging Face cache (no weights needed) is stood in for by a
+    small model of its family; one that is not cached by the tiny model. Neither touches the network."""
+    import huggingface_hub.constants
+
+    snapshot = workdir / "hub" / "models--acme--Chat-8B" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (workdir / "hub" / "models--acme--Chat-8B" / "refs").mkdir()
+    (workdir / "hub" / "models--acme--Chat-8B" / "refs" / "main").write_text("abc123")
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(REPO / "backends" / "local" / "assets" / "tiny" / f, snapshot / f)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(workdir / "hub"))
+    body = ('[recipes.{name}]\nmodel = "{model}"\nbackend = {{kind = "tinker"}}\n[recipes.{name}.algo]\nkind = "rl"\n'
+            'env = {{kind = "arithmetic", max_value = 9}}\n')
+    (workdir / "h.toml").write_text(body.format(name="cached", model="acme/Chat-8B")
+                                    + body.format(name="absent", model="acme/Other-70B"))
+    assert main(["smoke", "h.toml"]) == 0
+    capsys.readouterr()
+    models = {name: tomllib.loads((workdir / "runs" / f"{name}-smoke" / "config.toml").read_text())["recipes"][name]
+              ["model"] for name in ("cached", "absent")}
+    assert models["absent"] == "tiny"
+    assert Path(models["cached"]).parent == workdir / "models" and "acme_Chat-8B" in models["cached"]
+    assert json.loads((Path(models["cached"]) / "config.json").read_text())["num_hidden_layers"] == 2

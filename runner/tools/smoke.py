@@ -7,8 +7,8 @@ prints it). It keeps the recipe's algorithm, losses, modes and chain, and swaps 
   Hugging Face cache: nothing is downloaded), a small random-init model of the same family built from them, so the
   tokenizer and chat template are the real ones; else the embedded `tiny` model;
 - the data: `smoke.data` by key path ("algo.data", "algo.datasets[1].prompts"), else the recipe's own when it is
-  local (a file, a dataset folder, Python code, another run's output); a hub dataset without a stand-in is one line
-  naming the key to set. `smoke.env` replaces an RL env;
+  local (a JSONL file's first HEAD_ROWS rows, a dataset folder, Python code, another run's output); a hub dataset
+  without a stand-in is one line naming the key to set. `smoke.env` replaces an RL env;
 - the sizes: `smoke.steps` steps (2), small batches, groups, test sets and max_tokens, no periodic checkpoints,
   evals only at the start and the end, no experiment tracking; `smoke.overrides` last;
 - the run dir: `<name>-smoke` next to where the recipe's own would be, emptied first.
@@ -46,7 +46,7 @@ from runner.recipe.load import (
     structs,
     toml_value,
 )
-from runner.recipe.schema import HF, DataBase, Recipe, Smoke, Teacher
+from runner.recipe.schema import HF, DataBase, Jsonl, Recipe, Smoke, Teacher
 
 SMOKE_DIR = Path("runs") / ".smoke"
 # Where small stand-in models are built (once per source config + tokenizer); RUNNER_SMOKE_CACHE overrides it.
@@ -55,6 +55,8 @@ CACHE_ENV = "RUNNER_SMOKE_CACHE"
 CAPS = {"batch_size": 4, "group_size": 2, "groups_per_batch": 2, "max_tokens": 16, "n": 2, "minibatches": 2,
         "max_turns": 3, "max_length": 2048}
 TEST_CAP = 2
+# A local JSONL file is smoked on its first rows (a copy under runs/.smoke/data/), however large it is.
+HEAD_ROWS = 256
 # Tables whose fields are not the algorithm's sizes: data sources, user code's args, teachers, judges.
 OPAQUE = frozenset({"data", "prompts", "args", "teacher", "judge"})
 # The stand-in model's shape (the family's config with these sizes; vocabulary and chat template unchanged).
@@ -83,7 +85,7 @@ def smoke_recipe(recipe: Recipe, name: str, where: str, refs: dict[str, str] | N
     raw["save_every"] = 0
     raw["if_exists"] = "resume"
     raw["log_dir"] = str(smoke_dir(recipe, name))
-    _replace_data(recipe, raw, table, where)
+    _replace_data(recipe, raw, table, where, name)
     for keys, node in structs(recipe, ()):
         if isinstance(node, Teacher):
             teacher = _at(raw, keys)
@@ -109,7 +111,7 @@ def _local_backend(raw: dict[str, Any]) -> dict[str, Any]:
     return raw if raw.get("kind") == "local" else {"kind": "local"}
 
 
-def _replace_data(recipe: Recipe, raw: dict[str, Any], table: Smoke, where: str) -> None:
+def _replace_data(recipe: Recipe, raw: dict[str, Any], table: Smoke, where: str, name: str) -> None:
     sources = {dotted(keys): keys for keys, node in structs(recipe.algo, ("algo",)) if isinstance(node, DataBase)}
     for key, source in table.data.items():
         if key not in sources:
@@ -119,6 +121,8 @@ def _replace_data(recipe: Recipe, raw: dict[str, Any], table: Smoke, where: str)
         _set(raw, sources[key], msgspec.to_builtins(source))
     for key, keys in sources.items():
         node = _node(recipe, keys)
+        if key not in table.data and isinstance(node, Jsonl):  # the file's first rows (written by `write`)
+            _at(raw, keys)["path"] = str(head_path(name, key))
         if key not in table.data and isinstance(node, HF) and not Path(node.name).expanduser().is_dir():
             raise UserError(f"{where}: --smoke: {key} is the hub dataset {node.name!r}, which a smoke run does not "
                             f"download; set smoke.data.\"{key}\" = {{kind = \"jsonl\", path = \"<a few local rows>\"}} "
@@ -353,12 +357,38 @@ def _references(recipe: Recipe) -> list[str]:
     return out
 
 
+def head_path(name: str, key: str) -> Path:
+    """Where the first rows of recipe `name`'s JSONL data source at `key` are copied."""
+    return SMOKE_DIR / "data" / f"{name}.{re.sub(r'[^A-Za-z0-9_.-]+', '_', key)}.jsonl"
+
+
+def _write_heads(stage: Stage) -> None:
+    """The first HEAD_ROWS lines of each local JSONL file the stage reads, where its smoked recipe looks for them."""
+    assert stage.recipe is not None
+    smoked = {dotted(k): n for k, n in structs(stage.recipe.algo, ("algo",)) if isinstance(n, Jsonl)}
+    for keys, node in structs(stage.original.algo, ("algo",)):
+        key = dotted(keys)
+        if isinstance(node, Jsonl) and key in smoked and Path(smoked[key].path) == head_path(stage.name, key):
+            src = Path(node.path)
+            if not src.is_file():
+                raise UserError(f"{stage.where}: {key}.path: data file not found: {node.path}")
+            dst = head_path(stage.name, key)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            with src.open(encoding="utf-8") as f, dst.open("w", encoding="utf-8") as out:
+                for n, line in enumerate(f):
+                    if n >= HEAD_ROWS:
+                        break
+                    out.write(line)
+
+
 def write(smoke: SmokePlan) -> None:
-    """The smoke file: every smoked stage, so the chain machinery loads them by reference."""
+    """The smoke file: every smoked stage, so the chain machinery loads them by reference; and the first rows of
+    their local data files."""
     tables = {}
     for s in smoke.stages.values():
         assert s.recipe is not None
         tables[s.name] = recipe_dict(s.recipe)
+        _write_heads(s)
     smoke.file.parent.mkdir(parents=True, exist_ok=True)
     smoke.file.write_text("# Generated by runner --smoke (runner/tools/smoke.py); rewritten on every smoke.\n"
                           + tomli_w.dumps({"recipes": tables}))
