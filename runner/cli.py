@@ -18,6 +18,7 @@ from backends.errors import UserError
 from runner.engine.chain import check_all, upstreams
 from runner.recipe.load import DEFAULT_FILE, dump_recipe, load_recipe, read_tables, resolve, split_ref
 from runner.threads import prefer_passive_openmp
+from runner.tools.smoke import check_smoke
 from runner.tools.sweep import check_line, refuse_sweep, show_sweep
 
 SMOKE_HELP = ("run it end to end offline in seconds: local backend, a stand-in model, the recipe's smoke table "
@@ -367,12 +368,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     path, name = split_ref(args.ref)
     if name is not None:
         print(check_line(args.ref, args.overrides))  # a sweep: every point
+        check_smoke(path, name, args.overrides)
         return 0
     # Every recipe, each reported on its own line, so one bad recipe does not hide the others.
     failed = 0
     for name in read_tables(path):
         try:
             line = check_line(f"{path}#{name}", args.overrides)
+            check_smoke(path, name, args.overrides)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             failed += 1

@@ -110,10 +110,12 @@ def test_smoke_table_is_validated(workdir: Path, capsys: pytest.CaptureFixture[s
     (workdir / "a.toml").write_text(base + "[recipes.x.smoke]\nstepz = 3\n")
     assert main(["check", "a.toml"]) == 2
     assert "smoke.stepz: unknown key; did you mean `steps`?" in capsys.readouterr().err
-    (workdir / "b.toml").write_text(base + '[recipes.x.smoke.data]\n"algo.dta" = {kind = "jsonl", path = "x.jsonl"}\n')
+    (workdir / "b.toml").write_text(base + '[recipes.x.smoke.data]\n"algo.dta" = {kind = "jsonl", path = "examples/data/chat_sft.jsonl"}\n')
     assert main(["show", "b.toml#x", "--smoke"]) == 2
     err = capsys.readouterr().err
     assert "smoke.data: 'algo.dta' is not a data source of this recipe (its data sources: algo.data)" in err
+    assert main(["check", "b.toml"]) == 2  # `runner check` smokes the smoke table too
+    assert "smoke.data: 'algo.dta' is not a data source" in capsys.readouterr().err
     (workdir / "c.toml").write_text(base + '[recipes.x.smoke]\nenv = {kind = "arithmetic"}\n')
     assert main(["show", "c.toml#x", "--smoke"]) == 2
     assert "smoke.env: algo kind 'sft' has no env" in capsys.readouterr().err

@@ -394,6 +394,12 @@ def write(smoke: SmokePlan) -> None:
                           + tomli_w.dumps({"recipes": tables}))
 
 
+def check_smoke(path: str, name: str, overrides: Sequence[str] = ()) -> None:
+    """`runner check`: a recipe with a smoke table must smoke (its data keys name data sources, its overrides fit)."""
+    if "smoke" in read_tables(path)[name]:
+        plan(path, [name], overrides)
+
+
 def show(path: str, name: str, overrides: Sequence[str]) -> str:
     """`runner show FILE#name --smoke`: the smoked recipe and the stages it runs first, as TOML."""
     smoke = plan(path, [name], overrides)
