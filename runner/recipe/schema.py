@@ -554,6 +554,26 @@ class Log(Base):
     wandb: WandB | None = None
 
 
+# ---------------------------------------------------------------- smoke stand-ins (runner/tools/smoke.py)
+
+
+class Smoke(Base):
+    """What `runner run FILE#name --smoke` and `runner smoke FILE` use in place of what needs the network or time."""
+
+    # Stand-in data by the key path of each data source in the recipe, e.g. {"algo.data" = {kind = "jsonl", path =
+    # "examples/data/chat_sft.jsonl"}} or "algo.datasets[1].prompts". Default: the recipe's own data when it is local.
+    data: dict[str, DataSource] = {}
+    # Stand-in RL environment (replaces algo.env).
+    env: Env | None = None
+    # Stand-in base model ("tiny" or a local folder). Default: a small random-init model of the recipe model's
+    # family when its config and tokenizer are local (a folder or the Hugging Face cache), else "tiny".
+    model: str | None = None
+    # Steps of each smoked stage.
+    steps: Annotated[int, Meta(ge=1, le=100)] = 2
+    # Any other key, as on the command line: {"algo.max_tokens" = 8}; applied last.
+    overrides: dict[str, Any] = {}
+
+
 # ---------------------------------------------------------------- the recipe
 
 class Recipe(Base):
@@ -593,6 +613,8 @@ class Recipe(Base):
     if_exists: Literal["resume", "overwrite", "error"] = "resume"
     # Experiment tracking (e.g. log = {wandb = {project = "my-project"}}); off by default.
     log: Log = Log()
+    # Stand-ins for `--smoke` (offline, seconds): data, env, model, steps. Not used by a real run.
+    smoke: Smoke | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.algo, RL) and isinstance(self.algo.mode, Async) and self.depth == 0:
