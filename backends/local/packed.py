@@ -45,36 +45,11 @@ from backends.local.batching import plan_packs
 from backends.local.kernels import ATTN_HEAD_DIMS, Kernels
 from backends.local.kernels import MAX_HEAD_DIM as kernels_max_head_dim
 from backends.local.kernels import load as load_kernels
-from backends.local.model import llama_family_problem, lora_linear_parts
+from backends.local.llama import llama_family_problem, rms_norm, rope
+from backends.local.model import lora_linear_parts
 from backends.types import Datum
 
 # ---------------------------------------------------------------- autograd functions
-
-
-class _RMSNorm(torch.autograd.Function):
-    """y = w * (x * rsqrt(mean(x^2) + eps)) over the last dim, computed in float32 as HF's RMSNorm does (the
-    normalised x is cast back to x's dtype before the weight); w is frozen (never trained here)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
-        xhat = xf * rstd
-        ctx.save_for_backward(xhat, rstd, w)
-        return w * xhat.to(x.dtype)
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
-        (dy,) = grad_outputs
-        xhat, rstd, w = ctx.saved_tensors  # xhat: x * rstd (before w), float32
-        g = (dy * w).float()
-        # d/dx of x*rstd: rstd * (g - xhat * mean(g * xhat))
-        dx = g.sub_(xhat * (g * xhat).mean(-1, keepdim=True)).mul_(rstd)
-        return dx.to(dy.dtype), None, None
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return _RMSNorm.apply(x, w, eps)  # type: ignore[no-any-return]
 
 
 # The fused forms (backends/local/kernels.py: float32 on the CPU), each one pass over memory each way. Their
@@ -421,7 +396,7 @@ class PackedLM:
             q, k, v = q.view(T, H, D), k.view(T, K, D), v.view(T, K, D)
             if layer.q_norm is not None and layer.k_norm is not None:
                 q, k = rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
             a = _attention(q, k, v, blocks, self.scaling)
             (o,) = layer.o(a)
             x = x + o
@@ -660,12 +635,6 @@ def _layout(data: list[Datum], roots: list[_Node]) -> Layout:
         place(root, -1, np.zeros(0, dtype=np.int64), nodes)
         tree_nodes.append(nodes)
     return Layout(order, tokens, positions, rows, runs, tree_nodes)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[_Block], scale: float) -> torch.Tensor:
