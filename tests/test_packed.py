@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from backends.local import batching
+from backends.local import batching, tree
 from backends.local import model as M
 from backends.local import packed as packed_mod
 from backends.local.packed import MIN_SHARED, PackedLM, plan
@@ -115,8 +115,8 @@ def test_packed_chunks_and_topk_targets():
 
 
 def test_plan_packs_fills_to_budget_longest_first():
-    assert batching.plan_packs([5, 9, 3, 9], 20) == [[1, 3], [0, 2]]
-    assert batching.plan_packs([50, 2], 10) == [[0], [1]]  # a row over the budget goes alone
+    assert tree.plan_packs([5, 9, 3, 9], 20) == [[1, 3], [0, 2]]
+    assert tree.plan_packs([50, 2], 10) == [[0], [1]]  # a row over the budget goes alone
 
 
 def _group(prompt: list[int], completions: list[int], seed: int) -> list[Datum]:
