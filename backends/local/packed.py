@@ -335,8 +335,9 @@ class PackedLM:
             raise _Unsupported("trainable lm_head")
         if head.bias is not None:
             raise _Unsupported("lm_head bias")
-        # Fused elementwise kernels for float32 on the CPU (None: torch's eager ops everywhere).
-        self.kernels = load_kernels() if self.head_dim <= kernels_max_head_dim else None
+        # Fused elementwise kernels: float32 on the CPU only (load_kernels builds nothing elsewhere).
+        w = self.embed.weight
+        self.kernels = load_kernels(w.device, w.dtype) if self.head_dim <= kernels_max_head_dim else None
 
     def min_shared(self) -> int:
         """The shortest run worth sharing for this model. Sharing a run saves its tokens' work in every layer
