@@ -456,7 +456,8 @@ class _Plan:
 
     def choose(self, logits: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """(next token, its logprob) per row. The logprob is under softmax(logits / T) before top-k/top-p
-        truncation (T=0 reports T=1 logprobs), which is what Tinker returns and what ratio losses expect."""
+        truncation (T=0 reports T=1 logprobs): what the hosted Tinker service returns (its maintainers, see
+        docs/logprobs.md) and what ratio losses expect of the behaviour policy."""
         scaled = logits if self.temp is None else logits / self.temp
         logp = torch.log_softmax(scaled, -1)
         if self.all_greedy:
