@@ -456,9 +456,9 @@ def test_reward_model_runs_on_the_local_backend(tmp_path):
 
 
 def test_shipped_comparisons_are_reproducible_and_small():
-    from backends.local import tiny
+    from tools import tiny_build
 
-    rows = tiny.comparison_rows()
+    rows = tiny_build.comparison_rows()
     assert COMPARISONS.read_text() == "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     assert COMPARISONS.stat().st_size < 500_000
     labels = [r["label"] for r in rows]
