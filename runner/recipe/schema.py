@@ -91,18 +91,44 @@ class DataBase(Base, tag_field="kind", tag=str.lower):
     pass
 
 
-class Jsonl(DataBase):
+class Mapped(DataBase):
+    """Rows read from data: `format` maps a dataset's columns (messages, prompt_response, hh_rlhf, gsm8k, math:
+    runner/data/formats.py, docs/datasets.md), `fields` names the columns (e.g. {prompt = "question"}); "auto" takes
+    rows as they are. `max_rows`: read only the first rows."""
+
+    format: str = "auto"
+    fields: dict[str, str] = {}
+    max_rows: PosInt | None = None
+
+    def __post_init__(self) -> None:
+        from runner.data.formats import resolve_format  # pure: no I/O, no recipe types
+
+        resolve_format(self.format, self.fields)
+
+
+class Jsonl(Mapped, kw_only=True):
     """A local JSONL file, one example per line; relative paths are relative to the working directory."""
 
     path: str
 
 
-class HF(DataBase):
-    """A Hugging Face dataset by hub name (needs the hub, or its offline cache) or a local dataset folder."""
+class File(Mapped, kw_only=True):
+    """A local data file by its suffix (.jsonl, .json array, .parquet, .arrow) or a `save_to_disk` folder (`split`
+    picks from a DatasetDict). `streaming`: read batch by batch instead of whole (.parquet, .arrow, .jsonl)."""
+
+    path: str
+    split: str = "train"
+    streaming: bool = False
+
+
+class HF(Mapped, kw_only=True):
+    """A Hugging Face dataset by hub name (needs the hub, or its offline cache) or a local dataset folder.
+    `streaming`: iterate without downloading or loading the whole set."""
 
     name: str
     split: str = "train"
     subset: str | None = None
+    streaming: bool = False
 
 
 class Python(DataBase):
@@ -118,7 +144,7 @@ class RunOutput(DataBase, tag="run_output"):
     run: RecipeRef
 
 
-DataSource = Jsonl | HF | Python | RunOutput
+DataSource = Jsonl | File | HF | Python | RunOutput
 
 
 # ---------------------------------------------------------------- algorithms
@@ -566,7 +592,8 @@ class Recipe(Base):
     tokenizer: str | None = None
     backend: Backend = Local()
     seed: int = 0
-    # Peak learning rate.
+    # Peak learning rate, or "auto": the cookbook's get_lr(model) for LoRA, resolved when the recipe loads
+    # (runner/recipe/lr.py; `runner show` says so).
     lr: PosFloat = 1e-4
     # Cap on optimizer steps (default: every batch of every epoch).
     max_steps: PosInt | None = None
