@@ -35,7 +35,7 @@ algo = {kind = "sft", data = {kind = "jsonl", path = "data.jsonl"}}
 def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A working directory holding data.jsonl; recipe paths are relative to it, like the CLI's."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "data.jsonl").write_text('{"messages": []}\n')
+    (tmp_path / "data.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     return tmp_path
 
 
