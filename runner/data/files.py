@@ -184,7 +184,9 @@ def _parquet_batches(path: Path, cols: list[str] | None) -> Iterator[Any]:
 
     f = pq.ParquetFile(path)
     present = set(f.schema_arrow.names)
-    yield from f.iter_batches(batch_size=BATCH_ROWS, columns=[c for c in cols if c in present] if cols else None)
+    columns = [c for c in cols if c in present] if cols else None
+    for group in range(f.num_row_groups):  # one row group at a time: nothing past the rows taken is read
+        yield from f.iter_batches(batch_size=BATCH_ROWS, row_groups=[group], columns=columns)
 
 
 def _arrow_batches(path: Path, cols: list[str] | None) -> Iterator[Any]:
