@@ -40,32 +40,38 @@ HIDDEN_SIZES: dict[str, int] = {
 
 def auto_lr(model: str, full_finetune: bool = False) -> tuple[float, str]:
     """(the learning rate, how it was found) for `model`; UserError when the formula does not cover it."""
-    name, hidden, source = _model_info(model)
+    base = model.split(":", 1)[0]
+    folder = _folder(model)
+    if base in HIDDEN_SIZES or folder is None:
+        name, hidden, source = base, HIDDEN_SIZES.get(base), "the cookbook's table"
+    else:
+        name, hidden, source = _read_config(folder)
     family = next((f for f in EXPONENTS if f in name.lower()), None)
     if family is None:
         raise UserError(f"lr = \"auto\": no calibrated learning rate for model {model!r} (the cookbook's get_lr "
                         f"covers the Llama and Qwen families only); set lr to a number")
+    if hidden is None:
+        raise UserError(f"lr = \"auto\": the hidden size of model {model!r} is unknown (not in the cookbook's table, "
+                        "not a local model folder with config.json); set lr to a number")
     lr = BASE_LR * (1.0 if full_finetune else LORA_MULTIPLIER) * (2000 / hidden) ** EXPONENTS[family]
     how = (f"auto: the cookbook's get_lr for {'a full fine-tune' if full_finetune else 'LoRA'} of {model} "
            f"({family} family, hidden size {hidden} from {source})")
     return lr, how
 
 
-def _model_info(model: str) -> tuple[str, int, str]:
-    """(the name the family is read from, hidden size, where the size came from)."""
-    base = model.split(":", 1)[0]
-    if base in HIDDEN_SIZES:
-        return base, HIDDEN_SIZES[base], "the cookbook's table"
+def _folder(model: str) -> Path | None:
+    """The local model folder `model` names (the embedded "tiny" included), or None."""
     if model == "tiny":  # backends/local/tiny.py's TINY_DIR, found without importing transformers
         import backends
 
-        folder = Path(backends.__file__).parent / "local" / "assets" / "tiny"
-    else:
-        folder = Path(model).expanduser()
+        return Path(backends.__file__).parent / "local" / "assets" / "tiny"
+    folder = Path(model).expanduser()
+    return folder if (folder / "config.json").is_file() else None
+
+
+def _read_config(folder: Path) -> tuple[str, int | None, str]:
+    """(model_type, hidden size, where it came from) of a local model folder."""
     config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise UserError(f"lr = \"auto\": the hidden size of model {model!r} is unknown (not in the cookbook's table, "
-                        "not a local model folder with config.json); set lr to a number")
     try:
         config: Any = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
