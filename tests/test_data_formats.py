@@ -98,9 +98,12 @@ def test_hh_rlhf_comparisons_split_as_the_cookbook(tmp_path: Path, capsys: pytes
     convs, _ = load_conversations(Jsonl(path=str(path), format="hh_rlhf"))
     assert convs[1] == [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi there."}]
     try:
-        from tinker_cookbook.recipes.preference.datasets import hhh_example_to_comparison
+        from tinker_cookbook.recipes.preference.datasets import _hhh_parse_conversation, hhh_example_to_comparison
     except ImportError:
         return
+    odd = ["Preamble\n\nHuman: hi\n\nAssistant:", "Human: a Assistant: b Human:", "", "\n\nAssistant: x: y"]
+    for text in [*(r["chosen"] for r in HH), *odd]:
+        assert hh_transcript(text) == _hhh_parse_conversation(text), text
     for row, pair in zip(HH[:2], pairs.pairs, strict=True):
         ref = hhh_example_to_comparison(row)
         assert ref is not None

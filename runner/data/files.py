@@ -219,7 +219,7 @@ def _read_disk(path: Path, split: str, streaming: bool) -> Iterator[Located]:
         raise UserError(f"data folder {path}: {type(e).__name__}: {_one_line(e)}") from None
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
-            raise UserError(f"data folder {path}: no split {split!r}; it has: {', '.join(ds)}")
+            raise UserError(f"data folder {path}: no split {split!r}; it has: {', '.join(map(str, ds))}")
         ds = ds[split]
     for i, row in enumerate(ds.to_iterable_dataset() if streaming else ds):
         yield row, f"{path}[{split}][{i}]"
