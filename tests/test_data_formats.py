@@ -152,7 +152,7 @@ def test_missing_mapped_column_names_the_columns(tmp_path: Path) -> None:
         load_conversations(Jsonl(path=str(path), format="prompt_response", fields={"response": "completion"}))
     assert str(e.value) == (f"{path}:1: no column 'prompt' (format 'prompt_response' reads prompt from it); the "
                             "row's columns: 'query', 'completion'")
-    with pytest.raises(UserError, match=r"d.jsonl:1: no \"messages\" list \(the row's columns: 'query', 'completion'\)"):
+    with pytest.raises(UserError, match=r"d.jsonl:1: expected an object with a \"messages\" list \(the row's columns: 'query', 'completion'\)"):
         load_conversations(Jsonl(path=str(path)))
 
 

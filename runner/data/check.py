@@ -61,14 +61,15 @@ def _validate(shape: str, row: Any, where: str) -> None:
 
 def _check_row(row: Any, where: str) -> None:
     """A row taken as it is: validated as the shape its keys say."""
-    if isinstance(row, dict):
-        if "messages" in row:
-            return _validate("conversation", row, where)
-        if "comparison" in row or {"prompt", "chosen", "rejected"} <= row.keys():
-            return _validate("comparison", row, where)
-        if {"question", "answer"} <= row.keys():
-            return _validate("problem", row, where)
-    have = ", ".join(map(repr, row)) if isinstance(row, dict) else type(row).__name__
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: expected an object (one JSON object per row), got {type(row).__name__}")
+    if "messages" in row:
+        return _validate("conversation", row, where)
+    if row.keys() & {"comparison", "chosen", "rejected"}:
+        return _validate("comparison", row, where)
+    if row.keys() & {"question", "answer"}:
+        return _validate("problem", row, where)
+    have = ", ".join(map(repr, row)) or "none"
     raise UserError(f"{where}: a row of no known shape (columns: {have}); expected \"messages\", \"prompt\" + "
                     "\"chosen\" + \"rejected\", \"comparison\" + \"label\" or \"question\" + \"answer\", or a source "
                     "`format` that maps these columns (docs/datasets.md)")

@@ -19,9 +19,9 @@ import sys
 from typing import Any
 
 from backends.errors import UserError
-from runner.data.files import describe, iter_rows, load_rows, read_jsonl
+from runner.data.files import MAPPED, describe, iter_rows, load_rows, read_jsonl
 from runner.data.formats import AUTO, FormatError, map_row, resolve_format
-from runner.recipe.schema import DataSource, Mapped
+from runner.recipe.schema import DataSource
 
 __all__ = ["ROLES", "Conversation", "Message", "conversation", "describe", "load_conversations", "load_rows",
            "mapped_rows", "messages_of", "read_jsonl"]
@@ -35,11 +35,11 @@ ROLES = ("system", "user", "assistant", "tool")
 def mapped_rows(source: DataSource, shape: str) -> tuple[list[Any], list[str], int]:
     """(rows as the canonical `shape`, their locations, rows the format drops): the source's rows through its format
     (runner/data/formats.py); rows as they are for "auto"."""
-    name = resolve_format(source.format, source.fields) if isinstance(source, Mapped) else AUTO
+    name = resolve_format(source.format, source.fields) if isinstance(source, MAPPED) else AUTO
     if name == AUTO:
         rows, where = load_rows(source)
         return rows, where, 0
-    fields = source.fields if isinstance(source, Mapped) else {}
+    fields = source.fields if isinstance(source, MAPPED) else {}
     rows, where, dropped = [], [], 0
     for row, w in iter_rows(source):
         try:
@@ -72,8 +72,8 @@ def conversation(row: Any, where: str) -> Conversation:
         raise UserError(f"{where}: expected an object with a \"messages\" list")
     if "messages" not in row:
         have = ", ".join(map(repr, row)) or "none"
-        raise UserError(f"{where}: no \"messages\" list (the row's columns: {have}); a source's `format` maps other "
-                        "columns (docs/datasets.md)")
+        raise UserError(f"{where}: expected an object with a \"messages\" list (the row's columns: {have}); a "
+                        "source's `format` maps other columns (docs/datasets.md)")
     return messages_of(row["messages"], where, "messages")
 
 

@@ -23,19 +23,21 @@ from typing import Any
 
 from backends.errors import UserError
 from runner.data.formats import AUTO, columns, resolve_format
-from runner.recipe.schema import HF, DataSource, File, Jsonl, Mapped, Python, RunOutput
+from runner.recipe.schema import HF, DataSource, File, Jsonl, Python, RunOutput
 from runner.recipe.targets import import_target
 
 Located = tuple[Any, str]
 # Suffix -> reader kind of `file` sources.
 SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 BATCH_ROWS = 1024
+# The sources that take `format`, `fields` and `max_rows` (schema.Mapped's subclasses).
+MAPPED = (Jsonl, File, HF)
 
 
 def iter_rows(source: DataSource) -> Iterator[Located]:
     """The source's rows in order, each with its location; at most `max_rows` of them."""
     rows = _rows(source)
-    limit = source.max_rows if isinstance(source, Mapped) else None
+    limit = source.max_rows if isinstance(source, MAPPED) else None
     return itertools.islice(rows, limit) if limit else rows
 
 
@@ -64,7 +66,7 @@ def describe(source: DataSource) -> str:
 
 def needed_columns(source: DataSource) -> list[str] | None:
     """The columns a mapped source's format reads (None: all of them)."""
-    if not isinstance(source, Mapped):
+    if not isinstance(source, MAPPED):
         return None
     name = resolve_format(source.format, source.fields)
     return None if name == AUTO else sorted(set(columns(name, source.fields).values()))

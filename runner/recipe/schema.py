@@ -93,35 +93,37 @@ class DataBase(Base, tag_field="kind", tag=str.lower):
 
 class Mapped(DataBase):
     """Rows read from data: `format` maps a dataset's columns (messages, prompt_response, hh_rlhf, gsm8k, math:
-    runner/data/formats.py, docs/datasets.md), `fields` names the columns (e.g. {prompt = "question"}); "auto" takes
-    rows as they are. `max_rows`: read only the first rows."""
-
-    format: str = "auto"
-    fields: dict[str, str] = {}
-    max_rows: PosInt | None = None
+    runner/data/formats.py, docs/datasets.md; "auto": rows as they are), `fields` names them (e.g. {prompt = "q"}),
+    `max_rows` reads only the first rows. The subclasses declare these fields after their own required ones."""
 
     def __post_init__(self) -> None:
         from runner.data.formats import resolve_format  # pure: no I/O, no recipe types
 
-        resolve_format(self.format, self.fields)
+        resolve_format(getattr(self, "format"), getattr(self, "fields"))  # noqa: B009
 
 
-class Jsonl(Mapped, kw_only=True):
+class Jsonl(Mapped):
     """A local JSONL file, one example per line; relative paths are relative to the working directory."""
 
     path: str
+    format: str = "auto"
+    fields: dict[str, str] = {}
+    max_rows: PosInt | None = None
 
 
-class File(Mapped, kw_only=True):
+class File(Mapped):
     """A local data file by its suffix (.jsonl, .json array, .parquet, .arrow) or a `save_to_disk` folder (`split`
-    picks from a DatasetDict). `streaming`: read batch by batch instead of whole (.parquet, .arrow, .jsonl)."""
+    picks from a DatasetDict). `streaming`: read one row group / batch at a time instead of whole."""
 
     path: str
     split: str = "train"
     streaming: bool = False
+    format: str = "auto"
+    fields: dict[str, str] = {}
+    max_rows: PosInt | None = None
 
 
-class HF(Mapped, kw_only=True):
+class HF(Mapped):
     """A Hugging Face dataset by hub name (needs the hub, or its offline cache) or a local dataset folder.
     `streaming`: iterate without downloading or loading the whole set."""
 
@@ -129,6 +131,9 @@ class HF(Mapped, kw_only=True):
     split: str = "train"
     subset: str | None = None
     streaming: bool = False
+    format: str = "auto"
+    fields: dict[str, str] = {}
+    max_rows: PosInt | None = None
 
 
 class Python(DataBase):
