@@ -318,3 +318,17 @@ def test_unreadable_file_is_one_line_from_check_and_run(tmp_path: Path, monkeypa
     for kind, name in (("jsonl", "d.jsonl"), ("file", "d.parquet")):
         (line,) = set(_check_and_run(tmp_path, capsys, kind, name))
         assert line.endswith(f"data file {name}: cannot read it (permission denied)")
+
+
+def test_check_names_a_row_of_no_known_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}, {"text": "raw"}])
+    (line,) = set(_check_and_run(tmp_path, capsys, "jsonl", "d.jsonl"))
+    assert "d.jsonl:2: a row of no known shape (columns: 'text'); expected \"messages\"" in line
+    # With a format, the check maps each row as the run will: a missing column names the columns there are.
+    (tmp_path / "r.toml").write_text('[recipes.x.algo]\nkind = "sft"\n'
+                                     'data = {kind = "jsonl", path = "d.jsonl", format = "gsm8k"}\n')
+    assert main(["check", "r.toml#x"]) == 2
+    assert capsys.readouterr().err == ("error: r.toml#x: algo.data: d.jsonl:1: no column 'question' (format 'gsm8k' "
+                                       "reads question from it); the row's columns: 'messages'\n")
