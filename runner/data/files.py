@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,7 @@ from runner.recipe.schema import HF, DataSource, File, Jsonl, Python, RunOutput
 from runner.recipe.targets import import_target
 
 Located = tuple[Any, str]
-# Suffix -> reader kind of `file` sources.
-SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+Reader = Callable[[Path, bool, "list[str] | None"], Iterator[Located]]
 BATCH_ROWS = 1024
 # The sources that take `format`, `fields` and `max_rows` (schema.Mapped's subclasses).
 MAPPED = (Jsonl, File, HF)
@@ -151,18 +150,20 @@ def _read_file(path: Path, split: str, streaming: bool, cols: list[str] | None) 
     if path.is_dir():
         yield from _read_disk(path, split, streaming)
         return
-    kind = SUFFIXES.get(path.suffix.lower())
-    if kind is None:
+    reader = READERS.get(path.suffix.lower())
+    if reader is None:
         raise UserError(f"data file {path}: unknown kind {path.suffix or '(no suffix)'!r}; expected one of "
-                        f"{', '.join(SUFFIXES)} or a folder written by save_to_disk")
-    if kind == "jsonl":
-        yield from read_jsonl(path)
-    elif kind == "json":
-        yield from _read_json(path)
-    else:
+                        f"{', '.join(READERS)} or a folder written by save_to_disk")
+    yield from reader(path, streaming, cols)
+
+
+def _columnar(batches: Callable[[Path, list[str] | None], Iterator[Any]]) -> Reader:
+    """A reader of an Arrow-backed file kind, from its record-batch generator."""
+    def read(path: Path, streaming: bool, cols: list[str] | None) -> Iterator[Located]:
         _open(path).close()  # a clear line for a missing or unreadable file before Arrow's own
-        batches = _parquet_batches(path, cols) if kind == "parquet" else _arrow_batches(path, cols)
-        yield from _table_rows(path, batches, streaming)
+        return _table_rows(path, batches(path, cols), streaming)
+
+    return read
 
 
 def _table_rows(path: Path, batches: Iterator[Any], streaming: bool) -> Iterator[Located]:
@@ -254,6 +255,16 @@ def _read_disk_or_files(path: Path, split: str, subset: str | None, streaming: b
         raise UserError(f"HF dataset folder {path} (split {split!r}): {type(e).__name__}: {_one_line(e)}") from None
     for i, row in enumerate(ds):
         yield row, f"{path}[{split}][{i}]"
+
+
+# `file` sources by suffix: a new kind is one entry here. A reader gets (path, streaming, the columns the format reads).
+READERS: dict[str, Reader] = {
+    ".jsonl": lambda path, streaming, cols: read_jsonl(path),
+    ".ndjson": lambda path, streaming, cols: read_jsonl(path),
+    ".json": lambda path, streaming, cols: _read_json(path),
+    ".parquet": _columnar(_parquet_batches),
+    ".arrow": _columnar(_arrow_batches),
+}
 
 
 # ---------------------------------------------------------------- code and other runs
