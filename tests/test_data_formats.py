@@ -332,3 +332,22 @@ def test_check_names_a_row_of_no_known_shape(tmp_path: Path, monkeypatch: pytest
     assert main(["check", "r.toml#x"]) == 2
     assert capsys.readouterr().err == ("error: r.toml#x: algo.data: d.jsonl:1: no column 'question' (format 'gsm8k' "
                                        "reads question from it); the row's columns: 'messages'\n")
+
+
+def test_unreadable_or_non_utf8_recipe_file_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r.toml").write_bytes(b'[recipes.x]\nmodel = "caf\xe9"\n')
+    assert main(["check", "r.toml#x"]) == 2
+    assert capsys.readouterr().err == "error: r.toml: not UTF-8 text\n"
+    real = Path.read_bytes
+
+    def refuse(self: Path) -> bytes:
+        if self.name == "r.toml":
+            raise PermissionError(13, "Permission denied")
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", refuse)
+    for command in ("check", "run", "show"):
+        assert main([command, "r.toml#x"]) == 2
+        assert capsys.readouterr().err == "error: r.toml: cannot read it (permission denied)\n"

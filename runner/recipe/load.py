@@ -140,6 +140,10 @@ def read_tables(path: str) -> dict[str, dict[str, Any]]:
         raise UserError(f"{path}: {'not a file' if p.exists() else 'file not found'}")
     try:
         data = tomllib.loads(p.read_bytes().decode("utf-8"))
+    except PermissionError:
+        raise UserError(f"{path}: cannot read it (permission denied)") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read it ({e.strerror or type(e).__name__})") from None
     except UnicodeDecodeError:
         raise UserError(f"{path}: not UTF-8 text") from None
     except tomllib.TOMLDecodeError as e:
