@@ -351,3 +351,19 @@ def test_unreadable_or_non_utf8_recipe_file_is_one_line(tmp_path: Path, monkeypa
     for command in ("check", "run", "show"):
         assert main([command, "r.toml#x"]) == 2
         assert capsys.readouterr().err == "error: r.toml: cannot read it (permission denied)\n"
+
+
+def test_check_reads_a_file_once_until_it_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from runner.data import check
+
+    path = write_jsonl(tmp_path / "d.jsonl", NO_ROBOTS)
+    reads: list[Path] = []
+    real = files.read_jsonl
+    monkeypatch.setattr(files, "read_jsonl", lambda p: reads.append(p) or real(p))
+    src = Jsonl(path=str(path))
+    assert check.check_source(src) == check.check_source(Jsonl(path=str(path))) == 2  # a sweep's points: one read
+    assert reads == [path]
+    write_jsonl(path, [*NO_ROBOTS, {"messages": [{"role": "gpt", "content": "x"}]}])
+    os.utime(path, ns=(1, 1))  # a new mtime even on a coarse clock
+    with pytest.raises(UserError, match=r"d.jsonl:3: messages\[0\].role 'gpt' is not a role"):
+        check.check_source(src)

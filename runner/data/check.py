@@ -12,6 +12,8 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from backends.errors import UserError
 from runner.data.conversations import conversation
 from runner.data.files import iter_rows
@@ -23,10 +25,26 @@ STREAMING_ROWS = 1000
 SHAPES = ("conversation", "comparison", "problem")
 
 
+# Sources already checked, by (the source's table, its path's size and mtime): a sweep checks every point, and its
+# points mostly share their data.
+_CHECKED: dict[tuple[bytes, tuple[int, int]], int] = {}
+
+
 def check_source(source: DataSource) -> int:
     """Read and validate the source's rows; the number checked (0: a source checked only when it is read)."""
     if not isinstance(source, (Jsonl, File, HF)) or (isinstance(source, HF) and not Path(source.name).is_dir()):
         return 0
+    try:
+        stat = Path(source.name if isinstance(source, HF) else source.path).stat()
+    except OSError:
+        return _check(source)  # which says what is wrong with the path
+    key = (msgspec.json.encode(source), (stat.st_size, stat.st_mtime_ns))
+    if key not in _CHECKED:
+        _CHECKED[key] = _check(source)
+    return _CHECKED[key]
+
+
+def _check(source: Jsonl | File | HF) -> int:
     streaming = isinstance(source, (File, HF)) and source.streaming
     rows = itertools.islice(iter_rows(source), STREAMING_ROWS if streaming else None)
     name = resolve_format(source.format, source.fields)
