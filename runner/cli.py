@@ -426,8 +426,18 @@ def cmd_show(args: argparse.Namespace) -> int:
     if chain:
         stages = " -> ".join([*(f"{s.label} ({s.ref})" for s in chain), name])
         sys.stdout.write(f"# chain (init_from): {stages}\n")
+    sys.stdout.write(_lr_note(args.ref, args.overrides))
     sys.stdout.write(dump_recipe(name, recipe))
     return 0
+
+
+def _lr_note(ref: str, overrides: Sequence[str]) -> str:
+    """'# lr = 0.000619: auto: ...' when the recipe's lr is "auto" (runner/recipe/lr.py), else ''."""
+    from runner.recipe.load import apply_overrides, pick
+    from runner.recipe.lr import auto_note
+
+    path, name, raw = pick(ref)
+    return auto_note(apply_overrides(raw, overrides, f"{path}#{name}")) or ""
 
 
 def cmd_list(args: argparse.Namespace) -> int:

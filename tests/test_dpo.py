@@ -203,7 +203,7 @@ def test_bad_rows_are_one_line_naming_file_and_line_exit_2(tmp_path, capsys, mon
     (tmp_path / "r.toml").write_text(f'[recipes.d]\nalgo = {{kind = "dpo", data = {{kind = "jsonl", path = "{path}"}}}}\n')
     assert main(["run", "r.toml#d"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {path}:3: ") and err.count("\n") == 1
+    assert err.startswith(f"error: r.toml#d: algo.data: {path}:3: ") and err.count("\n") == 1  # from the check
     assert not (tmp_path / "runs").exists()  # nothing was created: the data is read first
 
 

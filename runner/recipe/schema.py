@@ -17,6 +17,11 @@ from msgspec import Meta
 from backends.config import ConfigStruct
 from backends.local.config import Local
 from backends.tinker.config import Tinker
+from runner.recipe.sources import HF as HF  # the file/hub data sources, re-exported
+from runner.recipe.sources import DataBase as DataBase
+from runner.recipe.sources import File as File
+from runner.recipe.sources import Jsonl as Jsonl
+from runner.recipe.sources import Mapped as Mapped
 
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
@@ -87,22 +92,7 @@ Schedule = Constant | Linear | Cosine
 
 # ---------------------------------------------------------------- data sources
 
-class DataBase(Base, tag_field="kind", tag=str.lower):
-    pass
-
-
-class Jsonl(DataBase):
-    """A local JSONL file, one example per line; relative paths are relative to the working directory."""
-
-    path: str
-
-
-class HF(DataBase):
-    """A Hugging Face dataset by hub name (needs the hub, or its offline cache) or a local dataset folder."""
-
-    name: str
-    split: str = "train"
-    subset: str | None = None
+# DataBase and the file/hub sources (jsonl, file, hf: format, fields, streaming) are in runner/recipe/sources.py.
 
 
 class Python(DataBase):
@@ -118,7 +108,7 @@ class RunOutput(DataBase, tag="run_output"):
     run: RecipeRef
 
 
-DataSource = Jsonl | HF | Python | RunOutput
+DataSource = Jsonl | File | HF | Python | RunOutput
 
 
 # ---------------------------------------------------------------- algorithms
@@ -586,7 +576,8 @@ class Recipe(Base):
     tokenizer: str | None = None
     backend: Backend = Local()
     seed: int = 0
-    # Peak learning rate.
+    # Peak learning rate, or "auto": the cookbook's get_lr(model) for LoRA, resolved when the recipe loads
+    # (runner/recipe/lr.py; `runner show` says so).
     lr: PosFloat = 1e-4
     # Cap on optimizer steps (default: every batch of every epoch).
     max_steps: PosInt | None = None
