@@ -265,6 +265,47 @@ class Preference(EnvBase):
     format_coef: NonNegFloat = 0.1
 
 
+class Math(EnvBase, kw_only=True):
+    """Single turn: a math problem from `data`; the reply's final answer is graded against the reference (math-verify
+    when installed, else runner's normalizer: runner/rewards/math_grading.py). reward = correct + format_coef·(format
+    − 1), format = an answer found (in `answer_format`) and the reply ended on the stop token (cookbook math_rl)."""
+
+    # Rows with a question and a reference answer: `question`/`problem` and `answer`/`solution` by default (GSM8K's
+    # "#### x" and MATH's \boxed{x} solutions are reduced to x; a plain answer is taken as is).
+    data: DataSource
+    # Held-out problems for evals; None: test_size rows of `data` (shuffled by the seed) are held out.
+    test_data: DataSource | None = None
+    question_field: str | None = None
+    answer_field: str | None = None
+    # "boxed": only \boxed{x} counts (the cookbook); "auto": also "#### x", "the answer is x" or a bare number.
+    answer_format: Literal["boxed", "auto"] = "boxed"
+    # Appended to every question; None: the cookbook's " Write your answer in \boxed{} format." for "boxed", nothing
+    # for "auto".
+    question_suffix: str | None = None
+    # Prepend one solved example in the answer format (the cookbook's "strawberry" example for "boxed").
+    few_shot: bool = True
+    format_coef: NonNegFloat = 0.1
+    # "auto": math-verify when installed (the `math` extra), else the built-in normalizer.
+    grader: Literal["auto", "builtin", "math_verify"] = "auto"
+
+
+class Code(EnvBase, kw_only=True):
+    """Single turn: a programming problem; the reply's last ```python block runs in a local sandbox
+    (runner/rewards/sandbox.py, docs/sandbox.md) against the problem's tests. reward = fraction of tests passed
+    + format_coef·(format − 1), format = a code block found and the reply ended on the stop token."""
+
+    # Rows: {"question": str, "tests": [{"input": str, "output": str}, ...] and/or "asserts": [str, ...]}.
+    data: DataSource
+    test_data: DataSource | None = None
+    format_coef: NonNegFloat = 0.1
+    # Per test run (seconds of CPU / wall, MiB of address space).
+    cpu_s: PosInt = 2
+    wall_s: PosFloat = 5.0
+    memory_mb: Annotated[int, Meta(ge=64)] = 512
+    # Sandboxed programs at once (None: the CPU count).
+    max_parallel: PosInt | None = None
+
+
 class PythonEnv(EnvBase, tag="python", kw_only=True):
     """User code: target "pkg.mod:fn" is called as fn(**args) and returns a dataset builder, a callable
     builder(ctx: runner.rl.envs.EnvContext) -> (train: RLDataset, test: RLDataset | None).
@@ -274,7 +315,7 @@ class PythonEnv(EnvBase, tag="python", kw_only=True):
     args: dict[str, Any] = {}
 
 
-Env = Arithmetic | GuessNumber | TwentyQuestions | TicTacToe | Preference | PythonEnv
+Env = Arithmetic | GuessNumber | TwentyQuestions | TicTacToe | Preference | Math | Code | PythonEnv
 
 
 # ---------------------------------------------------------------- RL: losses (Tinker's built-ins; tinker-sdk.md §3)

@@ -29,6 +29,7 @@ import weakref
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 # Runs inside the namespaces, before the untrusted program: limits, Landlock, uid, then exec. argv[1] is JSON.
 _LAUNCHER = r"""
@@ -219,6 +220,12 @@ class Sandbox:
             weakref.WeakKeyDictionary()
         )
         self._prefix, self.python, self.containment = _setup(self._launch_with)
+
+    def __getstate__(self) -> dict[str, Any]:  # picklable (group builders hold it): the semaphores stay behind
+        return {**self.__dict__, "_slots": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _slots=weakref.WeakKeyDictionary())
 
     async def run_python(self, code: str, stdin: str = "", files: dict[str, str] | None = None) -> RunResult:
         """Run `code` as main.py with `files` beside it and `stdin` on standard input."""

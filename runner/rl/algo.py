@@ -492,6 +492,8 @@ ENV_HEADLINE: dict[str, list[tuple[str, str]]] = {
     "preference": [("env/all/ac_tokens_per_turn", "reply_tokens"), ("env/all/format", "format")],
     "tictactoe": [("env/all/illegal", "illegal"), ("env/all/turns_per_episode", "turns")],
     "arithmetic": [("env/all/correct", "correct")],
+    "math": [("env/all/correct", "correct"), ("env/all/format", "format")],
+    "code": [("env/all/passed", "passed"), ("env/all/compile", "compile"), ("env/all/timeout", "timeout")],
 }
 
 

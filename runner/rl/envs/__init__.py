@@ -12,43 +12,49 @@ groups_per_batch and the recipe seed. Datasets hand out `EnvGroupBuilder`s (runn
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 from backends.errors import UserError
 from runner.recipe.schema import (
     Arithmetic,
+    Code,
     Env,
     GuessNumber,
+    Math,
     Preference,
     PythonEnv,
     TicTacToe,
     TwentyQuestions,
 )
 from runner.recipe.targets import args_mismatch, import_target
-from runner.rl.envs import arithmetic, guess_number, preference, tictactoe, twenty_questions
+from runner.rl.envs import arithmetic, code, guess_number, math, preference, tictactoe, twenty_questions
 from runner.rl.envs.common import EnvContext
 from runner.rl.rollouts import describe_error
 from runner.rl.types import EnvGroupBuilder, RLDataset
 
-__all__ = ["EnvContext", "build_datasets", "get_batch"]
+__all__ = ["BUILDERS", "EnvContext", "build_datasets", "get_batch"]
+
+# The one place an env config type meets its module: config type -> build(cfg, ctx) -> (train, test).
+# A new env is its schema struct (in the Env union) plus its module's `build`, registered here.
+BUILDERS: dict[type[Any], Callable[[Any, EnvContext], tuple[RLDataset, RLDataset | None]]] = {
+    Arithmetic: arithmetic.build,
+    GuessNumber: guess_number.build,
+    TwentyQuestions: twenty_questions.build,
+    TicTacToe: tictactoe.build,
+    Preference: preference.build,
+    Math: math.build,
+    Code: code.build,
+}
 
 
 def build_datasets(cfg: Env, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:
-    match cfg:
-        case Arithmetic():
-            return arithmetic.build(cfg, ctx)
-        case GuessNumber():
-            return guess_number.build(cfg, ctx)
-        case TwentyQuestions():
-            return twenty_questions.build(cfg, ctx)
-        case TicTacToe():
-            return tictactoe.build(cfg, ctx)
-        case Preference():
-            return preference.build(cfg, ctx)
-        case PythonEnv():
-            return _user_datasets(cfg, ctx)
-    raise TypeError(f"unknown env config {type(cfg).__name__}")
+    if isinstance(cfg, PythonEnv):
+        return _user_datasets(cfg, ctx)
+    build = BUILDERS.get(type(cfg))
+    if build is None:
+        raise TypeError(f"unknown env config {type(cfg).__name__}")
+    return build(cfg, ctx)
 
 
 def _user_datasets(cfg: PythonEnv, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:
