@@ -534,8 +534,8 @@ RL_ERRORS = [
      "algo: stream mode: groups_per_batch must split evenly into num_substeps × minibatches"),
     (['algo.loss={kind="ppo", clip_low=1.5}'], "algo.loss: clip_low must be < clip_high"),
     (["algo.env.kind=chess"],
-     ("algo.env.kind: invalid choice 'chess'; expected one of: arithmetic, guess_number, preference, python, "
-     "tictactoe, twenty_questions")),
+     ("algo.env.kind: invalid choice 'chess'; expected one of: arithmetic, code, guess_number, math, preference, "
+     "python, tictactoe, twenty_questions")),
 ]
 
 
