@@ -620,7 +620,7 @@ class MathPinned(PinnedEvalBase, tag="math"):
     few_shot: bool = True
     grader: Literal["auto", "builtin", "math_verify"] = "auto"
     # The first max_problems rows (None: all).
-    max_problems: PosInt | None = 100
+    max_problems: PosInt | None = None
     # 0 = greedy; with samples > 1 accuracy is the mean over samples (and pass@samples is logged).
     temperature: NonNegFloat = 0.0
     max_tokens: PosInt = 256
@@ -635,7 +635,8 @@ class NLLPinned(PinnedEvalBase, tag="nll"):
     train_on_what: Literal["last_assistant_message", "all_assistant_messages", "all_messages"] = (
         "last_assistant_message"
     )
-    max_rows: PosInt | None = 256
+    # The first max_rows conversations (None: all).
+    max_rows: PosInt | None = None
 
 
 class PythonPinned(PinnedEvalBase, tag="python"):
