@@ -108,6 +108,10 @@ def test_pinned_evals_at_eval_steps_final_row_and_runner_eval(tmp_path: Path,
     evals = [json.loads(line) for line in (tmp_path / "run" / "evals.jsonl").read_text().splitlines()]
     assert evals[-1]["test/eval/chat/nll"] == pytest.approx(final["test/eval/chat/nll"], rel=1e-4)
 
+    assert main(["compare", str(tmp_path / "run")]) == 0  # the pinned evals are default columns
+    table = capsys.readouterr().out
+    assert "test/eval/chat/nll" in table and "test/eval/math/accuracy" in table
+
 
 @pytest.mark.parametrize(
     ("target", "message"),
