@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.rewards.sandbox import Limits, RunResult, Sandbox
+from runner.rewards.sandbox import RUN_UID_BASE, RUN_UID_SPAN, Limits, RunResult, Sandbox
 
 LIMITS = Limits(cpu_s=1, wall_s=2.5, memory_mb=256, file_mb=1, nproc=16, output_bytes=4096)
 
@@ -68,13 +68,16 @@ def test_hostile_programs_are_stopped_and_the_next_run_works(sandbox: Sandbox, t
 
 
 def test_fork_bomb_leaves_no_processes(sandbox: Sandbox) -> None:
-    if sandbox.containment.run_as is None:
+    if not sandbox.containment.own_uid:
         pytest.skip("the code runs as this user: its processes cannot be told apart from the test's")
     run(sandbox, "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
     time.sleep(0.2)
-    uid = sandbox.containment.run_as
-    left = [p for p in os.listdir("/proc") if p.isdigit() and _uid_of(p) == uid]
+    left = [p for p in os.listdir("/proc") if p.isdigit() and _is_sandbox_uid(_uid_of(p))]
     assert left == []
+
+
+def _is_sandbox_uid(uid: int | None) -> bool:
+    return uid is not None and RUN_UID_BASE <= uid < RUN_UID_BASE + RUN_UID_SPAN
 
 
 def _uid_of(pid: str) -> int | None:
@@ -121,3 +124,25 @@ def test_files_beside_main_and_no_escape(sandbox: Sandbox) -> None:
     assert r.stdout == "7\n"
     with pytest.raises(ValueError, match="outside"):
         asyncio.run(sandbox.run_python("pass", files={"../evil.py": ""}))
+
+
+def test_without_unshare_the_rest_still_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No unshare(1) (a container without user namespaces): the run still works, with rlimits, the wall kill and
+    Landlock, and `containment` says what is missing."""
+    import runner.rewards.sandbox as sbx
+
+    monkeypatch.setattr(sbx.shutil, "which", lambda name: None)
+    sbx._setup.cache_clear()
+    try:
+        sb = Sandbox(LIMITS, max_parallel=2)
+        assert not sb.containment.namespaces and any("unshare" in n for n in sb.containment.notes)
+
+        async def both() -> list[RunResult]:
+            return list(await asyncio.gather(sb.run_python("print(input())", "ok\n"),
+                                             sb.run_python("import time\ntime.sleep(60)")))
+
+        echo, sleeper = asyncio.run(both())
+        assert echo.ok and echo.stdout == "ok\n"
+        assert sleeper.timed_out and sleeper.seconds < LIMITS.wall_s + 1
+    finally:
+        sbx._setup.cache_clear()

@@ -3,7 +3,7 @@ contain; in short, per run:
 
 - a fresh temp dir as cwd (and HOME), removed afterwards; the environment scrubbed to a few fixed variables;
 - rlimits: CPU seconds (RLIMIT_CPU), address space (RLIMIT_AS), file size (RLIMIT_FSIZE), processes (RLIMIT_NPROC,
-  counted per user: it binds only a non-root user, so a root parent runs the code as `nobody`), open files, no core;
+  counted per user: it binds only a non-root user, so a root parent runs each program as a fresh uid of its own), open files, no core;
 - a wall-clock timeout that SIGKILLs the process group (and, with a PID namespace, every process the code made);
 - where `unshare` works: new network namespace (no network, only a down loopback) and PID namespace;
 - where the kernel has Landlock: writes refused everywhere but the temp dir (reads stay allowed), and TCP
@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -79,13 +80,20 @@ if cfg["uid"] is not None:
     os.setuid(cfg["uid"])
     done["uid"] = cfg["uid"]
 nproc = resource.getrlimit(resource.RLIMIT_NPROC)[0]
-done["nproc"] = os.geteuid() != 0 and nproc == cfg["rlimits"]["RLIMIT_NPROC"][0]
+done["nproc"] = nproc == cfg["rlimits"]["RLIMIT_NPROC"][0]
 if cfg["probe"]:
     print(json.dumps(done), flush=True)
 os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
 """
 
-NOBODY = 65534
+# A root parent runs each program as a uid of its own, drawn from this range (no passwd entry needed): RLIMIT_NPROC
+# counts a user's processes machine-wide, so a shared uid (e.g. nobody) would let one run's fork bomb starve the
+# others' forks and execs.
+RUN_UID_BASE, RUN_UID_SPAN = 1_500_000_000, 500_000_000
+
+
+def fresh_uid() -> int:
+    return RUN_UID_BASE + secrets.randbelow(RUN_UID_SPAN)
 
 
 @dataclass(frozen=True)
@@ -123,7 +131,8 @@ class Containment:
     namespaces: bool  # network + PID namespaces via unshare(1)
     landlock: int  # Landlock ABI in force (0: none): writes outside the temp dir refused; >= 4: no TCP either
     nproc: bool  # RLIMIT_NPROC binds (the code runs as a non-root user)
-    run_as: int | None  # uid the code runs as when the parent is root (else None: the parent's own)
+    # The code runs as a fresh uid per run (RUN_UID_BASE + random) when the parent is root; else as the parent's user.
+    own_uid: bool
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -151,12 +160,13 @@ def _setup(python: str) -> tuple[tuple[str, ...], str, Containment]:
     program through the whole chain)."""
     root = os.geteuid() == 0
     prefix = _unshare_prefix(root)
-    # A root parent runs the code as `nobody` (so RLIMIT_NPROC binds and file permissions apply), with this
-    # interpreter if nobody may run it, else the system's python3; as itself only when neither works.
-    tries = [(python, NOBODY), ("/usr/bin/python3", NOBODY), (python, None)] if root else [(python, None)]
+    # A root parent runs the code as a fresh unprivileged uid (so RLIMIT_NPROC binds and file permissions apply),
+    # with this interpreter if any user may run it, else the system's python3; as itself only when neither works.
+    tries = [(python, True), ("/usr/bin/python3", True), (python, False)] if root else [(python, False)]
     done: dict[str, int | bool] = {"landlock": 0, "nproc": False}
     failure = "no interpreter tried"
-    for interpreter, run_as in tries:
+    for interpreter, own_uid in tries:
+        run_as = fresh_uid() if own_uid else None
         with tempfile.TemporaryDirectory(prefix="sandbox-probe-") as d:
             if run_as is not None:
                 os.chown(d, run_as, run_as)
@@ -179,9 +189,14 @@ def _setup(python: str) -> tuple[tuple[str, ...], str, Containment]:
         notes.append("unshare(1) unavailable or refused: no network/PID namespaces")
     if not done["landlock"]:
         notes.append("no Landlock: writes outside the temp dir are limited only by file permissions")
-    if not done["nproc"]:
+    # RLIMIT_NPROC does not bind root; a non-root user is bound (per run inside a user namespace, else counting all
+    # of the user's processes).
+    nproc = bool(done["nproc"]) and (own_uid or not root)
+    if not nproc:
         notes.append("RLIMIT_NPROC does not bind (root): process count bounded only by the wall timeout")
-    return tuple(prefix), interpreter, Containment(bool(prefix), int(done["landlock"]), bool(done["nproc"]), run_as, notes)
+    elif not own_uid and not prefix:
+        notes.append("RLIMIT_NPROC counts all of this user's processes (no user namespace)")
+    return tuple(prefix), interpreter, Containment(bool(prefix), int(done["landlock"]), nproc, own_uid, notes)
 
 
 def _config(
@@ -244,14 +259,14 @@ class Sandbox:
             work, out = Path(top, "work"), Path(top, "out")
             work.mkdir()
             out.mkdir(mode=0o700)
-            os.chmod(top, 0o711)  # `nobody` may pass through to work/, not list top or read out/
+            os.chmod(top, 0o711)  # the run's uid may pass through to work/, not list top or read out/
             for name, text in files.items():
                 path = (work / name).resolve()
                 if not path.is_relative_to(work.resolve()):
                     raise ValueError(f"sandbox file {name!r} is outside the work dir")
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(text)
-            uid = self.containment.run_as
+            uid = fresh_uid() if self.containment.own_uid else None
             if uid is not None:
                 for p in (work, *work.rglob("*")):
                     os.chown(p, uid, uid)
