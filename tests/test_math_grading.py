@@ -124,9 +124,10 @@ def test_math_verify_used_when_importable(monkeypatch: pytest.MonkeyPatch) -> No
     """With a (stand-in) math_verify module importable, grade() asks it first and falls back to the builtin."""
     calls: list[tuple[str, str]] = []
     fake = types.ModuleType("math_verify")
-    fake.parse = lambda s: s  # type: ignore[attr-defined]
+    fake.parse = lambda s, parsing_timeout=5: s  # type: ignore[attr-defined]
 
-    def verify(gold: str, pred: str) -> bool:
+    def verify(gold: str, pred: str, timeout_seconds: int | None = 5) -> bool:
+        assert timeout_seconds is None  # SIGALRM timeouts fail off the main thread
         calls.append((gold, pred))
         return gold == "$\\pi$" and pred == "$3.14159$"  # a judgment the builtin would not make
 

@@ -204,10 +204,13 @@ def math_verify_available() -> bool:
 
 
 def _math_verify_equal(given: str, truth: str) -> bool:
+    """math-verify's judgment. Its own timeouts use SIGALRM, which works only in the main thread (envs grade in a
+    worker thread, under their own time limit), so they are turned off."""
     mv: Any = importlib.import_module("math_verify")
     wrap = [s if s.startswith("$") else f"${s}$" for s in (given, truth)]
     try:
-        return bool(mv.verify(mv.parse(wrap[1]), mv.parse(wrap[0])))
+        gold, pred = (mv.parse(s, parsing_timeout=None) for s in (wrap[1], wrap[0]))
+        return bool(mv.verify(gold, pred, timeout_seconds=None))
     except Exception:  # noqa: BLE001 - a grader failure is a wrong answer, not a crashed run
         return False
 
