@@ -158,3 +158,24 @@ def test_eval_names() -> None:
     assert names([MathPinned(data=data), MathPinned(data=data, name="gsm")]) == ["math_0", "gsm"]
     with pytest.raises(UserError, match="named the same"):
         names([PythonPinned(target="a:b", name="x"), NLLPinned(data=data, name="x")])
+
+
+def test_sft_killed_before_its_pinned_final_row_resumes_for_it_alone(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "r.toml"
+    path.write_text(recipe_text(tmp_path, PINNED, 2))
+    name, recipe = load_recipe(f"{path}#p")
+    run(recipe, name)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    full = metrics.read_text().splitlines()
+    assert [json.loads(line)["step"] for line in full] == [0, 1, 2]
+    metrics.write_text("\n".join(full[:-1]) + "\n")  # killed after the last checkpoint, before the final row
+    capsys.readouterr()
+    run(recipe, name, dry_run=True)
+    assert "still to run: pinned evals (math, chat, python) on the final weights" in capsys.readouterr().out
+    run(recipe, name)
+    again = rows(tmp_path)
+    assert [m["step"] for m in again] == [0, 1, 2]
+    assert again[-1]["test/eval/chat/nll"] == pytest.approx(json.loads(full[-1])["test/eval/chat/nll"], rel=1e-4)
+    run(recipe, name)  # finished: nothing more
+    assert len(rows(tmp_path)) == 3
