@@ -46,7 +46,6 @@ if pid:
         with open(cfg["status_path"], "w") as f:
             json.dump(fate, f)
     sys.exit(0)
-os.setpgid(0, 0) if cfg["own_group"] else None
 done = {"landlock": 0, "nproc": False, "uid": os.geteuid()}
 for name, (soft, hard) in cfg["rlimits"].items():
     try:
@@ -221,8 +220,10 @@ def _config(
         "RLIMIT_NOFILE": (limits.open_files,) * 2,
         "RLIMIT_CORE": (0, 0),
     }
-    return {"rlimits": rlimits, "landlock": True, "writable": [workdir], "uid": uid, "probe": probe,
-            "argv": argv, "env": env, "status_path": status_path, "own_group": False}  # fmt: skip
+    # Landlock is a Linux syscall (the same number on every architecture); elsewhere 444 means something else.
+    landlock = sys.platform.startswith("linux")
+    return {"rlimits": rlimits, "landlock": landlock, "writable": [workdir], "uid": uid, "probe": probe,
+            "argv": argv, "env": env, "status_path": status_path}  # fmt: skip
 
 
 class Sandbox:
