@@ -84,8 +84,11 @@ def test_boxed_prompt_reward_and_metrics() -> None:
                                                                                               "correct": 0.0})
     traj, _ = play(env(), "\\boxed{0.5}")
     assert (traj.transitions[0].reward, traj.transitions[0].metrics["correct"]) == (0.0, 0.0)
-    traj, _ = play(env(), "\\boxed{3/4} and on and on", max_tokens=8)  # cut off: right, but no format credit
-    assert traj.transitions[0].metrics == {"format": 0.0, "correct": 0.0}  # "\boxed{" was cut before "}"
+    traj, _ = play(env(), "\\boxed{0.75}", max_tokens=12)  # right, but cut before the stop token
+    assert (traj.transitions[0].reward, traj.transitions[0].metrics) == (pytest.approx(0.9), {"format": 0.0,
+                                                                                             "correct": 1.0})
+    traj, _ = play(env(), "\\boxed{0.75}", max_tokens=8)  # cut inside the box: no answer at all
+    assert traj.transitions[0].metrics == {"format": 0.0, "correct": 0.0}
 
 
 def test_auto_format_accepts_bare_numbers() -> None:
