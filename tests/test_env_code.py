@@ -61,7 +61,10 @@ def test_shipped_problems_load() -> None:
         ({"question": "q", "tests": [{"input": "1"}]}, r"tests\[0\] must be"),
         ({"question": "q", "asserts": [""]}, r"asserts\[0\] must be a non-empty string"),
         ({"tests": [{"input": "", "output": ""}]}, "non-empty \"question\""),
-        ({"question": "q", "tests": "1 2"}, "must be lists"),
+        ({"question": "q", "tests": 5}, "must be lists"),
+        ({"question": "q", "tests": "[1, 2"}, "is a string but not JSON"),
+        ({"question": "q", "tests": [{"input": "1", "output": "2", "testtype": "functional"}]},
+         "functional test without a function name"),
     ],
 )
 def test_bad_rows(tmp_path: Path, row: dict[str, Any], message: str) -> None:
@@ -121,3 +124,36 @@ def test_no_code_and_syntax_error() -> None:
 def test_dataset_split() -> None:
     train, test = build_datasets(CFG, ctx())
     assert test is not None and len(train) == 5 and len(test) == 1  # 10 train problems, 2 held out
+
+
+def test_deepcoder_and_taco_rows(tmp_path: Path) -> None:
+    """The cookbook's code_rl data: LiveCodeBench tests as a JSON string (stdin and functional, the function name in
+    metadata), TACO's parallel inputs/outputs lists, starter code; graded like our own rows."""
+    lcb = {
+        "problem": "Return the sum of a list and a number.",
+        "starter_code": "class Solution:\n    def total(self, xs, k):",
+        "tests": json.dumps([{"input": "[1, 2]\n3", "output": "6", "testtype": "functional",
+                              "metadata": {"func_name": "total"}},
+                             {"input": "[]\n0", "output": "0", "testtype": "functional",
+                              "metadata": {"func_name": "total"}}]),
+    }
+    taco = {"question": "Print twice the input.", "tests": {"inputs": ["2\n", "5\n"], "outputs": [["4\n"], "10\n"]}}
+    path = tmp_path / "dc.jsonl"
+    path.write_text(json.dumps(lcb) + "\n" + json.dumps(taco) + "\n")
+    first, second = load_code_problems(Jsonl(str(path)))
+    assert "Start from:" in first.question and "class Solution" in first.question
+    assert all(t.expected is None for t in first.tests) and [t.expected for t in second.tests] == ["4\n", "10\n"]
+
+    cfg = Code(data=Jsonl(str(path)), test_size=0, cpu_s=1, wall_s=2.0)
+    train, _ = build_datasets(cfg, EnvContext(renderer=R, group_size=1, test_group_size=1, groups_per_batch=1,
+                                              seed=0))  # fmt: skip
+    sandbox = asyncio.run(get_batch(train, 0, "train")[0].make_envs())[0].sandbox
+
+    async def grade(problem: Any, reply: str) -> Any:
+        return await CodeEnv(R, problem, cfg, sandbox).grade(reply, True)
+
+    right = block("class Solution:\n    def total(self, xs, k):\n        return sum(xs) + k")
+    wrong = block("class Solution:\n    def total(self, xs, k):\n        return k")
+    assert asyncio.run(grade(first, right)).metrics["passed"] == 1.0
+    assert asyncio.run(grade(first, wrong)).metrics["passed"] == 0.5  # right only for the empty list
+    assert asyncio.run(grade(second, block("print(2 * int(input()))"))).metrics["passed"] == 1.0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -72,12 +73,17 @@ def _tests_of(row: dict[str, Any], where: str) -> tuple[CodeTest, ...]:
     tests: list[CodeTest] = []
     io = row.get("tests", [])
     asserts = row.get("asserts", [])
+    if isinstance(io, str):  # DeepCoder / LiveCodeBench rows hold their tests as a JSON string
+        try:
+            io = json.loads(io)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: \"tests\" is a string but not JSON ({e.msg})") from None
+    if isinstance(io, dict) and "inputs" in io and "outputs" in io:  # TACO: parallel lists (+ fn_name)
+        io = [{"input": i, "output": o, "fn_name": io.get("fn_name")} for i, o in zip(io["inputs"], io["outputs"])]
     if not isinstance(io, list) or not isinstance(asserts, list):
         raise UserError(f"{where}: \"tests\" and \"asserts\" must be lists")
     for j, t in enumerate(io):
-        if not (isinstance(t, dict) and isinstance(t.get("input"), str) and isinstance(t.get("output"), str)):
-            raise UserError(f"{where}: tests[{j}] must be {{\"input\": str, \"output\": str}}")
-        tests.append(CodeTest(stdin=t["input"], expected=t["output"]))
+        tests.append(_io_test(t, row, f"{where}: tests[{j}]"))
     for j, a in enumerate(asserts):
         if not isinstance(a, str) or not a.strip():
             raise UserError(f"{where}: asserts[{j}] must be a non-empty string of Python")
@@ -87,15 +93,54 @@ def _tests_of(row: dict[str, Any], where: str) -> tuple[CodeTest, ...]:
     return tuple(tests)
 
 
+def _io_test(t: Any, row: dict[str, Any], where: str) -> CodeTest:
+    """{"input", "output"} (stdin/stdout), or a LiveCodeBench functional test: "testtype": "functional" with the
+    function's name in its metadata / the row's metadata / fn_name, arguments as JSON lines, output as JSON."""
+    if not isinstance(t, dict):
+        raise UserError(f"{where} must be {{\"input\": str, \"output\": str}}")
+    inp, out = t.get("input"), t.get("output")
+    if isinstance(out, list) and len(out) == 1:  # TACO wraps some outputs in a list
+        out = out[0]
+    if not (isinstance(inp, str) and isinstance(out, str)):
+        raise UserError(f"{where} must be {{\"input\": str, \"output\": str}}")
+    fn = t.get("fn_name") or _meta(t).get("func_name") or _meta(row).get("func_name")
+    if t.get("testtype") != "functional" and not t.get("fn_name"):
+        return CodeTest(stdin=inp, expected=out)
+    if not isinstance(fn, str) or not fn.isidentifier():
+        raise UserError(f"{where} is a functional test without a function name (metadata.func_name)")
+    check = (
+        "import json as _json\n"
+        f"_args = [_json.loads(_line) for _line in {inp!r}.splitlines() if _line.strip()]\n"
+        f"_fn = Solution().{fn} if 'Solution' in globals() else {fn}\n"
+        f"assert _fn(*_args) == _json.loads({out!r}), 'wrong result'\n"
+    )
+    return CodeTest(check=check)
+
+
+def _meta(d: dict[str, Any]) -> dict[str, Any]:
+    m = d.get("metadata")
+    if isinstance(m, str):
+        try:
+            m = json.loads(m)
+        except json.JSONDecodeError:
+            return {}
+    return m if isinstance(m, dict) else {}
+
+
 def load_code_problems(source: DataSource) -> list[CodeProblem]:
     rows, where = load_rows(source)
     if not rows:
         raise UserError(f"code env: the data source {source!r} has no rows")
     out = []
     for row, w in zip(rows, where, strict=True):
-        if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not row["question"].strip():
-            raise UserError(f"{w}: expected an object with a non-empty \"question\"")
-        out.append(CodeProblem(row["question"], _tests_of(row, w), w))
+        question = next((row.get(k) for k in ("question", "prompt", "problem")
+                         if isinstance(row, dict) and isinstance(row.get(k), str) and row[k].strip()), None)  # fmt: skip
+        if question is None:
+            raise UserError(f"{w}: expected an object with a non-empty \"question\" (or \"prompt\", \"problem\")")
+        starter = row.get("starter_code")
+        if isinstance(starter, str) and starter.strip():
+            question += f"\n\nStart from:\n```python\n{starter.rstrip()}\n```"
+        out.append(CodeProblem(question, _tests_of(row, w), w))
     return out
 
 
