@@ -15,10 +15,10 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+if TYPE_CHECKING:  # loaded where a model or tokenizer is built: `runner check` imports this module
+    import transformers
 
 TINY_DIR: Path = Path(__file__).parent / "assets" / "tiny"
 
@@ -37,6 +37,9 @@ CHAT_TEMPLATE = (
 def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
     """Byte-level tokenizer: ids 0..255 are the bytes (in GPT-2's printable byte alphabet), 256..258 the
     specials. A BPE model with no merges, so any UTF-8 text round-trips exactly, one token per byte."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     byte_chars = [c for _, c in sorted((_byte_of(c), c) for c in alphabet)]
     vocab = {c: i for i, c in enumerate(byte_chars)}
@@ -73,6 +76,8 @@ def _byte_of(char: str) -> int:
 
 def build_config(tokenizer: transformers.PreTrainedTokenizerBase) -> transformers.Qwen3Config:
     """Qwen3-style config of ~0.82M parameters (embeddings tied: 259 x 128 of them)."""
+    import transformers
+
     return transformers.Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=128,
@@ -95,6 +100,7 @@ def save_random_tiny(path: str | Path, seed: int = 0) -> Path:
     """Write a randomly initialised tiny model as an ordinary HF folder (config, safetensors, tokenizer,
     generation config); loadable offline with AutoModelForCausalLM / AutoTokenizer.from_pretrained."""
     import torch
+    import transformers
 
     path = Path(path)
     tok = build_tokenizer()
@@ -106,6 +112,8 @@ def save_random_tiny(path: str | Path, seed: int = 0) -> Path:
 
 
 def _save(model, tok, path: Path) -> None:
+    import transformers
+
     model.generation_config = transformers.GenerationConfig(
         eos_token_id=model.config.eos_token_id, pad_token_id=model.config.pad_token_id
     )
@@ -252,6 +260,7 @@ def pretrain(out: Path, phases=PHASES, seed: int = 0, threads: int = 1, log_ever
     """Build the tiny checkpoint from scratch: one `train_phase` per entry of `phases`, each with a fresh
     optimizer and its own data seed. Full fine-tune, loss on assistant tokens only."""
     import torch
+    import transformers
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -505,6 +514,8 @@ def write_data(out_dir: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> None:
     import argparse
     import time
+
+    import transformers
 
     repo = Path(__file__).resolve().parents[2]
     p = argparse.ArgumentParser(prog="python -m backends.local.tiny")
