@@ -23,6 +23,12 @@ class Tinker(BackendConfig):
     # checkpoint never expires. Not optional: TOML has no null, so `show` could not write None back.
     ttl_seconds: Annotated[int, Meta(ge=3600, le=10 * 365 * 24 * 3600)] = 7 * 24 * 3600
 
+    # A service never reached fails the run after this long, with one line (the SDK alone retries for ~6 min).
+    connect_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
+    # Once connected: while calls wait and the service has not answered a ping for this long, the run stops
+    # with one line (the SDK alone retries each request for ~5 min, one after another).
+    lost_after_s: Annotated[float, Meta(gt=0)] = 60.0
+
     # Runs a sweep keeps in flight at once: the work is on the service, the client mostly waits.
     SWEEP_PARALLEL: ClassVar[int] = 8
 
