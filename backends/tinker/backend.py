@@ -33,11 +33,11 @@ import numpy as np
 import tinker
 from tinker.types import RequestErrorCategory
 
+from backends import losses
 from backends.base import BackendError, CustomLossFn, Future
 from backends.errors import UserError
 from backends.tokenizer import load_tokenizer
 from backends.types import (
-    LOSS_INPUTS,
     AdamParams,
     Datum,
     ForwardBackwardOutput,
@@ -270,6 +270,23 @@ def to_tinker_adam(p: AdamParams) -> tinker.AdamParams:
                              weight_decay=p.weight_decay, grad_clip_norm=p.grad_clip_norm)
 
 
+def _registered_loss(spec: losses.LossSpec, config: dict[str, float]) -> CustomLossFn:
+    """A registered loss as a custom loss over the learner's logprobs (torch tensors, one per datum)."""
+
+    def fn(data: list[Datum], lps: list[Any]) -> tuple[Any, dict[str, float]]:
+        import torch
+
+        def t(x: np.ndarray | None, like: Any) -> Any:
+            return None if x is None else torch.as_tensor(x, dtype=like.dtype, device=like.device)
+
+        total = sum(spec.masked_sum(lp, losses.LossInputs(t(d.weights, lp), t(d.logprobs, lp), t(d.advantages, lp),
+                                                          t(d.mask, lp)), config)
+                    for d, lp in zip(data, lps, strict=True))
+        return total, {}
+
+    return fn
+
+
 # ---------------------------------------------------------------- clients
 
 
@@ -306,16 +323,50 @@ class TinkerTrainingClient:
 
     def _fb(self, method: str, data: list[Datum], loss_fn: LossFn,
             loss_config: dict[str, float] | None) -> Future[ForwardBackwardOutput]:
-        keys = LOSS_INPUTS[loss_fn]
+        """A loss the service knows goes by name; any other registered loss (backends/losses.py) runs as a custom
+        loss with the registry's function (forward: the logprobs, then the loss computed here)."""
+        try:
+            spec = losses.get(loss_fn)
+            config = spec.resolve(loss_config)
+        except ValueError as exc:
+            failed: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            failed.set_exception(BackendError(str(exc), request=self._request(method), user_error=True))
+            return Future(failed)
+        if not spec.tinker_builtin:
+            if method == "forward_backward":
+                return self.forward_backward_custom(data, _registered_loss(spec, config))
+            return self._forward_registered(data, spec, config)
         request = self._request(method)
 
         def submit() -> Any:
             for d in data:
-                d.check_for(loss_fn)
-            tdata = [to_tinker_datum(d, keys) for d in data]
+                spec.check_datum(d)
+            tdata = [to_tinker_datum(d, spec.inputs) for d in data]
             return getattr(self._client, method)(tdata, loss_fn, dict(loss_config) if loss_config else None)
 
         return _wrap(submit, _fb_output(data), request, self._link)
+
+    def _forward_registered(self, data: list[Datum], spec: losses.LossSpec,
+                            config: dict[str, float]) -> Future[ForwardBackwardOutput]:
+        request = self._request("forward", spec.name)
+        to_logprobs = _fb_output(data)
+
+        def submit() -> Any:
+            for d in data:
+                spec.check_datum(d)
+            probe = [to_tinker_datum(d, ()) for d in data]  # cross_entropy with no weights: the logprobs only
+            for t, d in zip(probe, data, strict=True):
+                t.loss_fn_inputs["weights"] = _tensor(np.zeros(d.target_tokens.shape, np.float32))
+            return self._client.forward(probe, "cross_entropy")
+
+        def convert(out: Any) -> ForwardBackwardOutput:
+            import torch
+
+            lps = to_logprobs(out).logprobs
+            total = _registered_loss(spec, config)(data, [torch.as_tensor(lp) for lp in lps])[0]
+            return ForwardBackwardOutput(logprobs=lps, metrics={"loss:sum": float(total)})
+
+        return _wrap(submit, convert, request, self._link)
 
     def forward(self, data: list[Datum], loss_fn: LossFn,
                 loss_config: dict[str, float] | None = None) -> Future[ForwardBackwardOutput]:
