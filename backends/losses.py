@@ -257,3 +257,6 @@ CISPO = register(LossSpec(
 DRO = register(LossSpec(
     "dro", _dro, fields=(LossField("beta", "beta", 0.05, gt=0.0, doc="weight of the quadratic penalty"),),
     tinker_builtin=True, title="DRO", doc="−Σ (lp·A − ½·β·(lp − lp_sampler)²)."))
+
+# Tinker's built-ins, as registered above (the recipe schema offers these by name; user losses by target).
+BUILTINS: tuple[LossSpec, ...] = tuple(specs())

@@ -560,7 +560,7 @@ def test_first_ctrl_c_stops_a_run_waiting_to_connect():
             out, err = proc.communicate(timeout=15)
         finally:
             proc.kill()
-        assert time.monotonic() - t0 < 5, err
+        assert time.monotonic() - t0 < 15, err  # ~1 s on an idle machine; ignored, it would wait out 120 s
         assert proc.returncode == 130 and "interrupted" in out, (out, err)
 
 
