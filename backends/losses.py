@@ -62,6 +62,11 @@ class LossField:
     ge: float | None = None
     doc: str = ""
 
+    def constraints(self) -> dict[str, Any]:
+        """The bounds and doc as msgspec.Meta keywords (the recipe schema's field type)."""
+        out: dict[str, Any] = {k: v for k, v in (("gt", self.gt), ("ge", self.ge)) if v is not None}
+        return {**out, "description": self.doc} if self.doc else out
+
 
 @dataclass(frozen=True)
 class LossSpec:
@@ -121,10 +126,13 @@ class LossSpec:
             if (f.gt is not None and not v > f.gt) or (f.ge is not None and not v >= f.ge):
                 bound = f"> {f.gt:g}" if f.gt is not None else f">= {f.ge:g}"
                 raise ValueError(f"loss {self.name!r}: {f.key} must be {bound}, got {v:g}")
-        problem = self.rule(out) if self.rule is not None else None
-        if problem:
+        if problem := self.problem(out):
             raise ValueError(f"loss {self.name!r}: {problem}")
         return out
+
+    def problem(self, config: Mapping[str, float]) -> str | None:
+        """What the rule says about a full config (one line), or None."""
+        return self.rule(config) if self.rule is not None else None
 
     def check_datum(self, datum: Any) -> None:
         """ValueError if `datum` (a backends.types.Datum) lacks an input this loss reads."""

@@ -204,7 +204,7 @@ def test_every_loss_same_values_in_local_fake_and_serve(local_tc, fake_tc, serve
     # runner serve, through the tinker SDK (Tinker's datums have no mask).
     data = data_for(spec, masked=False)
     tdata = [T.Datum(model_input=T.ModelInput.from_ints(d.model_input), loss_fn_inputs={
-        "target_tokens": d.target_tokens, **{k: getattr(d, k) for k in spec.inputs}}) for d in data]
+        k: T.TensorData.from_numpy(getattr(d, k)) for k in ("target_tokens", *spec.inputs)}) for d in data]
     out = serve_tc.forward(tdata, name, config).result()
     lps = [o["logprobs"].to_numpy() for o in out.loss_fn_outputs]
     assert out.metrics["loss:sum"] == pytest.approx(expected(spec, data, lps, config), rel=1e-4, abs=1e-4)

@@ -287,18 +287,10 @@ class LossBase(Base, tag_field="kind", tag=str.lower):
 
 def _loss_variant(spec: losses.LossSpec) -> type[LossBase]:
     """The recipe table of a registered loss: `{kind = NAME, <its fields>}`, checked as the registry checks it."""
-    def meta(f: losses.LossField) -> Meta:
-        # Meta rejects None for an unset bound, so only the ones the field has are passed.
-        bounds: dict[str, Any] = {k: v for k, v in (("gt", f.gt), ("ge", f.ge)) if v is not None}
-        if f.doc:
-            bounds["description"] = f.doc
-        return Meta(**bounds)
-
-    fields = [(f.recipe, Annotated[float, meta(f)], f.default) for f in spec.fields]
+    fields = [(f.recipe, Annotated[float, Meta(**f.constraints())], f.default) for f in spec.fields]
 
     def __post_init__(self: Any) -> None:
-        problem = spec.rule({f.key: getattr(self, f.recipe) for f in spec.fields}) if spec.rule else None
-        if problem:
+        if problem := spec.problem({f.key: getattr(self, f.recipe) for f in spec.fields}):
             raise ValueError(problem)
 
     namespace = {"__doc__": spec.doc, "__post_init__": __post_init__, "loss_spec": spec}
@@ -310,10 +302,7 @@ def _loss_variant(spec: losses.LossSpec) -> type[LossBase]:
 
 # One variant per built-in RL loss, in registry order; a user's loss is PythonLoss.
 LOSS_VARIANTS: dict[str, type[LossBase]] = {s.name: _loss_variant(s) for s in losses.BUILTINS if s.in_rl}
-ImportanceSampling = LOSS_VARIANTS["importance_sampling"]
-PPO = LOSS_VARIANTS["ppo"]
-CISPO = LOSS_VARIANTS["cispo"]
-DRO = LOSS_VARIANTS["dro"]
+ImportanceSampling, PPO, CISPO, DRO = (LOSS_VARIANTS[k] for k in ("importance_sampling", "ppo", "cispo", "dro"))
 
 
 class PythonLoss(LossBase, tag="python"):
