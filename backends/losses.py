@@ -63,9 +63,9 @@ class LossField:
     doc: str = ""
 
     def constraints(self) -> dict[str, Any]:
-        """The bounds and doc as msgspec.Meta keywords (the recipe schema's field type)."""
-        out: dict[str, Any] = {k: v for k, v in (("gt", self.gt), ("ge", self.ge)) if v is not None}
-        return {**out, "description": self.doc} if self.doc else out
+        """The bounds as msgspec.Meta keywords (the recipe schema's field type; a description there would replace
+        the bound in error messages)."""
+        return {k: v for k, v in (("gt", self.gt), ("ge", self.ge)) if v is not None}
 
 
 @dataclass(frozen=True)
