@@ -408,6 +408,12 @@ class TinkerOptions(Protocol):
     @property
     def ttl_seconds(self) -> int: ...
 
+    @property
+    def connect_timeout_s(self) -> float: ...
+
+    @property
+    def lost_after_s(self) -> float: ...
+
 
 class TinkerBackend:
     """The Tinker service. Constructing it checks the key and makes no network call; the first client it is
