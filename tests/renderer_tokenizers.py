@@ -21,7 +21,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from backends.tokenizer import load_tokenizer
 
-TOKENIZERS = ("tiny", "llama3like", "qwendeepseek")
+TOKENIZERS = ("tiny", "llama3like", "qwendeepseek", "harmonykimi")
 
 # Renderer names compared with the cookbook, and the tokenizers each runs on (the others lack its specials).
 RENDERERS: dict[str, tuple[str, ...]] = {
@@ -33,7 +33,15 @@ RENDERERS: dict[str, tuple[str, ...]] = {
     "deepseekv3": ("qwendeepseek",),
     "deepseekv3_disable_thinking": ("qwendeepseek",),
     "deepseekv3_thinking": ("qwendeepseek",),
+    "gpt_oss_no_sysprompt": ("harmonykimi",),
+    "gpt_oss_low_reasoning": ("harmonykimi",),
+    "gpt_oss_medium_reasoning": ("harmonykimi",),
+    "gpt_oss_high_reasoning": ("harmonykimi",),
+    "kimi_k2": ("harmonykimi",),
 }
+
+# gpt-oss's system prompt holds today's date: both sides get this one.
+FIXED_DATE = "2026-01-01"
 
 TRAIN_ON_WHAT = ("last_assistant_message", "last_assistant_turn", "all_assistant_messages", "all_messages",
                  "all_tokens", "all_user_and_system_messages", "customized")
@@ -48,6 +56,11 @@ QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 DEEPSEEK_SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
                      "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
                      "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"]
+HARMONY_SPECIALS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>",
+                    "<|constrain|>"]
+KIMI_SPECIALS = ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>",
+                 "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                 "<|tool_call_argument_begin|>", "<|tool_call_end|>"]
 PLAIN_ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 CHATML_TEMPLATE = (
@@ -83,6 +96,9 @@ def _build(name: str) -> Any:
                                                    clean_up_tokenization_spaces=False)
         tok.chat_template = CHATML_TEMPLATE
         return tok
+    if name == "harmonykimi":
+        return transformers.PreTrainedTokenizerFast(tokenizer_object=_bpe(HARMONY_SPECIALS + KIMI_SPECIALS, PLAIN_ADDED),
+                                                    eos_token="<|return|>", clean_up_tokenization_spaces=False)
     raise KeyError(name)
 
 
@@ -188,12 +204,21 @@ def plain_message(message: dict[str, Any]) -> dict[str, Any]:
 def reference(renderer_name: str, tokenizer_name: str) -> dict[str, Any]:
     """The cookbook's answers for every case of one renderer on one tokenizer (errors recorded as such)."""
     import logging
+    import warnings
 
     import tinker_cookbook.renderers as cb
 
     logging.getLogger("tinker_cookbook").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # gpt-oss warns about a second system message: the cases do that on purpose
+        return _reference(cb, renderer_name, tokenizer_name)
+
+
+def _reference(cb: Any, renderer_name: str, tokenizer_name: str) -> dict[str, Any]:
     tok = tokenizer(tokenizer_name)
     r = cb.get_renderer(renderer_name, tok)
+    if hasattr(r, "current_date"):
+        r.current_date = FIXED_DATE
     out: dict[str, Any] = {"stop_sequences": r.get_stop_sequences(), "supervised": {}, "prompts": {},
                            "parse": {}}
     for cname, conv in CONVERSATIONS.items():
@@ -223,4 +248,4 @@ def reference(renderer_name: str, tokenizer_name: str) -> dict[str, Any]:
     return out
 
 # Encoded into every golden: a tokenizer built differently than when the goldens were recorded shows up here.
-PROBE = " hello\n\nUser: <|im_end|> <think> <｜User｜> <|eot_id|> héllo 👋"
+PROBE = " hello\n\nUser: <|im_end|> <think> <｜User｜> <|eot_id|> <|start|> <|im_middle|> héllo 👋"

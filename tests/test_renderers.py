@@ -13,6 +13,7 @@ from record_renderer_goldens import golden_path
 from renderer_tokenizers import (
     CONVERSATIONS,
     ENDINGS,
+    FIXED_DATE,
     PROBE,
     RENDERERS,
     REPLIES,
@@ -32,6 +33,8 @@ PAIRS = [(r, t) for r, toks in RENDERERS.items() for t in toks]
 def ours(renderer_name: str, tokenizer_name: str) -> dict[str, Any]:
     tok = tokenizer(tokenizer_name)
     r = get_renderer(renderer_name, tok)
+    if hasattr(r, "current_date"):
+        r.current_date = FIXED_DATE  # type: ignore[attr-defined]
     out: dict[str, Any] = {"stop_sequences": r.get_stop_sequences(), "supervised": {}, "prompts": {}, "parse": {}}
     for cname, conv in CONVERSATIONS.items():
         for what in TRAIN_ON_WHAT:

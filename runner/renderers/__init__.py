@@ -2,7 +2,7 @@
 to tinker-cookbook 0.6.1's renderers of the same names. `get_renderer(name, tokenizer)`; `names()`; a new one
 is a module here with `@register("name")` on a Renderer subclass, imported below."""
 
-from runner.renderers import deepseek_v3, hf, llama3, qwen3, role_colon  # noqa: F401 - registers them
+from runner.renderers import deepseek_v3, gpt_oss, hf, kimi_k2, llama3, qwen3, role_colon  # noqa: F401 - registers
 from runner.renderers.auto import pick_renderer
 from runner.renderers.base import (
     TRAIN_ON_WHAT,

@@ -101,6 +101,7 @@ class Renderer(ABC):
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
+        self._warned = False
 
     # --- what a renderer defines -------------------------------------------------------------------------
     @property
@@ -175,7 +176,8 @@ class Renderer(ABC):
         """Tokens of the conversation and a 0/1 weight per token (1 = trained)."""
         what = parse_train_on_what(str(train_on_what))
         _check_messages(messages)
-        if what == TrainOnWhat.ALL_ASSISTANT_MESSAGES and not self.has_extension_property:
+        if what == TrainOnWhat.ALL_ASSISTANT_MESSAGES and not self.has_extension_property and not self._warned:
+            self._warned = True
             logger.warning("train_on_what = all_assistant_messages with renderer %r, which drops content from "
                            "history (no extension property): earlier assistant messages are trained after a "
                            "prefix the model never sees when sampling them", self.name)
