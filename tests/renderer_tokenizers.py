@@ -152,6 +152,19 @@ REPLIES = ("hello there", "<think>\nhmm\n</think>\n\nAnswer: 4", "hmm</think>4",
            '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>', "<tool_call>\n{\"name\"", "")
 
 
+def spans(weights: list[float]) -> list[list[int]]:
+    """[start, end) runs of trained tokens (weights are 0/1): what a golden stores instead of every weight."""
+    out: list[list[int]] = []
+    for i, w in enumerate(weights):
+        if w not in (0, 1):
+            raise ValueError(f"weight {w} at {i} is not 0 or 1")
+        if w and out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        elif w:
+            out.append([i, i + 1])
+    return out
+
+
 def with_trainable(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The `customized` variant of a conversation: every other message trainable (the assistant ones here)."""
     return [{**m, "trainable": m["role"] != "user"} for m in messages]
@@ -226,7 +239,7 @@ def _reference(cb: Any, renderer_name: str, tokenizer_name: str) -> dict[str, An
             msgs = with_trainable(conv) if what == "customized" else conv
             try:
                 mi, w = r.build_supervised_example(_to_cookbook(msgs), train_on_what=cb.TrainOnWhat(what))
-                out["supervised"][f"{cname}/{what}"] = {"tokens": mi.to_ints(), "weights": [int(x) for x in w.tolist()]}
+                out["supervised"][f"{cname}/{what}"] = {"tokens": mi.to_ints(), "trained": spans(w.tolist())}
             except Exception as e:  # noqa: BLE001 - recorded: ours must refuse the same case
                 out["supervised"][f"{cname}/{what}"] = {"error": type(e).__name__}
         prefix = conv[:-1] if conv[-1]["role"] == "assistant" else conv

@@ -27,6 +27,9 @@ MODEL_RENDERERS: dict[str, str] = {
     "Qwen/Qwen3.5-35B-A3B-Base": "role_colon",
     "deepseek-ai/DeepSeek-V3.1": "deepseekv3",
     "deepseek-ai/DeepSeek-V3.1-Base": "role_colon",
+    "openai/gpt-oss-20b": "gpt_oss_no_sysprompt",
+    "openai/gpt-oss-120b": "gpt_oss_no_sysprompt",
+    "moonshotai/Kimi-K2-Thinking": "kimi_k2",
 }
 
 

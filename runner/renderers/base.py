@@ -99,9 +99,17 @@ class Renderer(ABC):
     # reasoned anyway is then refused.
     disables_thinking: bool = False
 
+    # Special tokens the format needs as single tokens: checked when the renderer is built, so a renderer and a
+    # tokenizer of different families fail at once instead of training on special tokens spelled out in bytes.
+    required_tokens: tuple[str, ...] = ()
+
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self._warned = False
+        missing = [t for t in self.required_tokens if len(self.encode(t)) != 1]
+        if missing:
+            raise UserError(f"renderer {type(self).__name__} writes {', '.join(missing)}, which this tokenizer does "
+                            f"not have as special tokens: pick the renderer of the model's family (or \"hf\")")
 
     # --- what a renderer defines -------------------------------------------------------------------------
     @property

@@ -30,6 +30,8 @@ _CALL = re.compile(r"<｜tool▁call▁begin｜>(\w+)<｜tool▁sep｜>(.*?)<｜
 
 
 class _DeepSeekV3Base(Renderer):
+    required_tokens = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>")
+
     def __init__(self, tokenizer: Any, system_role_as_user: bool = False, strip_thinking_from_history: bool = True):
         super().__init__(tokenizer)
         self.system_role_as_user = system_role_as_user

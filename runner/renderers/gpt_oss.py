@@ -33,6 +33,8 @@ _END_TOKENS = ("<|end|>", "<|call|>", "<|return|>")
 
 
 class GptOssRenderer(Renderer):
+    required_tokens = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>")
+
     def __init__(self, tokenizer: Any, use_system_prompt: bool = False, reasoning_effort: str | None = None,
                  current_date: str | None = None):
         super().__init__(tokenizer)

@@ -34,6 +34,8 @@ _HEADERS = {"user": "<|im_user|>", "assistant": "<|im_assistant|>"}
 
 @register("kimi_k2")
 class KimiK2Renderer(Renderer):
+    required_tokens = ("<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<|im_end|>")
+
     def __init__(self, tokenizer: Any, strip_thinking_from_history: bool = True):
         super().__init__(tokenizer)
         self.strip_thinking_from_history = strip_thinking_from_history

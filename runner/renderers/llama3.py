@@ -17,6 +17,8 @@ from runner.renderers.registry import register
 
 @register("llama3")
 class Llama3Renderer(Renderer):
+    required_tokens = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+
     @property
     def has_extension_property(self) -> bool:
         return True

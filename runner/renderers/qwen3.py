@@ -52,6 +52,8 @@ def _unframe(parts: list[Part]) -> list[Part]:
 
 @register("qwen3")
 class Qwen3Renderer(Renderer):
+    required_tokens = ("<|im_start|>", "<|im_end|>")
+
     frames_thinking = True  # the 2507 instruct models use no think tag at all
 
     def __init__(self, tokenizer: Any, strip_thinking_from_history: bool = True):
