@@ -35,9 +35,9 @@ def add_renderer(name: str, factory: Factory) -> None:
 
 
 def names() -> list[str]:
-    """Every renderer name, "auto" first."""
+    """Every renderer name: "auto", "hf", then the rest alphabetically."""
     _load_builtins()
-    return [AUTO, *_REGISTRY]
+    return [AUTO, *sorted(_REGISTRY, key=lambda n: (n != "hf", n))]
 
 
 def get_renderer(name: str, tokenizer: Any, model_name: str | None = None) -> Renderer:
