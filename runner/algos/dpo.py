@@ -44,8 +44,8 @@ from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOu
 from runner.algos import AlgoSpec, BuildArgs
 from runner.algos.sft import PLAN_STEPS, to_datum, weights
 from runner.data.comparisons import Batches, Pair, Pairs, load_pairs, render_completion
-from runner.renderers import get_renderer
 from runner.recipe.schema import DPO
+from runner.renderers import get_renderer
 from runner.rl.kl import reference_logprobs
 
 # ---------------------------------------------------------------- the math

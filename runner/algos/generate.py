@@ -63,7 +63,7 @@ class GenerateAlgo:
         system = [{"role": "system", "content": cfg.system}] if cfg.system else []
         futures = [client.sample(self.renderer.build_prompt(system + conv), cfg.n,
                                  SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-                                                stop=list(self.renderer.stop),
+                                                stop=self.renderer.stop,
                                                 seed=(self.seed * 1_000_003 + first + i) % 2**31))
                    for i, conv in enumerate(batch)]
         outs = await asyncio.gather(*futures)

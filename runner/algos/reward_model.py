@@ -33,8 +33,8 @@ from runner.algos import AlgoSpec, BuildArgs
 from runner.algos.judge import label_logprobs, p_first
 from runner.algos.sft import PLAN_STEPS
 from runner.data.comparisons import Batches, Pair, Pairs, load_pairs, render_judge
-from runner.renderers import get_renderer
 from runner.recipe.schema import RewardModel
+from runner.renderers import get_renderer
 
 
 @dataclass(frozen=True)

@@ -50,13 +50,13 @@ from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, LossFn, OptimStepOutput, SamplingParams
 from runner.algos import AlgoSpec, BuildArgs
 from runner.recipe.schema import CISPO, DRO, PPO, RL, Async, ModelJudge, Preference, ReferenceKL, Stream
+from runner.renderers import get_renderer
 from runner.rl import transcripts
 from runner.rl.advantages import compute_advantages, remove_constant_reward_groups
 from runner.rl.datums import assemble_datums
 from runner.rl.envs import EnvContext, build_datasets, get_batch
 from runner.rl.kl import apply_kl_penalty, kl_sample_train, reference_logprobs
 from runner.rl.metrics import trajectory_metrics
-from runner.renderers import get_renderer
 from runner.rl.renderer import ChatRenderer, context_window
 from runner.rl.rollouts import RolloutBatch, collect, guarded_group_rollout, rollout_batch
 from runner.rl.types import EnvGroupBuilder, RLDataset, TrajectoryGroup

@@ -50,8 +50,8 @@ class ChatRenderer:
             renderer = get_renderer("hf", renderer)
         self.renderer = renderer
         self.tokenizer = renderer.tokenizer
-        self.stop: list[str] | list[int] = list(renderer.get_stop_sequences())  # type: ignore[assignment]
-        if not self.stop:
+        self._stop: list[str] | list[int] = renderer.get_stop_sequences().copy()
+        if not self._stop:
             raise UserError("the renderer names no stop sequence; environments need one to end replies")
         self._template = isinstance(renderer, HFTemplateRenderer)
         # Recent renderings: every env of a group renders the same first prompt (8x per problem in rl_basic),
@@ -59,11 +59,16 @@ class ChatRenderer:
         self._renders: OrderedDict[tuple[Any, ...], tuple[tuple[int, ...], str]] = OrderedDict()
 
     @property
+    def stop(self) -> list[str] | list[int]:
+        """The renderer's stop sequences (a fresh list: SamplingParams.stop)."""
+        return self._stop.copy()
+
+    @property
     def stop_tokens(self) -> list[int]:
         """The stop token ids (renderers that stop on token ids: all but role_colon)."""
-        if not all(isinstance(s, int) for s in self.stop):
-            raise UserError(f"renderer {self.renderer.name!r} stops on strings {self.stop}, not token ids")
-        return [int(s) for s in self.stop]
+        if not all(isinstance(s, int) for s in self._stop):
+            raise UserError(f"renderer {self.renderer.name!r} stops on strings {self._stop}, not token ids")
+        return [int(s) for s in self._stop]
 
     def build_prompt(self, messages: list[Message]) -> list[int]:
         """Tokens of the conversation followed by the assistant header the model continues from."""

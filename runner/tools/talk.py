@@ -120,7 +120,7 @@ def sample(target: str, checkpoint: str | None, prompts: list[list[dict[str, str
 
         async def go() -> list[list[str]]:
             client = await _client(backend, t)
-            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=list(renderer.stop),
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=renderer.stop,
                                     seed=seed)
             outs = await asyncio.gather(*(client.sample(renderer.build_prompt(p), n, params) for p in prompts))
             return [[renderer.parse(s.tokens).text for s in o.sequences] for o in outs]
@@ -171,7 +171,7 @@ def chat(target: str, checkpoint: str | None, temperature: float, max_tokens: in
             if not text:
                 continue
             messages.append({"role": "user", "content": text})
-            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=list(renderer.stop))
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=renderer.stop)
             result = client.sample(renderer.build_prompt(messages), 1, params).result()
             reply = renderer.parse(result.sequences[0].tokens).text
             messages.append({"role": "assistant", "content": reply})
