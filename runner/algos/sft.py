@@ -235,6 +235,7 @@ class SFTAlgo:
             (f"per step (first {steps} steps): {cfg.batch_size} datums, tokens mean {np.mean(tokens):.0f} "
              f"max {max(tokens)}, trained tokens mean {np.mean(loss_tokens):.0f}"),
             f"calls per step: forward_backward(cross_entropy, {cfg.batch_size} datums) + optim_step",
+            f"renderer: {self.renderer.name}, train_on_what = {cfg.train_on_what} (`runner render` shows the tokens)",
         ]
         if self.test_rows:
             lines.append(f"eval steps add: forward(cross_entropy, {len(self.test_rows)} held-out datums) first")
