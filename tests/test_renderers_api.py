@@ -135,3 +135,29 @@ def test_trained_reply_parses_back(name: str, tok: str) -> None:
     thinking = [{"type": "thinking", "thinking": "think"}, {"type": "text", "text": "answer"}]
     parsed = _roundtrip(name, tok, {"role": "assistant", "content": thinking})
     assert parsed["content"] == thinking
+
+
+def test_chat_renderer_over_a_renderer_keeps_sampled_tokens_across_turns() -> None:
+    from runner.rl.renderer import ChatRenderer
+
+    tok = tokenizer("tiny")
+    chat = ChatRenderer(get_renderer("role_colon", tok))
+    assert chat.stop == ["\n\nUser:"]
+    with pytest.raises(UserError, match="stops on strings"):
+        _ = chat.stop_tokens
+    msgs = [{"role": "user", "content": "guess"}]
+    first = chat.render(msgs)
+    assert tok.decode(first.tokens) == "User: guess\n\nAssistant:"
+    action = tok.encode(" 5\n\nUser:", add_special_tokens=False)
+    reply = chat.parse(action)
+    assert (reply.text, reply.ended_on_stop, reply.termination) == ("5", True, Termination.STOP_SEQUENCE)
+    convo = [*msgs, {"role": "assistant", "content": reply.text}, {"role": "user", "content": "higher"}]
+    nxt = chat.extend(first, action, reply, convo)
+    assert nxt.tokens[: len(first.tokens) + len(action)] == first.tokens + action
+    assert tok.decode(nxt.tokens).endswith("User: higher\n\nAssistant:")
+    cut = chat.parse(tok.encode(" 5", add_special_tokens=False))
+    assert (cut.text, cut.ended_on_stop) == ("5", False)
+    # qwen3 on the same tokenizer: the reply's reasoning is parsed out of the text
+    q = ChatRenderer(get_renderer("qwen3", tok))
+    parsed = q.parse(tok.encode("<think>\nhm\n</think>\n\n7", add_special_tokens=False) + q.stop_tokens)
+    assert parsed.text == "7" and parsed.message["content"][0] == {"type": "thinking", "thinking": "hm"}
