@@ -88,7 +88,7 @@ def test_hf_renderer_trains_what_the_template_writes() -> None:
     reply = tok.encode("hi", add_special_tokens=False)
     assert r.parse_response([*reply, end]) == ({"role": "assistant", "content": "hi"}, Termination.STOP_SEQUENCE)
     assert r.parse_response(reply)[1] == Termination.MALFORMED
-    with pytest.raises(UserError, match="needs a tokenizer with a chat template"):
+    with pytest.raises(UserError, match="renderer 'hf': the tokenizer has no chat template"):
         get_renderer("hf", tokenizer("llama3like"))
 
 

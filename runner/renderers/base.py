@@ -108,8 +108,8 @@ class Renderer(ABC):
         self._warned = False
         missing = [t for t in self.required_tokens if len(self.encode(t)) != 1]
         if missing:
-            raise UserError(f"renderer {type(self).__name__} writes {', '.join(missing)}, which this tokenizer does "
-                            f"not have as special tokens: pick the renderer of the model's family (or \"hf\")")
+            raise UserError(f"the tokenizer does not have {', '.join(missing)} as single tokens, which this format "
+                            f"writes: pick the renderer of the model's family (or \"hf\": its chat template)")
 
     # --- what a renderer defines -------------------------------------------------------------------------
     @property

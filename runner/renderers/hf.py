@@ -26,8 +26,8 @@ TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|end|>")
 class HFTemplateRenderer(Renderer):
     def __init__(self, tokenizer: Any):
         if not getattr(tokenizer, "chat_template", None):
-            raise UserError("renderer \"hf\" needs a tokenizer with a chat template, and this one has none; set "
-                            "renderer = \"role_colon\" (base models) or the model family's renderer")
+            raise UserError("the tokenizer has no chat template; set renderer = \"role_colon\" (a base model) or "
+                            "the model family's renderer")
         super().__init__(tokenizer)
         stops: list[int] = []
         vocab = tokenizer.get_vocab()

@@ -50,7 +50,10 @@ def get_renderer(name: str, tokenizer: Any, model_name: str | None = None) -> Re
     factory = _REGISTRY.get(name)
     if factory is None:
         raise UserError(f"unknown renderer {name!r}; choose one of: {', '.join(names())}")
-    renderer = factory(tokenizer)
+    try:
+        renderer = factory(tokenizer)
+    except UserError as e:
+        raise UserError(f"renderer {name!r}: {e}") from None
     renderer.name = name
     return renderer
 
