@@ -110,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
         help="print the first rows of a recipe's data as the trainer sees them (tokens, weights)",
         description="The first N rows of the recipe's data rendered with its renderer: tokens colored by weight "
         "(green = trained) on a terminal, else (or with --json) one {\"tokens\", \"weights\"} object per line. "
-        "DPO and the reward model: each side of a comparison. docs/renderers.md says which renderer to pick.",
+        "DPO and the reward model: each side of a comparison; RL: the env's first prompts. docs/renderers.md says "
+        "which renderer to pick.",
     )
     _ref_and_overrides(render)
     render.add_argument("--n", type=int, default=3, help="rows to show (default 3)")

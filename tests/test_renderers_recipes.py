@@ -93,6 +93,9 @@ def test_base_model_trains_and_samples_with_role_colon(proj: Path, capsys: pytes
     row = json.loads(capsys.readouterr().out)
     tok = load_tokenizer(str(base))
     assert tok.decode(row["tokens"]).startswith("System: ") or tok.decode(row["tokens"]).startswith("User: ")
+    assert main(["render", "r.toml#r", "--n", "1", "--json"]) == 0  # RL: the env's first prompt
+    prompt = tok.decode(json.loads(capsys.readouterr().out)["tokens"])
+    assert prompt.startswith("User: ") and prompt.endswith("\n\nAssistant:")
     assert main(["run", "r.toml#s"]) == 0
     assert [r["step"] for r in read_jsonl(proj / "runs" / "s" / "metrics.jsonl")] == [0, 1]
     assert main(["run", "r.toml#r"]) == 0

@@ -1,6 +1,7 @@
 """`runner render FILE#name`: the first rows of a recipe's data as the trainer sees them, tokens and weights from
 the recipe's renderer (SFT conversations; DPO each side of a comparison; the reward model each order of its judge
-prompt; generate and distill their prompts). Colored by weight on a terminal, else one JSON object per line."""
+prompt; generate and distill their prompts; RL the first training groups' first prompts, as its env builds them).
+Colored by weight on a terminal, else one JSON object per line."""
 
 from __future__ import annotations
 
@@ -17,13 +18,13 @@ def rendered_rows(ref: str, overrides: list[str], n: int) -> Iterator[dict[str, 
     """{"where", "tokens", "weights"} (+ "side" for comparisons) for the first `n` rows of the recipe's data."""
     from backends.tokenizer import load_tokenizer
     from runner.recipe.load import load_recipe
-    from runner.recipe.schema import DPO, SFT, Distill, Generate, RewardModel
+    from runner.recipe.schema import DPO, RL, SFT, Distill, Generate, RewardModel
 
     _, recipe = load_recipe(ref, overrides)
     algo = recipe.algo
-    if not isinstance(algo, SFT | DPO | RewardModel | Generate | Distill):
-        raise UserError(f"runner render shows the data of sft, dpo, reward_model, generate and distill recipes; this "
-                        f"one is {type(algo).__name__} (an RL env builds its prompts as it runs)")
+    if not isinstance(algo, SFT | DPO | RewardModel | Generate | Distill | RL):
+        raise UserError(f"runner render shows the data of sft, dpo, reward_model, rl, generate and distill recipes; "
+                        f"this one is {type(algo).__name__}")
     renderer = get_renderer(recipe.renderer, load_tokenizer(recipe.tokenizer or recipe.model), model_name=recipe.model)
     if isinstance(algo, SFT):
         from runner.algos.sft import render_row
@@ -50,6 +51,8 @@ def rendered_rows(ref: str, overrides: list[str], n: int) -> Iterator[dict[str, 
                     tokens = [*judged.prefix, judged.label]
                     yield {"where": pair.where, "side": side, "tokens": tokens,
                            "weights": [0.0] * len(judged.prefix) + [1.0]}
+    elif isinstance(algo, RL):
+        yield from _env_prompts(algo, renderer, recipe.seed, n)
     else:
         from runner.data.conversations import load_conversations
 
@@ -63,6 +66,32 @@ def rendered_rows(ref: str, overrides: list[str], n: int) -> Iterator[dict[str, 
                 tokens = renderer.build_generation_prompt(conv)
                 yield {"where": w, "tokens": tokens, "weights": [0.0] * len(tokens)}
                 shown += 1
+
+
+def _env_prompts(algo: Any, renderer: Any, seed: int, n: int) -> list[dict[str, Any]]:
+    """The first prompt of each of the first `n` training groups, built by the env itself (one env per group)."""
+    import asyncio
+
+    from runner.rl.envs import EnvContext, build_datasets, get_batch
+    from runner.rl.renderer import ChatRenderer
+
+    ctx = EnvContext(ChatRenderer(renderer), 1, 1, algo.groups_per_batch, seed)
+    train, _ = build_datasets(algo.env, ctx)
+
+    async def first() -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for batch in range(len(train)):
+            for group, builder in enumerate(get_batch(train, batch, "train")):
+                if len(out) >= n:
+                    return out
+                ob = await (await builder.make_envs())[0].initial_observation()
+                if ob is not None:
+                    tokens = list(ob[0])
+                    out.append({"where": f"env {type(algo.env).__struct_config__.tag} batch {batch} group {group}", "tokens": tokens,
+                                "weights": [0.0] * len(tokens)})
+        return out
+
+    return asyncio.run(first())
 
 
 def render_command(ref: str, overrides: list[str], n: int, as_json: bool, out: TextIO) -> None:
