@@ -1,6 +1,6 @@
 """The recipe's `renderer` end to end: `runner check` names an unknown one with the choices; `runner render` prints
-what the trainer trains on; a base model (the tiny model saved without its chat template) trains with SFT and RL
-and samples with `role_colon`, which `auto` picks for it."""
+what the trainer trains on; a base model (the tiny model saved without its chat template) trains with SFT and RL,
+samples and exports with `role_colon`, which `auto` picks for it."""
 
 from __future__ import annotations
 
@@ -104,3 +104,5 @@ def test_base_model_trains_and_samples_with_role_colon(proj: Path, capsys: pytes
     assert main(["sample", "r.toml#s", "How many legs does a vexle have?", "--max-tokens", "6", "--json"]) == 0
     [sampled] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert sampled["checkpoint"] == "final" and len(sampled["completions"]) == 1
+    assert main(["export", str(proj / "runs" / "s"), str(proj / "out"), "--merged"]) == 0
+    assert (proj / "out" / "config.json").is_file()
