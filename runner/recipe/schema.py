@@ -140,9 +140,11 @@ class SFT(AlgoBase):
     # Truncate rendered conversations (tokens) from the right. Always set (TOML has no null): use a
     # large value to keep whole conversations.
     max_length: PosInt = 1024
-    train_on_what: Literal["last_assistant_message", "all_assistant_messages", "all_messages"] = (
-        "all_assistant_messages"
-    )
+    # Which tokens carry loss (the cookbook's TrainOnWhat): "last_assistant_turn" = the assistant messages after
+    # the last user one; "all_messages" = every message's content, not its role header ("hf": every token);
+    # "all_tokens" = everything; "customized" = the messages with "trainable": true.
+    train_on_what: Literal["last_assistant_message", "last_assistant_turn", "all_assistant_messages", "all_messages",
+                           "all_tokens", "all_user_and_system_messages", "customized"] = "all_assistant_messages"
     # "mean": each conversation's token weights sum to 1 (the cookbook's default); "none": 1 per token.
     reduction: Literal["mean", "none"] = "mean"
     # Rows held out (after the seeded shuffle) for the eval NLL; 0 = no eval.
@@ -678,6 +680,10 @@ class Recipe(Base):
     model: str = "tiny"
     # Tokenizer folder or name when it differs from the model's (e.g. offline use of a Tinker model).
     tokenizer: str | None = None
+    # How conversations become tokens, for every algorithm (docs/renderers.md): "auto" = the cookbook's renderer
+    # for the model name, else the tokenizer's chat template ("hf"), else "role_colon" (a base model); or a
+    # renderer by name ("llama3", "qwen3", "qwen3_disable_thinking", "deepseekv3", "gpt_oss_no_sysprompt", ...).
+    renderer: str = "auto"
     backend: Backend = Local()
     seed: int = 0
     # Peak learning rate.
@@ -716,5 +722,9 @@ class Recipe(Base):
 >>>>>>> h-envs
 
     def __post_init__(self) -> None:
+        from runner.renderers.registry import names as renderer_names
+
+        if self.renderer not in renderer_names():
+            raise ValueError(f"renderer {self.renderer!r} is unknown; choose one of: {', '.join(renderer_names())}")
         if isinstance(self.algo, RL) and isinstance(self.algo.mode, Async) and self.depth == 0:
             raise ValueError("algo.mode async samples while the previous step trains: it needs depth >= 1")

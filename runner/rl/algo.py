@@ -50,6 +50,7 @@ from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, LossFn, OptimStepOutput, SamplingParams
 from runner.algos import AlgoSpec, BuildArgs
 from runner.recipe.schema import CISPO, DRO, PPO, RL, Async, ModelJudge, Preference, ReferenceKL, Stream
+from runner.renderers import get_renderer
 from runner.rl import transcripts
 from runner.rl.advantages import compute_advantages, remove_constant_reward_groups
 from runner.rl.datums import assemble_datums
@@ -121,7 +122,7 @@ class RLAlgo:
 
     def __init__(self, cfg: Any, tokenizer: Any, *, seed: int = 0, base_model: str = "tiny",
                  reference_path: str | None = None,
-                 max_steps: int | None = None, weights: dict[str, str] | None = None):
+                 max_steps: int | None = None, weights: dict[str, str] | None = None, renderer: str = "auto"):
         self.cfg, self.seed, self.base_model = cfg, seed, base_model
         # Final sampler weights of the runs the recipe names (a model judge), by reference; opened on demand.
         self.weights = weights or {}
@@ -129,7 +130,7 @@ class RLAlgo:
         self._backend: Any = None
         # The KL penalty's reference: the initial weights (a chained recipe's upstream weights, else the base model).
         self.reference_path = reference_path
-        self.renderer = ChatRenderer(tokenizer)
+        self.renderer = ChatRenderer(get_renderer(renderer, tokenizer, model_name=base_model))
         env_ctx = EnvContext(self.renderer, cfg.group_size, cfg.eval.group_size, cfg.groups_per_batch, seed,
                              self.open_weights)
         self.train, self.test = self.build_datasets(env_ctx)
@@ -482,7 +483,7 @@ def _merge(parts: list[dict[str, float]]) -> dict[str, float]:
 def build(cfg: RL, args: BuildArgs) -> functools.partial[RLAlgo]:
     r = args.recipe
     return functools.partial(RLAlgo, cfg, seed=r.seed, base_model=r.model, max_steps=r.max_steps,
-                             reference_path=args.reference_path, weights=dict(args.weights))
+                             reference_path=args.reference_path, weights=dict(args.weights), renderer=r.renderer)
 
 
 def env_headline(cfg: RL) -> list[tuple[str, str]]:

@@ -48,7 +48,7 @@ class ChatEnv(Env):
         else:
             self._prompt = self.renderer.render(self.messages)
         self._last_reply = None
-        return list(self._prompt.tokens), list(self.renderer.stop_tokens)
+        return list(self._prompt.tokens), self.renderer.stop
 
     def take_reply(self, action_tokens: list[int]) -> ParsedReply:
         """Parse the sampled reply and append it to the conversation."""
