@@ -713,13 +713,10 @@ class Recipe(Base):
     if_exists: Literal["resume", "overwrite", "error"] = "resume"
     # Experiment tracking (e.g. log = {wandb = {project = "my-project"}}); off by default.
     log: Log = Log()
-<<<<<<< HEAD
     # Stand-ins for `--smoke` (offline, seconds): data, env, model, steps. Not used by a real run.
     smoke: Smoke | None = None
-=======
     # Evals pinned in the recipe ([[recipes.x.evals]]: kind = "math" | "nll" | "python"), see runner/engine/evals.py.
     evals: list[PinnedEval] = []
->>>>>>> h-envs
 
     def __post_init__(self) -> None:
         from runner.renderers.registry import names as renderer_names
