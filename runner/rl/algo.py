@@ -132,7 +132,7 @@ class RLAlgo:
         self.reference_path = reference_path
         self.renderer = ChatRenderer(get_renderer(renderer, tokenizer, model_name=base_model))
         env_ctx = EnvContext(self.renderer, cfg.group_size, cfg.eval.group_size, cfg.groups_per_batch, seed,
-                             self.open_weights)
+                             self.open_weights, self.open_model)
         self.train, self.test = self.build_datasets(env_ctx)
         full = len(self.train) * cfg.epochs
         self.total_steps = min(full, max_steps) if max_steps else full
@@ -159,6 +159,15 @@ class RLAlgo:
             assert self._backend is not None, "open_weights before prepare/final set the backend"
             self._opened[ref] = await self._backend.create_sampling_client(model_path=self.weights[ref])
         return self._opened[ref]
+
+    async def open_model(self, model_path: str | None, base_model: str | None) -> SamplingClient:
+        """A sampling client over a checkpoint path, else a base model (None: the recipe's own), opened once."""
+        key = f"path:{model_path}" if model_path else f"base:{base_model or self.base_model}"
+        if key not in self._opened:
+            assert self._backend is not None, "open_model before prepare/final set the backend"
+            self._opened[key] = await self._backend.create_sampling_client(
+                model_path=model_path, base_model=None if model_path else (base_model or self.base_model))
+        return self._opened[key]
 
     # ---------------------------------------------------------------- data position
 

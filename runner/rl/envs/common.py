@@ -30,6 +30,9 @@ class EnvContext:
     # A sampling client over another run's final weights, by the recipe's reference to it (a model judge's
     # init_from); set by the RL algorithm, which owns the backend. None outside a run.
     open_weights: Callable[[str], Awaitable[SamplingClient]] | None = None
+    # A sampling client over a checkpoint path, else a base model (None: the recipe's): open_model(path, base_model);
+    # set by the RL algorithm (a rubric judge). None outside a run.
+    open_model: Callable[[str | None, str | None], Awaitable[SamplingClient]] | None = None
 
 
 class ChatEnv(Env):
