@@ -351,7 +351,8 @@ class JudgeModel(Base, tag_field="kind", tag="model"):
     init_from: RecipeRef | None = None
     checkpoint: str | None = None
     model: str | None = None
-    max_tokens: PosInt = 64
+    # The judge's reply (the cookbook's grader gets 2048 to reason before its <score>).
+    max_tokens: PosInt = 256
     temperature: NonNegFloat = 0.0
 
     def __post_init__(self) -> None:

@@ -39,7 +39,9 @@ _TAGGED = re.compile(r"<score>\s*(.*?)\s*</score>", re.IGNORECASE | re.DOTALL)
 _FRACTION = re.compile(rf"({_NUM})\s*(?:/|out of)\s*({_NUM})", re.IGNORECASE)
 _LABELLED = re.compile(rf"\b(?:score|rating|grade)\s*[:=]?\s*({_NUM})", re.IGNORECASE)
 _BARE = re.compile(rf"^\s*({_NUM})\s*\.?\s*$")
-_VERDICT = re.compile(r"^\W*(?:verdict\s*:\s*|answer\s*:\s*)?(yes|no|pass|fail|true|false)\b", re.IGNORECASE)
+# A verdict word alone or followed by punctuation ("No." / "Yes, it does"), not "no idea".
+_VERDICT = re.compile(r"^\W*(?:verdict\s*:\s*|answer\s*:\s*)?(yes|no|pass|fail|true|false)\s*(?:[.,;:!]|$)",
+                      re.IGNORECASE)
 
 
 def _scaled(x: float) -> float | None:
@@ -62,7 +64,7 @@ def _fraction(text: str) -> float | None:
 def parse_score(text: str) -> float | None:
     """A score in [0, 1] from a judge's text, or None. Tried in order: the last `<score>x</score>` (x a number on
     0-1 or 0-10, or a fraction "7/10"); a fraction "7/10" / "7 out of 10"; "Score: x" (0-1, or 0-10 above 1); a
-    reply that is just a number; a reply that opens with yes/pass/true (1) or no/fail/false (0)."""
+    reply that is just a number; a reply that opens with the word yes/pass/true (1) or no/fail/false (0), alone or before punctuation."""
     tagged = _TAGGED.findall(text)
     if tagged:
         inner = tagged[-1]
