@@ -17,7 +17,7 @@ from backends.local.tiny import build_tokenizer
 from backends.types import SamplingParams
 from runner.engine.loop import run
 from runner.recipe.load import load_recipe
-from runner.recipe.schema import JudgeModel, Jsonl, PythonGrader, Rubric
+from runner.recipe.schema import Jsonl, JudgeModel, PythonGrader, Rubric
 from runner.rl.envs import EnvContext, build_datasets, get_batch
 from runner.rl.envs.rubric import ModelGrader, Problem, RubricEnv, keyword_grader, load_problems, parse_score
 from runner.rl.renderer import ChatRenderer
@@ -87,7 +87,7 @@ def test_python_grader_rewards() -> None:
     t = play(FunctionGrader(PythonGrader("test_env_rubric:text_grader")), "a good answer")
     assert t.reward == pytest.approx(0.8) and t.logs["judge_0"] == "Score: 8/10"
     t = play(FunctionGrader(PythonGrader("test_env_rubric:text_grader")), "bad")
-    assert t.reward == 0.0 and t.metrics["judge_unparsed"] == 1.0 and t.logs["item_0"].startswith("unparsed |")
+    assert t.reward == 0.0 and t.metrics["judge_unparsed"] == 1.0 and str(t.logs["item_0"]).startswith("unparsed |")
     # Cut at max_tokens: the format penalty.
     t = play(FunctionGrader(PythonGrader("test_env_rubric:constant_grader")), "Paris is the capital", max_tokens=3)
     assert t.reward == pytest.approx(0.15) and t.metrics["format"] == 0.0

@@ -165,7 +165,7 @@ def test_answer_without_prefix_and_wrong_answer() -> None:
 def test_malformed_call_costs_the_format_bonus() -> None:
     traj, prompts = play(cfg_of(), ["CALL calculator {expression: 17*23}", "Answer: 391"])
     first, last = traj.transitions
-    assert "malformed tool call" in prompts[1] and "not JSON" in first.logs["malformed_0"]
+    assert "malformed tool call" in prompts[1] and "not JSON" in str(first.logs["malformed_0"])
     assert last.metrics["malformed"] == 1.0 and last.metrics["tool_calls"] == 0.0
     assert last.metrics["correct"] == 1.0 and last.metrics["format"] == 0.0
     assert last.reward == pytest.approx(0.9)
@@ -207,7 +207,7 @@ def test_search_tool_in_an_episode() -> None:
 def test_long_results_are_cut() -> None:
     cfg = cfg_of(tools=["search"], docs=DOCS, max_result_chars=20)
     traj, _ = play(cfg, ['CALL search {"query": "Eiffel"}', "Answer: 391"])
-    assert len(traj.transitions[0].logs["tool_result_0"]) == 21
+    assert len(str(traj.transitions[0].logs["tool_result_0"])) == 21
 
 
 # ---------------------------------------------------------------- the Qwen3 tool format

@@ -31,7 +31,17 @@ from runner.recipe.schema import (
     TwentyQuestions,
 )
 from runner.recipe.targets import args_mismatch, import_target
-from runner.rl.envs import arithmetic, code, guess_number, math, preference, rubric, tictactoe, tool_use, twenty_questions
+from runner.rl.envs import (
+    arithmetic,
+    code,
+    guess_number,
+    math,
+    preference,
+    rubric,
+    tictactoe,
+    tool_use,
+    twenty_questions,
+)
 from runner.rl.envs.common import EnvContext
 from runner.rl.rollouts import describe_error
 from runner.rl.types import EnvGroupBuilder, RLDataset
