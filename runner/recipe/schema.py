@@ -371,7 +371,7 @@ class Rubric(EnvBase, kw_only=True):
     mean item score in [0, 1] + format_coef·(ended_on_stop − 1); judge text that gives no score counts 0
     (runner/rl/envs/rubric.py)."""
 
-    # Rows {prompt or messages, rubric: [items] or one string}.
+    # Rows {prompt or messages, rubric: [items] or one string}, or the cookbook's {convo, rubric_items: [{rubric_str}]}.
     data: DataSource
     test_data: DataSource | None = None
     judge: JudgeModel | PythonGrader = JudgeModel()

@@ -212,14 +212,17 @@ def load_problems(source: Any) -> list[Problem]:
     for row, w in zip(rows, where, strict=True):
         if not isinstance(row, dict):
             raise UserError(f"{w}: expected an object with `prompt` (or `messages`) and `rubric`")
-        if "messages" in row:
-            messages = messages_of(row["messages"], w, "messages")
+        key = "messages" if "messages" in row else "convo"  # "convo": the cookbook's RubricDatapoint
+        if key in row:
+            messages = messages_of(row[key], w, key)
         elif isinstance(row.get("prompt"), str) and row["prompt"].strip():
             messages = [{"role": "user", "content": row["prompt"]}]
         else:
             raise UserError(f"{w}: expected a non-empty `prompt` or a `messages` list")
-        rubric = row.get("rubric")
+        rubric = row.get("rubric", row.get("rubric_items"))
         items = [rubric] if isinstance(rubric, str) else rubric
+        if isinstance(items, list):  # the cookbook's items are {"rubric_str": ...} (its own score regex is not used)
+            items = [i.get("rubric_str") if isinstance(i, dict) else i for i in items]
         if not isinstance(items, list) or not items or not all(isinstance(i, str) and i.strip() for i in items):
             raise UserError(f"{w}: `rubric` must be a non-empty string or a list of non-empty strings")
         out.append(Problem(tuple(messages), tuple(items), w))

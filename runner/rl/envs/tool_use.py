@@ -191,7 +191,8 @@ def load_problems(source: Any) -> list[Problem]:
         question = row.get("question") or row.get("prompt") if isinstance(row, dict) else None
         if not isinstance(question, str) or not question.strip():
             raise UserError(f"{w}: expected an object with a non-empty `question`")
-        answers = _answer_list(row.get("answer", row.get("answers")))
+        # "golden_answers": the Search-R1 / NQ-HotpotQA rows the cookbook's search_tool trains on.
+        answers = _answer_list(row.get("answer", row.get("answers", row.get("golden_answers"))))
         if not answers:
             raise UserError(f"{w}: expected an `answer` (a string, a number or a list of them)")
         out.append(Problem(question, tuple(answers), w))
