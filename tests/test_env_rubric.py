@@ -204,3 +204,33 @@ def test_base_model_judge_two_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     logs = json.loads((tmp_path / "run" / "iteration_000000" / "train_rollout_summaries.jsonl").read_text()
                       .splitlines()[0])["steps"][0]["logs"]  # fmt: skip
     assert "judge_0" in logs
+
+
+def test_chained_judge_runs_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """judge = {kind = "model", init_from = "#judge"}: `runner run` trains the judge first and grades with its final
+    weights (runner/engine/chain.py finds the reference like the preference env's)."""
+    from runner.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r.toml").write_text(f"""
+[recipes.judge]
+max_steps = 1
+algo = {{ kind = "sft", data = {{ kind = "jsonl", path = "{ROOT / 'examples/data/chat_sft.jsonl'}" }} }}
+
+[recipes.pol]
+max_steps = 1
+[recipes.pol.algo]
+kind = "rl"
+group_size = 2
+groups_per_batch = 2
+max_tokens = 4
+[recipes.pol.algo.env]
+kind = "rubric"
+data = {{ kind = "jsonl", path = "{PROMPTS.path}" }}
+test_size = 2
+judge = {{ kind = "model", init_from = "#judge", max_tokens = 4 }}
+""")
+    assert main(["run", "r.toml#pol"]) == 0
+    assert (tmp_path / "runs" / "judge" / "metrics.jsonl").exists()
+    ms = [json.loads(line) for line in (tmp_path / "runs" / "pol" / "metrics.jsonl").read_text().splitlines()]
+    assert any("env/all/judge_unparsed" in m for m in ms)

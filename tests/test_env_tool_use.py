@@ -232,6 +232,24 @@ def test_qwen3_tool_format() -> None:
     assert traj.transitions[-1].metrics["malformed"] == 1.0 and traj.transitions[-1].reward == pytest.approx(0.9)
 
 
+@pytest.mark.parametrize(("renderer_name", "tok_name", "declared", "call"), [
+    ("deepseekv3", "qwendeepseek", "### calculator\nDescription: Evaluate",
+     "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>calculator<｜tool▁sep｜>{\"expression\": \"17 * 23\"}"
+     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+    ("kimi_k2", "harmonykimi", "<|im_system|>tool_declare<|im_middle|>[{\"function\":{\"description\"",
+     "<|tool_calls_section_begin|><|tool_call_begin|>functions.calculator:0<|tool_call_argument_begin|>"
+     "{\"expression\": \"17 * 23\"}<|tool_call_end|><|tool_calls_section_end|>"),
+])  # fmt: skip
+def test_deepseek_and_kimi_tool_formats(renderer_name: str, tok_name: str, declared: str, call: str) -> None:
+    tok = renderer_tokenizers.tokenizer(tok_name)
+    renderer = ChatRenderer(get_renderer(renderer_name, tok))
+    traj, prompts = play(cfg_of(), [call, "Answer: 391"], renderer=renderer, tok=tok)
+    assert declared in prompts[0] and "CALL" not in prompts[0]
+    assert "391" in prompts[1][len(prompts[0]):] and prompts[1].startswith(prompts[0])
+    assert traj.transitions[0].logs["tool_call_0"] == 'calculator({"expression": "17 * 23"})'
+    assert traj.transitions[-1].reward == 1.0
+
+
 # ---------------------------------------------------------------- config and data
 
 
