@@ -223,9 +223,10 @@ def load_problems(source: Any) -> list[Problem]:
         items = [rubric] if isinstance(rubric, str) else rubric
         if isinstance(items, list):  # the cookbook's items are {"rubric_str": ...} (its own score regex is not used)
             items = [i.get("rubric_str") if isinstance(i, dict) else i for i in items]
-        if not isinstance(items, list) or not items or not all(isinstance(i, str) and i.strip() for i in items):
+        texts = [i for i in items if isinstance(i, str) and i.strip()] if isinstance(items, list) else []
+        if not texts or len(texts) != len(items or []):
             raise UserError(f"{w}: `rubric` must be a non-empty string or a list of non-empty strings")
-        out.append(Problem(tuple(messages), tuple(items), w))
+        out.append(Problem(tuple(messages), tuple(texts), w))
     return out
 
 
