@@ -221,7 +221,11 @@ def make_tools(cfg: ToolUse) -> dict[str, Tool]:
         elif entry in builtins:
             tool = tool_from_function(builtins[entry], f"tool {entry!r}")
         else:
-            tool = tool_from_function(import_target(entry), f"tool {entry!r}")
+            try:
+                fn = import_target(entry)
+            except UserError as e:
+                raise UserError(f"tool_use env: tools: {e}") from None
+            tool = tool_from_function(fn, f"tool {entry!r}")
         if tool.name in tools:
             raise UserError(f"tool_use env: two tools are named {tool.name!r}")
         tools[tool.name] = tool
