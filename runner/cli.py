@@ -122,6 +122,18 @@ def _parser() -> argparse.ArgumentParser:
     smoke.add_argument("file", metavar="FILE", help="a recipe file")
     smoke.add_argument("names", nargs="*", metavar="NAME", help="recipes to smoke (default: all)")
     smoke.set_defaults(command=cmd_smoke)
+    render = sub.add_parser(
+        "render",
+        help="print the first rows of a recipe's data as the trainer sees them (tokens, weights)",
+        description="The first N rows of the recipe's data rendered with its renderer: tokens colored by weight "
+        "(green = trained) on a terminal, else (or with --json) one {\"tokens\", \"weights\"} object per line. "
+        "DPO and the reward model: each side of a comparison; RL: the env's first prompts. docs/renderers.md says "
+        "which renderer to pick.",
+    )
+    _ref_and_overrides(render)
+    render.add_argument("--n", type=int, default=3, help="rows to show (default 3)")
+    render.add_argument("--json", action="store_true", help="one JSON object per line, also on a terminal")
+    render.set_defaults(command=cmd_render)
 
     serve = sub.add_parser(
         "serve",
@@ -439,6 +451,13 @@ def _lr_note(ref: str, overrides: Sequence[str]) -> str:
 
     path, name, raw = pick(ref)
     return auto_note(apply_overrides(raw, overrides, f"{path}#{name}")) or ""
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from runner.renderers.show import render_command
+
+    render_command(args.ref, args.overrides, args.n, args.json, sys.stdout)
+    return 0
 
 
 def cmd_list(args: argparse.Namespace) -> int:

@@ -65,8 +65,8 @@ BAD_RECIPES = [
     (
         f'lro = 1e-3\nalgo = {{kind = "sft", {DATA}}}',
         ("recipes.toml#sl_basic: lro: unknown key; did you mean `lr`? (valid: algo, backend, depth, eval_every, "
-        "evals, if_exists, init_from, log, log_dir, lora, lr, max_steps, model, optim, save_every, schedule, seed, smoke, "
-        "tokenizer)"),
+        "evals, if_exists, init_from, log, log_dir, lora, lr, max_steps, model, optim, renderer, save_every, schedule, seed, "
+        "smoke, tokenizer)"),
     ),
     (
         f'algo = {{kind = "sft", {DATA}}}\nlora = {{zzz = 1}}',
@@ -198,7 +198,8 @@ BAD_RECIPES = [
     (
         f'algo = {{kind = "sft", {DATA}, train_on_what = "assistant"}}',
         ("recipes.toml#sl_basic: algo.train_on_what: invalid choice 'assistant'; "
-        "expected one of: all_assistant_messages, all_messages, last_assistant_message"),
+        "expected one of: all_assistant_messages, all_messages, all_tokens, all_user_and_system_messages, customized, "
+        "last_assistant_message, last_assistant_turn"),
     ),
 ]
 

@@ -9,6 +9,7 @@ The backend tables (`backend = {kind = ...}`) are declared by each backend (back
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_args
 
 import msgspec
@@ -131,9 +132,11 @@ class SFT(AlgoBase):
     # Truncate rendered conversations (tokens) from the right. Always set (TOML has no null): use a
     # large value to keep whole conversations.
     max_length: PosInt = 1024
-    train_on_what: Literal["last_assistant_message", "all_assistant_messages", "all_messages"] = (
-        "all_assistant_messages"
-    )
+    # Which tokens carry loss (the cookbook's TrainOnWhat): "last_assistant_turn" = the assistant messages after
+    # the last user one; "all_messages" = every message's content, not its role header ("hf": every token);
+    # "all_tokens" = everything; "customized" = the messages with "trainable": true.
+    train_on_what: Literal["last_assistant_message", "last_assistant_turn", "all_assistant_messages", "all_messages",
+                           "all_tokens", "all_user_and_system_messages", "customized"] = "all_assistant_messages"
     # "mean": each conversation's token weights sum to 1 (the cookbook's default); "none": 1 per token.
     reduction: Literal["mean", "none"] = "mean"
     # Rows held out (after the seeded shuffle) for the eval NLL; 0 = no eval.
@@ -297,6 +300,75 @@ class Code(EnvBase, kw_only=True):
     max_parallel: PosInt | None = None
 
 
+BUILTIN_TOOLS = ("calculator", "search")
+
+
+class ToolUse(EnvBase, tag="tool_use", kw_only=True):
+    """Multi-turn tool calling (cookbook search_tool): the model may call `tools` (in the renderer's tool format, or
+    `CALL name {json}` lines where it has none) up to max_turns, then answers; reward = correct + format_coef·(format
+    − 1), format = an answer after `answer_prefix` and no malformed call (runner/rl/envs/tool_use.py)."""
+
+    # Rows {question, answer}: answer a string, a number or a list of accepted answers.
+    data: DataSource
+    test_data: DataSource | None = None
+    # Built-ins ("calculator", "search") and "pkg.mod:fn" functions (docstring + typed args -> a JSON-schema spec).
+    tools: Annotated[list[str], Meta(min_length=1)] = msgspec.field(default_factory=lambda: ["calculator"])
+    # The `search` tool's collection: rows {id, title, text}.
+    docs: DataSource | None = None
+    top_k: PosInt = 3
+    # Assistant turns per episode (tool-calling turns plus the answer).
+    max_turns: PosInt = 4
+    # The final answer is the text after the last `answer_prefix` (case-insensitive); "": the whole final reply.
+    answer_prefix: str = "Answer:"
+    # Prepended as the system prompt (with the tool declarations); None: a short default.
+    system_prompt: str | None = None
+    format_coef: NonNegFloat = 0.1
+    # Characters of a tool result shown to the model.
+    max_result_chars: PosInt = 1000
+    tool_timeout_s: PosFloat = 10.0
+
+    def __post_init__(self) -> None:
+        for tool in self.tools:
+            if tool not in BUILTIN_TOOLS and re.fullmatch(TARGET_PATTERN, tool) is None:
+                raise ValueError(f"tool {tool!r} is neither a built-in {list(BUILTIN_TOOLS)} nor 'pkg.mod:fn'")
+        if "search" in self.tools and self.docs is None:
+            raise ValueError("the search tool needs `docs`, a data source of {id, title, text} rows")
+
+
+class JudgeModel(Base, tag_field="kind", tag="model"):
+    """A model that grades in text: a chained run's final weights (init_from), a saved sampler checkpoint, or a base
+    model (`model`; default the recipe's own)."""
+
+    init_from: RecipeRef | None = None
+    checkpoint: str | None = None
+    model: str | None = None
+    # The judge's reply (the cookbook's grader gets 2048 to reason before its <score>).
+    max_tokens: PosInt = 256
+    temperature: NonNegFloat = 0.0
+
+    def __post_init__(self) -> None:
+        if self.init_from is not None and self.checkpoint is not None:
+            raise ValueError("give init_from or checkpoint, not both")
+
+
+class PythonGrader(Base, tag_field="kind", tag="python"):
+    """fn(messages, reply, item) -> a score in [0, 1] (number or bool), or a judge's text (parsed as a model's)."""
+
+    target: Target
+
+
+class Rubric(EnvBase, kw_only=True):
+    """Single turn; a judge grades the reply against each rubric item of its prompt (cookbook rubric recipe): reward =
+    mean item score in [0, 1] + format_coef·(ended_on_stop − 1); judge text that gives no score counts 0
+    (runner/rl/envs/rubric.py)."""
+
+    # Rows {prompt or messages, rubric: [items] or one string}, or the cookbook's {convo, rubric_items: [{rubric_str}]}.
+    data: DataSource
+    test_data: DataSource | None = None
+    judge: JudgeModel | PythonGrader = JudgeModel()
+    format_coef: NonNegFloat = 0.1
+
+
 class PythonEnv(EnvBase, tag="python", kw_only=True):
     """User code: target "pkg.mod:fn" is called as fn(**args) and returns a dataset builder, a callable
     builder(ctx: runner.rl.envs.EnvContext) -> (train: RLDataset, test: RLDataset | None).
@@ -306,7 +378,7 @@ class PythonEnv(EnvBase, tag="python", kw_only=True):
     args: dict[str, Any] = {}
 
 
-Env = Arithmetic | GuessNumber | TwentyQuestions | TicTacToe | Preference | Math | Code | PythonEnv
+Env = Arithmetic | GuessNumber | TwentyQuestions | TicTacToe | Preference | Math | Code | ToolUse | Rubric | PythonEnv
 
 
 # ---------------------------------------------------------------- RL: losses (the registry: backends/losses.py)
@@ -670,6 +742,10 @@ class Recipe(Base):
     model: str = "tiny"
     # Tokenizer folder or name when it differs from the model's (e.g. offline use of a Tinker model).
     tokenizer: str | None = None
+    # How conversations become tokens, for every algorithm (docs/renderers.md): "auto" = the cookbook's renderer
+    # for the model name, else the tokenizer's chat template ("hf"), else "role_colon" (a base model); or a
+    # renderer by name ("llama3", "qwen3", "qwen3_disable_thinking", "deepseekv3", "gpt_oss_no_sysprompt", ...).
+    renderer: str = "auto"
     backend: Backend = Local()
     seed: int = 0
     # Peak learning rate, or "auto": the cookbook's get_lr(model) for LoRA, resolved when the recipe loads
@@ -705,5 +781,9 @@ class Recipe(Base):
     evals: list[PinnedEval] = []
 
     def __post_init__(self) -> None:
+        from runner.renderers.registry import names as renderer_names
+
+        if self.renderer not in renderer_names():
+            raise ValueError(f"renderer {self.renderer!r} is unknown; choose one of: {', '.join(renderer_names())}")
         if isinstance(self.algo, RL) and isinstance(self.algo.mode, Async) and self.depth == 0:
             raise ValueError("algo.mode async samples while the previous step trains: it needs depth >= 1")

@@ -52,6 +52,7 @@ from backends.types import AdamParams, Datum, ForwardBackwardOutput, LossFn, Opt
 from runner.algos import AlgoSpec, BuildArgs
 from runner.recipe.schema import RL, Async, ModelJudge, Preference, PythonLoss, ReferenceKL, Stream
 from runner.recipe.targets import import_object
+from runner.renderers import get_renderer
 from runner.rl import transcripts
 from runner.rl.advantages import compute_advantages, remove_constant_reward_groups
 from runner.rl.datums import assemble_datums
@@ -131,7 +132,7 @@ class RLAlgo:
 
     def __init__(self, cfg: Any, tokenizer: Any, *, seed: int = 0, base_model: str = "tiny",
                  reference_path: str | None = None,
-                 max_steps: int | None = None, weights: dict[str, str] | None = None):
+                 max_steps: int | None = None, weights: dict[str, str] | None = None, renderer: str = "auto"):
         self.cfg, self.seed, self.base_model = cfg, seed, base_model
         # Final sampler weights of the runs the recipe names (a model judge), by reference; opened on demand.
         self.weights = weights or {}
@@ -139,9 +140,9 @@ class RLAlgo:
         self._backend: Any = None
         # The KL penalty's reference: the initial weights (a chained recipe's upstream weights, else the base model).
         self.reference_path = reference_path
-        self.renderer = ChatRenderer(tokenizer)
+        self.renderer = ChatRenderer(get_renderer(renderer, tokenizer, model_name=base_model))
         env_ctx = EnvContext(self.renderer, cfg.group_size, cfg.eval.group_size, cfg.groups_per_batch, seed,
-                             self.open_weights)
+                             self.open_weights, self.open_model)
         self.train, self.test = self.build_datasets(env_ctx)
         full = len(self.train) * cfg.epochs
         self.total_steps = min(full, max_steps) if max_steps else full
@@ -168,6 +169,15 @@ class RLAlgo:
             assert self._backend is not None, "open_weights before prepare/final set the backend"
             self._opened[ref] = await self._backend.create_sampling_client(model_path=self.weights[ref])
         return self._opened[ref]
+
+    async def open_model(self, model_path: str | None, base_model: str | None) -> SamplingClient:
+        """A sampling client over a checkpoint path, else a base model (None: the recipe's own), opened once."""
+        key = f"path:{model_path}" if model_path else f"base:{base_model or self.base_model}"
+        if key not in self._opened:
+            assert self._backend is not None, "open_model before prepare/final set the backend"
+            self._opened[key] = await self._backend.create_sampling_client(
+                model_path=model_path, base_model=None if model_path else (base_model or self.base_model))
+        return self._opened[key]
 
     # ---------------------------------------------------------------- data position
 
@@ -493,7 +503,7 @@ def build(cfg: RL, args: BuildArgs) -> functools.partial[RLAlgo]:
     r = args.recipe
     loss_of(cfg)  # a user's loss: imported and registered before any model loads
     return functools.partial(RLAlgo, cfg, seed=r.seed, base_model=r.model, max_steps=r.max_steps,
-                             reference_path=args.reference_path, weights=dict(args.weights))
+                             reference_path=args.reference_path, weights=dict(args.weights), renderer=r.renderer)
 
 
 def env_headline(cfg: RL) -> list[tuple[str, str]]:
