@@ -35,7 +35,7 @@ algo = {kind = "sft", data = {kind = "jsonl", path = "data.jsonl"}}
 def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A working directory holding data.jsonl; recipe paths are relative to it, like the CLI's."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "data.jsonl").write_text('{"messages": []}\n')
+    (tmp_path / "data.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     return tmp_path
 
 
@@ -65,7 +65,8 @@ BAD_RECIPES = [
     (
         f'lro = 1e-3\nalgo = {{kind = "sft", {DATA}}}',
         ("recipes.toml#sl_basic: lro: unknown key; did you mean `lr`? (valid: algo, backend, depth, eval_every, "
-        "if_exists, init_from, log, log_dir, lora, lr, max_steps, model, optim, renderer, save_every, schedule, seed, tokenizer)"),
+        "if_exists, init_from, log, log_dir, lora, lr, max_steps, model, optim, renderer, save_every, schedule, seed, "
+        "smoke, tokenizer)"),
     ),
     (
         f'algo = {{kind = "sft", {DATA}}}\nlora = {{zzz = 1}}',
@@ -176,11 +177,11 @@ BAD_RECIPES = [
     (
         'algo = {kind = "sft"}',
         ('recipes.toml#sl_basic: algo.data: missing key; write e.g. data = {kind = "jsonl"} '
-        "(kind one of: hf, jsonl, python, run_output)"),
+        "(kind one of: file, hf, jsonl, python, run_output)"),
     ),
     (
         'algo = {kind = "sft", data = {path = "data.jsonl"}}',
-        "recipes.toml#sl_basic: algo.data.kind: missing key; expected one of: hf, jsonl, python, run_output",
+        "recipes.toml#sl_basic: algo.data.kind: missing key; expected one of: file, hf, jsonl, python, run_output",
     ),
     (
         'algo = {kind = "sft", data = {kind = "jsonl"}}',
@@ -461,7 +462,7 @@ def test_relative_data_path_falls_back_to_the_recipe_files_folder(tmp_path: Path
     proj, elsewhere = tmp_path / "proj", tmp_path / "elsewhere"
     (proj / "data").mkdir(parents=True)
     elsewhere.mkdir()
-    (proj / "data" / "rows.jsonl").write_text('{"messages": []}\n')
+    (proj / "data" / "rows.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     (proj / "r.toml").write_text('[recipes.x.algo]\nkind = "sft"\ndata = {kind = "jsonl", path = "data/rows.jsonl"}\n')
     monkeypatch.chdir(elsewhere)
     recipe = load_recipe(str(proj / "r.toml"))[1]

@@ -21,7 +21,7 @@ from runner.renderers import (
     register,
 )
 from runner.renderers.auto import MODEL_RENDERERS
-from runner.renderers.registry import _REGISTRY
+from runner.renderers.base import REGISTRY
 from runner.renderers.role_colon import RoleColonRenderer
 
 
@@ -47,7 +47,7 @@ def test_register_adds_a_renderer_in_one_place() -> None:
         with pytest.raises(ValueError, match="twice"):
             register("test_shouty")(Shouty)
     finally:
-        del _REGISTRY["test_shouty"]
+        del REGISTRY["test_shouty"]
 
 
 def test_auto() -> None:

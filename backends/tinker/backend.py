@@ -19,7 +19,7 @@ import logging
 import os
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import tinker
@@ -40,9 +40,6 @@ from backends.types import (
     SampleOutput,
     SamplingParams,
 )
-
-if TYPE_CHECKING:
-    from backends.tinker.config import Tinker
 
 log = logging.getLogger(__name__)
 
@@ -289,10 +286,21 @@ class TinkerTrainingClient:
                      lambda c: TinkerSamplingClient(c, self._key, request), request, self._key)
 
 
+class TinkerOptions(Protocol):
+    """What the backend reads of its recipe table (config.Tinker, which makes the backend): a Protocol rather
+    than an import of config.py, so the two modules form no circle."""
+
+    @property
+    def base_url(self) -> str | None: ...
+
+    @property
+    def ttl_seconds(self) -> int: ...
+
+
 class TinkerBackend:
     """The Tinker service. Constructing it checks the key and makes no network call."""
 
-    def __init__(self, cfg: Tinker, model: str, tokenizer: str | None = None):
+    def __init__(self, cfg: TinkerOptions, model: str, tokenizer: str | None = None):
         self._key = api_key_from_env()
         self.model = model
         self._tokenizer_name = tokenizer

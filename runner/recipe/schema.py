@@ -17,6 +17,11 @@ from msgspec import Meta
 from backends.config import ConfigStruct
 from backends.local.config import Local
 from backends.tinker.config import Tinker
+from runner.recipe.sources import HF as HF  # the file/hub data sources, re-exported
+from runner.recipe.sources import DataBase as DataBase
+from runner.recipe.sources import File as File
+from runner.recipe.sources import Jsonl as Jsonl
+from runner.recipe.sources import Mapped as Mapped
 
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
@@ -87,22 +92,7 @@ Schedule = Constant | Linear | Cosine
 
 # ---------------------------------------------------------------- data sources
 
-class DataBase(Base, tag_field="kind", tag=str.lower):
-    pass
-
-
-class Jsonl(DataBase):
-    """A local JSONL file, one example per line; relative paths are relative to the working directory."""
-
-    path: str
-
-
-class HF(DataBase):
-    """A Hugging Face dataset by hub name (needs the hub, or its offline cache) or a local dataset folder."""
-
-    name: str
-    split: str = "train"
-    subset: str | None = None
+# DataBase and the file/hub sources (jsonl, file, hf: format, fields, streaming) are in runner/recipe/sources.py.
 
 
 class Python(DataBase):
@@ -118,7 +108,7 @@ class RunOutput(DataBase, tag="run_output"):
     run: RecipeRef
 
 
-DataSource = Jsonl | HF | Python | RunOutput
+DataSource = Jsonl | File | HF | Python | RunOutput
 
 
 # ---------------------------------------------------------------- algorithms
@@ -556,6 +546,26 @@ class Log(Base):
     wandb: WandB | None = None
 
 
+# ---------------------------------------------------------------- smoke stand-ins (runner/tools/smoke.py)
+
+
+class Smoke(Base):
+    """What `runner run FILE#name --smoke` and `runner smoke FILE` use in place of what needs the network or time."""
+
+    # Stand-in data by the key path of each data source in the recipe, e.g. {"algo.data" = {kind = "jsonl", path =
+    # "examples/data/chat_sft.jsonl"}} or "algo.datasets[1].prompts". Default: the recipe's own data when it is local.
+    data: dict[str, DataSource] = {}
+    # Stand-in RL environment (replaces algo.env).
+    env: Env | None = None
+    # Stand-in base model ("tiny" or a local folder). Default: a small random-init model of the recipe model's
+    # family when its config and tokenizer are local (a folder or the Hugging Face cache), else "tiny".
+    model: str | None = None
+    # Steps of each smoked stage.
+    steps: Annotated[int, Meta(ge=1, le=100)] = 2
+    # Any other key, as on the command line: {"algo.max_tokens" = 8}; applied last.
+    overrides: dict[str, Any] = {}
+
+
 # ---------------------------------------------------------------- the recipe
 
 class Recipe(Base):
@@ -572,7 +582,8 @@ class Recipe(Base):
     renderer: str = "auto"
     backend: Backend = Local()
     seed: int = 0
-    # Peak learning rate.
+    # Peak learning rate, or "auto": the cookbook's get_lr(model) for LoRA, resolved when the recipe loads
+    # (runner/recipe/lr.py; `runner show` says so).
     lr: PosFloat = 1e-4
     # Cap on optimizer steps (default: every batch of every epoch).
     max_steps: PosInt | None = None
@@ -599,6 +610,8 @@ class Recipe(Base):
     if_exists: Literal["resume", "overwrite", "error"] = "resume"
     # Experiment tracking (e.g. log = {wandb = {project = "my-project"}}); off by default.
     log: Log = Log()
+    # Stand-ins for `--smoke` (offline, seconds): data, env, model, steps. Not used by a real run.
+    smoke: Smoke | None = None
 
     def __post_init__(self) -> None:
         from runner.renderers.registry import names as renderer_names

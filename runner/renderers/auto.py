@@ -37,8 +37,5 @@ def pick_renderer(model_name: str, tokenizer: Any) -> str:
     """The renderer name `auto` resolves to for `model_name` with `tokenizer`."""
     name = MODEL_RENDERERS.get(model_name.split(":", 1)[0])
     if name is not None:
-        from runner.renderers.registry import names
-
-        if name in names():
-            return name
+        return name
     return "hf" if getattr(tokenizer, "chat_template", None) else "role_colon"

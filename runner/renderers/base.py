@@ -19,9 +19,10 @@ import json
 import logging
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 from backends.errors import UserError
 
@@ -245,6 +246,30 @@ class Renderer(ABC):
 
     def decode(self, tokens: list[int]) -> str:
         return str(self.tokenizer.decode(tokens))
+
+
+# --- the table of renderers by name (runner/renderers/registry.py builds from it) -------------------------------
+Factory = Callable[[Any], Renderer]
+REGISTRY: dict[str, Factory] = {}
+AUTO = "auto"  # the name the recipe accepts besides the registered ones (runner/renderers/auto.py resolves it)
+_T = TypeVar("_T")
+
+
+def register(name: str) -> Callable[[_T], _T]:
+    """Class decorator: `name` builds this Renderer subclass from a tokenizer."""
+
+    def add(cls: _T) -> _T:
+        add_renderer(name, cls)  # type: ignore[arg-type]
+        return cls
+
+    return add
+
+
+def add_renderer(name: str, factory: Factory) -> None:
+    """`name` builds `factory(tokenizer)` (a variant of a class with other arguments). Names are unique."""
+    if name in REGISTRY or name == AUTO:
+        raise ValueError(f"renderer {name!r} is registered twice")
+    REGISTRY[name] = factory
 
 
 def _last_user_index(messages: list[Message]) -> int:
