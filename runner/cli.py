@@ -216,7 +216,8 @@ def _talk_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
     ev = sub.add_parser("eval", help="run the recipe's evaluators on a checkpoint",
                         description="The recipe's held-out evals (SFT test/nll, RL test reward, DPO and reward-model "
-                        "test/accuracy, distillation test/teacher_kl) on one checkpoint; appended to evals.jsonl.")
+                        "test/accuracy, distillation test/teacher_kl) and its pinned [[evals]] on one checkpoint; "
+                        "appended to evals.jsonl.")
     ev.add_argument("target", metavar="RUN_DIR|FILE#NAME", help=target_help)
     ev.add_argument("--checkpoint", metavar="NAME", help="a checkpoint by name; default: the last one")
     ev.set_defaults(command=cmd_eval)

@@ -65,8 +65,8 @@ BAD_RECIPES = [
     (
         f'lro = 1e-3\nalgo = {{kind = "sft", {DATA}}}',
         ("recipes.toml#sl_basic: lro: unknown key; did you mean `lr`? (valid: algo, backend, depth, eval_every, "
-        "if_exists, init_from, log, log_dir, lora, lr, max_steps, model, optim, renderer, save_every, schedule, seed, "
-        "smoke, tokenizer)"),
+        "evals, if_exists, init_from, log, log_dir, lora, lr, max_steps, model, optim, renderer, save_every, schedule, "
+        "seed, smoke, tokenizer)"),
     ),
     (
         f'algo = {{kind = "sft", {DATA}}}\nlora = {{zzz = 1}}',
@@ -536,8 +536,8 @@ RL_ERRORS = [
      "algo: stream mode: groups_per_batch must split evenly into num_substeps × minibatches"),
     (['algo.loss={kind="ppo", clip_low=1.5}'], "algo.loss: clip_low must be < clip_high"),
     (["algo.env.kind=chess"],
-     ("algo.env.kind: invalid choice 'chess'; expected one of: arithmetic, guess_number, preference, python, "
-     "tictactoe, twenty_questions")),
+     ("algo.env.kind: invalid choice 'chess'; expected one of: arithmetic, code, guess_number, math, preference, "
+     "python, tictactoe, twenty_questions")),
 ]
 
 

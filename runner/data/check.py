@@ -19,7 +19,9 @@ from runner.data.conversations import conversation
 from runner.data.files import iter_rows
 from runner.data.formats import AUTO, FORMATS, FormatError, map_row, resolve_format
 from runner.data.problems import problem
-from runner.recipe.schema import HF, DataSource, File, Jsonl
+from runner.recipe.explain import dotted
+from runner.recipe.load import structs
+from runner.recipe.schema import HF, DataBase, DataSource, File, Jsonl, Recipe
 
 STREAMING_ROWS = 1000
 SHAPES = ("conversation", "comparison", "problem")
@@ -28,6 +30,16 @@ SHAPES = ("conversation", "comparison", "problem")
 # Sources already checked, by (the source's table, its path's size and mtime): a sweep checks every point, and its
 # points mostly share their data.
 _CHECKED: dict[tuple[bytes, tuple[int, int]], int] = {}
+
+
+def check_data(recipe: Recipe, where: str) -> None:
+    """Every data source of a recipe checked (check_source); UserError prefixed with `where` and the key path."""
+    for path, node in structs(recipe, ()):
+        if isinstance(node, DataBase):
+            try:
+                check_source(node)  # pyright: ignore[reportArgumentType] (every DataBase is a DataSource)
+            except UserError as e:
+                raise UserError(f"{where}: {dotted(list(path))}: {e}") from None
 
 
 def check_source(source: DataSource) -> int:

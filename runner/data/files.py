@@ -282,14 +282,22 @@ def _call_python(target: str, args: dict[str, Any]) -> list[Any]:
 
 
 def _read_run_output(ref: str) -> Iterator[Located]:
-    """The rows a generate run wrote (generated/step_*.jsonl, in step order)."""
-    from runner.engine.chain import resolve_ref  # reads run dirs: only for run_output sources
-    from runner.engine.rundir import output_files
+    """The rows a generate run wrote (generated/step_*.jsonl, in step order). `ref` is absolute (loading made it so):
+    "/abs/file.toml#name" (that recipe's run dir) or a run dir."""
+    from runner.recipe.load import load_recipe
+    from runner.recipe.refs import output_files, run_dir_path
 
-    stage = resolve_ref(ref, f"run_output {ref!r}")
-    files = output_files(stage.run_dir)
+    file, sep, _ = ref.rpartition("#")
+    if sep:
+        if not Path(file).is_file():
+            raise UserError(f"run_output {ref!r}: recipe file not found: {file or '(this file)'}")
+        name, recipe = load_recipe(ref)
+        run_dir, label = run_dir_path(recipe, name).resolve(), f"#{name}"
+    else:
+        run_dir = label = Path(ref)
+    files = output_files(Path(run_dir))
     if not files:
-        raise UserError(f"run_output {stage.label}: {stage.run_dir} has generated nothing yet; `runner run` of this "
+        raise UserError(f"run_output {label}: {run_dir} has generated nothing yet; `runner run` of this "
                         "recipe runs it first")
     for f in files:
         yield from read_jsonl(f)

@@ -31,7 +31,7 @@ from backends.errors import UserError
 from runner.recipe.explain import NAME, child, convert, dotted, got, info, is_ref, is_str, is_target
 from runner.recipe.lr import resolve_auto
 from runner.recipe.refs import absolute_ref
-from runner.recipe.schema import DataBase, File, Jsonl, Recipe
+from runner.recipe.schema import File, Jsonl, Recipe
 from runner.recipe.targets import args_mismatch, import_target
 
 DEFAULT_FILE = "recipes.toml"
@@ -287,18 +287,12 @@ def _drop_none(v: Any) -> Any:
 
 def check_recipe(recipe: Recipe, where: str) -> None:
     """What decoding cannot see: data files exist (relative to the working directory) and every
-    `Target` field imports and is callable. Raises UserError prefixed with `where` ('FILE#name')."""
+    `Target` field imports and is callable. Raises UserError prefixed with `where` ('FILE#name'). The rows themselves
+    are read and checked by runner/data/check.py:check_data (runner check calls both: runner/engine/chain.py)."""
     for path, node in structs(recipe, ()):
         if isinstance(node, (Jsonl, File)) and not Path(node.path).exists():
             looked = "" if Path(node.path).is_absolute() else f" (looked in {os.getcwd()} and next to the recipe file)"
             raise UserError(f"{where}: {dotted([*path, 'path'])}: data file not found: {node.path}{looked}")
-        if isinstance(node, DataBase):  # every row read and validated as `run` will (runner/data/check.py)
-            from runner.data.check import check_source
-
-            try:
-                check_source(node)  # pyright: ignore[reportArgumentType] (every DataBase is a DataSource)
-            except UserError as e:
-                raise UserError(f"{where}: {dotted(list(path))}: {e}") from None
         for field in info(type(node)).fields:
             value = getattr(node, field.name)
             if isinstance(value, str) and is_target(field.type):

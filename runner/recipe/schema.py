@@ -257,6 +257,47 @@ class Preference(EnvBase):
     format_coef: NonNegFloat = 0.1
 
 
+class Math(EnvBase, kw_only=True):
+    """Single turn: a math problem from `data`; the reply's final answer is graded against the reference (math-verify
+    when installed, else runner's normalizer: runner/rewards/math_grading.py). reward = correct + format_coef·(format
+    − 1), format = an answer found (in `answer_format`) and the reply ended on the stop token (cookbook math_rl)."""
+
+    # Rows with a question and a reference answer: `question`/`problem` and `answer`/`solution` by default (GSM8K's
+    # "#### x" and MATH's \boxed{x} solutions are reduced to x; a plain answer is taken as is).
+    data: DataSource
+    # Held-out problems for evals; None: test_size rows of `data` (shuffled by the seed) are held out.
+    test_data: DataSource | None = None
+    question_field: str | None = None
+    answer_field: str | None = None
+    # "boxed": only \boxed{x} counts (the cookbook); "auto": also "#### x", "the answer is x" or a bare number.
+    answer_format: Literal["boxed", "auto"] = "boxed"
+    # Appended to every question; None: the cookbook's " Write your answer in \boxed{} format." for "boxed", nothing
+    # for "auto".
+    question_suffix: str | None = None
+    # Prepend one solved example in the answer format (the cookbook's "strawberry" example for "boxed").
+    few_shot: bool = True
+    format_coef: NonNegFloat = 0.1
+    # "auto": math-verify when installed (the `math` extra), else the built-in normalizer.
+    grader: Literal["auto", "builtin", "math_verify"] = "auto"
+
+
+class Code(EnvBase, kw_only=True):
+    """Single turn: a programming problem; the reply's last ```python block runs in a local sandbox
+    (runner/rewards/sandbox.py, docs/sandbox.md) against the problem's tests. reward = fraction of tests passed
+    + format_coef·(format − 1), format = a code block found and the reply ended on the stop token."""
+
+    # Rows: {"question": str, "tests": [{"input": str, "output": str}, ...] and/or "asserts": [str, ...]}.
+    data: DataSource
+    test_data: DataSource | None = None
+    format_coef: NonNegFloat = 0.1
+    # Per test run (seconds of CPU / wall, MiB of address space).
+    cpu_s: PosInt = 2
+    wall_s: PosFloat = 5.0
+    memory_mb: Annotated[int, Meta(ge=64)] = 512
+    # Sandboxed programs at once (None: the CPU count).
+    max_parallel: PosInt | None = None
+
+
 class PythonEnv(EnvBase, tag="python", kw_only=True):
     """User code: target "pkg.mod:fn" is called as fn(**args) and returns a dataset builder, a callable
     builder(ctx: runner.rl.envs.EnvContext) -> (train: RLDataset, test: RLDataset | None).
@@ -266,7 +307,7 @@ class PythonEnv(EnvBase, tag="python", kw_only=True):
     args: dict[str, Any] = {}
 
 
-Env = Arithmetic | GuessNumber | TwentyQuestions | TicTacToe | Preference | PythonEnv
+Env = Arithmetic | GuessNumber | TwentyQuestions | TicTacToe | Preference | Math | Code | PythonEnv
 
 
 # ---------------------------------------------------------------- RL: losses (Tinker's built-ins; tinker-sdk.md §3)
@@ -566,7 +607,61 @@ class Smoke(Base):
     overrides: dict[str, Any] = {}
 
 
+# ---------------------------------------------------------------- pinned evals ([[recipes.x.evals]])
+
+
+class PinnedEvalBase(Base, tag_field="kind", tag=str.lower, kw_only=True):
+    """An eval pinned in the recipe (runner/engine/evals.py): run with eval_every, after the last step and by `runner
+    eval`, on the sampler weights of the moment; logged as test/eval/<name>/<metric>."""
+
+    # The metric prefix; default: the kind, with its position when two evals share a kind ("math", "math_1").
+    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]+$")] | None = None
+
+
+class MathPinned(PinnedEvalBase, tag="math"):
+    """Accuracy on math problems (the `math` env's loading, prompt and grading) at fixed sampling params:
+    test/eval/<name>/accuracy, .../format."""
+
+    data: DataSource
+    question_field: str | None = None
+    answer_field: str | None = None
+    answer_format: Literal["boxed", "auto"] = "boxed"
+    question_suffix: str | None = None
+    few_shot: bool = True
+    grader: Literal["auto", "builtin", "math_verify"] = "auto"
+    # The first max_problems rows (None: all).
+    max_problems: PosInt | None = None
+    # 0 = greedy; with samples > 1 accuracy is the mean over samples (and pass@samples is logged).
+    temperature: NonNegFloat = 0.0
+    max_tokens: PosInt = 256
+    samples: PosInt = 1
+    seed: int = 0
+
+
+class NLLPinned(PinnedEvalBase, tag="nll"):
+    """Mean per-token NLL of conversations (`{"messages": [...]}` rows) under the weights: test/eval/<name>/nll."""
+
+    data: DataSource
+    train_on_what: Literal["last_assistant_message", "all_assistant_messages", "all_messages"] = (
+        "last_assistant_message"
+    )
+    # The first max_rows conversations (None: all).
+    max_rows: PosInt | None = None
+
+
+class PythonPinned(PinnedEvalBase, tag="python"):
+    """User code: fn(sampler, tokenizer, **args) -> {metric: float} (sync or async); `sampler` is a backend
+    SamplingClient (sample, compute_logprobs)."""
+
+    target: Target
+    args: dict[str, Any] = {}
+
+
+PinnedEval = MathPinned | NLLPinned | PythonPinned
+
+
 # ---------------------------------------------------------------- the recipe
+
 
 class Recipe(Base):
     # ---- Core
@@ -612,6 +707,8 @@ class Recipe(Base):
     log: Log = Log()
     # Stand-ins for `--smoke` (offline, seconds): data, env, model, steps. Not used by a real run.
     smoke: Smoke | None = None
+    # Evals pinned in the recipe ([[recipes.x.evals]]: kind = "math" | "nll" | "python"), see runner/engine/evals.py.
+    evals: list[PinnedEval] = []
 
     def __post_init__(self) -> None:
         from runner.renderers.registry import names as renderer_names

@@ -54,7 +54,7 @@ from runner.renderers import get_renderer
 from runner.rl import transcripts
 from runner.rl.advantages import compute_advantages, remove_constant_reward_groups
 from runner.rl.datums import assemble_datums
-from runner.rl.envs import EnvContext, build_datasets, get_batch
+from runner.rl.envs import EnvContext, build_datasets, get_batch, headline_of
 from runner.rl.kl import apply_kl_penalty, kl_sample_train, reference_logprobs
 from runner.rl.metrics import trajectory_metrics
 from runner.rl.renderer import ChatRenderer, context_window
@@ -486,18 +486,9 @@ def build(cfg: RL, args: BuildArgs) -> functools.partial[RLAlgo]:
                              reference_path=args.reference_path, weights=dict(args.weights), renderer=r.renderer)
 
 
-# Envs whose mean reward cannot move show a number that does. Pairwise judging: the group's mean win rate is 0.5 by
-# construction; reply length and format are what move. Self-play: wins and losses cancel; illegal moves and game
-# length move, and the test split plays a fixed opponent, so its reward is a win rate that means something.
-ENV_HEADLINE: dict[str, list[tuple[str, str]]] = {
-    "preference": [("env/all/ac_tokens_per_turn", "reply_tokens"), ("env/all/format", "format")],
-    "tictactoe": [("env/all/illegal", "illegal"), ("env/all/turns_per_episode", "turns")],
-    "arithmetic": [("env/all/correct", "correct")],
-}
-
-
 def env_headline(cfg: RL) -> list[tuple[str, str]]:
-    return ENV_HEADLINE.get(str(type(cfg.env).__struct_config__.tag), [])
+    """The env's own progress-line metrics (runner/rl/envs ENVS registry)."""
+    return headline_of(cfg.env)
 
 
 SPEC = AlgoSpec(build=build, headline=[("env/all/reward/total", "reward"), ("test/env/all/reward/total", "test/reward")],
