@@ -15,6 +15,7 @@ from runner.renderers.base import (
     add_renderer,
     parse_train_on_what,
     register,
+    render_row,
     text_of,
 )
 from runner.renderers.display import colorize
@@ -36,5 +37,6 @@ __all__ = [
     "parse_train_on_what",
     "pick_renderer",
     "register",
+    "render_row",
     "text_of",
 ]

@@ -248,6 +248,17 @@ class Renderer(ABC):
         return str(self.tokenizer.decode(tokens))
 
 
+def render_row(renderer: Renderer, messages: list[Message], train_on_what: str, where: str
+               ) -> tuple[list[int], list[float]]:
+    """A conversation's tokens and weights, with any renderer or chat-template failure as one line naming the row."""
+    try:
+        return renderer.build_supervised_example(messages, train_on_what)
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a chat template's own errors, e.g. roles that must alternate
+        raise UserError(f"{where}: renderer {renderer.name!r} cannot render this conversation: {e}") from None
+
+
 # --- the table of renderers by name (runner/renderers/registry.py builds from it) -------------------------------
 Factory = Callable[[Any], Renderer]
 REGISTRY: dict[str, Factory] = {}
