@@ -32,3 +32,22 @@ def get_renderer(name: str, tokenizer: Any, model_name: str | None = None) -> Re
         raise UserError(f"renderer {name!r}: {e}") from None
     renderer.name = name
     return renderer
+
+
+def smoke_renderer(renderer: str, model: str, stand_in: str) -> str:
+    """The renderer a smoke run (runner/tools/smoke.py) of a `model` recipe uses on its `stand_in` model: what
+    `renderer` means for the real model ("auto" resolved by the model's name when the cookbook knows it), kept when
+    the stand-in has its special tokens (a stand-in built from the model's own tokenizer has them all), else "auto"
+    (on the embedded tiny model: its chat template)."""
+    from runner.renderers.auto import MODEL_RENDERERS
+
+    wanted = MODEL_RENDERERS.get(model.split(":", 1)[0], AUTO) if renderer == AUTO else renderer
+    if wanted == AUTO or stand_in != "tiny":
+        return wanted
+    from backends.tokenizer import load_tokenizer
+
+    try:
+        get_renderer(wanted, load_tokenizer("tiny"))
+    except UserError:
+        return AUTO
+    return wanted
