@@ -698,9 +698,8 @@ class Recipe(Base):
     # Steps submitted ahead of the one being finished; 0 = fully synchronous.
     depth: Annotated[int, Meta(ge=0, le=64)] = 1
     # Steps between evals / checkpoints; 0 = never (a final checkpoint is always written). Evals run before
-    # steps 0, N, 2N, ...; RL, DPO and the reward model also evaluate the final weights once after the last step
-    # (logged at step = the number of steps, as the cookbook) when eval_every > 0 and there is a test set. SFT has
-    # no final eval.
+    # steps 0, N, 2N, ...; every algorithm also evaluates the final weights once after the last step (logged at
+    # step = the number of steps, as the cookbook's RL does) when eval_every > 0 and there is a test set.
     eval_every: NonNegInt = 10
     save_every: NonNegInt = 20
     # An existing run dir: resume it (only if it holds this same recipe), move it aside, or stop.

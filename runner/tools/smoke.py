@@ -99,6 +99,13 @@ def smoke_recipe(recipe: Recipe, name: str, where: str, refs: dict[str, str] | N
             if is_ref(f.type) and isinstance(value, str):
                 _at(raw, keys)[f.encode_name] = (refs or {}).get(value, value)
     _shrink(raw["algo"])
+    for pinned in raw.get("evals", []):  # [[evals]]: a few problems or rows, short replies
+        _shrink(pinned)
+        key = {"math": "max_problems", "nll": "max_rows"}.get(pinned.get("kind", ""))
+        if key is not None:
+            pinned[key] = min(pinned.get(key) or TEST_CAP, TEST_CAP)
+        if "samples" in pinned:
+            pinned["samples"] = min(pinned["samples"], 2)
     raw = apply_overrides(raw, [f"{k}={toml_value(v)}" for k, v in table.overrides.items()], f"{where}: smoke.overrides")
     return decode_recipe(raw, f"{where} (--smoke)")
 
@@ -114,7 +121,8 @@ def _local_backend(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _replace_data(recipe: Recipe, raw: dict[str, Any], table: Smoke, where: str, name: str) -> None:
-    sources = {dotted(keys): keys for keys, node in structs(recipe.algo, ("algo",)) if isinstance(node, DataBase)}
+    sources = {dotted(keys): keys for keys, node in [*structs(recipe.algo, ("algo",)), *structs(recipe.evals, ("evals",))]
+               if isinstance(node, DataBase)}
     for key, source in table.data.items():
         if key not in sources:
             have = ", ".join(sorted(sources)) or "none: this algorithm reads no data source"
@@ -367,8 +375,9 @@ def head_path(name: str, key: str) -> Path:
 def _write_heads(stage: Stage) -> None:
     """The first HEAD_ROWS lines of each local JSONL file the stage reads, where its smoked recipe looks for them."""
     assert stage.recipe is not None
-    smoked = {dotted(k): n for k, n in structs(stage.recipe.algo, ("algo",)) if isinstance(n, Jsonl)}
-    for keys, node in structs(stage.original.algo, ("algo",)):
+    smoked = {dotted(k): n for k, n in [*structs(stage.recipe.algo, ("algo",)), *structs(stage.recipe.evals, ("evals",))]
+              if isinstance(n, Jsonl)}
+    for keys, node in [*structs(stage.original.algo, ("algo",)), *structs(stage.original.evals, ("evals",))]:
         key = dotted(keys)
         if isinstance(node, Jsonl) and key in smoked and Path(smoked[key].path) == head_path(stage.name, key):
             src = Path(node.path)
