@@ -17,6 +17,7 @@ from pathlib import Path
 from backends.errors import UserError
 from runner.engine.chain import check_all, upstreams
 from runner.recipe.load import DEFAULT_FILE, dump_recipe, load_recipe, read_tables, resolve, split_ref
+from runner.renderers.auto import auto_note as renderer_note
 from runner.threads import prefer_passive_openmp
 from runner.tools.smoke import check_smoke
 from runner.tools.sweep import check_line, refuse_sweep, show_sweep
@@ -441,6 +442,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         stages = " -> ".join([*(f"{s.label} ({s.ref})" for s in chain), name])
         sys.stdout.write(f"# chain (init_from): {stages}\n")
     sys.stdout.write(_lr_note(args.ref, args.overrides))
+    sys.stdout.write(renderer_note(recipe.renderer, recipe.model))
     sys.stdout.write(dump_recipe(name, recipe))
     return 0
 
