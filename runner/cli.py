@@ -36,6 +36,7 @@ examples:
   runner show {DEFAULT_FILE}#sl_basic lr=3e-4 lora.rank=8
   runner run {DEFAULT_FILE}#sl_basic backend='{{kind="tinker"}}' model=Qwen/Qwen3-8B
   runner run examples/sft_tiny.toml --dry-run
+  runner render {DEFAULT_FILE}#sl_basic --n 2 renderer=qwen3   # tokens and weights the trainer sees
   runner smoke examples/cookbook.toml            # every recipe, offline, seconds each
   runner export runs/sl_basic out/sl_basic-merged --merged
   runner sweep {DEFAULT_FILE}#sl_basic 'lr=[1e-3,4e-3]' max_steps=20
