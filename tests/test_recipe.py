@@ -92,7 +92,7 @@ BAD_RECIPES = [
     (
         # A field of the other variant is unknown here: each variant carries only its own fields.
         f'algo = {{kind = "sft", {DATA}}}\nbackend = {{kind = "tinker", device = "cpu"}}',
-        "recipes.toml#sl_basic: backend.device: unknown key (valid: base_url, kind, ttl_seconds)",
+        "recipes.toml#sl_basic: backend.device: unknown key (valid: base_url, connect_timeout_s, kind, lost_after_s, ttl_seconds)",
     ),
     (
         f'algo = {{kind = "sft", {DATA}}}\nbackend = {{kind = "local", device = "tpu"}}',
@@ -365,7 +365,7 @@ def test_override_errors_match_file_errors(workdir: Path) -> None:
     )
     # Switching the tag keeps the other keys, which the new variant may not have.
     assert error_of(load_recipe, ref, ["backend.device=cpu", "backend.kind=tinker"]) == (
-        "recipes.toml#sl_basic: backend.device: unknown key (valid: base_url, kind, ttl_seconds)"
+        "recipes.toml#sl_basic: backend.device: unknown key (valid: base_url, connect_timeout_s, kind, lost_after_s, ttl_seconds)"
     )
     assert error_of(load_recipe, ref, ["lr.x=1"]) == (
         "recipes.toml#sl_basic: lr: is float 0.002, not a table, so 'lr.x=1' cannot set it"
@@ -522,7 +522,7 @@ algo = {kind = "rl", env = {kind = "arithmetic", max_value = 20}, group_size = 4
 """
 
 RL_ERRORS = [
-    (["algo.loss.kind=ppx"], "algo.loss.kind: invalid choice 'ppx'; expected one of: cispo, dro, importance_sampling, ppo"),
+    (["algo.loss.kind=ppx"], "algo.loss.kind: invalid choice 'ppx'; expected one of: cispo, dro, importance_sampling, ppo, python"),
     (["algo.group_size=1"], "algo.group_size: expected int >= 2, got 1"),
     (['algo.kl={kind="reference"}'], "algo.kl.coef: missing key; expected float > 0"),
     (['algo.env={kind="tictactoe"}', "algo.group_size=3"],

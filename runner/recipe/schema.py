@@ -9,11 +9,12 @@ The backend tables (`backend = {kind = ...}`) are declared by each backend (back
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_args
 
 import msgspec
 from msgspec import Meta
 
+from backends import losses
 from backends.config import ConfigStruct
 from backends.local.config import Local
 from backends.tinker.config import Tinker
@@ -314,46 +315,46 @@ class PythonEnv(EnvBase, tag="python", kw_only=True):
 Env = Arithmetic | GuessNumber | TwentyQuestions | TicTacToe | Preference | Math | Code | PythonEnv
 
 
-# ---------------------------------------------------------------- RL: losses (Tinker's built-ins; tinker-sdk.md §3)
+# ---------------------------------------------------------------- RL: losses (the registry: backends/losses.py)
 
 
 class LossBase(Base, tag_field="kind", tag=str.lower):
     pass
 
 
-class ImportanceSampling(LossBase, tag="importance_sampling"):
-    """−Σ r·A, r = exp(lp − lp_sampler)."""
+def _loss_variant(spec: losses.LossSpec) -> type[LossBase]:
+    """The recipe table of a registered loss: `{kind = NAME, <its fields>}`, checked as the registry checks it."""
+    fields = [(f.recipe, Annotated[float, Meta(**f.constraints())], f.default) for f in spec.fields]
+
+    def __post_init__(self: Any) -> None:
+        if problem := spec.problem({f.key: getattr(self, f.recipe) for f in spec.fields}):
+            raise ValueError(problem)
+
+    namespace = {"__doc__": spec.doc, "__post_init__": __post_init__, "loss_spec": spec}
+    title = spec.title or spec.name.title().replace("_", "")
+    variant = msgspec.defstruct(title, fields, bases=(LossBase,), tag=spec.name, module=__name__, namespace=namespace)
+    assert issubclass(variant, LossBase)
+    return variant
 
 
-class PPO(LossBase):
-    """−Σ min(r·A, clip(r, lo, hi)·A). The bounds are on the ratio itself, not epsilons."""
-
-    clip_low: NonNegFloat = 0.8
-    clip_high: PosFloat = 1.2
-
-    def __post_init__(self) -> None:
-        if self.clip_low >= self.clip_high:
-            raise ValueError("clip_low must be < clip_high")
+# One variant per built-in RL loss, in registry order; a user's loss is PythonLoss.
+LOSS_VARIANTS: dict[str, type[LossBase]] = {s.name: _loss_variant(s) for s in losses.BUILTINS if s.in_rl}
+ImportanceSampling, PPO, CISPO, DRO = (LOSS_VARIANTS[k] for k in ("importance_sampling", "ppo", "cispo", "dro"))
 
 
-class CISPO(LossBase):
-    """−Σ sg(clip(r, lo, hi))·lp·A. Default one-sided (Tinker's)."""
+class PythonLoss(LossBase, tag="python"):
+    """Your own loss: `target = "pkg.mod:NAME"` names a backends.losses.LossSpec in your module (registered when the
+    run starts; the local backend computes it, Tinker runs it as a custom loss); `args` are its loss_fn_config keys,
+    checked against the spec by `runner check`."""
 
-    clip_low: NonNegFloat = 0.0
-    clip_high: PosFloat = 4.0
-
-    def __post_init__(self) -> None:
-        if self.clip_low >= self.clip_high:
-            raise ValueError("clip_low must be < clip_high")
+    target: Target
+    args: dict[str, float] = {}
 
 
-class DRO(LossBase):
-    """−Σ (lp·A − ½·β·(lp − lp_sampler)²)."""
-
-    beta: PosFloat = 0.05
-
-
-Loss = ImportanceSampling | PPO | CISPO | DRO
+if TYPE_CHECKING:
+    Loss = LossBase
+else:
+    Loss = Union[(*LOSS_VARIANTS.values(), PythonLoss)]  # noqa: UP007 - built from the registry at import
 
 
 # ---------------------------------------------------------------- RL: KL penalty
