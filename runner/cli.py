@@ -17,6 +17,7 @@ from pathlib import Path
 from backends.errors import UserError
 from runner.engine.chain import check_all, upstreams
 from runner.recipe.load import DEFAULT_FILE, dump_recipe, load_recipe, read_tables, resolve, split_ref
+from runner.renderers.auto import auto_note as renderer_note
 from runner.threads import prefer_passive_openmp
 from runner.tools.smoke import check_smoke
 from runner.tools.sweep import check_line, refuse_sweep, show_sweep
@@ -35,6 +36,7 @@ examples:
   runner show {DEFAULT_FILE}#sl_basic lr=3e-4 lora.rank=8
   runner run {DEFAULT_FILE}#sl_basic backend='{{kind="tinker"}}' model=Qwen/Qwen3-8B
   runner run examples/sft_tiny.toml --dry-run
+  runner render {DEFAULT_FILE}#sl_basic --n 2 renderer=qwen3   # tokens and weights the trainer sees
   runner smoke examples/cookbook.toml            # every recipe, offline, seconds each
   runner export runs/sl_basic out/sl_basic-merged --merged
   runner sweep {DEFAULT_FILE}#sl_basic 'lr=[1e-3,4e-3]' max_steps=20
@@ -112,16 +114,6 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--smoke", action="store_true", help="print the recipe --smoke runs (and its smoked stages)")
     show.set_defaults(command=cmd_show)
 
-    smoke = sub.add_parser(
-        "smoke",
-        help="run every recipe of a file (or those named) offline in seconds; a table of results",
-        description="Each recipe as `runner run FILE#name --smoke` runs it (local backend, a stand-in model, "
-        "its smoke table's data, 2 steps, run dir <name>-smoke), then one row per recipe: stages, steps, wall "
-        "seconds, ok or FAILED. Exit 1 if any failed. docs/smoke.md says how to smoke your own recipe.",
-    )
-    smoke.add_argument("file", metavar="FILE", help="a recipe file")
-    smoke.add_argument("names", nargs="*", metavar="NAME", help="recipes to smoke (default: all)")
-    smoke.set_defaults(command=cmd_smoke)
     render = sub.add_parser(
         "render",
         help="print the first rows of a recipe's data as the trainer sees them (tokens, weights)",
@@ -134,6 +126,17 @@ def _parser() -> argparse.ArgumentParser:
     render.add_argument("--n", type=int, default=3, help="rows to show (default 3)")
     render.add_argument("--json", action="store_true", help="one JSON object per line, also on a terminal")
     render.set_defaults(command=cmd_render)
+
+    smoke = sub.add_parser(
+        "smoke",
+        help="run every recipe of a file (or those named) offline in seconds; a table of results",
+        description="Each recipe as `runner run FILE#name --smoke` runs it (local backend, a stand-in model, "
+        "its smoke table's data, 2 steps, run dir <name>-smoke), then one row per recipe: stages, steps, wall "
+        "seconds, ok or FAILED. Exit 1 if any failed. docs/smoke.md says how to smoke your own recipe.",
+    )
+    smoke.add_argument("file", metavar="FILE", help="a recipe file")
+    smoke.add_argument("names", nargs="*", metavar="NAME", help="recipes to smoke (default: all)")
+    smoke.set_defaults(command=cmd_smoke)
 
     serve = sub.add_parser(
         "serve",
@@ -440,9 +443,16 @@ def cmd_show(args: argparse.Namespace) -> int:
         stages = " -> ".join([*(f"{s.label} ({s.ref})" for s in chain), name])
         sys.stdout.write(f"# chain (init_from): {stages}\n")
     sys.stdout.write(_lr_note(args.ref, args.overrides))
+    sys.stdout.write(renderer_note(recipe.renderer, recipe.model))
     sys.stdout.write(dump_recipe(name, recipe))
     return 0
 
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from runner.renderers.show import render_command
+
+    render_command(args.ref, args.overrides, args.n, args.json, sys.stdout)
+    return 0
 
 def _lr_note(ref: str, overrides: Sequence[str]) -> str:
     """'# lr = 0.000619: auto: ...' when the recipe's lr is "auto" (runner/recipe/lr.py), else ''."""
@@ -451,13 +461,6 @@ def _lr_note(ref: str, overrides: Sequence[str]) -> str:
 
     path, name, raw = pick(ref)
     return auto_note(apply_overrides(raw, overrides, f"{path}#{name}")) or ""
-
-
-def cmd_render(args: argparse.Namespace) -> int:
-    from runner.renderers.show import render_command
-
-    render_command(args.ref, args.overrides, args.n, args.json, sys.stdout)
-    return 0
 
 
 def cmd_list(args: argparse.Namespace) -> int:

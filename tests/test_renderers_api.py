@@ -21,7 +21,7 @@ from runner.renderers import (
     register,
 )
 from runner.renderers.auto import MODEL_RENDERERS
-from runner.renderers.registry import _REGISTRY
+from runner.renderers.base import REGISTRY
 from runner.renderers.role_colon import RoleColonRenderer
 
 
@@ -47,7 +47,7 @@ def test_register_adds_a_renderer_in_one_place() -> None:
         with pytest.raises(ValueError, match="twice"):
             register("test_shouty")(Shouty)
     finally:
-        del _REGISTRY["test_shouty"]
+        del REGISTRY["test_shouty"]
 
 
 def test_auto() -> None:
@@ -161,3 +161,18 @@ def test_chat_renderer_over_a_renderer_keeps_sampled_tokens_across_turns() -> No
     q = ChatRenderer(get_renderer("qwen3", tok))
     parsed = q.parse(tok.encode("<think>\nhm\n</think>\n\n7", add_special_tokens=False) + q.stop_tokens)
     assert parsed.text == "7" and parsed.message["content"][0] == {"type": "thinking", "thinking": "hm"}
+
+
+def test_show_says_what_auto_picks(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from runner.cli import main
+    from runner.renderers.auto import auto_note
+
+    assert auto_note("auto", "tiny") == "" and auto_note("qwen3", "Qwen/Qwen3-8B") == ""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    (tmp_path / "r.toml").write_text('[recipes.q]\nmodel = "Qwen/Qwen3-8B"\nbackend = {kind = "tinker"}\n'
+                                     'algo = {kind = "sft", data = {kind = "jsonl", path = "d.jsonl"}}\n')
+    assert main(["show", "r.toml#q"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith("# renderer = qwen3: auto: the cookbook's renderer for Qwen/Qwen3-8B\n")

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from backends.local.tiny import save_random_tiny, sft_conversations
+from backends.local.tiny import save_random_tiny
 from backends.tokenizer import load_tokenizer
 from runner.cli import main
 from runner.engine.log import read_jsonl
 from runner.renderers import get_renderer
 from runner.renderers.show import render_command
+from tools.tiny_build import sft_conversations
 
 PAIRS = [{"prompt": [{"role": "user", "content": "Say hi"}], "chosen": "hi", "rejected": "no"},
          {"prompt": [{"role": "user", "content": "2+2?"}], "chosen": "4", "rejected": "5"}]

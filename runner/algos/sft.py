@@ -32,7 +32,7 @@ from runner.algos import AlgoSpec, BuildArgs
 from runner.data.conversations import Conversation, load_conversations
 from runner.engine.context import FinalContext
 from runner.recipe.schema import SFT
-from runner.renderers import Renderer, get_renderer, text_of
+from runner.renderers import Renderer, get_renderer, render_row, text_of
 
 # How many steps the dry-run plan renders to report datums and tokens per step.
 PLAN_STEPS = 20
@@ -245,17 +245,6 @@ class SFTAlgo:
 
 
 # ---------------------------------------------------------------- the registry entry (runner/algos/__init__.py)
-
-def render_row(renderer: Renderer, messages: Conversation, train_on_what: str, where: str
-               ) -> tuple[list[int], list[float]]:
-    """A conversation's tokens and weights, with any renderer or chat-template failure as one line naming the row."""
-    try:
-        return renderer.build_supervised_example(messages, train_on_what)
-    except UserError as e:
-        raise UserError(f"{where}: {e}") from None
-    except Exception as e:  # noqa: BLE001 - a chat template's own errors, e.g. roles that must alternate
-        raise UserError(f"{where}: renderer {renderer.name!r} cannot render this conversation: {e}") from None
-
 
 def build(cfg: SFT, args: BuildArgs) -> functools.partial[SFTAlgo]:
     convs, where = load_conversations(cfg.data)

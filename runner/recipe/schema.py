@@ -120,6 +120,11 @@ class AlgoBase(Base, tag_field="kind", tag=str.lower):
     implementation: ClassVar[str] = ""
 
 
+# Which tokens of a conversation carry loss: the cookbook's TrainOnWhat (runner/renderers/base.py, docs/renderers.md).
+TrainOnWhat = Literal["last_assistant_message", "last_assistant_turn", "all_assistant_messages", "all_messages",
+                      "all_tokens", "all_user_and_system_messages", "customized"]
+
+
 class SFT(AlgoBase):
     """Supervised fine-tuning on conversations: {"messages": [{"role", "content"}, ...]} per row."""
 
@@ -135,8 +140,7 @@ class SFT(AlgoBase):
     # Which tokens carry loss (the cookbook's TrainOnWhat): "last_assistant_turn" = the assistant messages after
     # the last user one; "all_messages" = every message's content, not its role header ("hf": every token);
     # "all_tokens" = everything; "customized" = the messages with "trainable": true.
-    train_on_what: Literal["last_assistant_message", "last_assistant_turn", "all_assistant_messages", "all_messages",
-                           "all_tokens", "all_user_and_system_messages", "customized"] = "all_assistant_messages"
+    train_on_what: TrainOnWhat = "all_assistant_messages"
     # "mean": each conversation's token weights sum to 1 (the cookbook's default); "none": 1 per token.
     reduction: Literal["mean", "none"] = "mean"
     # Rows held out (after the seeded shuffle) for the eval NLL; 0 = no eval.
@@ -713,9 +717,7 @@ class NLLPinned(PinnedEvalBase, tag="nll"):
     """Mean per-token NLL of conversations (`{"messages": [...]}` rows) under the weights: test/eval/<name>/nll."""
 
     data: DataSource
-    train_on_what: Literal["last_assistant_message", "all_assistant_messages", "all_messages"] = (
-        "last_assistant_message"
-    )
+    train_on_what: TrainOnWhat = "last_assistant_message"
     # The first max_rows conversations (None: all).
     max_rows: PosInt | None = None
 

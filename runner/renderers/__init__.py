@@ -1,10 +1,10 @@
 """Renderers: chat messages <-> tokens and training weights, one module per model family, equal token for token
 to tinker-cookbook 0.6.1's renderers of the same names. `get_renderer(name, tokenizer)`; `names()`; a new one
-is a module here with `@register("name")` on a Renderer subclass, imported below."""
+is a module here with `@register("name")` on a Renderer subclass, imported in registry.py."""
 
-from runner.renderers import deepseek_v3, gpt_oss, hf, kimi_k2, llama3, qwen3, role_colon  # noqa: F401 - registers
 from runner.renderers.auto import pick_renderer
 from runner.renderers.base import (
+    AUTO,
     TRAIN_ON_WHAT,
     Message,
     RenderContext,
@@ -12,11 +12,14 @@ from runner.renderers.base import (
     Renderer,
     Termination,
     TrainOnWhat,
+    add_renderer,
     parse_train_on_what,
+    register,
+    render_row,
     text_of,
 )
 from runner.renderers.display import colorize
-from runner.renderers.registry import AUTO, add_renderer, get_renderer, names, register
+from runner.renderers.registry import get_renderer, names
 
 __all__ = [
     "AUTO",
@@ -34,5 +37,6 @@ __all__ = [
     "parse_train_on_what",
     "pick_renderer",
     "register",
+    "render_row",
     "text_of",
 ]

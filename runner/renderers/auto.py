@@ -37,8 +37,12 @@ def pick_renderer(model_name: str, tokenizer: Any) -> str:
     """The renderer name `auto` resolves to for `model_name` with `tokenizer`."""
     name = MODEL_RENDERERS.get(model_name.split(":", 1)[0])
     if name is not None:
-        from runner.renderers.registry import names
-
-        if name in names():
-            return name
+        return name
     return "hf" if getattr(tokenizer, "chat_template", None) else "role_colon"
+
+
+def auto_note(renderer: str, model: str) -> str:
+    """`runner show`'s comment line saying what renderer = "auto" picks for a model the cookbook knows; '' otherwise
+    (a named renderer, or a model whose pick depends on its tokenizer having a chat template)."""
+    name = MODEL_RENDERERS.get(model.split(":", 1)[0]) if renderer == "auto" else None
+    return f"# renderer = {name}: auto: the cookbook's renderer for {model}\n" if name else ""

@@ -19,9 +19,10 @@ import json
 import logging
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 from backends.errors import UserError
 
@@ -245,6 +246,41 @@ class Renderer(ABC):
 
     def decode(self, tokens: list[int]) -> str:
         return str(self.tokenizer.decode(tokens))
+
+
+def render_row(renderer: Renderer, messages: list[Message], train_on_what: str, where: str
+               ) -> tuple[list[int], list[float]]:
+    """A conversation's tokens and weights, with any renderer or chat-template failure as one line naming the row."""
+    try:
+        return renderer.build_supervised_example(messages, train_on_what)
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a chat template's own errors, e.g. roles that must alternate
+        raise UserError(f"{where}: renderer {renderer.name!r} cannot render this conversation: {e}") from None
+
+
+# --- the table of renderers by name (runner/renderers/registry.py builds from it) -------------------------------
+Factory = Callable[[Any], Renderer]
+REGISTRY: dict[str, Factory] = {}
+AUTO = "auto"  # the name the recipe accepts besides the registered ones (runner/renderers/auto.py resolves it)
+_T = TypeVar("_T")
+
+
+def register(name: str) -> Callable[[_T], _T]:
+    """Class decorator: `name` builds this Renderer subclass from a tokenizer."""
+
+    def add(cls: _T) -> _T:
+        add_renderer(name, cls)  # type: ignore[arg-type]
+        return cls
+
+    return add
+
+
+def add_renderer(name: str, factory: Factory) -> None:
+    """`name` builds `factory(tokenizer)` (a variant of a class with other arguments). Names are unique."""
+    if name in REGISTRY or name == AUTO:
+        raise ValueError(f"renderer {name!r} is registered twice")
+    REGISTRY[name] = factory
 
 
 def _last_user_index(messages: list[Message]) -> int:

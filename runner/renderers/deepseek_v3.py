@@ -14,15 +14,16 @@ from runner.renderers.base import (
     Rendered,
     Renderer,
     Termination,
+    add_renderer,
     ensure_text,
     has_thinking,
     make_tool_call,
     parse_for_stop_token,
     parse_think_blocks,
+    register,
     tool_call_arguments,
     unterminated_block,
 )
-from runner.renderers.registry import add_renderer, register
 
 _BAR = chr(65372)  # "｜", DeepSeek's fullwidth bar
 _CALLS = re.compile(r"<｜tool▁calls▁begin｜>(.*?)<｜tool▁calls▁end｜>", re.DOTALL)

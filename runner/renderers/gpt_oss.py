@@ -17,11 +17,11 @@ from runner.renderers.base import (
     Rendered,
     Renderer,
     Termination,
+    add_renderer,
     ensure_text,
     make_tool_call,
     tool_call_arguments,
 )
-from runner.renderers.registry import add_renderer
 
 _SYSTEM_PROMPT = ("You are ChatGPT, a large language model trained by OpenAI.\n"
                   "Knowledge cutoff: 2024-06\n"

@@ -14,8 +14,8 @@ from runner.renderers.base import (
     Renderer,
     Termination,
     parse_train_on_what,
+    register,
 )
-from runner.renderers.registry import register
 
 # Turn terminators chat templates use besides the tokenizer's eos (Qwen's eos is <|endoftext|> for base
 # models, while its chat turns end on <|im_end|>).

@@ -19,10 +19,10 @@ from runner.renderers.base import (
     make_tool_call,
     parse_for_stop_token,
     parse_think_blocks,
+    register,
     tool_call_arguments,
     unterminated_block,
 )
-from runner.renderers.registry import register
 
 DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
 _SECTION = re.compile(r"<\|tool_calls_section_begin\|>(.*?)<\|tool_calls_section_end\|>"

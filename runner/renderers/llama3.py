@@ -11,8 +11,8 @@ from runner.renderers.base import (
     Termination,
     ensure_text,
     parse_for_stop_token,
+    register,
 )
-from runner.renderers.registry import register
 
 
 @register("llama3")

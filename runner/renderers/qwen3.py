@@ -18,12 +18,12 @@ from runner.renderers.base import (
     has_thinking,
     parse_content_blocks,
     parse_for_stop_token,
+    register,
     remove_thinking,
     split_tool_results,
     tool_call_payload,
     unterminated_block,
 )
-from runner.renderers.registry import register
 
 
 def _frame(reasoning: str) -> str:

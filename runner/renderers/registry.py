@@ -1,53 +1,29 @@
-"""Renderers by name: `@register("name")` on a Renderer subclass (or a factory taking the tokenizer) adds one;
-`get_renderer(name, tokenizer)` builds it; `names()` lists them (what `runner check` offers)."""
+"""Renderers by name: `get_renderer(name, tokenizer)` builds one; `names()` lists them (what `runner check` offers).
+
+A renderer is one module with `@register("name")` (runner/renderers/base.py) on its Renderer subclass, plus its
+import line below (importing it registers it).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from backends.errors import UserError
-from runner.renderers.base import Renderer
-
-Factory = Callable[[Any], Renderer]
-_REGISTRY: dict[str, Factory] = {}
-_T = TypeVar("_T")
-
-# Names the recipe accepts besides the registered ones: resolved by pick_renderer (runner/renderers/auto.py).
-AUTO = "auto"
-
-
-def register(name: str) -> Callable[[_T], _T]:
-    """Class decorator: `name` builds this Renderer subclass from a tokenizer."""
-
-    def add(cls: _T) -> _T:
-        add_renderer(name, cls)  # type: ignore[arg-type]
-        return cls
-
-    return add
-
-
-def add_renderer(name: str, factory: Factory) -> None:
-    """`name` builds `factory(tokenizer)` (a variant of a class with other arguments). Names are unique."""
-    if name in _REGISTRY or name == AUTO:
-        raise ValueError(f"renderer {name!r} is registered twice")
-    _REGISTRY[name] = factory
+from runner.renderers import deepseek_v3, gpt_oss, hf, kimi_k2, llama3, qwen3, role_colon  # noqa: F401 - registers
+from runner.renderers.auto import pick_renderer
+from runner.renderers.base import AUTO, REGISTRY, Renderer
 
 
 def names() -> list[str]:
     """Every renderer name: "auto", "hf", then the rest alphabetically."""
-    _load_builtins()
-    return [AUTO, *sorted(_REGISTRY, key=lambda n: (n != "hf", n))]
+    return [AUTO, *sorted(REGISTRY, key=lambda n: (n != "hf", n))]
 
 
 def get_renderer(name: str, tokenizer: Any, model_name: str | None = None) -> Renderer:
     """The renderer `name` over `tokenizer`; "auto" picks one for `model_name` (see pick_renderer)."""
-    _load_builtins()
     if name == AUTO:
-        from runner.renderers.auto import pick_renderer
-
         name = pick_renderer(model_name or getattr(tokenizer, "name_or_path", "") or "", tokenizer)
-    factory = _REGISTRY.get(name)
+    factory = REGISTRY.get(name)
     if factory is None:
         raise UserError(f"unknown renderer {name!r}; choose one of: {', '.join(names())}")
     try:
@@ -58,6 +34,20 @@ def get_renderer(name: str, tokenizer: Any, model_name: str | None = None) -> Re
     return renderer
 
 
-def _load_builtins() -> None:
-    # Importing the package registers every built-in renderer module.
-    import runner.renderers  # noqa: F401
+def smoke_renderer(renderer: str, model: str, stand_in: str) -> str:
+    """The renderer a smoke run (runner/tools/smoke.py) of a `model` recipe uses on its `stand_in` model: what
+    `renderer` means for the real model ("auto" resolved by the model's name when the cookbook knows it), kept when
+    the stand-in has its special tokens (a stand-in built from the model's own tokenizer has them all), else "auto"
+    (on the embedded tiny model: its chat template)."""
+    from runner.renderers.auto import MODEL_RENDERERS
+
+    wanted = MODEL_RENDERERS.get(model.split(":", 1)[0], AUTO) if renderer == AUTO else renderer
+    if wanted == AUTO or stand_in != "tiny":
+        return wanted
+    from backends.tokenizer import load_tokenizer
+
+    try:
+        get_renderer(wanted, load_tokenizer("tiny"))
+    except UserError:
+        return AUTO
+    return wanted

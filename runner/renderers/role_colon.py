@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from runner.renderers.base import Message, RenderContext, Rendered, Renderer, Termination, ensure_text
-from runner.renderers.registry import register
+from runner.renderers.base import Message, RenderContext, Rendered, Renderer, Termination, ensure_text, register
 
 _PREFIX = " "
 _SUFFIX = "\n\n"

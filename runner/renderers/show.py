@@ -27,8 +27,8 @@ def rendered_rows(ref: str, overrides: list[str], n: int) -> Iterator[dict[str, 
                         f"this one is {type(algo).__name__}")
     renderer = get_renderer(recipe.renderer, load_tokenizer(recipe.tokenizer or recipe.model), model_name=recipe.model)
     if isinstance(algo, SFT):
-        from runner.algos.sft import render_row
         from runner.data.conversations import load_conversations
+        from runner.renderers.base import render_row
 
         convs, where = load_conversations(algo.data)
         for conv, w in list(zip(convs, where, strict=True))[:n]:

@@ -47,6 +47,7 @@ from runner.recipe.load import (
     toml_value,
 )
 from runner.recipe.schema import HF, DataBase, Jsonl, Recipe, Smoke, Teacher
+from runner.renderers.registry import smoke_renderer
 
 SMOKE_DIR = Path("runs") / ".smoke"
 # Where small stand-in models are built (once per source config + tokenizer); RUNNER_SMOKE_CACHE overrides it.
@@ -79,6 +80,7 @@ def smoke_recipe(recipe: Recipe, name: str, where: str, refs: dict[str, str] | N
     raw["backend"] = _local_backend(raw["backend"])
     model = table.model or stand_in_model(recipe.model, recipe.tokenizer)
     raw["model"] = model
+    raw["renderer"] = smoke_renderer(recipe.renderer, recipe.model, model)  # what the real model would render with
     raw.pop("tokenizer", None)
     raw["max_steps"] = table.steps
     raw["eval_every"] = table.steps if recipe.eval_every else 0

@@ -188,7 +188,8 @@ async def _evaluate_all(algo: Any, ctx: Any, recipe: Any) -> dict[str, float]:
     metrics = dict(await algo.evaluate(ctx))
     sampler = ctx.backend.create_sampling_client(ctx.sampler_path) if recipe.evals else None
     if sampler is not None:
-        metrics.update(await pinned_metrics(recipe.evals, sampler, ctx.backend.get_tokenizer()))
+        metrics.update(await pinned_metrics(recipe.evals, sampler, ctx.backend.get_tokenizer(), recipe.renderer,
+                                            recipe.model))
     return metrics
 
 
