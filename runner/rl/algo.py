@@ -8,8 +8,9 @@ Per step k (the loop calls prepare, submit, finish):
   submit(k)   queues forward_backward + optim_step per substep, then save_weights_and_get_sampling_client:
               the snapshot "after step k" sits in the FIFO right behind step k's last optim_step;
               on eval steps also starts the test-set rollouts on step k's sampler (a task, awaited in finish);
-  finish(k)   awaits it all: optim/kl_sample_train_v1/v2, optim/entropy, loss, grad norm, test/..., and
-              optionally optim/kl_pre_post_v1/v2 under the new weights.
+  finish(k)   awaits it all: optim/kl_sample_train_v1/v2, optim/entropy, numerics/* and the numerics gate
+              (runner/rl/numerics.py), loss, grad norm, test/..., and optionally optim/kl_pre_post_v1/v2 under
+              the new weights.
 After the last step (the loop calls final, when eval_every > 0 and there is a test set) one more eval, as the
 cookbook's "after the loop": the test set on the final weights, loaded from the final checkpoint's sampler
 weights (saved right behind the last optim_step), with the same test/... metrics and an
@@ -56,6 +57,7 @@ from runner.rl.datums import assemble_datums
 from runner.rl.envs import EnvContext, build_datasets, get_batch, headline_of
 from runner.rl.kl import apply_kl_penalty, kl_sample_train, reference_logprobs
 from runner.rl.metrics import trajectory_metrics
+from runner.rl.numerics import Gate, dlogprob_metrics
 from runner.rl.renderer import ChatRenderer, context_window
 from runner.rl.rollouts import RolloutBatch, collect, guarded_group_rollout, rollout_batch
 from runner.rl.types import EnvGroupBuilder, RLDataset, TrajectoryGroup
@@ -143,6 +145,7 @@ class RLAlgo:
         self.samplers: dict[int, Future[SamplingClient]] = {}
         self.reference: SamplingClient | None = None
         self.next_step = 0
+        self.gate = Gate(getattr(cfg, "numerics", None))  # the sampler-vs-trainer gate (runner/rl/numerics.py)
         # The run dir, for transcripts (set by prepare from the loop's context; None in a dry run).
         self.log_dir: Path | None = None
 
@@ -331,6 +334,8 @@ class RLAlgo:
         data_D = [d for chunk, _ in sub.fwd_bwd for d in chunk]
         train_lps = [lp for out in outs for lp in out.logprobs]
         metrics.update(kl_sample_train(data_D, train_lps))
+        metrics.update(dlogprob_metrics(data_D, train_lps))
+        metrics.update(self.gate.check(step, metrics))  # "stop": raises before the row and checkpoint are written
         metrics["optim/loss:sum"] = float(sum(out.metrics.get("loss:sum", 0.0) for out in outs))
         norms = [o.metrics["grad_norm:mean"] for o in opts if "grad_norm:mean" in o.metrics]
         if norms:
@@ -451,6 +456,9 @@ class RLAlgo:
         ]
         if isinstance(getattr(cfg, "kl", None), ReferenceKL):
             lines.append(f"KL penalty vs the base model, coef {cfg.kl.coef:g}: compute_logprobs per datum")
+        if (gate := getattr(cfg, "numerics", None)) is not None:
+            lines.append(f"numerics gate ({gate.action}) from step {gate.after_steps}: max_kl {gate.max_kl:g}"
+                         + (f", max_abs_dlogprob {gate.max_abs_dlogprob:g}" if gate.max_abs_dlogprob else ""))
         if cfg.transcript_every and cfg.groups_to_log:
             lines.append(f"transcripts (iteration_NNNNNN/): every {cfg.transcript_every} steps and the last step "
                          f"({cfg.groups_to_log} groups each), and every eval")

@@ -215,7 +215,7 @@ def render(report: Report, out: TextIO) -> None:
       f"{'trainer':>10}{'Δ':>10}\n")
     for r in report.worst:
         w(f"{r.prompt:>6}{r.pos:>7}  {r.text[:16]!r:<16}{r.sampler:>10.4f}{r.compute:>10.4f}{r.trainer:>10.4f}"
-          f"{r.sampler - r.trainer:>10.4f}\n")
+          f"{r.sampler - r.trainer:>10.2e}\n")
     lim = f"max_kl {report.limits['max_kl']:g}" + (
         f", max_abs_dlogprob {report.limits['max_abs_dlogprob']:g}" if report.limits["max_abs_dlogprob"] else "")
     w(f"\n{'FAILED: ' + '; '.join(report.failed) if report.failed else 'ok'} ({lim})\n")
