@@ -26,6 +26,7 @@ from backends.types import Datum, SampleOutput
 from runner import cli
 from runner.recipe.load import load_recipe
 from runner.recipe.numerics import Numerics
+from runner.recipe.schema import RL
 from runner.rl.numerics import FRAC_KEY, Gate, dlogprob_metrics
 
 SCALE = 1.5
@@ -79,6 +80,24 @@ def broken(monkeypatch: pytest.MonkeyPatch) -> None:
     make = Local.make
     monkeypatch.setattr(Local, "make", lambda self, *a, **k: BrokenBackend(make(self, *a, **k)))
 
+
+DISTILL = """
+[recipes.student]
+max_steps = 2
+save_every = 1
+eval_every = 0
+backend = {kind = "local", device = "cpu"}
+
+[recipes.student.algo]
+kind = "distill"
+group_size = 2
+max_tokens = 4
+transcript_every = 0
+
+[[recipes.student.algo.datasets]]
+prompts = { kind = "jsonl", path = "PROMPTS" }
+groups_per_batch = 2
+"""
 
 RECIPE = """
 [recipes.gate]
@@ -161,7 +180,7 @@ def test_gate_needs_temperature_one(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="numerics: .*temperature = 1.*samples at 2"):
         load_recipe(ref, ['algo.numerics={action="stop"}', "algo.temperature=2"])
     _, ok = load_recipe(ref, ['algo.numerics={action="stop"}'])
-    assert ok.algo.numerics == Numerics(action="stop")
+    assert isinstance(ok.algo, RL) and ok.algo.numerics == Numerics(action="stop")
 
 
 # ---------------------------------------------------------------- runs on the local backend (tiny, CPU)
@@ -206,6 +225,19 @@ def test_broken_sampler_warns_and_goes_on(tmp_path: Path, capsys: pytest.Capture
     ms = rows(run_dir / "metrics.jsonl")
     assert [m["numerics/gate_failed"] for m in ms] == [1.0, 1.0]
     assert all(m["numerics/max_abs_dlogprob"] > 0.01 for m in ms)
+
+
+@pytest.mark.usefixtures("broken")
+def test_distill_steps_are_gated_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say {w}."}]}) + "\n"
+                               for w in ["one", "two", "three", "four"]))
+    path = tmp_path / "student.toml"
+    path.write_text(DISTILL.replace("PROMPTS", str(prompts)))
+    rc, _, err = run_cli(["run", f"{path}#student", f"log_dir={tmp_path / 'run'}", 'algo.numerics={action="stop"}'],
+                         capsys)
+    assert rc == 2 and "error: numerics gate: step 0: " in err
+    assert rows(tmp_path / "run" / "metrics.jsonl") == [] and rows(tmp_path / "run" / "checkpoints.jsonl") == []
 
 
 # ---------------------------------------------------------------- runner numerics
