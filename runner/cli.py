@@ -212,7 +212,7 @@ def _talk_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 
 def _numerics_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """`runner numerics` (runner/rl/numerics.py)."""
+    """`runner numerics` (runner/tools/numerics.py)."""
     num = sub.add_parser(
         "numerics", help="check that the sampler and the trainer agree on sampled tokens' logprobs",
         description="Sample N prompts (the recipe's env or prompt sets, else generic ones) at temperature 1 with the "
@@ -226,7 +226,7 @@ def _numerics_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def cmd_numerics(args: argparse.Namespace) -> int:
-    from runner.rl.numerics import check
+    from runner.tools.numerics import check
 
     _at_least_one(args.n, "--n")
     prefer_passive_openmp()
