@@ -197,8 +197,8 @@ def test_healthy_run_passes_the_stop_gate(tmp_path: Path, capsys: pytest.Capture
         assert m[FRAC_KEY] == 0.0
 
 
-@pytest.mark.usefixtures("broken")
-def test_broken_sampler_is_stopped_keeping_the_last_good_checkpoint(tmp_path: Path,
+def test_broken_sampler_is_stopped_keeping_the_last_good_checkpoint(tmp_path: Path, broken: None,
+                                                                     monkeypatch: pytest.MonkeyPatch,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "run"
     rc, _, err = run_cli(["run", recipe_file(tmp_path), f"log_dir={run_dir}",
@@ -212,6 +212,13 @@ def test_broken_sampler_is_stopped_keeping_the_last_good_checkpoint(tmp_path: Pa
     assert [m["step"] for m in ms] == [0]
     assert abs(ms[0]["optim/kl_sample_train_v1"]) > 0.01  # the mismatch was there, only not gated yet
     assert [c["next_step"] for c in rows(run_dir / "checkpoints.jsonl")] == [1]
+    # The sampler fixed, the same command resumes from that checkpoint and finishes.
+    monkeypatch.undo()
+    rc, _, err = run_cli(["run", recipe_file(tmp_path), f"log_dir={run_dir}",
+                          'algo.numerics={action="stop", after_steps=1}'], capsys)
+    assert rc == 0 and "resuming" in err and "at step 1" in err, err
+    assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == [0, 1]
+    assert rows(run_dir / "metrics.jsonl")[1]["numerics/gate_failed"] == 0.0
 
 
 @pytest.mark.usefixtures("broken")
