@@ -272,3 +272,16 @@ def test_runner_numerics_flags_a_broken_sampler(tmp_path: Path, capsys: pytest.C
     assert report["pairs"]["compute_logprobs - trainer"]["max_abs"] < 1e-4
     rc, out, _ = run_cli(["numerics", recipe_file(tmp_path), "--n", "3"], capsys)
     assert rc == 1 and "FAILED: " in out.splitlines()[-1]
+
+
+def test_runner_numerics_over_the_tinker_sdk(tmp_path: Path, mocked_tinker: None,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """The same check through the Tinker adapter (the mocked service: a unigram table, consistent across calls)."""
+    path = tmp_path / "gate.toml"
+    path.write_text(RECIPE.replace('backend = {kind = "local", device = "cpu"}',
+                                   'model = "Qwen/Qwen3-8B"\ntokenizer = "tiny"\nbackend = {kind = "tinker"}'))
+    rc, out, err = run_cli(["numerics", f"{path}#gate", "--n", "2", "--json"], capsys)
+    report = json.loads(out)
+    assert rc == 0, err
+    assert report["backend"] == "tinker" and report["pairs"]["sampler - trainer"]["tokens"] > 0
+    assert report["pairs"]["sampler - trainer"]["max_abs"] < 1e-4
