@@ -27,7 +27,7 @@ from runner import cli
 from runner.recipe.load import load_recipe
 from runner.recipe.numerics import Numerics
 from runner.recipe.schema import RL
-from runner.rl.numerics import FRAC_KEY, Gate, dlogprob_metrics
+from runner.rl.numerics import FRAC_KEY, Gate, dlogprob_metrics, on_policy
 
 SCALE = 1.5
 
@@ -148,11 +148,22 @@ def test_metrics_on_action_tokens_only() -> None:
     assert m["numerics/mean_abs_dlogprob"] == pytest.approx(0.25 / 3, abs=1e-6)
     assert m[FRAC_KEY] == pytest.approx(1 / 3)
     assert m["numerics/tokens"] == 3
+    assert m["numerics/kl_sample_train_v1"] == pytest.approx(0.05, abs=1e-6)
+    assert m["numerics/kl_sample_train_v2"] == pytest.approx(0.5 * (0.04 + 0.0025) / 3, abs=1e-6)
     assert dlogprob_metrics([], []) == {}
 
 
+def test_on_policy_is_what_trained_before_the_first_optim_step() -> None:
+    d = [datum([-1.0, -1.0], [0, 1]) for _ in range(5)]
+    lp = [np.zeros(2) for _ in range(5)]
+    # One submission of two substeps (its first chunk: 2 datums), or stream parts (no optim, then an optim).
+    assert on_policy([(2, d[:4], lp[:4])])[0] == d[:2]
+    assert on_policy([(None, d[:1], lp[:1]), (1, d[1:2], lp[1:2]), (1, d[2:3], lp[2:3])])[0] == d[:2]
+    assert on_policy([(None, d, lp)])[0] == d
+
+
 def step_metrics(v1: float, v2: float, max_abs: float) -> dict[str, float]:
-    return {"optim/kl_sample_train_v1": v1, "optim/kl_sample_train_v2": v2, "numerics/max_abs_dlogprob": max_abs}
+    return {"numerics/kl_sample_train_v1": v1, "numerics/kl_sample_train_v2": v2, "numerics/max_abs_dlogprob": max_abs}
 
 
 def test_gate_limits_after_steps_and_rate_limited_warnings() -> None:
@@ -232,6 +243,25 @@ def test_broken_sampler_warns_and_goes_on(tmp_path: Path, capsys: pytest.Capture
     ms = rows(run_dir / "metrics.jsonl")
     assert [m["numerics/gate_failed"] for m in ms] == [1.0, 1.0]
     assert all(m["numerics/max_abs_dlogprob"] > 0.01 for m in ms)
+
+
+def test_later_substeps_and_stale_samplers_are_not_gated(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """optim/kl_sample_train_* spans the whole step, so a second substep (trained after the first's update) or an
+    async sampler one step behind shows the policy's change; numerics/* and the gate see only on-policy tokens."""
+    strict = 'algo.numerics={action="stop", max_kl=1e-4, max_abs_dlogprob=1e-3}'
+    rc, _, err = run_cli(["run", recipe_file(tmp_path), f"log_dir={tmp_path / 'sub'}", "lr=0.05", "max_steps=1",
+                          "algo.num_substeps=2", strict], capsys)
+    assert rc == 0, err
+    [m] = rows(tmp_path / "sub" / "metrics.jsonl")
+    assert m["optim/num_substeps"] == 2 and m["numerics/gate_failed"] == 0.0
+    assert abs(m["optim/kl_sample_train_v1"]) > 1e-3 and abs(m["numerics/kl_sample_train_v1"]) < 1e-5
+    rc, _, err = run_cli(["run", recipe_file(tmp_path), f"log_dir={tmp_path / 'async'}", "lr=0.05",
+                          'algo.mode={kind="async", max_staleness=1, fixed_staleness=true}', strict], capsys)
+    assert rc == 0, err
+    first, second = rows(tmp_path / "async" / "metrics.jsonl")
+    assert first["numerics/gate_failed"] == 0.0 and "numerics/tokens" in first
+    assert second["async/staleness_max"] == 1 and "numerics/tokens" not in second
+    assert "numerics/gate_failed" not in second and abs(second["optim/kl_sample_train_v1"]) > 1e-3
 
 
 @pytest.mark.usefixtures("broken")

@@ -57,7 +57,7 @@ from runner.rl.datums import assemble_datums
 from runner.rl.envs import EnvContext, build_datasets, get_batch, headline_of
 from runner.rl.kl import apply_kl_penalty, kl_sample_train, reference_logprobs
 from runner.rl.metrics import trajectory_metrics
-from runner.rl.numerics import Gate, dlogprob_metrics
+from runner.rl.numerics import Gate, dlogprob_metrics, on_policy
 from runner.rl.renderer import ChatRenderer, context_window
 from runner.rl.rollouts import RolloutBatch, collect, guarded_group_rollout, rollout_batch
 from runner.rl.types import EnvGroupBuilder, RLDataset, TrajectoryGroup
@@ -92,6 +92,7 @@ class Prepared:
     data_D: list[Datum]
     sampler: SamplingClient
     metrics: dict[str, float]
+    sampler_step: int = -1  # the weights that sampled it (after that many optimizer steps)
 
 
 @dataclass
@@ -115,6 +116,8 @@ class Submitted:
     eval: asyncio.Task[dict[str, float]] | None
     # Clock: when the part was submitted, when its last call (optim_step) and the next snapshot completed.
     times: dict[str, float] = field(default_factory=dict)
+    # How many of fwd_bwd were submitted before the first of optims (None: no optim_step; runner/rl/numerics.py).
+    before_optim: int | None = None
 
 
 class RLAlgo:
@@ -205,7 +208,7 @@ class RLAlgo:
         sampler_step, sampler = await self.sampler_for(step, ctx)
         t1 = time.monotonic()
         builders = self.builders(step)
-        prepared = Prepared(step, RolloutBatch([], []), [], sampler, {})
+        prepared = Prepared(step, RolloutBatch([], []), [], sampler, {}, sampler_step)
         if isinstance(self.cfg.mode, Stream):
             async for part in self._stream(prepared, builders, ctx):
                 yield part
@@ -317,12 +320,13 @@ class RLAlgo:
                 fwd_bwd.append((chunk, tc.forward_backward(chunk, self.loss_fn, self.loss_config)))
                 optims.append(tc.optim_step(adam))
         times = {"submitted": time.monotonic()}
+        before_optim = (len(fwd_bwd) if part.streamed else 1) if optims else None
         if optims:
             _stamp(optims[-1], times, "trained")
         if part.last and (step + 1 < self.total_steps or self.cfg.compute_post_kl):
             self.samplers[step + 1] = tc.save_weights_and_get_sampling_client()
             _stamp(self.samplers[step + 1], times, "snapshot")
-        return Submitted(prepared, fwd_bwd, optims, ev, times)
+        return Submitted(prepared, fwd_bwd, optims, ev, times, before_optim)
 
     async def finish(self, step: int, subs: list[Submitted]) -> dict[str, float]:
         sub = Submitted(subs[0].prepared, [fb for s in subs for fb in s.fwd_bwd], [o for s in subs for o in s.optims],
@@ -334,7 +338,8 @@ class RLAlgo:
         data_D = [d for chunk, _ in sub.fwd_bwd for d in chunk]
         train_lps = [lp for out in outs for lp in out.logprobs]
         metrics.update(kl_sample_train(data_D, train_lps))
-        metrics.update(dlogprob_metrics(data_D, train_lps))
+        if sub.prepared.sampler_step == step:  # sampled by the weights the step trains (not so in async mode)
+            metrics.update(dlogprob_metrics(*on_policy(await self._parts(subs))))
         metrics.update(self.gate.check(step, metrics))  # "stop": raises before the row and checkpoint are written
         metrics["optim/loss:sum"] = float(sum(out.metrics.get("loss:sum", 0.0) for out in outs))
         norms = [o.metrics["grad_norm:mean"] for o in opts if "grad_norm:mean" in o.metrics]
@@ -349,6 +354,17 @@ class RLAlgo:
         if sub.eval is not None:
             metrics.update(await sub.eval)
         return metrics
+
+    @staticmethod
+    async def _parts(subs: list[Submitted]) -> list[tuple[int | None, list[Datum], list[np.ndarray]]]:
+        """Per submission: (its datums before its first optim_step, None: all; its datums; their trainer logprobs),
+        for runner/rl/numerics.on_policy."""
+        out = []
+        for s in subs:
+            outs = [await f for _, f in s.fwd_bwd]
+            before = None if s.before_optim is None else sum(len(chunk) for chunk, _ in s.fwd_bwd[: s.before_optim])
+            out.append((before, [d for chunk, _ in s.fwd_bwd for d in chunk], [lp for o in outs for lp in o.logprobs]))
+        return out
 
     _fifo_free = 0.0
 

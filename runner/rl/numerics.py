@@ -3,12 +3,14 @@
 Every RL and distillation step already has both sides: the sampler's logprob of each sampled token (in the datum)
 and the trainer's (forward_backward's output, before the update). With Δ = sampler_lp − trainer_lp over the action
 tokens (mask > 0):
-  optim/kl_sample_train_v1 = mean(Δ), v2 = ½·mean(Δ²)   (runner/rl/kl.py, the cookbook's names)
-  numerics/max_abs_dlogprob, numerics/mean_abs_dlogprob, numerics/frac_dlogprob_gt_0.1, numerics/tokens  (here)
-No extra forward is made. The recipe's `numerics = {...}` table (runner/recipe/numerics.py) turns them into a gate
-(`Gate`): "warn" prints one line per failing step (rate-limited), "stop" ends the run with a UserError (exit 2)
-before the failing step's metrics row and checkpoint row are written, so the run dir's last checkpoint is the
-last step that passed.
+  optim/kl_sample_train_v1 = mean(Δ), v2 = ½·mean(Δ²)   over the whole step (runner/rl/kl.py, the cookbook's names)
+  numerics/kl_sample_train_v1, _v2, numerics/max_abs_dlogprob, numerics/mean_abs_dlogprob,
+  numerics/frac_dlogprob_gt_0.1, numerics/tokens      over the step's on-policy tokens (`on_policy`: the first
+                                                       substep, when its sampler is the current weights)
+With one substep in sync or stream mode the two KL pairs are equal. No extra forward is made. The recipe's
+`numerics = {...}` table (runner/recipe/numerics.py) turns the numerics/* ones into a gate (`Gate`): "warn" prints
+one line per failing step (rate-limited), "stop" ends the run with a UserError (exit 2) before the failing step's
+metrics row and checkpoint row are written, so the run dir's last checkpoint is the last step that passed.
 
 `runner numerics FILE#name` (runner/tools/numerics.py) runs the same comparison alone, with a third side: the
 sampling client's compute_logprobs. docs/numerics.md has the thresholds, the temperature caveat and measured values.
@@ -55,13 +57,31 @@ def diff_stats(diff: np.ndarray) -> dict[str, float]:
 
 
 def dlogprob_metrics(data_D: Sequence[Datum], train_logprobs_D: Sequence[np.ndarray]) -> dict[str, float]:
-    """The numerics/* metrics of a step (the KL pair is optim/kl_sample_train_v1/v2, from runner/rl/kl.py)."""
+    """The numerics/* metrics of the on-policy part of a step (see `on_policy`); {} when it has none."""
     sampled, trained = action_logprobs(data_D, train_logprobs_D)
     s = diff_stats(sampled - trained)
     if not s:
         return {}
-    return {"numerics/max_abs_dlogprob": s["max_abs"], "numerics/mean_abs_dlogprob": s["mean_abs"],
+    return {"numerics/kl_sample_train_v1": s["kl_v1"], "numerics/kl_sample_train_v2": s["kl_v2"],
+            "numerics/max_abs_dlogprob": s["max_abs"], "numerics/mean_abs_dlogprob": s["mean_abs"],
             FRAC_KEY: s["frac_big"], "numerics/tokens": s["tokens"]}
+
+
+def on_policy(parts: Sequence[tuple[int | None, list[Datum], list[np.ndarray]]]) -> tuple[list[Datum], list[np.ndarray]]:
+    """The datums (and their trainer logprobs) of a step whose forward_backward ran on the weights that sampled
+    them: those submitted before the step's first optim_step. `parts`: the step's submissions in order, each
+    (how many of its datums were trained before its first optim_step, None: all, as it has none; its datums in
+    order; their trainer logprobs). Later substeps see weights one or more updates on, so their Δ holds the
+    policy's change as well as any numerics fault (optim/kl_sample_train_* mixes the two; the gate must not)."""
+    data_D: list[Datum] = []
+    lps_D: list[np.ndarray] = []
+    for before_optim, part_D, part_lps in parts:
+        n = len(part_D) if before_optim is None else before_optim
+        data_D += part_D[:n]
+        lps_D += part_lps[:n]
+        if before_optim is not None:
+            break
+    return data_D, lps_D
 
 
 def failures(cfg: Numerics, kl_v1: float, kl_v2: float, max_abs: float) -> list[str]:
@@ -88,10 +108,10 @@ class Gate:
     def check(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """{"numerics/gate_failed": 0 or 1} for the row; raises UserError when a failing step must stop the run."""
         cfg = self.cfg
-        if cfg is None or step < cfg.after_steps or "optim/kl_sample_train_v1" not in metrics:
+        if cfg is None or step < cfg.after_steps or "numerics/kl_sample_train_v1" not in metrics:
             return {}
-        bad = failures(cfg, metrics["optim/kl_sample_train_v1"], metrics["optim/kl_sample_train_v2"],
-                       metrics.get("numerics/max_abs_dlogprob", 0.0))
+        bad = failures(cfg, metrics["numerics/kl_sample_train_v1"], metrics["numerics/kl_sample_train_v2"],
+                       metrics["numerics/max_abs_dlogprob"])
         if not bad:
             return {"numerics/gate_failed": 0.0}
         what = f"numerics gate: step {step}: the sampler's and the trainer's logprobs of the sampled tokens disagree: " \
