@@ -185,6 +185,7 @@ def _parser() -> argparse.ArgumentParser:
     export.set_defaults(command=cmd_export)
     _science_commands(sub)
     _talk_commands(sub)
+    _numerics_command(sub)
     return parser
 
 
@@ -223,6 +224,28 @@ def _talk_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     ev.add_argument("target", metavar="RUN_DIR|FILE#NAME", help=target_help)
     ev.add_argument("--checkpoint", metavar="NAME", help="a checkpoint by name; default: the last one")
     ev.set_defaults(command=cmd_eval)
+
+
+def _numerics_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`runner numerics` (runner/tools/numerics.py)."""
+    num = sub.add_parser(
+        "numerics", help="check that the sampler and the trainer agree on sampled tokens' logprobs",
+        description="Sample N prompts (the recipe's env or prompt sets, else generic ones) at temperature 1 with the "
+        "recipe's model and backend, recompute the sampled tokens' logprobs with compute_logprobs and a training "
+        "forward, and print the per-token differences (KL, mean/max |Δ|, by position, worst tokens). Exit 1 when "
+        "over the recipe's numerics limits (else the defaults). docs/numerics.md.")
+    _ref_and_overrides(num)
+    num.add_argument("--n", type=int, default=8, help="prompts (default 8)")
+    num.add_argument("--json", action="store_true", help="the report as one JSON object")
+    num.set_defaults(command=cmd_numerics)
+
+
+def cmd_numerics(args: argparse.Namespace) -> int:
+    from runner.tools.numerics import check
+
+    _at_least_one(args.n, "--n")
+    prefer_passive_openmp()
+    return check(args.ref, args.overrides, args.n, args.json, sys.stdout)
 
 
 def _at_least_one(value: int, flag: str) -> None:

@@ -19,6 +19,7 @@ from backends import losses
 from backends.config import ConfigStruct
 from backends.local.config import Local
 from backends.tinker.config import Tinker
+from runner.recipe.numerics import Numerics, check_temperature
 from runner.recipe.sources import HF as HF  # the file/hub data sources, re-exported
 from runner.recipe.sources import DataBase as DataBase
 from runner.recipe.sources import File as File
@@ -526,8 +527,11 @@ class RL(AlgoBase):
     # After each step, the new weights' logprobs of the batch: optim/kl_pre_post_v1/v2 (one more forward).
     compute_post_kl: bool = False
     eval: RLEval = RLEval()
+    # The sampler-vs-trainer logprob gate (runner/recipe/numerics.py); None: the numerics/* metrics only.
+    numerics: Numerics | None = None
 
     def __post_init__(self) -> None:
+        check_temperature(self.numerics, self.temperature)
         if isinstance(self.env, TicTacToe) and self.env.opponent == "self" and self.group_size % 2:
             raise ValueError("tictactoe self-play needs an even group_size (two seats per game)")
         if self.num_substeps > self.groups_per_batch:
@@ -590,6 +594,10 @@ class Distill(AlgoBase):
     transcript_every: NonNegInt = 10
     compute_post_kl: bool = False
     eval: RLEval = RLEval()
+    numerics: Numerics | None = None
+
+    def __post_init__(self) -> None:
+        check_temperature(self.numerics, self.temperature)
 
     @property
     def groups_per_batch(self) -> int:
