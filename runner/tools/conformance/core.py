@@ -83,7 +83,6 @@ class Ctx:
         self._clients: dict[str, Any] = {}
         self._tokenizer: Any = None
         self._tokenizer_error: str | None = None
-        self.server_name_from_caps: str | None = None
 
     # ------------------------------------------------------------ clients
 
@@ -104,6 +103,21 @@ class Ctx:
     def wait(self, fut: Any, timeout: float | None = None) -> Any:
         """An SDK future's result, or a client creation's client; never blocks past the timeout."""
         return fut.result(timeout=timeout or self.op_timeout)
+
+    def server_name(self) -> str | None:
+        """The `server_name` field of get_server_capabilities' JSON as sent (the SDK's response type drops
+        fields it does not know), or None."""
+        import json
+        import urllib.request
+
+        req = urllib.request.Request(f"{self.base_url.rstrip('/')}/api/v1/get_server_capabilities",
+                                     headers={"X-API-Key": self.api_key})
+        try:
+            with urllib.request.urlopen(req, timeout=15) as r:
+                name = json.loads(r.read()).get("server_name")
+        except Exception:  # noqa: BLE001 - the name is optional; the capabilities check reports a broken route
+            return None
+        return name if isinstance(name, str) and name else None
 
     def capabilities(self) -> Any:
         return self.wait(self.rest.get_server_capabilities())
@@ -201,7 +215,7 @@ def _run_one(c: Check, ctx: Ctx) -> tuple[str, str]:
     t.start()
     t.join(c.timeout_s)
     if t.is_alive():  # the thread is abandoned (daemon); the suite goes on
-        return "FAIL", f"no answer within {c.timeout_s:.0f}s (a hang; a 5xx is retried by the SDK for minutes)"
+        return "FAIL", f"no answer within {c.timeout_s:g}s (a hang; a 5xx is retried by the SDK for minutes)"
     return box.get("r", ("FAIL", "the check ended without a result"))
 
 
@@ -214,6 +228,7 @@ def select(only: Iterable[str] = ()) -> list[Check]:
     """The registered checks, in registration order, filtered by group or check names."""
     from runner.tools.conformance import checkpoints, errors, losses, ordering, sampling, sessions  # noqa: F401
 
+    CHECKS.sort(key=lambda c: GROUPS.index(c.group))  # stable: registration order within a group
     wanted = set(only)
     known = set(GROUPS) | {c.name for c in CHECKS}
     bad = sorted(wanted - known)
@@ -231,12 +246,10 @@ def run_suite(ctx: Ctx, only: Iterable[str] = (), server_name: str | None = None
     checks = select(only)
     results: list[Result] = []
     gaps_by_server = KNOWN_GAPS if known_gaps is None else known_gaps
-    name = server_name
+    name = server_name or ctx.server_name()
     for c in checks:
         t0 = time.monotonic()
         outcome, detail = _run_one(c, ctx)
-        if name is None and ctx.server_name_from_caps:
-            name = ctx.server_name_from_caps
         gaps = gaps_by_server.get(name or "", {})
         if outcome == "FAIL" and c.name in gaps:
             outcome, detail = "known gap", f"{gaps[c.name]} (observed: {detail})"

@@ -23,7 +23,7 @@ def user_error(ctx: Ctx, what: str, call: Callable[[], Any]) -> str:
         raise Fail(f"{what}: HTTP {exc.status_code} ({str(exc)[:120]}); a user error is a 4xx") from None
     except t.RequestFailedError as exc:
         if str(exc.category).lower().endswith("user"):
-            return f"RequestFailedError(user): {exc.message[:80]}"
+            return f"RequestFailedError(user): {exc.message[:60]}"
         raise Fail(f"{what}: RequestFailedError category {exc.category} ({exc.message[:120]}); expected user") from None
     except (ValueError, TypeError) as exc:  # refused by the SDK before sending: the user's error all the same
         return f"refused client-side: {type(exc).__name__}"

@@ -7,6 +7,7 @@ from typing import Any
 
 from runner.tools.conformance.core import Ctx, Fail, Skip, check, logprobs_of
 
+
 def _sampler(ctx: Ctx) -> Any:
     """A sampler over the weights of a training client that took one step (so LoRA is not the identity)."""
     with ctx.lock:
@@ -114,19 +115,22 @@ def stop_token(ctx: Ctx) -> str:
 
 @check("sampling", "stop_string", timeout_s=90)
 def stop_string(ctx: Ctx) -> str:
+    """stop=[text of a greedy token not seen before it]: the sample stops there ('stop'), a prefix of greedy."""
     tok = ctx.tokenizer()
     if tok is None:
         raise Skip("needs the tokenizer to write a stop string")
     g = _greedy(ctx)
-    text = tok.decode(g)
-    word = next((w for w in text.split()[1:] if w.isalnum()), None)
-    if word is None:
-        raise Skip(f"no word to stop at in the greedy text {text!r}")
+    k = next((i for i in range(1, len(g)) if (piece := tok.decode([g[i]])).strip()
+              and piece not in tok.decode(g[:i])), None)
+    if k is None:
+        raise Skip(f"no greedy token of {g} decodes to new text")
+    word = tok.decode([g[k]])
     s = _sample(ctx, 1, max_tokens=8, temperature=0.0, stop=[word], seed=1).sequences[0]
-    out = tok.decode(s.tokens)
-    if s.stop_reason != "stop" or word not in out or len(s.tokens) > len(g) or list(s.tokens) != g[: len(s.tokens)]:
-        raise Fail(f"stop=[{word!r}] on greedy text {text!r}: got {out!r} ({s.stop_reason!r})")
-    return f"stopped at {word!r}"
+    got = list(s.tokens)
+    if s.stop_reason != "stop" or got != g[: len(got)] or not k <= len(got) <= k + 1:
+        raise Fail(f"stop=[{word!r}] on greedy {g}: got {got} ({s.stop_reason!r}), expected {g[:k + 1]} "
+                   "(or without the stop text) and 'stop'")
+    return f"stopped at {word!r} after {len(got)} tokens"
 
 
 @check("sampling", "top_k_top_p", timeout_s=90)

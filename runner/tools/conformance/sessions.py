@@ -3,18 +3,7 @@ the training run as the REST client sees it."""
 
 from __future__ import annotations
 
-import json
-import urllib.request
-
 from runner.tools.conformance.core import Ctx, Fail, check
-
-
-def _raw_capabilities(ctx: Ctx) -> dict[str, object]:
-    """The JSON as sent (the SDK's response type drops fields it does not know, such as server_name)."""
-    req = urllib.request.Request(f"{ctx.base_url.rstrip('/')}/api/v1/get_server_capabilities",
-                                 headers={"X-API-Key": ctx.api_key})
-    with urllib.request.urlopen(req, timeout=ctx.op_timeout) as r:
-        return json.loads(r.read())
 
 
 @check("sessions", "capabilities", timeout_s=60)
@@ -23,12 +12,6 @@ def capabilities(ctx: Ctx) -> str:
     names = [m.model_name for m in caps.supported_models]
     if not names:
         raise Fail("get_server_capabilities lists no supported models")
-    try:
-        raw = _raw_capabilities(ctx)
-        if isinstance(raw.get("server_name"), str):
-            ctx.server_name_from_caps = str(raw["server_name"])
-    except Exception:  # noqa: BLE001 - the name is optional; the SDK call above is the check
-        pass
     if ctx.requested_model and ctx.requested_model not in names:
         raise Fail(f"--model {ctx.requested_model} is not among the supported models {names}")
     return f"models: {', '.join(map(str, names))}"

@@ -1,0 +1,105 @@
+"""`runner conformance` against `runner serve` (tiny, in a thread, driven by the real tinker SDK): every check
+passes; a server with one loss off by 2x is reported as FAILED with the numbers (or as a known gap when the
+server is named in known_gaps); a hanging check fails by its timeout instead of hanging the suite."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+pytest.importorskip("tinker")
+
+import backends.local.backend as local_backend
+from backends.serve.http import ServeConfig, build_service, running
+from runner.cli import main
+from runner.tools.conformance import core
+from runner.tools.conformance.core import Check, Ctx, run_suite
+
+KEY = "tml-test"
+
+
+@pytest.fixture
+def url(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    service = build_service(ServeConfig(storage=tmp_path / "storage", device="cpu"))
+    with running(service) as srv:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    service.close()
+
+
+def _run(url: str, only: tuple[str, ...] = (), **kw):
+    ctx = Ctx(url, KEY, None)
+    try:
+        return run_suite(ctx, only, **kw)
+    finally:
+        ctx.close()
+
+
+def test_runner_serve_passes_every_check(url):
+    server, results = _run(url)
+    assert server == "runner-serve"
+    by = {r.check: r for r in results}
+    assert {r.group for r in results} == set(core.GROUPS)
+    bad = [(r.check, r.result, r.detail) for r in results if r.result not in ("pass", "known gap")]
+    assert not bad
+    # The losses are checked against formulas computed here, not against the server's own numbers.
+    for name in ("loss/cross_entropy", "loss/importance_sampling", "loss/ppo", "loss/ppo_defaults", "loss/cispo",
+                 "loss/cispo_defaults", "loss/dro", "loss/gspo"):
+        assert by[name].result == "pass", name
+    assert "HTTP 400" in by["error/unknown_model"].detail
+
+
+def test_a_loss_off_by_2x_fails_with_the_numbers(url, monkeypatch):
+    real = local_backend.batch_loss
+
+    def broken(loss_fn, *args, **kw):
+        out = real(loss_fn, *args, **kw)
+        return out * 2 if loss_fn == "ppo" else out
+
+    monkeypatch.setattr(local_backend, "batch_loss", broken)
+    _, results = _run(url, ("losses",))
+    by = {r.check: r for r in results}
+    for name in ("loss/ppo", "loss/ppo_defaults"):
+        assert by[name].result == "FAIL"
+        assert "documented formula gives" in by[name].detail and "2x" in by[name].detail
+    assert by["loss/importance_sampling"].result == "pass" and by["loss/cispo"].result == "pass"
+    assert core.failed(results)
+
+    # Named in known_gaps, the same failure is a known gap with its reason, and the run does not fail.
+    gaps = {"runner-serve": {"loss/ppo": "ppo is doubled on purpose", "loss/ppo_defaults": "same"}}
+    _, results = _run(url, ("loss/ppo", "loss/ppo_defaults"), known_gaps=gaps)
+    assert [r.result for r in results] == ["known gap", "known gap"]
+    assert results[0].detail.startswith("ppo is doubled on purpose (observed: forward ppo loss:sum")
+    assert not core.failed(results)
+
+
+def test_a_hanging_check_fails_by_its_timeout(monkeypatch):
+    def hangs(ctx):
+        time.sleep(30)
+
+    monkeypatch.setattr(core, "CHECKS", [Check("hangs", "sessions", hangs, 0.3)])
+    monkeypatch.setattr(Ctx, "server_name", lambda self: None)
+    t0 = time.monotonic()
+    server, results = run_suite(Ctx("http://127.0.0.1:9", KEY, "tiny"), ["hangs"])
+    assert time.monotonic() - t0 < 5
+    assert server == "unknown"
+    assert results[0].result == "FAIL" and "no answer within 0.3s" in results[0].detail
+
+
+def test_cli_json_and_exit_codes(url, capsys, monkeypatch):
+    monkeypatch.setenv("CONF_KEY", KEY)
+    assert main(["conformance", "--base-url", url, "--api-key-env", "CONF_KEY", "--only", "sessions", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["server"] == "runner-serve" and out["sdk_version"]
+    assert {r["check"] for r in out["results"]} >= {"capabilities", "create_training_client", "tokenizer"}
+    assert all(r["result"] == "pass" for r in out["results"])
+    assert main(["conformance", "--base-url", url, "--only", "nonsense"]) == 2
+    assert "--only nonsense: not a group or check" in capsys.readouterr().err
+    # A server that does not answer: every check fails (by its own timeout or the SDK's refusal), exit 1.
+    monkeypatch.setattr(Ctx, "wait", lambda self, fut, timeout=None: fut.result(timeout=1))
+    monkeypatch.setattr(core, "CHECKS", [c if c.name != "capabilities" else Check(c.name, c.group, c.fn, 5)
+                                         for c in core.CHECKS])
+    assert main(["conformance", "--base-url", "http://127.0.0.1:9", "--only", "capabilities"]) == 1
+    assert "FAIL" in capsys.readouterr().out
