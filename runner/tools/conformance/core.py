@@ -96,13 +96,17 @@ class Ctx:
     @property
     def rest(self) -> Any:
         with self._lock:
-            if self._rest is None:
-                self._rest = self.tinker.RestClient(base_url=self.base_url, api_key=self.api_key)
+            if self._rest is None:  # SDKs before RestClient was public make it from the ServiceClient
+                make = getattr(self.tinker, "RestClient", None)
+                self._rest = (make(base_url=self.base_url, api_key=self.api_key) if make is not None
+                              else self.service.create_rest_client())
             return self._rest
 
     def wait(self, fut: Any, timeout: float | None = None) -> Any:
-        """An SDK future's result, or a client creation's client; never blocks past the timeout."""
-        return fut.result(timeout=timeout or self.op_timeout)
+        """An SDK future's result (never blocking past the timeout); older SDKs' creation methods block and
+        return the client itself, which is passed through."""
+        result = getattr(fut, "result", None)
+        return result(timeout=timeout or self.op_timeout) if callable(result) else fut
 
     def server_name(self) -> str | None:
         """The `server_name` field of get_server_capabilities' JSON as sent (the SDK's response type drops
@@ -120,7 +124,10 @@ class Ctx:
         return name if isinstance(name, str) and name else None
 
     def capabilities(self) -> Any:
-        return self.wait(self.rest.get_server_capabilities())
+        """RestClient's get_server_capabilities, or the ServiceClient's on SDKs whose RestClient lacks it."""
+        if hasattr(self.rest, "get_server_capabilities"):
+            return self.wait(self.rest.get_server_capabilities())
+        return self.wait(self.service.get_server_capabilities())
 
     @property
     def model(self) -> str:
@@ -130,7 +137,7 @@ class Ctx:
                     self._model = self.requested_model
                 else:
                     caps = self.capabilities()
-                    names = [m.model_name for m in caps.supported_models if m.model_name and m.trainable is not False]
+                    names = [str(m.model_name) for m in caps.supported_models if m.model_name and getattr(m, "trainable", None) is not False]
                     if not names:
                         raise Fail("get_server_capabilities lists no trainable model (pass --model NAME)")
                     self._model = names[0]

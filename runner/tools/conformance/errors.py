@@ -72,11 +72,12 @@ def bad_sampling_params(ctx: Ctx) -> str:
     sampler = ctx.wait(ctx.service.create_sampling_client(base_model=ctx.model), timeout=60)
     prompt = ctx.types.ModelInput.from_ints([1, 2, 3])
     out = []
-    for label, kw in (("temperature=-1", {"temperature": -1.0, "max_tokens": 2}),
-                      ("max_tokens=-1", {"max_tokens": -1}),
-                      ("top_p=2", {"top_p": 2.0, "max_tokens": 2})):
-        out.append(label + ": " + user_error(ctx, f"sample with {label}", lambda kw=kw: ctx.wait(
-            sampler.sample(prompt, 1, ctx.types.SamplingParams(**kw)))))
+    sp = ctx.types.SamplingParams
+    for label, params in (("temperature=-1", lambda: sp(temperature=-1.0, max_tokens=2)),
+                          ("max_tokens=-1", lambda: sp(max_tokens=-1)),
+                          ("top_p=2", lambda: sp(top_p=2.0, max_tokens=2))):
+        out.append(label + ": " + user_error(ctx, f"sample with {label}", lambda params=params: ctx.wait(
+            sampler.sample(prompt, 1, params()))))
     return "; ".join(out)
 
 
