@@ -74,7 +74,8 @@ def run_version(v: str, url: str) -> dict[str, object]:
     count = {k: sum(r["result"] == k for r in results) for k in ("pass", "FAIL", "skip", "known gap")}
     return {"version": report["sdk_version"], "exit": out.returncode, "seconds": round(time.monotonic() - t0, 1),
             **count, "failed": [f"{r['check']}: {r['detail']}" for r in results if r["result"] == "FAIL"],
-            "skipped": [f"{r['check']}: {r['detail']}" for r in results if r["result"] == "skip"]}
+            "skipped": [f"{r['check']}: {r['detail']}" for r in results if r["result"] == "skip"],
+            "known": [f"{r['check']}: {r['detail']}" for r in results if r["result"] == "known gap"]}
 
 
 def markdown(rows: list[dict[str, object]]) -> str:
@@ -84,9 +85,11 @@ def markdown(rows: list[dict[str, object]]) -> str:
             lines.append(f"| {r['version']} | - | - | - | - | {r['error']} |")
         else:
             lines.append(f"| {r['version']} | {r['pass']} | {r['FAIL']} | {r['skip']} | {r['known gap']} | {r['seconds']} |")
+    lines.append("")
     for r in rows:
-        for f in [*r.get("failed", []), *r.get("skipped", [])]:  # type: ignore[misc]
-            lines.append(f"\n- {r['version']}: {f}")
+        for label in ("failed", "known", "skipped"):
+            for f in r.get(label, []):  # type: ignore[union-attr]
+                lines.append(f"- {r['version']} {label}: {f}")
     return "\n".join(lines)
 
 
