@@ -103,3 +103,14 @@ def test_cli_json_and_exit_codes(url, capsys, monkeypatch):
                                          for c in core.CHECKS])
     assert main(["conformance", "--base-url", "http://127.0.0.1:9", "--only", "capabilities"]) == 1
     assert "FAIL" in capsys.readouterr().out
+
+
+def test_known_gaps_scoped_by_sdk_version():
+    gaps = {"load_state@sdk<0.38": "old SDKs load into an existing run", "capabilities": "always"}
+    assert core.gap_reason(gaps, "load_state", "0.36.0") == "old SDKs load into an existing run"
+    assert core.gap_reason(gaps, "load_state", "0.38.0") is None
+    assert core.gap_reason(gaps, "capabilities", "0.38.0") == "always"
+    assert core.gap_reason(gaps, "tokenizer", "0.25.0") is None
+    # Every shipped known gap names a registered check (a renamed check must not leave a stale gap behind).
+    names = {c.name for c in core.select()}
+    assert all(key.partition("@")[0] in names for gaps in core.KNOWN_GAPS.values() for key in gaps)

@@ -100,3 +100,11 @@ def unknown_checkpoint(ctx: Ctx) -> str:
     path = f"tinker://{tc.model_id}/weights/never-saved"
     return user_error(ctx, f"create_training_client_from_state({path})", lambda: ctx.wait(
         ctx.service.create_training_client_from_state(path), timeout=45))
+
+
+@check("errors", "error/shape_mismatch", timeout_s=60)
+def shape_mismatch(ctx: Ctx) -> str:
+    tc = ctx.training_client("errors")
+    d = ctx.datum([1, 2, 3, 4], weights=[1.0, 1.0])  # 3 targets, 2 weights
+    return user_error(ctx, "forward_backward with 3 targets and 2 weights",
+                      lambda: ctx.wait(tc.forward_backward([d], "cross_entropy")))

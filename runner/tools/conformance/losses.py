@@ -144,3 +144,30 @@ def gspo(ctx: Ctx) -> str:
     if not ctx.close_enough(got, want):
         raise Fail(f"forward gspo loss:sum {got:.5f}, documented formula gives {want:.5f}")
     return f"loss:sum {want:.4f}"
+
+
+@check("losses", "loss/cross_entropy_topk", timeout_s=120)
+def cross_entropy_topk(ctx: Ctx) -> str:
+    """(N, K) targets and weights (top-K distillation): logprobs come back (N, K), loss = -sum(w * lp), and
+    column 0 (the sequence's own next tokens) matches the 1-D logprobs."""
+    import numpy as np
+
+    ids = _texts(ctx)[0]
+    lp1 = _learner_logprobs(ctx, [ids])[0]
+    n, k = len(ids) - 1, 3
+    targets = np.stack([np.asarray(ids[1:])] + [np.asarray([(t + j) % 7 + 1 for t in ids[1:]]) for j in (1, 2)], 1)
+    weights = np.tile(np.asarray([0.6, 0.3, 0.1], np.float32), (n, 1))
+    datum = ctx.types.Datum(model_input=ctx.types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={
+        "target_tokens": ctx.types.TensorData.from_numpy(targets.astype(np.int64)),
+        "weights": ctx.types.TensorData.from_numpy(weights)})
+    out = ctx.wait(ctx.training_client("losses").forward([datum], "cross_entropy"))
+    lp = out.loss_fn_outputs[0]["logprobs"].to_numpy()
+    if tuple(lp.shape) != (n, k):
+        raise Fail(f"(N, K) = ({n}, {k}) targets gave logprobs shaped {tuple(lp.shape)}")
+    if any(not ctx.close_enough(float(a), b) for a, b in zip(lp[:, 0], lp1, strict=True)):
+        raise Fail("column 0 of the (N, K) logprobs differs from the 1-D logprobs of the same tokens")
+    want = -float((weights * lp).sum())
+    got = loss_sum(out)
+    if not ctx.close_enough(got, want):
+        raise Fail(f"(N, K) cross_entropy loss:sum {got:.5f} != -sum(w * lp) = {want:.5f}")
+    return f"({n}, {k}) logprobs, loss:sum {got:.4f}"

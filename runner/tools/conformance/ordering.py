@@ -54,3 +54,20 @@ def optim_step_between_passes(ctx: Ctx) -> str:
         raise Fail(f"the step did not lower the loss it was trained on ({-sum(lp_before):.4f} -> "
                    f"{loss_sum(out_after):.4f})")
     return f"max |dlogprob| after the step {moved:.4f}"
+
+
+@check("ordering", "forward_keeps_no_gradient", timeout_s=120)
+def forward_keeps_no_gradient(ctx: Ctx) -> str:
+    """forward then optim_step(lr>0): forward accumulates no gradient, so the step changes nothing."""
+    tc = ctx.training_client("forward-only")
+    ids = ctx.tokens("Nothing to learn from a forward pass", [40, 41, 42, 43, 44, 45])
+    datum = ctx.datum(ids, weights=[1.0] * (len(ids) - 1))
+    first = tc.forward([datum], "cross_entropy")
+    op = tc.optim_step(ctx.types.AdamParams(learning_rate=5e-2))
+    again = tc.forward([datum], "cross_entropy")
+    a, b = logprobs_of(ctx.wait(first))[0], logprobs_of(ctx.wait(again))[0]
+    ctx.wait(op)
+    moved = max(abs(x - y) for x, y in zip(a, b, strict=True))
+    if moved > 1e-5:
+        raise Fail(f"an optim_step after only a forward moved the logprobs by {moved:.2e}: forward kept gradients")
+    return "unchanged"

@@ -100,37 +100,46 @@ def max_tokens_and_num_samples(ctx: Ctx) -> str:
     return "3 sequences x 5 tokens, stop_reason 'length'"
 
 
+def _seeded(ctx: Ctx, **kw: Any) -> Any:
+    """One seeded temperature-1 sample of up to 12 tokens; the same seed with a stop rule must give a prefix."""
+    return _sample(ctx, 1, max_tokens=12, temperature=1.0, seed=4242, **kw).sequences[0]
+
+
+def _fresh_index(ok: Any, g: list[int]) -> int | None:
+    """The first position >= 2 whose token is new to the sequence (so a stop there cannot fire earlier)."""
+    return next((i for i in range(2, len(g)) if g[i] not in g[:i] and ok(i)), None)
+
+
 @check("sampling", "stop_token", timeout_s=90)
 def stop_token(ctx: Ctx) -> str:
-    g = _greedy(ctx)
-    k = next((i for i in range(1, len(g)) if g[i] not in g[:i]), None)
+    g = list(_seeded(ctx, stop=[]).tokens)
+    k = _fresh_index(lambda i: True, g)
     if k is None:
-        raise Skip(f"the greedy continuation {g} repeats one token; no stop token to test")
-    s = _sample(ctx, 1, max_tokens=8, temperature=0.0, stop=[g[k]], seed=1).sequences[0]
+        raise Skip(f"the sample {g} has no token that is new after position 2; no stop token to test")
+    s = _seeded(ctx, stop=[g[k]])
     if s.stop_reason != "stop" or list(s.tokens) != g[: k + 1]:
-        raise Fail(f"stop=[{g[k]}] on greedy {g}: got {list(s.tokens)} ({s.stop_reason!r}), expected {g[:k + 1]} "
-                   "('stop', the stop token included)")
-    return f"stopped after token {k} with stop_reason 'stop'"
+        raise Fail(f"stop=[{g[k]}] on seeded sample {g}: got {list(s.tokens)} ({s.stop_reason!r}), expected "
+                   f"{g[:k + 1]} ('stop', the stop token included)")
+    return f"stopped after token {k} of 12 with stop_reason 'stop'"
 
 
 @check("sampling", "stop_string", timeout_s=90)
 def stop_string(ctx: Ctx) -> str:
-    """stop=[text of a greedy token not seen before it]: the sample stops there ('stop'), a prefix of greedy."""
+    """stop=[text of a sampled token]: the same seeded sample stops there ('stop'), a prefix of the unstopped one."""
     tok = ctx.tokenizer()
     if tok is None:
         raise Skip("needs the tokenizer to write a stop string")
-    g = _greedy(ctx)
-    k = next((i for i in range(1, len(g)) if (piece := tok.decode([g[i]])).strip()
-              and piece not in tok.decode(g[:i])), None)
+    g = list(_seeded(ctx, stop=[]).tokens)
+    k = _fresh_index(lambda i: bool(tok.decode([g[i]]).strip()) and tok.decode([g[i]]) not in tok.decode(g[:i]), g)
     if k is None:
-        raise Skip(f"no greedy token of {g} decodes to new text")
+        raise Skip(f"no token of the sample {g} decodes to new text")
     word = tok.decode([g[k]])
-    s = _sample(ctx, 1, max_tokens=8, temperature=0.0, stop=[word], seed=1).sequences[0]
+    s = _seeded(ctx, stop=[word])
     got = list(s.tokens)
     if s.stop_reason != "stop" or got != g[: len(got)] or not k <= len(got) <= k + 1:
-        raise Fail(f"stop=[{word!r}] on greedy {g}: got {got} ({s.stop_reason!r}), expected {g[:k + 1]} "
+        raise Fail(f"stop=[{word!r}] on seeded sample {g}: got {got} ({s.stop_reason!r}), expected {g[:k + 1]} "
                    "(or without the stop text) and 'stop'")
-    return f"stopped at {word!r} after {len(got)} tokens"
+    return f"stopped at {word!r} after {len(got)} of 12 tokens"
 
 
 @check("sampling", "top_k_top_p", timeout_s=90)

@@ -65,3 +65,20 @@ def sampling_client_base_model(ctx: Ctx) -> str:
     if not lps or lps[0] is not None or any(x is None or x > 1e-4 for x in lps[1:]):
         raise Fail(f"compute_logprobs should be [None, negative floats...], got {lps}")
     return f"{len(lps)} logprobs"
+
+
+@check("sessions", "second_session_close", timeout_s=120)
+def second_session_close(ctx: Ctx) -> str:
+    """A second ServiceClient gets its own session and run ids; close() returns, and the first session goes on."""
+    other = ctx.tinker.ServiceClient(base_url=ctx.base_url, api_key=ctx.api_key)
+    try:
+        tc = ctx.wait(other.create_lora_training_client(ctx.model, rank=4, seed=0), timeout=90)
+        if tc.model_id == ctx.training_client("main").model_id:
+            raise Fail(f"two sessions were given the same model_id {tc.model_id}")
+    finally:
+        closing = getattr(other, "close", None)
+        if callable(closing):
+            ctx.wait(closing("success"), timeout=30)
+    ids = ctx.tokens("still here", [1, 2, 3])
+    ctx.wait(ctx.training_client("main").forward([ctx.datum(ids, weights=[1.0] * (len(ids) - 1))], "cross_entropy"))
+    return "separate model ids; close() returned"
