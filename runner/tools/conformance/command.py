@@ -26,6 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="the name known gaps are looked up under (default: the server_name the server reports)")
     p.add_argument("--only", nargs="+", default=[], metavar="GROUP",
                    help="groups (sessions ordering losses sampling checkpoints errors) or check names")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="at most S seconds per check (default: each check's own, 60-150 s); a check past it fails")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--rtol", type=float, default=2e-3, help="relative tolerance of numeric checks (default 2e-3)")
     p.add_argument("--atol", type=float, default=2e-3, help="absolute tolerance of numeric checks (default 2e-3)")
@@ -52,7 +54,8 @@ def cmd_conformance(args: argparse.Namespace) -> int:
             print(f"  {r.result:<9} {r.check}", file=sys.stderr, flush=True)  # type: ignore[attr-defined]
 
     try:
-        server, results = run_suite(ctx, args.only, server_name=args.server_name, progress=progress)
+        server, results = run_suite(ctx, args.only, server_name=args.server_name, progress=progress,
+                                    max_timeout_s=args.timeout)
     finally:
         ctx.close()
     print(to_json(results, server, version("tinker")) if args.json else format_table(results, server))
