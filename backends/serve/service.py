@@ -262,7 +262,8 @@ class Service:
 
     def _route(self, method: str, route: str, req: dict[str, Any], path: str, base_url: str) -> Reply:
         simple: dict[str, Callable[[dict[str, Any]], Reply]] = {
-            "client/config": lambda _: Reply.json({}),
+            # SDKs before 0.38 load a checkpoint with one 0.38-style load_weights only when told to.
+            "client/config": lambda _: Reply.json({"create_model_via_load_weights": True}),
             "client/dynamic_config": lambda _: Reply.json({}),
             "healthz": lambda _: Reply.json({"status": "ok"}),
             "telemetry": lambda _: Reply.json({"status": "accepted"}),

@@ -14,11 +14,7 @@ from typing import Any
 # `server_name` when it sends one): check -> why. A key "CHECK@sdk<X.Y.Z" applies only to SDKs older than X.Y.Z.
 # Reported as "known gap", which does not fail the run.
 KNOWN_GAPS: dict[str, dict[str, str]] = {
-    "runner-serve": {
-        "load_state@sdk<0.38": "SDKs before 0.38 load a checkpoint into an existing run (create_model, then "
-        "load_weights with model_id + seq_id); runner serve only implements 0.38's load_weights with session_id + "
-        "model_seq_id (a new run), and answers 422 'KeyError: session_id'",
-    },
+    "runner-serve": {},  # none: SDKs 0.25.0, 0.36.0 and 0.38.0 pass every check (docs/conformance.md)
 }
 
 
