@@ -45,6 +45,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     key = os.environ.get(args.api_key_env, "").strip() or "tml-local"
     if not key.startswith("tml-"):
         raise UserError(f"${args.api_key_env}: the tinker SDK only sends keys that start with 'tml-'")
+    _reachable(args.base_url)
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     logging.getLogger("tinker").setLevel(logging.CRITICAL)  # the refusals the error checks provoke are expected
     ctx = Ctx(args.base_url, key, args.model, rtol=args.rtol, atol=args.atol)
@@ -60,3 +61,18 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         ctx.close()
     print(to_json(results, server, version("tinker")) if args.json else format_table(results, server))
     return 1 if failed(results) else 0
+
+
+def _reachable(base_url: str) -> None:
+    """Any HTTP answer will do; nothing listening is a UserError now, not 41 checks each failing by its timeout
+    (the SDK retries a refused connection for 5 minutes, holding a process-wide lock while it does)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(f"{base_url.rstrip('/')}/api/v1/healthz", timeout=15).close()
+    except urllib.error.HTTPError:
+        return
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise UserError(f"--base-url {base_url}: nothing answers there ({reason})") from None
