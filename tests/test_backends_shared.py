@@ -23,9 +23,9 @@ from tinker_mock import BASE_URL, MockTinker, respx_tinker
 from backends.base import BackendError, Future
 from backends.errors import UserError
 from backends.local.config import Local
-from backends.local.tiny import sft_conversations
 from runner.engine.loop import run
 from runner.recipe.schema import Recipe
+from tools.tiny_build import sft_conversations
 
 STEPS = 4
 

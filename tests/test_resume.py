@@ -20,11 +20,11 @@ import pytest
 from crashing import CrashingBackend
 
 from backends.base import BackendError
-from backends.local.tiny import sft_conversations
 from runner.engine.log import read_jsonl
 from runner.engine.loop import run
 from runner.recipe.load import dump_recipe, load_recipe
 from runner.recipe.schema import Recipe
+from tools.tiny_build import sft_conversations
 
 STEPS = 6
 
