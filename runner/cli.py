@@ -336,6 +336,10 @@ def _science_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
                       help="moving average over K points, bold over the faint raw curve (default 1: raw)")
     plot.set_defaults(command=cmd_plot)
 
+    from runner.tools.conformance.command import add_parser as add_conformance  # docs/conformance.md
+
+    add_conformance(sub)
+
 
 def _positive(text: str) -> int:
     try:
