@@ -76,12 +76,9 @@ class Usage:
 
 
 class Counter:
-    """Thread-safe token counts since the last take() (sample results arrive on the backend's threads).
-    `bound`: count sample() as num_samples x max_tokens when it is submitted (the dry run's upper bound) instead
-    of the tokens it returns."""
+    """Thread-safe token counts since the last take() (sample results arrive on the backend's threads)."""
 
-    def __init__(self, bound: bool = False):
-        self.bound = bound
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(KINDS, 0)
 
@@ -105,20 +102,18 @@ class CountingSamplingClient:
 
     def sample(self, prompt: list[int], num_samples: int, params: SamplingParams) -> Future[SampleOutput]:
         self.counter.add("prefill", len(prompt))
-        if self.counter.bound:
-            self.counter.add("sample", num_samples * params.max_tokens)
         fut = self.inner.sample(prompt, num_samples, params)
-        if not self.counter.bound:
-            # Once, when the request completes (before any awaiting coroutine resumes: this callback is added
-            # first); a failed request samples nothing.
-            def done(_: Any) -> None:
-                try:
-                    out = fut.result()
-                except BaseException:
-                    return
-                self.counter.add("sample", sum(len(s.tokens) for s in out.sequences))
 
-            fut.future().add_done_callback(done)
+        # Once, when the request completes (before any awaiting coroutine resumes: this callback is added first);
+        # a failed request samples nothing.
+        def done(_: Any) -> None:
+            try:
+                out = fut.result()
+            except BaseException:
+                return
+            self.counter.add("sample", sum(len(s.tokens) for s in out.sequences))
+
+        fut.future().add_done_callback(done)
         return fut
 
     def compute_logprobs(self, tokens: list[int]) -> Future[list[float | None]]:

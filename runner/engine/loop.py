@@ -69,9 +69,6 @@ def run(recipe: Recipe, name: str, *, dry_run: bool = False, backend: Backend | 
     if dry_run:
         tokenizer = backend.get_tokenizer() if backend is not None else load_tokenizer(recipe.tokenizer or recipe.model)
         print_plan(recipe, name, run_dir, build_algo(tokenizer))
-        from runner.engine.estimate import print_estimate
-
-        print_estimate(recipe, name, run_dir.start_step, build_algo(tokenizer), tokenizer)
         return
     if backend is None:
         # Saved states live in the run dir, next to the checkpoints.jsonl rows that point at them.
