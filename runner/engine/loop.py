@@ -226,7 +226,7 @@ async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm, 
     last_ckpt = run.resume
     with StopFlag(progress) as stop:
         if tc is not None:
-            last_ckpt = await train_steps(recipe, run, backend, tc, algo, progress, clock, stop, ledger)
+            last_ckpt = await train_steps(recipe, run, backend, tc, algo, progress, clock, stop, ledger) or last_ckpt
         if stop.set:
             done = last_ckpt["next_step"] if last_ckpt else 0
             if stop.budget is not None:
@@ -265,7 +265,7 @@ async def train_steps(recipe: Recipe, run: RunDir, backend: Backend, tc: Trainin
     pending: deque[Pending] = deque()
     ckpt: dict[str, Any] | None = None
     for step in range(start, total):
-        if not stop.set and (why := ledger.exhausted()) is not None:
+        if step == start and (why := ledger.exhausted()) is not None:  # resumed with the same budget
             stop.set, stop.budget = True, why
         if stop.set:
             break
@@ -285,6 +285,9 @@ async def train_steps(recipe: Recipe, run: RunDir, backend: Backend, tc: Trainin
             p.save = (name, tc.save_state(name, None if last else ttl),
                       tc.save_weights_for_sampler(name, None if last else ttl))
         pending.append(p)
+        if step < total - 1 and (why := ledger.exhausted()) is not None:  # the budget: this step is the last
+            stop.set, stop.budget = True, why
+            break
         while len(pending) > recipe.depth:
             ckpt = await finish(pending.popleft(), algo, run, progress, clock, total, ledger) or ckpt
     if stop.set and pending and pending[-1].save is None:
