@@ -29,7 +29,7 @@ TOK = build_tokenizer()
 CONV = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "general kenobi"}]
 # Every row is the same conversation, so every datum has the same length: the rendered chat (byte-level tokenizer:
 # one token per byte plus the <|im_start|>/<|im_end|> specials) less the last token (the datum's inputs).
-DATUM = len(TOK.apply_chat_template(CONV, tokenize=True)["input_ids"]) - 1
+DATUM = len(TOK.apply_chat_template(CONV, tokenize=True)["input_ids"]) - 1  # pyright: ignore[reportArgumentType,reportCallIssue]
 PRICE = {"prefill": 1.0, "sample": 2.0, "train": 3.0}
 
 

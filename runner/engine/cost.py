@@ -43,7 +43,7 @@ from runner.recipe.cost import Budget, Price
 from runner.recipe.schema import Recipe
 
 PRICES = Path(__file__).with_name("prices.toml")
-KINDS = ("prefill", "sample", "train")
+KINDS: tuple[str, ...] = ("prefill", "sample", "train")
 
 
 class BudgetReached(Exception):
@@ -80,7 +80,7 @@ class Counter:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts = dict.fromkeys(KINDS, 0)
+        self._counts: dict[str, int] = dict.fromkeys(KINDS, 0)
 
     def add(self, kind: str, n: int) -> None:
         with self._lock:

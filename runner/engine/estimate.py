@@ -141,7 +141,13 @@ class Stage:
     start: int
     finished: bool
     build: Callable[[Any], Algorithm]  # make_algo's result: an Algorithm from a tokenizer
-    final: Callable[[Algorithm], bool]  # whether its final row is still to run
+    has_row: Callable[[int], bool]  # whether the run dir's metrics hold a row for a step (RunDir.has_row)
+
+    def final_due(self, algo: Algorithm) -> bool:
+        """Whether the row after the last step (final(), pinned evals) is still to run (as loop.final_due)."""
+        total = algo.total_steps
+        final = algo.final_plan(self.recipe.eval_every > 0) is not None or bool(self.recipe.evals)
+        return final and (self.start < total or (self.start == total and not self.has_row(total)))
 
 
 def print_chain_estimate(stages: Sequence[Stage]) -> None:
@@ -154,7 +160,7 @@ def print_chain_estimate(stages: Sequence[Stage]) -> None:
         try:
             tokenizer = load_tokenizer(st.recipe.tokenizer or st.recipe.model)
             algo = st.build(tokenizer)
-            est = estimate(st.recipe, algo, tokenizer, st.start, st.final(algo))
+            est = estimate(st.recipe, algo, tokenizer, st.start, st.final_due(algo))
         except UserError as e:  # e.g. data that an upstream stage has yet to write
             print(f"cost of {st.label}: not estimated ({e})")
             unknown.append(st.label)

@@ -62,7 +62,6 @@ def _planned(recipe: Recipe, name: str, where: str, label: str, finished: bool) 
     """A stage as its dry run sees it: upstream weights planned, not yet resolved."""
     from runner.algos import make_algo
     from runner.engine.estimate import Stage
-    from runner.engine.loop import final_due, final_plan
     from runner.engine.rundir import open_run_dir
 
     chain = upstreams(recipe, where)
@@ -70,4 +69,4 @@ def _planned(recipe: Recipe, name: str, where: str, label: str, finished: bool) 
     run_dir = open_run_dir(recipe, name, dry_run=True, init=init.record() if init is not None else None)
     weights = {d.ref: "" for d in dependencies(recipe, where)}
     return Stage(label, recipe, run_dir.start_step, finished, lambda tok: make_algo(recipe, init, weights)(tok),
-                 lambda algo: final_due(run_dir, algo, final_plan(recipe, algo)))
+                 run_dir.has_row)
