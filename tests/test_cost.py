@@ -226,3 +226,40 @@ algo = {{kind = "sft", data = {{kind = "jsonl", path = "{data}"}}, batch_size = 
     assert float(total[1]) == pytest.approx(float(a[3]) + float(b[3]), abs=1e-4)
     assert int(total[2].replace(",", "")) == 18 * 4 * DATUM
     assert not (tmp_path / "runs").exists()  # a dry run writes nothing
+
+
+def test_cli_exit_code_3_when_the_budget_stops_a_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """`runner run` of a chain whose upstream has a budget: it stops there (exit 3, one line, a checkpoint), and
+    the downstream does not start. (The loop runs on the fake backend.)"""
+    import runner.engine.loop as loop
+
+    sft(tmp_path)  # writes same.jsonl
+    data = tmp_path / "same.jsonl"
+    (tmp_path / "chain.toml").write_text(f"""
+[recipes.a]
+max_steps = 6
+eval_every = 0
+save_every = 0
+budget = {{tokens = 300}}
+algo = {{kind = "sft", data = {{kind = "jsonl", path = "{data}"}}, batch_size = 4}}
+
+[recipes.b]
+init_from = "#a"
+eval_every = 0
+max_steps = 2
+algo = {{kind = "sft", data = {{kind = "jsonl", path = "{data}"}}, batch_size = 4}}
+""")
+    monkeypatch.chdir(tmp_path)
+    started: list[str] = []
+    real_run = loop.run
+
+    def run_on_fake(recipe: Recipe, name: str, **kw: Any) -> None:
+        started.append(name)
+        real_run(recipe, name, backend=FakeBackend(TOK, storage_dir=tmp_path / "store"), **kw)
+
+    monkeypatch.setattr(loop, "run", run_on_fake)
+    assert main(["run", "chain.toml#b"]) == 3
+    assert started == ["a"] and not (tmp_path / "runs" / "b").exists()
+    assert "token budget reached: 360 of 300 tokens; stopped after 2 of 6 steps" in capsys.readouterr().err
+    assert [json.loads(x)["next_step"] for x in (tmp_path / "runs/a/checkpoints.jsonl").read_text().splitlines()] == [2]
