@@ -29,11 +29,10 @@ def run_chain(recipe: Recipe, name: str, where: str, *, dry_run: bool = False) -
         pending = [s.label for s in [*deps, *chain] if s.runnable and _status(s) != "finished"]
         try:
             run(recipe, name, dry_run=True, init=init, weights={d.ref: "" for d in deps})
-        except UserError as e:
-            if not pending:
-                raise
-            # Its data may be what an upstream has yet to write (a generate run's output): plan the rest anyway.
-            print(f"plan of {name}: not available before {', '.join(pending)} has run ({e})")
+        except UserError:
+            if pending:  # its data may be what an upstream has yet to write: still price the stages that can be
+                print_costs(recipe, name, where, [*deps, *chain])
+            raise
         print_costs(recipe, name, where, [*deps, *chain])
         return
     for stage in [*deps, *chain]:
