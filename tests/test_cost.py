@@ -182,7 +182,8 @@ def test_prices_shipped_file_env_and_recipe(tmp_path: Path, monkeypatch: pytest.
     other.write_text('[models."Qwen/Qwen3-8B"]\ntrain = 9\n')
     assert price_of(recipe(price_file=str(other)))[0] == Price(train=9)
     assert price_of(recipe(price_file=str(other), price={"train": 5}))[0] == Price(train=5)
-    assert price_of(sft(tmp_path))[0] == Price()  # local: free, still counted
+    assert price_of(sft(tmp_path))[0] == Price()  # local: free (still counted), $RUNNER_PRICES aside...
+    assert price_of(sft(tmp_path, model="Qwen/Qwen3-8B", price_file=str(other)))[0] == Price(train=9)  # ...not its own
     other.write_text('[models."Qwen/Qwen3-8B"]\ntrain = "cheap"\n')
     with pytest.raises(UserError, match="price_file"):
         price_of(recipe(price_file=str(other)))

@@ -14,8 +14,8 @@ and, where the model has a price, `cost/step_usd` and `cost/total_usd`. The tota
 ("cost"), so a resumed run continues them.
 
 Prices (USD per million tokens), the first that has the model wins: the recipe's `price = {...}`; its `price_file`;
-the file named by $RUNNER_PRICES; the shipped table (prices.toml, next to this module). The tables apply to remote
-backends only: a local run costs 0 unless its recipe sets `price` (its tokens are still counted).
+the file named by $RUNNER_PRICES; the shipped table (prices.toml, next to this module). A local run costs 0 unless its
+recipe sets `price` or a `price_file` that lists its model (its tokens are still counted).
 
 `budget = {usd = ..., tokens = ...}`: before each step the loop compares the totals so far (every step submitted,
 also those still in flight) with the limits; once one is reached no further step starts, the submitted steps finish,
@@ -196,12 +196,14 @@ def price_of(recipe: Recipe, where: Path | None = None) -> tuple[Price | None, s
     `where`: the directory a relative price_file is read from (default: the working directory)."""
     if recipe.price is not None:
         return recipe.price, "the recipe's price"
-    if isinstance(recipe.backend, Local):
-        return Price(), "local backend: free (set price = {...} to estimate another backend's)"
     tables: list[tuple[Path, str]] = []
     if recipe.price_file:
         path = Path(recipe.price_file).expanduser()
         tables.append((path if path.is_absolute() or where is None else where / path, "price_file"))
+    if isinstance(recipe.backend, Local):  # the recipe's own price file only
+        if tables and (price := read_prices(*tables[0]).get(recipe.model)) is not None:
+            return price, f"price_file ({tables[0][0]})"
+        return Price(), "local backend: free (set price = {...} to estimate another backend's)"
     if env := os.environ.get("RUNNER_PRICES"):
         tables.append((Path(env).expanduser(), "$RUNNER_PRICES"))
     tables.append((PRICES, "the shipped table"))
