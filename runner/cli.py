@@ -17,6 +17,7 @@ from pathlib import Path
 from backends.errors import UserError
 from runner.engine.chain import check_all, upstreams
 from runner.recipe.load import DEFAULT_FILE, dump_recipe, load_recipe, read_tables, resolve, split_ref
+from runner.renderers.auto import auto_note as renderer_note
 from runner.threads import prefer_passive_openmp
 from runner.tools.smoke import check_smoke
 from runner.tools.sweep import check_line, refuse_sweep, show_sweep
@@ -35,6 +36,7 @@ examples:
   runner show {DEFAULT_FILE}#sl_basic lr=3e-4 lora.rank=8
   runner run {DEFAULT_FILE}#sl_basic backend='{{kind="tinker"}}' model=Qwen/Qwen3-8B
   runner run examples/sft_tiny.toml --dry-run
+  runner render {DEFAULT_FILE}#sl_basic --n 2 renderer=qwen3   # tokens and weights the trainer sees
   runner smoke examples/cookbook.toml            # every recipe, offline, seconds each
   runner export runs/sl_basic out/sl_basic-merged --merged
   runner sweep {DEFAULT_FILE}#sl_basic 'lr=[1e-3,4e-3]' max_steps=20
@@ -112,6 +114,19 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--smoke", action="store_true", help="print the recipe --smoke runs (and its smoked stages)")
     show.set_defaults(command=cmd_show)
 
+    render = sub.add_parser(
+        "render",
+        help="print the first rows of a recipe's data as the trainer sees them (tokens, weights)",
+        description="The first N rows of the recipe's data rendered with its renderer: tokens colored by weight "
+        "(green = trained) on a terminal, else (or with --json) one {\"tokens\", \"weights\"} object per line. "
+        "DPO and the reward model: each side of a comparison; RL: the env's first prompts. docs/renderers.md says "
+        "which renderer to pick.",
+    )
+    _ref_and_overrides(render)
+    render.add_argument("--n", type=int, default=3, help="rows to show (default 3)")
+    render.add_argument("--json", action="store_true", help="one JSON object per line, also on a terminal")
+    render.set_defaults(command=cmd_render)
+
     smoke = sub.add_parser(
         "smoke",
         help="run every recipe of a file (or those named) offline in seconds; a table of results",
@@ -170,6 +185,7 @@ def _parser() -> argparse.ArgumentParser:
     export.set_defaults(command=cmd_export)
     _science_commands(sub)
     _talk_commands(sub)
+    _numerics_command(sub)
     return parser
 
 
@@ -208,6 +224,28 @@ def _talk_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     ev.add_argument("target", metavar="RUN_DIR|FILE#NAME", help=target_help)
     ev.add_argument("--checkpoint", metavar="NAME", help="a checkpoint by name; default: the last one")
     ev.set_defaults(command=cmd_eval)
+
+
+def _numerics_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`runner numerics` (runner/tools/numerics.py)."""
+    num = sub.add_parser(
+        "numerics", help="check that the sampler and the trainer agree on sampled tokens' logprobs",
+        description="Sample N prompts (the recipe's env or prompt sets, else generic ones) at temperature 1 with the "
+        "recipe's model and backend, recompute the sampled tokens' logprobs with compute_logprobs and a training "
+        "forward, and print the per-token differences (KL, mean/max |Δ|, by position, worst tokens). Exit 1 when "
+        "over the recipe's numerics limits (else the defaults). docs/numerics.md.")
+    _ref_and_overrides(num)
+    num.add_argument("--n", type=int, default=8, help="prompts (default 8)")
+    num.add_argument("--json", action="store_true", help="the report as one JSON object")
+    num.set_defaults(command=cmd_numerics)
+
+
+def cmd_numerics(args: argparse.Namespace) -> int:
+    from runner.tools.numerics import check
+
+    _at_least_one(args.n, "--n")
+    prefer_passive_openmp()
+    return check(args.ref, args.overrides, args.n, args.json, sys.stdout)
 
 
 def _at_least_one(value: int, flag: str) -> None:
@@ -297,6 +335,10 @@ def _science_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     plot.add_argument("--smooth", type=_positive, default=1, metavar="K",
                       help="moving average over K points, bold over the faint raw curve (default 1: raw)")
     plot.set_defaults(command=cmd_plot)
+
+    from runner.tools.conformance.command import add_parser as add_conformance  # docs/conformance.md
+
+    add_conformance(sub)
 
 
 def _positive(text: str) -> int:
@@ -431,9 +473,16 @@ def cmd_show(args: argparse.Namespace) -> int:
         stages = " -> ".join([*(f"{s.label} ({s.ref})" for s in chain), name])
         sys.stdout.write(f"# chain (init_from): {stages}\n")
     sys.stdout.write(_lr_note(args.ref, args.overrides))
+    sys.stdout.write(renderer_note(recipe.renderer, recipe.model))
     sys.stdout.write(dump_recipe(name, recipe))
     return 0
 
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from runner.renderers.show import render_command
+
+    render_command(args.ref, args.overrides, args.n, args.json, sys.stdout)
+    return 0
 
 def _lr_note(ref: str, overrides: Sequence[str]) -> str:
     """'# lr = 0.000619: auto: ...' when the recipe's lr is "auto" (runner/recipe/lr.py), else ''."""

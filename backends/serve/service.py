@@ -262,7 +262,8 @@ class Service:
 
     def _route(self, method: str, route: str, req: dict[str, Any], path: str, base_url: str) -> Reply:
         simple: dict[str, Callable[[dict[str, Any]], Reply]] = {
-            "client/config": lambda _: Reply.json({}),
+            # SDKs before 0.38 load a checkpoint with one 0.38-style load_weights only when told to.
+            "client/config": lambda _: Reply.json({"create_model_via_load_weights": True}),
             "client/dynamic_config": lambda _: Reply.json({}),
             "healthz": lambda _: Reply.json({"status": "ok"}),
             "telemetry": lambda _: Reply.json({"status": "accepted"}),
@@ -377,7 +378,7 @@ class Service:
         return m
 
     def _capabilities(self, req: dict[str, Any]) -> Reply:
-        return Reply.json({"supported_models": [
+        return Reply.json({"server_name": "runner-serve", "supported_models": [
             {"model_name": m.name, "trainable": True, "sampleable": True, "max_context_length": self._context(m)}
             for m in self.models.values()]})
 

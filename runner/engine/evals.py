@@ -17,10 +17,10 @@ from typing import Any
 from backends.base import SamplingClient
 from backends.errors import UserError
 from backends.types import SamplingParams
-from runner.data.chat_template import render
 from runner.data.conversations import load_conversations
 from runner.recipe.schema import Jsonl, Math, MathPinned, NLLPinned, PinnedEval, PythonPinned
 from runner.recipe.targets import import_target
+from runner.renderers import Renderer, get_renderer, render_row
 from runner.rl.envs.math import MathEnv, load_problems
 from runner.rl.renderer import ChatRenderer
 from runner.rl.rollouts import describe_error
@@ -39,17 +39,20 @@ def names(evals: list[PinnedEval]) -> list[str]:
     return out
 
 
-async def run_evals(evals: list[PinnedEval], sampler: SamplingClient, tokenizer: Any) -> Metrics:
-    """Every pinned eval on `sampler`'s weights, one after another: test/eval/<name>/<metric> (+ time/eval/<name>)."""
+async def run_evals(evals: list[PinnedEval], sampler: SamplingClient, tokenizer: Any, renderer: str = "auto",
+                    model_name: str | None = None) -> Metrics:
+    """Every pinned eval on `sampler`'s weights, one after another: test/eval/<name>/<metric> (+ time/eval/<name>).
+    `math` and `nll` render with the recipe's renderer (runner/renderers/), as its algorithm does."""
     out: Metrics = {}
+    chat = get_renderer(renderer, tokenizer, model_name=model_name)
     loop = asyncio.get_running_loop()
     for name, e in zip(names(evals), evals, strict=True):
         t = loop.time()
         match e:
             case MathPinned():
-                metrics = await math_eval(e, sampler, tokenizer)
+                metrics = await math_eval(e, sampler, chat)
             case NLLPinned():
-                metrics = await nll_eval(e, sampler, tokenizer)
+                metrics = await nll_eval(e, sampler, chat)
             case PythonPinned():
                 metrics = await python_eval(e, sampler, tokenizer)
         out.update({f"test/eval/{name}/{k}": v for k, v in metrics.items()})
@@ -63,9 +66,9 @@ def as_math_env(e: MathPinned) -> Math:
                 grader=e.grader)  # fmt: skip
 
 
-async def math_eval(e: MathPinned, sampler: SamplingClient, tokenizer: Any) -> Metrics:
+async def math_eval(e: MathPinned, sampler: SamplingClient, chat: Renderer) -> Metrics:
     problems = load_problems(e.data, e.question_field, e.answer_field)[: e.max_problems]
-    cfg, renderer = as_math_env(e), ChatRenderer(tokenizer)
+    cfg, renderer = as_math_env(e), ChatRenderer(chat)
 
     async def one(i: int) -> tuple[list[float], list[float]]:
         envs = [MathEnv(renderer, problems[i], cfg) for _ in range(e.samples)]
@@ -93,10 +96,10 @@ async def math_eval(e: MathPinned, sampler: SamplingClient, tokenizer: Any) -> M
     return metrics
 
 
-async def nll_eval(e: NLLPinned, sampler: SamplingClient, tokenizer: Any) -> Metrics:
+async def nll_eval(e: NLLPinned, sampler: SamplingClient, chat: Renderer) -> Metrics:
     convs, where = load_conversations(e.data)
-    convs = convs[: e.max_rows]
-    rendered = [render(tokenizer, c, e.train_on_what) for c in convs]
+    convs, where = convs[: e.max_rows], where[: e.max_rows]
+    rendered = [render_row(chat, c, e.train_on_what, w) for c, w in zip(convs, where, strict=True)]
     logprobs = await asyncio.gather(*(_awaited(sampler.compute_logprobs(tokens)) for tokens, _ in rendered))
     total, weight = 0.0, 0.0
     for (_, w), lps in zip(rendered, logprobs, strict=True):
@@ -134,9 +137,9 @@ async def python_eval(e: PythonPinned, sampler: SamplingClient, tokenizer: Any) 
 
 
 async def pinned_metrics(evals: list[PinnedEval], sampler: Awaitable[SamplingClient] | SamplingClient,
-                         tokenizer: Any) -> Metrics:  # fmt: skip
+                         tokenizer: Any, renderer: str = "auto", model_name: str | None = None) -> Metrics:  # fmt: skip
     """run_evals on a sampler or the future of one; {} (nothing awaited) when there are no pinned evals."""
     if not evals:
         return {}
     client = await sampler if inspect.isawaitable(sampler) else sampler
-    return await run_evals(evals, client, tokenizer)
+    return await run_evals(evals, client, tokenizer, renderer, model_name)

@@ -247,7 +247,8 @@ async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm, 
                                        recipe.eval_every > 0) if final else {}
             if pinned:
                 metrics.update(await pinned_metrics(
-                    recipe.evals, backend.create_sampling_client(last_ckpt["sampler_path"]), backend.get_tokenizer()))
+                    recipe.evals, backend.create_sampling_client(last_ckpt["sampler_path"]), backend.get_tokenizer(),
+                    recipe.renderer, recipe.model))
             row = {"step": total, **metrics, **ledger.row(ledger.take()), "time/total": clock.lap()["time/total"]}
             run.log_metrics(row)
             progress.final(row)
@@ -273,7 +274,8 @@ async def train_steps(recipe: Recipe, run: RunDir, backend: Backend, tc: Trainin
         adam = adam_at(recipe, step, total)
         evaluate = recipe.eval_every > 0 and step % recipe.eval_every == 0
         # Pinned evals on the weights before this step (every step submitted so far), logged in its row.
-        pinned = await pinned_metrics(recipe.evals, ctx.snapshot(), ctx.tokenizer) if evaluate else {}
+        pinned = (await pinned_metrics(recipe.evals, ctx.snapshot(), ctx.tokenizer, recipe.renderer, recipe.model)
+                  if evaluate else {})
         submitted = []
         async for part in algo.prepare(step, ctx):
             submitted.append(algo.submit(tc, step, part, adam, evaluate and not submitted))

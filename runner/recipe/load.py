@@ -139,7 +139,7 @@ def read_tables(path: str) -> dict[str, dict[str, Any]]:
     if not p.is_file():
         raise UserError(f"{path}: {'not a file' if p.exists() else 'file not found'}")
     try:
-        data = tomllib.loads(p.read_bytes().decode("utf-8"))
+        data = _parse_toml(p.read_bytes())
     except PermissionError:
         raise UserError(f"{path}: cannot read it (permission denied)") from None
     except OSError as e:
@@ -164,6 +164,17 @@ def read_tables(path: str) -> dict[str, dict[str, Any]]:
         if not isinstance(raw, dict):
             raise UserError(f"{path}#{name}: expected a table [recipes.{name}], got {got(raw)}")
     return tables
+
+
+_PARSED: dict[bytes, dict[str, Any]] = {}
+
+
+def _parse_toml(content: bytes) -> dict[str, Any]:
+    """tomllib.loads, remembered by content: one `runner check` reads the same file once per recipe and per
+    reference between recipes (16 times for recipes.toml); a copy each time, so callers may change it."""
+    if content not in _PARSED:
+        _PARSED[content] = tomllib.loads(content.decode("utf-8"))
+    return copy.deepcopy(_PARSED[content])
 
 
 def decode_recipe(raw: dict[str, Any], where: str) -> Recipe:

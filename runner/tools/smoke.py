@@ -47,6 +47,7 @@ from runner.recipe.load import (
     toml_value,
 )
 from runner.recipe.schema import HF, DataBase, Jsonl, Recipe, Smoke, Teacher
+from runner.renderers.registry import smoke_renderer
 
 SMOKE_DIR = Path("runs") / ".smoke"
 # Where small stand-in models are built (once per source config + tokenizer); RUNNER_SMOKE_CACHE overrides it.
@@ -79,6 +80,7 @@ def smoke_recipe(recipe: Recipe, name: str, where: str, refs: dict[str, str] | N
     raw["backend"] = _local_backend(raw["backend"])
     model = table.model or stand_in_model(recipe.model, recipe.tokenizer)
     raw["model"] = model
+    raw["renderer"] = smoke_renderer(recipe.renderer, recipe.model, model)  # what the real model would render with
     raw.pop("tokenizer", None)
     raw["max_steps"] = table.steps
     raw["eval_every"] = table.steps if recipe.eval_every else 0
@@ -97,6 +99,13 @@ def smoke_recipe(recipe: Recipe, name: str, where: str, refs: dict[str, str] | N
             if is_ref(f.type) and isinstance(value, str):
                 _at(raw, keys)[f.encode_name] = (refs or {}).get(value, value)
     _shrink(raw["algo"])
+    for pinned in raw.get("evals", []):  # [[evals]]: a few problems or rows, short replies
+        _shrink(pinned)
+        key = {"math": "max_problems", "nll": "max_rows"}.get(pinned.get("kind", ""))
+        if key is not None:
+            pinned[key] = min(pinned.get(key) or TEST_CAP, TEST_CAP)
+        if "samples" in pinned:
+            pinned["samples"] = min(pinned["samples"], 2)
     raw = apply_overrides(raw, [f"{k}={toml_value(v)}" for k, v in table.overrides.items()], f"{where}: smoke.overrides")
     return decode_recipe(raw, f"{where} (--smoke)")
 
@@ -112,7 +121,8 @@ def _local_backend(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _replace_data(recipe: Recipe, raw: dict[str, Any], table: Smoke, where: str, name: str) -> None:
-    sources = {dotted(keys): keys for keys, node in structs(recipe.algo, ("algo",)) if isinstance(node, DataBase)}
+    sources = {dotted(keys): keys for keys, node in [*structs(recipe.algo, ("algo",)), *structs(recipe.evals, ("evals",))]
+               if isinstance(node, DataBase)}
     for key, source in table.data.items():
         if key not in sources:
             have = ", ".join(sorted(sources)) or "none: this algorithm reads no data source"
@@ -365,8 +375,9 @@ def head_path(name: str, key: str) -> Path:
 def _write_heads(stage: Stage) -> None:
     """The first HEAD_ROWS lines of each local JSONL file the stage reads, where its smoked recipe looks for them."""
     assert stage.recipe is not None
-    smoked = {dotted(k): n for k, n in structs(stage.recipe.algo, ("algo",)) if isinstance(n, Jsonl)}
-    for keys, node in structs(stage.original.algo, ("algo",)):
+    smoked = {dotted(k): n for k, n in [*structs(stage.recipe.algo, ("algo",)), *structs(stage.recipe.evals, ("evals",))]
+              if isinstance(n, Jsonl)}
+    for keys, node in [*structs(stage.original.algo, ("algo",)), *structs(stage.original.evals, ("evals",))]:
         key = dotted(keys)
         if isinstance(node, Jsonl) and key in smoked and Path(smoked[key].path) == head_path(stage.name, key):
             src = Path(node.path)

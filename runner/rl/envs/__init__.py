@@ -25,11 +25,23 @@ from runner.recipe.schema import (
     Math,
     Preference,
     PythonEnv,
+    Rubric,
     TicTacToe,
+    ToolUse,
     TwentyQuestions,
 )
 from runner.recipe.targets import args_mismatch, import_target
-from runner.rl.envs import arithmetic, code, guess_number, math, preference, tictactoe, twenty_questions
+from runner.rl.envs import (
+    arithmetic,
+    code,
+    guess_number,
+    math,
+    preference,
+    rubric,
+    tictactoe,
+    tool_use,
+    twenty_questions,
+)
 from runner.rl.envs.common import EnvContext
 from runner.rl.rollouts import describe_error
 from runner.rl.types import EnvGroupBuilder, RLDataset
@@ -59,6 +71,9 @@ ENVS: dict[type[Any], EnvKind] = {
     Math: EnvKind(math.build, [("env/all/correct", "correct"), ("env/all/format", "format")]),
     Code: EnvKind(code.build, [("env/all/passed", "passed"), ("env/all/compile", "compile"),
                                ("env/all/timeout", "timeout")]),
+    ToolUse: EnvKind(tool_use.build, [("env/all/correct", "correct"), ("env/all/tool_calls", "tool_calls"),
+                                      ("env/all/malformed", "malformed")]),
+    Rubric: EnvKind(rubric.build, [("env/all/rubric_score", "rubric"), ("env/all/judge_unparsed", "unparsed")]),
 }
 
 
