@@ -2,7 +2,7 @@
 and runner/engine/loop.py (sweeps, comparison and plots: runner/tools/sweep.py, runner/tools/compare.py, runner/tools/plot.py; the
 Tinker-compatible server: backends/serve/).
 
-Exit codes: 0 ok, 2 a user error (one line on stderr, no traceback), 130 interrupted, 1 a bug
+Exit codes: 0 ok, 2 a user error (one line on stderr, no traceback), 3 budget reached (checkpointed), 130 interrupted, 1 a bug
 (with its traceback). `check`, `show` and `list` never import torch: the loop, and with it the
 backends, is imported inside `run` only (and the local backend's export inside `export`).
 """
@@ -370,6 +370,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     where = _where(args.ref, name)
     check_all(recipe, where)
     prefer_passive_openmp()  # before torch loads (runner/threads.py)
+    from runner.engine.cost import BudgetReached
     from runner.engine.loop import Interrupted  # torch and the backends load here, and only here
     from runner.engine.pipeline import run_chain
 
@@ -377,6 +378,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         run_chain(recipe, name, where, dry_run=args.dry_run)
     except Interrupted:  # Ctrl-C: the loop saved a checkpoint and said so
         return 130
+    except BudgetReached:  # the recipe's budget: the loop saved a checkpoint and said why (docs/cost.md)
+        return 3
     return 0
 
 

@@ -64,9 +64,9 @@ BAD_RECIPES = [
     ),
     (
         f'lro = 1e-3\nalgo = {{kind = "sft", {DATA}}}',
-        ("recipes.toml#sl_basic: lro: unknown key; did you mean `lr`? (valid: algo, backend, depth, eval_every, "
-        "evals, if_exists, init_from, log, log_dir, lora, lr, max_steps, model, optim, renderer, save_every, schedule, "
-        "seed, smoke, tokenizer)"),
+        ("recipes.toml#sl_basic: lro: unknown key; did you mean `lr`? (valid: algo, backend, budget, depth, eval_every, "
+        "evals, if_exists, init_from, log, log_dir, lora, lr, max_steps, model, optim, price, price_file, renderer, "
+        "save_every, schedule, seed, smoke, tokenizer)"),
     ),
     (
         f'algo = {{kind = "sft", {DATA}}}\nlora = {{zzz = 1}}',

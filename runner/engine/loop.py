@@ -35,6 +35,7 @@ from backends.tokenizer import load_tokenizer
 from backends.types import LoraSpec
 from runner.algos import make_algo, spec_of
 from runner.engine.context import Algorithm, Context, FinalContext, InitWeights
+from runner.engine.cost import BudgetReached, Ledger, Usage
 from runner.engine.evals import names as eval_names
 from runner.engine.evals import pinned_metrics
 from runner.engine.log import Progress
@@ -94,6 +95,9 @@ def run(recipe: Recipe, name: str, *, dry_run: bool = False, backend: Backend | 
     except Interrupted:
         status = "interrupted"
         raise
+    except BudgetReached:  # stopped cleanly at the recipe's budget, like Ctrl-C
+        status = "interrupted"
+        raise
     finally:
         run_dir.end(status)
         backend.close(status)
@@ -127,6 +131,8 @@ class Pending:
     save: tuple[str, Future[str], Future[str]] | None = None
     # Pinned evals run before this step (runner/engine/evals.py), logged in its row.
     pinned: dict[str, float] = field(default_factory=dict)
+    # Tokens this step used (runner/engine/cost.py), counted by the time it was submitted.
+    usage: Usage = Usage()
 
 
 @dataclass
@@ -166,6 +172,8 @@ class StopFlag:
     def __init__(self, progress: Progress):
         self.set = False
         self.progress = progress
+        # Set with `set` when the stop is the recipe's budget (runner/engine/cost.py), not Ctrl-C: the one-line reason.
+        self.budget: str | None = None
 
     def __enter__(self) -> StopFlag:
         try:
@@ -195,6 +203,8 @@ async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm, 
                 init: InitWeights | None = None) -> None:
     """The steps from run.start_step on, then (when `final`) algo.final's row at step total_steps."""
     total, start = algo.total_steps, run.start_step
+    ledger = Ledger.start(recipe, run.resume)  # tokens and cost, continuing the checkpoint's totals
+    backend = ledger.wrap(backend)
     tc: TrainingClient | None = None
     if start < total:  # a run resumed for final() alone creates no training client
         if run.resume is not None:  # weights, optimizer moments and Adam's step count
@@ -216,9 +226,14 @@ async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm, 
     last_ckpt = run.resume
     with StopFlag(progress) as stop:
         if tc is not None:
-            last_ckpt = await train_steps(recipe, run, backend, tc, algo, progress, clock, stop)
+            last_ckpt = await train_steps(recipe, run, backend, tc, algo, progress, clock, stop, ledger) or last_ckpt
         if stop.set:
             done = last_ckpt["next_step"] if last_ckpt else 0
+            if stop.budget is not None:
+                line = (f"{stop.budget}; stopped after {done} of {total} steps, checkpoint "
+                        f"{last_ckpt['name'] if last_ckpt else '-'} in {run.path}; raise the budget and rerun to continue")
+                progress.message(line)
+                raise BudgetReached(line)
             progress.message(f"interrupted after {done} of {total} steps: checkpoint "
                              f"{last_ckpt['name'] if last_ckpt else '-'} saved in {run.path}; "
                              "run the same command to resume")
@@ -234,7 +249,7 @@ async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm, 
                 metrics.update(await pinned_metrics(
                     recipe.evals, backend.create_sampling_client(last_ckpt["sampler_path"]), backend.get_tokenizer(),
                     recipe.renderer, recipe.model))
-            row = {"step": total, **metrics, "time/total": clock.lap()["time/total"]}
+            row = {"step": total, **metrics, **ledger.row(ledger.take()), "time/total": clock.lap()["time/total"]}
             run.log_metrics(row)
             progress.final(row)
     progress.close()
@@ -242,7 +257,7 @@ async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm, 
 
 
 async def train_steps(recipe: Recipe, run: RunDir, backend: Backend, tc: TrainingClient, algo: Algorithm,
-                      progress: Progress, clock: Clock, stop: StopFlag) -> dict[str, Any] | None:
+                      progress: Progress, clock: Clock, stop: StopFlag, ledger: Ledger) -> dict[str, Any] | None:
     """Steps start_step .. total_steps - 1, pipelined `depth` deep; returns the last checkpoint row. When `stop`
     is set, no further step is started: the submitted ones finish and the last of them is checkpointed."""
     total, start = algo.total_steps, run.start_step
@@ -251,6 +266,8 @@ async def train_steps(recipe: Recipe, run: RunDir, backend: Backend, tc: Trainin
     pending: deque[Pending] = deque()
     ckpt: dict[str, Any] | None = None
     for step in range(start, total):
+        if step == start and (why := ledger.exhausted()) is not None:  # resumed with the same budget
+            stop.set, stop.budget = True, why
         if stop.set:
             break
         t = time.monotonic()
@@ -262,40 +279,44 @@ async def train_steps(recipe: Recipe, run: RunDir, backend: Backend, tc: Trainin
         submitted = []
         async for part in algo.prepare(step, ctx):
             submitted.append(algo.submit(tc, step, part, adam, evaluate and not submitted))
-        p = Pending(step, submitted, adam.learning_rate, time.monotonic() - t, algo.state(), pinned=pinned)
+        p = Pending(step, submitted, adam.learning_rate, time.monotonic() - t, algo.state(), pinned=pinned,
+                    usage=ledger.take())
         if checkpoint_due(recipe, step, total):  # queued right behind this step's optim_step
             last = step == total - 1
             name = run.checkpoint_name(step, last)
             p.save = (name, tc.save_state(name, None if last else ttl),
                       tc.save_weights_for_sampler(name, None if last else ttl))
         pending.append(p)
+        if step < total - 1 and (why := ledger.exhausted()) is not None:  # the budget: this step is the last
+            stop.set, stop.budget = True, why
+            break
         while len(pending) > recipe.depth:
-            ckpt = await finish(pending.popleft(), algo, run, progress, clock, total) or ckpt
+            ckpt = await finish(pending.popleft(), algo, run, progress, clock, total, ledger) or ckpt
     if stop.set and pending and pending[-1].save is None:
         # Interrupted: checkpoint the last submitted step, right behind it in the FIFO.
         p = pending[-1]
         name = run.checkpoint_name(p.step, False)
         p.save = (name, tc.save_state(name, ttl), tc.save_weights_for_sampler(name, ttl))
     while pending:
-        ckpt = await finish(pending.popleft(), algo, run, progress, clock, total) or ckpt
+        ckpt = await finish(pending.popleft(), algo, run, progress, clock, total, ledger) or ckpt
     return ckpt
 
 
 async def finish(p: Pending, algo: Algorithm, run: RunDir, progress: Progress, clock: Clock,
-                 total: int) -> dict[str, Any] | None:
+                 total: int, ledger: Ledger) -> dict[str, Any] | None:
     """Await a submitted step; write its metrics row, then (once its save is done) its checkpoint row,
     which it returns."""
     t = time.monotonic()
     metrics = await algo.finish(p.step, p.submitted)
     row = {"step": p.step, **metrics, **p.pinned, "optim/lr": p.lr, "progress/done_frac": (p.step + 1) / total,
-           "time/prepare": p.prepare_s, "time/wait": time.monotonic() - t, **clock.lap()}
+           "time/prepare": p.prepare_s, "time/wait": time.monotonic() - t, **ledger.row(p.usage), **clock.lap()}
     run.log_metrics(row)
     progress.update(p.step, row)
     if p.save is None:
         return None
     name, state_path, sampler_path = p.save
     ckpt = {"name": name, "step": p.step, "next_step": p.step + 1, "state_path": await state_path,
-            "sampler_path": await sampler_path, **p.state, "time": time.time()}
+            "sampler_path": await sampler_path, **p.state, **ledger.checkpoint(), "time": time.time()}
     run.add_checkpoint(ckpt)
     return ckpt
 

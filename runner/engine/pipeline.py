@@ -5,7 +5,9 @@ walks the references; runner/engine/loop.py trains one run)."""
 from __future__ import annotations
 
 import sys
+from typing import Any
 
+from backends.errors import UserError
 from runner.engine.chain import Upstream, _status, dependencies, resolved_inputs, upstreams
 from runner.engine.context import InitWeights
 from runner.recipe.schema import Recipe
@@ -24,7 +26,14 @@ def run_chain(recipe: Recipe, name: str, where: str, *, dry_run: bool = False) -
         if chain:
             print(f"chain: {' -> '.join([*(f'{s.label} ({_status(s)})' for s in chain), name])}")
         init = InitWeights.planned(chain[-1]) if chain else None
-        run(recipe, name, dry_run=True, init=init, weights={d.ref: "" for d in deps})
+        pending = [s.label for s in [*deps, *chain] if s.runnable and _status(s) != "finished"]
+        try:
+            run(recipe, name, dry_run=True, init=init, weights={d.ref: "" for d in deps})
+        except UserError:
+            if pending:  # its data may be what an upstream has yet to write: still price the stages that can be
+                print_costs(recipe, name, where, [*deps, *chain])
+            raise
+        print_costs(recipe, name, where, [*deps, *chain])
         return
     for stage in [*deps, *chain]:
         if stage.runnable:  # a finished one is a no-op (and a changed one is reported, never silently reused)
@@ -38,3 +47,25 @@ def run_stage(stage: Upstream) -> None:
     from runner.engine.loop import run
 
     run(stage.recipe, stage.name, **resolved_inputs(stage.recipe, stage.ref))
+
+
+def print_costs(recipe: Recipe, name: str, where: str, stages: list[Upstream]) -> None:
+    """The dry run's tokens and cost of every stage still to run and of this recipe (runner/engine/estimate.py)."""
+    from runner.engine.estimate import print_chain_estimate
+
+    planned = [_planned(s.recipe, s.name, s.ref, s.label, _status(s) == "finished") for s in stages if s.runnable]
+    print_chain_estimate([*planned, _planned(recipe, name, where, f"#{name}", False)])
+
+
+def _planned(recipe: Recipe, name: str, where: str, label: str, finished: bool) -> Any:
+    """A stage as its dry run sees it: upstream weights planned, not yet resolved."""
+    from runner.algos import make_algo
+    from runner.engine.estimate import Stage
+    from runner.engine.rundir import open_run_dir
+
+    chain = upstreams(recipe, where)
+    init = InitWeights.planned(chain[-1]) if chain else None
+    run_dir = open_run_dir(recipe, name, dry_run=True, init=init.record() if init is not None else None)
+    weights = {d.ref: "" for d in dependencies(recipe, where)}
+    return Stage(label, recipe, run_dir.start_step, finished, lambda tok: make_algo(recipe, init, weights)(tok),
+                 run_dir.has_row)

@@ -47,8 +47,8 @@ INIT = "init_from.json"
 # What a generate run writes (runner/algos/generate.py): generated/step_NNNNNN.jsonl.
 # Keys that may change between a run and its resumption: extending a run is a new max_steps, the
 # directory itself is the run's identity, and where metrics are also sent (log) and the `--smoke` stand-ins (smoke) are
-# not part of the training.
-RESUMABLE_CHANGES = ("max_steps", "if_exists", "log_dir", "log", "smoke")
+# not part of the training; nor are the cost settings (a rerun with a larger budget continues, docs/cost.md).
+RESUMABLE_CHANGES = ("max_steps", "if_exists", "log_dir", "log", "smoke", "budget", "price", "price_file")
 
 
 @dataclass

@@ -19,6 +19,7 @@ from backends import losses
 from backends.config import ConfigStruct
 from backends.local.config import Local
 from backends.tinker.config import Tinker
+from runner.recipe.cost import Budget, Price
 from runner.recipe.numerics import Numerics, check_temperature
 from runner.recipe.sources import HF as HF  # the file/hub data sources, re-exported
 from runner.recipe.sources import DataBase as DataBase
@@ -789,6 +790,11 @@ class Recipe(Base):
     smoke: Smoke | None = None
     # Evals pinned in the recipe ([[recipes.x.evals]]: kind = "math" | "nll" | "python"), see runner/engine/evals.py.
     evals: list[PinnedEval] = []
+    # Cost (runner/recipe/cost.py, docs/cost.md): USD per million tokens for this model (over the shipped table and
+    # price_file / $RUNNER_PRICES), and a budget = {usd = ..., tokens = ...} that stops the run at a checkpoint.
+    price: Price | None = None
+    price_file: str | None = None
+    budget: Budget | None = None
 
     def __post_init__(self) -> None:
         from runner.renderers.registry import names as renderer_names
