@@ -12,13 +12,29 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 
+def _cycles_hold(rows: dict) -> list[str]:
+    """The claims that do not hold in one measurement (empty: all hold)."""
+    checks = {
+        "SFT naive = 2": rows["SFT naive (await fb, await optim)"].steady == pytest.approx(2.0, abs=0.05),
+        "SFT depth=1 <= 1.05": rows["SFT runner.engine.loop depth=1"].steady <= 1.05,
+        "RL naive = 3": rows["RL naive (await sample, fb, optim)"].steady == pytest.approx(3.0, abs=0.1),
+        "RL sync = 2": rows["RL runner.engine.loop sync"].steady == pytest.approx(2.0, abs=0.1),
+        "RL async K=1 <= 1.1": rows["RL runner.engine.loop async K=1"].steady <= 1.1,
+    }
+    return [name for name, ok in checks.items() if not ok]
+
+
 @pytest.mark.slow
 def test_clock_bench_cycles_per_step():
     import bench_loop
 
-    rows = {r.name: r for r in bench_loop.cycles_table(steps=4, period=0.05, rl_period=0.5)}
-    assert rows["SFT naive (await fb, await optim)"].steady == pytest.approx(2.0, abs=0.05)
-    assert rows["SFT runner.engine.loop depth=1"].steady <= 1.05
-    assert rows["RL naive (await sample, fb, optim)"].steady == pytest.approx(3.0, abs=0.1)
-    assert rows["RL runner.engine.loop sync"].steady == pytest.approx(2.0, abs=0.1)
-    assert rows["RL runner.engine.loop async K=1"].steady <= 1.1
+    # A simulated cycle is a wall-clock period: a process descheduled for longer than one (a loaded CI machine) misses
+    # a tick and reads as an extra cycle. So the period is long enough to ride out short stalls, and one measurement
+    # that misses is taken again.
+    failed: list[str] = []
+    for _ in range(2):
+        rows = {r.name: r for r in bench_loop.cycles_table(steps=4, period=0.12, rl_period=0.5)}
+        failed = _cycles_hold(rows)
+        if not failed:
+            break
+    assert not failed, (failed, {n: r.steady for n, r in rows.items()})

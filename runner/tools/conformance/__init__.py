@@ -8,6 +8,8 @@ timeout: a hang is reported as a failure and the suite goes on. `KNOWN_GAPS` map
 checks known to fail there, with the reason; those are reported as "known gap" and do not fail the run.
 """
 
+# The group modules register their checks on import; core never imports them (no circle).
+from runner.tools.conformance import checkpoints, errors, losses, ordering, sampling, sessions  # noqa: F401
 from runner.tools.conformance.core import (
     CHECKS,
     KNOWN_GAPS,

@@ -255,9 +255,8 @@ def _one_line(text: str, limit: int = 300) -> str:
 
 
 def select(only: Iterable[str] = ()) -> list[Check]:
-    """The registered checks, in registration order, filtered by group or check names."""
-    from runner.tools.conformance import checkpoints, errors, losses, ordering, sampling, sessions  # noqa: F401
-
+    """The registered checks, in registration order, filtered by group or check names. The group modules register
+    their checks when the package is imported (runner/tools/conformance/__init__.py)."""
     CHECKS.sort(key=lambda c: GROUPS.index(c.group))  # stable: registration order within a group
     wanted = set(only)
     known = set(GROUPS) | {c.name for c in CHECKS}
