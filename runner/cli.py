@@ -388,8 +388,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from runner.engine.log import read_jsonl
-    from runner.engine.rundir import CHECKPOINTS, CONFIG, load_config
+    from runner.engine.rundir import CHECKPOINTS, CONFIG, load_config, read_checkpoints
 
     run_dir, out = Path(args.run_dir), Path(args.out)
     if not (run_dir / CONFIG).is_file():
@@ -397,7 +396,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} exists and is not an empty folder; export never overwrites")
     recipe = load_config(run_dir / CONFIG)
-    rows = read_jsonl(run_dir / CHECKPOINTS)
+    rows = read_checkpoints(run_dir)
     if args.checkpoint is None:
         with_weights = [r for r in rows if r.get("sampler_path")]
         if not with_weights:
