@@ -85,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="train one recipe", description="Validate, check and run one recipe.")
     _ref_and_overrides(run)
     run.add_argument("--dry-run", action="store_true", help="print the plan (data, steps, schedule, calls) and stop")
+    run.add_argument("--force", action="store_true",
+                     help="resume even though the data files (or pkg.mod:fn sources) changed since the run dir trained")
     run.set_defaults(command=cmd_run)
 
     check = sub.add_parser(
@@ -311,7 +313,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from runner.engine.pipeline import run_chain
 
     try:
-        run_chain(recipe, name, where, dry_run=args.dry_run)
+        run_chain(recipe, name, where, dry_run=args.dry_run, force=args.force)
     except Interrupted:  # Ctrl-C: the loop saved a checkpoint and said so
         return 130
     return 0

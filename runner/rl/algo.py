@@ -208,7 +208,7 @@ class RLAlgo:
                 yield part
         else:
             prepared.batch = await rollout_batch(builders, sampler, self.params, seed=self.seed, step=step,
-                                                 max_context=self.max_context)
+                                                 max_context=self.max_context, timeout_s=self.cfg.env_timeout_s)
             prepared.data_D, prepared.metrics = await self._datums(prepared.batch.groups, ctx)
         batch = prepared.batch
         m = prepared.metrics
@@ -260,7 +260,8 @@ class RLAlgo:
         async def rollout(i: int, builder: EnvGroupBuilder) -> None:
             try:
                 outcome = await guarded_group_rollout(builder, prepared.sampler, self.params, seed=self.seed,
-                                                      step=prepared.step, group_idx=i, max_context=self.max_context)
+                                                      step=prepared.step, group_idx=i, max_context=self.max_context,
+                                                      timeout_s=self.cfg.env_timeout_s)
             except (UserError, BackendError) as e:  # handed over, so the consumer raises it instead of waiting
                 outcome = e
             done.put_nowait((i, outcome))
@@ -368,7 +369,8 @@ class RLAlgo:
         params = replace(self.params, temperature=self.cfg.eval.temperature)
         t = time.monotonic()
         batch = await rollout_batch(builders, sampler, params, seed=self.seed + EVAL_SEED_OFFSET, step=step,
-                                    max_context=self.max_context, what=f"the test set (eval at step {step})")
+                                    max_context=self.max_context, what=f"the test set (eval at step {step})",
+                                    timeout_s=self.cfg.env_timeout_s)
         out = {f"test/{k}": v for k, v in {**trajectory_metrics(batch.groups), **batch.error_metrics()}.items()}
         out["time/eval"] = time.monotonic() - t
         self._write_transcripts("test", step, batch, None)
