@@ -269,8 +269,9 @@ async def guarded_group_rollout(
 ) -> TrajectoryGroup | Exception:
     """do_group_rollout, with a failure of the env's own code returned (to be counted) rather than raised, and
     a group that outlasts `timeout_s` cancelled and returned as EnvTimeout."""
+    deadline = asyncio.timeout(timeout_s)
     try:
-        async with asyncio.timeout(timeout_s) as deadline:
+        async with deadline:
             return await do_group_rollout(
                 builder, sampling_client, params, seed=seed, step=step, group_idx=group_idx, max_context=max_context
             )

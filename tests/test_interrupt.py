@@ -1,0 +1,169 @@
+"""Nothing hangs (issue 22): env_timeout_s drops a group whose env never answers, and Ctrl-C stops a run within
+seconds even while an env blocks the event loop's thread in a synchronous call (time.sleep inside its async step);
+the run dir then resumes.
+
+Run: pytest tests/test_interrupt.py   (about 30 s on 2 cores: one CLI subprocess on the tiny model)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from backends.fake import FakeBackend
+from backends.local.tiny import build_tokenizer
+from backends.types import SamplingParams
+from runner.engine.log import read_jsonl
+from runner.engine.loop import run
+from runner.recipe.load import dump_recipe
+from runner.recipe.schema import Recipe
+from runner.rl.envs.arithmetic import ArithmeticEnv
+from runner.rl.envs.common import RepeatGroupBuilder
+from runner.rl.renderer import ChatRenderer
+from runner.rl.rollouts import rollout_batch
+from runner.rl.testing import ScriptedSampler
+
+TOK = build_tokenizer()
+R = ChatRenderer(TOK)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Sleepy(ArithmeticEnv):
+    """Awaits something that never comes (a server that never answers)."""
+
+    async def step(self, action_tokens: list[int], stop_reason: str) -> Any:
+        await asyncio.sleep(1000)
+
+
+class OwnTimeout(ArithmeticEnv):
+    async def step(self, action_tokens: list[int], stop_reason: str) -> Any:
+        raise TimeoutError("the env's own client timed out")
+
+
+def test_env_timeout_drops_the_group_and_counts_it() -> None:
+    builders = [RepeatGroupBuilder(functools.partial(ArithmeticEnv, R, 1, 1), 2, []),
+                RepeatGroupBuilder(functools.partial(Sleepy, R, 2, 2), 2, []),
+                RepeatGroupBuilder(functools.partial(OwnTimeout, R, 3, 3), 2, [])]
+    t = time.monotonic()
+    batch = asyncio.run(rollout_batch(builders, ScriptedSampler(TOK, lambda p, s: "2"),
+                                      SamplingParams(max_tokens=8, temperature=1.0), timeout_s=0.3))
+    assert time.monotonic() - t < 5
+    assert batch.group_indices == [0]
+    assert dict(batch.errors) == {"EnvTimeout": 1, "TimeoutError": 1}  # an env's own TimeoutError is not ours
+    assert batch.error_metrics()["rollout_errors/EnvTimeout"] == 1.0
+
+
+def test_env_timeout_s_in_a_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recipe field reaches the rollouts: a run whose env hangs on one group goes on without it."""
+    (tmp_path / "hanging_env.py").write_text(
+        "import asyncio\n"
+        "from runner.rl.envs.arithmetic import ArithmeticEnv\n"
+        "from runner.rl.envs.common import ListDataset, RepeatGroupBuilder\n"
+        "class Hang(ArithmeticEnv):\n"
+        "    async def step(self, action_tokens, stop_reason):\n"
+        "        if self.x == 0:\n"
+        "            await asyncio.sleep(1000)\n"
+        "        return await super().step(action_tokens, stop_reason)\n"
+        "def make():\n"
+        "    def builder(ctx):\n"
+        "        group = lambda i: RepeatGroupBuilder(lambda: Hang(ctx.renderer, i % 2, 1), ctx.group_size, [])\n"
+        "        return ListDataset(range(8), group, 2), None\n"
+        "    return builder\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = msgspec.convert({
+        "algo": {"kind": "rl", "env": {"kind": "python", "target": "hanging_env:make"}, "group_size": 2,
+                 "groups_per_batch": 2, "max_tokens": 4, "env_timeout_s": 0.5},
+        "lr": 1e-2, "max_steps": 2, "eval_every": 0, "save_every": 0, "log_dir": str(tmp_path / "run"),
+    }, Recipe)
+    run(recipe, "r", backend=FakeBackend(TOK))
+    rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["step"] < 2]
+    assert [r["rollout_errors/EnvTimeout"] for r in rows] == [1.0, 1.0]
+
+
+BLOCKING_ENV = """
+import time
+from pathlib import Path
+from runner.rl.envs.arithmetic import ArithmeticEnv
+from runner.rl.envs.common import ListDataset, RepeatGroupBuilder
+
+class Blocking(ArithmeticEnv):
+    def __init__(self, run_dir, *args):
+        super().__init__(*args)
+        self.run_dir = Path(run_dir)
+
+    async def step(self, action_tokens, stop_reason):
+        ckpts = self.run_dir / "checkpoints.jsonl"
+        # Once a checkpoint is recorded, block the event loop's thread in a synchronous call (until "unblock").
+        if ckpts.exists() and ckpts.read_text().strip() and not (self.run_dir.parent / "unblock").exists():
+            (self.run_dir.parent / "blocked").touch()
+            time.sleep(1000)
+        return await super().step(action_tokens, stop_reason)
+
+def make(run_dir):
+    def builder(ctx):
+        group = lambda i: RepeatGroupBuilder(lambda: Blocking(run_dir, ctx.renderer, i % 10, 1), ctx.group_size, [])
+        return ListDataset(range(40), group, 2), None
+    return builder
+"""
+
+
+def test_ctrl_c_stops_a_run_whose_env_blocks_and_the_dir_resumes(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: an env blocking in a sync call inside its async step ignored two Ctrl-C's. Now the first stops the
+    process within seconds (exit 130, one line, no traceback), and the same command resumes the run dir."""
+    (tmp_path / "blocking_env.py").write_text(BLOCKING_ENV)
+    run_dir = tmp_path / "run"
+    recipe = msgspec.convert({
+        "algo": {"kind": "rl", "env": {"kind": "python", "target": "blocking_env:make",
+                                       "args": {"run_dir": str(run_dir)}},
+                 "group_size": 2, "groups_per_batch": 2, "max_tokens": 4},
+        "lr": 1e-2, "lora": {"rank": 2}, "max_steps": 6, "eval_every": 0, "save_every": 1,
+        "backend": {"kind": "local", "device": "cpu"}, "log_dir": str(run_dir),
+    }, Recipe)
+    ref = tmp_path / "recipe.toml"
+    ref.write_text(dump_recipe("r", recipe))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.Popen([sys.executable, "-m", "runner", "run", f"{ref}#r"], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "blocked").exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+            assert time.monotonic() < deadline, "the env never blocked within 180 s"
+            time.sleep(0.05)
+        time.sleep(0.3)  # well inside time.sleep(1000)
+        t = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        stopped_in = time.monotonic() - t
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = err.decode()
+    assert proc.returncode == 130, text[-2000:]
+    assert stopped_in < 10, stopped_in
+    assert "the run is blocked" in text and "Traceback" not in text
+    done = [c["next_step"] for c in read_jsonl(run_dir / "checkpoints.jsonl")]
+    assert done and done[-1] < 6
+    # Resumable: the same recipe (the env no longer blocks) finishes the run from its last checkpoint.
+    (tmp_path / "unblock").touch()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run(recipe, "r")
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(6))
+    assert json.loads((run_dir / "sessions.jsonl").read_text().splitlines()[-1])["start_step"] == done[-1]
