@@ -286,10 +286,12 @@ def test_disk_full_saving_a_checkpoint_is_one_line_and_resumes(tmp_path: Path, m
 def test_lr_inf_stops_with_one_line_and_keeps_no_nan_checkpoint(tmp_path: Path) -> None:
     """Before: lr=inf trained NaN from step 1 and saved a NaN final checkpoint with exit 0."""
     run_dir = tmp_path / "run"
-    with pytest.raises(UserError, match=r"^step 1: train_mean_nll = nan \(not finite; lr inf\): stopped without "
-                                        r"saving; no checkpoint before it is good.*dropped checkpoint\(s\) '000001'"):
+    with pytest.raises(UserError, match=r"^step 1: train_mean_nll = nan \(not finite; lr inf\): stopped, keeping "
+                                        r"no non-finite checkpoint; no checkpoint before it is good.*dropped "
+                                        r"checkpoint\(s\) '000001'"):
         run(make_recipe(tmp_path, lr=math.inf, max_steps=4, save_every=1), "r", backend=fake(run_dir))
     assert read_jsonl(run_dir / CHECKPOINTS) == []  # the checkpoint after step 0 held the NaN weights
+    assert list((run_dir / "checkpoints").iterdir()) == []  # nor its files, nor those saved after it
     assert all(math.isfinite(r["train_mean_nll"]) for r in read_jsonl(run_dir / METRICS))
 
 
@@ -321,6 +323,8 @@ def test_a_nan_grad_norm_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:
                                         r"\(after 2 steps\)\. Lower lr"):
         run(make_recipe(tmp_path, max_steps=6, save_every=2, depth=1), "r", backend=NanGradAt(run_dir, 3))
     assert [r["name"] for r in read_jsonl(run_dir / CHECKPOINTS)] == ["000002"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "fake:__0_sampler_weights_000002.npz", "fake:__0_weights_000002.npz"]  # the one after step 3 went
     assert steps_of(run_dir) == [0, 1, 2]
     run(make_recipe(tmp_path, max_steps=6, save_every=2, depth=1), "r", backend=fake(run_dir))
     assert steps_of(run_dir) == [0, 1, 2, 3, 4, 5]

@@ -20,8 +20,10 @@ the one place a recipe's algo variant becomes one. Nothing here knows which back
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -30,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from backends.base import Backend, BackendError, Future, TrainingClient
@@ -335,10 +338,21 @@ async def train_steps(recipe: Recipe, run: RunDir, backend: Backend, tc: Trainin
                       progress: Progress, clock: Clock, stop: StopFlag) -> dict[str, Any] | None:
     """Steps start_step .. total_steps - 1, pipelined `depth` deep; returns the last checkpoint row. When `stop`
     is set, no further step is started: the submitted ones finish and the last of them is checkpointed."""
-    total, start = algo.total_steps, run.start_step
     ttl = backend.checkpoint_ttl_seconds()  # periodic checkpoints only; the final one never expires
     ctx = Context(backend, backend.get_tokenizer(), run.path, tc.save_weights_and_get_sampling_client)
     pending: deque[Pending] = deque()
+    try:
+        return await _steps(recipe, run, tc, algo, progress, clock, stop, ctx, ttl, pending)
+    except NonFinite as e:  # the states saved after the weights went bad: none is kept
+        e.saves += [p.save for p in pending if p.save is not None]
+        await discard_non_finite(run, e)
+        raise
+
+
+async def _steps(recipe: Recipe, run: RunDir, tc: TrainingClient, algo: Algorithm, progress: Progress,
+                 clock: Clock, stop: StopFlag, ctx: Context, ttl: int | None,
+                 pending: deque[Pending]) -> dict[str, Any] | None:
+    total, start = algo.total_steps, run.start_step
     ckpt: dict[str, Any] | None = None
     for step in range(start, total):
         if stop.set:
@@ -374,7 +388,12 @@ async def finish(p: Pending, algo: Algorithm, run: RunDir, progress: Progress, c
     which it returns."""
     t = time.monotonic()
     metrics = await algo.finish(p.step, p.submitted)
-    check_finite(p, metrics, run)
+    try:
+        check_finite(p, metrics, run)
+    except NonFinite as e:
+        if p.save is not None:
+            e.saves.append(p.save)
+        raise
     row = {"step": p.step, **metrics, "optim/lr": p.lr, "progress/done_frac": (p.step + 1) / total,
            "time/prepare": p.prepare_s, "time/wait": time.monotonic() - t, **clock.lap()}
     run.log_metrics(row)
@@ -394,11 +413,20 @@ def guarded(key: str) -> bool:
     return not key.startswith("test/") and (key == "optim/grad_norm" or "loss" in key or "nll" in key)
 
 
+class NonFinite(UserError):
+    """A step's loss or gradient norm was not finite: the run stops (exit 2). `dropped`: checkpoint rows removed
+    (their weights gave it); `saves`: this session's saves queued after the weights went bad."""
+
+    def __init__(self, message: str, dropped: list[dict[str, Any]]):
+        super().__init__(message)
+        self.dropped = dropped
+        self.saves: list[tuple[str, Future[str], Future[str]]] = []
+
+
 def check_finite(p: Pending, metrics: Mapping[str, Any], run: RunDir) -> None:
-    """Stop the run (UserError, exit 2) before logging a step whose batch trains no token, or whose loss or
-    gradient norm is not finite. A non-finite loss at step k was computed with the weights after step k - 1, so
-    their checkpoint rows go too (rows only; the files stay): the run dir keeps its last good checkpoint and a
-    resume starts from it."""
+    """Stop the run before logging a step whose batch trains no token (UserError), or whose loss or gradient norm
+    is not finite (NonFinite). A non-finite loss at step k was computed with the weights after step k - 1, so
+    their checkpoint rows go too: the run dir keeps its last good checkpoint and a resume starts from it."""
     if metrics.get("num_loss_tokens") == 0:
         raise UserError(f"step {p.step}: no token of the batch is trained (num_loss_tokens = 0): every example's "
                         "trained part (the assistant's replies) is cut off by max_length, or there is none; "
@@ -413,9 +441,34 @@ def check_finite(p: Pending, metrics: Mapping[str, Any], run: RunDir) -> None:
     good = [r for r in run.checkpoints() if r.get("state_path")]
     keep = (f"the last good checkpoint is {good[-1]['name']!r} (after {good[-1]['next_step']} steps)" if good
             else "no checkpoint before it is good: a resume starts from step 0")
-    drop = f"; dropped checkpoint(s) {', '.join(map(repr, dropped))}, whose weights gave it" if dropped else ""
-    raise UserError(f"step {p.step}: {key} = {value} (not finite; lr {p.lr:g}): stopped without saving; {keep}{drop}. "
-                    "Lower lr or check the data")
+    drop = (f"; dropped checkpoint(s) {', '.join(repr(r.get('name')) for r in dropped)}, whose weights gave it"
+            if dropped else "")
+    raise NonFinite(f"step {p.step}: {key} = {value} (not finite; lr {p.lr:g}): stopped, keeping no non-finite "
+                    f"checkpoint; {keep}{drop}. Lower lr or check the data", dropped)
+
+
+async def discard_non_finite(run: RunDir, e: NonFinite) -> None:
+    """Delete the saved states with non-finite weights (the dropped rows' and the saves queued after them), when
+    they are files in the run dir's checkpoints/ (a service's checkpoints expire on their own)."""
+    paths: list[str] = [str(r[k]) for r in e.dropped for k in ("state_path", "sampler_path") if r.get(k)]
+    for _, *futures in e.saves:
+        for f in futures:
+            try:
+                paths.append(await f)
+            except BackendError:
+                continue
+    root = (run.path / "checkpoints").resolve()
+    for p in paths:
+        if "://" in p:
+            continue
+        path = Path(p).resolve()
+        if root not in path.parents or not path.exists():
+            continue
+        with contextlib.suppress(OSError):
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
 
 
 def checkpoint_due(recipe: Recipe, step: int, total: int) -> bool:

@@ -148,14 +148,14 @@ class RunDir:
     def add_checkpoint(self, row: dict[str, Any]) -> None:
         append_jsonl(self.path / CHECKPOINTS, relative_row(row, self.path))
 
-    def drop_checkpoints(self, from_step: int) -> list[str]:
+    def drop_checkpoints(self, from_step: int) -> list[dict[str, Any]]:
         """Remove the rows of checkpoints whose state is after `from_step` steps or later (weights found to be
-        non-finite); returns their names. The files stay (never deleted), unreferenced."""
+        non-finite); returns them (paths resolved)."""
         rows = read_jsonl(self.path / CHECKPOINTS)
         kept = [r for r in rows if r.get("next_step", 0) < from_step]
         if len(kept) < len(rows):
             write_jsonl_atomic(self.path / CHECKPOINTS, kept)
-        return [str(r.get("name")) for r in rows if r.get("next_step", 0) >= from_step]
+        return [resolve_row(r, self.path) for r in rows if r.get("next_step", 0) >= from_step]
 
     def metrics(self) -> list[dict[str, Any]]:
         return read_jsonl(self.path / METRICS)
