@@ -46,6 +46,13 @@ class Sleepy(ArithmeticEnv):
         await asyncio.sleep(1000)
 
 
+class SyncBlocking(ArithmeticEnv):
+    """Blocks the event loop's thread in a synchronous call inside its async step."""
+
+    async def step(self, action_tokens: list[int], stop_reason: str) -> Any:
+        time.sleep(1000)
+
+
 class OwnTimeout(ArithmeticEnv):
     async def step(self, action_tokens: list[int], stop_reason: str) -> Any:
         raise TimeoutError("the env's own client timed out")
@@ -62,6 +69,22 @@ def test_env_timeout_drops_the_group_and_counts_it() -> None:
     assert batch.group_indices == [0]
     assert dict(batch.errors) == {"EnvTimeout": 1, "TimeoutError": 1}  # an env's own TimeoutError is not ours
     assert batch.error_metrics()["rollout_errors/EnvTimeout"] == 1.0
+
+
+def test_env_timeout_interrupts_an_env_blocking_the_loop_thread() -> None:
+    """asyncio's timeout cannot fire while an env holds the loop's thread in time.sleep; the loop watcher
+    interrupts that call, and the group is dropped and counted like any other past env_timeout_s."""
+    import signal as signal_module
+
+    before = signal_module.getsignal(signal_module.SIGUSR1)
+    builders = [RepeatGroupBuilder(functools.partial(SyncBlocking, R, 2, 2), 2, []),
+                RepeatGroupBuilder(functools.partial(ArithmeticEnv, R, 1, 1), 2, [])]
+    t = time.monotonic()
+    batch = asyncio.run(rollout_batch(builders, ScriptedSampler(TOK, lambda p, s: "2"),
+                                      SamplingParams(max_tokens=8, temperature=1.0), timeout_s=0.5))
+    assert time.monotonic() - t < 5
+    assert batch.group_indices == [1] and dict(batch.errors) == {"EnvTimeout": 1}
+    assert signal_module.getsignal(signal_module.SIGUSR1) == before  # the handler is put back
 
 
 def test_env_timeout_s_in_a_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,9 +13,9 @@ than training on nothing.
 
 Timeouts: with `timeout_s` (the RL recipe's env_timeout_s), a group whose rollout (its envs' steps and the
 sampling they wait for) has not finished within it is cancelled and dropped like a failed one, counted as
-`rollout_errors/EnvTimeout`. That covers an env awaiting something that never comes; an env that blocks the
-event loop's thread in a synchronous call cannot be cancelled from it (Ctrl-C still stops the run: see
-runner/engine/loop.py StopFlag).
+`rollout_errors/EnvTimeout`. That covers an env awaiting something that never comes, and (runner/rl/loopwatch.py) an env that blocks the
+event loop's thread in a synchronous call: its call is interrupted with EnvTimeout. Ctrl-C stops a run whatever an
+env does (runner/engine/loop.py StopFlag).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import numpy as np
 from backends.base import BackendError, SamplingClient
 from backends.errors import UserError
 from backends.types import SamplingParams
+from runner.rl import loopwatch
 from runner.rl.types import Env, EnvGroupBuilder, StepResult, Trajectory, TrajectoryGroup, Transition
 
 log = logging.getLogger(__name__)
@@ -269,12 +270,18 @@ async def guarded_group_rollout(
 ) -> TrajectoryGroup | Exception:
     """do_group_rollout, with a failure of the env's own code returned (to be counted) rather than raised, and
     a group that outlasts `timeout_s` cancelled and returned as EnvTimeout."""
-    deadline = asyncio.timeout(timeout_s)
+    deadline = asyncio.timeout(None)
     try:
-        async with deadline:
-            return await do_group_rollout(
-                builder, sampling_client, params, seed=seed, step=step, group_idx=group_idx, max_context=max_context
-            )
+        with loopwatch.guard(timeout_s, run_episode.__code__, EnvTimeout) as watch:  # an env blocking the loop
+            async with deadline:
+                cancel = loopwatch.keep_deadline(deadline, timeout_s, watch)
+                try:
+                    return await do_group_rollout(
+                        builder, sampling_client, params, seed=seed, step=step, group_idx=group_idx,
+                        max_context=max_context,
+                    )
+                finally:
+                    cancel()
     except (UserError, BackendError):
         raise
     except TimeoutError as e:
