@@ -87,6 +87,8 @@ class RunDir:
     candidates: list[dict[str, Any]] = field(default_factory=list)
     # The run dir's flock (None: not locked, e.g. a dry run), released by end() (or when this object goes).
     lock: RunLock | None = None
+    # The data's fingerprint for this session (computed when a resume checks it, else by begin()).
+    fingerprint: dict[str, dict[str, str]] | None = None
 
     @property
     def start_step(self) -> int:
@@ -103,7 +105,8 @@ class RunDir:
         recipe = msgspec.structs.replace(self.recipe, log_dir=self.recipe.log_dir or str(self.path))
         write_text_atomic(self.path / CONFIG, dump_config(self.name, recipe))
         # What the data was when these steps trained (a resume with --force records the data it went on with).
-        write_text_atomic(self.path / FINGERPRINT, json.dumps(fingerprint(self.recipe), indent=1) + "\n")
+        prints = self.fingerprint if self.fingerprint is not None else fingerprint(self.recipe)
+        write_text_atomic(self.path / FINGERPRINT, json.dumps(prints, indent=1) + "\n")
         self.session = len(read_jsonl(self.path / SESSIONS)) + 1
         append_jsonl(self.path / SESSIONS,
                      {"session": self.session, "start_step": self.start_step, "time": time.time()})
@@ -272,7 +275,8 @@ def _open(recipe: Recipe, name: str, path: Path, dry_run: bool, init: dict[str, 
     states = [r for r in run.checkpoints() if r.get("state_path")]
     run.candidates = states[::-1]
     run.resume = states[-1] if states else None
-    if not _nothing_trained(path) and not force and (what := fingerprint_changed(path, recipe)):
+    run.fingerprint = fingerprint(recipe)  # hashed once per session (begin() records it)
+    if not _nothing_trained(path) and not force and (what := fingerprint_changed(path, recipe, run.fingerprint)):
         raise UserError(f"run dir {path}: {what} since it trained; resuming would mix data. Pass --force to "
                         "resume anyway, or set if_exists = \"overwrite\" (moves it aside) or another log_dir")
     run.note = (f"resume after checkpoint {run.resume['name']!r}" if run.resume
@@ -453,8 +457,9 @@ def fingerprint(recipe: Recipe) -> dict[str, dict[str, str]]:
     return {"files": files, "targets": targets}
 
 
-def fingerprint_changed(path: Path, recipe: Recipe) -> str | None:
-    """What changed since the run dir recorded its fingerprint ("data file x.jsonl changed"), or None."""
+def fingerprint_changed(path: Path, recipe: Recipe, new: dict[str, dict[str, str]] | None = None) -> str | None:
+    """What changed since the run dir recorded its fingerprint ("data file x.jsonl changed"), or None. `new`: the
+    recipe's fingerprint, when already computed."""
     recorded_file = path / FINGERPRINT
     if not recorded_file.exists():
         return None  # a run dir from before fingerprints
@@ -462,7 +467,7 @@ def fingerprint_changed(path: Path, recipe: Recipe) -> str | None:
         old = json.loads(recorded_file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         return f"{FINGERPRINT} is corrupt"
-    new = fingerprint(recipe)
+    new = new if new is not None else fingerprint(recipe)
     changed = [f"data file {k}" for k, h in old.get("files", {}).items() if new["files"].get(k) != h]
     changed += [f"the source of {k}" for k, h in old.get("targets", {}).items() if new["targets"].get(k) != h]
     if not changed:
