@@ -190,3 +190,77 @@ def test_ctrl_c_stops_a_run_whose_env_blocks_and_the_dir_resumes(tmp_path: Path,
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(6))
     assert json.loads((run_dir / "sessions.jsonl").read_text().splitlines()[-1])["start_step"] == done[-1]
+
+
+HANGING_ENV = """
+import asyncio
+from pathlib import Path
+from runner.rl.envs.arithmetic import ArithmeticEnv
+from runner.rl.envs.common import ListDataset, RepeatGroupBuilder
+
+class Hang(ArithmeticEnv):
+    def __init__(self, run_dir, *args):
+        super().__init__(*args)
+        self.run_dir = Path(run_dir)
+
+    async def step(self, action_tokens, stop_reason):
+        ckpts = self.run_dir / "checkpoints.jsonl"
+        if ckpts.exists() and ckpts.read_text().strip():  # once a checkpoint is recorded: await forever
+            (self.run_dir.parent / "hanging").touch()
+            await asyncio.sleep(1000)
+        return await super().step(action_tokens, stop_reason)
+
+def make(run_dir):
+    def builder(ctx):
+        group = lambda i: RepeatGroupBuilder(lambda: Hang(run_dir, ctx.renderer, i % 10, 1), ctx.group_size, [])
+        return ListDataset(range(4000), group, 2), None
+    return builder
+"""
+
+
+def test_ctrl_c_while_an_env_awaits_forever_stops_gracefully(tmp_path: Path) -> None:
+    """The event loop runs but the step's rollouts never end (no env_timeout_s): the first Ctrl-C cancels that
+    step's prepare (nothing of it was submitted), saves a checkpoint of the last submitted step and exits 130."""
+    (tmp_path / "hanging_env2.py").write_text(HANGING_ENV)
+    run_dir = tmp_path / "run"
+    recipe = msgspec.convert({
+        "algo": {"kind": "rl", "env": {"kind": "python", "target": "hanging_env2:make", "args": {"run_dir": str(run_dir)}},
+                 "group_size": 2, "groups_per_batch": 2, "max_tokens": 4},
+        "lr": 1e-2, "max_steps": 1000, "eval_every": 0, "save_every": 2, "log_dir": str(run_dir),
+    }, Recipe)
+    script = (
+        "import sys, msgspec\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "from backends.fake import FakeBackend\n"
+        "from runner.engine.loop import Interrupted, run\n"
+        "from runner.recipe.schema import Recipe\n"
+        f"recipe = msgspec.json.decode({msgspec.json.encode(recipe)!r}, type=Recipe)\n"
+        "try:\n"
+        "    run(recipe, 'r', backend=FakeBackend())\n"
+        "except Interrupted:\n"
+        "    sys.exit(130)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "hanging").exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+            assert time.monotonic() < deadline, "the env never hung within 120 s"
+            time.sleep(0.05)
+        time.sleep(0.3)
+        t = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        stopped_in = time.monotonic() - t
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = err.decode()
+    assert proc.returncode == 130 and stopped_in < 10, (stopped_in, text[-2000:])
+    assert "run the same command to resume" in text and "Traceback" not in text
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+    assert steps == list(range(len(steps))) and len(steps) >= 2
+    assert read_jsonl(run_dir / "checkpoints.jsonl")[-1]["next_step"] == len(steps)  # the last submitted step

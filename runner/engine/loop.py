@@ -173,6 +173,8 @@ class StopFlag:
 
     def __init__(self, progress: Progress, grace_s: float = 3.0):
         self.set = False
+        # Set (on the loop) with the flag, to wake a step's prepare waiting on an env (None: not installed).
+        self.event: asyncio.Event | None = None
         self.progress = progress
         self.grace_s = grace_s
         self.installed = False
@@ -182,6 +184,7 @@ class StopFlag:
         if threading.current_thread() is not threading.main_thread():
             return self
         self._loop = asyncio.get_running_loop()
+        self.event = asyncio.Event()
         self._r, self._w = socket.socketpair()
         self._w.setblocking(False)
         self._old_fd = signal.set_wakeup_fd(self._w.fileno(), warn_on_full_buffer=False)
@@ -229,6 +232,8 @@ class StopFlag:
         try:
             self._loop.call_soon_threadsafe(self.progress.message, "interrupted: finishing the submitted steps "
                                             "and saving a checkpoint (Ctrl-C again to quit now)")
+            if self.event is not None:
+                self._loop.call_soon_threadsafe(self.event.set)
         except RuntimeError:  # the loop already closed
             return
         threading.Thread(target=self._watch, name="runner-watchdog", daemon=True).start()
@@ -360,9 +365,9 @@ async def _steps(recipe: Recipe, run: RunDir, tc: TrainingClient, algo: Algorith
         t = time.monotonic()
         adam = adam_at(recipe, step, total)
         evaluate = recipe.eval_every > 0 and step % recipe.eval_every == 0
-        submitted = []
-        async for part in algo.prepare(step, ctx):
-            submitted.append(algo.submit(tc, step, part, adam, evaluate and not submitted))
+        submitted: list[Any] = []
+        if not await until_stopped(prepare_step(algo, tc, step, ctx, adam, evaluate, submitted), stop, submitted):
+            break  # Ctrl-C while preparing, before any of this step was submitted: it is not trained
         p = Pending(step, submitted, adam.learning_rate, time.monotonic() - t, algo.state())
         if checkpoint_due(recipe, step, total):  # queued right behind this step's optim_step
             last = step == total - 1
@@ -380,6 +385,39 @@ async def _steps(recipe: Recipe, run: RunDir, tc: TrainingClient, algo: Algorith
     while pending:
         ckpt = await finish(pending.popleft(), algo, run, progress, clock, total) or ckpt
     return ckpt
+
+
+async def prepare_step(algo: Algorithm, tc: TrainingClient, step: int, ctx: Context, adam: Any, evaluate: bool,
+                       submitted: list[Any]) -> None:
+    """Build step `step`'s batch and submit its parts as they come (into `submitted`)."""
+    async for part in algo.prepare(step, ctx):
+        submitted.append(algo.submit(tc, step, part, adam, evaluate and not submitted))
+
+
+async def until_stopped(prepare: Any, stop: StopFlag, submitted: list[Any]) -> bool:
+    """Run a step's prepare to the end (True), unless the first Ctrl-C comes while none of its parts has been
+    submitted: then it is cancelled (False), so an env that never answers cannot hold the stop up. Once a part is
+    submitted (RL stream mode) the step finishes whole, as a checkpoint must not hold half a step."""
+    task = asyncio.ensure_future(prepare)
+    try:
+        if stop.event is None:
+            await task
+            return True
+        waiter = asyncio.ensure_future(stop.event.wait())
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if not task.done() and not submitted:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return False
+        await task
+        return True
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 async def finish(p: Pending, algo: Algorithm, run: RunDir, progress: Progress, clock: Clock,
