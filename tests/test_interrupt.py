@@ -1,8 +1,8 @@
-"""Nothing hangs (issue 22): env_timeout_s drops a group whose env never answers, and Ctrl-C stops a run within
-seconds even while an env blocks the event loop's thread in a synchronous call (time.sleep inside its async step);
-the run dir then resumes.
+"""Nothing hangs (issue 22): env_timeout_s drops a group whose env never answers (awaiting, or blocking the event
+loop's thread in a synchronous call), and Ctrl-C stops a run within seconds whatever its env does; the run dir then
+resumes. The runs are RL on the fake backend, in a subprocess where a signal is sent.
 
-Run: pytest tests/test_interrupt.py   (about 30 s on 2 cores: one CLI subprocess on the tiny model)
+Run: pytest tests/test_interrupt.py   (about 15 s on 2 cores)
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from backends.local.tiny import build_tokenizer
 from backends.types import SamplingParams
 from runner.engine.log import read_jsonl
 from runner.engine.loop import run
-from runner.recipe.load import dump_recipe
 from runner.recipe.schema import Recipe
 from runner.rl.envs.arithmetic import ArithmeticEnv
 from runner.rl.envs.common import RepeatGroupBuilder
@@ -142,41 +141,63 @@ def make(run_dir):
 """
 
 
+def fake_run_script(recipe: Recipe, tmp_path: Path, storage: Path | None = None) -> list[str]:
+    """A `python -c` command that runs `recipe` on the fake backend (states as files under `storage`, so another
+    process can resume them), exiting 130 on Interrupted as the CLI does."""
+    script = (
+        "import sys, msgspec\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "from pathlib import Path\n"
+        "from backends.fake import FakeBackend\n"
+        "from runner.engine.loop import Interrupted, run\n"
+        "from runner.recipe.schema import Recipe\n"
+        f"recipe = msgspec.json.decode({msgspec.json.encode(recipe)!r}, type=Recipe)\n"
+        "try:\n"
+        f"    run(recipe, 'r', backend=FakeBackend(storage_dir={str(storage) if storage else None!r}))\n"
+        "except Interrupted:\n"
+        "    sys.exit(130)\n"
+    )
+    return [sys.executable, "-c", script]
+
+
+def python_path() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def interrupt_when(proc: subprocess.Popen[bytes], marker: Path) -> tuple[float, str]:
+    """SIGINT `proc` once `marker` exists; (seconds from SIGINT to exit, stderr)."""
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+            assert time.monotonic() < deadline, f"no {marker.name} within 120 s"
+            time.sleep(0.05)
+        time.sleep(0.3)  # well inside the env's wait
+        t = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        return time.monotonic() - t, err.decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_ctrl_c_stops_a_run_whose_env_blocks_and_the_dir_resumes(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Before: an env blocking in a sync call inside its async step ignored two Ctrl-C's. Now the first stops the
-    process within seconds (exit 130, one line, no traceback), and the same command resumes the run dir."""
+    process within seconds (exit 130, one line, no traceback), and the run dir resumes."""
     (tmp_path / "blocking_env.py").write_text(BLOCKING_ENV)
     run_dir = tmp_path / "run"
     recipe = msgspec.convert({
         "algo": {"kind": "rl", "env": {"kind": "python", "target": "blocking_env:make",
                                        "args": {"run_dir": str(run_dir)}},
                  "group_size": 2, "groups_per_batch": 2, "max_tokens": 4},
-        "lr": 1e-2, "lora": {"rank": 2}, "max_steps": 6, "eval_every": 0, "save_every": 1,
-        "backend": {"kind": "local", "device": "cpu"}, "log_dir": str(run_dir),
+        "lr": 1e-2, "max_steps": 6, "eval_every": 0, "save_every": 1, "log_dir": str(run_dir),
     }, Recipe)
-    ref = tmp_path / "recipe.toml"
-    ref.write_text(dump_recipe("r", recipe))
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.Popen([sys.executable, "-m", "runner", "run", f"{ref}#r"], cwd=tmp_path, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 180
-        while not (tmp_path / "blocked").exists():
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
-            assert time.monotonic() < deadline, "the env never blocked within 180 s"
-            time.sleep(0.05)
-        time.sleep(0.3)  # well inside time.sleep(1000)
-        t = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
-        stopped_in = time.monotonic() - t
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    text = err.decode()
+    proc = subprocess.Popen(fake_run_script(recipe, tmp_path, run_dir / "checkpoints"), cwd=tmp_path,
+                            env=python_path(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    stopped_in, text = interrupt_when(proc, tmp_path / "blocked")
     assert proc.returncode == 130, text[-2000:]
     assert stopped_in < 10, stopped_in
     assert "the run is blocked" in text and "Traceback" not in text
@@ -184,9 +205,8 @@ def test_ctrl_c_stops_a_run_whose_env_blocks_and_the_dir_resumes(tmp_path: Path,
     assert done and done[-1] < 6
     # Resumable: the same recipe (the env no longer blocks) finishes the run from its last checkpoint.
     (tmp_path / "unblock").touch()
-    monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    run(recipe, "r")
+    run(recipe, "r", backend=FakeBackend(TOK, storage_dir=run_dir / "checkpoints"))
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(6))
     assert json.loads((run_dir / "sessions.jsonl").read_text().splitlines()[-1])["start_step"] == done[-1]
@@ -228,37 +248,9 @@ def test_ctrl_c_while_an_env_awaits_forever_stops_gracefully(tmp_path: Path) -> 
                  "group_size": 2, "groups_per_batch": 2, "max_tokens": 4},
         "lr": 1e-2, "max_steps": 1000, "eval_every": 0, "save_every": 2, "log_dir": str(run_dir),
     }, Recipe)
-    script = (
-        "import sys, msgspec\n"
-        f"sys.path.insert(0, {str(tmp_path)!r})\n"
-        "from backends.fake import FakeBackend\n"
-        "from runner.engine.loop import Interrupted, run\n"
-        "from runner.recipe.schema import Recipe\n"
-        f"recipe = msgspec.json.decode({msgspec.json.encode(recipe)!r}, type=Recipe)\n"
-        "try:\n"
-        "    run(recipe, 'r', backend=FakeBackend())\n"
-        "except Interrupted:\n"
-        "    sys.exit(130)\n"
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "hanging").exists():
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
-            assert time.monotonic() < deadline, "the env never hung within 120 s"
-            time.sleep(0.05)
-        time.sleep(0.3)
-        t = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
-        stopped_in = time.monotonic() - t
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    text = err.decode()
+    proc = subprocess.Popen(fake_run_script(recipe, tmp_path), cwd=tmp_path, env=python_path(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    stopped_in, text = interrupt_when(proc, tmp_path / "hanging")
     assert proc.returncode == 130 and stopped_in < 10, (stopped_in, text[-2000:])
     assert "run the same command to resume" in text and "Traceback" not in text
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
