@@ -123,6 +123,19 @@ def test_lock_is_held_for_the_run_and_released_after(tmp_path: Path) -> None:
     assert open_run_dir(recipe, "r", dry_run=True).lock is None  # a dry run locks nothing
 
 
+def test_a_file_system_without_locks_is_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    import fcntl
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    run(make_recipe(tmp_path, max_steps=2), "r", backend=fake(tmp_path / "run"))
+    assert steps_of(tmp_path / "run") == [0, 1]
+    assert f"warning: cannot lock {tmp_path / 'run' / LOCK} (No locks available)" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- data fingerprint
 
 def test_edited_data_is_refused_on_resume_and_force_resumes(tmp_path: Path) -> None:

@@ -212,6 +212,9 @@ class RunLock:
             os.close(fd)
             raise UserError(f"run dir {path} is in use by another run (pid {holder}); wait for it to finish, "
                             "stop it, or set another log_dir") from None
+        except OSError as e:  # a file system without locks (some network and FUSE mounts): say so, go on
+            print(f"warning: cannot lock {path / LOCK} ({e.strerror}); nothing stops a second run from writing "
+                  "to this run dir at the same time", file=sys.stderr)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd: int | None = fd
