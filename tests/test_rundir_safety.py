@@ -257,6 +257,27 @@ def test_disk_full_appending_metrics_is_one_line_and_never_tears(tmp_path: Path,
     assert clean(read_jsonl(run_dir / METRICS)) == clean(read_jsonl(tmp_path / "straight" / METRICS))
 
 
+def test_the_next_run_on_a_full_disk_is_one_line_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: the run after a disk-full crash was a traceback (ENOSPC) as soon as it wrote anything."""
+    run_dir = tmp_path / "run"
+    run(make_recipe(tmp_path, max_steps=2), "r", backend=fake(run_dir))
+
+    def full(*args: Any) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "pwrite", full)  # the lock file's pid: the first thing a run writes
+    with pytest.raises(UserError, match=rf"^disk full writing {run_dir / LOCK} \(No space left on device\)"):
+        run(make_recipe(tmp_path, max_steps=4), "r", backend=fake(run_dir))
+    monkeypatch.undo()
+    monkeypatch.setattr(os, "replace", full)  # an atomic rewrite (config.toml) that cannot land
+    with pytest.raises(UserError, match=rf"^disk full writing {run_dir / 'config.toml'} "):
+        run(make_recipe(tmp_path, max_steps=4), "r", backend=fake(run_dir))
+    monkeypatch.undo()
+    assert not list(run_dir.glob("*.tmp"))  # the failed rewrite's temp file is gone
+    run(make_recipe(tmp_path, max_steps=4), "r", backend=fake(run_dir))
+    assert steps_of(run_dir) == [0, 1, 2, 3]
+
+
 def test_a_torn_last_line_from_an_old_crash_is_repaired_on_resume(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run(make_recipe(tmp_path, max_steps=2), "r", backend=fake(run_dir))

@@ -215,8 +215,13 @@ class RunLock:
         except OSError as e:  # a file system without locks (some network and FUSE mounts): say so, go on
             print(f"warning: cannot lock {path / LOCK} ({e.strerror}); nothing stops a second run from writing "
                   "to this run dir at the same time", file=sys.stderr)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            with disk_errors(path / LOCK):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
         self.fd: int | None = fd
 
     def close(self) -> None:
