@@ -18,7 +18,11 @@ from backends.errors import UserError
 from runner.engine.chain import check_all, upstreams
 from runner.recipe.load import DEFAULT_FILE, dump_recipe, load_recipe, read_tables, resolve, split_ref
 from runner.threads import prefer_passive_openmp
+from runner.tools.smoke import check_smoke
 from runner.tools.sweep import check_line, refuse_sweep, show_sweep
+
+SMOKE_HELP = ("run it end to end offline in seconds: local backend, a stand-in model, the recipe's smoke table "
+              "(data, env, model, steps), 2 steps, run dir <name>-smoke; every stage of a chain (docs/smoke.md)")
 
 EPILOG = f"""\
 A recipe is a [recipes.<name>] table in a TOML file; FILE#NAME picks one (FILE alone when it
@@ -31,6 +35,7 @@ examples:
   runner show {DEFAULT_FILE}#sl_basic lr=3e-4 lora.rank=8
   runner run {DEFAULT_FILE}#sl_basic backend='{{kind="tinker"}}' model=Qwen/Qwen3-8B
   runner run examples/sft_tiny.toml --dry-run
+  runner smoke examples/cookbook.toml            # every recipe, offline, seconds each
   runner export runs/sl_basic out/sl_basic-merged --merged
   runner sweep {DEFAULT_FILE}#sl_basic 'lr=[1e-3,4e-3]' max_steps=20
   runner compare runs/sl_basic
@@ -85,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="train one recipe", description="Validate, check and run one recipe.")
     _ref_and_overrides(run)
     run.add_argument("--dry-run", action="store_true", help="print the plan (data, steps, schedule, calls) and stop")
+    run.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     run.add_argument("--force", action="store_true",
                      help="resume even though the data files (or pkg.mod:fn sources) changed since the run dir trained")
     run.set_defaults(command=cmd_run)
@@ -105,7 +111,19 @@ def _parser() -> argparse.ArgumentParser:
         "itself a recipe file.",
     )
     _ref_and_overrides(show)
+    show.add_argument("--smoke", action="store_true", help="print the recipe --smoke runs (and its smoked stages)")
     show.set_defaults(command=cmd_show)
+
+    smoke = sub.add_parser(
+        "smoke",
+        help="run every recipe of a file (or those named) offline in seconds; a table of results",
+        description="Each recipe as `runner run FILE#name --smoke` runs it (local backend, a stand-in model, "
+        "its smoke table's data, 2 steps, run dir <name>-smoke), then one row per recipe: stages, steps, wall "
+        "seconds, ok or FAILED. Exit 1 if any failed. docs/smoke.md says how to smoke your own recipe.",
+    )
+    smoke.add_argument("file", metavar="FILE", help="a recipe file")
+    smoke.add_argument("names", nargs="*", metavar="NAME", help="recipes to smoke (default: all)")
+    smoke.set_defaults(command=cmd_smoke)
 
     serve = sub.add_parser(
         "serve",
@@ -187,7 +205,8 @@ def _talk_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
     ev = sub.add_parser("eval", help="run the recipe's evaluators on a checkpoint",
                         description="The recipe's held-out evals (SFT test/nll, RL test reward, DPO and reward-model "
-                        "test/accuracy, distillation test/teacher_kl) on one checkpoint; appended to evals.jsonl.")
+                        "test/accuracy, distillation test/teacher_kl) and its pinned [[evals]] on one checkpoint; "
+                        "appended to evals.jsonl.")
     ev.add_argument("target", metavar="RUN_DIR|FILE#NAME", help=target_help)
     ev.add_argument("--checkpoint", metavar="NAME", help="a checkpoint by name; default: the last one")
     ev.set_defaults(command=cmd_eval)
@@ -304,6 +323,8 @@ def _ref_and_overrides(parser: argparse.ArgumentParser, optional: bool = False) 
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.smoke:
+        return _run_smoke(args)
     name, recipe = load_recipe(args.ref, args.overrides)
     refuse_sweep(args.ref)
     where = _where(args.ref, name)
@@ -350,12 +371,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     path, name = split_ref(args.ref)
     if name is not None:
         print(check_line(args.ref, args.overrides))  # a sweep: every point
+        check_smoke(path, name, args.overrides)
         return 0
     # Every recipe, each reported on its own line, so one bad recipe does not hide the others.
     failed = 0
     for name in read_tables(path):
         try:
             line = check_line(f"{path}#{name}", args.overrides)
+            check_smoke(path, name, args.overrides)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             failed += 1
@@ -364,7 +387,39 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 2 if failed else 0
 
 
+def _run_smoke(args: argparse.Namespace) -> int:
+    from runner.tools.smoke import split
+
+    path, name = split(args.ref)
+    prefer_passive_openmp()  # before torch loads (runner/threads.py)
+    from runner.engine.loop import Interrupted
+    from runner.tools.smoke import run_smoke
+
+    try:
+        run_smoke(path, [name], args.overrides, dry_run=args.dry_run, keep_going=False)
+    except Interrupted:
+        return 130
+    return 0
+
+
+def cmd_smoke(args: argparse.Namespace) -> int:
+    from runner.tools.smoke import all_names, table
+
+    names = args.names or all_names(args.file)
+    prefer_passive_openmp()  # before torch loads (runner/threads.py)
+    from runner.tools.smoke import run_smoke
+
+    results = run_smoke(args.file, names)
+    sys.stdout.write(table(results))
+    return 0 if all(r.ok for r in results) else 1
+
+
 def cmd_show(args: argparse.Namespace) -> int:
+    if args.smoke:
+        from runner.tools.smoke import show, split
+
+        sys.stdout.write(show(*split(args.ref), args.overrides))
+        return 0
     swept = show_sweep(args.ref, args.overrides)  # a sweep: with its table (runner/tools/sweep.py)
     if swept is not None:
         sys.stdout.write(swept)
@@ -374,8 +429,18 @@ def cmd_show(args: argparse.Namespace) -> int:
     if chain:
         stages = " -> ".join([*(f"{s.label} ({s.ref})" for s in chain), name])
         sys.stdout.write(f"# chain (init_from): {stages}\n")
+    sys.stdout.write(_lr_note(args.ref, args.overrides))
     sys.stdout.write(dump_recipe(name, recipe))
     return 0
+
+
+def _lr_note(ref: str, overrides: Sequence[str]) -> str:
+    """'# lr = 0.000619: auto: ...' when the recipe's lr is "auto" (runner/recipe/lr.py), else ''."""
+    from runner.recipe.load import apply_overrides, pick
+    from runner.recipe.lr import auto_note
+
+    path, name, raw = pick(ref)
+    return auto_note(apply_overrides(raw, overrides, f"{path}#{name}")) or ""
 
 
 def cmd_list(args: argparse.Namespace) -> int:

@@ -10,9 +10,9 @@ held-out rows first. As the cookbook (supervised/train.py), except:
 2. The data position is stored as the *next* step, so a resume replays nothing (cookbook §8.1).
 3. num_loss_tokens counts tokens with weight > 0 (the cookbook sums the weights, which under
    reduction "mean" counts sequences).
-As the cookbook's supervised loop, there is no eval after the last step (final() does nothing, so
-metrics.jsonl ends at the last step's row): the last held-out NLL is the one before step
-(total - 1) // eval_every * eval_every. RL, whose cookbook loop does evaluate the final weights, does too.
+Unlike the cookbook's supervised loop (no eval after the last step), the final weights are evaluated once more
+(test/nll, and test/agreement when asked for) in a row at step = total steps, as RL does; `runner eval` runs the same
+at any checkpoint. No final row when eval_every = 0 (and agreement is off) or there is no held-out set.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Preference data: labelled comparisons of two completions of one prompt, for DPO and the reward model.
 
-Rows (JSONL, or any data source of runner/data/conversations.py), one of:
+Rows (any data source of runner/data/files.py; a source with `format = "hh_rlhf"` maps the HH-RLHF transcripts first,
+runner/data/formats.py), one of:
   {"prompt": [messages], "chosen": [messages], "rejected": [messages]}
   {"comparison": {"prompt_conversation": [...], "completion_A": [...], "completion_B": [...]},
    "label": "A" | "B" | "Tie"}                                    (the cookbook's LabeledComparison)
@@ -26,7 +27,7 @@ import numpy as np
 
 from backends.errors import UserError
 from runner.data.chat_template import encode, prefix_len, template
-from runner.data.conversations import Conversation, load_rows, messages_of
+from runner.data.conversations import Conversation, describe, mapped_rows, messages_of
 from runner.recipe.schema import DataSource
 
 LABELS = ("A", "B", "Tie")
@@ -49,11 +50,13 @@ class Pairs:
     ties: int
     rows: int
     source: str
+    # Rows the source's format drops (an HH-RLHF pair whose transcripts differ in more than the last turn).
+    dropped: int = 0
 
 
 def load_pairs(source: DataSource) -> Pairs:
     """Every row of `source` as a Pair (ties dropped and counted); UserError on the first bad row."""
-    rows, where = load_rows(source)
+    rows, where, dropped = mapped_rows(source, "comparison")
     pairs, ties = [], 0
     for row, w in zip(rows, where, strict=True):
         pair = parse_row(row, w)
@@ -61,13 +64,14 @@ def load_pairs(source: DataSource) -> Pairs:
             ties += 1
         else:
             pairs.append(pair)
-    name = getattr(source, "path", None) or getattr(source, "name", None) or getattr(source, "target", "")
+    name = describe(source)
     if not pairs:
-        raise UserError(f"data source {name} has no comparisons with a winner ({len(rows)} rows, {ties} ties)")
+        raise UserError(f"data source {name} has no comparisons with a winner ({len(rows)} rows, {ties} ties, "
+                        f"{dropped} dropped)")
     if ties:
         print(f"note: {name}: {ties} of {len(rows)} rows are ties (label \"Tie\"), dropped: a tie says nothing "
               "about which completion is better", file=sys.stderr)
-    return Pairs(pairs, ties, len(rows), str(name))
+    return Pairs(pairs, ties, len(rows) + dropped, name, dropped)
 
 
 def parse_row(row: Any, where: str) -> Pair | None:

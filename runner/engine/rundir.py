@@ -51,19 +51,24 @@ from backends.errors import UserError
 from runner.engine.log import append_jsonl, disk_errors, read_jsonl, write_jsonl_atomic, write_text_atomic
 from runner.engine.track import start_tracker
 from runner.recipe.load import dump_recipe, load_recipe
+
+# Where runs live and what a generate run writes: defined with the references, re-exported here.
+from runner.recipe.refs import OUTPUT as OUTPUT
+from runner.recipe.refs import output_files as output_files
+from runner.recipe.refs import run_dir_path as run_dir_path
 from runner.recipe.schema import TARGET_PATTERN, Recipe
 
 CONFIG, METRICS, CHECKPOINTS, SESSIONS = "config.toml", "metrics.jsonl", "checkpoints.jsonl", "sessions.jsonl"
 # A chained run's starting point (runner/engine/chain.py): the upstream's ref, recipe (TOML) and checkpoint.
 INIT = "init_from.json"
-# What a generate run writes (runner/algos/generate.py): generated/step_NNNNNN.jsonl.
-OUTPUT = "generated"
+# One writer per run dir (RunLock) and the data it trained on (fingerprint()).
 LOCK, FINGERPRINT = ".lock", "fingerprint.json"
 # Files that a run dir holds before anything trained (a failed start): they never make it "a run".
 BOOKKEEPING = (CONFIG, SESSIONS, INIT, LOCK, FINGERPRINT)
 # Keys that may change between a run and its resumption: extending a run is a new max_steps, the
-# directory itself is the run's identity, and where metrics are also sent (log) is not part of the training.
-RESUMABLE_CHANGES = ("max_steps", "if_exists", "log_dir", "log")
+# directory itself is the run's identity, and where metrics are also sent (log) and the `--smoke` stand-ins (smoke) are
+# not part of the training.
+RESUMABLE_CHANGES = ("max_steps", "if_exists", "log_dir", "log", "smoke")
 
 
 @dataclass
@@ -169,10 +174,6 @@ class RunDir:
 
     def checkpoints(self) -> list[dict[str, Any]]:
         return read_checkpoints(self.path)
-
-
-def run_dir_path(recipe: Recipe, name: str) -> Path:
-    return Path(recipe.log_dir) if recipe.log_dir else Path("runs") / name
 
 
 def open_run_dir(recipe: Recipe, name: str, *, dry_run: bool = False, init: dict[str, Any] | None = None,
@@ -375,10 +376,6 @@ def load_config(path: Path) -> Recipe:
         raise UserError(f"{path}: expected exactly one [recipes.<name>] table, found {len(names)}")
     return load_recipe(f"{path}#{names[0]}")[1]
 
-
-def output_files(run_dir: Path) -> list[Path]:
-    """The files a generate run wrote, in step order."""
-    return sorted((run_dir / OUTPUT).glob("step_*.jsonl"))
 
 
 # ---------------------------------------------------------------- checkpoint paths

@@ -41,19 +41,21 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
+from backends import losses
 from backends.base import BackendError, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, LossFn, OptimStepOutput, SamplingParams
 from runner.algos import AlgoSpec, BuildArgs
-from runner.recipe.schema import CISPO, DRO, PPO, RL, Async, ModelJudge, Preference, ReferenceKL, Stream
+from runner.recipe.schema import RL, Async, ModelJudge, Preference, PythonLoss, ReferenceKL, Stream
+from runner.recipe.targets import import_object
 from runner.rl import transcripts
 from runner.rl.advantages import compute_advantages, remove_constant_reward_groups
 from runner.rl.datums import assemble_datums
-from runner.rl.envs import EnvContext, build_datasets, get_batch
+from runner.rl.envs import EnvContext, build_datasets, get_batch, headline_of
 from runner.rl.kl import apply_kl_penalty, kl_sample_train, reference_logprobs
 from runner.rl.metrics import trajectory_metrics
 from runner.rl.renderer import ChatRenderer, context_window
@@ -65,13 +67,21 @@ EVAL_SEED_OFFSET = 1 << 40
 
 
 def loss_of(cfg: RL) -> tuple[LossFn, dict[str, float] | None]:
-    """The recipe's loss as Tinker's loss_fn name and loss_fn_config."""
-    match cfg.loss:
-        case PPO(clip_low=lo, clip_high=hi) | CISPO(clip_low=lo, clip_high=hi):
-            return cast(LossFn, cfg.loss.__struct_config__.tag), {"clip_low_threshold": lo, "clip_high_threshold": hi}
-        case DRO(beta=beta):
-            return "dro", {"beta": beta}
-    return "importance_sampling", None
+    """The recipe's loss as a registered loss_fn name (backends/losses.py) and its loss_fn_config. A user's loss
+    (`kind = "python"`) is registered here; UserError when its target is not a LossSpec or its args do not fit."""
+    loss = cfg.loss
+    if isinstance(loss, PythonLoss):
+        where = f"algo.loss.target {loss.target!r}"
+        spec = import_object(loss.target)
+        if not isinstance(spec, losses.LossSpec):
+            raise UserError(f"{where} is a {type(spec).__name__}, not a backends.losses.LossSpec")
+        try:
+            losses.register(spec)
+            return spec.name, spec.resolve(loss.args) or None
+        except ValueError as e:
+            raise UserError(f"{where}: {e}") from None
+    spec = losses.get(str(loss.__struct_config__.tag))
+    return spec.name, {f.key: float(getattr(loss, f.recipe)) for f in spec.fields} or None
 
 
 def chunks(data_D: list[Datum], n: int) -> list[list[Datum]]:
@@ -485,22 +495,14 @@ def _merge(parts: list[dict[str, float]]) -> dict[str, float]:
 
 def build(cfg: RL, args: BuildArgs) -> functools.partial[RLAlgo]:
     r = args.recipe
+    loss_of(cfg)  # a user's loss: imported and registered before any model loads
     return functools.partial(RLAlgo, cfg, seed=r.seed, base_model=r.model, max_steps=r.max_steps,
                              reference_path=args.reference_path, weights=dict(args.weights))
 
 
-# Envs whose mean reward cannot move show a number that does. Pairwise judging: the group's mean win rate is 0.5 by
-# construction; reply length and format are what move. Self-play: wins and losses cancel; illegal moves and game
-# length move, and the test split plays a fixed opponent, so its reward is a win rate that means something.
-ENV_HEADLINE: dict[str, list[tuple[str, str]]] = {
-    "preference": [("env/all/ac_tokens_per_turn", "reply_tokens"), ("env/all/format", "format")],
-    "tictactoe": [("env/all/illegal", "illegal"), ("env/all/turns_per_episode", "turns")],
-    "arithmetic": [("env/all/correct", "correct")],
-}
-
-
 def env_headline(cfg: RL) -> list[tuple[str, str]]:
-    return ENV_HEADLINE.get(str(type(cfg.env).__struct_config__.tag), [])
+    """The env's own progress-line metrics (runner/rl/envs ENVS registry)."""
+    return headline_of(cfg.env)
 
 
 SPEC = AlgoSpec(build=build, headline=[("env/all/reward/total", "reward"), ("test/env/all/reward/total", "test/reward")],

@@ -174,6 +174,17 @@ def chat(target: str, checkpoint: str | None, temperature: float, max_tokens: in
         backend.close()
 
 
+async def _evaluate_all(algo: Any, ctx: Any, recipe: Any) -> dict[str, float]:
+    """The algorithm's held-out evals, then the recipe's pinned ones (runner/engine/evals.py), on ctx's weights."""
+    from runner.engine.evals import pinned_metrics
+
+    metrics = dict(await algo.evaluate(ctx))
+    sampler = ctx.backend.create_sampling_client(ctx.sampler_path) if recipe.evals else None
+    if sampler is not None:
+        metrics.update(await pinned_metrics(recipe.evals, sampler, ctx.backend.get_tokenizer()))
+    return metrics
+
+
 def evaluate(target: str, checkpoint: str | None, out: TextIO) -> dict[str, float]:
     """The recipe's evaluators on one checkpoint; printed, and appended to the run dir's evals.jsonl."""
     from runner.engine.chain import resolved_inputs
@@ -190,11 +201,11 @@ def evaluate(target: str, checkpoint: str | None, out: TextIO) -> dict[str, floa
         algo = make_algo(t.recipe, inputs["init"], inputs["weights"])(backend.get_tokenizer())
         ctx = FinalContext(backend, t.checkpoint["sampler_path"], t.run_dir)
 
-        metrics = asyncio.run(algo.evaluate(ctx))
+        metrics = asyncio.run(_evaluate_all(algo, ctx, t.recipe))
     finally:
         backend.close()
     if not metrics:
-        raise UserError(f"{t.where}: the recipe has nothing to evaluate (no held-out data or test set)")
+        raise UserError(f"{t.where}: the recipe has nothing to evaluate (no held-out data, test set or pinned evals)")
     row = {"checkpoint": t.checkpoint["name"], "step": t.checkpoint.get("next_step"), **metrics, "time": time.time()}
     append_jsonl(t.run_dir / EVALS, row)
     out.write(f"{t.name} checkpoint {t.checkpoint['name']} (after {t.checkpoint.get('next_step')} steps)\n")
