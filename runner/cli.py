@@ -93,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     _ref_and_overrides(run)
     run.add_argument("--dry-run", action="store_true", help="print the plan (data, steps, schedule, calls) and stop")
     run.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    run.add_argument("--force", action="store_true",
+                     help="resume even though the data files (or pkg.mod:fn sources) changed since the run dir trained")
     run.set_defaults(command=cmd_run)
 
     check = sub.add_parser(
@@ -375,7 +377,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from runner.engine.pipeline import run_chain
 
     try:
-        run_chain(recipe, name, where, dry_run=args.dry_run)
+        run_chain(recipe, name, where, dry_run=args.dry_run, force=args.force)
     except Interrupted:  # Ctrl-C: the loop saved a checkpoint and said so
         return 130
     except BudgetReached:  # the recipe's budget: the loop saved a checkpoint and said why (docs/cost.md)
@@ -505,8 +507,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from runner.engine.log import read_jsonl
-    from runner.engine.rundir import CHECKPOINTS, CONFIG, load_config
+    from runner.engine.rundir import CHECKPOINTS, CONFIG, load_config, read_checkpoints
 
     run_dir, out = Path(args.run_dir), Path(args.out)
     if not (run_dir / CONFIG).is_file():
@@ -514,7 +515,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} exists and is not an empty folder; export never overwrites")
     recipe = load_config(run_dir / CONFIG)
-    rows = read_jsonl(run_dir / CHECKPOINTS)
+    rows = read_checkpoints(run_dir)
     if args.checkpoint is None:
         with_weights = [r for r in rows if r.get("sampler_path")]
         if not with_weights:

@@ -98,7 +98,7 @@ def test_sft_learns_and_checkpoints(service, tmp_path):
     ckpts = checkpoints(tmp_path / "run")
     assert [c["next_step"] for c in ckpts] == [2, 4]
     if service.kind == "local":
-        assert all(Path(c["state_path"]).exists() for c in ckpts)
+        assert all((tmp_path / "run" / c["state_path"]).exists() for c in ckpts)
         return
     mock = service.mock
     assert all(c["state_path"].startswith("tinker://") and "/weights/" in c["state_path"] for c in ckpts)

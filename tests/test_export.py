@@ -57,7 +57,7 @@ def lora_run(tmp) -> Path:
 
 def sampler_dir(run_dir: Path, name: str = "final") -> Path:
     rows = [json.loads(line) for line in (run_dir / "checkpoints.jsonl").read_text().splitlines()]
-    return Path(next(r["sampler_path"] for r in rows if r["name"] == name))
+    return run_dir / next(r["sampler_path"] for r in rows if r["name"] == name)  # run-relative
 
 
 def base_model(path: Path = TINY_DIR):

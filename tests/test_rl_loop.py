@@ -134,7 +134,7 @@ def test_shipped_rl_recipe_runs(path: str, name: str, tmp_path: Path, monkeypatc
         assert {s["split"] for s in summaries} == {"train"} and summaries[0]["steps"]
     ckpts = rows(run_dir, "checkpoints.jsonl")
     assert [c["next_step"] for c in ckpts] == [1, 2]
-    assert all(Path(c["state_path"]).exists() and c["rl_train_batches"] > 0 for c in ckpts)
+    assert all((run_dir / c["state_path"]).exists() and c["rl_train_batches"] > 0 for c in ckpts)
 
 
 def arith(tmp_path: Path, run_dir: str, **over: Any) -> Recipe:

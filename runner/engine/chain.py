@@ -18,8 +18,7 @@ from typing import Any
 
 from backends.errors import UserError
 from runner.engine.context import InitWeights
-from runner.engine.log import read_jsonl
-from runner.engine.rundir import CHECKPOINTS, CONFIG, load_config, run_dir_path
+from runner.engine.rundir import CONFIG, load_config, read_checkpoints, run_dir_path
 from runner.recipe.explain import dotted, info, is_ref
 from runner.recipe.load import check_recipe, load_recipe, structs
 from runner.recipe.schema import Generate, Recipe, RunOutput, Teacher
@@ -180,7 +179,7 @@ def _check_compatible(up: Recipe, down: Recipe, prefix: str) -> None:
 
 def final_checkpoint(stage: Upstream) -> dict[str, Any]:
     """The upstream run's last checkpoint row, which must be its final one (the weights after its last step)."""
-    rows = [r for r in read_jsonl(stage.run_dir / CHECKPOINTS) if r.get("state_path") and r.get("sampler_path")]
+    rows = [r for r in read_checkpoints(stage.run_dir) if r.get("state_path") and r.get("sampler_path")]
     if not rows:
         raise UserError(f"init_from {stage.label}: {stage.run_dir} has no checkpoint yet"
                         + ("" if stage.runnable else "; run it first"))
@@ -211,7 +210,7 @@ def resolved_inputs(recipe: Recipe, where: str) -> dict[str, Any]:
 
 
 def _status(stage: Upstream) -> str:
-    rows = [r for r in read_jsonl(stage.run_dir / CHECKPOINTS) if r.get("state_path")]
+    rows = [r for r in read_checkpoints(stage.run_dir) if r.get("state_path")]
     if not rows:
         return "new" if stage.runnable else "no checkpoint"
     if str(rows[-1].get("name", "")).startswith("final"):

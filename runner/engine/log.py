@@ -1,28 +1,82 @@
 """Run logging: crash-safe JSONL files and a progress line.
 
-Every JSONL line is appended, flushed and fsynced before the loop moves on, so after a `kill -9`
-the file ends in whole lines plus at most one torn line, which `read_jsonl` drops.
+Every JSONL line is appended with one os.write on an O_APPEND descriptor and fsynced before the loop moves
+on. A write that fails part-way (disk full) is cut back off the file, so the file never ends in a torn line
+from a failed append; after a `kill -9` (or an older version's crash) it ends in whole lines plus at most
+one torn line, which `read_jsonl` drops and cuts off. Disk errors (ENOSPC, EDQUOT, EIO, EROFS) become one
+UserError line, "disk full writing <path>" (disk_errors).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
 from backends.errors import UserError
 
+# errno values that are the disk's, not the program's: one line naming the file, exit 2.
+DISK_ERRNOS = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EIO: "I/O error",
+               errno.EROFS: "read-only file system"}
+
+
+def disk_error(exc: BaseException, path: Path | str) -> UserError | None:
+    """The one-line UserError for a disk error anywhere in `exc`'s cause chain (a backend wraps the OSError of a
+    failed save; torch.save reports ENOSPC as RuntimeError "... file write failed"), else None."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in DISK_ERRNOS:
+            where = cur.filename or path
+            return UserError(f"{DISK_ERRNOS[cur.errno]} writing {where} ({os.strerror(cur.errno)}); free space "
+                             "and run the same command to resume")
+        text = str(cur)
+        if "No space left on device" in text or "file write failed" in text:
+            return UserError(f"disk full writing {path} ({text.strip().splitlines()[0][:200]}); free space and run "
+                             "the same command to resume")
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+@contextlib.contextmanager
+def disk_errors(path: Path | str) -> Iterator[None]:
+    """Turn a disk error raised inside into one UserError line naming `path`."""
+    try:
+        yield
+    except OSError as e:
+        if (err := disk_error(e, path)) is not None:
+            raise err from None
+        raise
+
 
 def append_jsonl(path: Path, row: dict[str, Any]) -> None:
-    line = json.dumps(row, allow_nan=True)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(line + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """Append one row as one line: a single os.write of the whole line on an O_APPEND descriptor, then fsync.
+    A failed or short write is cut back off (the file never keeps half a row) and raises "disk full writing
+    <path>"."""
+    data = (json.dumps(row, allow_nan=True) + "\n").encode("utf-8")
+    with disk_errors(path):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                written = os.write(fd, data)
+                if written != len(data):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+                os.fsync(fd)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, size)  # never leave a torn line behind
+                raise
+        finally:
+            os.close(fd)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -51,12 +105,24 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def write_jsonl_atomic(path: Path, rows: list[dict[str, Any]]) -> None:
+    write_text_atomic(path, "".join(json.dumps(row, allow_nan=True) + "\n" for row in rows))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a sibling temp file, fsync, rename over `path`: readers see the old file or the new one. A disk
+    error removes the temp file and is one line."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(row, allow_nan=True) + "\n" for row in rows)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with disk_errors(path):
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
 
 
 class Progress:

@@ -20,13 +20,19 @@ the one place a recipe's algo variant becomes one. Nothing here knows which back
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import os
+import shutil
 import signal
+import socket
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from backends.base import Backend, BackendError, Future, TrainingClient
@@ -38,7 +44,7 @@ from runner.engine.context import Algorithm, Context, FinalContext, InitWeights
 from runner.engine.cost import BudgetReached, Ledger, Usage
 from runner.engine.evals import names as eval_names
 from runner.engine.evals import pinned_metrics
-from runner.engine.log import Progress
+from runner.engine.log import Progress, disk_error
 from runner.engine.rundir import RunDir, open_run_dir
 from runner.engine.schedule import adam_at
 from runner.recipe.schema import Recipe
@@ -57,23 +63,28 @@ class Interrupted(Exception):
 
 
 def run(recipe: Recipe, name: str, *, dry_run: bool = False, backend: Backend | None = None,
-        init: InitWeights | None = None, weights: Mapping[str, str] | None = None) -> None:
+        init: InitWeights | None = None, weights: Mapping[str, str] | None = None, force: bool = False) -> None:
     """Train `recipe` in its run dir (resuming it when it holds the same recipe). `backend` replaces
     the recipe's (tests pass backends.fake.FakeBackend). `init`: start from another run's final weights
-    (runner/engine/chain.py, which runs the upstream first)."""
+    (runner/engine/chain.py, which runs the upstream first). `force`: resume although the data changed."""
     if recipe.init_from is not None and init is None:
         raise UserError(f"{name}: init_from = {recipe.init_from!r} needs its upstream's weights: run it with "
                         "`runner run` (runner.engine.chain.run_chain), which runs the chain")
     build_algo = make_algo(recipe, init, weights)
-    run_dir = open_run_dir(recipe, name, dry_run=dry_run, init=init.record() if init is not None else None)
+    run_dir = open_run_dir(recipe, name, dry_run=dry_run, init=init.record() if init is not None else None,
+                           force=force)
     if dry_run:
         tokenizer = backend.get_tokenizer() if backend is not None else load_tokenizer(recipe.tokenizer or recipe.model)
         print_plan(recipe, name, run_dir, build_algo(tokenizer))
         return
-    if backend is None:
-        # Saved states live in the run dir, next to the checkpoints.jsonl rows that point at them.
-        backend = recipe.backend.make(recipe.model, recipe.tokenizer, run_dir.path / "checkpoints", recipe.seed)
     status = "error"
+    try:
+        if backend is None:
+            # Saved states live in the run dir, next to the checkpoints.jsonl rows that point at them.
+            backend = recipe.backend.make(recipe.model, recipe.tokenizer, run_dir.path / "checkpoints", recipe.seed)
+    except BaseException:
+        run_dir.end(status)
+        raise
     try:
         algo = build_algo(backend.get_tokenizer())
         if run_dir.resume is not None:
@@ -91,6 +102,8 @@ def run(recipe: Recipe, name: str, *, dry_run: bool = False, backend: Backend | 
     except BackendError as e:
         if e.user_error:
             raise UserError(str(e)) from None  # the message already names the request
+        if (err := disk_error(e, run_dir.path / "checkpoints")) is not None:  # a save that hit a full disk
+            raise err from None
         raise
     except Interrupted:
         status = "interrupted"
@@ -167,36 +180,109 @@ def final_due(run: RunDir, algo: Algorithm, final: str | None) -> bool:
 
 class StopFlag:
     """Ctrl-C while training: the first sets the flag (the loop stops submitting, finishes what it submitted and
-    saves a checkpoint), the second exits at once. Installed on the running event loop (main thread only)."""
+    saves a checkpoint), the second exits at once (130).
 
-    def __init__(self, progress: Progress):
+    Signals are read on a thread of their own (signal.set_wakeup_fd: the C-level handler writes each signal's
+    number to a socket), so Ctrl-C is seen even while the event loop's thread is stuck in a synchronous call (an
+    env's time.sleep inside its async step). After the first Ctrl-C a watchdog checks that the event loop still
+    runs: when it does not answer within `grace_s`, nothing graceful can happen, so the process says so and exits
+    130 at once; the run dir then resumes from its last checkpoint, as after a kill -9. Main thread only."""
+
+    STOP = b"\xff"  # written by __exit__: the reader thread ends
+
+    def __init__(self, progress: Progress, grace_s: float = 3.0):
         self.set = False
+        # Set (on the loop) with the flag, to wake a step's prepare waiting on an env (None: not installed).
+        self.event: asyncio.Event | None = None
         self.progress = progress
         # Set with `set` when the stop is the recipe's budget (runner/engine/cost.py), not Ctrl-C: the one-line reason.
         self.budget: str | None = None
+        self.grace_s = grace_s
+        self.installed = False
+        self._closed = threading.Event()
 
     def __enter__(self) -> StopFlag:
-        try:
-            asyncio.get_running_loop().add_signal_handler(signal.SIGINT, self._first)
-            self.installed = True
-        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
-            self.installed = False
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        self._loop = asyncio.get_running_loop()
+        self.event = asyncio.Event()
+        self._r, self._w = socket.socketpair()
+        self._w.setblocking(False)
+        self._old_fd = signal.set_wakeup_fd(self._w.fileno(), warn_on_full_buffer=False)
+        # A Python-level no-op handler: the C handler still writes the wakeup byte, and no KeyboardInterrupt
+        # is raised into whatever the main thread runs.
+        self._previous = signal.signal(signal.SIGINT, _no_op)
+        self.installed = True
+        threading.Thread(target=self._read_signals, name="runner-sigint", daemon=True).start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.installed:
-            asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
+        if not self.installed:
+            return
+        self.installed = False
+        signal.signal(signal.SIGINT, self._previous)
+        signal.set_wakeup_fd(self._old_fd)
+        self._closed.set()
+        try:
+            self._w.send(self.STOP)
+        except OSError:
+            pass
+        self._w.close()
+
+    def _read_signals(self) -> None:
+        count = 0
+        with self._r:
+            while True:
+                try:
+                    data = self._r.recv(64)
+                except OSError:
+                    return
+                if not data or self.STOP[0] in data:
+                    return
+                for b in data:
+                    if b != signal.SIGINT:
+                        continue
+                    count += 1
+                    if count == 1:
+                        self._first()
+                    else:
+                        self._second()
 
     def _first(self) -> None:
         self.set = True
-        self.progress.message("interrupted: finishing the submitted steps and saving a checkpoint "
-                              "(Ctrl-C again to quit now)")
-        asyncio.get_running_loop().add_signal_handler(signal.SIGINT, self._second)
+        try:
+            self._loop.call_soon_threadsafe(self.progress.message, "interrupted: finishing the submitted steps "
+                                            "and saving a checkpoint (Ctrl-C again to quit now)")
+            if self.event is not None:
+                self._loop.call_soon_threadsafe(self.event.set)
+        except RuntimeError:  # the loop already closed
+            return
+        threading.Thread(target=self._watch, name="runner-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        """The event loop must keep running for the graceful stop to happen: quit when it is blocked."""
+        while not self._closed.is_set():
+            beat = threading.Event()
+            try:
+                self._loop.call_soon_threadsafe(beat.set)
+            except RuntimeError:  # the loop closed: the run is over
+                return
+            if not beat.wait(self.grace_s) and not self._closed.is_set():
+                sys.stderr.write(f"\ninterrupted: the run is blocked (its event loop has not run for {self.grace_s:g} "
+                                 "s: an env in a synchronous call?); quitting now. The same command resumes from the "
+                                 "last checkpoint\n")
+                sys.stderr.flush()
+                os._exit(130)
+            self._closed.wait(0.2)
 
     def _second(self) -> None:
-        sys.stderr.write("interrupted again: quitting now, without a checkpoint of the last steps\n")
+        sys.stderr.write("\ninterrupted again: quitting now, without a checkpoint of the last steps\n")
         sys.stderr.flush()
         os._exit(130)
+
+
+def _no_op(signum: int, frame: object) -> None:
+    return None
 
 
 async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm, final: bool,
@@ -208,7 +294,8 @@ async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm, 
     tc: TrainingClient | None = None
     if start < total:  # a run resumed for final() alone creates no training client
         if run.resume is not None:  # weights, optimizer moments and Adam's step count
-            tc = await backend.create_training_client_from_state(run.resume["state_path"], lora_spec(recipe))
+            tc = await resume_client(recipe, run, backend, algo)
+            start = run.start_step
         elif init is not None:  # a chained recipe: the upstream's final weights, a fresh optimizer
             tc = await backend.create_training_client_from_state(init.state_path, lora_spec(recipe),
                                                                 with_optimizer=False)
@@ -256,14 +343,56 @@ async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm, 
     progress.message(f"done: {total} steps in {run.path}")
 
 
+async def resume_client(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm) -> TrainingClient:
+    """A training client from the newest checkpoint that loads; a newer one that does not (a corrupt or missing
+    state) is skipped with one line, and run.resume (with the algorithm's data position) moves back to the one
+    that loaded."""
+    assert run.resume is not None
+    candidates = run.candidates or [run.resume]
+    first_error: str | None = None
+    for i, row in enumerate(candidates):
+        path = str(row["state_path"])
+        try:
+            if "://" not in path and not os.path.exists(path):
+                raise BackendError(f"{path} does not exist")
+            tc = await backend.create_training_client_from_state(path, lora_spec(recipe))
+        except BackendError as e:
+            reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            first_error = first_error or f"checkpoint {row['name']!r}: {reason}"
+            after = candidates[i + 1] if i + 1 < len(candidates) else None
+            print(f"checkpoint {row['name']!r} does not load ({reason}); "
+                  + (f"trying {after['name']!r} (after {after['next_step']} steps)" if after else "no older one"),
+                  file=sys.stderr)
+            continue
+        if row is not run.resume:
+            run.resume = row
+            algo.load_state(row, run.start_step)
+            print(f"resuming from checkpoint {row['name']!r} (after {row['next_step']} steps), the newest that "
+                  "loads", file=sys.stderr)
+        return tc
+    raise UserError(f"no checkpoint in {run.path} loads ({first_error}); set if_exists = \"overwrite\" to start "
+                    "over (moves it aside)")
+
+
 async def train_steps(recipe: Recipe, run: RunDir, backend: Backend, tc: TrainingClient, algo: Algorithm,
                       progress: Progress, clock: Clock, stop: StopFlag, ledger: Ledger) -> dict[str, Any] | None:
     """Steps start_step .. total_steps - 1, pipelined `depth` deep; returns the last checkpoint row. When `stop`
     is set, no further step is started: the submitted ones finish and the last of them is checkpointed."""
-    total, start = algo.total_steps, run.start_step
     ttl = backend.checkpoint_ttl_seconds()  # periodic checkpoints only; the final one never expires
     ctx = Context(backend, backend.get_tokenizer(), run.path, tc.save_weights_and_get_sampling_client)
     pending: deque[Pending] = deque()
+    try:
+        return await _steps(recipe, run, tc, algo, progress, clock, stop, ctx, ttl, pending, ledger)
+    except NonFinite as e:  # the states saved after the weights went bad: none is kept
+        e.saves += [p.save for p in pending if p.save is not None]
+        await discard_non_finite(run, e)
+        raise
+
+
+async def _steps(recipe: Recipe, run: RunDir, tc: TrainingClient, algo: Algorithm, progress: Progress,
+                 clock: Clock, stop: StopFlag, ctx: Context, ttl: int | None,
+                 pending: deque[Pending], ledger: Ledger) -> dict[str, Any] | None:
+    total, start = algo.total_steps, run.start_step
     ckpt: dict[str, Any] | None = None
     for step in range(start, total):
         if step == start and (why := ledger.exhausted()) is not None:  # resumed with the same budget
@@ -276,9 +405,9 @@ async def train_steps(recipe: Recipe, run: RunDir, backend: Backend, tc: Trainin
         # Pinned evals on the weights before this step (every step submitted so far), logged in its row.
         pinned = (await pinned_metrics(recipe.evals, ctx.snapshot(), ctx.tokenizer, recipe.renderer, recipe.model)
                   if evaluate else {})
-        submitted = []
-        async for part in algo.prepare(step, ctx):
-            submitted.append(algo.submit(tc, step, part, adam, evaluate and not submitted))
+        submitted: list[Any] = []
+        if not await until_stopped(prepare_step(algo, tc, step, ctx, adam, evaluate, submitted), stop, submitted):
+            break  # Ctrl-C while preparing, before any of this step was submitted: it is not trained
         p = Pending(step, submitted, adam.learning_rate, time.monotonic() - t, algo.state(), pinned=pinned,
                     usage=ledger.take())
         if checkpoint_due(recipe, step, total):  # queued right behind this step's optim_step
@@ -302,12 +431,51 @@ async def train_steps(recipe: Recipe, run: RunDir, backend: Backend, tc: Trainin
     return ckpt
 
 
+async def prepare_step(algo: Algorithm, tc: TrainingClient, step: int, ctx: Context, adam: Any, evaluate: bool,
+                       submitted: list[Any]) -> None:
+    """Build step `step`'s batch and submit its parts as they come (into `submitted`)."""
+    async for part in algo.prepare(step, ctx):
+        submitted.append(algo.submit(tc, step, part, adam, evaluate and not submitted))
+
+
+async def until_stopped(prepare: Any, stop: StopFlag, submitted: list[Any]) -> bool:
+    """Run a step's prepare to the end (True), unless the first Ctrl-C comes while none of its parts has been
+    submitted: then it is cancelled (False), so an env that never answers cannot hold the stop up. Once a part is
+    submitted (RL stream mode) the step finishes whole, as a checkpoint must not hold half a step."""
+    task = asyncio.ensure_future(prepare)
+    try:
+        if stop.event is None:
+            await task
+            return True
+        waiter = asyncio.ensure_future(stop.event.wait())
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if not task.done() and not submitted:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return False
+        await task
+        return True
+    finally:
+        if not task.done():
+            task.cancel()
+
+
 async def finish(p: Pending, algo: Algorithm, run: RunDir, progress: Progress, clock: Clock,
                  total: int, ledger: Ledger) -> dict[str, Any] | None:
     """Await a submitted step; write its metrics row, then (once its save is done) its checkpoint row,
     which it returns."""
     t = time.monotonic()
     metrics = await algo.finish(p.step, p.submitted)
+    try:
+        check_finite(p, metrics, run)
+    except NonFinite as e:
+        if p.save is not None:
+            e.saves.append(p.save)
+        raise
     row = {"step": p.step, **metrics, **p.pinned, "optim/lr": p.lr, "progress/done_frac": (p.step + 1) / total,
            "time/prepare": p.prepare_s, "time/wait": time.monotonic() - t, **ledger.row(p.usage), **clock.lap()}
     run.log_metrics(row)
@@ -319,6 +487,70 @@ async def finish(p: Pending, algo: Algorithm, run: RunDir, progress: Progress, c
             "sampler_path": await sampler_path, **p.state, **ledger.checkpoint(), "time": time.time()}
     run.add_checkpoint(ckpt)
     return ckpt
+
+
+def guarded(key: str) -> bool:
+    """The training metrics that must be finite: losses, NLLs and the gradient norm (not test/ ones: an eval on
+    a held-out set says nothing about the weights being broken that the training loss would not)."""
+    return not key.startswith("test/") and (key == "optim/grad_norm" or "loss" in key or "nll" in key)
+
+
+class NonFinite(UserError):
+    """A step's loss or gradient norm was not finite: the run stops (exit 2). `dropped`: checkpoint rows removed
+    (their weights gave it); `saves`: this session's saves queued after the weights went bad."""
+
+    def __init__(self, message: str, dropped: list[dict[str, Any]]):
+        super().__init__(message)
+        self.dropped = dropped
+        self.saves: list[tuple[str, Future[str], Future[str]]] = []
+
+
+def check_finite(p: Pending, metrics: Mapping[str, Any], run: RunDir) -> None:
+    """Stop the run before logging a step whose batch trains no token (UserError), or whose loss or gradient norm
+    is not finite (NonFinite). A non-finite loss at step k was computed with the weights after step k - 1, so
+    their checkpoint rows go too: the run dir keeps its last good checkpoint and a resume starts from it."""
+    if metrics.get("num_loss_tokens") == 0:
+        raise UserError(f"step {p.step}: no token of the batch is trained (num_loss_tokens = 0): every example's "
+                        "trained part (the assistant's replies) is cut off by max_length, or there is none; "
+                        "raise algo.max_length or check the data's roles")
+    bad = [(k, v) for k, v in metrics.items() if guarded(k) and isinstance(v, (int, float)) and not math.isfinite(v)]
+    if not bad:
+        return
+    key, value = bad[0]
+    # A non-finite gradient norm with a finite loss: the weights before this step were fine, those after are not.
+    loss_bad = any(k != "optim/grad_norm" for k, _ in bad)
+    dropped = run.drop_checkpoints(p.step if loss_bad else p.step + 1)
+    good = [r for r in run.checkpoints() if r.get("state_path")]
+    keep = (f"the last good checkpoint is {good[-1]['name']!r} (after {good[-1]['next_step']} steps)" if good
+            else "no checkpoint before it is good: a resume starts from step 0")
+    drop = (f"; dropped checkpoint(s) {', '.join(repr(r.get('name')) for r in dropped)}, whose weights gave it"
+            if dropped else "")
+    raise NonFinite(f"step {p.step}: {key} = {value} (not finite; lr {p.lr:g}): stopped, keeping no non-finite "
+                    f"checkpoint; {keep}{drop}. Lower lr or check the data", dropped)
+
+
+async def discard_non_finite(run: RunDir, e: NonFinite) -> None:
+    """Delete the saved states with non-finite weights (the dropped rows' and the saves queued after them), when
+    they are files in the run dir's checkpoints/ (a service's checkpoints expire on their own)."""
+    paths: list[str] = [str(r[k]) for r in e.dropped for k in ("state_path", "sampler_path") if r.get(k)]
+    for _, *futures in e.saves:
+        for f in futures:
+            try:
+                paths.append(await f)
+            except BackendError:
+                continue
+    root = (run.path / "checkpoints").resolve()
+    for p in paths:
+        if "://" in p:
+            continue
+        path = Path(p).resolve()
+        if root not in path.parents or not path.exists():
+            continue
+        with contextlib.suppress(OSError):
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
 
 
 def checkpoint_due(recipe: Recipe, step: int, total: int) -> bool:

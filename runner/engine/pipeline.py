@@ -13,9 +13,10 @@ from runner.engine.context import InitWeights
 from runner.recipe.schema import Recipe
 
 
-def run_chain(recipe: Recipe, name: str, where: str, *, dry_run: bool = False) -> None:
+def run_chain(recipe: Recipe, name: str, where: str, *, dry_run: bool = False, force: bool = False) -> None:
     """`runner run`: the unfinished runs this recipe needs first (the init_from chain, teachers, judges), then this
-    one, from the last upstream's final weights and with every referenced run resolved to its final sampler weights."""
+    one, from the last upstream's final weights and with every referenced run resolved to its final sampler weights.
+    `force`: this recipe resumes although its data changed (upstreams never do)."""
     from runner.engine.loop import run  # at call time: tests stand a recorder in for the loop module
 
     chain = upstreams(recipe, where)
@@ -39,7 +40,7 @@ def run_chain(recipe: Recipe, name: str, where: str, *, dry_run: bool = False) -
         if stage.runnable:  # a finished one is a no-op (and a changed one is reported, never silently reused)
             print(f"chain: {stage.label} ({_status(stage)}) in {stage.run_dir}", file=sys.stderr)
             run_stage(stage)
-    run(recipe, name, **resolved_inputs(recipe, where))
+    run(recipe, name, force=force, **resolved_inputs(recipe, where))
 
 
 def run_stage(stage: Upstream) -> None:

@@ -520,6 +520,9 @@ class RL(AlgoBase):
     normalize_std: bool = False
     # Passes over the training split.
     epochs: PosInt = 1
+    # Seconds a group's rollout (its envs' steps and their sampling) may take; past it the group is cancelled,
+    # dropped and counted (rollout_errors/EnvTimeout). None: no limit.
+    env_timeout_s: PosFloat | None = None
     # Groups written to each iteration_NNNNNN/train.html (and test.html); 0 = no transcripts.
     groups_to_log: NonNegInt = 4
     # Steps between transcripts (iteration_NNNNNN/train.html + train_rollout_summaries.jsonl): steps 0, N, 2N, ...

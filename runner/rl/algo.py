@@ -139,6 +139,8 @@ class RLAlgo:
                  reference_path: str | None = None,
                  max_steps: int | None = None, weights: dict[str, str] | None = None, renderer: str = "auto"):
         self.cfg, self.seed, self.base_model = cfg, seed, base_model
+        # A group's rollout time limit (RL's env_timeout_s; a table without the field, as distillation's: none).
+        self.env_timeout_s: float | None = getattr(cfg, "env_timeout_s", None)
         # Final sampler weights of the runs the recipe names (a model judge), by reference; opened on demand.
         self.weights = weights or {}
         self._opened: dict[str, SamplingClient] = {}
@@ -234,7 +236,7 @@ class RLAlgo:
                 yield part
         else:
             prepared.batch = await rollout_batch(builders, sampler, self.params, seed=self.seed, step=step,
-                                                 max_context=self.max_context)
+                                                 max_context=self.max_context, timeout_s=self.env_timeout_s)
             prepared.data_D, prepared.metrics = await self._datums(prepared.batch.groups, ctx)
         batch = prepared.batch
         m = prepared.metrics
@@ -286,7 +288,8 @@ class RLAlgo:
         async def rollout(i: int, builder: EnvGroupBuilder) -> None:
             try:
                 outcome = await guarded_group_rollout(builder, prepared.sampler, self.params, seed=self.seed,
-                                                      step=prepared.step, group_idx=i, max_context=self.max_context)
+                                                      step=prepared.step, group_idx=i, max_context=self.max_context,
+                                                      timeout_s=self.env_timeout_s)
             except (UserError, BackendError) as e:  # handed over, so the consumer raises it instead of waiting
                 outcome = e
             done.put_nowait((i, outcome))
@@ -409,7 +412,8 @@ class RLAlgo:
         params = replace(self.params, temperature=self.cfg.eval.temperature)
         t = time.monotonic()
         batch = await rollout_batch(builders, sampler, params, seed=self.seed + EVAL_SEED_OFFSET, step=step,
-                                    max_context=self.max_context, what=f"the test set (eval at step {step})")
+                                    max_context=self.max_context, what=f"the test set (eval at step {step})",
+                                    timeout_s=self.env_timeout_s)
         out = {f"test/{k}": v for k, v in {**trajectory_metrics(batch.groups), **batch.error_metrics()}.items()}
         out["time/eval"] = time.monotonic() - t
         self._write_transcripts("test", step, batch, None)

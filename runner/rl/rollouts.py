@@ -10,6 +10,12 @@ UserError. Any other exception from an episode (typically a bug in env code) dro
 a group with a missing member has no fair baseline, and is counted in `rollout_errors/*`; if every group of
 a batch fails, that is a UserError naming the first failure (where in the env's code it was raised), rather
 than training on nothing.
+
+Timeouts: with `timeout_s` (the RL recipe's env_timeout_s), a group whose rollout (its envs' steps and the
+sampling they wait for) has not finished within it is cancelled and dropped like a failed one, counted as
+`rollout_errors/EnvTimeout`. That covers an env awaiting something that never comes, and (runner/rl/loopwatch.py) an env that blocks the
+event loop's thread in a synchronous call: its call is interrupted with EnvTimeout. Ctrl-C stops a run whatever an
+env does (runner/engine/loop.py StopFlag).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import numpy as np
 from backends.base import BackendError, SamplingClient
 from backends.errors import UserError
 from backends.types import SamplingParams
+from runner.rl import loopwatch
 from runner.rl.types import Env, EnvGroupBuilder, StepResult, Trajectory, TrajectoryGroup, Transition
 
 log = logging.getLogger(__name__)
@@ -40,6 +47,10 @@ MAX_TURNS = 256
 
 class EpisodeTooLong(RuntimeError):
     pass
+
+
+class EnvTimeout(RuntimeError):
+    """A group's rollout took longer than env_timeout_s: cancelled, its group dropped and counted."""
 
 
 class ContextOverflow(RuntimeError):
@@ -255,14 +266,31 @@ async def guarded_group_rollout(
     step: int = 0,
     group_idx: int = 0,
     max_context: int | None = None,
+    timeout_s: float | None = None,
 ) -> TrajectoryGroup | Exception:
-    """do_group_rollout, with a failure of the env's own code returned (to be counted) rather than raised."""
+    """do_group_rollout, with a failure of the env's own code returned (to be counted) rather than raised, and
+    a group that outlasts `timeout_s` cancelled and returned as EnvTimeout."""
+    deadline = asyncio.timeout(None)
     try:
-        return await do_group_rollout(
-            builder, sampling_client, params, seed=seed, step=step, group_idx=group_idx, max_context=max_context
-        )
+        with loopwatch.guard(timeout_s, run_episode.__code__, EnvTimeout) as watch:  # an env blocking the loop
+            async with deadline:
+                cancel = loopwatch.keep_deadline(deadline, timeout_s, watch)
+                try:
+                    return await do_group_rollout(
+                        builder, sampling_client, params, seed=seed, step=step, group_idx=group_idx,
+                        max_context=max_context,
+                    )
+                finally:
+                    cancel()
     except (UserError, BackendError):
         raise
+    except TimeoutError as e:
+        if not deadline.expired():  # the env's own TimeoutError: a failure like any other
+            log.warning("rollout of group %d (step %d) failed: %s", group_idx, step, describe_error(e))
+            return e
+        log.warning("rollout of group %d (step %d) exceeded env_timeout_s = %g s: dropped", group_idx, step,
+                    timeout_s)
+        return EnvTimeout(f"group {group_idx} of step {step} did not finish within env_timeout_s = {timeout_s:g} s")
     except Exception as e:  # noqa: BLE001 - counted and skipped; see the module docstring
         log.warning("rollout of group %d (step %d) failed: %s", group_idx, step, describe_error(e))
         return e
@@ -304,16 +332,19 @@ async def rollout_batch(
     step: int = 0,
     max_context: int | None = None,
     what: str | None = None,
+    timeout_s: float | None = None,
 ) -> RolloutBatch:
     """All groups concurrently. Evals should pass a seed distinct from training's (their (step, group) repeat).
     max_context (renderer.context_window(tokenizer)): caps each turn's max_tokens at what fits, and drops a
-    group whose prompt outgrows it (counted as rollout_errors/ContextOverflow)."""
+    group whose prompt outgrows it (counted as rollout_errors/ContextOverflow). timeout_s: each group's time
+    limit (dropped and counted as rollout_errors/EnvTimeout past it)."""
     try:
         async with asyncio.TaskGroup() as tg:
             tasks = [
                 tg.create_task(
                     guarded_group_rollout(
-                        b, sampling_client, params, seed=seed, step=step, group_idx=i, max_context=max_context
+                        b, sampling_client, params, seed=seed, step=step, group_idx=i, max_context=max_context,
+                        timeout_s=timeout_s,
                     )
                 )
                 for i, b in enumerate(builders)

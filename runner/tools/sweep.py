@@ -325,7 +325,7 @@ def _jsonable(v: Any) -> Any:
 def _prepare_dir(point: Point, name: str) -> None:
     """Before its process starts: apply the recipe's if_exists (overwrite moves an old run aside) and write the
     point's config.toml (the command below runs it, and `runner compare` sees the point from now on)."""
-    open_run_dir(point.recipe, name)  # "overwrite": moves an old dir aside; else nothing is written
+    open_run_dir(point.recipe, name).unlock()  # "overwrite": moves an old dir aside; else nothing is written
     run_dir = Path(point.recipe.log_dir or "")
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / CONFIG

@@ -35,8 +35,7 @@ class Target:
 
 def open_target(target: str, checkpoint: str | None) -> Target:
     """A run dir or FILE#name, and the checkpoint to use; one-line UserErrors for everything a user can get wrong."""
-    from runner.engine.log import read_jsonl
-    from runner.engine.rundir import CHECKPOINTS, CONFIG, load_config, run_dir_path
+    from runner.engine.rundir import CONFIG, load_config, read_checkpoints, run_dir_path
     from runner.recipe.load import load_recipe
 
     path = Path(target)
@@ -52,7 +51,7 @@ def open_target(target: str, checkpoint: str | None) -> Target:
         raise UserError(f"{target}: neither a run dir nor a recipe FILE#name")
     if checkpoint == "base":
         return Target(name, recipe, run_dir, where, None)
-    rows = [r for r in read_jsonl(run_dir / CHECKPOINTS) if r.get("sampler_path")]
+    rows = [r for r in read_checkpoints(run_dir) if r.get("sampler_path")]
     if not rows:
         raise UserError(f"{run_dir} has no checkpoint yet (run it first, or use --checkpoint base)")
     if checkpoint is None:
