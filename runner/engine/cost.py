@@ -26,6 +26,7 @@ pipelined); a budget crossed by the last step simply ends the run. Rerunning wit
 
 from __future__ import annotations
 
+import contextvars
 import os
 import threading
 import tomllib
@@ -75,21 +76,36 @@ class Usage:
         return {"prefill": self.prefill, "sample": self.sample, "train": self.train}
 
 
+# The step whose work a backend call is (set by the loop around a step's prepare and submit; inherited by the tasks
+# they start, such as an RL eval). A call's tokens go to the step that issued it, whenever its result comes back, so a
+# row's counts do not depend on timing: the same seed logs the same tokens, and a resumed run the uninterrupted one's.
+STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar("runner_cost_step", default=None)
+
+
 class Counter:
-    """Thread-safe token counts since the last take() (sample results arrive on the backend's threads)."""
+    """Thread-safe token counts per issuing step (STEP; None outside any step), until take() (sample results arrive
+    on the backend's threads)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts: dict[str, int] = dict.fromkeys(KINDS, 0)
+        self._counts: dict[int | None, dict[str, int]] = {}
 
-    def add(self, kind: str, n: int) -> None:
+    def add(self, kind: str, n: int, step: int | None = None) -> None:
+        step = STEP.get() if step is None else step
         with self._lock:
-            self._counts[kind] += n
+            self._counts.setdefault(step, dict.fromkeys(KINDS, 0))[kind] += n
 
-    def take(self) -> Usage:
+    def take(self, step: int | None = None) -> Usage:
+        """The counts of every step up to `step` (and of calls outside any step), removed; None: all of them."""
         with self._lock:
-            counts, self._counts = self._counts, dict.fromkeys(KINDS, 0)
-        return Usage(**counts)
+            keys = [k for k in self._counts if k is None or step is None or k <= step]
+            taken = [self._counts.pop(k) for k in keys]
+        return sum((Usage(**c) for c in taken), Usage())
+
+    def peek(self) -> Usage:
+        """Everything counted and not yet taken."""
+        with self._lock:
+            return sum((Usage(**c) for c in self._counts.values()), Usage())
 
 
 def _tokens(data: list[Datum]) -> int:
@@ -102,6 +118,7 @@ class CountingSamplingClient:
 
     def sample(self, prompt: list[int], num_samples: int, params: SamplingParams) -> Future[SampleOutput]:
         self.counter.add("prefill", len(prompt))
+        step = STEP.get()
         fut = self.inner.sample(prompt, num_samples, params)
 
         # Once, when the request completes (before any awaiting coroutine resumes: this callback is added first);
@@ -111,7 +128,7 @@ class CountingSamplingClient:
                 out = fut.result()
             except BaseException:
                 return
-            self.counter.add("sample", sum(len(s.tokens) for s in out.sequences))
+            self.counter.add("sample", sum(len(s.tokens) for s in out.sequences), step)
 
         fut.future().add_done_callback(done)
         return fut
@@ -240,10 +257,11 @@ class Ledger:
     def _usd(self, usage: Usage) -> float:
         return usage.usd(self.price) if self.price is not None else 0.0
 
-    def take(self) -> Usage:
-        usage = self.counter.take()
-        self.submitted += usage
-        self.usd_submitted += self._usd(usage)
+    def take(self, step: int | None = None) -> Usage:
+        """A finished step's counts (every call it issued has come back); None: all that is left (the final row)."""
+        usage = self.counter.take(step)
+        self.submitted = self.logged + usage + self.counter.peek()
+        self.usd_submitted = self.usd + self._usd(usage + self.counter.peek())
         return usage
 
     def row(self, usage: Usage) -> dict[str, float]:
@@ -264,6 +282,8 @@ class Ledger:
         b = self.budget
         if b is None:
             return None
+        pending = self.counter.peek()
+        self.submitted, self.usd_submitted = self.logged + pending, self.usd + self._usd(pending)
         if b.tokens is not None and self.submitted.total >= b.tokens:
             return f"token budget reached: {self.submitted.total:,} of {b.tokens:,} tokens"
         if b.usd is not None and self.usd_submitted >= b.usd:

@@ -41,7 +41,8 @@ from backends.tokenizer import load_tokenizer
 from backends.types import LoraSpec
 from runner.algos import make_algo, spec_of
 from runner.engine.context import Algorithm, Context, FinalContext, InitWeights
-from runner.engine.cost import BudgetReached, Ledger, Usage
+from runner.engine.cost import STEP as COST_STEP
+from runner.engine.cost import BudgetReached, Ledger
 from runner.engine.evals import names as eval_names
 from runner.engine.evals import pinned_metrics
 from runner.engine.log import Progress, disk_error
@@ -144,8 +145,6 @@ class Pending:
     save: tuple[str, Future[str], Future[str]] | None = None
     # Pinned evals run before this step (runner/engine/evals.py), logged in its row.
     pinned: dict[str, float] = field(default_factory=dict)
-    # Tokens this step used (runner/engine/cost.py), counted by the time it was submitted.
-    usage: Usage = Usage()
 
 
 @dataclass
@@ -402,14 +401,17 @@ async def _steps(recipe: Recipe, run: RunDir, tc: TrainingClient, algo: Algorith
         t = time.monotonic()
         adam = adam_at(recipe, step, total)
         evaluate = recipe.eval_every > 0 and step % recipe.eval_every == 0
+        counted = COST_STEP.set(step)  # this step's backend calls (and the tasks it starts) count as its tokens
         # Pinned evals on the weights before this step (every step submitted so far), logged in its row.
         pinned = (await pinned_metrics(recipe.evals, ctx.snapshot(), ctx.tokenizer, recipe.renderer, recipe.model)
                   if evaluate else {})
         submitted: list[Any] = []
-        if not await until_stopped(prepare_step(algo, tc, step, ctx, adam, evaluate, submitted), stop, submitted):
-            break  # Ctrl-C while preparing, before any of this step was submitted: it is not trained
-        p = Pending(step, submitted, adam.learning_rate, time.monotonic() - t, algo.state(), pinned=pinned,
-                    usage=ledger.take())
+        try:
+            if not await until_stopped(prepare_step(algo, tc, step, ctx, adam, evaluate, submitted), stop, submitted):
+                break  # Ctrl-C while preparing, before any of this step was submitted: it is not trained
+        finally:
+            COST_STEP.reset(counted)
+        p = Pending(step, submitted, adam.learning_rate, time.monotonic() - t, algo.state(), pinned=pinned)
         if checkpoint_due(recipe, step, total):  # queued right behind this step's optim_step
             last = step == total - 1
             name = run.checkpoint_name(step, last)
@@ -477,7 +479,8 @@ async def finish(p: Pending, algo: Algorithm, run: RunDir, progress: Progress, c
             e.saves.append(p.save)
         raise
     row = {"step": p.step, **metrics, **p.pinned, "optim/lr": p.lr, "progress/done_frac": (p.step + 1) / total,
-           "time/prepare": p.prepare_s, "time/wait": time.monotonic() - t, **ledger.row(p.usage), **clock.lap()}
+           "time/prepare": p.prepare_s, "time/wait": time.monotonic() - t, **ledger.row(ledger.take(p.step)),
+           **clock.lap()}
     run.log_metrics(row)
     progress.update(p.step, row)
     if p.save is None:

@@ -203,6 +203,7 @@ class RunLock:
     it. The OS drops it when the process dies (kill -9 included), so a stale lock file never blocks a resume."""
 
     def __init__(self, path: Path):
+        self.fd: int | None = None  # set once locked (close() and __del__ run on a half-made lock too)
         with disk_errors(path):
             path.mkdir(parents=True, exist_ok=True)
             fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
@@ -223,7 +224,7 @@ class RunLock:
         except BaseException:
             os.close(fd)
             raise
-        self.fd: int | None = fd
+        self.fd = fd
 
     def close(self) -> None:
         if self.fd is not None:
