@@ -19,7 +19,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from backends.errors import UserError
-from runner.recipe.schema import REF_DESCRIPTION, TARGET_PATTERN
+from runner.recipe.common import REF_DESCRIPTION, TARGET_PATTERN
 
 T = TypeVar("T")
 # Recipe names and override keys: plain names (a recipe name becomes a run directory, runs/<name>).

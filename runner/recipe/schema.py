@@ -9,41 +9,57 @@ The backend tables (`backend = {kind = ...}`) are declared by each backend (back
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_args
 
 import msgspec
 from msgspec import Meta
 
 from backends import losses
-from backends.config import ConfigStruct
 from backends.local.config import Local
 from backends.tinker.config import Tinker
+
+# The schema's parts, re-exported: every recipe type is importable from here.
+from runner.recipe.common import TARGET_PATTERN as TARGET_PATTERN
+from runner.recipe.common import Base as Base
+from runner.recipe.common import DataSource as DataSource
+from runner.recipe.common import Frac as Frac
+from runner.recipe.common import NonNegFloat as NonNegFloat
+from runner.recipe.common import NonNegInt as NonNegInt
+from runner.recipe.common import PosFloat as PosFloat
+from runner.recipe.common import PosInt as PosInt
+from runner.recipe.common import Python as Python
+from runner.recipe.common import RecipeRef as RecipeRef
+from runner.recipe.common import RunOutput as RunOutput
+from runner.recipe.common import Target as Target
+from runner.recipe.common import TrainOnWhat as TrainOnWhat
 from runner.recipe.cost import Budget, Price
+from runner.recipe.envs import BUILTIN_TOOLS as BUILTIN_TOOLS
+from runner.recipe.envs import Arithmetic as Arithmetic
+from runner.recipe.envs import Code as Code
+from runner.recipe.envs import Env as Env
+from runner.recipe.envs import EnvBase as EnvBase
+from runner.recipe.envs import GuessNumber as GuessNumber
+from runner.recipe.envs import JudgeModel as JudgeModel
+from runner.recipe.envs import Math as Math
+from runner.recipe.envs import ModelJudge as ModelJudge
+from runner.recipe.envs import Preference as Preference
+from runner.recipe.envs import PythonEnv as PythonEnv
+from runner.recipe.envs import PythonGrader as PythonGrader
+from runner.recipe.envs import Rubric as Rubric
+from runner.recipe.envs import TicTacToe as TicTacToe
+from runner.recipe.envs import ToolUse as ToolUse
+from runner.recipe.envs import TwentyQuestions as TwentyQuestions
 from runner.recipe.numerics import Numerics, check_temperature
+from runner.recipe.pinned import MathPinned as MathPinned
+from runner.recipe.pinned import NLLPinned as NLLPinned
+from runner.recipe.pinned import PinnedEval as PinnedEval
+from runner.recipe.pinned import PinnedEvalBase as PinnedEvalBase
+from runner.recipe.pinned import PythonPinned as PythonPinned
 from runner.recipe.sources import HF as HF  # the file/hub data sources, re-exported
 from runner.recipe.sources import DataBase as DataBase
 from runner.recipe.sources import File as File
 from runner.recipe.sources import Jsonl as Jsonl
 from runner.recipe.sources import Mapped as Mapped
-
-PosInt = Annotated[int, Meta(ge=1)]
-NonNegInt = Annotated[int, Meta(ge=0)]
-PosFloat = Annotated[float, Meta(gt=0)]
-NonNegFloat = Annotated[float, Meta(ge=0)]
-Frac = Annotated[float, Meta(ge=0, le=1)]
-# User code, "pkg.mod:fn". `runner check` imports every field of this type, wherever it appears.
-TARGET_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
-Target = Annotated[str, Meta(pattern=TARGET_PATTERN, description="'pkg.mod:fn'")]
-# Another recipe's run, whose final weights a field uses: "FILE#name", "#name" (this file) or a run dir.
-# runner/engine/chain.py finds every field of this type, runs the unfinished ones first and resolves them.
-REF_DESCRIPTION = "'FILE#name', '#name' or a run dir"
-RecipeRef = Annotated[str, Meta(min_length=1, description=REF_DESCRIPTION)]
-
-
-class Base(ConfigStruct):  # pyright: ignore[reportGeneralTypeIssues] (see ConfigStruct)
-    pass
-
 
 # The backend variants (declared by the backends themselves).
 Backend = Local | Tinker
@@ -94,25 +110,6 @@ class Cosine(ScheduleBase):
 Schedule = Constant | Linear | Cosine
 
 
-# ---------------------------------------------------------------- data sources
-
-# DataBase and the file/hub sources (jsonl, file, hf: format, fields, streaming) are in runner/recipe/sources.py.
-
-
-class Python(DataBase):
-    """User code: `target = "pkg.mod:fn"`, called as fn(**args); imported and checked by `runner check`."""
-
-    target: Target
-    args: dict[str, Any] = {}
-
-
-class RunOutput(DataBase, tag="run_output"):
-    """The rows another run wrote (a `generate` recipe's conversations): run first by `runner run`."""
-
-    run: RecipeRef
-
-
-DataSource = Jsonl | File | HF | Python | RunOutput
 
 
 # ---------------------------------------------------------------- algorithms
@@ -122,9 +119,6 @@ class AlgoBase(Base, tag_field="kind", tag=str.lower):
     implementation: ClassVar[str] = ""
 
 
-# Which tokens of a conversation carry loss: the cookbook's TrainOnWhat (runner/renderers/base.py, docs/renderers.md).
-TrainOnWhat = Literal["last_assistant_message", "last_assistant_turn", "all_assistant_messages", "all_messages",
-                      "all_tokens", "all_user_and_system_messages", "customized"]
 
 
 class SFT(AlgoBase):
@@ -189,202 +183,6 @@ class RewardModel(AlgoBase, tag="reward_model"):
     test_size: NonNegInt = 0
 
 
-# ---------------------------------------------------------------- RL: environments
-
-class EnvBase(Base, tag_field="kind", tag=str.lower):
-    # Problems in the training split (batches = train_size // groups_per_batch) and held out for evals.
-    train_size: PosInt = 10_000
-    test_size: NonNegInt = 64
-
-
-class Arithmetic(EnvBase):
-    """Single turn: "What is x + y?". reward = correct + 0.1·(format − 1), format = an integer reply that ended
-    on the stop token (the cookbook's math_rl `arithmetic`)."""
-
-    min_value: int = 0
-    max_value: int = 99
-    # Prepend one solved example ("What is 4 + 5?" → "9") so a small model sees the answer format.
-    few_shot: bool = True
-
-    def __post_init__(self) -> None:
-        if self.max_value < self.min_value:
-            raise ValueError("max_value must be >= min_value")
-
-
-class GuessNumber(EnvBase, tag="guess_number"):
-    """Multi-turn: guess a secret integer in [low, high]; the env answers "higher", "lower" or "correct".
-    reward = 1 − (guesses − 1)/max_turns on success, 0 when out of turns, −1 for a reply that is not an integer."""
-
-    low: int = 0
-    high: int = 1023
-    max_turns: PosInt = 10
-
-    def __post_init__(self) -> None:
-        if self.high < self.low:
-            raise ValueError("high must be >= low")
-
-
-class TwentyQuestions(EnvBase, tag="twenty_questions"):
-    """Multi-turn: find an object from a fixed table by yes/no questions about its attributes, then
-    "Guess: <name>". reward 1 for a correct guess within max_turns, else 0. Test objects are held out."""
-
-    # The table needs about five well-chosen questions; 12 turns keep a byte-level conversation inside the
-    # tiny model's 2048-token context at max_tokens 32 (longer prompts drop the group: ContextOverflow).
-    max_turns: PosInt = 12
-    train_size: PosInt = 2_000
-    test_size: NonNegInt = 4
-
-
-class TicTacToe(EnvBase, tag="tictactoe"):
-    """Reply with a cell 1-9. "self": both seats are the policy (group_size/2 games per group); otherwise the
-    policy plays a random seat against a fixed opponent. win 1, draw 0, loss −1; an illegal move loses."""
-
-    opponent: Literal["self", "random", "optimal"] = "self"
-    test_opponent: Literal["random", "optimal"] = "random"
-
-
-class ModelJudge(Base, tag_field="kind", tag="model"):
-    """A trained pairwise reward model as the preference judge: P(a better) from the logprobs of its "A"/"B" label
-    tokens, averaged over both orders (runner/algos/judge.py). When the RL recipe is chained (init_from), the
-    final eval also reports test/win_rate_vs_init: the final policy's replies against the initial policy's, judged by
-    it on the test prompts."""
-
-    init_from: RecipeRef
-
-
-class Preference(EnvBase):
-    """Single turn; the group's replies are judged pairwise, round-robin, both orders; reward = win fraction
-    + format_coef·(ended_on_stop − 1). The judge is fn(prompt, a, b) -> P(a better) in [0, 1]."""
-
-    prompts: Annotated[list[str], Meta(min_length=1)] = msgspec.field(default_factory=lambda: ["Who are you?"])
-    # Held-out prompts for evals (test_size is not used here).
-    test_prompts: list[str] = []
-    # None: the shorter reply wins (the cookbook's `shorter` recipe); "pkg.mod:fn"; or {kind = "model", init_from =
-    # "#reward_model_recipe"}: a trained reward model (algo kind reward_model), run first by `runner run`.
-    judge: Target | ModelJudge | None = None
-    format_coef: NonNegFloat = 0.1
-
-
-class Math(EnvBase, kw_only=True):
-    """Single turn: a math problem from `data`; the reply's final answer is graded against the reference (math-verify
-    when installed, else runner's normalizer: runner/rewards/math_grading.py). reward = correct + format_coef·(format
-    − 1), format = an answer found (in `answer_format`) and the reply ended on the stop token (cookbook math_rl)."""
-
-    # Rows with a question and a reference answer: `question`/`problem` and `answer`/`solution` by default (GSM8K's
-    # "#### x" and MATH's \boxed{x} solutions are reduced to x; a plain answer is taken as is).
-    data: DataSource
-    # Held-out problems for evals; None: test_size rows of `data` (shuffled by the seed) are held out.
-    test_data: DataSource | None = None
-    question_field: str | None = None
-    answer_field: str | None = None
-    # "boxed": only \boxed{x} counts (the cookbook); "auto": also "#### x", "the answer is x" or a bare number.
-    answer_format: Literal["boxed", "auto"] = "boxed"
-    # Appended to every question; None: the cookbook's " Write your answer in \boxed{} format." for "boxed", nothing
-    # for "auto".
-    question_suffix: str | None = None
-    # Prepend one solved example in the answer format (the cookbook's "strawberry" example for "boxed").
-    few_shot: bool = True
-    format_coef: NonNegFloat = 0.1
-    # "auto": math-verify when installed (the `math` extra), else the built-in normalizer.
-    grader: Literal["auto", "builtin", "math_verify"] = "auto"
-
-
-class Code(EnvBase, kw_only=True):
-    """Single turn: a programming problem; the reply's last ```python block runs in a local sandbox
-    (runner/rewards/sandbox.py, docs/sandbox.md) against the problem's tests. reward = fraction of tests passed
-    + format_coef·(format − 1), format = a code block found and the reply ended on the stop token."""
-
-    # Rows: {"question": str, "tests": [{"input": str, "output": str}, ...] and/or "asserts": [str, ...]}.
-    data: DataSource
-    test_data: DataSource | None = None
-    format_coef: NonNegFloat = 0.1
-    # Per test run (seconds of CPU / wall, MiB of address space).
-    cpu_s: PosInt = 2
-    wall_s: PosFloat = 5.0
-    memory_mb: Annotated[int, Meta(ge=64)] = 512
-    # Sandboxed programs at once (None: the CPU count).
-    max_parallel: PosInt | None = None
-
-
-BUILTIN_TOOLS = ("calculator", "search")
-
-
-class ToolUse(EnvBase, tag="tool_use", kw_only=True):
-    """Multi-turn tool calling (cookbook search_tool): the model may call `tools` (in the renderer's tool format, or
-    `CALL name {json}` lines where it has none) up to max_turns, then answers; reward = correct + format_coef·(format
-    − 1), format = an answer after `answer_prefix` and no malformed call (runner/rl/envs/tool_use.py)."""
-
-    # Rows {question, answer}: answer a string, a number or a list of accepted answers.
-    data: DataSource
-    test_data: DataSource | None = None
-    # Built-ins ("calculator", "search") and "pkg.mod:fn" functions (docstring + typed args -> a JSON-schema spec).
-    tools: Annotated[list[str], Meta(min_length=1)] = msgspec.field(default_factory=lambda: ["calculator"])
-    # The `search` tool's collection: rows {id, title, text}.
-    docs: DataSource | None = None
-    top_k: PosInt = 3
-    # Assistant turns per episode (tool-calling turns plus the answer).
-    max_turns: PosInt = 4
-    # The final answer is the text after the last `answer_prefix` (case-insensitive); "": the whole final reply.
-    answer_prefix: str = "Answer:"
-    # Prepended as the system prompt (with the tool declarations); None: a short default.
-    system_prompt: str | None = None
-    format_coef: NonNegFloat = 0.1
-    # Characters of a tool result shown to the model.
-    max_result_chars: PosInt = 1000
-    tool_timeout_s: PosFloat = 10.0
-
-    def __post_init__(self) -> None:
-        for tool in self.tools:
-            if tool not in BUILTIN_TOOLS and re.fullmatch(TARGET_PATTERN, tool) is None:
-                raise ValueError(f"tool {tool!r} is neither a built-in {list(BUILTIN_TOOLS)} nor 'pkg.mod:fn'")
-        if "search" in self.tools and self.docs is None:
-            raise ValueError("the search tool needs `docs`, a data source of {id, title, text} rows")
-
-
-class JudgeModel(Base, tag_field="kind", tag="model"):
-    """A model that grades in text: a chained run's final weights (init_from), a saved sampler checkpoint, or a base
-    model (`model`; default the recipe's own)."""
-
-    init_from: RecipeRef | None = None
-    checkpoint: str | None = None
-    model: str | None = None
-    # The judge's reply (the cookbook's grader gets 2048 to reason before its <score>).
-    max_tokens: PosInt = 256
-    temperature: NonNegFloat = 0.0
-
-    def __post_init__(self) -> None:
-        if self.init_from is not None and self.checkpoint is not None:
-            raise ValueError("give init_from or checkpoint, not both")
-
-
-class PythonGrader(Base, tag_field="kind", tag="python"):
-    """fn(messages, reply, item) -> a score in [0, 1] (number or bool), or a judge's text (parsed as a model's)."""
-
-    target: Target
-
-
-class Rubric(EnvBase, kw_only=True):
-    """Single turn; a judge grades the reply against each rubric item of its prompt (cookbook rubric recipe): reward =
-    mean item score in [0, 1] + format_coef·(ended_on_stop − 1); judge text that gives no score counts 0
-    (runner/rl/envs/rubric.py)."""
-
-    # Rows {prompt or messages, rubric: [items] or one string}, or the cookbook's {convo, rubric_items: [{rubric_str}]}.
-    data: DataSource
-    test_data: DataSource | None = None
-    judge: JudgeModel | PythonGrader = JudgeModel()
-    format_coef: NonNegFloat = 0.1
-
-
-class PythonEnv(EnvBase, tag="python", kw_only=True):
-    """User code: target "pkg.mod:fn" is called as fn(**args) and returns a dataset builder, a callable
-    builder(ctx: runner.rl.envs.EnvContext) -> (train: RLDataset, test: RLDataset | None).
-    train_size / test_size are not used (the builder decides)."""
-
-    target: Target
-    args: dict[str, Any] = {}
-
-
-Env = Arithmetic | GuessNumber | TwentyQuestions | TicTacToe | Preference | Math | Code | ToolUse | Rubric | PythonEnv
 
 
 # ---------------------------------------------------------------- RL: losses (the registry: backends/losses.py)
@@ -694,55 +492,6 @@ class Smoke(Base):
     overrides: dict[str, Any] = {}
 
 
-# ---------------------------------------------------------------- pinned evals ([[recipes.x.evals]])
-
-
-class PinnedEvalBase(Base, tag_field="kind", tag=str.lower, kw_only=True):
-    """An eval pinned in the recipe (runner/engine/evals.py): run with eval_every, after the last step and by `runner
-    eval`, on the sampler weights of the moment; logged as test/eval/<name>/<metric>."""
-
-    # The metric prefix; default: the kind, with its position when two evals share a kind ("math", "math_1").
-    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]+$")] | None = None
-
-
-class MathPinned(PinnedEvalBase, tag="math"):
-    """Accuracy on math problems (the `math` env's loading, prompt and grading) at fixed sampling params:
-    test/eval/<name>/accuracy, .../format."""
-
-    data: DataSource
-    question_field: str | None = None
-    answer_field: str | None = None
-    answer_format: Literal["boxed", "auto"] = "boxed"
-    question_suffix: str | None = None
-    few_shot: bool = True
-    grader: Literal["auto", "builtin", "math_verify"] = "auto"
-    # The first max_problems rows (None: all).
-    max_problems: PosInt | None = None
-    # 0 = greedy; with samples > 1 accuracy is the mean over samples (and pass@samples is logged).
-    temperature: NonNegFloat = 0.0
-    max_tokens: PosInt = 256
-    samples: PosInt = 1
-    seed: int = 0
-
-
-class NLLPinned(PinnedEvalBase, tag="nll"):
-    """Mean per-token NLL of conversations (`{"messages": [...]}` rows) under the weights: test/eval/<name>/nll."""
-
-    data: DataSource
-    train_on_what: TrainOnWhat = "last_assistant_message"
-    # The first max_rows conversations (None: all).
-    max_rows: PosInt | None = None
-
-
-class PythonPinned(PinnedEvalBase, tag="python"):
-    """User code: fn(sampler, tokenizer, **args) -> {metric: float} (sync or async); `sampler` is a backend
-    SamplingClient (sample, compute_logprobs)."""
-
-    target: Target
-    args: dict[str, Any] = {}
-
-
-PinnedEval = MathPinned | NLLPinned | PythonPinned
 
 
 # ---------------------------------------------------------------- the recipe

@@ -1,0 +1,60 @@
+"""Evals pinned in a recipe (`[[recipes.x.evals]]`), run by runner/engine/evals.py. Part of the recipe schema
+(runner/recipe/schema.py re-exports every name)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from msgspec import Meta
+
+from runner.recipe.common import Base, DataSource, NonNegFloat, PosInt, Target, TrainOnWhat
+
+# ---------------------------------------------------------------- pinned evals ([[recipes.x.evals]])
+
+
+class PinnedEvalBase(Base, tag_field="kind", tag=str.lower, kw_only=True):
+    """An eval pinned in the recipe (runner/engine/evals.py): run with eval_every, after the last step and by `runner
+    eval`, on the sampler weights of the moment; logged as test/eval/<name>/<metric>."""
+
+    # The metric prefix; default: the kind, with its position when two evals share a kind ("math", "math_1").
+    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]+$")] | None = None
+
+
+class MathPinned(PinnedEvalBase, tag="math"):
+    """Accuracy on math problems (the `math` env's loading, prompt and grading) at fixed sampling params:
+    test/eval/<name>/accuracy, .../format."""
+
+    data: DataSource
+    question_field: str | None = None
+    answer_field: str | None = None
+    answer_format: Literal["boxed", "auto"] = "boxed"
+    question_suffix: str | None = None
+    few_shot: bool = True
+    grader: Literal["auto", "builtin", "math_verify"] = "auto"
+    # The first max_problems rows (None: all).
+    max_problems: PosInt | None = None
+    # 0 = greedy; with samples > 1 accuracy is the mean over samples (and pass@samples is logged).
+    temperature: NonNegFloat = 0.0
+    max_tokens: PosInt = 256
+    samples: PosInt = 1
+    seed: int = 0
+
+
+class NLLPinned(PinnedEvalBase, tag="nll"):
+    """Mean per-token NLL of conversations (`{"messages": [...]}` rows) under the weights: test/eval/<name>/nll."""
+
+    data: DataSource
+    train_on_what: TrainOnWhat = "last_assistant_message"
+    # The first max_rows conversations (None: all).
+    max_rows: PosInt | None = None
+
+
+class PythonPinned(PinnedEvalBase, tag="python"):
+    """User code: fn(sampler, tokenizer, **args) -> {metric: float} (sync or async); `sampler` is a backend
+    SamplingClient (sample, compute_logprobs)."""
+
+    target: Target
+    args: dict[str, Any] = {}
+
+
+PinnedEval = MathPinned | NLLPinned | PythonPinned
