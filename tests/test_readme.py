@@ -48,3 +48,15 @@ def test_pyproject_ships_every_package() -> None:
         for p in (ROOT / top).rglob("__init__.py")
     }
     assert found == listed
+
+
+def test_recipe_figures_come_from_the_bench_output() -> None:
+    """The README's table of what the shipped recipes do is bench/bench_recipes.py's output, as saved in
+    bench/results/recipes.md: the same rows, so a figure there cannot drift from a measured one."""
+    saved = (ROOT / "bench" / "results" / "recipes.md").read_text().splitlines()
+    rows = [line for line in saved if line.startswith("| ")]
+    assert len(rows) >= 4 and rows[0].startswith("| recipe |")
+    readme = (ROOT / "README.md").read_text().splitlines()
+    start = readme.index(rows[0])
+    assert readme[start:start + len(rows) + 1] == [rows[0], saved[saved.index(rows[0]) + 1], *rows[1:]]
+    assert any(line.startswith("<!-- bench/bench_recipes.py") for line in saved)

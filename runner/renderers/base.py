@@ -160,6 +160,13 @@ class Renderer(ABC):
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def single_token(self, text: str, family: str) -> int:
+        """The id of special token `text`, which this renderer needs as one token (a `family` tokenizer has it)."""
+        ids = self.encode(text)
+        if len(ids) != 1:
+            raise UserError(f"renderer {self.name!r} needs a tokenizer with {text} as one token ({family})")
+        return ids[0]
+
     def build_generation_prompt(self, messages: list[Message], role: str = "assistant",
                                 prefill: str | None = None) -> list[int]:
         """Tokens of `messages` followed by the header of a `role` message (and `prefill`) to sample from."""

@@ -43,11 +43,7 @@ class _DeepSeekV3Base(Renderer):
         return not self.strip_thinking_from_history
 
     def special(self, name: str) -> int:
-        ids = self.encode(f"<{_BAR}{name}{_BAR}>")
-        if len(ids) != 1:
-            raise UserError(f"renderer {self.name!r} needs a tokenizer with <{_BAR}{name}{_BAR}> as one token "
-                            f"(a DeepSeek V3 tokenizer)")
-        return ids[0]
+        return self.single_token(f"<{_BAR}{name}{_BAR}>", "a DeepSeek V3 tokenizer")
 
     @property
     def bos_tokens(self) -> list[int]:

@@ -96,10 +96,7 @@ class GptOssRenderer(Renderer):
         return super().build_supervised_example(self._with_system(messages), train_on_what)
 
     def _single(self, text: str) -> int:
-        ids = self.encode(text)
-        if len(ids) != 1:
-            raise UserError(f"renderer {self.name!r} needs a tokenizer with {text} as one token (gpt-oss's)")
-        return ids[0]
+        return self.single_token(text, "gpt-oss's")
 
     def get_stop_sequences(self) -> list[int]:
         return [self._single("<|return|>"), self._single("<|call|>")]

@@ -7,7 +7,6 @@ import json
 import re
 from typing import Any
 
-from backends.errors import UserError
 from runner.renderers.base import (
     Message,
     Part,
@@ -95,10 +94,7 @@ class KimiK2Renderer(Renderer):
 
     @property
     def end_token(self) -> int:
-        ids = self.encode("<|im_end|>")
-        if len(ids) != 1:
-            raise UserError("renderer 'kimi_k2' needs a tokenizer with <|im_end|> as one token (Kimi's)")
-        return ids[0]
+        return self.single_token("<|im_end|>", "Kimi's")
 
     def get_stop_sequences(self) -> list[int]:
         return [self.end_token]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from backends.errors import UserError
 from runner.renderers.base import (
     Message,
     RenderContext,
@@ -34,10 +33,7 @@ class Llama3Renderer(Renderer):
 
     @property
     def end_token(self) -> int:
-        ids = self.encode("<|eot_id|>")
-        if len(ids) != 1:
-            raise UserError("renderer 'llama3' needs a tokenizer with <|eot_id|> as one token (a Llama 3 tokenizer)")
-        return ids[0]
+        return self.single_token("<|eot_id|>", "a Llama 3 tokenizer")
 
     def get_stop_sequences(self) -> list[int]:
         return [self.end_token]

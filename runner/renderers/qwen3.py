@@ -116,10 +116,7 @@ class Qwen3Renderer(Renderer):
 
     @property
     def end_token(self) -> int:
-        ids = self.encode("<|im_end|>")
-        if len(ids) != 1:
-            raise UserError(f"renderer {self.name!r} needs a tokenizer with <|im_end|> as one token (ChatML)")
-        return ids[0]
+        return self.single_token("<|im_end|>", "ChatML")
 
     def get_stop_sequences(self) -> list[int]:
         return [self.end_token]
