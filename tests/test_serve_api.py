@@ -79,7 +79,7 @@ def test_rest_routes_checkpoints_and_expiry(server, sc):
     assert service.store.expire() == [a]
     assert not service.store.checkpoint_dir(run_id, kind, name).exists()
     sc.create_sampling_client(base_model="tiny").result()
-    sid = next(iter(service._samplers))
+    sid = service.pool.ids()[0]
     assert rc.get_sampler(sid).result().base_model == "tiny"
 
 
