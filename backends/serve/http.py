@@ -70,10 +70,10 @@ def _handler_class(service: Service) -> type[BaseHTTPRequestHandler]:
             headers = {k.lower(): v for k, v in self.headers.items()}
             base_url = f"http://{headers.get('host') or '127.0.0.1'}"
             reply = service.handle(self.command, self.path, headers, body, base_url)
+            log.debug("%s %s -> %d", self.command, self.path.split("?", 1)[0], reply.status)
             self._send(reply)
 
         def _send(self, reply: Reply, close: bool = False) -> None:
-            log.debug("%s %s -> %d", self.command, self.path.split("?", 1)[0], reply.status)
             # No Server / Date headers: the SDK's httpx walks every header of every reply (its main CPU cost
             # per request, with ~64 sample requests per RL step).
             self.send_response_only(reply.status)
@@ -108,6 +108,7 @@ def _handler_class(service: Service) -> type[BaseHTTPRequestHandler]:
         def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
             """http.server's own refusals (a bad request line, over-long headers) as JSON, like ours."""
             self.close_connection = True
+            self.request_version = "HTTP/1.1"  # never HTTP/0.9's bare body: the client gets a status line
             with contextlib.suppress(*DISCONNECTS):
                 self._send(Reply.error(code, message or explain or "bad request"), close=True)
 

@@ -58,6 +58,7 @@ class SamplingRoutes:
 
     def _sample(self, f: Fields) -> Reply:
         sess = self.pool.get(f.id("sampling_session_id"))
+        f.int("seq_id", None)  # the client's own counter: unused, but it must be one
         n = f.int("num_samples", 1, lo=1, hi=self.limits.max_num_samples)
         prompt = _prompt_tokens(f.req.get("prompt"))
         params = sampling_params(f.sub("sampling_params"))

@@ -35,7 +35,7 @@ from typing import Any
 from backends.errors import UserError
 from backends.serve.adapters import Stability
 from backends.serve.downloads import Downloads
-from backends.serve.limits import Budget, Fields, Limits, json_depth_ok
+from backends.serve.limits import Budget, Fields, Limits, check_id, json_depth_ok
 from backends.serve.replies import ApiError, Promises, Reply
 from backends.serve.rest import RestRoutes
 from backends.serve.samplers import MAX_LIVE_SAMPLERS, SAMPLER_IDLE_S, Gather, SamplerPool, trim_heap
@@ -189,6 +189,7 @@ class Service(TrainingRoutes, SamplingRoutes, RestRoutes):
             return simple[route](f)
         parts = route.split("/")
         if parts[0] == "sessions" and len(parts) == 3 and parts[2] == "finish" and method == "POST":
+            check_id("session id", parts[1], self.limits)
             self._finish_session(parts[1])
             return Reply.json({})
         if parts[0] == "samplers" and len(parts) == 2 and method == "GET":
@@ -235,10 +236,12 @@ class Service(TrainingRoutes, SamplingRoutes, RestRoutes):
         log.info("session %s ended: freed %d training and %d sampling clients", sid, len(s.runs), freed)
 
     def _cancel(self, f: Fields) -> Reply:
-        ids = f.req.get("request_ids") or [f.req.get("request_id")]
-        if not isinstance(ids, list):
-            raise ApiError(400, "request_ids must be a list")
-        self.promises.cancel([r for r in ids if isinstance(r, str)])
+        ids = f.req.get("request_ids")
+        if ids is None:
+            ids = [f.id("request_id")]
+        if not isinstance(ids, list) or not all(isinstance(r, str) for r in ids):
+            raise ApiError(400, "request_ids must be a list of request ids")
+        self.promises.cancel(ids)
         return Reply.json({})
 
     # ------------------------------------------------------------ housekeeping
