@@ -162,28 +162,63 @@ def trim_heap() -> None:
 
 
 class Gather:
-    """Holds a sampling session's requests while more keep arriving (at most GAP_S apart, for at most MAX_S),
-    then submits them back to back. A program's concurrent sample calls (an RL step's groups) reach the server
-    a few ms apart over HTTP, while the local sampler batches only what is queued within ~2 ms
-    (backends/local/worker.py): submitted as they came, the first ran alone and the rest waited for it
-    (rl_basic over HTTP: sampling took 3.2x as long as in process)."""
+    """Holds a sampling session's requests while more keep arriving, then submits them back to back, so the
+    sampler decodes them as one batch. A program's concurrent sample calls (an RL step's 64 rollouts) reach the
+    server spread over tens of ms over HTTP (each is an SDK call and a POST), while the local sampler batches
+    only what is queued when it starts (backends/local/worker.py): submitted as they came, they ran as 3-4
+    batches of about the same cost each instead of one (rl_basic: sampling 3.6x as long as in process).
 
-    GAP_S = 0.004
-    MAX_S = 0.02
+    A burst is due when its sampler has had as many requests as the client's previous sampler had in all
+    (`group` is the client session; an RL step samples from a new sampler each step, the same number of times),
+    or when none came for GAP_S, or MAX_S after its first request. A lone caller waits GAP_S at most. Measured
+    on rl_basic over HTTP on 2 busy cores: an RL step's 64 requests arrive over 70-190 ms, with 0-3 gaps over
+    12 ms and none over 40 ms.
+    """
+
+    GAP_S = 0.04
+    MAX_S = 0.3
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._pending: dict[str, tuple[float, float, list[Callable[[], None]]]] = {}  # key -> (first, last, jobs)
+        self._count: dict[str, int] = {}  # key -> requests so far
+        self._group: dict[str, str] = {}  # key -> its group
+        self._latest: dict[str, str] = {}  # group -> its latest key
+        self._expected: dict[str, int] = {}  # group -> requests of its previous key
         self._closed = False
         threading.Thread(target=self._loop, name="serve-gather", daemon=True).start()
 
-    def add(self, key: str, job: Callable[[], None]) -> None:
+    def add(self, key: str, job: Callable[[], None], group: str | None = None) -> None:
         t = time.monotonic()
         with self._cond:
+            if key not in self._count:
+                g = self._group[key] = group or key
+                prev = self._latest.get(g)
+                if prev is not None:
+                    self._expected[g] = self._count.get(prev, 0)
+                self._latest[g] = key
+                self._count[key] = 0
+                if len(self._count) > 10_000:  # keys of ended sessions
+                    self._forget()
+            self._count[key] += 1
             first, _, jobs = self._pending.get(key, (t, t, []))
             jobs.append(job)
             self._pending[key] = (first, t, jobs)
             self._cond.notify()
+
+    def _forget(self) -> None:
+        for key in list(self._count)[:5_000]:
+            if key not in self._pending:
+                g = self._group.pop(key, None)
+                del self._count[key]
+                if g is not None and self._latest.get(g) == key:
+                    del self._latest[g]
+                    self._expected.pop(g, None)
+
+    def _due(self, key: str, first: float, last: float) -> float:
+        if self._count.get(key, 0) >= self._expected.get(self._group.get(key, key), 1 << 30):
+            return 0.0
+        return min(first + self.MAX_S, last + self.GAP_S)
 
     def close(self) -> None:
         with self._cond:
@@ -197,7 +232,7 @@ class Gather:
                     if self._closed:
                         return
                     t = time.monotonic()
-                    due = {k: min(first + self.MAX_S, last + self.GAP_S) for k, (first, last, _) in self._pending.items()}
+                    due = {k: self._due(k, first, last) for k, (first, last, _) in self._pending.items()}
                     ready = [k for k, d in due.items() if d <= t]
                     if ready:
                         batches = [self._pending.pop(k)[2] for k in ready]

@@ -130,7 +130,7 @@ class SamplingRoutes:
                     promise.resolve(error_reply(e))
 
             # Requests for one session reach the sampler together, so it decodes them as one batch (Gather).
-            self.gather.add(sess.sampler_id, lambda: client.future().add_done_callback(start))
+            self.gather.add(sess.sampler_id, lambda: client.future().add_done_callback(start), sess.session_id)
 
         promise.future.add_done_callback(lambda _: held.release())  # however the request ends
         self.budget.acquire(cost, dispatch)
