@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from typing import Any
 
 import httpx
 import numpy as np
@@ -41,8 +42,8 @@ def sc(server):
 
 
 def _datum(tokens: list[int]) -> types.Datum:
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    inputs: Any = {"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)}  # the SDK converts lists
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
 
 
 DATA = [_datum([5, 6, 7, 8, 9, 10]), _datum([11, 12, 13, 14])]
