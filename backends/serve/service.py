@@ -162,7 +162,8 @@ class Service(TrainingRoutes, SamplingRoutes, RestRoutes):
     def _route(self, method: str, route: str, req: dict[str, Any], path: str, base_url: str) -> Reply:
         f = Fields(req, self.limits)
         simple: dict[str, Callable[[Fields], Reply]] = {
-            "client/config": lambda _: Reply.json({}),
+            # SDKs before 0.38 load a checkpoint with one 0.38-style load_weights only when told to.
+            "client/config": lambda _: Reply.json({"create_model_via_load_weights": True}),
             "client/dynamic_config": lambda _: Reply.json({}),
             "healthz": lambda _: Reply.json({"status": "ok"}),
             "telemetry": lambda _: Reply.json({"status": "accepted"}),

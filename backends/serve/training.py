@@ -53,7 +53,7 @@ class TrainingRoutes:
         return m
 
     def _capabilities(self, f: Fields) -> Reply:
-        return Reply.json({"supported_models": [
+        return Reply.json({"server_name": "runner-serve", "supported_models": [
             {"model_name": m.name, "trainable": True, "sampleable": True, "max_context_length": self._context(m)}
             for m in self.models.values()]})
 
