@@ -28,3 +28,8 @@ class BackendConfig(ConfigStruct, tag_field="kind", tag=str.lower):  # pyright: 
         """The backend this table describes. `model` is the base model, `tokenizer` its override, `storage_dir`
         where a backend that stores checkpoints itself keeps them (the run dir's checkpoints/)."""
         raise NotImplementedError
+
+    def sweep_parallel(self, cores: int) -> int:
+        """How many runs on this backend a sweep starts at once on a machine with `cores` usable cores
+        (runner/tools/sweep.py takes the smallest answer among its points). Default: one per core."""
+        return max(1, cores)

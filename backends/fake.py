@@ -1,9 +1,9 @@
 """A deterministic toy backend for loop tests: the full protocol, no torch model.
 
 The "model" is a unigram: one logit per token id (ids fold into `vocab` slots), so
-logprob(t) = theta[t] - logsumexp(theta) whatever the context. Losses follow Tinker's formulas
-(token sums), gradients are exact, and AdamW matches Tinker's parameters, so losses really move
-and a checkpoint round-trip is bit-exact.
+logprob(t) = theta[t] - logsumexp(theta) whatever the context. Losses are the registry's (backends/losses.py,
+token sums, in float64), gradients exact (autograd through the loss to the logprobs, then the unigram's
+Jacobian), and AdamW matches Tinker's parameters, so losses really move and a checkpoint round-trip is bit-exact.
 
 Each training client runs its calls on one worker thread, in submission order (the protocol's
 FIFO). `backend.calls` records, in order, "submit <op>#<n>" when a call is made and "await <op>#<n>"
@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from backends import losses
 from backends.base import BackendError, CustomLossFn, Future
 from backends.types import (
     AdamParams,
@@ -188,16 +189,27 @@ class FakeTrainingClient:
 
     def _loss(self, data: list[Datum], loss_fn: LossFn,
               config: dict[str, float]) -> tuple[ForwardBackwardOutput, list[np.ndarray]]:
+        import torch
+
+        try:
+            spec = losses.get(loss_fn)
+            cfg = spec.resolve(config)
+        except ValueError as exc:
+            raise BackendError(str(exc), user_error=True) from None
+
+        def t(x: np.ndarray | None) -> torch.Tensor | None:
+            return None if x is None else torch.as_tensor(x, dtype=torch.float64)
+
         lps, grads, total = [], [], 0.0
         for d in data:
             d.check_for(loss_fn)
-            lp = self._logprobs(d).astype(np.float64)
-            loss, g = _token_loss(d, lp, loss_fn, config)
-            if d.mask is not None:
-                loss, g = loss * d.mask, g * d.mask
-            lps.append(lp.astype(np.float32))
-            grads.append(g)
-            total += float(loss.sum())
+            lp_np = self._logprobs(d).astype(np.float64)
+            lp = torch.tensor(lp_np, requires_grad=True)
+            loss = spec.masked_sum(lp, losses.LossInputs(t(d.weights), t(d.logprobs), t(d.advantages), t(d.mask)), cfg)
+            (g,) = torch.autograd.grad(loss, lp, allow_unused=True)
+            lps.append(lp_np.astype(np.float32))
+            grads.append(np.zeros_like(lp_np) if g is None else g.numpy())
+            total += float(loss.detach())
         return ForwardBackwardOutput(logprobs=lps, metrics={"loss:sum": total}), grads
 
     # --- the protocol
@@ -263,32 +275,6 @@ class FakeTrainingClient:
     def save_weights_and_get_sampling_client(self) -> Future[FakeSamplingClient]:
         return self._submit("save_weights_and_get_sampling_client",
                             lambda: FakeSamplingClient(self.backend, self.theta.copy()))
-
-
-def _token_loss(d: Datum, lp: np.ndarray, loss_fn: LossFn, config: dict[str, float]) -> tuple[np.ndarray, np.ndarray]:
-    """Per-token loss and d loss / d logprob for Tinker's built-in losses (tinker-sdk.md §3)."""
-    if loss_fn == "cross_entropy":
-        w = d.weights if d.weights is not None else np.zeros_like(lp)
-        return -w * lp, -w.astype(np.float64)
-    assert d.logprobs is not None and d.advantages is not None  # checked by Datum.check_for
-    q, a = d.logprobs.astype(np.float64), d.advantages.astype(np.float64)
-    r = np.exp(lp - q)
-    match loss_fn:
-        case "importance_sampling":
-            return -r * a, -r * a
-        case "ppo":
-            lo, hi = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
-            clipped = np.clip(r, lo, hi)
-            use_raw = r * a <= clipped * a
-            inside = (r >= lo) & (r <= hi)
-            return -np.minimum(r * a, clipped * a), np.where(use_raw | inside, -r * a, 0.0)
-        case "cispo":
-            c = np.clip(r, config.get("clip_low_threshold", 0.0), config.get("clip_high_threshold", 4.0))
-            return -c * lp * a, -c * a
-        case "dro":
-            beta = config.get("beta", 0.05)
-            return -(lp * a - 0.5 * beta * (lp - q) ** 2), -(a - beta * (lp - q))
-    raise BackendError(f"unknown loss {loss_fn!r}", user_error=True)
 
 
 class FakeSamplingClient:

@@ -10,24 +10,20 @@ full sequence `seq`, `model_input = seq[:-1]` and `target_tokens = seq[1:]`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 
-LossFn = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
-LOSS_FNS: tuple[LossFn, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
-StopReason = Literal["stop", "length"]
+from backends import losses
 
-# loss_fn_inputs keys each loss reads (besides target_tokens). `mask` is ours: Tinker has no mask
-# input, so the Tinker adapter drops it (masked positions must already carry advantage 0 there).
-LOSS_INPUTS: dict[str, tuple[str, ...]] = {
-    "cross_entropy": ("weights",),
-    "importance_sampling": ("logprobs", "advantages"),
-    "ppo": ("logprobs", "advantages"),
-    "cispo": ("logprobs", "advantages"),
-    "dro": ("logprobs", "advantages"),
-}
+# A registered loss's name (backends/losses.py: Tinker's built-ins and any registered since). The inputs each
+# reads are its LossSpec's; `mask` is ours: Tinker has no mask input, so the Tinker adapter folds it into
+# weights/advantages.
+LossFn = str
+LOSS_FNS: Sequence[str] = losses.LOSS_NAMES  # follows later registrations
+StopReason = Literal["stop", "length"]
 
 
 @dataclass(frozen=True)
@@ -77,12 +73,8 @@ class Datum:
         return [*self.model_input, int(last if self.target_tokens.ndim == 1 else last[0])]
 
     def check_for(self, loss_fn: LossFn) -> None:
-        """Raise ValueError if this datum lacks an input `loss_fn` needs."""
-        for key in LOSS_INPUTS[loss_fn]:
-            if getattr(self, key) is None:
-                raise ValueError(f"loss {loss_fn!r} needs loss input {key!r}")
-        if loss_fn != "cross_entropy" and self.target_tokens.ndim != 1:
-            raise ValueError(f"loss {loss_fn!r} needs 1-D target_tokens")
+        """Raise ValueError if `loss_fn` is not registered or this datum lacks an input it needs."""
+        losses.get(loss_fn).check_datum(self)
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ def main() -> None:
         for lay in layouts:
             t = len(lay.tokens)
             q, k, v = torch.randn(t, h, d, generator=g), torch.randn(t, kv, d, generator=g), torch.randn(t, kv, d, generator=g)
-            cases.append((lay.attention_plan(), lay.attention_blocks(torch.device("cpu")), q, k, v,
+            cases.append((P.attention_plan(lay), P.attention_blocks(lay, torch.device("cpu")), q, k, v,
                           torch.randn(t, h * d, generator=g)))
 
         ours: list = []

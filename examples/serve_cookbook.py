@@ -36,6 +36,19 @@ TEMPERATURE = 1.5  # at 1.0 tiny already gets most single-digit sums right; at 2
 RL_LR = 2e-3
 
 
+COOKBOOK_TRAINING_DEPS = ("tinker_cookbook", "chz", "termcolor", "aiohttp", "blobfile", "cloudpickle", "PIL", "tiktoken",
+                          "math_verify", "pylatexenc", "datasets")
+INSTALL = ("pip install --no-deps tinker-cookbook==0.6.1 chz termcolor && pip install aiohttp blobfile cloudpickle "
+           "pillow pyrage tiktoken math-verify pylatexenc datasets")
+
+
+def missing_cookbook_deps() -> list[str]:
+    """The modules the cookbook's training loops import that are not installed here."""
+    import importlib.util
+
+    return [m for m in COOKBOOK_TRAINING_DEPS if importlib.util.find_spec(m) is None]
+
+
 @contextlib.contextmanager
 def runner_serve(storage: Path) -> Iterator[str]:
     port_file = storage.parent / "serve.port"
@@ -176,6 +189,10 @@ def main() -> None:
                     help="largest operand of the arithmetic env (the cookbook's own: 100; tiny cannot add those)")
     ap.add_argument("--json", type=Path, help="also write the curves here")
     args = ap.parse_args()
+    missing = missing_cookbook_deps()
+    if missing:
+        print(f"error: the cookbook's training loops need {', '.join(missing)}: {INSTALL}", file=sys.stderr)
+        sys.exit(2)
     os.environ.setdefault("TINKER_API_KEY", "tml-local")
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     register_tiny()

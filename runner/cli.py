@@ -17,8 +17,13 @@ from pathlib import Path
 from backends.errors import UserError
 from runner.engine.chain import check_all, upstreams
 from runner.recipe.load import DEFAULT_FILE, dump_recipe, load_recipe, read_tables, resolve, split_ref
+from runner.renderers.auto import auto_note as renderer_note
 from runner.threads import prefer_passive_openmp
+from runner.tools.smoke import check_smoke
 from runner.tools.sweep import check_line, refuse_sweep, show_sweep
+
+SMOKE_HELP = ("run it end to end offline in seconds: local backend, a stand-in model, the recipe's smoke table "
+              "(data, env, model, steps), 2 steps, run dir <name>-smoke; every stage of a chain (docs/smoke.md)")
 
 EPILOG = f"""\
 A recipe is a [recipes.<name>] table in a TOML file; FILE#NAME picks one (FILE alone when it
@@ -31,6 +36,8 @@ examples:
   runner show {DEFAULT_FILE}#sl_basic lr=3e-4 lora.rank=8
   runner run {DEFAULT_FILE}#sl_basic backend='{{kind="tinker"}}' model=Qwen/Qwen3-8B
   runner run examples/sft_tiny.toml --dry-run
+  runner render {DEFAULT_FILE}#sl_basic --n 2 renderer=qwen3   # tokens and weights the trainer sees
+  runner smoke examples/cookbook.toml            # every recipe, offline, seconds each
   runner export runs/sl_basic out/sl_basic-merged --merged
   runner sweep {DEFAULT_FILE}#sl_basic 'lr=[1e-3,4e-3]' max_steps=20
   runner compare runs/sl_basic
@@ -85,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="train one recipe", description="Validate, check and run one recipe.")
     _ref_and_overrides(run)
     run.add_argument("--dry-run", action="store_true", help="print the plan (data, steps, schedule, calls) and stop")
+    run.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     run.set_defaults(command=cmd_run)
 
     check = sub.add_parser(
@@ -103,7 +111,32 @@ def _parser() -> argparse.ArgumentParser:
         "itself a recipe file.",
     )
     _ref_and_overrides(show)
+    show.add_argument("--smoke", action="store_true", help="print the recipe --smoke runs (and its smoked stages)")
     show.set_defaults(command=cmd_show)
+
+    render = sub.add_parser(
+        "render",
+        help="print the first rows of a recipe's data as the trainer sees them (tokens, weights)",
+        description="The first N rows of the recipe's data rendered with its renderer: tokens colored by weight "
+        "(green = trained) on a terminal, else (or with --json) one {\"tokens\", \"weights\"} object per line. "
+        "DPO and the reward model: each side of a comparison; RL: the env's first prompts. docs/renderers.md says "
+        "which renderer to pick.",
+    )
+    _ref_and_overrides(render)
+    render.add_argument("--n", type=int, default=3, help="rows to show (default 3)")
+    render.add_argument("--json", action="store_true", help="one JSON object per line, also on a terminal")
+    render.set_defaults(command=cmd_render)
+
+    smoke = sub.add_parser(
+        "smoke",
+        help="run every recipe of a file (or those named) offline in seconds; a table of results",
+        description="Each recipe as `runner run FILE#name --smoke` runs it (local backend, a stand-in model, "
+        "its smoke table's data, 2 steps, run dir <name>-smoke), then one row per recipe: stages, steps, wall "
+        "seconds, ok or FAILED. Exit 1 if any failed. docs/smoke.md says how to smoke your own recipe.",
+    )
+    smoke.add_argument("file", metavar="FILE", help="a recipe file")
+    smoke.add_argument("names", nargs="*", metavar="NAME", help="recipes to smoke (default: all)")
+    smoke.set_defaults(command=cmd_smoke)
 
     serve = sub.add_parser(
         "serve",
@@ -152,6 +185,7 @@ def _parser() -> argparse.ArgumentParser:
     export.set_defaults(command=cmd_export)
     _science_commands(sub)
     _talk_commands(sub)
+    _numerics_command(sub)
     return parser
 
 
@@ -185,10 +219,33 @@ def _talk_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
     ev = sub.add_parser("eval", help="run the recipe's evaluators on a checkpoint",
                         description="The recipe's held-out evals (SFT test/nll, RL test reward, DPO and reward-model "
-                        "test/accuracy, distillation test/teacher_kl) on one checkpoint; appended to evals.jsonl.")
+                        "test/accuracy, distillation test/teacher_kl) and its pinned [[evals]] on one checkpoint; "
+                        "appended to evals.jsonl.")
     ev.add_argument("target", metavar="RUN_DIR|FILE#NAME", help=target_help)
     ev.add_argument("--checkpoint", metavar="NAME", help="a checkpoint by name; default: the last one")
     ev.set_defaults(command=cmd_eval)
+
+
+def _numerics_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`runner numerics` (runner/tools/numerics.py)."""
+    num = sub.add_parser(
+        "numerics", help="check that the sampler and the trainer agree on sampled tokens' logprobs",
+        description="Sample N prompts (the recipe's env or prompt sets, else generic ones) at temperature 1 with the "
+        "recipe's model and backend, recompute the sampled tokens' logprobs with compute_logprobs and a training "
+        "forward, and print the per-token differences (KL, mean/max |Δ|, by position, worst tokens). Exit 1 when "
+        "over the recipe's numerics limits (else the defaults). docs/numerics.md.")
+    _ref_and_overrides(num)
+    num.add_argument("--n", type=int, default=8, help="prompts (default 8)")
+    num.add_argument("--json", action="store_true", help="the report as one JSON object")
+    num.set_defaults(command=cmd_numerics)
+
+
+def cmd_numerics(args: argparse.Namespace) -> int:
+    from runner.tools.numerics import check
+
+    _at_least_one(args.n, "--n")
+    prefer_passive_openmp()
+    return check(args.ref, args.overrides, args.n, args.json, sys.stdout)
 
 
 def _at_least_one(value: int, flag: str) -> None:
@@ -279,6 +336,10 @@ def _science_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
                       help="moving average over K points, bold over the faint raw curve (default 1: raw)")
     plot.set_defaults(command=cmd_plot)
 
+    from runner.tools.conformance.command import add_parser as add_conformance  # docs/conformance.md
+
+    add_conformance(sub)
+
 
 def _positive(text: str) -> int:
     try:
@@ -302,6 +363,8 @@ def _ref_and_overrides(parser: argparse.ArgumentParser, optional: bool = False) 
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.smoke:
+        return _run_smoke(args)
     name, recipe = load_recipe(args.ref, args.overrides)
     refuse_sweep(args.ref)
     where = _where(args.ref, name)
@@ -348,12 +411,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     path, name = split_ref(args.ref)
     if name is not None:
         print(check_line(args.ref, args.overrides))  # a sweep: every point
+        check_smoke(path, name, args.overrides)
         return 0
     # Every recipe, each reported on its own line, so one bad recipe does not hide the others.
     failed = 0
     for name in read_tables(path):
         try:
             line = check_line(f"{path}#{name}", args.overrides)
+            check_smoke(path, name, args.overrides)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             failed += 1
@@ -362,7 +427,39 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 2 if failed else 0
 
 
+def _run_smoke(args: argparse.Namespace) -> int:
+    from runner.tools.smoke import split
+
+    path, name = split(args.ref)
+    prefer_passive_openmp()  # before torch loads (runner/threads.py)
+    from runner.engine.loop import Interrupted
+    from runner.tools.smoke import run_smoke
+
+    try:
+        run_smoke(path, [name], args.overrides, dry_run=args.dry_run, keep_going=False)
+    except Interrupted:
+        return 130
+    return 0
+
+
+def cmd_smoke(args: argparse.Namespace) -> int:
+    from runner.tools.smoke import all_names, table
+
+    names = args.names or all_names(args.file)
+    prefer_passive_openmp()  # before torch loads (runner/threads.py)
+    from runner.tools.smoke import run_smoke
+
+    results = run_smoke(args.file, names)
+    sys.stdout.write(table(results))
+    return 0 if all(r.ok for r in results) else 1
+
+
 def cmd_show(args: argparse.Namespace) -> int:
+    if args.smoke:
+        from runner.tools.smoke import show, split
+
+        sys.stdout.write(show(*split(args.ref), args.overrides))
+        return 0
     swept = show_sweep(args.ref, args.overrides)  # a sweep: with its table (runner/tools/sweep.py)
     if swept is not None:
         sys.stdout.write(swept)
@@ -372,8 +469,25 @@ def cmd_show(args: argparse.Namespace) -> int:
     if chain:
         stages = " -> ".join([*(f"{s.label} ({s.ref})" for s in chain), name])
         sys.stdout.write(f"# chain (init_from): {stages}\n")
+    sys.stdout.write(_lr_note(args.ref, args.overrides))
+    sys.stdout.write(renderer_note(recipe.renderer, recipe.model))
     sys.stdout.write(dump_recipe(name, recipe))
     return 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from runner.renderers.show import render_command
+
+    render_command(args.ref, args.overrides, args.n, args.json, sys.stdout)
+    return 0
+
+def _lr_note(ref: str, overrides: Sequence[str]) -> str:
+    """'# lr = 0.000619: auto: ...' when the recipe's lr is "auto" (runner/recipe/lr.py), else ''."""
+    from runner.recipe.load import apply_overrides, pick
+    from runner.recipe.lr import auto_note
+
+    path, name, raw = pick(ref)
+    return auto_note(apply_overrides(raw, overrides, f"{path}#{name}")) or ""
 
 
 def cmd_list(args: argparse.Namespace) -> int:

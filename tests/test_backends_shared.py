@@ -23,9 +23,9 @@ from tinker_mock import BASE_URL, MockTinker, respx_tinker
 from backends.base import BackendError, Future
 from backends.errors import UserError
 from backends.local.config import Local
-from backends.local.tiny import sft_conversations
 from runner.engine.loop import run
 from runner.recipe.schema import Recipe
+from tools.tiny_build import sft_conversations
 
 STEPS = 4
 
@@ -90,10 +90,11 @@ def checkpoints(run_dir: Path) -> list[dict[str, Any]]:
 def test_sft_learns_and_checkpoints(service, tmp_path):
     run(recipe_for(tmp_path, service.kind, "run"), "r")
     rows = metrics(tmp_path / "run")
-    nll = [r["train_mean_nll"] for r in rows]
-    assert len(rows) == STEPS and nll[-1] < nll[0], nll
-    test = [r["test/nll"] for r in rows if "test/nll" in r]
-    assert len(test) == 2 and test[1] < test[0], test
+    nll = [r["train_mean_nll"] for r in rows if "train_mean_nll" in r]
+    assert len(nll) == STEPS and nll[-1] < nll[0], nll
+    # Evaluated at steps 0 and 2, then the final weights at step 4 (its own row).
+    test = [(r["step"], r["test/nll"]) for r in rows if "test/nll" in r]
+    assert [s for s, _ in test] == [0, 2, 4] and test[-1][1] < test[0][1], test
     ckpts = checkpoints(tmp_path / "run")
     assert [c["next_step"] for c in ckpts] == [2, 4]
     if service.kind == "local":

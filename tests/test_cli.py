@@ -35,7 +35,7 @@ algo = {kind = "sft", data = {kind = "jsonl", path = "data.jsonl"}}
 @pytest.fixture
 def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "data.jsonl").write_text('{"messages": []}\n')
+    (tmp_path / "data.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     (tmp_path / "recipes.toml").write_text(RECIPES)
     return tmp_path
 
@@ -181,7 +181,7 @@ def test_check_a_whole_file_from_elsewhere_finds_data_and_modules_next_to_it(
     modules next to the recipe file (before, checking a whole file skipped that fallback)."""
     proj = tmp_path / "proj"
     proj.mkdir()
-    (proj / "data.jsonl").write_text('{"messages": []}\n')
+    (proj / "data.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     (proj / "my_data_mod_xyz.py").write_text("def rows():\n    return []\n")
     (proj / "recipes.toml").write_text(
         RECIPES + '\n[recipes.py]\nalgo = {kind = "sft", data = {kind = "python", target = "my_data_mod_xyz:rows"}}\n')

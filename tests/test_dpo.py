@@ -203,7 +203,7 @@ def test_bad_rows_are_one_line_naming_file_and_line_exit_2(tmp_path, capsys, mon
     (tmp_path / "r.toml").write_text(f'[recipes.d]\nalgo = {{kind = "dpo", data = {{kind = "jsonl", path = "{path}"}}}}\n')
     assert main(["run", "r.toml#d"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {path}:3: ") and err.count("\n") == 1
+    assert err.startswith(f"error: r.toml#d: algo.data: {path}:3: ") and err.count("\n") == 1  # from the check
     assert not (tmp_path / "runs").exists()  # nothing was created: the data is read first
 
 
@@ -456,9 +456,9 @@ def test_reward_model_runs_on_the_local_backend(tmp_path):
 
 
 def test_shipped_comparisons_are_reproducible_and_small():
-    from backends.local import tiny
+    from tools import tiny_build
 
-    rows = tiny.comparison_rows()
+    rows = tiny_build.comparison_rows()
     assert COMPARISONS.read_text() == "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     assert COMPARISONS.stat().st_size < 500_000
     labels = [r["label"] for r in rows]

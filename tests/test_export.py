@@ -19,10 +19,11 @@ import msgspec
 import pytest
 import torch
 
-from backends.local.tiny import TINY_DIR, sft_conversations
+from backends.local.tiny import TINY_DIR
 from runner.cli import main
 from runner.engine.loop import run
 from runner.recipe.schema import Recipe
+from tools.tiny_build import sft_conversations
 
 TOL = 1e-4
 

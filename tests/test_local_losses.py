@@ -24,7 +24,9 @@ def _inputs(mask: bool, k: int | None = None):
 
 
 def _torch_loss(loss_fn, lp, q, adv, w, m, config):
-    t = lambda x: None if x is None else torch.tensor(x, dtype=torch.float64)
+    def t(x):
+        return None if x is None else torch.tensor(x, dtype=torch.float64)
+
     lp_t = torch.tensor(lp, dtype=torch.float64, requires_grad=True)
     inp = LossInputs(weights=t(w), logprobs=t(q) if loss_fn != "cross_entropy" else None,
                      advantages=t(adv) if loss_fn != "cross_entropy" else None, mask=t(m))

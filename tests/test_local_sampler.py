@@ -173,13 +173,19 @@ def test_sampled_logprobs_match_compute_logprobs(rand, tok):
 
 
 def test_logprobs_at_temperature_ignore_truncation(rand, tok):
-    """At T != 1 a sampled token's logprob is under softmax(logits / T), before top-k/top-p."""
+    """At T != 1 a sampled token's logprob is under softmax(logits / T), before top-k/top-p: the hosted Tinker
+    service's behaviour (docs/logprobs.md). compute_logprobs of the same sequence stays at T = 1."""
     prompt = tok.encode("temperature")
     params = SamplingParams(max_tokens=8, temperature=0.6, top_k=4, top_p=0.9, stop=[], seed=3)
-    (s,) = _one(Sampler(rand, tok, CPU), prompt, params)
+    sampler = Sampler(rand, tok, CPU)
+    (s,) = _one(sampler, prompt, params)
     logits = _logits(rand, prompt + s.tokens)[len(prompt) - 1 : -1]
     want = (logits / 0.6).log_softmax(-1).gather(1, torch.tensor(s.tokens)[:, None])[:, 0]
     assert s.logprobs == pytest.approx(want.tolist(), abs=1e-4)
+    raw = logits.log_softmax(-1).gather(1, torch.tensor(s.tokens)[:, None])[:, 0]
+    (recomputed,) = sampler.compute_logprobs_batch([prompt + s.tokens])
+    assert recomputed[len(prompt):] == pytest.approx(raw.tolist(), abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(s.logprobs, raw.tolist())) > 1e-2  # the two really differ at T = 0.6
     (g,) = _one(Sampler(rand, tok, CPU), prompt, _greedy(8, stop=[]))  # T=0 reports T=1 logprobs
     want = _logits(rand, prompt + g.tokens)[len(prompt) - 1 : -1].log_softmax(-1)
     assert g.logprobs == pytest.approx(want.gather(1, torch.tensor(g.tokens)[:, None])[:, 0].tolist(), abs=1e-4)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from backends.local import batching
+from backends.local import batching, tree
 from backends.local import model as M
 from backends.local import packed as packed_mod
 from backends.local.packed import MIN_SHARED, PackedLM, plan
@@ -115,8 +115,8 @@ def test_packed_chunks_and_topk_targets():
 
 
 def test_plan_packs_fills_to_budget_longest_first():
-    assert batching.plan_packs([5, 9, 3, 9], 20) == [[1, 3], [0, 2]]
-    assert batching.plan_packs([50, 2], 10) == [[0], [1]]  # a row over the budget goes alone
+    assert tree.plan_packs([5, 9, 3, 9], 20) == [[1, 3], [0, 2]]
+    assert tree.plan_packs([50, 2], 10) == [[0], [1]]  # a row over the budget goes alone
 
 
 def _group(prompt: list[int], completions: list[int], seed: int) -> list[Datum]:
@@ -226,3 +226,19 @@ def test_bfloat16_base_with_float32_adapters():
     for name in g:
         assert g[name].dtype == torch.float32
         assert float((g[name] - ref_g[name]).norm() / ref_g[name].norm()) < 0.03, name  # measured 0.012
+
+
+def test_the_planner_is_torch_free():
+    """backends/local/tree.py plans chunks in pure Python and numpy: importing it (a fresh interpreter) loads no
+    torch, and a plan comes out."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, numpy as np; from backends.local.tree import plan; from backends.types import Datum; "
+            "d = [Datum(model_input=list(range(20)) + [k], target_tokens=np.zeros(21, dtype=np.int64)) for k in range(3)]; "
+            "(lay,) = plan(d, 1000, 4); assert len(lay.tokens) == 23, lay.tokens; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

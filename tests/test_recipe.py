@@ -35,7 +35,7 @@ algo = {kind = "sft", data = {kind = "jsonl", path = "data.jsonl"}}
 def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A working directory holding data.jsonl; recipe paths are relative to it, like the CLI's."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "data.jsonl").write_text('{"messages": []}\n')
+    (tmp_path / "data.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     return tmp_path
 
 
@@ -65,7 +65,8 @@ BAD_RECIPES = [
     (
         f'lro = 1e-3\nalgo = {{kind = "sft", {DATA}}}',
         ("recipes.toml#sl_basic: lro: unknown key; did you mean `lr`? (valid: algo, backend, depth, eval_every, "
-        "if_exists, init_from, log, log_dir, lora, lr, max_steps, model, optim, save_every, schedule, seed, tokenizer)"),
+        "evals, if_exists, init_from, log, log_dir, lora, lr, max_steps, model, optim, renderer, save_every, schedule, "
+        "seed, smoke, tokenizer)"),
     ),
     (
         f'algo = {{kind = "sft", {DATA}}}\nlora = {{zzz = 1}}',
@@ -91,7 +92,7 @@ BAD_RECIPES = [
     (
         # A field of the other variant is unknown here: each variant carries only its own fields.
         f'algo = {{kind = "sft", {DATA}}}\nbackend = {{kind = "tinker", device = "cpu"}}',
-        "recipes.toml#sl_basic: backend.device: unknown key (valid: base_url, kind, ttl_seconds)",
+        "recipes.toml#sl_basic: backend.device: unknown key (valid: base_url, connect_timeout_s, kind, lost_after_s, ttl_seconds)",
     ),
     (
         f'algo = {{kind = "sft", {DATA}}}\nbackend = {{kind = "local", device = "tpu"}}',
@@ -176,11 +177,11 @@ BAD_RECIPES = [
     (
         'algo = {kind = "sft"}',
         ('recipes.toml#sl_basic: algo.data: missing key; write e.g. data = {kind = "jsonl"} '
-        "(kind one of: hf, jsonl, python, run_output)"),
+        "(kind one of: file, hf, jsonl, python, run_output)"),
     ),
     (
         'algo = {kind = "sft", data = {path = "data.jsonl"}}',
-        "recipes.toml#sl_basic: algo.data.kind: missing key; expected one of: hf, jsonl, python, run_output",
+        "recipes.toml#sl_basic: algo.data.kind: missing key; expected one of: file, hf, jsonl, python, run_output",
     ),
     (
         'algo = {kind = "sft", data = {kind = "jsonl"}}',
@@ -197,7 +198,8 @@ BAD_RECIPES = [
     (
         f'algo = {{kind = "sft", {DATA}, train_on_what = "assistant"}}',
         ("recipes.toml#sl_basic: algo.train_on_what: invalid choice 'assistant'; "
-        "expected one of: all_assistant_messages, all_messages, last_assistant_message"),
+        "expected one of: all_assistant_messages, all_messages, all_tokens, all_user_and_system_messages, customized, "
+        "last_assistant_message, last_assistant_turn"),
     ),
 ]
 
@@ -363,7 +365,7 @@ def test_override_errors_match_file_errors(workdir: Path) -> None:
     )
     # Switching the tag keeps the other keys, which the new variant may not have.
     assert error_of(load_recipe, ref, ["backend.device=cpu", "backend.kind=tinker"]) == (
-        "recipes.toml#sl_basic: backend.device: unknown key (valid: base_url, kind, ttl_seconds)"
+        "recipes.toml#sl_basic: backend.device: unknown key (valid: base_url, connect_timeout_s, kind, lost_after_s, ttl_seconds)"
     )
     assert error_of(load_recipe, ref, ["lr.x=1"]) == (
         "recipes.toml#sl_basic: lr: is float 0.002, not a table, so 'lr.x=1' cannot set it"
@@ -460,7 +462,7 @@ def test_relative_data_path_falls_back_to_the_recipe_files_folder(tmp_path: Path
     proj, elsewhere = tmp_path / "proj", tmp_path / "elsewhere"
     (proj / "data").mkdir(parents=True)
     elsewhere.mkdir()
-    (proj / "data" / "rows.jsonl").write_text('{"messages": []}\n')
+    (proj / "data" / "rows.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     (proj / "r.toml").write_text('[recipes.x.algo]\nkind = "sft"\ndata = {kind = "jsonl", path = "data/rows.jsonl"}\n')
     monkeypatch.chdir(elsewhere)
     recipe = load_recipe(str(proj / "r.toml"))[1]
@@ -520,7 +522,7 @@ algo = {kind = "rl", env = {kind = "arithmetic", max_value = 20}, group_size = 4
 """
 
 RL_ERRORS = [
-    (["algo.loss.kind=ppx"], "algo.loss.kind: invalid choice 'ppx'; expected one of: cispo, dro, importance_sampling, ppo"),
+    (["algo.loss.kind=ppx"], "algo.loss.kind: invalid choice 'ppx'; expected one of: cispo, dro, importance_sampling, ppo, python"),
     (["algo.group_size=1"], "algo.group_size: expected int >= 2, got 1"),
     (['algo.kl={kind="reference"}'], "algo.kl.coef: missing key; expected float > 0"),
     (['algo.env={kind="tictactoe"}', "algo.group_size=3"],
@@ -534,8 +536,8 @@ RL_ERRORS = [
      "algo: stream mode: groups_per_batch must split evenly into num_substeps × minibatches"),
     (['algo.loss={kind="ppo", clip_low=1.5}'], "algo.loss: clip_low must be < clip_high"),
     (["algo.env.kind=chess"],
-     ("algo.env.kind: invalid choice 'chess'; expected one of: arithmetic, guess_number, preference, python, "
-     "tictactoe, twenty_questions")),
+     ("algo.env.kind: invalid choice 'chess'; expected one of: arithmetic, code, guess_number, math, preference, "
+     "python, rubric, tictactoe, tool_use, twenty_questions")),
 ]
 
 

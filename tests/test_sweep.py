@@ -48,7 +48,7 @@ algo = {kind = "rl", env = {kind = "preference"}, group_size = 2, groups_per_bat
 @pytest.fixture
 def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "data.jsonl").write_text('{"messages": []}\n')
+    (tmp_path / "data.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     (tmp_path / "recipes.toml").write_text(RECIPES)
     return tmp_path
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from backends.local.tiny import sft_conversations
 from runner.cli import main
 from runner.engine.log import read_jsonl
+from tools.tiny_build import sft_conversations
 
 SFT = """
 [recipes.s]

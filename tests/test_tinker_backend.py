@@ -5,8 +5,18 @@ Run: python -m pytest tests/test_tinker_backend.py
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
 import types
+from collections.abc import Iterator
+from pathlib import Path
 
 import huggingface_hub.constants
 import numpy as np
@@ -35,6 +45,7 @@ MODEL = "Qwen/Qwen3-8B"  # a service model name; the tokenizer is the embedded o
 SPEC = LoraSpec(base_model=MODEL, rank=8, seed=0)
 ADAM = AdamParams(learning_rate=0.05)
 WAIT = 30  # seconds; a hang fails the test instead of the suite
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -395,3 +406,168 @@ def test_error_messages(backend, mock, monkeypatch):
         "optim_step #1: server rejected request (HTTP 422): injected HTTP 422",
         "save_state #1 ('step-3'): could not reach the Tinker service after retries: Connection error.",
     ]
+
+
+# ---------------------------------------------------------------- bounded failure (issue 22)
+
+
+@contextlib.contextmanager
+def silent_socket(accept: bool) -> Iterator[str]:
+    """A base URL on 127.0.0.1 whose port never answers: a listener that never reads (accept=True takes the
+    connection and then says nothing), or, accept=False, a port nobody listens on (connections refused)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    if not accept:
+        sock.close()
+        yield f"http://127.0.0.1:{port}"
+        return
+    sock.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def take() -> None:
+        sock.settimeout(0.1)
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                held.append(sock.accept()[0])
+
+    t = threading.Thread(target=take, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop.set()
+        t.join()
+        for c in held:
+            c.close()
+        sock.close()
+
+
+@pytest.mark.parametrize("accept", [True, False], ids=["never-answers", "refused"])
+def test_unreachable_service_fails_within_connect_timeout(monkeypatch, accept):
+    monkeypatch.delenv("TINKER_BASE_URL")
+    with silent_socket(accept) as url:
+        be = TinkerBackend(Tinker(base_url=url, connect_timeout_s=1.5), MODEL, "tiny")
+        t0 = time.monotonic()
+        tc_f = be.create_training_client(SPEC)
+        sc_f = be.create_sampling_client(base_model=MODEL)  # every call waiting on the session fails with it
+        with pytest.raises(BackendError) as err:
+            tc_f.result(WAIT)
+        elapsed = time.monotonic() - t0
+        assert f"create_training_client 'Qwen/Qwen3-8B': could not reach the Tinker service at {url} within 1.5 s" \
+            in str(err.value)
+        assert "\n" not in str(err.value) and KEY not in str(err.value)
+        with pytest.raises(BackendError, match=r"create_sampling_client 'Qwen/Qwen3-8B': could not reach"):
+            sc_f.result(1)
+        assert 1.4 < elapsed < 6
+        t0 = time.monotonic()
+        be.close("errored")  # no session to finish: returns at once
+        assert time.monotonic() - t0 < 1
+
+
+def test_session_creation_does_not_block_the_caller(monkeypatch):
+    # The SDK creates its session on the calling thread and retries there; here the call returns at once, so an
+    # asyncio loop keeps running (and the first Ctrl-C cancels it, test_first_ctrl_c_stops_a_run_waiting_to_connect).
+    monkeypatch.delenv("TINKER_BASE_URL")
+    with silent_socket(accept=True) as url:
+        be = TinkerBackend(Tinker(base_url=url, connect_timeout_s=5), MODEL, "tiny")
+        t0 = time.monotonic()
+        fut = be.create_training_client(SPEC)
+        assert time.monotonic() - t0 < 0.5 and not fut.done()
+
+        async def waiter() -> str:
+            try:
+                await asyncio.wait_for(fut.result_async(), 0.3)
+            except TimeoutError:
+                return "still waiting, loop alive"
+            return "done"
+
+        assert asyncio.run(waiter()) == "still waiting, loop alive"
+        be.close()
+
+
+def test_server_lost_mid_run_fails_waiting_calls(mock):
+    with respx_tinker(mock):
+        be = TinkerBackend(Tinker(lost_after_s=1.0), MODEL, "tiny")
+        try:
+            tc = be.create_training_client(SPEC).result(WAIT)
+            step(tc)
+            mock.faults.drop = {"*"}  # the server dies: every connection fails from now on
+            t0 = time.monotonic()
+            fb, op = tc.forward_backward(DATA, "cross_entropy"), tc.optim_step(ADAM)
+            for f, name in ((fb, "forward_backward #2"), (op, "optim_step #2")):
+                with pytest.raises(BackendError, match=rf"^{name}: lost the Tinker service at {BASE_URL}: "
+                                                       r"no answer for \d+ s \(") as err:
+                    f.result(WAIT)
+                assert "\n" not in str(err.value)
+            assert time.monotonic() - t0 < 6  # the SDK alone retries each request for ~5 min
+            with pytest.raises(BackendError, match=r"^forward_backward #3: lost the Tinker service"):
+                tc.forward_backward(DATA, "cross_entropy").result(1)  # later calls fail at once
+        finally:
+            t0 = time.monotonic()
+            be.close("errored")
+            assert time.monotonic() - t0 < 8
+
+
+def test_slow_request_on_a_live_server_is_not_lost(mock):
+    # A request the service takes long over (a queue) is not a lost service: the pings are answered.
+    with respx_tinker(mock):
+        be = TinkerBackend(Tinker(lost_after_s=0.5), MODEL, "tiny")
+        try:
+            tc = be.create_training_client(SPEC).result(WAIT)
+            mock.hold_until_submits = 1000  # forward_backward's result is held until released below
+            fb = tc.forward_backward(DATA, "cross_entropy")
+            time.sleep(2.0)  # four times lost_after_s
+            assert not fb.done(), fb.future().exception()
+            mock.hold_until_submits = 0
+            op = tc.optim_step(ADAM)
+            assert fb.result(WAIT).metrics["loss:sum"] > 0 and isinstance(op.result(WAIT), OptimStepOutput)
+        finally:
+            be.close()
+
+
+CTRL_C_SCRIPT = """
+import asyncio, sys
+from backends.tinker.backend import TinkerBackend
+from backends.tinker.config import Tinker
+from backends.types import LoraSpec
+be = TinkerBackend(Tinker(base_url=sys.argv[1], connect_timeout_s=120), "Qwen/Qwen3-8B", "tiny")
+
+async def main():
+    print("waiting", flush=True)
+    await be.create_training_client(LoraSpec(base_model="Qwen/Qwen3-8B", rank=8))
+
+try:
+    asyncio.run(main())
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(130)
+"""
+
+
+def test_first_ctrl_c_stops_a_run_waiting_to_connect():
+    with silent_socket(accept=True) as url:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0"}
+        env.pop("TINKER_BASE_URL", None)
+        proc = subprocess.Popen([sys.executable, "-c", CTRL_C_SCRIPT, url], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "waiting"
+            time.sleep(1.0)  # inside the SDK's session setup
+            proc.send_signal(signal.SIGINT)  # once
+            t0 = time.monotonic()
+            out, err = proc.communicate(timeout=15)
+        finally:
+            proc.kill()
+        assert time.monotonic() - t0 < 15, err  # ~1 s on an idle machine; ignored, it would wait out 120 s
+        assert proc.returncode == 130 and "interrupted" in out, (out, err)
+
+
+def test_backend_configs_answer_sweep_parallelism():
+    from backends.local.config import Local
+
+    assert Tinker().sweep_parallel(cores=2) == Tinker.SWEEP_PARALLEL == 8
+    assert Local(device="cpu").sweep_parallel(cores=16) == 8
+    assert Local(device="cpu").sweep_parallel(cores=2) == 2
+    assert Local(device="cpu").sweep_parallel(cores=1) == 1

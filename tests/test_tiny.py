@@ -1,4 +1,5 @@
-"""The embedded "tiny" model: tokenizer, config, shipped checkpoint, and the shipped example data."""
+"""The embedded "tiny" model: tokenizer, config, shipped checkpoint (backends/local/tiny.py), and the build tooling
+that made it and the shipped example data (tools/tiny_build.py)."""
 
 import json
 import random
@@ -8,6 +9,7 @@ import pytest
 import transformers
 
 from backends.local import tiny
+from tools import tiny_build
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "data"
 
@@ -58,7 +60,7 @@ def test_chat_template_is_chatml(tok):
 def test_render_chat_weights_assistant_content_and_eos(tok):
     messages = [{"role": "user", "content": "Reverse: abc"}, {"role": "assistant", "content": "cba"},
                 {"role": "user", "content": "Again"}, {"role": "assistant", "content": "cba"}]
-    ids, weights = tiny.render_chat(tok, messages)
+    ids, weights = tiny_build.render_chat(tok, messages)
     assert tok.decode(ids) == tok.apply_chat_template(messages, tokenize=False)
     assert tok.decode([i for i, w in zip(ids, weights) if w]) == "cba<|im_end|>cba<|im_end|>"
 
@@ -91,7 +93,7 @@ def test_shipped_model_answers_small_sums_in_format(shipped):
     model, tok = shipped
     rng = random.Random(0)
     pairs = [(rng.randint(0, 9), rng.randint(0, 9)) for _ in range(24)]
-    replies = tiny.generate(model, tok, [[{"role": "user", "content": tiny.arithmetic_prompt(x, y)}] for x, y in pairs])
+    replies = tiny_build.generate(model, tok, [[{"role": "user", "content": tiny.arithmetic_prompt(x, y)}] for x, y in pairs])
     assert all(ended and text.isdigit() for text, ended in replies), replies
     correct = sum(int(text) == x + y for (x, y), (text, _) in zip(pairs, replies))
     assert correct > len(pairs) // 2, replies
@@ -122,7 +124,7 @@ def test_preference_data_shape():
 
 
 def test_shipped_data_is_what_the_script_writes(tmp_path):
-    for path in tiny.write_data(tmp_path):
+    for path in tiny_build.write_data(tmp_path):
         assert path.read_bytes() == (DATA / path.name).read_bytes(), path.name
 
 
@@ -130,9 +132,34 @@ def test_pretrain_is_deterministic(tmp_path):
     import safetensors.torch
 
     phases = ((2, 5e-3, 0.6, 0.5, False), (1, 2e-3, 0.9, 0.7, True))
-    a = tiny.pretrain(tmp_path / "a", phases=phases, log_every=10**9)
-    b = tiny.pretrain(tmp_path / "b", phases=phases, log_every=10**9)
+    a = tiny_build.pretrain(tmp_path / "a", phases=phases, log_every=10**9)
+    b = tiny_build.pretrain(tmp_path / "b", phases=phases, log_every=10**9)
     wa = safetensors.torch.load_file(a / "model.safetensors")
     wb = safetensors.torch.load_file(b / "model.safetensors")
     assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
     assert transformers.AutoTokenizer.from_pretrained(a).chat_template == tiny.CHAT_TEMPLATE
+
+
+def test_the_runtime_module_imports_neither_torch_nor_transformers():
+    """`runner check` imports backends.local.tiny (recipes name `backends.local.tiny:task_prompts`): it must stay
+    cheap. A fresh interpreter, so modules other tests loaded do not hide an import."""
+    import subprocess
+    import sys
+
+    code = ("import sys, backends.local.tiny as t; rows = t.task_prompts(3, seed=1); "
+            "assert len(rows) == 3 and rows[0]['messages'][0]['role'] == 'user'; "
+            "print(sorted(m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_build_tooling_is_not_packaged():
+    """tools/ (pre-training, data generation) stays out of the wheel; the package keeps what runs."""
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert not any(p == "tools" or p.startswith("tools.") for p in include)
+    assert not hasattr(tiny, "pretrain") and not hasattr(tiny, "sft_conversations")

@@ -113,14 +113,15 @@ def test_wandb_offline_logs_rows_and_a_resumed_run_continues_it(tmp_path: Path,
     # wandb's service process may still be writing the last session's file when finish() returns: wait for it.
     deadline = time.monotonic() + 30
     sessions = logged(run_dir)
-    while [s[1] for s in sessions] != [[0, 1, 2], [3, 4]] and time.monotonic() < deadline:
+    # Each session ends with its final eval row (SFT's test/nll at step N); extending the run replaces that row.
+    while [s[1] for s in sessions] != [[0, 1, 2, 3], [3, 4, 5]] and time.monotonic() < deadline:
         time.sleep(0.2)
         sessions = logged(run_dir)
-    assert [(s[0], s[1]) for s in sessions] == [(stored["id"], [0, 1, 2]), (stored["id"], [3, 4])]
+    assert [(s[0], s[1]) for s in sessions] == [(stored["id"], [0, 1, 2, 3]), (stored["id"], [3, 4, 5])]
     config = sessions[0][2]
     assert config["lr"] == 0.05 and config["algo"]["kind"] == "sft" and config["max_steps"] == 3
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]
     # The key is the environment's: nothing in the run dir holds it.
     assert not [p for p in run_dir.rglob("*") if p.is_file() and KEY.encode() in p.read_bytes()]
     # Another project is another W&B run.

@@ -32,6 +32,7 @@ import numpy as np
 import respx
 from tinker.proto import tinker_public_pb2 as pb
 
+from backends import losses
 from backends.base import Future
 from backends.serve.wire import PROTO, decode_datum, fb_proto, sample_proto
 from backends.types import (
@@ -101,27 +102,21 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def _loss_coef(loss_fn: str, lp: np.ndarray, d: Datum, cfg: dict[str, float]) -> tuple[float, np.ndarray]:
-    """(summed loss, dLoss/dlp per target) for the built-in losses, as tinker-sdk.md §3 writes them."""
-    if loss_fn == "cross_entropy":
-        w = d.weights if d.weights is not None else np.zeros_like(lp)
-        return float(-(w * lp).sum()), -w
-    q, a = d.logprobs, d.advantages
-    assert q is not None and a is not None
-    r = np.exp(lp - q)
-    if loss_fn == "importance_sampling":
-        return float(-(r * a).sum()), -r * a
-    if loss_fn == "ppo":
-        lo, hi = cfg.get("clip_low_threshold", 0.8), cfg.get("clip_high_threshold", 1.2)
-        unclipped, clipped = r * a, np.clip(r, lo, hi) * a
-        active = unclipped <= clipped  # the min picks the term with a gradient
-        return float(-np.minimum(unclipped, clipped).sum()), np.where(active, -r * a, 0.0)
-    if loss_fn == "cispo":
-        c = np.clip(r, cfg.get("clip_low_threshold", 0.0), cfg.get("clip_high_threshold", 4.0))
-        return float(-(c * lp * a).sum()), -c * a
-    if loss_fn == "dro":
-        beta = cfg.get("beta", 0.05)
-        return float(-(lp * a - 0.5 * beta * (lp - q) ** 2).sum()), -(a - beta * (lp - q))
-    raise ValueError(f"unknown loss_fn {loss_fn!r}")
+    """(summed loss, dLoss/dlp per target): the loss registry's function (backends/losses.py, tinker-sdk.md §3),
+    differentiated by autograd, so a loss added there is served here too. Tinker has no mask; no weights = 0."""
+    import torch
+
+    spec = losses.get(loss_fn)
+    config = spec.resolve(cfg)
+
+    def t(x: np.ndarray | None) -> torch.Tensor | None:
+        return None if x is None else torch.as_tensor(np.asarray(x, np.float64))
+
+    weights = d.weights if d.weights is not None or "weights" not in spec.inputs else np.zeros(lp.shape)
+    lp_t = torch.tensor(np.asarray(lp, np.float64), requires_grad=True)
+    loss = spec.masked_sum(lp_t, losses.LossInputs(t(weights), t(d.logprobs), t(d.advantages)), config)
+    (g,) = torch.autograd.grad(loss, lp_t, allow_unused=True)
+    return float(loss.detach()), np.zeros(lp.shape) if g is None else g.numpy()
 
 
 class NumpyTrainer:

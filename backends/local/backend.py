@@ -34,9 +34,9 @@ from backends.errors import UserError
 from backends.local import batching
 from backends.local import model as M
 from backends.local.alloc import keep_freed_memory
-from backends.local.config import Local
 from backends.local.device import pick_device
 from backends.local.losses import batch_loss, resolve_config
+from backends.local.options import LocalOptions
 from backends.local.packed import PackedLM
 from backends.local.worker import Job, Worker, fail
 from backends.types import (
@@ -84,7 +84,7 @@ class LocalBackend:
     """model: "tiny", a Hugging Face model folder, or a hub id in the local cache. Checkpoints go under
     storage_dir/weights/<name> (save_state) and storage_dir/sampler_weights/<name>."""
 
-    def __init__(self, cfg: Local, model: str, tokenizer: str | None, storage_dir: Path, seed: int = 0):
+    def __init__(self, cfg: LocalOptions, model: str, tokenizer: str | None, storage_dir: Path, seed: int = 0):
         self.cfg = cfg
         self.model_name = model
         self.model_dir = M.resolve_model_dir(model)  # UserError now, not at the first request

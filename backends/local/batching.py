@@ -58,22 +58,6 @@ def plan_chunks(lengths: list[int], budget: int, fill: float = 0.0) -> list[list
     return chunks
 
 
-def plan_packs(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices grouped into packed chunks of at most `budget` tokens in all (a longer row alone), filled
-    greedily longest first (backends/local/packed.py packs its segments with it)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    chunks: list[list[int]] = []
-    total = 0
-    for i in order:
-        if chunks and total + lengths[i] <= budget:
-            chunks[-1].append(i)
-            total += lengths[i]
-        else:
-            chunks.append([i])
-            total = lengths[i]
-    return chunks
-
-
 def chunk_logprobs(
     model: torch.nn.Module, data: list[Datum], device: torch.device, budget: int
 ) -> Iterator[tuple[list[int], list[torch.Tensor]]]:

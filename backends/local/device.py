@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from backends.errors import UserError
-from backends.local.config import Local
+from backends.local.options import LocalOptions
 
 
-def pick_device(cfg: Local) -> tuple[torch.device, torch.dtype]:
+def pick_device(cfg: LocalOptions) -> tuple[torch.device, torch.dtype]:
     """cfg.device "auto": cuda if available, else cpu. cfg.dtype "auto": bfloat16 on cuda (fast, and what
     Tinker serves), float32 on cpu (bit-for-bit reproducible runs and exact resume)."""
     if cfg.device == "auto":

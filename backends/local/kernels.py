@@ -1,10 +1,13 @@
 """Fused float32 CPU kernels for the packed trainer (the C source is kernels.c next to this file).
 
-`load()` compiles kernels.c with the system C compiler on first use (about a second), caches the shared
-library under ~/.cache/runner/kernels (or $XDG_CACHE_HOME/runner/kernels) by a hash of the source, the flags
-and the CPU, and returns the functions; it returns None, once logging why, when there is no compiler or the
-build fails, and the trainer then uses torch's eager ops (the same results to float rounding). RUNNER_KERNELS=0
-in the environment turns the kernels off.
+`load(device, dtype)` returns the kernels only where they run: float32 on the CPU (anything else gets None
+without building: a CUDA run never compiles them). The first call compiles kernels.c with the system C compiler
+(about a second) and caches the shared library under ~/.cache/runner/kernels (or $XDG_CACHE_HOME/runner/kernels;
+a temporary directory when that one is not writable) by a hash of the source, the flags, the CPU model and
+features, and the compiler's version. When there is no compiler, or the build or the load fails, it prints one
+line on stderr (once per process) with the reason and the fix, and the trainer uses torch's eager ops (the same
+results to float rounding, slower). RUNNER_KERNELS=0 in the environment turns the kernels off without a word.
+docs/kernels.md has the details.
 
 Why hand-written C and not torch.compile, the maintained way to fuse elementwise work: measured on the 25M
 model of bench/bench_train.py (1 thread), torch.compile of the same norm/rotary/SwiGLU functions took 20 s of
@@ -60,50 +63,114 @@ WORK_LIMIT = 256 << 20  # bytes of per-thread tree attention scratch, all thread
 MAX_HEAD_DIM = 512  # norm_rope keeps one head's row on the stack
 
 
-def _cache_dir() -> Path:
+class KernelsUnavailable(Exception):
+    """Why the kernels cannot be had here (`reason`) and what to do about it (`fix`)."""
+
+    def __init__(self, reason: str, fix: str):
+        super().__init__(reason)
+        self.reason, self.fix = reason, fix
+
+
+def _cache_dirs() -> list[Path]:
+    """Where a built library may live: the user's cache, then a private temporary directory (a read-only or
+    unwritable home)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "runner" / "kernels"
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return [Path(base) / "runner" / "kernels", Path(tempfile.gettempdir()) / f"runner-kernels-{uid}"]
+
+
+def _private_dir(path: Path) -> bool:
+    """Whether `path` is (made) a directory this user owns that no one else may write: a library loaded from a
+    shared temporary directory must not be one another user could have planted."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+    except OSError:
+        return False
+    if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & 0o022):
+        return False
+    return os.access(path, os.W_OK | os.X_OK)
 
 
 def _cpu_id() -> str:
-    """The CPU the library is built for (-march=native): its flags, so a shared home on another CPU rebuilds."""
+    """The CPU the library is built for (-march=native): its model and its feature flags, so a shared home on
+    another CPU (or another Apple chip, where platform.processor() only says "arm") builds its own."""
+    parts: list[str] = []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
+            if line.startswith(("model name", "CPU implementer", "CPU part", "flags", "Features")) and line not in parts:
+                parts.append(" ".join(line.split()))
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    if not parts and sys.platform == "darwin":
+        for key in ("machdep.cpu.brand_string", "machdep.cpu.features", "hw.optional.arm64"):
+            try:
+                out = subprocess.run(["sysctl", "-n", key], capture_output=True, text=True, timeout=10, check=False)
+            except (OSError, subprocess.SubprocessError):
+                continue
+            if out.returncode == 0 and out.stdout.strip():
+                parts.append(f"{key}: {out.stdout.strip()}")
+    return "; ".join(parts) or f"{platform.machine()} {platform.processor()}"
 
 
-def _build(cc: str) -> Path | None:
+def find_compiler() -> str | None:
+    """$CC, else the first of cc, gcc, clang on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _compiler_version(cc: str) -> str:
+    try:
+        proc = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelsUnavailable(f"C compiler {cc!r} does not run ({exc})", _fix_cc(cc)) from None
+    first = (proc.stdout or proc.stderr).strip().splitlines()[:1]
+    if proc.returncode != 0 or not first:
+        raise KernelsUnavailable(f"C compiler {cc!r} does not run (`{cc} --version` exited {proc.returncode})",
+                                 _fix_cc(cc))
+    return first[0]
+
+
+def _fix_cc(cc: str) -> str:
+    if os.environ.get("CC"):
+        return f"point CC at a working C compiler (now {cc!r}) or unset it"
+    return f"repair or reinstall the C compiler {cc!r}, or set CC to another one"
+
+
+def _build(cc: str) -> Path:
+    """The cached library for this source, CPU and compiler, compiled if missing; KernelsUnavailable if it
+    cannot be."""
     try:
         source = SOURCE.read_bytes()
     except OSError as exc:  # an install without the C source
-        log.info("fused kernels not built (%s); using torch's ops", exc)
-        return None
+        raise KernelsUnavailable(f"{SOURCE.name} is missing from the install ({exc})", "reinstall runner") from None
+    machine = [cc.encode(), _compiler_version(cc).encode(), _cpu_id().encode(), sys.platform.encode()]
+    dirs = [d for d in _cache_dirs() if _private_dir(d)]
+    if not dirs:  # neither the cache nor the usual temporary directory: a fresh private one for this process
+        dirs = [Path(tempfile.mkdtemp(prefix="runner-kernels-"))]
+    if dirs[0] != _cache_dirs()[0]:
+        log.info("kernel cache %s is not writable; building under %s", _cache_dirs()[0], dirs[0])
     errors = []
-    machine = [cc.encode(), _cpu_id().encode(), sys.platform.encode()]
     for flags in _FLAG_SETS:
         key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), *machine])).hexdigest()[:16]
-        target = _cache_dir() / f"kernels-{key}.so"
-        if target.exists():
-            return target
+        name = f"kernels-{key}.so"
+        for d in _cache_dirs():
+            if (d / name).exists() and (d in dirs or _private_dir(d)):
+                return d / name
+        target = dirs[0] / name
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 out = Path(tmp) / target.name
                 proc = subprocess.run([cc, *flags, "-shared", "-fPIC", "-std=c99", "-o", str(out), str(SOURCE)],
                                       check=False, capture_output=True, text=True, timeout=120)
                 if proc.returncode != 0:
-                    errors.append(f"{cc} {' '.join(flags)}: {proc.stderr.strip().splitlines()[-1:]}")
+                    why = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+                    errors.append(f"{' '.join(flags)}: {why[0]}")
                     continue
                 os.replace(out, target)  # atomic: a concurrent build of the same key writes the same bytes
                 return target
         except (OSError, subprocess.SubprocessError) as exc:
-            errors.append(f"{cc} {' '.join(flags)}: {exc}")
-    log.info("fused kernels not built (%s); using torch's ops", "; ".join(errors))
-    return None
+            errors.append(f"{' '.join(flags)}: {exc}")
+    raise KernelsUnavailable(f"{cc} failed to compile {SOURCE.name} ({'; '.join(errors)})", _fix_cc(cc))
 
 
 class Kernels:
@@ -215,21 +282,34 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def load() -> Kernels | None:
-    """The kernels, built and loaded once per process; None when off, unbuildable or unloadable."""
+def build() -> Kernels:
+    """Build (or find in the cache) and load the library, whatever RUNNER_KERNELS says; KernelsUnavailable with
+    the reason and the fix when that cannot be done. The tests call this to fail, not skip, when a compiler
+    exists but the build breaks."""
+    cc = find_compiler()
+    if cc is None:
+        raise KernelsUnavailable("no C compiler found (cc, gcc, clang; $CC unset)", "install a C compiler or set CC")
+    path = _build(cc)
+    try:
+        return Kernels(ctypes.CDLL(str(path)))
+    except (OSError, AttributeError) as exc:
+        raise KernelsUnavailable(f"cannot load {path} ({exc})", f"delete {path} to rebuild it") from None
+
+
+def load(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Kernels | None:
+    """The kernels for tensors on `device` in `dtype`, built and loaded once per process. None where they do not
+    run (not float32 on the CPU: nothing is built), when RUNNER_KERNELS=0, or when they cannot be had: then one
+    line on stderr, once per process, says why and how to fix it."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return None
     if _state:
         return _state[0]
     kernels = None
     if os.environ.get("RUNNER_KERNELS", "1") != "0":
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-        if cc is None:
-            log.info("fused kernels off: no C compiler found (cc, gcc, clang); using torch's ops")
-        else:
-            path = _build(cc)
-            if path is not None:
-                try:
-                    kernels = Kernels(ctypes.CDLL(str(path)))
-                except (OSError, AttributeError) as exc:
-                    log.info("fused kernels not loaded (%s); using torch's ops", exc)
+        try:
+            kernels = build()
+        except KernelsUnavailable as exc:
+            print(f"runner: fused CPU kernels off: {exc.reason}. Training uses torch's ops instead (same results, "
+                  f"slower). To fix: {exc.fix}; or set RUNNER_KERNELS=0 to hide this line.", file=sys.stderr)
     _state.append(kernels)
     return kernels

@@ -93,29 +93,6 @@ def load_base(path: Path, device: torch.device, dtype: torch.dtype) -> HFModel:
     return model
 
 
-# ---------------------------------------------------------------- the model family with hand-written paths
-
-# Decoders whose layers backends/local/packed.py (training) and sampler.py (decoding) compute on plain tensors.
-LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-
-
-def llama_family_problem(cfg: Any, rotary: Any) -> str | None:
-    """Why a model (its text config and rotary module) is outside what the plain-tensor paths compute exactly,
-    or None if it is inside."""
-    if getattr(cfg, "model_type", None) not in LLAMA_FAMILY:
-        return f"model_type {getattr(cfg, 'model_type', None)!r}"
-    rope_type = getattr(rotary, "rope_type", "default")
-    if not isinstance(rope_type, str) or "dynamic" in rope_type or rope_type == "longrope":
-        # Their tables depend on the longest position in the forward (a packed short sequence would get the
-        # longest one's scaling, a decode step the prompt's).
-        return f"rope_type {rope_type!r} depends on the sequence length"
-    if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
-        return "sliding-window attention"
-    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
-        return "not every layer is full attention"
-    return None
-
-
 def lora_linear_parts(layer: Any) -> tuple[nn.Linear, torch.Tensor, torch.Tensor, float] | str:
     """(frozen base Linear, A, B, scale) of a plain peft LoRA Linear with one active adapter, or why it is not
     one (several adapters, merged or disabled, DoRA, LoRA bias, fan_in_fan_out, non-Linear parts)."""
@@ -270,8 +247,8 @@ def sampling_snapshot(model: HFModel, base: HFModel) -> HFModel:
     weight W + scale * B @ A as a new tensor. Nothing is deep-copied and peft's merge_and_unload (which
     needs a private copy to merge into) is not run; untouched weights stay shared with the frozen base,
     which nothing writes. One addmm makes each merged tensor, in the layout the sampler's fast path wants
-    for it (sampler.packs_for_onednn): as stored by default for the large weights it packs for oneDNN, else
-    transposed (a contiguous (in, out) matrix, the parameter being its .t() view; sampler._transposed), so
+    for it (llama.packs_for_onednn): as stored by default for the large weights it packs for oneDNN, else
+    transposed (a contiguous (in, out) matrix, the parameter being its .t() view; llama._transposed), so
     it needs no further transposing copy. A tied lm_head with an adapter gets
     its own merged tensor; the input embeddings stay the base's. Anything this does not recognise exactly
     (not a peft LoRA model, DoRA, fan_in_fan_out, several adapters, weights that are no longer the base's)
@@ -279,7 +256,7 @@ def sampling_snapshot(model: HFModel, base: HFModel) -> HFModel:
     import peft
     from peft.tuners.lora import LoraLayer
 
-    from backends.local.sampler import packs_for_onednn
+    from backends.local.llama import packs_for_onednn
 
     if not isinstance(model, peft.PeftModel):
         return sampling_copy(model)

@@ -41,40 +41,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.local.batching import plan_packs
 from backends.local.kernels import ATTN_HEAD_DIMS, Kernels
 from backends.local.kernels import MAX_HEAD_DIM as kernels_max_head_dim
 from backends.local.kernels import load as load_kernels
-from backends.local.model import llama_family_problem, lora_linear_parts
+from backends.local.llama import llama_family_problem, rms_norm, rope
+from backends.local.model import lora_linear_parts
+from backends.local.tree import MIN_SHARED, Layout, ancestors, plan
 from backends.types import Datum
 
 # ---------------------------------------------------------------- autograd functions
-
-
-class _RMSNorm(torch.autograd.Function):
-    """y = w * (x * rsqrt(mean(x^2) + eps)) over the last dim, computed in float32 as HF's RMSNorm does (the
-    normalised x is cast back to x's dtype before the weight); w is frozen (never trained here)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
-        xhat = xf * rstd
-        ctx.save_for_backward(xhat, rstd, w)
-        return w * xhat.to(x.dtype)
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
-        (dy,) = grad_outputs
-        xhat, rstd, w = ctx.saved_tensors  # xhat: x * rstd (before w), float32
-        g = (dy * w).float()
-        # d/dx of x*rstd: rstd * (g - xhat * mean(g * xhat))
-        dx = g.sub_(xhat * (g * xhat).mean(-1, keepdim=True)).mul_(rstd)
-        return dx.to(dy.dtype), None, None
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return _RMSNorm.apply(x, w, eps)  # type: ignore[no-any-return]
 
 
 # The fused forms (backends/local/kernels.py: float32 on the CPU), each one pass over memory each way. Their
@@ -360,8 +335,9 @@ class PackedLM:
             raise _Unsupported("trainable lm_head")
         if head.bias is not None:
             raise _Unsupported("lm_head bias")
-        # Fused elementwise kernels for float32 on the CPU (None: torch's eager ops everywhere).
-        self.kernels = load_kernels() if self.head_dim <= kernels_max_head_dim else None
+        # Fused elementwise kernels: float32 on the CPU only (load_kernels builds nothing elsewhere).
+        w = self.embed.weight
+        self.kernels = load_kernels(w.device, w.dtype) if self.head_dim <= kernels_max_head_dim else None
 
     def min_shared(self) -> int:
         """The shortest run worth sharing for this model. Sharing a run saves its tokens' work in every layer
@@ -390,10 +366,10 @@ class PackedLM:
         T, H, K, D = ids.shape[0], self.n_heads, self.n_kv, self.head_dim
         kern = self.kernels if self.kernels is not None and Kernels.usable(x, cos, sin) and cos.shape[-1] == D else None
         if kern is None:
-            return self._hidden_eager(x, cos[0, :, None, :], sin[0, :, None, :], layout.attention_blocks(ids.device))
+            return self._hidden_eager(x, cos[0, :, None, :], sin[0, :, None, :], attention_blocks(layout, ids.device))
         cos, sin, eps = cos[0].contiguous(), sin[0].contiguous(), self.eps
-        plan = layout.attention_plan() if D in ATTN_HEAD_DIMS else None
-        blocks = layout.attention_blocks(ids.device) if plan is None else []
+        plan = attention_plan(layout) if D in ATTN_HEAD_DIMS else None
+        blocks = attention_blocks(layout, ids.device) if plan is None else []
         h = _FusedNorm.apply(x, None, self.layers[0].ln1, eps, kern)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.qkv(h)
@@ -421,7 +397,7 @@ class PackedLM:
             q, k, v = q.view(T, H, D), k.view(T, K, D), v.view(T, K, D)
             if layer.q_norm is not None and layer.k_norm is not None:
                 q, k = rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
             a = _attention(q, k, v, blocks, self.scaling)
             (o,) = layer.o(a)
             x = x + o
@@ -463,103 +439,7 @@ class PackedLM:
             yield idx, out
 
 
-# ---------------------------------------------------------------- layout: what goes where in a packed chunk
-
-# Datums that share a prompt (an RL group: group_size samples of one prompt; the turns of one multi-turn
-# episode; chats with one system prompt) are packed as a tree: each shared run of tokens once, then what
-# continues it, nested as deep as the sharing goes (a system prompt shared by a whole batch, then a first user
-# turn shared by some of those chats, ...). Every row attends causally to its own run and to all of its
-# ancestors' rows, at the position it has in its own sequence. A shared run's hidden states are the same for
-# every datum through it, so computing them once changes no number beyond float rounding, and its gradient is
-# the sum of theirs (tests/test_packed.py). rl_basic (8 samples of a 69-token prompt with 2-8 answer tokens)
-# trains on ~900 tokens a step instead of ~4,600; bench_train's chat batches (16 chats, 14 with one system
-# prompt, some also with one first turn) on 2157 of 2551 tokens (2105 on the 25M model). A run is shared when
-# at least PackedLM.min_shared() tokens long (MIN_SHARED on small models, fewer on wide ones).
-MIN_SHARED = 16
-
-
-@dataclass
-class _Node:
-    """Tokens [offset, offset + length) of every datum in `members` (they agree on them and on everything
-    before), then the subtrees that continue them. A lone sequence is one node with one member."""
-
-    offset: int
-    length: int
-    members: list[int]  # datum indices, in sorted order
-    children: list[_Node]
-
-    def size(self) -> int:
-        return self.length + sum(c.size() for c in self.children)
-
-
-@dataclass
-class Layout:
-    """One packed chunk: its tokens and rotary positions, each datum's rows (its ancestors' runs, then its own),
-    and the attention blocks (runs of lone sequences of equal length; trees)."""
-
-    datums: list[int]
-    tokens: list[int]
-    positions: list[int]
-    rows: dict[int, np.ndarray]
-    runs: list[tuple[int, int, int]]  # (first row, sequences, length) of lone sequences
-    trees: list[list[tuple[int, int, int]]]  # per tree, its nodes in row order: (first row, length, parent or -1)
-
-    def attention_plan(self) -> _AttnPlan:
-        """The chunk's segments for _TreeAttention: each lone sequence, and each tree node with rows (its
-        ancestors with rows, root first)."""
-        seg: list[tuple[int, int, int, int]] = []
-        anc: list[tuple[int, int]] = []
-        for start, c, n in self.runs:
-            seg.extend((start + i * n, n, len(anc), len(anc)) for i in range(c))
-        for nodes in self.trees:
-            for (first, length, _), chain in zip(nodes, _ancestors(nodes)):
-                if length:
-                    a0 = len(anc)
-                    anc.extend((nodes[a][0], nodes[a][1]) for a in chain if nodes[a][1])
-                    seg.append((first, length, a0, len(anc)))
-        seg.sort()
-        assert sum(n for _, n, _, _ in seg) == len(self.tokens), "segments must cover every row"
-        keys = [n + sum(length for _, length in anc[a0:a1]) for _, n, a0, a1 in seg]
-        return _AttnPlan(torch.tensor(seg, dtype=torch.int64).view(-1, 4), torch.tensor(anc or [(0, 0)], dtype=torch.int64),
-                         torch.tensor([0, *np.cumsum(keys)], dtype=torch.int64), max(n for _, n, _, _ in seg))
-
-    def attention_blocks(self, device: torch.device) -> list[_Block]:
-        """The attention blocks in row order: runs of lone causal sequences, and trees. A tree whose branches
-        are short (an RL group: a prompt and a few answer tokens) is one SDPA call with its mask over all its
-        rows; one with long branches would waste most of that square, so it runs node by node: each node's
-        rows against its ancestors' rows and its own (a lower-right causal mask; a root alone is causal)."""
-        blocks = [_Block(start, c * n, c) for start, c, n in self.runs]
-        for nodes in self.trees:
-            start = nodes[0][0]
-            n = sum(length for _, length, _ in nodes)
-            ancestors = _ancestors(nodes)
-            above = [sum(nodes[a][1] for a in chain) for chain in ancestors]  # per node, its ancestors' rows
-            split_cost = sum(length * (up + length / 2) + _CALL_COST for (_, length, _), up in zip(nodes, above) if length)
-            if n * n <= split_cost:
-                visible = np.zeros((len(nodes), len(nodes)), dtype=bool)  # [i, j]: node j is i or an ancestor of i
-                for i, anc in enumerate(ancestors):
-                    visible[i, [*anc, i]] = True
-                owner = np.repeat(np.arange(len(nodes)), [length for _, length, _ in nodes])
-                mask = torch.as_tensor(visible[owner[:, None], owner[None, :]], device=device)
-                blocks.append(_Block(start, n, mask=mask & torch.ones(n, n, dtype=torch.bool, device=device).tril()))
-            else:
-                plan_nodes = []
-                for (_, length, _), anc, up in zip(nodes, ancestors, above):
-                    mask = None
-                    if up and length:  # lower-right causal: row r sees every ancestor row and its own rows <= r
-                        mask = torch.arange(up + length, device=device)[None, :] <= torch.arange(length, device=device)[:, None] + up
-                    plan_nodes.append((length, anc, mask))
-                blocks.append(_Block(start, n, nodes=plan_nodes))
-        return sorted(blocks, key=lambda b: b.start)
-
-
-def _ancestors(nodes: list[tuple[int, int, int]]) -> list[list[int]]:
-    """Per node of a tree (first row, length, parent or -1; parents first), its ancestors' indices, root first."""
-    chains: list[list[int]] = []
-    for _, _, parent in nodes:
-        chains.append([] if parent < 0 else [*chains[parent], parent])
-    return chains
-
+# ---------------------------------------------------------------- attention work of a planned chunk (tree.py)
 
 # One SDPA call's fixed cost, in units of attention scores (one query x one key), for choosing how a tree runs.
 _CALL_COST = 4096
@@ -575,97 +455,41 @@ class _Block:
     nodes: list[tuple[int, list[int], torch.Tensor | None]] | None = None
 
 
-def plan(data: list[Datum], budget: int, min_shared: int | None = None) -> list[Layout]:
-    """The datums as packed chunks: shared runs of at least `min_shared` tokens (default MIN_SHARED) found,
-    trees and lone sequences packed longest first into chunks of at most `budget` tokens."""
-    order = sorted(range(len(data)), key=lambda i: data[i].model_input)
-    roots = _grow(data, order, 0, MIN_SHARED if min_shared is None else min_shared)
-    chunks = plan_packs([root.size() for root in roots], budget)
-    return [_layout(data, [roots[j] for j in chunk]) for chunk in chunks]
+def attention_plan(layout: Layout) -> _AttnPlan:
+    """The chunk's segments for _TreeAttention (Layout.segments as tensors)."""
+    seg, anc, keys = layout.segments()
+    return _AttnPlan(torch.tensor(seg, dtype=torch.int64).view(-1, 4), torch.tensor(anc or [(0, 0)], dtype=torch.int64),
+                     torch.tensor([0, *np.cumsum(keys)], dtype=torch.int64), max(n for _, n, _, _ in seg))
 
 
-def _grow(data: list[Datum], members: list[int], offset: int, min_shared: int) -> list[_Node]:
-    """The nodes for `members` (sorted; they agree on their first `offset` tokens): neighbours that agree on at
-    least MIN_SHARED more tokens share a node for those, with the rest below it."""
-    groups: list[tuple[list[int], int]] = []  # (members, tokens from offset all of them agree on)
-    for i in members:
-        if groups:
-            group, common = groups[-1]
-            head = data[group[0]].model_input
-            more = _common_prefix(head, data[i].model_input, offset + common) - offset
-            if more >= min_shared:
-                group.append(i)
-                groups[-1] = (group, more)
-                continue
-        groups.append(([i], data[i].length - offset))
-    nodes = []
-    for group, common in groups:
-        children = _grow(data, group, offset + common, min_shared) if len(group) > 1 else []
-        nodes.append(_Node(offset, common, group, children))
-    return nodes
-
-
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
+def attention_blocks(layout: Layout, device: torch.device) -> list[_Block]:
+    """The attention blocks in row order: runs of lone causal sequences, and trees. A tree whose branches
+    are short (an RL group: a prompt and a few answer tokens) is one SDPA call with its mask over all its
+    rows; one with long branches would waste most of that square, so it runs node by node: each node's
+    rows against its ancestors' rows and its own (a lower-right causal mask; a root alone is causal)."""
+    blocks = [_Block(start, c * n, c) for start, c, n in layout.runs]
+    for nodes in layout.trees:
+        start = nodes[0][0]
+        n = sum(length for _, length, _ in nodes)
+        chains = ancestors(nodes)
+        above = [sum(nodes[a][1] for a in chain) for chain in chains]  # per node, its ancestors' rows
+        split_cost = sum(length * (up + length / 2) + _CALL_COST for (_, length, _), up in zip(nodes, above) if length)
+        if n * n <= split_cost:
+            visible = np.zeros((len(nodes), len(nodes)), dtype=bool)  # [i, j]: node j is i or an ancestor of i
+            for i, anc in enumerate(chains):
+                visible[i, [*anc, i]] = True
+            owner = np.repeat(np.arange(len(nodes)), [length for _, length, _ in nodes])
+            mask = torch.as_tensor(visible[owner[:, None], owner[None, :]], device=device)
+            blocks.append(_Block(start, n, mask=mask & torch.ones(n, n, dtype=torch.bool, device=device).tril()))
         else:
-            hi = mid
-    return lo
-
-
-def _layout(data: list[Datum], roots: list[_Node]) -> Layout:
-    lone = sorted((r for r in roots if not r.children), key=lambda r: -r.length)
-    trees = [r for r in roots if r.children]
-    tokens: list[int] = []
-    positions: list[int] = []
-    rows: dict[int, np.ndarray] = {}
-    runs: list[tuple[int, int, int]] = []
-    tree_nodes: list[list[tuple[int, int, int]]] = []
-    order: list[int] = []
-    for node in lone:  # a root without children has one member
-        n, start = node.length, len(tokens)
-        tokens += data[node.members[0]].model_input
-        positions += range(n)
-        for i in node.members:
-            rows[i] = np.arange(start, start + n)
-            order.append(i)
-        if runs and runs[-1][2] == n:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1, n)
-        else:
-            runs.append((start, 1, n))
-
-    def place(node: _Node, parent: int, path: np.ndarray, out: list[tuple[int, int, int]]) -> None:
-        start = len(tokens)
-        tokens.extend(data[node.members[0]].model_input[node.offset:node.offset + node.length])
-        positions.extend(range(node.offset, node.offset + node.length))
-        out.append((start, node.length, parent))
-        here = len(out) - 1
-        path = np.concatenate([path, np.arange(start, start + node.length)])
-        below = {m for c in node.children for m in c.members}
-        for m in node.members:
-            if m not in below:  # the datum ends here
-                rows[m] = path
-                order.append(m)
-        for child in node.children:
-            place(child, here, path, out)
-
-    for root in trees:
-        nodes: list[tuple[int, int, int]] = []
-        place(root, -1, np.zeros(0, dtype=np.int64), nodes)
-        tree_nodes.append(nodes)
-    return Layout(order, tokens, positions, rows, runs, tree_nodes)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+            plan_nodes = []
+            for (_, length, _), anc, up in zip(nodes, chains, above):
+                mask = None
+                if up and length:  # lower-right causal: row r sees every ancestor row and its own rows <= r
+                    mask = torch.arange(up + length, device=device)[None, :] <= torch.arange(length, device=device)[:, None] + up
+                plan_nodes.append((length, anc, mask))
+            blocks.append(_Block(start, n, nodes=plan_nodes))
+    return sorted(blocks, key=lambda b: b.start)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[_Block], scale: float) -> torch.Tensor:

@@ -10,7 +10,7 @@ place (no torch.cat per layer per step), the decode-step attention mask is a sli
 buffer (HF passes 4-D masks through untouched), top-k/top-p touch only the rows that ask for them,
 and a sampling step is one cumsum + searchsorted over the batch.
 
-Llama, Mistral, Qwen2 and Qwen3 decoders on the CPU take a faster path (_Llama, at the end of this file): the
+Llama, Mistral, Qwen2 and Qwen3 decoders on the CPU take a faster path (llama.LlamaDecoder): the
 same layers on plain tensors instead of HF's modules, with their matmul weights in the layouts MKL and oneDNN
 run fastest, prompt tokens packed without padding for the prefill, and no per-step module or cache
 machinery. Every other model (or attention variant) decodes through HF's modules, as the rest of this file
@@ -20,18 +20,14 @@ does. bench/bench_sampling.py measures both against `model.generate`; the ratios
 from __future__ import annotations
 
 import inspect
-import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from backends.local.model import LLAMA_FAMILY, llama_family_problem
+from backends.local.llama import DecodeCache, LlamaDecoder, Slots
 from backends.types import SampledSequence, SampleOutput, SamplingParams, StopReason
 
 # Logit entries (rows x length x vocab) one compute_logprobs_batch forward may produce.
@@ -56,22 +52,12 @@ def _round_up(n: int, q: int = _KV_QUANTUM) -> int:
     return -(-n // q) * q
 
 
-class _Slots:
-    """What the cache layers of one decode batch share: where each row writes its next token (None during
-    the prefill, which fills slots 0.. of every row) and how many slots the attention sees."""
-
-    def __init__(self) -> None:
-        self.write: torch.Tensor | None = None
-        self.rows: torch.Tensor | None = None
-        self.view = 0
-
-
 class _GrowingLayer(DynamicLayer):
     """A full-attention KV cache layer over a preallocated buffer: `update` writes in place and returns a
     view. HF's DynamicLayer instead concatenates, copying the whole cache every step, and cannot give each
     row its own write position."""
 
-    def __init__(self, capacity: int, slots: _Slots):
+    def __init__(self, capacity: int, slots: Slots):
         super().__init__()
         self.is_initialized = False  # set by DynamicLayer itself only in newer transformers
         self.capacity = capacity
@@ -163,7 +149,7 @@ class Sampler:
         self.cache_budget: int | None = None
         # The plain-tensor decode path for Llama-family models (None: HF's modules decode). Its transposed
         # weights pay off on the CPU (MKL); elsewhere it is not used.
-        self.fast: _Llama | None = _Llama.of(model) if self.device.type == "cpu" else None
+        self.fast: LlamaDecoder | None = LlamaDecoder.of(model) if self.device.type == "cpu" else None
 
     # ------------------------------------------------------------------ public
 
@@ -280,19 +266,19 @@ class Sampler:
                 width, steps = len(r.prompt), r.limit
         return chunks
 
-    def _new_cache(self, capacity: int) -> tuple[DynamicCache, _Slots | None]:
+    def _new_cache(self, capacity: int) -> tuple[DynamicCache, Slots | None]:
         """HF's cache for this model. When every layer is plain full attention under sdpa or eager attention,
         its layers become preallocated per-row-slot ones (the batch-invariant layout; returns their shared
-        _Slots); otherwise HF's own layers stay, prompts are left-padded, and the slots are None."""
+        Slots); otherwise HF's own layers stay, prompts are left-padded, and the slots are None."""
         cache = DynamicCache(config=self.model.config)
         plain = bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
         if not (plain and self.attn_impl in ("sdpa", "eager")):
             return cache, None
-        slots = _Slots()
+        slots = Slots()
         cache.layers = cast(Any, [_GrowingLayer(capacity, slots) for _ in cache.layers])
         return cache, slots
 
-    def _prefill(self, prompts: list[list[int]], slots: _Slots | None, cache: DynamicCache) -> torch.Tensor:
+    def _prefill(self, prompts: list[list[int]], slots: Slots | None, cache: DynamicCache) -> torch.Tensor:
         """Runs the distinct prompts through the model into the cache; the next-token logits of each."""
         dev, lens = self.device, [len(p) for p in prompts]
         if slots is None:  # left padding: every prompt ends at the last column
@@ -324,11 +310,11 @@ class Sampler:
         col = {p: (i if self.keep_arg else p) for i, p in enumerate(last)}
         return logits[torch.arange(len(prompts), device=dev), torch.tensor([col[n - 1] for n in lens], device=dev)]
 
-    def _fast_prefill(self, fast: _Llama, prompts: list[list[int]], cache: _FastCache) -> torch.Tensor:
+    def _fast_prefill(self, fast: LlamaDecoder, prompts: list[list[int]], cache: DecodeCache) -> torch.Tensor:
         """_prefill's right-padded layout on the fast path: the next-token logits of each prompt."""
         width = _round_up(max(len(p) for p in prompts))
         cache.slots.view = width
-        return fast.prefill(prompts, width, self.pad_id, cache)
+        return fast.prefill(prompts, width, self.pad_id, cache, _ROW_QUANTUM)
 
     def _generate(self, rows: list[_Row]) -> None:
         dev = self.device
@@ -346,9 +332,9 @@ class Sampler:
         capacity = _round_up(longest + steps)
         # slots: the batch-invariant layout (see _ROW_QUANTUM), or None for HF's own cache, left-padded.
         fast = self.fast if self.attn_impl in ("sdpa", "eager") else None
-        cache: DynamicCache | _FastCache
+        cache: DynamicCache | DecodeCache
         if fast is not None:
-            slots = _Slots()
+            slots = Slots()
             cache = fast.new_cache(len(prompts), capacity, slots)
             logits = self._fast_prefill(fast, prompts, cache)
         else:
@@ -419,7 +405,7 @@ class Sampler:
                 keys_ok[:, longest + t] = True
                 attn = keys_ok[:, : longest + t + 1].long()
             if fast is not None:
-                logits = fast.step(tok, next_pos[:, 0], attn, cast(_FastCache, cache))
+                logits = fast.step(tok, next_pos[:, 0], attn, cast(DecodeCache, cache))
             else:
                 logits = self.model(
                     input_ids=tok[:, None],
@@ -470,7 +456,8 @@ class _Plan:
 
     def choose(self, logits: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """(next token, its logprob) per row. The logprob is under softmax(logits / T) before top-k/top-p
-        truncation (T=0 reports T=1 logprobs), which is what Tinker returns and what ratio losses expect."""
+        truncation (T=0 reports T=1 logprobs): what the hosted Tinker service returns (its maintainers, see
+        docs/logprobs.md) and what ratio losses expect of the behaviour policy."""
         scaled = logits if self.temp is None else logits / self.temp
         logp = torch.log_softmax(scaled, -1)
         if self.all_greedy:
@@ -532,312 +519,3 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
     if not found and getattr(tokenizer, "eos_token_id", None) is not None:
         found.add(tokenizer.eos_token_id)
     return frozenset(found)
-
-
-# ---------------------------------------------------------------- the Llama-family fast path
-
-# Decoders whose layers are exactly: RMSNorm, q/k/v projections (optional bias; Qwen3 adds a per-head RMSNorm
-# on q and k), rotary embedding, attention, o projection, residual, RMSNorm, act(gate) * up, down, residual.
-
-# Weights derived once from a source weight (transposed, or packed for oneDNN), kept as long as the source
-# lives: the samplers of one base model share one copy of its frozen weights. Keyed by (id, kind); the weak
-# reference tells a live entry from one whose id was reused.
-_DERIVED: dict[tuple[int, str], tuple[weakref.ref, torch.Tensor]] = {}
-# Reentrant: a garbage collection while the lock is held may run a weak reference's callback (_forget) on
-# the same thread.
-_DERIVED_LOCK = threading.RLock()
-
-# Weights of at least this many bytes use oneDNN's prepacked fp32 matmul. Streaming a large weight from
-# memory, it beats MKL's sgemm: 8 rows x 512 -> 1536: 341 us vs 501 (transposed) and 540 (F.linear's
-# layout); 32 rows: 595 vs 692. On cache-resident weights its ~15 us per call overhead loses (tiny's
-# 128 -> 384 at 8 rows: 21 us vs 5), and at 1 MiB (512 x 512) it is a draw. Measured on this project's
-# CPU box (2 cores of a Xeon, one thread); its row results are batch-invariant like sgemm's.
-_ONEDNN_MIN_BYTES = 2 << 20
-
-
-def packs_for_onednn(w: torch.Tensor) -> bool:
-    """Whether the fast path runs this Linear weight through oneDNN (which wants it (out, in) contiguous, as
-    stored by default) rather than as a transposed matrix (see _transposed): model.sampling_snapshot writes
-    merged weights in the layout their use wants, so the sampler need not copy them again."""
-    big = w.dtype == torch.float32 and w.numel() * w.element_size() >= _ONEDNN_MIN_BYTES
-    return big and torch.backends.mkldnn.is_available()
-
-
-def _derived(w: torch.Tensor, kind: str, make: Any) -> torch.Tensor:
-    key = (id(w), kind)
-    with _DERIVED_LOCK:
-        hit = _DERIVED.get(key)
-        if hit is not None and hit[0]() is w:
-            return hit[1]
-        out = make()
-        _DERIVED[key] = (weakref.ref(w, lambda _ref, key=key: _forget(key)), out)
-        return out
-
-
-def _forget(key: tuple[int, str]) -> None:
-    with _DERIVED_LOCK:
-        hit = _DERIVED.get(key)
-        if hit is not None and hit[0]() is None:
-            del _DERIVED[key]
-
-
-def _transposed(w: torch.Tensor) -> torch.Tensor:
-    """A Linear weight (out, in) as a contiguous (in, out) matrix, for `x @ it`. MKL's sgemm runs that layout
-    2.3x faster than F.linear's (out, in) one at 8 rows and 1.3x at 32 on cache-resident weights (measured:
-    one thread, fp32, 512x1536), and it keeps 4-row matmuls batch-invariant where F.linear's layout does not
-    (see _Llama). A weight already stored that way (the merged snapshots of model.sampling_snapshot) is used
-    as is; any other is copied once (see _derived)."""
-    d = w.detach()
-    if d.t().is_contiguous():
-        return d.t()
-    return _derived(w, "t", lambda: d.t().contiguous())
-
-
-def _bias(linear: nn.Linear) -> torch.Tensor | None:
-    return None if linear.bias is None else linear.bias.detach()
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # HF's RMSNorm computes in fp32 and casts before the weight; torch's fused rms_norm gives the same fp32
-    # result bit for bit (measured) in about 3/4 of the time.
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), w, eps)
-    y = x.float()
-    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
-    return w * y.to(x.dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's apply_rotary_pos_emb for one tensor (rotate_half convention), same operations."""
-    h = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., h:], x[..., :h]), -1) * sin
-
-
-class _Linear:
-    """y = x @ W.T (+ b): oneDNN's prepacked matmul for large fp32 weights, else x @ wt with wt the contiguous
-    (in, out) matrix (see _ONEDNN_MIN_BYTES and _transposed)."""
-
-    __slots__ = ("b", "packed", "wt")
-
-    def __init__(self, linear: nn.Linear):
-        # Cached under the parameter itself (a .detach() is a new object each time, and would never hit).
-        w, self.b = linear.weight, _bias(linear)
-        self.packed: torch.Tensor | None = None
-        self.wt: torch.Tensor | None = None
-        if packs_for_onednn(w):
-            # The batch-size hint (8) only picks the packed layout; any row count runs (and is batch-invariant).
-            d = w.detach()
-            self.packed = _derived(w, "onednn", lambda: torch.ops.mkldnn._reorder_linear_weight(d.contiguous(), 8))
-        else:
-            self.wt = _transposed(w)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # torch.ops.mkldnn's linear ops are the ones inductor's CPU weight prepacking emits; were they ever
-        # missing (or failing), _Linear's constructor raises and _Llama.of falls back to HF's modules.
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
-        assert self.wt is not None
-        return torch.mm(x, self.wt) if self.b is None else torch.addmm(self.b, x, self.wt)
-
-
-@dataclass
-class _Layer:
-    ln1: torch.Tensor
-    q: _Linear
-    k: _Linear
-    v: _Linear
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    o: _Linear
-    ln2: torch.Tensor
-    gate: _Linear
-    up: _Linear
-    down: _Linear
-    act: Any
-
-
-class _FastCache:
-    """The KV cache of the fast path: per layer a zeroed (rows, kv heads, capacity, head dim) buffer for keys
-    and one for values, each row holding its tokens at slots 0..n-1 (the batch-invariant layout of
-    _GrowingLayer)."""
-
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], slots: _Slots):
-        self.keys, self.values, self.slots = keys, values, slots
-        self.filled = 0
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        end = self.filled
-        for bufs in (self.keys, self.values):
-            for i, old in enumerate(bufs):
-                new = old.new_zeros((len(indices), *old.shape[1:]))
-                new[:, :, :end] = old[:, :, :end].index_select(0, indices)
-                bufs[i] = new
-
-
-class _Llama:
-    """The forward of a Llama-family decoder (`model.LLAMA_FAMILY`) on plain tensors, for decoding: what HF's
-    modules compute, in fewer and cheaper operations. Linear weights are used in the layouts that multiply
-    fastest (see _Linear),
-    the rotary tables are computed once by the model's own rotary module (so every rope_type whose table
-    does not depend on the sequence length works), the KV cache is written in place, and only the rows
-    whose logits are needed reach the final norm and the unembedding. `of` returns None for any model it
-    does not recognise exactly; the Sampler then runs HF's modules."""
-
-    @classmethod
-    def of(cls, model: Any) -> _Llama | None:
-        cfg = model.config.get_text_config(decoder=True)
-        if getattr(cfg, "model_type", None) not in LLAMA_FAMILY:
-            return None
-        try:
-            return cls(model, cfg)
-        except (AttributeError, TypeError, ValueError, RuntimeError):  # RuntimeError: oneDNN refused a weight
-            return None
-
-    def __init__(self, model: Any, cfg: Any):
-        inner = model.model
-        rope = inner.rotary_emb
-        problem = llama_family_problem(cfg, rope)
-        if problem is not None:
-            raise ValueError(problem)
-        self.rotary = rope
-        if type(inner.embed_tokens) is not nn.Embedding:
-            raise TypeError("scaled or custom embedding")
-        # Called as a module (a few us) so that forward hooks on the input embeddings see every forward.
-        self.embed_tokens = inner.embed_tokens
-        self.embed = inner.embed_tokens.weight.detach()
-        if type(model.lm_head) is not nn.Linear:
-            raise TypeError("custom lm_head")
-        # Transposed too (a copy of the embeddings when tied): F.linear's layout gives 4-row matmuls other
-        # results than 8-row ones on some shapes (tiny's 128 -> 259), which would break batch invariance.
-        self.lm_head = _Linear(model.lm_head)
-        self.norm, self.eps = inner.norm.weight.detach(), float(inner.norm.variance_epsilon)
-        self.layers: list[_Layer] = []
-        for layer in inner.layers:
-            att, mlp = layer.self_attn, layer.mlp
-            linears = (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-            if any(type(m) is not nn.Linear for m in linears):
-                raise TypeError("not plain Linear layers (an unmerged adapter?)")
-            qn, kn = getattr(att, "q_norm", None), getattr(att, "k_norm", None)
-            self.layers.append(_Layer(
-                ln1=layer.input_layernorm.weight.detach(),
-                q=_Linear(att.q_proj),
-                k=_Linear(att.k_proj),
-                v=_Linear(att.v_proj),
-                q_norm=None if qn is None else qn.weight.detach(),
-                k_norm=None if kn is None else kn.weight.detach(),
-                o=_Linear(att.o_proj),
-                ln2=layer.post_attention_layernorm.weight.detach(),
-                gate=_Linear(mlp.gate_proj),
-                up=_Linear(mlp.up_proj),
-                down=_Linear(mlp.down_proj),
-                act=mlp.act_fn,
-            ))
-        att = inner.layers[0].self_attn
-        self.head_dim = int(att.head_dim)
-        self.heads = int(cfg.num_attention_heads)
-        self.kv_heads = int(cfg.num_key_value_heads or cfg.num_attention_heads)
-        self.scaling = float(att.scaling)
-        self.cos = self.sin = self.embed.new_zeros((0, self.head_dim))
-
-    def _table(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (positions, head_dim) for positions 0..n-1, grown by doubling."""
-        if self.cos.shape[0] < n:
-            m = max(n, 2 * self.cos.shape[0], 256)
-            pos = torch.arange(m, device=self.embed.device)[None]
-            cos, sin = self.rotary(self.embed[:1][None], pos)
-            self.cos, self.sin = cos[0], sin[0]
-        return self.cos, self.sin
-
-    def new_cache(self, rows: int, capacity: int, slots: _Slots) -> _FastCache:
-        shape = (rows, self.kv_heads, capacity, self.head_dim)
-        return _FastCache(
-            [self.embed.new_zeros(shape) for _ in self.layers], [self.embed.new_zeros(shape) for _ in self.layers], slots
-        )
-
-    def _qkv(self, layer: _Layer, h: torch.Tensor, lead: tuple[int, ...]):
-        q = layer.q(h).view(*lead, self.heads, self.head_dim)
-        k = layer.k(h).view(*lead, self.kv_heads, self.head_dim)
-        v = layer.v(h).view(*lead, self.kv_heads, self.head_dim)
-        if layer.q_norm is not None:
-            q = _rms(q, layer.q_norm, self.eps)
-        if layer.k_norm is not None:
-            k = _rms(k, layer.k_norm, self.eps)
-        return q, k, v
-
-    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        h = _rms(x, layer.ln2, self.eps)
-        return x + layer.down(layer.act(layer.gate(h)) * layer.up(h))
-
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(_rms(x, self.norm, self.eps))
-
-    def prefill(self, prompts: list[list[int]], width: int, pad_id: int, cache: _FastCache) -> torch.Tensor:
-        """Fills cache slots 0..len-1 of row i with prompt i (slots up to `width` stay zero, never attended);
-        returns the next-token logits of each prompt. The matmuls run on the prompts' tokens packed one
-        after another (no padding: mixed-length prompts cost their own length, not the longest one's); only
-        attention works per row, on the padded (rows, heads, width, head_dim) layout. Both are
-        batch-invariant: a matmul row's result depends neither on its position nor on the other rows
-        (measured, for row counts that are multiples of _ROW_QUANTUM, which the packed count is rounded to),
-        and each prompt's attention sees its own keys at the same slots."""
-        dev, p, t = self.embed.device, len(prompts), width
-        lens = [len(q) for q in prompts]
-        n = sum(lens)
-        rows = _round_up(n, _ROW_QUANTUM)
-        ids = torch.full((rows,), pad_id, dtype=torch.long)
-        ids[:n] = torch.tensor([tok for q in prompts for tok in q])
-        pos = torch.zeros(rows, dtype=torch.long)
-        pos[:n] = torch.cat([torch.arange(k) for k in lens])
-        # Packed row -> its slot in the padded (rows * width) layout.
-        dest = torch.cat([j * t + torch.arange(k) for j, k in enumerate(lens)]).to(dev)
-        last = (torch.tensor(lens).cumsum(0) - 1).to(dev)
-        ids, pos = ids.to(dev), pos.to(dev)
-        cos, sin = self._table(t)
-        cos, sin = cos[pos][:, None], sin[pos][:, None]
-        x = self.embed_tokens(ids)
-        for layer, kbuf, vbuf in zip(self.layers, cache.keys, cache.values):
-            q, k, v = self._qkv(layer, _rms(x, layer.ln1, self.eps), (rows,))
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            padded = []
-            for a in (q, k, v):
-                buf = a.new_zeros((p * t, *a.shape[1:]))
-                buf.index_copy_(0, dest, a[:n])
-                padded.append(buf.view(p, t, *a.shape[1:]).transpose(1, 2))
-            q, k, v = padded
-            kbuf[:, :, :t] = k
-            vbuf[:, :, :t] = v
-            a = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.scaling, enable_gqa=self.heads != self.kv_heads
-            )
-            a = a.transpose(1, 2).reshape(p * t, -1).index_select(0, dest)
-            if rows > n:
-                a = torch.cat((a, a.new_zeros((rows - n, a.shape[1]))))
-            x = x + layer.o(a)
-            x = self._mlp(layer, x)
-        cache.filled = max(cache.filled, t)
-        return self._logits(x[last])
-
-    def step(self, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: _FastCache) -> torch.Tensor:
-        """One new token per row: tok and pos (rows,), written at cache slot pos of its row; mask (rows, 1, 1,
-        view) says which of the first `view` slots each row attends to. The next-token logits."""
-        n, s = tok.shape[0], cache.slots
-        rows, view = s.rows, s.view
-        cos, sin = self._table(int(pos.max()) + 1)
-        cos, sin = cos[pos][:, None], sin[pos][:, None]
-        x = self.embed_tokens(tok)
-        group = self.heads // self.kv_heads
-        for layer, kbuf, vbuf in zip(self.layers, cache.keys, cache.values):
-            q, k, v = self._qkv(layer, _rms(x, layer.ln1, self.eps), (n,))
-            kbuf[rows, :, pos] = _rope(k, cos, sin)
-            vbuf[rows, :, pos] = v
-            # One query per row: its heads sharing a key/value head become that head's queries (HF's pack_gqa).
-            a = F.scaled_dot_product_attention(
-                _rope(q, cos, sin).view(n, self.kv_heads, group, self.head_dim),
-                kbuf[:, :, :view],
-                vbuf[:, :, :view],
-                attn_mask=mask,
-                scale=self.scaling,
-            )
-            x = x + layer.o(a.reshape(n, -1))
-            x = self._mlp(layer, x)
-        cache.filled = max(cache.filled, view)
-        return self._logits(x)

@@ -1,5 +1,10 @@
-"""The two built-in losses our local backend's loss table lacks, computed by `runner serve` through the
-training client's one-pass custom-loss path (LocalTrainingClient.forward_backward_custom).
+"""The two Tinker losses that are not registry entries, computed by `runner serve` through the training client's
+one-pass custom-loss path (LocalTrainingClient.forward_backward_custom).
+
+Every loss in the registry (backends/losses.py: Tinker's token-wise built-ins and any loss registered in the server's
+process) is served by name through the local backend (service.py: `loss_fn in LOSS_FNS`, a live view of the
+registry). These two are not token-wise functions of a Datum: gspo reads the wire-only `sequence_ratio_mask` and
+normalises over the sequence, stable_reinforce reads the sampler's records named by provenance spans.
 
 `gspo` (GSPO-token, Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 7-8), as tinker-sdk.md §3.6
 writes it: with M = {t : sequence_ratio_mask_t != 0},

@@ -10,6 +10,12 @@ is already one of our types. Things the SDK does that shape this file:
 - The SDK retries transient failures (5xx, 429, dropped connections) itself; what it gives up on
   reaches us as an exception, which becomes a BackendError naming the request.
 - The API key comes from $TINKER_API_KEY only and is scrubbed from every message we produce.
+- Bounded failure (issue 22). The SDK retries a dead connection for ~5 min per request, silently, and creates
+  its session on the calling thread (so an asyncio loop, and the first Ctrl-C, wait on it). Here the session
+  is created on a thread of its own, and a service never reached fails every waiting call after
+  `connect_timeout_s` (30 s) with one line. Once connected, a watchdog pings the session; when calls are in
+  flight and the service has not answered for `lost_after_s` (60 s), every waiting call fails with one line
+  ("lost the Tinker service ...") and so does every later one. Waiting is always interruptible.
 """
 
 from __future__ import annotations
@@ -18,18 +24,20 @@ import concurrent.futures
 import logging
 import os
 import re
+import threading
+import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import tinker
 from tinker.types import RequestErrorCategory
 
+from backends import losses
 from backends.base import BackendError, CustomLossFn, Future
 from backends.errors import UserError
 from backends.tokenizer import load_tokenizer
 from backends.types import (
-    LOSS_INPUTS,
     AdamParams,
     Datum,
     ForwardBackwardOutput,
@@ -41,15 +49,17 @@ from backends.types import (
     SamplingParams,
 )
 
-if TYPE_CHECKING:
-    from backends.tinker.config import Tinker
-
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "TINKER_API_KEY"
 # close() waits this long for the session to finish; a dead server makes the SDK retry for 5 min,
-# and a run that is already failing should not hang on its way out.
+# and a run that is already failing should not hang on its way out. LOST_CLOSE_TIMEOUT_S: after the service was lost.
 CLOSE_TIMEOUT_S = 30.0
+LOST_CLOSE_TIMEOUT_S = 2.0
+# The watchdog pings the session this often (at most; a quarter of lost_after_s when that is shorter), each ping
+# waiting up to PING_TIMEOUT_S for its answer (the SDK's own heartbeat waits 10 s).
+PING_PERIOD_S = 5.0
+PING_TIMEOUT_S = 5.0
 
 CloseStatus = Literal["success", "errored", "interrupted"]
 
@@ -109,35 +119,83 @@ def to_backend_error(exc: BaseException, request: str, key: str) -> BackendError
     return BackendError(f"{request}: {what}: {detail}", request=request, user_error=user)
 
 
-def _wrap(submit: Callable[[], Any], convert: Callable[[Any], Any], request: str, key: str) -> Future[Any]:
+def _settle(fut: concurrent.futures.Future[Any], value: Any = None, error: BaseException | None = None) -> bool:
+    """Deliver a result or an error unless the future is already settled (or cancelled); whether it was delivered."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
+    except concurrent.futures.InvalidStateError:
+        return False
+    return True
+
+
+class _Link:
+    """What a backend and its clients share: the key (to scrub), the service's address (for messages), the
+    calls still waiting, and whether the service was lost (after which every waiting and later call fails)."""
+
+    def __init__(self, key: str, url: str):
+        self.key, self.url = key, url
+        self._lock = threading.Lock()
+        self._waiting: dict[concurrent.futures.Future[Any], str] = {}
+        self.lost: str | None = None
+
+    def track(self, out: concurrent.futures.Future[Any], request: str) -> None:
+        with self._lock:
+            lost = self.lost
+            if lost is None:
+                self._waiting[out] = request
+        if lost is not None:
+            _settle(out, error=BackendError(lost, request=request))
+            return
+        out.add_done_callback(self._forget)
+
+    def _forget(self, out: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._waiting.pop(out, None)
+
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._waiting)
+
+    def lose(self, reason: str) -> None:
+        """Fail every waiting call, and every later one, with `reason`."""
+        with self._lock:
+            if self.lost is not None:
+                return
+            self.lost = reason
+            waiting, self._waiting = self._waiting, {}
+        for out, request in waiting.items():
+            _settle(out, error=BackendError(reason, request=request))
+
+
+def _wrap(submit: Callable[[], Any], convert: Callable[[Any], Any], request: str, link: _Link) -> Future[Any]:
     """Call an SDK method and return our Future of `convert(result)`.
 
     The SDK future is chained, not awaited: its exceptions become BackendErrors and its result is
     converted on the SDK's thread, so nothing `tinker.*` reaches the caller. Cancelling the returned
-    future cannot cancel the SDK request (the chain only goes one way)."""
+    future cannot cancel the SDK request (the chain only goes one way). The link fails it when the
+    service is lost."""
     out: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    link.track(out, request)
+    if out.done():  # the service was lost before this call
+        return Future(out)
     try:
         api_future = submit()
-    except Exception as exc:  # noqa: BLE001 - e.g. the blocking session setup on the first call
-        out.set_exception(to_backend_error(exc, request, key))
+    except Exception as exc:  # noqa: BLE001 - e.g. a datum without the loss's inputs
+        _settle(out, error=to_backend_error(exc, request, link.key))
         return Future(out)
 
     def done(fut: concurrent.futures.Future[Any]) -> None:
-        if out.done():  # cancelled by the caller: nothing to deliver
+        if out.done():  # cancelled by the caller, or failed by the link: nothing to deliver
             return
         try:
             value = convert(fut.result())
         except BaseException as exc:  # noqa: BLE001 - every failure is delivered, none raised here
-            err = to_backend_error(exc, request, key)
-            try:
-                out.set_exception(err)
-            except concurrent.futures.InvalidStateError:
-                pass
+            _settle(out, error=to_backend_error(exc, request, link.key))
             return
-        try:
-            out.set_result(value)
-        except concurrent.futures.InvalidStateError:
-            pass
+        _settle(out, value)
 
     api_future.future().add_done_callback(done)
     return Future(out)
@@ -209,13 +267,30 @@ def to_tinker_adam(p: AdamParams) -> tinker.AdamParams:
                              weight_decay=p.weight_decay, grad_clip_norm=p.grad_clip_norm)
 
 
+def _registered_loss(spec: losses.LossSpec, config: dict[str, float]) -> CustomLossFn:
+    """A registered loss as a custom loss over the learner's logprobs (torch tensors, one per datum)."""
+
+    def fn(data: list[Datum], lps: list[Any]) -> tuple[Any, dict[str, float]]:
+        import torch
+
+        def t(x: np.ndarray | None, like: Any) -> Any:
+            return None if x is None else torch.as_tensor(x, dtype=like.dtype, device=like.device)
+
+        total = sum(spec.masked_sum(lp, losses.LossInputs(t(d.weights, lp), t(d.logprobs, lp), t(d.advantages, lp),
+                                                          t(d.mask, lp)), config)
+                    for d, lp in zip(data, lps, strict=True))
+        return total, {}
+
+    return fn
+
+
 # ---------------------------------------------------------------- clients
 
 
 class TinkerSamplingClient:
-    def __init__(self, client: Any, key: str, name: str):
+    def __init__(self, client: Any, link: _Link, name: str):
         self._client = client
-        self._key = key
+        self._link = link
         self._name = name  # names requests in errors, e.g. "sample #3 (sampler tinker://...)"
         self._calls = 0
 
@@ -226,17 +301,17 @@ class TinkerSamplingClient:
     def sample(self, prompt: list[int], num_samples: int, params: SamplingParams) -> Future[SampleOutput]:
         return _wrap(lambda: self._client.sample(tinker.ModelInput.from_ints(list(prompt)), num_samples,
                                                  to_tinker_sampling(params)),
-                     _sample_output, self._request("sample"), self._key)
+                     _sample_output, self._request("sample"), self._link)
 
     def compute_logprobs(self, tokens: list[int]) -> Future[list[float | None]]:
         return _wrap(lambda: self._client.compute_logprobs(tinker.ModelInput.from_ints(list(tokens))),
-                     _logprobs_output, self._request("compute_logprobs"), self._key)
+                     _logprobs_output, self._request("compute_logprobs"), self._link)
 
 
 class TinkerTrainingClient:
-    def __init__(self, client: Any, key: str):
+    def __init__(self, client: Any, link: _Link):
         self._client = client
-        self._key = key
+        self._link = link
         self._calls: dict[str, int] = {}
 
     def _request(self, method: str, note: str = "") -> str:
@@ -245,16 +320,50 @@ class TinkerTrainingClient:
 
     def _fb(self, method: str, data: list[Datum], loss_fn: LossFn,
             loss_config: dict[str, float] | None) -> Future[ForwardBackwardOutput]:
-        keys = LOSS_INPUTS[loss_fn]
+        """A loss the service knows goes by name; any other registered loss (backends/losses.py) runs as a custom
+        loss with the registry's function (forward: the logprobs, then the loss computed here)."""
+        try:
+            spec = losses.get(loss_fn)
+            config = spec.resolve(loss_config)
+        except ValueError as exc:
+            failed: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            failed.set_exception(BackendError(str(exc), request=self._request(method), user_error=True))
+            return Future(failed)
+        if not spec.tinker_builtin:
+            if method == "forward_backward":
+                return self.forward_backward_custom(data, _registered_loss(spec, config))
+            return self._forward_registered(data, spec, config)
         request = self._request(method)
 
         def submit() -> Any:
             for d in data:
-                d.check_for(loss_fn)
-            tdata = [to_tinker_datum(d, keys) for d in data]
+                spec.check_datum(d)
+            tdata = [to_tinker_datum(d, spec.inputs) for d in data]
             return getattr(self._client, method)(tdata, loss_fn, dict(loss_config) if loss_config else None)
 
-        return _wrap(submit, _fb_output(data), request, self._key)
+        return _wrap(submit, _fb_output(data), request, self._link)
+
+    def _forward_registered(self, data: list[Datum], spec: losses.LossSpec,
+                            config: dict[str, float]) -> Future[ForwardBackwardOutput]:
+        request = self._request("forward", spec.name)
+        to_logprobs = _fb_output(data)
+
+        def submit() -> Any:
+            for d in data:
+                spec.check_datum(d)
+            probe = [to_tinker_datum(d, ()) for d in data]  # cross_entropy with no weights: the logprobs only
+            for t, d in zip(probe, data, strict=True):
+                t.loss_fn_inputs["weights"] = _tensor(np.zeros(d.target_tokens.shape, np.float32))
+            return self._client.forward(probe, "cross_entropy")
+
+        def convert(out: Any) -> ForwardBackwardOutput:
+            import torch
+
+            lps = to_logprobs(out).logprobs
+            total = _registered_loss(spec, config)(data, [torch.as_tensor(lp) for lp in lps])[0]
+            return ForwardBackwardOutput(logprobs=lps, metrics={"loss:sum": float(total)})
+
+        return _wrap(submit, convert, request, self._link)
 
     def forward(self, data: list[Datum], loss_fn: LossFn,
                 loss_config: dict[str, float] | None = None) -> Future[ForwardBackwardOutput]:
@@ -269,30 +378,48 @@ class TinkerTrainingClient:
         # cross-entropy backward pass; we hand the loss our original data (same order) instead.
         tdata = [to_tinker_datum(d, ("weights",)) for d in data]
         return _wrap(lambda: self._client.forward_backward_custom(tdata, lambda _t, lps: loss_fn(data, lps)),
-                     _fb_output(data), self._request("forward_backward_custom"), self._key)
+                     _fb_output(data), self._request("forward_backward_custom"), self._link)
 
     def optim_step(self, params: AdamParams) -> Future[OptimStepOutput]:
         return _wrap(lambda: self._client.optim_step(to_tinker_adam(params)), _optim_output,
-                     self._request("optim_step"), self._key)
+                     self._request("optim_step"), self._link)
 
     def save_state(self, name: str, ttl_seconds: int | None = None) -> Future[str]:
         return _wrap(lambda: self._client.save_state(name, ttl_seconds=ttl_seconds), _path,
-                     self._request("save_state", repr(name)), self._key)
+                     self._request("save_state", repr(name)), self._link)
 
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None) -> Future[str]:
         return _wrap(lambda: self._client.save_weights_for_sampler(name, ttl_seconds=ttl_seconds), _path,
-                     self._request("save_weights_for_sampler", repr(name)), self._key)
+                     self._request("save_weights_for_sampler", repr(name)), self._link)
 
     def save_weights_and_get_sampling_client(self) -> Future[Any]:
         request = self._request("save_weights_and_get_sampling_client")
         return _wrap(self._client.save_weights_and_get_sampling_client,
-                     lambda c: TinkerSamplingClient(c, self._key, request), request, self._key)
+                     lambda c: TinkerSamplingClient(c, self._link, request), request, self._link)
+
+
+class TinkerOptions(Protocol):
+    """What the backend reads of its recipe table (config.Tinker, which makes the backend): a Protocol rather
+    than an import of config.py, so the two modules form no circle."""
+
+    @property
+    def base_url(self) -> str | None: ...
+
+    @property
+    def ttl_seconds(self) -> int: ...
+
+    @property
+    def connect_timeout_s(self) -> float: ...
+
+    @property
+    def lost_after_s(self) -> float: ...
 
 
 class TinkerBackend:
-    """The Tinker service. Constructing it checks the key and makes no network call."""
+    """The Tinker service. Constructing it checks the key and makes no network call; the first client it is
+    asked for starts the session (bounded by `connect_timeout_s`) and the watchdog (`lost_after_s`)."""
 
-    def __init__(self, cfg: Tinker, model: str, tokenizer: str | None = None):
+    def __init__(self, cfg: TinkerOptions, model: str, tokenizer: str | None = None):
         self._key = api_key_from_env()
         self.model = model
         self._tokenizer_name = tokenizer
@@ -300,8 +427,12 @@ class TinkerBackend:
         base_url = cfg.base_url or os.environ.get("TINKER_BASE_URL") or None
         # The key is passed explicitly so the SDK's other credential sources (files, commands) are not used.
         self._service = tinker.ServiceClient(base_url=base_url, api_key=self._key)
-        self._closed = False
+        self._link = _Link(self._key, base_url or "the hosted service")
+        self._closed = threading.Event()
         self._ttl = cfg.ttl_seconds
+        self._connect_timeout_s, self._lost_after_s = cfg.connect_timeout_s, cfg.lost_after_s
+        self._lock = threading.Lock()
+        self._session: concurrent.futures.Future[Any] | None = None  # of the SDK's session holder
 
     def checkpoint_ttl_seconds(self) -> int | None:
         return self._ttl
@@ -311,39 +442,130 @@ class TinkerBackend:
             self._tokenizer = load_tokenizer(self._tokenizer_name or self.model)
         return self._tokenizer
 
+    # ------------------------------------------------------------ the session, bounded
+
+    def _session_future(self) -> concurrent.futures.Future[Any]:
+        """The SDK's session, created once on a thread of its own (the SDK blocks while it retries)."""
+        with self._lock:
+            if self._session is None:
+                self._session = concurrent.futures.Future()
+                threading.Thread(target=self._connect, name="tinker-connect", daemon=True).start()
+                timer = threading.Timer(self._connect_timeout_s, self._connect_timed_out)
+                timer.daemon = True
+                timer.start()
+            return self._session
+
+    def _connect(self) -> None:
+        assert self._session is not None
+        try:
+            holder = self._service.holder  # fetches the client config, then creates the session (SDK retries)
+        except Exception as exc:  # noqa: BLE001 - delivered to every call waiting on the session
+            _settle(self._session, error=to_backend_error(exc, "", self._key))
+            return
+        if _settle(self._session, holder):
+            threading.Thread(target=self._watch, args=(holder,), name="tinker-watchdog", daemon=True).start()
+
+    def _connect_timed_out(self) -> None:
+        assert self._session is not None
+        _settle(self._session, error=BackendError(
+            f"could not reach the Tinker service at {self._link.url} within {self._connect_timeout_s:g} s "
+            "(no network, a wrong base_url, or the service is down)"))
+
+    def _watch(self, holder: Any) -> None:
+        """Ping the session; while calls wait and the service has not answered for lost_after_s, lose it."""
+        period = min(PING_PERIOD_S, self._lost_after_s / 4)
+        last_answer, last_error = time.monotonic(), "no answer"
+        while not self._closed.wait(period):
+            try:
+                holder.run_coroutine_threadsafe(_ping(holder, PING_TIMEOUT_S)).result(PING_TIMEOUT_S + 5)
+                last_answer = time.monotonic()
+            except tinker.APIStatusError as exc:  # it answered; 5xx: a proxy answered for a service that is down
+                if exc.status_code < 500:
+                    last_answer = time.monotonic()
+                else:
+                    last_error = f"HTTP {exc.status_code}"
+            except (tinker.APIConnectionError, TimeoutError, concurrent.futures.TimeoutError) as exc:
+                last_error = _first_line(_scrub(str(exc) or type(exc).__name__, self._key), 120)
+            except Exception as exc:  # noqa: BLE001 - the SDK's internals moved: stop watching rather than guess
+                log.debug("Tinker watchdog stopped: %s", type(exc).__name__)
+                return
+            silent = time.monotonic() - last_answer
+            if silent >= self._lost_after_s and self._link.busy():
+                self._link.lose(f"lost the Tinker service at {self._link.url}: no answer for {silent:.0f} s "
+                                f"({last_error})")
+                return
+
+    def _call(self, submit: Callable[[], Any], convert: Callable[[Any], Any], request: str) -> Future[Any]:
+        """_wrap once the session exists; until then the call waits for it (bounded) off the calling thread."""
+        session = self._session_future()
+        if session.done() and session.exception() is None:
+            return _wrap(submit, convert, request, self._link)
+        out: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._link.track(out, request)
+
+        def go(ready: concurrent.futures.Future[Any]) -> None:
+            error = ready.exception()
+            if error is not None:
+                _settle(out, error=BackendError(str(error), request=request,
+                                                user_error=getattr(error, "user_error", False)))
+                return
+            inner = _wrap(submit, convert, request, self._link).future()
+            inner.add_done_callback(lambda f: _settle(out, error=f.exception()) if f.exception() is not None
+                                    else _settle(out, f.result()))
+
+        session.add_done_callback(go)
+        return Future(out)
+
+    # ------------------------------------------------------------ the protocol
+
     def create_training_client(self, spec: LoraSpec) -> Future[TinkerTrainingClient]:
         if spec.rank < 1:
             raise UserError("Tinker trains LoRA adapters only: set lora.rank >= 1")
-        return _wrap(
+        return self._call(
             lambda: self._service.create_lora_training_client(
                 base_model=spec.base_model, rank=spec.rank, seed=spec.seed, train_mlp=spec.train_mlp,
                 train_attn=spec.train_attn, train_unembed=spec.train_unembed),
-            lambda c: TinkerTrainingClient(c, self._key), f"create_training_client {spec.base_model!r}", self._key)
+            lambda c: TinkerTrainingClient(c, self._link), f"create_training_client {spec.base_model!r}")
 
     def create_training_client_from_state(self, path: str, spec: LoraSpec,
                                           with_optimizer: bool = True) -> Future[TinkerTrainingClient]:
         # The checkpoint knows its base model and LoRA shape; `spec` is what the caller expects it to be.
-        method = (self._service.create_training_client_from_state_with_optimizer if with_optimizer
-                  else self._service.create_training_client_from_state)
-        return _wrap(lambda: method(path), lambda c: TinkerTrainingClient(c, self._key),
-                     f"create_training_client_from_state {path!r}", self._key)
+        def submit() -> Any:
+            method = (self._service.create_training_client_from_state_with_optimizer if with_optimizer
+                      else self._service.create_training_client_from_state)
+            return method(path)
+
+        return self._call(submit, lambda c: TinkerTrainingClient(c, self._link),
+                          f"create_training_client_from_state {path!r}")
 
     def create_sampling_client(self, model_path: str | None = None,
                                base_model: str | None = None) -> Future[TinkerSamplingClient]:
         name = model_path or base_model
         if name is None:
             raise ValueError("create_sampling_client needs model_path or base_model")
-        return _wrap(lambda: self._service.create_sampling_client(model_path=model_path, base_model=base_model),
-                     lambda c: TinkerSamplingClient(c, self._key, f"sampler {name}"),
-                     f"create_sampling_client {name!r}", self._key)
+        return self._call(lambda: self._service.create_sampling_client(model_path=model_path, base_model=base_model),
+                          lambda c: TinkerSamplingClient(c, self._link, f"sampler {name}"),
+                          f"create_sampling_client {name!r}")
 
     def close(self, status: str = "success") -> None:
-        """Finish the session; this also stops the SDK's heartbeat and config-refresh tasks."""
-        if self._closed:
+        """Finish the session; this also stops the SDK's heartbeat and config-refresh tasks. No session (never
+        connected): nothing to finish. A lost service gets a short try."""
+        if self._closed.is_set():
             return
-        self._closed = True
+        self._closed.set()
+        session = self._session
+        if session is None or not session.done() or session.exception() is not None:
+            return
         st: CloseStatus = status if status in ("success", "errored", "interrupted") else "errored"  # type: ignore[assignment]
         try:
-            self._service.close(st).result(timeout=CLOSE_TIMEOUT_S)
+            self._service.close(st).result(timeout=LOST_CLOSE_TIMEOUT_S if self._link.lost else CLOSE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - closing must not hide the error that ended the run
             log.warning("closing the Tinker session failed: %s", _first_line(_scrub(str(exc), self._key)))
+
+
+async def _ping(holder: Any, timeout: float) -> None:
+    """One session heartbeat, no retries (what the SDK's own heartbeat loop sends every 10 s)."""
+    from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
+
+    with holder.aclient(ClientConnectionPoolType.SESSION) as client:
+        await client.service.session_heartbeat(session_id=holder.get_session_id(), max_retries=0, timeout=timeout)

@@ -68,7 +68,7 @@ class CompositeDataset(RLDataset):
 
 class DistillAlgo(RLAlgo):
     def __init__(self, cfg: Distill, tokenizer: Any, *, seed: int = 0, base_model: str = "tiny",
-                 max_steps: int | None = None, weights: dict[str, str] | None = None):
+                 max_steps: int | None = None, weights: dict[str, str] | None = None, renderer: str = "auto"):
         self.weights = weights or {}
         self.prompts: list[tuple[list[list[dict[str, str]]], list[list[dict[str, str]]]]] = []
         for i, ds in enumerate(cfg.datasets):
@@ -84,7 +84,8 @@ class DistillAlgo(RLAlgo):
                                 f"{ds.groups_per_batch}")
             self.prompts.append((train, test))
         self.teachers: list[SamplingClient | None] = [None] * len(cfg.datasets)
-        super().__init__(cfg, tokenizer, seed=seed, base_model=base_model, max_steps=max_steps, weights=weights)
+        super().__init__(cfg, tokenizer, seed=seed, base_model=base_model, max_steps=max_steps, weights=weights,
+                         renderer=renderer)
 
     # ---------------------------------------------------------------- data
 
@@ -237,7 +238,7 @@ def prompts_from_chats(path: str, limit: int | None = None) -> list[dict[str, An
 def build(cfg: Distill, args: BuildArgs) -> functools.partial[DistillAlgo]:
     r = args.recipe
     return functools.partial(DistillAlgo, cfg, seed=r.seed, base_model=r.model, max_steps=r.max_steps,
-                             weights=dict(args.weights))
+                             weights=dict(args.weights), renderer=r.renderer)
 
 
 SPEC = AlgoSpec(build=build, headline=[("teacher_kl", "teacher_kl"), ("test/teacher_kl", "test/teacher_kl")])

@@ -45,6 +45,7 @@ from runner.algos import AlgoSpec, BuildArgs
 from runner.algos.sft import PLAN_STEPS, to_datum, weights
 from runner.data.comparisons import Batches, Pair, Pairs, load_pairs, render_completion
 from runner.recipe.schema import DPO
+from runner.renderers import get_renderer
 from runner.rl.kl import reference_logprobs
 
 # ---------------------------------------------------------------- the math
@@ -111,10 +112,9 @@ class DPOAlgo:
     """DPO behind the loop's Algorithm interface (runner/engine/loop.py)."""
 
     def __init__(self, cfg: DPO, pairs: Pairs, tokenizer: Any, *, seed: int = 0, base_model: str = "tiny",
-                 reference_path: str | None = None, max_steps: int | None = None):
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise UserError("the tokenizer has no chat template; DPO renders prompts and completions with it")
+                 reference_path: str | None = None, max_steps: int | None = None, renderer: str = "auto"):
         self.cfg, self.tokenizer, self.data = cfg, tokenizer, pairs
+        self.renderer = get_renderer(renderer, tokenizer, model_name=base_model)
         self.base_model, self.reference_path = base_model, reference_path
         self.batches = Batches(pairs.pairs, test_size=cfg.test_size, batch_size=cfg.batch_size, epochs=cfg.epochs,
                                seed=seed, max_steps=max_steps, what="pairs")
@@ -134,9 +134,12 @@ class DPOAlgo:
         out = []
         for side, completion in (("chosen", pair.chosen), ("rejected", pair.rejected)):
             try:
-                tokens, w = render_completion(self.tokenizer, pair.prompt, completion)
+                tokens, w = render_completion(self.renderer, pair.prompt, completion)
+            except UserError as e:
+                raise UserError(f"{pair.where}: the {side} side: {e}") from None
             except Exception as e:  # noqa: BLE001 - the template's own errors, e.g. roles that must alternate
-                raise UserError(f"{pair.where}: the chat template cannot render the {side} side: {e}") from None
+                raise UserError(f"{pair.where}: renderer {self.renderer.name!r} cannot render the {side} side: {e}"
+                                ) from None
             datum = to_datum(tokens, w, self.cfg.max_length, "none")
             if datum is None or not weights(datum).any():
                 raise UserError(f"{pair.where}: the prompt fills algo.max_length = {self.cfg.max_length} tokens, so the "
@@ -276,7 +279,7 @@ class DPOAlgo:
 def build(cfg: DPO, args: BuildArgs) -> functools.partial[DPOAlgo]:
     r = args.recipe
     return functools.partial(DPOAlgo, cfg, load_pairs(cfg.data), seed=r.seed, base_model=r.model,
-                             max_steps=r.max_steps, reference_path=args.reference_path)
+                             max_steps=r.max_steps, reference_path=args.reference_path, renderer=r.renderer)
 
 
 SPEC = AlgoSpec(build=build, headline=[("dpo_loss", "loss"), ("accuracy", "acc"), ("test/accuracy", "test/acc")],

@@ -26,19 +26,20 @@ from runner.algos import AlgoSpec, BuildArgs
 from runner.data.conversations import Conversation, load_conversations
 from runner.engine.rundir import OUTPUT
 from runner.recipe.schema import Generate
+from runner.renderers import get_renderer
 from runner.rl.renderer import ChatRenderer
 
 
 class GenerateAlgo:
     def __init__(self, cfg: Generate, prompts: list[Conversation], where: list[str], tokenizer: Any, *,
                  seed: int = 0, base_model: str = "tiny", max_steps: int | None = None,
-                 weights: dict[str, str] | None = None):
+                 weights: dict[str, str] | None = None, renderer: str = "auto"):
         for conv, w in zip(prompts, where, strict=True):
             if conv[-1]["role"] != "user":
                 raise UserError(f"{w}: a prompt must end with the user's turn (the teacher replies to it)")
         self.cfg, self.prompts, self.seed, self.base_model = cfg, prompts, seed, base_model
         self.weights = weights or {}
-        self.renderer = ChatRenderer(tokenizer)
+        self.renderer = ChatRenderer(get_renderer(renderer, tokenizer, model_name=base_model))
         full = -(-len(prompts) // cfg.batch_size)
         self.total_steps = min(full, max_steps) if max_steps else full
         self.client: SamplingClient | None = None
@@ -62,7 +63,7 @@ class GenerateAlgo:
         system = [{"role": "system", "content": cfg.system}] if cfg.system else []
         futures = [client.sample(self.renderer.build_prompt(system + conv), cfg.n,
                                  SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-                                                stop=list(self.renderer.stop_tokens),
+                                                stop=self.renderer.stop,
                                                 seed=(self.seed * 1_000_003 + first + i) % 2**31))
                    for i, conv in enumerate(batch)]
         outs = await asyncio.gather(*futures)
@@ -135,7 +136,7 @@ def build(cfg: Generate, args: BuildArgs) -> functools.partial[GenerateAlgo]:
     r = args.recipe
     prompts, where = load_conversations(cfg.prompts)
     return functools.partial(GenerateAlgo, cfg, prompts, where, seed=r.seed, base_model=r.model,
-                             max_steps=r.max_steps, weights=dict(args.weights))
+                             max_steps=r.max_steps, weights=dict(args.weights), renderer=r.renderer)
 
 
 SPEC = AlgoSpec(build=build,

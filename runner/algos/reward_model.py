@@ -34,6 +34,7 @@ from runner.algos.judge import label_logprobs, p_first
 from runner.algos.sft import PLAN_STEPS
 from runner.data.comparisons import Batches, Pair, Pairs, load_pairs, render_judge
 from runner.recipe.schema import RewardModel
+from runner.renderers import get_renderer
 
 
 @dataclass(frozen=True)
@@ -45,16 +46,16 @@ class Judged:
     other: int
 
 
-def orders(tokenizer: Any, pair: Pair, max_length: int) -> list[Judged]:
+def orders(renderer: Any, pair: Pair, max_length: int) -> list[Judged]:
     """Both orders of a comparison: (A = chosen, B = rejected, label "A"), then (A = rejected, B = chosen, "B")."""
     out = []
     for a, b, preferred in ((pair.chosen, pair.rejected, 0), (pair.rejected, pair.chosen, 1)):
         try:
-            prefix, tok_a, tok_b = render_judge(tokenizer, pair.prompt, a, b)
+            prefix, tok_a, tok_b = render_judge(renderer, pair.prompt, a, b)
         except UserError as e:
             raise UserError(f"{pair.where}: {e}") from None
         except Exception as e:  # noqa: BLE001 - the template's own errors
-            raise UserError(f"{pair.where}: the chat template cannot render the judge prompt: {e}") from None
+            raise UserError(f"{pair.where}: the renderer cannot render the judge prompt: {e}") from None
         if len(prefix) + 1 > max_length:
             raise UserError(f"{pair.where}: the judge prompt is {len(prefix) + 1} tokens, over algo.max_length = "
                             f"{max_length}; raise max_length")
@@ -99,10 +100,9 @@ class RewardModelAlgo:
     """The reward model behind the loop's Algorithm interface (runner/engine/loop.py)."""
 
     def __init__(self, cfg: RewardModel, pairs: Pairs, tokenizer: Any, *, seed: int = 0,
-                 max_steps: int | None = None):
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise UserError("the tokenizer has no chat template; the reward model renders its prompts with it")
+                 max_steps: int | None = None, renderer: str = "auto", model_name: str | None = None):
         self.cfg, self.tokenizer, self.data = cfg, tokenizer, pairs
+        self.renderer = get_renderer(renderer, tokenizer, model_name=model_name)
         self.batches = Batches(pairs.pairs, test_size=cfg.test_size, batch_size=cfg.batch_size, epochs=cfg.epochs,
                                seed=seed, max_steps=max_steps, what="comparisons")
         self.total_steps = self.batches.total_steps
@@ -110,7 +110,7 @@ class RewardModelAlgo:
         self._test: list[Judged] | None = None
 
     def judged(self, pairs: list[Pair]) -> list[Judged]:
-        return [j for p in pairs for j in orders(self.tokenizer, p, self.cfg.max_length)]
+        return [j for p in pairs for j in orders(self.renderer, p, self.cfg.max_length)]
 
     def test_judged(self) -> list[Judged]:
         if self._test is None:
@@ -200,7 +200,8 @@ class RewardModelAlgo:
 
 def build(cfg: RewardModel, args: BuildArgs) -> functools.partial[RewardModelAlgo]:
     return functools.partial(RewardModelAlgo, cfg, load_pairs(cfg.data), seed=args.recipe.seed,
-                             max_steps=args.recipe.max_steps)
+                             max_steps=args.recipe.max_steps, renderer=args.recipe.renderer,
+                             model_name=args.recipe.model)
 
 
 SPEC = AlgoSpec(build=build,

@@ -1,18 +1,19 @@
 """Supervised fine-tuning on conversations: cross-entropy on the chosen messages' tokens.
 
 Per step: a batch of `batch_size` conversations from a seeded per-epoch shuffle (the last partial
-batch of an epoch is dropped), each rendered with the tokenizer's own chat template, truncated to
-max_length, and cut into a Tinker-aligned datum (input = seq[:-1], targets = seq[1:], weights[1:]).
+batch of an epoch is dropped), each rendered with the recipe's renderer (runner/renderers/: the
+cookbook's renderer of that name, or the tokenizer's chat template for "hf"), truncated to max_length, and cut into a Tinker-aligned datum (input = seq[:-1], targets = seq[1:], weights[1:]).
 One forward_backward(cross_entropy) and one optim_step; every eval_every steps a forward on the
 held-out rows first. As the cookbook (supervised/train.py), except:
-1. Trained spans are found by rendering message prefixes with the HF chat template, so any model's
-   template works (the cookbook needs a hand-written renderer per model family).
+1. Besides the cookbook's renderers, renderer = "hf" (what "auto" gives a model the cookbook does not
+   know, when its tokenizer has a chat template) finds trained spans by rendering message prefixes with
+   the HF chat template, so any model's template works.
 2. The data position is stored as the *next* step, so a resume replays nothing (cookbook §8.1).
 3. num_loss_tokens counts tokens with weight > 0 (the cookbook sums the weights, which under
    reduction "mean" counts sequences).
-As the cookbook's supervised loop, there is no eval after the last step (final() does nothing, so
-metrics.jsonl ends at the last step's row): the last held-out NLL is the one before step
-(total - 1) // eval_every * eval_every. RL, whose cookbook loop does evaluate the final weights, does too.
+Unlike the cookbook's supervised loop (no eval after the last step), the final weights are evaluated once more
+(test/nll, and test/agreement when asked for) in a row at step = total steps, as RL does; `runner eval` runs the same
+at any checkpoint. No final row when eval_every = 0 (and agreement is off) or there is no held-out set.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from backends.base import Future, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
 from runner.algos import AlgoSpec, BuildArgs
-from runner.data.chat_template import render
 from runner.data.conversations import Conversation, load_conversations
 from runner.engine.context import FinalContext
 from runner.recipe.schema import SFT
+from runner.renderers import Renderer, get_renderer, render_row, text_of
 
 # How many steps the dry-run plan renders to report datums and tokens per step.
 PLAN_STEPS = 20
@@ -76,10 +77,9 @@ class SFTAlgo:
     """SFT behind the loop's Algorithm interface (runner/engine/loop.py)."""
 
     def __init__(self, cfg: SFT, convs: list[Conversation], where: list[str], tokenizer: Any, *,
-                 seed: int = 0, max_steps: int | None = None):
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise UserError("the tokenizer has no chat template; SFT renders conversations with it")
+                 seed: int = 0, max_steps: int | None = None, renderer: str = "auto", model_name: str | None = None):
         self.cfg, self.tokenizer, self.seed = cfg, tokenizer, seed
+        self.renderer: Renderer = get_renderer(renderer, tokenizer, model_name=model_name)
         if cfg.test_size >= len(convs):
             raise UserError(f"algo.test_size = {cfg.test_size} leaves no training rows (the data has {len(convs)})")
         order = np.random.default_rng(seed).permutation(len(convs))  # one seeded shuffle, then split
@@ -112,10 +112,7 @@ class SFTAlgo:
     def datums(self, rows: list[tuple[Conversation, str]]) -> list[Datum]:
         out = []
         for messages, where in rows:
-            try:
-                tokens, weights = render(self.tokenizer, messages, self.cfg.train_on_what)
-            except Exception as e:  # noqa: BLE001 - the template's own errors, e.g. roles that must alternate
-                raise UserError(f"{where}: the chat template cannot render this conversation: {e}") from None
+            tokens, weights = render_row(self.renderer, messages, self.cfg.train_on_what, where)
             if not any(weights):
                 raise UserError(f"{where}: no message to train on (train_on_what = {self.cfg.train_on_what!r})")
             datum = to_datum(tokens, weights, self.cfg.max_length, self.cfg.reduction)
@@ -208,16 +205,16 @@ class SFTAlgo:
         from backends.types import SamplingParams
         from runner.rl.renderer import ChatRenderer
 
-        renderer = ChatRenderer(self.tokenizer)
+        renderer = ChatRenderer(self.renderer)
         client = await ctx.backend.create_sampling_client(model_path=ctx.sampler_path)
         cases = []
         for messages, _ in self.test_rows:
             last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-            expected = messages[last]["content"].strip()
+            expected = text_of(messages[last]).strip()
             budget = len(self.tokenizer.encode(expected, add_special_tokens=False)) + 8
             cases.append((renderer.build_prompt(messages[:last]), expected, budget))
         outs = await asyncio.gather(*(client.sample(prompt, 1, SamplingParams(
-            max_tokens=budget, temperature=0.0, stop=list(renderer.stop_tokens), seed=0))
+            max_tokens=budget, temperature=0.0, stop=renderer.stop, seed=0))
             for prompt, _, budget in cases))
         same = [renderer.parse(out.sequences[0].tokens).text.strip() == expected
                 for out, (_, expected, _) in zip(outs, cases, strict=True)]
@@ -238,6 +235,7 @@ class SFTAlgo:
             (f"per step (first {steps} steps): {cfg.batch_size} datums, tokens mean {np.mean(tokens):.0f} "
              f"max {max(tokens)}, trained tokens mean {np.mean(loss_tokens):.0f}"),
             f"calls per step: forward_backward(cross_entropy, {cfg.batch_size} datums) + optim_step",
+            f"renderer: {self.renderer.name}, train_on_what = {cfg.train_on_what} (`runner render` shows the tokens)",
         ]
         if self.test_rows:
             lines.append(f"eval steps add: forward(cross_entropy, {len(self.test_rows)} held-out datums) first")
@@ -250,7 +248,8 @@ class SFTAlgo:
 
 def build(cfg: SFT, args: BuildArgs) -> functools.partial[SFTAlgo]:
     convs, where = load_conversations(cfg.data)
-    return functools.partial(SFTAlgo, cfg, convs, where, seed=args.recipe.seed, max_steps=args.recipe.max_steps)
+    return functools.partial(SFTAlgo, cfg, convs, where, seed=args.recipe.seed, max_steps=args.recipe.max_steps,
+                             renderer=args.recipe.renderer, model_name=args.recipe.model)
 
 
 SPEC = AlgoSpec(build=build, headline=[("train_mean_nll", "nll"), ("test/nll", "test/nll")],

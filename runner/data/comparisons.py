@@ -1,6 +1,7 @@
 """Preference data: labelled comparisons of two completions of one prompt, for DPO and the reward model.
 
-Rows (JSONL, or any data source of runner/data/conversations.py), one of:
+Rows (any data source of runner/data/files.py; a source with `format = "hh_rlhf"` maps the HH-RLHF transcripts first,
+runner/data/formats.py), one of:
   {"prompt": [messages], "chosen": [messages], "rejected": [messages]}
   {"comparison": {"prompt_conversation": [...], "completion_A": [...], "completion_B": [...]},
    "label": "A" | "B" | "Tie"}                                    (the cookbook's LabeledComparison)
@@ -9,7 +10,7 @@ so it is dropped and counted (the cookbook silently makes B the winner). A bad r
 file and line.
 
 Rendering (shared by DPO, the reward model and runner/algos/judge.py):
-  - `render_completion`: prompt + completion through the tokenizer's chat template; weight 1 on every token after
+  - `render_completion`: prompt + completion through the recipe's renderer (or the tokenizer's chat template); weight 1 on every token after
     the prompt's generation header (the completion's content and end-of-turn), 0 on the prompt;
   - `judge_messages`: the reward model's input, one user message showing the conversation and both completions and
     asking which is better; the target is the assistant reply "A" or "B". One user message (not the cookbook's
@@ -26,7 +27,7 @@ import numpy as np
 
 from backends.errors import UserError
 from runner.data.chat_template import encode, prefix_len, template
-from runner.data.conversations import Conversation, load_rows, messages_of
+from runner.data.conversations import Conversation, describe, mapped_rows, messages_of
 from runner.recipe.schema import DataSource
 
 LABELS = ("A", "B", "Tie")
@@ -49,11 +50,13 @@ class Pairs:
     ties: int
     rows: int
     source: str
+    # Rows the source's format drops (an HH-RLHF pair whose transcripts differ in more than the last turn).
+    dropped: int = 0
 
 
 def load_pairs(source: DataSource) -> Pairs:
     """Every row of `source` as a Pair (ties dropped and counted); UserError on the first bad row."""
-    rows, where = load_rows(source)
+    rows, where, dropped = mapped_rows(source, "comparison")
     pairs, ties = [], 0
     for row, w in zip(rows, where, strict=True):
         pair = parse_row(row, w)
@@ -61,13 +64,14 @@ def load_pairs(source: DataSource) -> Pairs:
             ties += 1
         else:
             pairs.append(pair)
-    name = getattr(source, "path", None) or getattr(source, "name", None) or getattr(source, "target", "")
+    name = describe(source)
     if not pairs:
-        raise UserError(f"data source {name} has no comparisons with a winner ({len(rows)} rows, {ties} ties)")
+        raise UserError(f"data source {name} has no comparisons with a winner ({len(rows)} rows, {ties} ties, "
+                        f"{dropped} dropped)")
     if ties:
         print(f"note: {name}: {ties} of {len(rows)} rows are ties (label \"Tie\"), dropped: a tie says nothing "
               "about which completion is better", file=sys.stderr)
-    return Pairs(pairs, ties, len(rows), str(name))
+    return Pairs(pairs, ties, len(rows) + dropped, name, dropped)
 
 
 def parse_row(row: Any, where: str) -> Pair | None:
@@ -108,9 +112,20 @@ def _completion(value: Any, where: str, key: str) -> Conversation:
 # ---------------------------------------------------------------- rendering
 
 
-def render_completion(tokenizer: Any, prompt: Conversation, completion: Conversation) -> tuple[list[int], list[float]]:
-    """Tokens of prompt + completion and their weights: 1 from the end of the prompt's generation header (when the
-    completion starts with an assistant turn) to the end, 0 before."""
+def render_completion(renderer: Any, prompt: Conversation, completion: Conversation) -> tuple[list[int], list[float]]:
+    """Tokens of prompt + completion and their weights, with the recipe's renderer (or a tokenizer: its chat
+    template). Chat template: 1 from the end of the prompt's generation header (when the completion starts with
+    an assistant turn) to the end, 0 before. A named renderer: as its supervised example trains the completion
+    (one assistant message: last_assistant_message; several: each completion message's content)."""
+    from runner.renderers import Renderer
+    from runner.renderers.hf import HFTemplateRenderer
+
+    if isinstance(renderer, Renderer) and not isinstance(renderer, HFTemplateRenderer):
+        if len(completion) == 1 and completion[0]["role"] == "assistant":
+            return renderer.build_supervised_example([*prompt, *completion], "last_assistant_message")
+        flagged = [{**m, "trainable": False} for m in prompt] + [{**m, "trainable": True} for m in completion]
+        return renderer.build_supervised_example(flagged, "customized")
+    tokenizer = renderer.tokenizer if isinstance(renderer, Renderer) else renderer
     tokens = encode(tokenizer, template(tokenizer, prompt + completion, False))
     start = prefix_len(tokenizer, prompt, tokens, completion[0]["role"] == "assistant")
     return tokens, [0.0] * start + [1.0] * (len(tokens) - start)
@@ -130,15 +145,23 @@ def judge_messages(prompt: Conversation, a: Conversation, b: Conversation) -> Co
     return [{"role": "user", "content": text}]
 
 
-def render_judge(tokenizer: Any, prompt: Conversation, a: Conversation, b: Conversation) -> tuple[list[int], int, int]:
+def render_judge(renderer: Any, prompt: Conversation, a: Conversation, b: Conversation) -> tuple[list[int], int, int]:
     """(the judge prompt's tokens up to the label, the token of label "A", of label "B"): the assistant reply "A"
-    and "B" rendered in full, cut at the first token where they differ."""
+    and "B" rendered in full (with the recipe's renderer, or a tokenizer's chat template), cut at the first token
+    where they differ."""
+    from runner.renderers import Renderer
+    from runner.renderers.hf import HFTemplateRenderer
+
     question = judge_messages(prompt, a, b)
-    ta, tb = (encode(tokenizer, template(tokenizer, [*question, {"role": "assistant", "content": label}], False))
-              for label in ("A", "B"))
+    replies = [[*question, {"role": "assistant", "content": label}] for label in ("A", "B")]
+    if isinstance(renderer, Renderer) and not isinstance(renderer, HFTemplateRenderer):
+        ta, tb = (renderer.build_supervised_example(r, "last_assistant_message")[0] for r in replies)
+    else:
+        tokenizer = renderer.tokenizer if isinstance(renderer, Renderer) else renderer
+        ta, tb = (encode(tokenizer, template(tokenizer, r, False)) for r in replies)
     pos = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), min(len(ta), len(tb)))
     if pos >= min(len(ta), len(tb)):
-        raise UserError("the chat template renders the replies \"A\" and \"B\" without a token where they differ; "
+        raise UserError("the renderer writes the replies \"A\" and \"B\" without a token where they differ; "
                         "the reward model needs one")
     return ta[:pos], ta[pos], tb[pos]
 

@@ -98,16 +98,16 @@ def dependencies(recipe: Recipe, where: str, seen: tuple[str, ...] = ()) -> list
 
 
 def check_all(recipe: Recipe, where: str) -> None:
-    """`runner check` of one recipe: what decoding cannot see (runner.recipe.load.check_recipe) for it and every recipe it
-    runs first (its init_from chain, teachers, judges), and that every model it scores with shares its tokenizer."""
+    """`runner check` of one recipe: what decoding cannot see (runner.recipe.load.check_recipe, the data's rows:
+    runner.data.check.check_data, a custom algorithm's args) for it and every recipe it runs first (its init_from chain, teachers, judges), and that every model it scores with shares its tokenizer."""
     from runner.algos import check_algo
+    from runner.data.check import check_data
 
-    check_recipe(recipe, where)
-    check_algo(recipe.algo, where)
-    for stage in [*upstreams(recipe, where), *dependencies(recipe, where)]:
-        if stage.runnable:
-            check_recipe(stage.recipe, stage.ref)
-            check_algo(stage.recipe.algo, stage.ref)
+    for r, at in [(recipe, where), *((s.recipe, s.ref) for s in [*upstreams(recipe, where),
+                                                                  *dependencies(recipe, where)] if s.runnable)]:
+        check_recipe(r, at)
+        check_data(r, at)
+        check_algo(r.algo, at)
     for path, model in base_models(recipe):
         if (problem := tokenizer_mismatch(model, recipe.tokenizer or recipe.model)) is not None:
             raise UserError(f"{where}: {path} {model!r}: {problem}")

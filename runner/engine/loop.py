@@ -35,6 +35,8 @@ from backends.tokenizer import load_tokenizer
 from backends.types import LoraSpec
 from runner.algos import make_algo, spec_of
 from runner.engine.context import Algorithm, Context, FinalContext, InitWeights
+from runner.engine.evals import names as eval_names
+from runner.engine.evals import pinned_metrics
 from runner.engine.log import Progress
 from runner.engine.rundir import RunDir, open_run_dir
 from runner.engine.schedule import adam_at
@@ -75,14 +77,15 @@ def run(recipe: Recipe, name: str, *, dry_run: bool = False, backend: Backend | 
         algo = build_algo(backend.get_tokenizer())
         if run_dir.resume is not None:
             algo.load_state(run_dir.resume, run_dir.start_step)
-        final = algo.final_plan(recipe.eval_every > 0)
+        final = final_plan(recipe, algo)
         if run_dir.start_step >= algo.total_steps and not final_due(run_dir, algo, final):
             print(f"{name}: already finished ({run_dir.start_step} steps in {run_dir.path}); nothing to do",
                   file=sys.stderr)
         else:
             if (warning := short_data_warning(recipe, algo)) is not None:
                 print(f"warning: {warning}", file=sys.stderr)
-            asyncio.run(train(recipe, run_dir, backend, algo, final is not None, init))
+            has_final = algo.final_plan(recipe.eval_every > 0) is not None
+            asyncio.run(train(recipe, run_dir, backend, algo, has_final, init))
         status = "success"
     except BackendError as e:
         if e.user_error:
@@ -122,6 +125,8 @@ class Pending:
     state: dict[str, Any]
     # Checkpoint name and save futures, when this step is a checkpoint step.
     save: tuple[str, Future[str], Future[str]] | None = None
+    # Pinned evals run before this step (runner/engine/evals.py), logged in its row.
+    pinned: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -137,6 +142,14 @@ class Clock:
         times = {"time/step": now - self.last, "time/total": self.before + now - self.start}
         self.last = now
         return times
+
+
+def final_plan(recipe: Recipe, algo: Algorithm) -> str | None:
+    """What the row after the last step holds: the algorithm's final() and the recipe's pinned evals."""
+    parts = [p for p in (algo.final_plan(recipe.eval_every > 0),) if p is not None]
+    if recipe.evals:
+        parts.append(f"pinned evals ({', '.join(eval_names(recipe.evals))}) on the final weights")
+    return "; ".join(parts) or None
 
 
 def final_due(run: RunDir, algo: Algorithm, final: str | None) -> bool:
@@ -210,10 +223,17 @@ async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm, 
                              f"{last_ckpt['name'] if last_ckpt else '-'} saved in {run.path}; "
                              "run the same command to resume")
             raise Interrupted()
-        if final:
+        # Pinned evals ([[evals]]) run on the final weights too, in the final row (a row of their own when the
+        # algorithm has no final()).
+        pinned = bool(recipe.evals)
+        if final or pinned:
             assert last_ckpt is not None and last_ckpt["next_step"] == total  # the last step always checkpoints
             metrics = await algo.final(FinalContext(backend, last_ckpt["sampler_path"], run.path),
-                                       recipe.eval_every > 0)
+                                       recipe.eval_every > 0) if final else {}
+            if pinned:
+                metrics.update(await pinned_metrics(
+                    recipe.evals, backend.create_sampling_client(last_ckpt["sampler_path"]), backend.get_tokenizer(),
+                    recipe.renderer, recipe.model))
             row = {"step": total, **metrics, "time/total": clock.lap()["time/total"]}
             run.log_metrics(row)
             progress.final(row)
@@ -236,10 +256,13 @@ async def train_steps(recipe: Recipe, run: RunDir, backend: Backend, tc: Trainin
         t = time.monotonic()
         adam = adam_at(recipe, step, total)
         evaluate = recipe.eval_every > 0 and step % recipe.eval_every == 0
+        # Pinned evals on the weights before this step (every step submitted so far), logged in its row.
+        pinned = (await pinned_metrics(recipe.evals, ctx.snapshot(), ctx.tokenizer, recipe.renderer, recipe.model)
+                  if evaluate else {})
         submitted = []
         async for part in algo.prepare(step, ctx):
             submitted.append(algo.submit(tc, step, part, adam, evaluate and not submitted))
-        p = Pending(step, submitted, adam.learning_rate, time.monotonic() - t, algo.state())
+        p = Pending(step, submitted, adam.learning_rate, time.monotonic() - t, algo.state(), pinned=pinned)
         if checkpoint_due(recipe, step, total):  # queued right behind this step's optim_step
             last = step == total - 1
             name = run.checkpoint_name(step, last)
@@ -264,7 +287,7 @@ async def finish(p: Pending, algo: Algorithm, run: RunDir, progress: Progress, c
     which it returns."""
     t = time.monotonic()
     metrics = await algo.finish(p.step, p.submitted)
-    row = {"step": p.step, **metrics, "optim/lr": p.lr, "progress/done_frac": (p.step + 1) / total,
+    row = {"step": p.step, **metrics, **p.pinned, "optim/lr": p.lr, "progress/done_frac": (p.step + 1) / total,
            "time/prepare": p.prepare_s, "time/wait": time.monotonic() - t, **clock.lap()}
     run.log_metrics(row)
     progress.update(p.step, row)
@@ -286,7 +309,7 @@ def checkpoint_due(recipe: Recipe, step: int, total: int) -> bool:
 
 def print_plan(recipe: Recipe, name: str, run: RunDir, algo: Algorithm) -> None:
     total, start = algo.total_steps, run.start_step
-    final = algo.final_plan(recipe.eval_every > 0)
+    final = final_plan(recipe, algo)
     lrs = [adam_at(recipe, s, total).learning_rate for s in range(total)]
     todo = range(start, total)
     saves = [s + 1 for s in todo if checkpoint_due(recipe, s, total)]

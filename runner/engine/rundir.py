@@ -34,16 +34,21 @@ from backends.errors import UserError
 from runner.engine.log import append_jsonl, read_jsonl, write_jsonl_atomic
 from runner.engine.track import start_tracker
 from runner.recipe.load import dump_recipe, load_recipe
+
+# Where runs live and what a generate run writes: defined with the references, re-exported here.
+from runner.recipe.refs import OUTPUT as OUTPUT
+from runner.recipe.refs import output_files as output_files
+from runner.recipe.refs import run_dir_path as run_dir_path
 from runner.recipe.schema import Recipe
 
 CONFIG, METRICS, CHECKPOINTS, SESSIONS = "config.toml", "metrics.jsonl", "checkpoints.jsonl", "sessions.jsonl"
 # A chained run's starting point (runner/engine/chain.py): the upstream's ref, recipe (TOML) and checkpoint.
 INIT = "init_from.json"
 # What a generate run writes (runner/algos/generate.py): generated/step_NNNNNN.jsonl.
-OUTPUT = "generated"
 # Keys that may change between a run and its resumption: extending a run is a new max_steps, the
-# directory itself is the run's identity, and where metrics are also sent (log) is not part of the training.
-RESUMABLE_CHANGES = ("max_steps", "if_exists", "log_dir", "log")
+# directory itself is the run's identity, and where metrics are also sent (log) and the `--smoke` stand-ins (smoke) are
+# not part of the training.
+RESUMABLE_CHANGES = ("max_steps", "if_exists", "log_dir", "log", "smoke")
 
 
 @dataclass
@@ -121,10 +126,6 @@ class RunDir:
 
     def checkpoints(self) -> list[dict[str, Any]]:
         return read_jsonl(self.path / CHECKPOINTS)
-
-
-def run_dir_path(recipe: Recipe, name: str) -> Path:
-    return Path(recipe.log_dir) if recipe.log_dir else Path("runs") / name
 
 
 def open_run_dir(recipe: Recipe, name: str, *, dry_run: bool = False, init: dict[str, Any] | None = None) -> RunDir:
@@ -265,8 +266,3 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def output_files(run_dir: Path) -> list[Path]:
-    """The files a generate run wrote, in step order."""
-    return sorted((run_dir / OUTPUT).glob("step_*.jsonl"))

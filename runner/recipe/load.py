@@ -29,8 +29,9 @@ import tomli_w
 
 from backends.errors import UserError
 from runner.recipe.explain import NAME, child, convert, dotted, got, info, is_ref, is_str, is_target
+from runner.recipe.lr import resolve_auto
 from runner.recipe.refs import absolute_ref
-from runner.recipe.schema import Jsonl, Recipe
+from runner.recipe.schema import File, Jsonl, Recipe
 from runner.recipe.targets import args_mismatch, import_target
 
 DEFAULT_FILE = "recipes.toml"
@@ -70,7 +71,12 @@ def resolve(path: str, name: str, raw: dict[str, Any], overrides: Sequence[str] 
     errors (default 'FILE#name'; a sweep adds the point)."""
     where = where or f"{path}#{name}"
     raw = {k: v for k, v in raw.items() if k != SWEEP_KEY}
-    recipe = decode_recipe(apply_overrides(raw, overrides, where), where)
+    table = apply_overrides(raw, overrides, where)
+    try:
+        table, _ = resolve_auto(table)  # lr = "auto" (runner/recipe/lr.py)
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
+    recipe = decode_recipe(table, where)
     # User modules ("pkg.mod:fn" targets) may live next to the recipe file: importable after the working
     # directory (import_target puts that first).
     folder = str(Path(path).parent.resolve())
@@ -102,9 +108,9 @@ def _data_next_to_recipe(recipe: Recipe, where: str, base: Path) -> Recipe:
     config.toml then records."""
     fixes = []
     for keys, node in structs(recipe, ()):
-        if isinstance(node, Jsonl):
+        if isinstance(node, (Jsonl, File)):
             rel = Path(node.path)
-            if not rel.is_absolute() and not rel.is_file() and (base / rel).is_file():
+            if not rel.is_absolute() and not rel.exists() and (base / rel).exists():
                 fixes.append((keys, str((base / rel).resolve())))
     if not fixes:
         return recipe
@@ -133,7 +139,11 @@ def read_tables(path: str) -> dict[str, dict[str, Any]]:
     if not p.is_file():
         raise UserError(f"{path}: {'not a file' if p.exists() else 'file not found'}")
     try:
-        data = tomllib.loads(p.read_bytes().decode("utf-8"))
+        data = _parse_toml(p.read_bytes())
+    except PermissionError:
+        raise UserError(f"{path}: cannot read it (permission denied)") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read it ({e.strerror or type(e).__name__})") from None
     except UnicodeDecodeError:
         raise UserError(f"{path}: not UTF-8 text") from None
     except tomllib.TOMLDecodeError as e:
@@ -154,6 +164,17 @@ def read_tables(path: str) -> dict[str, dict[str, Any]]:
         if not isinstance(raw, dict):
             raise UserError(f"{path}#{name}: expected a table [recipes.{name}], got {got(raw)}")
     return tables
+
+
+_PARSED: dict[bytes, dict[str, Any]] = {}
+
+
+def _parse_toml(content: bytes) -> dict[str, Any]:
+    """tomllib.loads, remembered by content: one `runner check` reads the same file once per recipe and per
+    reference between recipes (16 times for recipes.toml); a copy each time, so callers may change it."""
+    if content not in _PARSED:
+        _PARSED[content] = tomllib.loads(content.decode("utf-8"))
+    return copy.deepcopy(_PARSED[content])
 
 
 def decode_recipe(raw: dict[str, Any], where: str) -> Recipe:
@@ -277,9 +298,10 @@ def _drop_none(v: Any) -> Any:
 
 def check_recipe(recipe: Recipe, where: str) -> None:
     """What decoding cannot see: data files exist (relative to the working directory) and every
-    `Target` field imports and is callable. Raises UserError prefixed with `where` ('FILE#name')."""
+    `Target` field imports and is callable. Raises UserError prefixed with `where` ('FILE#name'). The rows themselves
+    are read and checked by runner/data/check.py:check_data (runner check calls both: runner/engine/chain.py)."""
     for path, node in structs(recipe, ()):
-        if isinstance(node, Jsonl) and not Path(node.path).is_file():
+        if isinstance(node, (Jsonl, File)) and not Path(node.path).exists():
             looked = "" if Path(node.path).is_absolute() else f" (looked in {os.getcwd()} and next to the recipe file)"
             raise UserError(f"{where}: {dotted([*path, 'path'])}: data file not found: {node.path}{looked}")
         for field in info(type(node)).fields:

@@ -8,6 +8,13 @@ recipe needs first) is runner/engine/chain.py; running them is runner/engine/pip
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runner.recipe.schema import Recipe
+
+# A generate run's output folder in its run dir (generated/step_NNNNNN.jsonl), read by run_output data sources.
+OUTPUT = "generated"
 
 
 def absolute_ref(ref: str, recipe_file: str) -> str:
@@ -27,3 +34,13 @@ def absolute_ref(ref: str, recipe_file: str) -> str:
         if p.is_file():
             return f"{p.resolve()}#{name}"
     return ref
+
+
+def run_dir_path(recipe: Recipe, name: str) -> Path:
+    """Where recipe `name` runs: its log_dir, else runs/<name> (relative to the working directory)."""
+    return Path(recipe.log_dir) if recipe.log_dir else Path("runs") / name
+
+
+def output_files(run_dir: Path) -> list[Path]:
+    """The files a generate run wrote, in step order."""
+    return sorted((run_dir / OUTPUT).glob("step_*.jsonl"))

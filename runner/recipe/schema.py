@@ -9,14 +9,22 @@ The backend tables (`backend = {kind = ...}`) are declared by each backend (back
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal, get_args
+import re
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_args
 
 import msgspec
 from msgspec import Meta
 
+from backends import losses
 from backends.config import ConfigStruct
 from backends.local.config import Local
 from backends.tinker.config import Tinker
+from runner.recipe.numerics import Numerics, check_temperature
+from runner.recipe.sources import HF as HF  # the file/hub data sources, re-exported
+from runner.recipe.sources import DataBase as DataBase
+from runner.recipe.sources import File as File
+from runner.recipe.sources import Jsonl as Jsonl
+from runner.recipe.sources import Mapped as Mapped
 
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
@@ -87,22 +95,7 @@ Schedule = Constant | Linear | Cosine
 
 # ---------------------------------------------------------------- data sources
 
-class DataBase(Base, tag_field="kind", tag=str.lower):
-    pass
-
-
-class Jsonl(DataBase):
-    """A local JSONL file, one example per line; relative paths are relative to the working directory."""
-
-    path: str
-
-
-class HF(DataBase):
-    """A Hugging Face dataset by hub name (needs the hub, or its offline cache) or a local dataset folder."""
-
-    name: str
-    split: str = "train"
-    subset: str | None = None
+# DataBase and the file/hub sources (jsonl, file, hf: format, fields, streaming) are in runner/recipe/sources.py.
 
 
 class Python(DataBase):
@@ -118,7 +111,7 @@ class RunOutput(DataBase, tag="run_output"):
     run: RecipeRef
 
 
-DataSource = Jsonl | HF | Python | RunOutput
+DataSource = Jsonl | File | HF | Python | RunOutput
 
 
 # ---------------------------------------------------------------- algorithms
@@ -126,6 +119,11 @@ DataSource = Jsonl | HF | Python | RunOutput
 class AlgoBase(Base, tag_field="kind", tag=str.lower):
     # The module that implements the variant: it declares `SPEC = AlgoSpec(...)` (runner/algos/__init__.py).
     implementation: ClassVar[str] = ""
+
+
+# Which tokens of a conversation carry loss: the cookbook's TrainOnWhat (runner/renderers/base.py, docs/renderers.md).
+TrainOnWhat = Literal["last_assistant_message", "last_assistant_turn", "all_assistant_messages", "all_messages",
+                      "all_tokens", "all_user_and_system_messages", "customized"]
 
 
 class SFT(AlgoBase):
@@ -140,9 +138,10 @@ class SFT(AlgoBase):
     # Truncate rendered conversations (tokens) from the right. Always set (TOML has no null): use a
     # large value to keep whole conversations.
     max_length: PosInt = 1024
-    train_on_what: Literal["last_assistant_message", "all_assistant_messages", "all_messages"] = (
-        "all_assistant_messages"
-    )
+    # Which tokens carry loss (the cookbook's TrainOnWhat): "last_assistant_turn" = the assistant messages after
+    # the last user one; "all_messages" = every message's content, not its role header ("hf": every token);
+    # "all_tokens" = everything; "customized" = the messages with "trainable": true.
+    train_on_what: TrainOnWhat = "all_assistant_messages"
     # "mean": each conversation's token weights sum to 1 (the cookbook's default); "none": 1 per token.
     reduction: Literal["mean", "none"] = "mean"
     # Rows held out (after the seeded shuffle) for the eval NLL; 0 = no eval.
@@ -265,6 +264,116 @@ class Preference(EnvBase):
     format_coef: NonNegFloat = 0.1
 
 
+class Math(EnvBase, kw_only=True):
+    """Single turn: a math problem from `data`; the reply's final answer is graded against the reference (math-verify
+    when installed, else runner's normalizer: runner/rewards/math_grading.py). reward = correct + format_coef·(format
+    − 1), format = an answer found (in `answer_format`) and the reply ended on the stop token (cookbook math_rl)."""
+
+    # Rows with a question and a reference answer: `question`/`problem` and `answer`/`solution` by default (GSM8K's
+    # "#### x" and MATH's \boxed{x} solutions are reduced to x; a plain answer is taken as is).
+    data: DataSource
+    # Held-out problems for evals; None: test_size rows of `data` (shuffled by the seed) are held out.
+    test_data: DataSource | None = None
+    question_field: str | None = None
+    answer_field: str | None = None
+    # "boxed": only \boxed{x} counts (the cookbook); "auto": also "#### x", "the answer is x" or a bare number.
+    answer_format: Literal["boxed", "auto"] = "boxed"
+    # Appended to every question; None: the cookbook's " Write your answer in \boxed{} format." for "boxed", nothing
+    # for "auto".
+    question_suffix: str | None = None
+    # Prepend one solved example in the answer format (the cookbook's "strawberry" example for "boxed").
+    few_shot: bool = True
+    format_coef: NonNegFloat = 0.1
+    # "auto": math-verify when installed (the `math` extra), else the built-in normalizer.
+    grader: Literal["auto", "builtin", "math_verify"] = "auto"
+
+
+class Code(EnvBase, kw_only=True):
+    """Single turn: a programming problem; the reply's last ```python block runs in a local sandbox
+    (runner/rewards/sandbox.py, docs/sandbox.md) against the problem's tests. reward = fraction of tests passed
+    + format_coef·(format − 1), format = a code block found and the reply ended on the stop token."""
+
+    # Rows: {"question": str, "tests": [{"input": str, "output": str}, ...] and/or "asserts": [str, ...]}.
+    data: DataSource
+    test_data: DataSource | None = None
+    format_coef: NonNegFloat = 0.1
+    # Per test run (seconds of CPU / wall, MiB of address space).
+    cpu_s: PosInt = 2
+    wall_s: PosFloat = 5.0
+    memory_mb: Annotated[int, Meta(ge=64)] = 512
+    # Sandboxed programs at once (None: the CPU count).
+    max_parallel: PosInt | None = None
+
+
+BUILTIN_TOOLS = ("calculator", "search")
+
+
+class ToolUse(EnvBase, tag="tool_use", kw_only=True):
+    """Multi-turn tool calling (cookbook search_tool): the model may call `tools` (in the renderer's tool format, or
+    `CALL name {json}` lines where it has none) up to max_turns, then answers; reward = correct + format_coef·(format
+    − 1), format = an answer after `answer_prefix` and no malformed call (runner/rl/envs/tool_use.py)."""
+
+    # Rows {question, answer}: answer a string, a number or a list of accepted answers.
+    data: DataSource
+    test_data: DataSource | None = None
+    # Built-ins ("calculator", "search") and "pkg.mod:fn" functions (docstring + typed args -> a JSON-schema spec).
+    tools: Annotated[list[str], Meta(min_length=1)] = msgspec.field(default_factory=lambda: ["calculator"])
+    # The `search` tool's collection: rows {id, title, text}.
+    docs: DataSource | None = None
+    top_k: PosInt = 3
+    # Assistant turns per episode (tool-calling turns plus the answer).
+    max_turns: PosInt = 4
+    # The final answer is the text after the last `answer_prefix` (case-insensitive); "": the whole final reply.
+    answer_prefix: str = "Answer:"
+    # Prepended as the system prompt (with the tool declarations); None: a short default.
+    system_prompt: str | None = None
+    format_coef: NonNegFloat = 0.1
+    # Characters of a tool result shown to the model.
+    max_result_chars: PosInt = 1000
+    tool_timeout_s: PosFloat = 10.0
+
+    def __post_init__(self) -> None:
+        for tool in self.tools:
+            if tool not in BUILTIN_TOOLS and re.fullmatch(TARGET_PATTERN, tool) is None:
+                raise ValueError(f"tool {tool!r} is neither a built-in {list(BUILTIN_TOOLS)} nor 'pkg.mod:fn'")
+        if "search" in self.tools and self.docs is None:
+            raise ValueError("the search tool needs `docs`, a data source of {id, title, text} rows")
+
+
+class JudgeModel(Base, tag_field="kind", tag="model"):
+    """A model that grades in text: a chained run's final weights (init_from), a saved sampler checkpoint, or a base
+    model (`model`; default the recipe's own)."""
+
+    init_from: RecipeRef | None = None
+    checkpoint: str | None = None
+    model: str | None = None
+    # The judge's reply (the cookbook's grader gets 2048 to reason before its <score>).
+    max_tokens: PosInt = 256
+    temperature: NonNegFloat = 0.0
+
+    def __post_init__(self) -> None:
+        if self.init_from is not None and self.checkpoint is not None:
+            raise ValueError("give init_from or checkpoint, not both")
+
+
+class PythonGrader(Base, tag_field="kind", tag="python"):
+    """fn(messages, reply, item) -> a score in [0, 1] (number or bool), or a judge's text (parsed as a model's)."""
+
+    target: Target
+
+
+class Rubric(EnvBase, kw_only=True):
+    """Single turn; a judge grades the reply against each rubric item of its prompt (cookbook rubric recipe): reward =
+    mean item score in [0, 1] + format_coef·(ended_on_stop − 1); judge text that gives no score counts 0
+    (runner/rl/envs/rubric.py)."""
+
+    # Rows {prompt or messages, rubric: [items] or one string}, or the cookbook's {convo, rubric_items: [{rubric_str}]}.
+    data: DataSource
+    test_data: DataSource | None = None
+    judge: JudgeModel | PythonGrader = JudgeModel()
+    format_coef: NonNegFloat = 0.1
+
+
 class PythonEnv(EnvBase, tag="python", kw_only=True):
     """User code: target "pkg.mod:fn" is called as fn(**args) and returns a dataset builder, a callable
     builder(ctx: runner.rl.envs.EnvContext) -> (train: RLDataset, test: RLDataset | None).
@@ -274,49 +383,49 @@ class PythonEnv(EnvBase, tag="python", kw_only=True):
     args: dict[str, Any] = {}
 
 
-Env = Arithmetic | GuessNumber | TwentyQuestions | TicTacToe | Preference | PythonEnv
+Env = Arithmetic | GuessNumber | TwentyQuestions | TicTacToe | Preference | Math | Code | ToolUse | Rubric | PythonEnv
 
 
-# ---------------------------------------------------------------- RL: losses (Tinker's built-ins; tinker-sdk.md §3)
+# ---------------------------------------------------------------- RL: losses (the registry: backends/losses.py)
 
 
 class LossBase(Base, tag_field="kind", tag=str.lower):
     pass
 
 
-class ImportanceSampling(LossBase, tag="importance_sampling"):
-    """−Σ r·A, r = exp(lp − lp_sampler)."""
+def _loss_variant(spec: losses.LossSpec) -> type[LossBase]:
+    """The recipe table of a registered loss: `{kind = NAME, <its fields>}`, checked as the registry checks it."""
+    fields = [(f.recipe, Annotated[float, Meta(**f.constraints())], f.default) for f in spec.fields]
+
+    def __post_init__(self: Any) -> None:
+        if problem := spec.problem({f.key: getattr(self, f.recipe) for f in spec.fields}):
+            raise ValueError(problem)
+
+    namespace = {"__doc__": spec.doc, "__post_init__": __post_init__, "loss_spec": spec}
+    title = spec.title or spec.name.title().replace("_", "")
+    variant = msgspec.defstruct(title, fields, bases=(LossBase,), tag=spec.name, module=__name__, namespace=namespace)
+    assert issubclass(variant, LossBase)
+    return variant
 
 
-class PPO(LossBase):
-    """−Σ min(r·A, clip(r, lo, hi)·A). The bounds are on the ratio itself, not epsilons."""
-
-    clip_low: NonNegFloat = 0.8
-    clip_high: PosFloat = 1.2
-
-    def __post_init__(self) -> None:
-        if self.clip_low >= self.clip_high:
-            raise ValueError("clip_low must be < clip_high")
+# One variant per built-in RL loss, in registry order; a user's loss is PythonLoss.
+LOSS_VARIANTS: dict[str, type[LossBase]] = {s.name: _loss_variant(s) for s in losses.BUILTINS if s.in_rl}
+ImportanceSampling, PPO, CISPO, DRO = (LOSS_VARIANTS[k] for k in ("importance_sampling", "ppo", "cispo", "dro"))
 
 
-class CISPO(LossBase):
-    """−Σ sg(clip(r, lo, hi))·lp·A. Default one-sided (Tinker's)."""
+class PythonLoss(LossBase, tag="python"):
+    """Your own loss: `target = "pkg.mod:NAME"` names a backends.losses.LossSpec in your module (registered when the
+    run starts; the local backend computes it, Tinker runs it as a custom loss); `args` are its loss_fn_config keys,
+    checked against the spec by `runner check`."""
 
-    clip_low: NonNegFloat = 0.0
-    clip_high: PosFloat = 4.0
-
-    def __post_init__(self) -> None:
-        if self.clip_low >= self.clip_high:
-            raise ValueError("clip_low must be < clip_high")
+    target: Target
+    args: dict[str, float] = {}
 
 
-class DRO(LossBase):
-    """−Σ (lp·A − ½·β·(lp − lp_sampler)²)."""
-
-    beta: PosFloat = 0.05
-
-
-Loss = ImportanceSampling | PPO | CISPO | DRO
+if TYPE_CHECKING:
+    Loss = LossBase
+else:
+    Loss = Union[(*LOSS_VARIANTS.values(), PythonLoss)]  # noqa: UP007 - built from the registry at import
 
 
 # ---------------------------------------------------------------- RL: KL penalty
@@ -418,8 +527,11 @@ class RL(AlgoBase):
     # After each step, the new weights' logprobs of the batch: optim/kl_pre_post_v1/v2 (one more forward).
     compute_post_kl: bool = False
     eval: RLEval = RLEval()
+    # The sampler-vs-trainer logprob gate (runner/recipe/numerics.py); None: the numerics/* metrics only.
+    numerics: Numerics | None = None
 
     def __post_init__(self) -> None:
+        check_temperature(self.numerics, self.temperature)
         if isinstance(self.env, TicTacToe) and self.env.opponent == "self" and self.group_size % 2:
             raise ValueError("tictactoe self-play needs an even group_size (two seats per game)")
         if self.num_substeps > self.groups_per_batch:
@@ -482,6 +594,10 @@ class Distill(AlgoBase):
     transcript_every: NonNegInt = 10
     compute_post_kl: bool = False
     eval: RLEval = RLEval()
+    numerics: Numerics | None = None
+
+    def __post_init__(self) -> None:
+        check_temperature(self.numerics, self.temperature)
 
     @property
     def groups_per_batch(self) -> int:
@@ -554,7 +670,79 @@ class Log(Base):
     wandb: WandB | None = None
 
 
+# ---------------------------------------------------------------- smoke stand-ins (runner/tools/smoke.py)
+
+
+class Smoke(Base):
+    """What `runner run FILE#name --smoke` and `runner smoke FILE` use in place of what needs the network or time."""
+
+    # Stand-in data by the key path of each data source in the recipe, e.g. {"algo.data" = {kind = "jsonl", path =
+    # "examples/data/chat_sft.jsonl"}} or "algo.datasets[1].prompts". Default: the recipe's own data when it is local.
+    data: dict[str, DataSource] = {}
+    # Stand-in RL environment (replaces algo.env).
+    env: Env | None = None
+    # Stand-in base model ("tiny" or a local folder). Default: a small random-init model of the recipe model's
+    # family when its config and tokenizer are local (a folder or the Hugging Face cache), else "tiny".
+    model: str | None = None
+    # Steps of each smoked stage.
+    steps: Annotated[int, Meta(ge=1, le=100)] = 2
+    # Any other key, as on the command line: {"algo.max_tokens" = 8}; applied last.
+    overrides: dict[str, Any] = {}
+
+
+# ---------------------------------------------------------------- pinned evals ([[recipes.x.evals]])
+
+
+class PinnedEvalBase(Base, tag_field="kind", tag=str.lower, kw_only=True):
+    """An eval pinned in the recipe (runner/engine/evals.py): run with eval_every, after the last step and by `runner
+    eval`, on the sampler weights of the moment; logged as test/eval/<name>/<metric>."""
+
+    # The metric prefix; default: the kind, with its position when two evals share a kind ("math", "math_1").
+    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]+$")] | None = None
+
+
+class MathPinned(PinnedEvalBase, tag="math"):
+    """Accuracy on math problems (the `math` env's loading, prompt and grading) at fixed sampling params:
+    test/eval/<name>/accuracy, .../format."""
+
+    data: DataSource
+    question_field: str | None = None
+    answer_field: str | None = None
+    answer_format: Literal["boxed", "auto"] = "boxed"
+    question_suffix: str | None = None
+    few_shot: bool = True
+    grader: Literal["auto", "builtin", "math_verify"] = "auto"
+    # The first max_problems rows (None: all).
+    max_problems: PosInt | None = None
+    # 0 = greedy; with samples > 1 accuracy is the mean over samples (and pass@samples is logged).
+    temperature: NonNegFloat = 0.0
+    max_tokens: PosInt = 256
+    samples: PosInt = 1
+    seed: int = 0
+
+
+class NLLPinned(PinnedEvalBase, tag="nll"):
+    """Mean per-token NLL of conversations (`{"messages": [...]}` rows) under the weights: test/eval/<name>/nll."""
+
+    data: DataSource
+    train_on_what: TrainOnWhat = "last_assistant_message"
+    # The first max_rows conversations (None: all).
+    max_rows: PosInt | None = None
+
+
+class PythonPinned(PinnedEvalBase, tag="python"):
+    """User code: fn(sampler, tokenizer, **args) -> {metric: float} (sync or async); `sampler` is a backend
+    SamplingClient (sample, compute_logprobs)."""
+
+    target: Target
+    args: dict[str, Any] = {}
+
+
+PinnedEval = MathPinned | NLLPinned | PythonPinned
+
+
 # ---------------------------------------------------------------- the recipe
+
 
 class Recipe(Base):
     # ---- Core
@@ -564,9 +752,14 @@ class Recipe(Base):
     model: str = "tiny"
     # Tokenizer folder or name when it differs from the model's (e.g. offline use of a Tinker model).
     tokenizer: str | None = None
+    # How conversations become tokens, for every algorithm (docs/renderers.md): "auto" = the cookbook's renderer
+    # for the model name, else the tokenizer's chat template ("hf"), else "role_colon" (a base model); or a
+    # renderer by name ("llama3", "qwen3", "qwen3_disable_thinking", "deepseekv3", "gpt_oss_no_sysprompt", ...).
+    renderer: str = "auto"
     backend: Backend = Local()
     seed: int = 0
-    # Peak learning rate.
+    # Peak learning rate, or "auto": the cookbook's get_lr(model) for LoRA, resolved when the recipe loads
+    # (runner/recipe/lr.py; `runner show` says so).
     lr: PosFloat = 1e-4
     # Cap on optimizer steps (default: every batch of every epoch).
     max_steps: PosInt | None = None
@@ -584,16 +777,23 @@ class Recipe(Base):
     # Steps submitted ahead of the one being finished; 0 = fully synchronous.
     depth: Annotated[int, Meta(ge=0, le=64)] = 1
     # Steps between evals / checkpoints; 0 = never (a final checkpoint is always written). Evals run before
-    # steps 0, N, 2N, ...; RL, DPO and the reward model also evaluate the final weights once after the last step
-    # (logged at step = the number of steps, as the cookbook) when eval_every > 0 and there is a test set. SFT has
-    # no final eval.
+    # steps 0, N, 2N, ...; every algorithm also evaluates the final weights once after the last step (logged at
+    # step = the number of steps, as the cookbook's RL does) when eval_every > 0 and there is a test set.
     eval_every: NonNegInt = 10
     save_every: NonNegInt = 20
     # An existing run dir: resume it (only if it holds this same recipe), move it aside, or stop.
     if_exists: Literal["resume", "overwrite", "error"] = "resume"
     # Experiment tracking (e.g. log = {wandb = {project = "my-project"}}); off by default.
     log: Log = Log()
+    # Stand-ins for `--smoke` (offline, seconds): data, env, model, steps. Not used by a real run.
+    smoke: Smoke | None = None
+    # Evals pinned in the recipe ([[recipes.x.evals]]: kind = "math" | "nll" | "python"), see runner/engine/evals.py.
+    evals: list[PinnedEval] = []
 
     def __post_init__(self) -> None:
+        from runner.renderers.registry import names as renderer_names
+
+        if self.renderer not in renderer_names():
+            raise ValueError(f"renderer {self.renderer!r} is unknown; choose one of: {', '.join(renderer_names())}")
         if isinstance(self.algo, RL) and isinstance(self.algo.mode, Async) and self.depth == 0:
             raise ValueError("algo.mode async samples while the previous step trains: it needs depth >= 1")

@@ -8,8 +8,9 @@ Per step k (the loop calls prepare, submit, finish):
   submit(k)   queues forward_backward + optim_step per substep, then save_weights_and_get_sampling_client:
               the snapshot "after step k" sits in the FIFO right behind step k's last optim_step;
               on eval steps also starts the test-set rollouts on step k's sampler (a task, awaited in finish);
-  finish(k)   awaits it all: optim/kl_sample_train_v1/v2, optim/entropy, loss, grad norm, test/..., and
-              optionally optim/kl_pre_post_v1/v2 under the new weights.
+  finish(k)   awaits it all: optim/kl_sample_train_v1/v2, optim/entropy, numerics/* and the numerics gate
+              (runner/rl/numerics.py), loss, grad norm, test/..., and optionally optim/kl_pre_post_v1/v2 under
+              the new weights.
 After the last step (the loop calls final, when eval_every > 0 and there is a test set) one more eval, as the
 cookbook's "after the loop": the test set on the final weights, loaded from the final checkpoint's sampler
 weights (saved right behind the last optim_step), with the same test/... metrics and an
@@ -41,21 +42,25 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
+from backends import losses
 from backends.base import BackendError, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, LossFn, OptimStepOutput, SamplingParams
 from runner.algos import AlgoSpec, BuildArgs
-from runner.recipe.schema import CISPO, DRO, PPO, RL, Async, ModelJudge, Preference, ReferenceKL, Stream
+from runner.recipe.schema import RL, Async, ModelJudge, Preference, PythonLoss, ReferenceKL, Stream
+from runner.recipe.targets import import_object
+from runner.renderers import get_renderer
 from runner.rl import transcripts
 from runner.rl.advantages import compute_advantages, remove_constant_reward_groups
 from runner.rl.datums import assemble_datums
-from runner.rl.envs import EnvContext, build_datasets, get_batch
+from runner.rl.envs import EnvContext, build_datasets, get_batch, headline_of
 from runner.rl.kl import apply_kl_penalty, kl_sample_train, reference_logprobs
 from runner.rl.metrics import trajectory_metrics
+from runner.rl.numerics import Gate, dlogprob_metrics, on_policy
 from runner.rl.renderer import ChatRenderer, context_window
 from runner.rl.rollouts import RolloutBatch, collect, guarded_group_rollout, rollout_batch
 from runner.rl.types import EnvGroupBuilder, RLDataset, TrajectoryGroup
@@ -65,13 +70,21 @@ EVAL_SEED_OFFSET = 1 << 40
 
 
 def loss_of(cfg: RL) -> tuple[LossFn, dict[str, float] | None]:
-    """The recipe's loss as Tinker's loss_fn name and loss_fn_config."""
-    match cfg.loss:
-        case PPO(clip_low=lo, clip_high=hi) | CISPO(clip_low=lo, clip_high=hi):
-            return cast(LossFn, cfg.loss.__struct_config__.tag), {"clip_low_threshold": lo, "clip_high_threshold": hi}
-        case DRO(beta=beta):
-            return "dro", {"beta": beta}
-    return "importance_sampling", None
+    """The recipe's loss as a registered loss_fn name (backends/losses.py) and its loss_fn_config. A user's loss
+    (`kind = "python"`) is registered here; UserError when its target is not a LossSpec or its args do not fit."""
+    loss = cfg.loss
+    if isinstance(loss, PythonLoss):
+        where = f"algo.loss.target {loss.target!r}"
+        spec = import_object(loss.target)
+        if not isinstance(spec, losses.LossSpec):
+            raise UserError(f"{where} is a {type(spec).__name__}, not a backends.losses.LossSpec")
+        try:
+            losses.register(spec)
+            return spec.name, spec.resolve(loss.args) or None
+        except ValueError as e:
+            raise UserError(f"{where}: {e}") from None
+    spec = losses.get(str(loss.__struct_config__.tag))
+    return spec.name, {f.key: float(getattr(loss, f.recipe)) for f in spec.fields} or None
 
 
 def chunks(data_D: list[Datum], n: int) -> list[list[Datum]]:
@@ -90,6 +103,7 @@ class Prepared:
     data_D: list[Datum]
     sampler: SamplingClient
     metrics: dict[str, float]
+    sampler_step: int = -1  # the weights that sampled it (after that many optimizer steps)
 
 
 @dataclass
@@ -113,6 +127,8 @@ class Submitted:
     eval: asyncio.Task[dict[str, float]] | None
     # Clock: when the part was submitted, when its last call (optim_step) and the next snapshot completed.
     times: dict[str, float] = field(default_factory=dict)
+    # How many of fwd_bwd were submitted before the first of optims (None: no optim_step; runner/rl/numerics.py).
+    before_optim: int | None = None
 
 
 class RLAlgo:
@@ -121,7 +137,7 @@ class RLAlgo:
 
     def __init__(self, cfg: Any, tokenizer: Any, *, seed: int = 0, base_model: str = "tiny",
                  reference_path: str | None = None,
-                 max_steps: int | None = None, weights: dict[str, str] | None = None):
+                 max_steps: int | None = None, weights: dict[str, str] | None = None, renderer: str = "auto"):
         self.cfg, self.seed, self.base_model = cfg, seed, base_model
         # Final sampler weights of the runs the recipe names (a model judge), by reference; opened on demand.
         self.weights = weights or {}
@@ -129,9 +145,9 @@ class RLAlgo:
         self._backend: Any = None
         # The KL penalty's reference: the initial weights (a chained recipe's upstream weights, else the base model).
         self.reference_path = reference_path
-        self.renderer = ChatRenderer(tokenizer)
+        self.renderer = ChatRenderer(get_renderer(renderer, tokenizer, model_name=base_model))
         env_ctx = EnvContext(self.renderer, cfg.group_size, cfg.eval.group_size, cfg.groups_per_batch, seed,
-                             self.open_weights)
+                             self.open_weights, self.open_model)
         self.train, self.test = self.build_datasets(env_ctx)
         full = len(self.train) * cfg.epochs
         self.total_steps = min(full, max_steps) if max_steps else full
@@ -143,6 +159,7 @@ class RLAlgo:
         self.samplers: dict[int, Future[SamplingClient]] = {}
         self.reference: SamplingClient | None = None
         self.next_step = 0
+        self.gate = Gate(getattr(cfg, "numerics", None))  # the sampler-vs-trainer gate (runner/rl/numerics.py)
         # The run dir, for transcripts (set by prepare from the loop's context; None in a dry run).
         self.log_dir: Path | None = None
 
@@ -158,6 +175,15 @@ class RLAlgo:
             assert self._backend is not None, "open_weights before prepare/final set the backend"
             self._opened[ref] = await self._backend.create_sampling_client(model_path=self.weights[ref])
         return self._opened[ref]
+
+    async def open_model(self, model_path: str | None, base_model: str | None) -> SamplingClient:
+        """A sampling client over a checkpoint path, else a base model (None: the recipe's own), opened once."""
+        key = f"path:{model_path}" if model_path else f"base:{base_model or self.base_model}"
+        if key not in self._opened:
+            assert self._backend is not None, "open_model before prepare/final set the backend"
+            self._opened[key] = await self._backend.create_sampling_client(
+                model_path=model_path, base_model=None if model_path else (base_model or self.base_model))
+        return self._opened[key]
 
     # ---------------------------------------------------------------- data position
 
@@ -202,7 +228,7 @@ class RLAlgo:
         sampler_step, sampler = await self.sampler_for(step, ctx)
         t1 = time.monotonic()
         builders = self.builders(step)
-        prepared = Prepared(step, RolloutBatch([], []), [], sampler, {})
+        prepared = Prepared(step, RolloutBatch([], []), [], sampler, {}, sampler_step)
         if isinstance(self.cfg.mode, Stream):
             async for part in self._stream(prepared, builders, ctx):
                 yield part
@@ -314,12 +340,13 @@ class RLAlgo:
                 fwd_bwd.append((chunk, tc.forward_backward(chunk, self.loss_fn, self.loss_config)))
                 optims.append(tc.optim_step(adam))
         times = {"submitted": time.monotonic()}
+        before_optim = (len(fwd_bwd) if part.streamed else 1) if optims else None
         if optims:
             _stamp(optims[-1], times, "trained")
         if part.last and (step + 1 < self.total_steps or self.cfg.compute_post_kl):
             self.samplers[step + 1] = tc.save_weights_and_get_sampling_client()
             _stamp(self.samplers[step + 1], times, "snapshot")
-        return Submitted(prepared, fwd_bwd, optims, ev, times)
+        return Submitted(prepared, fwd_bwd, optims, ev, times, before_optim)
 
     async def finish(self, step: int, subs: list[Submitted]) -> dict[str, float]:
         sub = Submitted(subs[0].prepared, [fb for s in subs for fb in s.fwd_bwd], [o for s in subs for o in s.optims],
@@ -331,6 +358,9 @@ class RLAlgo:
         data_D = [d for chunk, _ in sub.fwd_bwd for d in chunk]
         train_lps = [lp for out in outs for lp in out.logprobs]
         metrics.update(kl_sample_train(data_D, train_lps))
+        if sub.prepared.sampler_step == step:  # sampled by the weights the step trains (not so in async mode)
+            metrics.update(dlogprob_metrics(*on_policy(await self._parts(subs))))
+        metrics.update(self.gate.check(step, metrics))  # "stop": raises before the row and checkpoint are written
         metrics["optim/loss:sum"] = float(sum(out.metrics.get("loss:sum", 0.0) for out in outs))
         norms = [o.metrics["grad_norm:mean"] for o in opts if "grad_norm:mean" in o.metrics]
         if norms:
@@ -344,6 +374,17 @@ class RLAlgo:
         if sub.eval is not None:
             metrics.update(await sub.eval)
         return metrics
+
+    @staticmethod
+    async def _parts(subs: list[Submitted]) -> list[tuple[int | None, list[Datum], list[np.ndarray]]]:
+        """Per submission: (its datums before its first optim_step, None: all; its datums; their trainer logprobs),
+        for runner/rl/numerics.on_policy."""
+        out = []
+        for s in subs:
+            outs = [await f for _, f in s.fwd_bwd]
+            before = None if s.before_optim is None else sum(len(chunk) for chunk, _ in s.fwd_bwd[: s.before_optim])
+            out.append((before, [d for chunk, _ in s.fwd_bwd for d in chunk], [lp for o in outs for lp in o.logprobs]))
+        return out
 
     _fifo_free = 0.0
 
@@ -451,6 +492,9 @@ class RLAlgo:
         ]
         if isinstance(getattr(cfg, "kl", None), ReferenceKL):
             lines.append(f"KL penalty vs the base model, coef {cfg.kl.coef:g}: compute_logprobs per datum")
+        if (gate := getattr(cfg, "numerics", None)) is not None:
+            lines.append(f"numerics gate ({gate.action}) from step {gate.after_steps}: max_kl {gate.max_kl:g}"
+                         + (f", max_abs_dlogprob {gate.max_abs_dlogprob:g}" if gate.max_abs_dlogprob else ""))
         if cfg.transcript_every and cfg.groups_to_log:
             lines.append(f"transcripts (iteration_NNNNNN/): every {cfg.transcript_every} steps and the last step "
                          f"({cfg.groups_to_log} groups each), and every eval")
@@ -481,22 +525,14 @@ def _merge(parts: list[dict[str, float]]) -> dict[str, float]:
 
 def build(cfg: RL, args: BuildArgs) -> functools.partial[RLAlgo]:
     r = args.recipe
+    loss_of(cfg)  # a user's loss: imported and registered before any model loads
     return functools.partial(RLAlgo, cfg, seed=r.seed, base_model=r.model, max_steps=r.max_steps,
-                             reference_path=args.reference_path, weights=dict(args.weights))
-
-
-# Envs whose mean reward cannot move show a number that does. Pairwise judging: the group's mean win rate is 0.5 by
-# construction; reply length and format are what move. Self-play: wins and losses cancel; illegal moves and game
-# length move, and the test split plays a fixed opponent, so its reward is a win rate that means something.
-ENV_HEADLINE: dict[str, list[tuple[str, str]]] = {
-    "preference": [("env/all/ac_tokens_per_turn", "reply_tokens"), ("env/all/format", "format")],
-    "tictactoe": [("env/all/illegal", "illegal"), ("env/all/turns_per_episode", "turns")],
-    "arithmetic": [("env/all/correct", "correct")],
-}
+                             reference_path=args.reference_path, weights=dict(args.weights), renderer=r.renderer)
 
 
 def env_headline(cfg: RL) -> list[tuple[str, str]]:
-    return ENV_HEADLINE.get(str(type(cfg.env).__struct_config__.tag), [])
+    """The env's own progress-line metrics (runner/rl/envs ENVS registry)."""
+    return headline_of(cfg.env)
 
 
 SPEC = AlgoSpec(build=build, headline=[("env/all/reward/total", "reward"), ("test/env/all/reward/total", "test/reward")],

@@ -59,8 +59,6 @@ from runner.recipe.schema import Recipe
 
 SWEEP_FILE = "sweep.json"
 OUTPUT_LOG = "output.log"
-# Points in flight at once on the Tinker backend: the work is on the service, the client mostly waits.
-TINKER_PARALLEL = 8
 _ARRAY_TYPES = (mi.ListType, mi.TupleType, mi.VarTupleType, mi.SetType, mi.FrozenSetType)
 
 
@@ -284,17 +282,10 @@ def point_status(run_dir: Path, recipe: Recipe, note: str) -> tuple[str, bool]:
 # ---------------------------------------------------------------- running
 
 def default_parallel(points: Sequence[Point]) -> int:
-    """Tinker: TINKER_PARALLEL (the service does the work). Local on a machine with an NVIDIA GPU (unless every
-    point says device = "cpu"): 1, the points would share the one device. Local on the CPU: half the usable cores,
-    so each point trains on 2 threads, but at least 2 on a machine with 2 or 3 cores (bench/bench_sweep.py, 2
-    cores: 4 tiny points take 0.57x the time 2 at a time, 1 thread each, that they take one at a time on 2)."""
-    if points and all(type(p.recipe.backend).__name__ == "Tinker" for p in points):
-        return TINKER_PARALLEL
+    """What each point's backend says it can run at once here (BackendConfig.sweep_parallel: Tinker 8, the local
+    backend half the cores or 1 on a GPU), the smallest of them; points on different backends share the machine."""
     cores = usable_cores()
-    local = [p.recipe.backend for p in points if type(p.recipe.backend).__name__ == "Local"]
-    if any(getattr(b, "device", "cpu") != "cpu" for b in local) and Path("/dev/nvidia0").exists():
-        return 1
-    return max(min(2, cores), cores // 2)
+    return min((p.recipe.backend.sweep_parallel(cores) for p in points), default=max(1, cores))
 
 
 def usable_cores() -> int:

@@ -68,6 +68,14 @@ def _backend(t: Target) -> Any:
     return t.recipe.backend.make(t.recipe.model, t.recipe.tokenizer, t.run_dir / "checkpoints", t.recipe.seed)
 
 
+def _renderer(t: Target, backend: Any) -> Any:
+    """The recipe's renderer (runner/renderers/) as the envs' ChatRenderer: prompts, stops, reply parsing."""
+    from runner.renderers import get_renderer
+    from runner.rl.renderer import ChatRenderer
+
+    return ChatRenderer(get_renderer(t.recipe.renderer, backend.get_tokenizer(), model_name=t.recipe.model))
+
+
 async def _client(backend: Any, t: Target) -> Any:
     if t.checkpoint is None:
         return await backend.create_sampling_client(base_model=t.recipe.model)
@@ -104,16 +112,15 @@ def read_prompts(file: str) -> list[list[dict[str, str]]]:
 def sample(target: str, checkpoint: str | None, prompts: list[list[dict[str, str]]], n: int, temperature: float,
            max_tokens: int, seed: int | None, as_json: bool, out: TextIO) -> None:
     from backends.types import SamplingParams
-    from runner.rl.renderer import ChatRenderer
 
     t = open_target(target, checkpoint)
     backend = _backend(t)
     try:
-        renderer = ChatRenderer(backend.get_tokenizer())
+        renderer = _renderer(t, backend)
 
         async def go() -> list[list[str]]:
             client = await _client(backend, t)
-            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=list(renderer.stop_tokens),
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=renderer.stop,
                                     seed=seed)
             outs = await asyncio.gather(*(client.sample(renderer.build_prompt(p), n, params) for p in prompts))
             return [[renderer.parse(s.tokens).text for s in o.sequences] for o in outs]
@@ -136,13 +143,12 @@ def chat(target: str, checkpoint: str | None, temperature: float, max_tokens: in
          stdin: TextIO, out: TextIO) -> None:
     """A multi-turn chat: one reply per input line; `/reset` starts over, `/quit` (or EOF) ends."""
     from backends.types import SamplingParams
-    from runner.rl.renderer import ChatRenderer
 
     t = open_target(target, checkpoint)
     backend = _backend(t)
     tty = stdin.isatty()
     try:
-        renderer = ChatRenderer(backend.get_tokenizer())
+        renderer = _renderer(t, backend)
         client = asyncio.run(_client(backend, t))
         start = [{"role": "system", "content": system}] if system else []
         messages = list(start)
@@ -165,7 +171,7 @@ def chat(target: str, checkpoint: str | None, temperature: float, max_tokens: in
             if not text:
                 continue
             messages.append({"role": "user", "content": text})
-            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=list(renderer.stop_tokens))
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=renderer.stop)
             result = client.sample(renderer.build_prompt(messages), 1, params).result()
             reply = renderer.parse(result.sequences[0].tokens).text
             messages.append({"role": "assistant", "content": reply})
@@ -173,6 +179,18 @@ def chat(target: str, checkpoint: str | None, temperature: float, max_tokens: in
             out.flush()
     finally:
         backend.close()
+
+
+async def _evaluate_all(algo: Any, ctx: Any, recipe: Any) -> dict[str, float]:
+    """The algorithm's held-out evals, then the recipe's pinned ones (runner/engine/evals.py), on ctx's weights."""
+    from runner.engine.evals import pinned_metrics
+
+    metrics = dict(await algo.evaluate(ctx))
+    sampler = ctx.backend.create_sampling_client(ctx.sampler_path) if recipe.evals else None
+    if sampler is not None:
+        metrics.update(await pinned_metrics(recipe.evals, sampler, ctx.backend.get_tokenizer(), recipe.renderer,
+                                            recipe.model))
+    return metrics
 
 
 def evaluate(target: str, checkpoint: str | None, out: TextIO) -> dict[str, float]:
@@ -191,11 +209,11 @@ def evaluate(target: str, checkpoint: str | None, out: TextIO) -> dict[str, floa
         algo = make_algo(t.recipe, inputs["init"], inputs["weights"])(backend.get_tokenizer())
         ctx = FinalContext(backend, t.checkpoint["sampler_path"], t.run_dir)
 
-        metrics = asyncio.run(algo.evaluate(ctx))
+        metrics = asyncio.run(_evaluate_all(algo, ctx, t.recipe))
     finally:
         backend.close()
     if not metrics:
-        raise UserError(f"{t.where}: the recipe has nothing to evaluate (no held-out data or test set)")
+        raise UserError(f"{t.where}: the recipe has nothing to evaluate (no held-out data, test set or pinned evals)")
     row = {"checkpoint": t.checkpoint["name"], "step": t.checkpoint.get("next_step"), **metrics, "time": time.time()}
     append_jsonl(t.run_dir / EVALS, row)
     out.write(f"{t.name} checkpoint {t.checkpoint['name']} (after {t.checkpoint.get('next_step')} steps)\n")

@@ -12,43 +12,83 @@ groups_per_batch and the recipe seed. Datasets hand out `EnvGroupBuilder`s (runn
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from backends.errors import UserError
 from runner.recipe.schema import (
     Arithmetic,
+    Code,
     Env,
     GuessNumber,
+    Math,
     Preference,
     PythonEnv,
+    Rubric,
     TicTacToe,
+    ToolUse,
     TwentyQuestions,
 )
 from runner.recipe.targets import args_mismatch, import_target
-from runner.rl.envs import arithmetic, guess_number, preference, tictactoe, twenty_questions
+from runner.rl.envs import (
+    arithmetic,
+    code,
+    guess_number,
+    math,
+    preference,
+    rubric,
+    tictactoe,
+    tool_use,
+    twenty_questions,
+)
 from runner.rl.envs.common import EnvContext
 from runner.rl.rollouts import describe_error
 from runner.rl.types import EnvGroupBuilder, RLDataset
 
-__all__ = ["EnvContext", "build_datasets", "get_batch"]
+__all__ = ["ENVS", "EnvContext", "EnvKind", "build_datasets", "get_batch", "headline_of"]
+
+Builder = Callable[[Any, EnvContext], tuple[RLDataset, RLDataset | None]]
+
+
+@dataclass(frozen=True)
+class EnvKind:
+    build: Builder
+    # (metric, label) pairs the progress line shows besides the reward: a number that moves where the mean reward
+    # cannot (pairwise judging: the group's win rate is 0.5 by construction; self-play: wins and losses cancel).
+    headline: list[tuple[str, str]] = field(default_factory=list)
+
+
+# The one place an env config type meets its module. A new env is its schema struct (in the Env union) and a
+# module with build(cfg, ctx) -> (train, test), registered here.
+ENVS: dict[type[Any], EnvKind] = {
+    Arithmetic: EnvKind(arithmetic.build, [("env/all/correct", "correct")]),
+    GuessNumber: EnvKind(guess_number.build),
+    TwentyQuestions: EnvKind(twenty_questions.build),
+    TicTacToe: EnvKind(tictactoe.build, [("env/all/illegal", "illegal"), ("env/all/turns_per_episode", "turns")]),
+    Preference: EnvKind(preference.build, [("env/all/ac_tokens_per_turn", "reply_tokens"),
+                                           ("env/all/format", "format")]),
+    Math: EnvKind(math.build, [("env/all/correct", "correct"), ("env/all/format", "format")]),
+    Code: EnvKind(code.build, [("env/all/passed", "passed"), ("env/all/compile", "compile"),
+                               ("env/all/timeout", "timeout")]),
+    ToolUse: EnvKind(tool_use.build, [("env/all/correct", "correct"), ("env/all/tool_calls", "tool_calls"),
+                                      ("env/all/malformed", "malformed")]),
+    Rubric: EnvKind(rubric.build, [("env/all/rubric_score", "rubric"), ("env/all/judge_unparsed", "unparsed")]),
+}
 
 
 def build_datasets(cfg: Env, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:
-    match cfg:
-        case Arithmetic():
-            return arithmetic.build(cfg, ctx)
-        case GuessNumber():
-            return guess_number.build(cfg, ctx)
-        case TwentyQuestions():
-            return twenty_questions.build(cfg, ctx)
-        case TicTacToe():
-            return tictactoe.build(cfg, ctx)
-        case Preference():
-            return preference.build(cfg, ctx)
-        case PythonEnv():
-            return _user_datasets(cfg, ctx)
-    raise TypeError(f"unknown env config {type(cfg).__name__}")
+    if isinstance(cfg, PythonEnv):
+        return _user_datasets(cfg, ctx)
+    kind = ENVS.get(type(cfg))
+    if kind is None:
+        raise TypeError(f"unknown env config {type(cfg).__name__}: register it in runner/rl/envs ENVS")
+    return kind.build(cfg, ctx)
+
+
+def headline_of(cfg: Env) -> list[tuple[str, str]]:
+    kind = ENVS.get(type(cfg))
+    return list(kind.headline) if kind is not None else []
 
 
 def _user_datasets(cfg: PythonEnv, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:

@@ -30,6 +30,9 @@ class EnvContext:
     # A sampling client over another run's final weights, by the recipe's reference to it (a model judge's
     # init_from); set by the RL algorithm, which owns the backend. None outside a run.
     open_weights: Callable[[str], Awaitable[SamplingClient]] | None = None
+    # A sampling client over a checkpoint path, else a base model (None: the recipe's): open_model(path, base_model);
+    # set by the RL algorithm (a rubric judge). None outside a run.
+    open_model: Callable[[str | None, str | None], Awaitable[SamplingClient]] | None = None
 
 
 class ChatEnv(Env):
@@ -48,7 +51,7 @@ class ChatEnv(Env):
         else:
             self._prompt = self.renderer.render(self.messages)
         self._last_reply = None
-        return list(self._prompt.tokens), list(self.renderer.stop_tokens)
+        return list(self._prompt.tokens), self.renderer.stop
 
     def take_reply(self, action_tokens: list[int]) -> ParsedReply:
         """Parse the sampled reply and append it to the conversation."""

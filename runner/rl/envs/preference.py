@@ -119,7 +119,7 @@ async def win_rate(prompts: Sequence[str], policy: SamplingClient, other: Sampli
     """The mean P(policy's reply better than other's) over the prompts, one seeded sample each."""
     async def reply(client: SamplingClient, prompt: str, i: int) -> str:
         out = await client.sample(renderer.build_prompt([{"role": "user", "content": prompt}]), 1,
-                                  replace(params, stop=list(renderer.stop_tokens), seed=seed + i))
+                                  replace(params, stop=renderer.stop, seed=seed + i))
         return renderer.parse(out.sequences[0].tokens).text
 
     mine = await asyncio.gather(*(reply(policy, p, i) for i, p in enumerate(prompts)))

@@ -1,0 +1,53 @@
+"""Renderers by name: `get_renderer(name, tokenizer)` builds one; `names()` lists them (what `runner check` offers).
+
+A renderer is one module with `@register("name")` (runner/renderers/base.py) on its Renderer subclass, plus its
+import line below (importing it registers it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from backends.errors import UserError
+from runner.renderers import deepseek_v3, gpt_oss, hf, kimi_k2, llama3, qwen3, role_colon  # noqa: F401 - registers
+from runner.renderers.auto import pick_renderer
+from runner.renderers.base import AUTO, REGISTRY, Renderer
+
+
+def names() -> list[str]:
+    """Every renderer name: "auto", "hf", then the rest alphabetically."""
+    return [AUTO, *sorted(REGISTRY, key=lambda n: (n != "hf", n))]
+
+
+def get_renderer(name: str, tokenizer: Any, model_name: str | None = None) -> Renderer:
+    """The renderer `name` over `tokenizer`; "auto" picks one for `model_name` (see pick_renderer)."""
+    if name == AUTO:
+        name = pick_renderer(model_name or getattr(tokenizer, "name_or_path", "") or "", tokenizer)
+    factory = REGISTRY.get(name)
+    if factory is None:
+        raise UserError(f"unknown renderer {name!r}; choose one of: {', '.join(names())}")
+    try:
+        renderer = factory(tokenizer)
+    except UserError as e:
+        raise UserError(f"renderer {name!r}: {e}") from None
+    renderer.name = name
+    return renderer
+
+
+def smoke_renderer(renderer: str, model: str, stand_in: str) -> str:
+    """The renderer a smoke run (runner/tools/smoke.py) of a `model` recipe uses on its `stand_in` model: what
+    `renderer` means for the real model ("auto" resolved by the model's name when the cookbook knows it), kept when
+    the stand-in has its special tokens (a stand-in built from the model's own tokenizer has them all), else "auto"
+    (on the embedded tiny model: its chat template)."""
+    from runner.renderers.auto import MODEL_RENDERERS
+
+    wanted = MODEL_RENDERERS.get(model.split(":", 1)[0], AUTO) if renderer == AUTO else renderer
+    if wanted == AUTO or stand_in != "tiny":
+        return wanted
+    from backends.tokenizer import load_tokenizer
+
+    try:
+        get_renderer(wanted, load_tokenizer("tiny"))
+    except UserError:
+        return AUTO
+    return wanted

@@ -1,0 +1,1 @@
+"""Build tooling kept out of the installed package (pyproject.toml packages only runner and backends)."""
