@@ -180,3 +180,30 @@ def test_sampling_budget_queues_and_is_returned(server):
                 r = http.post("/retrieve_future", json={"request_id": rid})
             assert r.headers["content-type"] == "application/x-protobuf"
     assert service.stats()["live_sample_tokens"] == 0 and service.stats()["waiting_samples"] == 0
+
+
+def test_gather_dispatches_a_burst_once_it_is_complete():
+    """A sampler's first burst goes as soon as it has as many requests as the client's previous sampler had
+    (an RL step's next sampler), later ones once they match the sampler's largest burst; otherwise after the
+    gap / max wait (here 0.5 s)."""
+    from backends.serve.samplers import Gather
+
+    g = Gather()
+    g.GAP_S, g.MAX_S = 5.0, 0.5
+    ran: list[tuple[str, float]] = []
+
+    def burst(key: str, n: int) -> float:
+        t = time.monotonic()
+        for i in range(n):
+            g.add(key, lambda i=i: ran.append((f"{key}{i}", time.monotonic())), group="session")
+        while len([r for r in ran if r[0].startswith(key)]) < n:
+            time.sleep(0.005)
+        return max(t1 for k, t1 in ran if k.startswith(key)) - t
+
+    try:
+        assert burst("a", 3) >= 0.45  # nothing known yet: the max wait
+        assert burst("b", 3) < 0.25  # the previous sampler had 3: no wait
+        ran.clear()
+        assert burst("b", 3) < 0.25  # b's largest burst is 3
+    finally:
+        g.close()
