@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -40,8 +42,8 @@ def sc(server):
 
 def _sft(tok, text: str) -> types.Datum:
     ids = tok.encode(text)
-    return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
-                       loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)})
+    inputs: Any = {"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)}  # the SDK converts lists
+    return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs=inputs)
 
 
 def test_rest_routes_checkpoints_and_expiry(server, sc):
@@ -79,7 +81,7 @@ def test_rest_routes_checkpoints_and_expiry(server, sc):
     assert service.store.expire() == [a]
     assert not service.store.checkpoint_dir(run_id, kind, name).exists()
     sc.create_sampling_client(base_model="tiny").result()
-    sid = next(iter(service._samplers))
+    sid = service.pool.ids()[0]
     assert rc.get_sampler(sid).result().base_model == "tiny"
 
 
@@ -174,9 +176,10 @@ def _rl_batch(tc, record: bool):
     for i, s in enumerate(res.sequences):
         ob = len(prompt) - 1
         adv = [0.0] * ob + [1.0 if i % 2 else -1.0] * len(s.tokens)
-        d = types.Datum(model_input=types.ModelInput.from_ints(prompt + s.tokens[:-1]), loss_fn_inputs={
+        inputs: Any = {
             "target_tokens": [0] * ob + s.tokens, "logprobs": [0.0] * ob + s.logprobs, "advantages": adv,
-            "sequence_ratio_mask": np.asarray([0.0] * ob + [1.0] * len(s.tokens), dtype=np.float32)})
+            "sequence_ratio_mask": np.asarray([0.0] * ob + [1.0] * len(s.tokens), dtype=np.float32)}
+        d = types.Datum(model_input=types.ModelInput.from_ints(prompt + s.tokens[:-1]), loss_fn_inputs=inputs)
         data.append((d, s, len(prompt)))
     return data
 

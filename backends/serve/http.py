@@ -15,12 +15,16 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 from backends.errors import UserError
-from backends.serve.service import ServedModel, Service
+from backends.serve.limits import Limits
+from backends.serve.replies import Reply
+from backends.serve.service import Service
+from backends.serve.sessions import ServedModel
 from backends.serve.store import Store
 
 log = logging.getLogger("runner.serve")
@@ -33,18 +37,50 @@ def _handler_class(service: Service) -> type[BaseHTTPRequestHandler]:
         server_version = "runner-serve"
         disable_nagle_algorithm = True  # headers and body are two writes: without this, 40 ms delayed-ACK stalls
 
-        def _serve(self) -> None:
-            length = int(self.headers.get("content-length") or 0)
+        def _body(self) -> bytes | None:
+            """The request body, or None after answering a bad Content-Length (and closing: the stream's
+            framing is lost)."""
+            if "chunked" in (self.headers.get("transfer-encoding") or "").lower():
+                self._refuse(411, "chunked bodies are not accepted: send Content-Length")
+                return None
+            raw = self.headers.get_all("content-length") or []
+            if not raw:
+                return b""
+            if len(set(raw)) != 1 or not raw[0].strip().isdigit():
+                self._refuse(400, f"bad Content-Length {', '.join(raw)[:40]!r}")
+                return None
+            length = int(raw[0])
+            if length > service.limits.max_body_bytes:
+                self._refuse(413, f"request body of {length} bytes; at most {service.limits.max_body_bytes}")
+                return None
             body = self.rfile.read(length) if length else b""
+            if len(body) != length:  # the client hung up mid-body
+                self.close_connection = True
+                return None
+            return body
+
+        def _refuse(self, status: int, detail: str) -> None:
+            self.close_connection = True
+            self._send(Reply.error(status, detail), close=True)
+
+        def _serve(self) -> None:
+            body = self._body()
+            if body is None:
+                return
             headers = {k.lower(): v for k, v in self.headers.items()}
             base_url = f"http://{headers.get('host') or '127.0.0.1'}"
             reply = service.handle(self.command, self.path, headers, body, base_url)
             log.debug("%s %s -> %d", self.command, self.path.split("?", 1)[0], reply.status)
+            self._send(reply)
+
+        def _send(self, reply: Reply, close: bool = False) -> None:
             # No Server / Date headers: the SDK's httpx walks every header of every reply (its main CPU cost
             # per request, with ~64 sample requests per RL step).
             self.send_response_only(reply.status)
             for k, v in reply.headers.items():
                 self.send_header(k, v)
+            if close:
+                self.send_header("connection", "close")
             if reply.file is not None:
                 self.send_header("content-length", str(reply.file.stat().st_size))
                 self.end_headers()
@@ -63,6 +99,18 @@ def _handler_class(service: Service) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True
 
         do_GET = do_POST = do_PUT = do_DELETE = _serve
+
+        def __getattr__(self, name: str) -> Any:
+            if name.startswith("do_"):  # any other method: a JSON 405, not http.server's HTML 501
+                return lambda: self._refuse(405, f"method {name[3:][:20]} is not served")
+            raise AttributeError(name)
+
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+            """http.server's own refusals (a bad request line, over-long headers) as JSON, like ours."""
+            self.close_connection = True
+            self.request_version = "HTTP/1.1"  # never HTTP/0.9's bare body: the client gets a status line
+            with contextlib.suppress(*DISCONNECTS):
+                self._send(Reply.error(code, message or explain or "bad request"), close=True)
 
         def log_message(self, format: str, *args: object) -> None:  # requests are logged at DEBUG above
             pass
@@ -95,6 +143,7 @@ class ServeConfig:
     api_key_env: str | None = None
     sampler_idle_s: float | None = None
     max_live_samplers: int | None = None
+    limits: Limits = field(default_factory=Limits)  # caps (backends/serve/limits.py)
 
 
 def parse_models(specs: tuple[str, ...]) -> dict[str, str]:
@@ -151,7 +200,7 @@ def build_service(cfg: ServeConfig) -> Service:
         kwargs["sampler_idle_s"] = cfg.sampler_idle_s
     if cfg.max_live_samplers is not None:
         kwargs["max_live_samplers"] = cfg.max_live_samplers
-    return Service(store, models, api_key=api_key, **kwargs)
+    return Service(store, models, api_key=api_key, limits=cfg.limits, **kwargs)
 
 
 @contextlib.contextmanager

@@ -134,9 +134,13 @@ class Store:
             path = self.checkpoint_dir(run_id, kind, name)
             if not path.is_dir():
                 return None
-            return read_json(path.with_name(name + ".json"))
+            meta = read_json(path.with_name(name + ".json"))
         except (KeyError, OSError, ValueError):
             return None
+        if expired(meta):  # enforced on access, not only by the housekeeping sweep
+            self.delete_checkpoint(run_id, kind, name)
+            return None
+        return meta
 
     def set_ttl(self, run_id: str, kind: str, name: str, ttl_seconds: int | None) -> bool:
         meta = self.checkpoint_meta(run_id, kind, name)
@@ -152,7 +156,7 @@ class Store:
             base = self.run_dir(run_id) / kind
             for p in sorted(base.glob("*.json")) if base.is_dir() else []:
                 meta = self.checkpoint_meta(run_id, kind, p.stem)
-                if meta is not None and not expired(meta):
+                if meta is not None:
                     out.append(meta)
         out.sort(key=lambda m: m["time"])
         return out
@@ -163,7 +167,11 @@ class Store:
             return False
         # Rename first: a reader never sees a half-deleted folder.
         trash = Path(tempfile.mkdtemp(prefix=f".deleted-{name}.", dir=path.parent))
-        path.rename(trash / name)
+        try:
+            path.rename(trash / name)
+        except FileNotFoundError:  # deleted by another request meanwhile
+            trash.rmdir()
+            return False
         path.with_name(name + ".json").unlink(missing_ok=True)
         shutil.rmtree(trash, ignore_errors=True)
         return True

@@ -1,0 +1,190 @@
+"""What `runner serve` accepts: size caps, typed request fields, and the sampling budget.
+
+A request that breaks a rule is an ApiError (a 4xx with a one-line reason), never a server error: the SDK
+retries 408/409/429/5xx for minutes, and raises at once on other 4xx.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from backends.serve.replies import ApiError
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = 64 << 20  # one request's body (a forward_backward's protobuf is the big one)
+    max_json_depth: int = 32  # nesting of a JSON body
+    max_metadata_bytes: int = 16 << 10  # user_metadata, as JSON (stored and returned by every listing)
+    max_id_chars: int = 128  # session, model, sampler, request ids and checkpoint names
+    max_num_samples: int = 4096
+    # num_samples x (prompt + max_tokens): one request's tokens, and all in-flight requests' together (the
+    # sampler's memory grows with them). A request over the first is refused; one over the second waits.
+    max_request_tokens: int = 1 << 20
+    max_live_tokens: int = 4 << 20
+
+
+_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]*")
+_MISSING: Any = object()
+
+
+class Fields:
+    """Typed access to a JSON request's fields: a wrong type or value is a 400 naming the field."""
+
+    def __init__(self, req: dict[str, Any], limits: Limits):
+        self.req = req
+        self.limits = limits
+
+    def _get(self, key: str, default: Any) -> Any:
+        v = self.req.get(key)
+        if v is None:
+            if default is _MISSING:
+                raise ApiError(400, f"{key} is required")
+            return default
+        return v
+
+    def str(self, key: str, default: Any = _MISSING, max_chars: int | None = None) -> Any:
+        v = self._get(key, default)
+        if v is default:
+            return v
+        if not isinstance(v, str):
+            raise ApiError(400, f"{key} must be a string, not {type(v).__name__}")
+        limit = max_chars or self.limits.max_id_chars * 8
+        if len(v) > limit:
+            raise ApiError(413, f"{key} is {len(v)} characters; at most {limit}")
+        return v
+
+    def id(self, key: str, default: Any = _MISSING) -> Any:
+        """A session, model or sampler id: letters, digits, '_', '.', ':', '-', at most max_id_chars."""
+        v = self.str(key, default, max_chars=self.limits.max_id_chars)
+        if v is default:
+            return v
+        check_id(key, v, self.limits)
+        return v
+
+    def int(self, key: str, default: Any = _MISSING, lo: int | None = None, hi: int | None = None) -> Any:
+        v = self._get(key, default)
+        if v is default:
+            return v
+        return to_int(key, v, lo, hi)
+
+    def float(self, key: str, default: Any = _MISSING, lo: float | None = None, hi: float | None = None) -> Any:
+        v = self._get(key, default)
+        if v is default:
+            return v
+        return to_float(key, v, lo, hi)
+
+    def bool(self, key: str, default: bool = False) -> bool:
+        v = self._get(key, default)
+        if not isinstance(v, bool):
+            raise ApiError(400, f"{key} must be true or false, not {type(v).__name__}")
+        return v
+
+    def dict(self, key: str, default: Any = _MISSING) -> Any:
+        v = self._get(key, default)
+        if v is not default and not isinstance(v, dict):
+            raise ApiError(400, f"{key} must be an object, not {type(v).__name__}")
+        return v
+
+    def sub(self, key: str) -> Fields:
+        return Fields(self.dict(key, {}), self.limits)
+
+    def metadata(self, key: str = "user_metadata") -> dict[str, Any] | None:
+        v = self.dict(key, None)
+        if v is not None and len(json.dumps(v)) > self.limits.max_metadata_bytes:
+            raise ApiError(413, f"{key} is over {self.limits.max_metadata_bytes} bytes as JSON")
+        return v or None
+
+
+def check_id(what: str, v: str, limits: Limits) -> None:
+    if len(v) > limits.max_id_chars:
+        raise ApiError(413, f"{what} is {len(v)} characters; at most {limits.max_id_chars}")
+    if not _ID.fullmatch(v):
+        raise ApiError(400, f"{what} {v[:40]!r} has characters other than letters, digits, '_', '.', ':', '-'")
+
+
+def to_int(key: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ApiError(400, f"{key} must be an integer, not {type(v).__name__} {str(v)[:40]!r}")
+    if lo is not None and v < lo:
+        raise ApiError(400, f"{key} must be >= {lo}, not {v}")
+    if hi is not None and v > hi:
+        raise ApiError(413 if hi >= 1 else 400, f"{key} must be <= {hi}, not {v}")
+    return v
+
+
+def to_float(key: str, v: Any, lo: float | None = None, hi: float | None = None) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ApiError(400, f"{key} must be a number, not {type(v).__name__} {str(v)[:40]!r}")
+    f = float(v)
+    if f != f or f in (float("inf"), float("-inf")):
+        raise ApiError(400, f"{key} must be finite, not {f}")
+    if (lo is not None and f < lo) or (hi is not None and f > hi):
+        raise ApiError(400, f"{key} must be in [{lo}, {hi}], not {f}")
+    return f
+
+
+def json_depth_ok(body: bytes, limit: int) -> bool:
+    """Whether no JSON container in `body` nests deeper than `limit` (strings skipped): checked before parsing,
+    as json.loads would recurse to the interpreter's limit."""
+    if body.count(b"[") + body.count(b"{") <= limit:  # the usual case: too few containers to nest that deep
+        return True
+    depth = 0
+    in_str = esc = False
+    for b in body:
+        if in_str:
+            if esc:
+                esc = False
+            elif b == 0x5C:  # backslash
+                esc = True
+            elif b == 0x22:
+                in_str = False
+        elif b == 0x22:
+            in_str = True
+        elif b in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > limit:
+                return False
+        elif b in (0x5D, 0x7D):
+            depth -= 1
+    return True
+
+
+class Budget:
+    """Tokens of sampling work in flight. A request runs when its tokens fit under the limit, else waits (in
+    arrival order) for finished requests to return theirs."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self._lock = threading.Lock()
+        self._waiting: list[tuple[int, Callable[[], None]]] = []
+
+    def acquire(self, n: int, start: Callable[[], None]) -> None:
+        with self._lock:
+            run = not self._waiting and self.used + n <= self.limit
+            if run:
+                self.used += n
+            else:
+                self._waiting.append((n, start))
+        if run:
+            start()
+
+    def release(self, n: int) -> None:
+        ready = []
+        with self._lock:
+            self.used -= n
+            while self._waiting and self.used + self._waiting[0][0] <= self.limit:
+                m, start = self._waiting.pop(0)
+                self.used += m
+                ready.append(start)
+        for start in ready:
+            start()
+
+    def waiting(self) -> int:
+        return len(self._waiting)

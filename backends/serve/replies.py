@@ -1,0 +1,149 @@
+"""What a request gets back: HTTP error replies (ApiError), immediate replies (Reply), and promises, the
+futures `retrieve_future` long-polls (a failed one carries the error's category: "user" or "server")."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import itertools
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from backends.base import BackendError, Future
+from backends.errors import UserError
+
+log = logging.getLogger("runner.serve")
+
+PROMISE_KEEP_S = 900.0  # a result stays retrievable this long after it is ready
+
+
+class ApiError(Exception):
+    """An HTTP error reply: {"detail": ...} with this status. Never 408/409/429/5xx for the client's mistakes:
+    the SDK retries those for up to 5 minutes."""
+
+    def __init__(self, status: int, detail: str):
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+@dataclass
+class Reply:
+    status: int
+    body: bytes = b""
+    headers: dict[str, str] = field(default_factory=dict)
+    file: Path | None = None  # stream this file as the body (downloads)
+
+    @classmethod
+    def json(cls, obj: Any, status: int = 200) -> Reply:
+        return cls(status, json.dumps(obj).encode(), {"content-type": "application/json"})
+
+    @classmethod
+    def error(cls, status: int, detail: str) -> Reply:
+        return cls.json({"detail": detail}, status)
+
+
+def failed(message: str, category: str = "user") -> Reply:
+    return Reply.json({"error": message, "category": category})
+
+
+def error_reply(exc: BaseException) -> Reply:
+    """An engine failure as a failed future: the user's fault when the backend says so."""
+    if isinstance(exc, BackendError):
+        msg = str(exc)
+        if exc.request and msg.startswith(exc.request + ": "):
+            msg = msg[len(exc.request) + 2:]
+        return failed(msg, "user" if exc.user_error else "server")
+    if isinstance(exc, ApiError):
+        return failed(exc.detail, "user")
+    if isinstance(exc, (UserError, ValueError, KeyError)):
+        return failed(str(exc), "user")
+    log.warning("request failed: %s: %s", type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
+    return failed(f"{type(exc).__name__}: {exc}", "server")
+
+
+class Promise:
+    def __init__(self, route: str):
+        self.route = route
+        self.future: concurrent.futures.Future[Reply] = concurrent.futures.Future()
+        self.done_at: float | None = None
+        self.future.add_done_callback(self._stamp)
+
+    def _stamp(self, _: Any) -> None:
+        self.done_at = time.monotonic()
+
+    def resolve(self, reply: Reply) -> None:
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            self.future.set_result(reply)
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
+def deliver(promise: Promise, fut: Future[Any] | concurrent.futures.Future[Any], to_reply: Callable[[Any], Reply]) -> None:
+    """Resolve `promise` from an engine future: to_reply(result), or the error as a failed request."""
+    inner = fut.future() if isinstance(fut, Future) else fut
+
+    def done(f: concurrent.futures.Future[Any]) -> None:
+        try:
+            reply = to_reply(f.result())
+        except BaseException as exc:  # noqa: BLE001 - reported to the client as a failed request
+            reply = error_reply(exc)
+        promise.resolve(reply)
+
+    inner.add_done_callback(done)
+
+
+class Promises:
+    """Every promise handed out, by request id, until PROMISE_KEEP_S after it resolved."""
+
+    def __init__(self, long_poll_s: float):
+        self.long_poll_s = long_poll_s
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._by_id: dict[str, Promise] = {}
+
+    def new(self, route: str, extra: dict[str, Any] | None = None) -> tuple[Promise, Reply]:
+        rid = f"req-{next(self._ids)}-{secrets.token_hex(3)}"
+        p = Promise(route)
+        with self._lock:
+            self._by_id[rid] = p
+        return p, Reply.json({"request_id": rid, **(extra or {})})
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def retrieve(self, rid: str) -> Reply:
+        """The result, waiting for it up to long_poll_s (then try_again, which the SDK polls again at once)."""
+        with self._lock:
+            p = self._by_id.get(rid)
+        if p is None:  # unknown or expired: the SDK resubmits on 410
+            raise ApiError(410, f"request {rid} is unknown or expired")
+        try:
+            return p.future.result(timeout=self.long_poll_s)
+        except concurrent.futures.TimeoutError:
+            return Reply.json({"type": "try_again", "request_id": rid, "queue_state": "active"})
+        except concurrent.futures.CancelledError:
+            return failed("cancelled", "user")
+
+    def cancel(self, rids: list[str]) -> None:
+        for rid in rids:
+            with self._lock:
+                p = self._by_id.get(rid)
+            if p is not None and p.route == "asample":  # training requests hold seq ids: never cancelled
+                p.resolve(failed("cancelled by the client", "user"))
+
+    def forget_old(self, t: float) -> None:
+        with self._lock:
+            for rid in [r for r, p in self._by_id.items() if p.done_at is not None and t - p.done_at > PROMISE_KEEP_S]:
+                del self._by_id[rid]
+
+    def __len__(self) -> int:
+        return len(self._by_id)
