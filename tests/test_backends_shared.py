@@ -78,8 +78,10 @@ def recipe_for(tmp_path: Path, kind: str, run_dir: str, **over: Any) -> Recipe:
 
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows without timings and prices (the local backend logs a $0 cost, a Tinker model without a price none);
+    token counts stay: the same recipe submits the same tokens over either backend."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "cost/"))} for r in rows]
 
 
 def checkpoints(run_dir: Path) -> list[dict[str, Any]]:

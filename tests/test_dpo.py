@@ -31,8 +31,10 @@ COMPARISONS = REPO / "examples" / "data" / "comparisons.jsonl"
 
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows without timings and token accounting (tests/test_cost.py checks that; a resumed DPO run asks for its
+    reference logprobs again, which really costs tokens the uninterrupted run did not spend)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "tokens/", "cost/"))} for r in rows]
 
 
 def pair_row(i: int, fmt: str = "plain", label: str = "A") -> dict[str, Any]:

@@ -135,7 +135,7 @@ def test_show_smoke_prints_every_stage(workdir: Path, capsys: pytest.CaptureFixt
                                                                                     "runs/rlhf_rl-smoke")
     assert (rl["algo"]["group_size"], rl["algo"]["groups_per_batch"], rl["algo"]["max_tokens"]) == (2, 2, 16)
     assert "smoke" not in rl and rl["save_every"] == 0
-    assert doc["rlhf_rm"]["algo"]["data"]["args"]["path"] == "data/hh_rlhf_sample.jsonl"
+    assert doc["rlhf_rm"]["algo"]["data"]["path"].endswith("examples/data/hh_rlhf_sample.jsonl")
     assert not Path(smoke_file).exists()  # show writes nothing
 
 
