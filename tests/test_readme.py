@@ -60,3 +60,10 @@ def test_recipe_figures_come_from_the_bench_output() -> None:
     start = readme.index(rows[0])
     assert readme[start:start + len(rows) + 1] == [rows[0], saved[saved.index(rows[0]) + 1], *rows[1:]]
     assert any(line.startswith("<!-- bench/bench_recipes.py") for line in saved)
+
+
+def test_every_relative_link_in_the_docs_exists() -> None:
+    """The README and docs/ link each other and the code by relative paths: none of them dangles."""
+    for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        for target in re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", page.read_text()):
+            assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links to {target}, which does not exist"
