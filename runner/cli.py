@@ -224,7 +224,8 @@ def _talk_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                         "test/accuracy, distillation test/teacher_kl) and its pinned [[evals]] on one checkpoint; "
                         "appended to evals.jsonl.")
     ev.add_argument("target", metavar="RUN_DIR|FILE#NAME", help=target_help)
-    ev.add_argument("--checkpoint", metavar="NAME", help="a checkpoint by name; default: the last one")
+    ev.add_argument("--checkpoint", metavar="NAME|STEP",
+                    help="a checkpoint by name, or by the steps it was saved after (e.g. 20); default: the last one")
     ev.set_defaults(command=cmd_eval)
 
 

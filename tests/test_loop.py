@@ -288,9 +288,14 @@ def test_progress_line():
     assert "3/3" in out and "nll 0.0000" in out and "\r" in out
     assert "eval at step 1  test/nll 5.0000\n" in out
     # Not a terminal, a short run: a plain line per step, and each eval row as a line.
+    # The first step pays for the start (model load), so it gives no ETA.
     assert plain.getvalue().splitlines() == [
-        "step 1/3  nll 2.0000  eta 0m00s", "eval at step 1  test/nll 5.0000", "step 2/3  nll 1.0000  eta 0m00s",
+        "step 1/3  nll 2.0000  eta --", "eval at step 1  test/nll 5.0000", "step 2/3  nll 1.0000  eta 0m00s",
         "step 3/3  nll 0.0000  eta 0m00s"]
+    counts = io.StringIO()
+    p = Progress(total=2, start=0, keys=[("rows", "rows"), ("reply_chars", "reply_chars")], stream=counts)
+    p.update(0, {"rows": 64, "reply_chars": 12.5})
+    assert counts.getvalue().startswith("step 1/2  rows 64  reply_chars 12.5000")
     # A long run off a terminal: the first step, then one line per `every` seconds, and always the last step and
     # every eval.
     long = io.StringIO()

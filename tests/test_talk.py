@@ -78,6 +78,9 @@ def test_eval_repeats_the_logged_held_out_nll(sft_run: Path, capsys: pytest.Capt
     [row] = read_jsonl(sft_run / "evals.jsonl")
     assert row["checkpoint"] == "000002" and row["test/nll"] == pytest.approx(logged, rel=1e-4)
     assert "test/nll" in capsys.readouterr().out
+    # The same checkpoint by the steps it was saved after.
+    assert main(["eval", str(sft_run), "--checkpoint", "2"]) == 0
+    assert read_jsonl(sft_run / "evals.jsonl")[-1]["checkpoint"] == "000002"
 
 
 def test_eval_of_rl_repeats_the_final_eval(proj: Path) -> None:
@@ -95,7 +98,9 @@ def test_chat_through_a_pipe(sft_run: Path) -> None:
                          input="Who are you?\n/reset\n\nHello!\n/quit\nnot read\n", capture_output=True, text=True,
                          env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert len(out.stdout.splitlines()) == 2  # one reply per message; /reset and the blank line answer nothing
+    # One reply per message, each a JSON string on its own line; /reset and the blank line answer nothing.
+    assert len(out.stdout.splitlines()) == 2
+    assert all(isinstance(json.loads(line), str) for line in out.stdout.splitlines())
 
 
 def test_chat_through_a_terminal(sft_run: Path) -> None:
@@ -130,7 +135,9 @@ def test_one_line_errors(proj: Path, capsys: pytest.CaptureFixture[str]) -> None
     cases = [
         (["sample", "nowhere", "hi"], "neither a run dir nor a recipe FILE#name"),
         (["sample", "r.toml#s", "hi"], "has no checkpoint yet"),
-        (["eval", "r.toml#s"], "has no checkpoint yet"),
+        (["eval", "r.toml#s"], "has no checkpoint yet (run it first)"),
+        (["eval", "r.toml#s", "--checkpoint", "base"], "not base: the held-out evals of the base model are the run's "
+                                                        "step-0 eval row"),
         (["sample", "r.toml#s"], "give a prompt or --file"),
         (["sample", "r.toml#s", "hi", "--n", "0"], "--n must be >= 1"),
     ]
@@ -141,8 +148,8 @@ def test_one_line_errors(proj: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert main(["run", "r.toml#s"]) == 0
     capsys.readouterr()
     (proj / "bad.jsonl").write_text('{"prompt": "ok"}\n[1, 2]\n')
-    for argv, message in [(["sample", "r.toml#s", "hi", "--checkpoint", "nope"], "no checkpoint named 'nope'; "
-                                                                                   "available: 000002, final, base"),
+    for argv, message in [(["sample", "r.toml#s", "hi", "--checkpoint", "nope"], "no checkpoint 'nope'; available: "
+                                                                                   "000002 (step 2), final (step 4), base"),
                           (["sample", "r.toml#s", "--file", "bad.jsonl"], "bad.jsonl:2: expected")]:
         assert main(argv) == 2
         err = capsys.readouterr().err

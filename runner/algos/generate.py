@@ -95,7 +95,7 @@ class GenerateAlgo:
         os.replace(tmp, path)
         rows = part["rows"]
         replies = [r["messages"][-1]["content"] for r in rows]
-        return {"rows": float(len(rows)), "samples": float(part["samples"]),
+        return {"rows": len(rows), "samples": part["samples"],
                 "truncated_frac": part["truncated"] / part["samples"] if part["samples"] else 0.0,
                 "reply_chars": sum(map(len, replies)) / len(replies) if replies else 0.0}
 

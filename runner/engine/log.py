@@ -125,6 +125,11 @@ def write_text_atomic(path: Path, text: str) -> None:
             raise
 
 
+def _fmt_value(v: float) -> str:
+    """A headline number: a count (an int) as a count ("rows 64"), everything else to 4 decimals."""
+    return str(v) if isinstance(v, int) and not isinstance(v, bool) else f"{v:.4f}"
+
+
 class Progress:
     """A live bar (tqdm) on a terminal: step, the algorithm's headline metrics, ETA. Not on a terminal (CI, a
     pipe, a file) a plain line per step for short runs, and about every `every` seconds plus the first and last
@@ -139,7 +144,7 @@ class Progress:
         self.tty = self.stream.isatty()
         # Short runs (<= 50 steps) print every step; longer ones every `every` seconds.
         self.every = 0.0 if total - start <= 50 else every
-        self.t0 = time.monotonic()
+        self.t0 = self.t_first = time.monotonic()
         self.last_print = -math.inf
         self.bar: Any = None
         if self.tty:
@@ -158,9 +163,12 @@ class Progress:
             self.bar.update(step + 1 - self.bar.n)
             return
         done = step + 1 - self.start
-        eta = (now - self.t0) / done * (self.total - step - 1) if done > 0 else 0.0
+        if done == 1:
+            self.t_first = now  # the first step pays for the start (model load, first snapshot): no rate from it
+        left = self.total - step - 1
+        eta = "--" if done == 1 and left else _fmt_seconds((now - self.t_first) / (done - 1) * left if done > 1 else 0.0)
         if now - self.last_print >= self.every or step + 1 == self.total or done == 1:
-            self.stream.write("  ".join([f"step {step + 1}/{self.total}", *shown, f"eta {_fmt_seconds(eta)}"]) + "\n")
+            self.stream.write("  ".join([f"step {step + 1}/{self.total}", *shown, f"eta {eta}"]) + "\n")
             self.stream.flush()
             self.last_print = now
 
@@ -171,7 +179,7 @@ class Progress:
             if key.startswith("test/") != test:
                 continue
             if isinstance(metrics.get(key), (int, float)):
-                parts.append(f"{label} {metrics[key]:.4f}")
+                parts.append(f"{label} {_fmt_value(metrics[key])}")
         if test:  # other test/ metrics of an eval row that the headline keys do not name
             named = {k for k, _ in self.keys}
             for key in ("test/nll", "test/env/all/reward/total", "test/accuracy", "test/teacher_kl", "test/agreement",

@@ -33,8 +33,9 @@ class Target:
     checkpoint: dict[str, Any] | None
 
 
-def open_target(target: str, checkpoint: str | None) -> Target:
-    """A run dir or FILE#name, and the checkpoint to use; one-line UserErrors for everything a user can get wrong."""
+def open_target(target: str, checkpoint: str | None, base_ok: bool = True) -> Target:
+    """A run dir or FILE#name, and the checkpoint to use (a name, the steps it was saved after, or "base" when
+    base_ok); one-line UserErrors for everything a user can get wrong."""
     from runner.engine.rundir import CONFIG, load_config, read_checkpoints, run_dir_path
     from runner.recipe.load import load_recipe
 
@@ -49,18 +50,18 @@ def open_target(target: str, checkpoint: str | None) -> Target:
         run_dir, where = run_dir_path(recipe, name), target
     else:
         raise UserError(f"{target}: neither a run dir nor a recipe FILE#name")
-    if checkpoint == "base":
+    if checkpoint == "base" and base_ok:
         return Target(name, recipe, run_dir, where, None)
     rows = [r for r in read_checkpoints(run_dir) if r.get("sampler_path")]
     if not rows:
-        raise UserError(f"{run_dir} has no checkpoint yet (run it first, or use --checkpoint base)")
+        raise UserError(f"{run_dir} has no checkpoint yet (run it first{', or use --checkpoint base' if base_ok else ''})")
     if checkpoint is None:
         return Target(name, recipe, run_dir, where, rows[-1])
-    for row in rows:
-        if row.get("name") == checkpoint:
+    for row in rows:  # by name ("000020", "final"), or by the steps trained (--checkpoint 20)
+        if row.get("name") == checkpoint or (checkpoint.isdigit() and row.get("next_step") == int(checkpoint)):
             return Target(name, recipe, run_dir, where, row)
-    names = ", ".join(str(r.get("name")) for r in rows)
-    raise UserError(f"{run_dir}: no checkpoint named {checkpoint!r}; available: {names}, base")
+    names = ", ".join(f"{r.get('name')} (step {r.get('next_step')})" for r in rows)
+    raise UserError(f"{run_dir}: no checkpoint {checkpoint!r}; available: {names}{', base' if base_ok else ''}")
 
 
 def _backend(t: Target) -> Any:
@@ -174,7 +175,8 @@ def chat(target: str, checkpoint: str | None, temperature: float, max_tokens: in
             result = client.sample(renderer.build_prompt(messages), 1, params).result()
             reply = renderer.parse(result.sequences[0].tokens).text
             messages.append({"role": "assistant", "content": reply})
-            out.write(f"{t.name}> {reply}\n" if tty else f"{reply}\n")
+            # Piped: each reply one line, as a JSON string, so a reply's own newlines cannot split it.
+            out.write(f"{t.name}> {reply}\n" if tty else json.dumps(reply, ensure_ascii=False) + "\n")
             out.flush()
     finally:
         backend.close()
@@ -199,9 +201,11 @@ def evaluate(target: str, checkpoint: str | None, out: TextIO) -> dict[str, floa
     from runner.engine.log import append_jsonl
     from runner.engine.loop import make_algo
 
-    t = open_target(target, checkpoint)
-    if t.checkpoint is None:
-        raise UserError("eval needs a checkpoint of the run (its sampler weights), not base")
+    if checkpoint == "base":
+        raise UserError("eval needs a checkpoint of the run (its sampler weights), not base: the held-out evals of the "
+                        "base model are the run's step-0 eval row")
+    t = open_target(target, checkpoint, base_ok=False)
+    assert t.checkpoint is not None
     inputs = resolved_inputs(t.recipe, t.where)
     backend = _backend(t)
     try:
