@@ -481,6 +481,22 @@ def test_relative_data_path_falls_back_to_the_recipe_files_folder(tmp_path: Path
     assert recipe.algo.data.path == "data/rows.jsonl"  # the working directory's copy wins
 
 
+def test_path_args_of_user_code_fall_back_to_the_recipe_files_folder(tmp_path: Path, monkeypatch) -> None:
+    """A python data source's `args = {path = ...}` (the shipped RLHF and distillation recipes pass their files this
+    way) is found next to the recipe from another folder too; other args are left alone."""
+    proj, elsewhere = tmp_path / "proj", tmp_path / "elsewhere"
+    (proj / "data").mkdir(parents=True)
+    elsewhere.mkdir()
+    (proj / "data" / "chats.jsonl").write_text("")
+    (proj / "r.toml").write_text('[recipes.x.algo]\nkind = "sft"\ndata = {kind = "python", target = "m:rows", args = '
+                                 '{path = "data/chats.jsonl", name = "data/chats.jsonl", out_dir = "data/none"}}\n')
+    monkeypatch.chdir(elsewhere)
+    recipe = load_recipe(str(proj / "r.toml"))[1]
+    assert isinstance(recipe.algo, SFT)
+    args = recipe.algo.data.args  # pyright: ignore[reportAttributeAccessIssue]
+    assert args == {"path": str((proj / "data" / "chats.jsonl").resolve()), "name": "data/chats.jsonl",
+                    "out_dir": "data/none"}
+
 def test_check_recipe_data_and_targets(workdir: Path, isolated_imports: None) -> None:
     ref = f"{write(GOOD)}#sl_basic"
     check_recipe(load_recipe(ref)[1], "recipes.toml#sl_basic")

@@ -106,21 +106,35 @@ def _data_next_to_recipe(recipe: Recipe, where: str, base: Path) -> Recipe:
     """A relative data path is relative to the working directory; one that is not there but is next to the
     recipe file (`runner run ~/proj/recipes.toml#x` from elsewhere) becomes that file's absolute path, which
     config.toml then records."""
-    fixes = []
+    def moved(value: object) -> str | None:
+        rel = Path(value) if isinstance(value, str) and value else None
+        if rel is None or rel.is_absolute() or rel.exists() or not (base / rel).exists():
+            return None
+        return str((base / rel).resolve())
+
+    fixes: list[tuple[tuple[str | int, ...], str]] = []
     for keys, node in structs(recipe, ()):
-        if isinstance(node, (Jsonl, File)):
-            rel = Path(node.path)
-            if not rel.is_absolute() and not rel.exists() and (base / rel).exists():
-                fixes.append((keys, str((base / rel).resolve())))
+        if isinstance(node, (Jsonl, File)) and (value := moved(node.path)) is not None:
+            fixes.append(((*keys, "path"), value))
+        # Paths handed to user code (`args = {path = "data/x.jsonl"}` of a python data source, env or eval) too.
+        args = getattr(node, "args", None)
+        if isinstance(args, dict):
+            for k, v in args.items():
+                if isinstance(k, str) and _PATH_ARG.search(k) and (value := moved(v)) is not None:
+                    fixes.append(((*keys, "args", k), value))
     if not fixes:
         return recipe
     raw = msgspec.to_builtins(recipe)
     for keys, value in fixes:
         table = raw
-        for key in keys:
+        for key in keys[:-1]:
             table = table[key]
-        table["path"] = value
+        table[keys[-1]] = value
     return decode_recipe(raw, where)
+
+
+# The `args` keys taken for file paths (made absolute like data paths when found next to the recipe file).
+_PATH_ARG = re.compile(r"(^|_)(path|file|dir)$")
 
 
 def split_ref(ref: str) -> tuple[str, str | None]:
