@@ -36,19 +36,38 @@ def terminal_recipes(path: Path) -> list[str]:
 
 
 def first_last(rows: list[dict], key: str) -> tuple[float, float] | None:
+    """A held-out metric's first and last values; a training metric's means over the first and the last 5 rows (one
+    step's batch is noisy)."""
     values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
-    return (values[0], values[-1]) if values else None
+    if not values:
+        return None
+    if key.startswith("test/"):
+        return values[0], values[-1]
+    k = min(5, len(values))
+    return sum(values[:k]) / k, sum(values[-k:]) / k
 
 
-def summarize(run_dir: Path) -> tuple[str, str, str, str]:
+def summarize(run_dir: Path) -> list[tuple[str, str, str, str]]:
+    """(metric, first, last, steps) for the algorithm's first two main metrics the run logged."""
     recipe = load_config(run_dir / "config.toml")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = max((r.get("step", 0) for r in rows), default=0)
+    steps = str(max((r.get("step", 0) for r in rows), default=0))
+    out = []
     for key in spec_of(recipe.algo).compare_keys():
         fl = first_last(rows, key)
         if fl is not None:
-            return key, f"{fl[0]:.3g}", f"{fl[1]:.3g}", str(steps)
-    return "-", "-", "-", str(steps)
+            out.append((key, f"{fl[0]:.3g}", f"{fl[1]:.3g}", steps))
+    out = out[:2]
+    for key in EXTRA:  # evaluated once, on the final weights
+        values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        if values:
+            out.append((key, "-", f"{values[-1]:.3g}", steps))
+    return out or [("-", "-", "-", steps)]
+
+
+# Final-only evals worth a row where a run logs them: RLHF's win rate against the SFT policy (its RL reward is 0.5 by
+# construction), prompt distillation's agreement with the teacher.
+EXTRA = ("test/win_rate_vs_init", "test/agreement")
 
 
 def main() -> int:
@@ -61,6 +80,8 @@ def main() -> int:
              f"{time.strftime('%Y-%m-%d')} -->",
              "| recipe | run | metric | first | last | steps | wall s |", "|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
+    note = ("Held-out (`test/`) metrics: the first and the last eval; training metrics: the mean of the first and of "
+            "the last 5 steps. `wall s`: the whole chain, from a fresh directory.")
     failed = 0
     for ref in refs:
         path, _, name = ref.partition("#")
@@ -77,15 +98,15 @@ def main() -> int:
                 print(row, flush=True)
                 continue
             for run_dir in sorted((Path(tmp) / "runs").glob("*/"), key=lambda d: (d.name != name, d.name)):
-                key, first, last, steps = summarize(run_dir)
-                shown = f"{wall:.0f}" if run_dir.name == name else ""
-                row = f"| {name if run_dir.name == name else ''} | {run_dir.name} | `{key}` | {first} | {last} | " \
-                      f"{steps} | {shown} |"
-                lines.append(row)
-                print(row, flush=True)
+                for i, (key, first, last, steps) in enumerate(summarize(run_dir)):
+                    top = i == 0 and run_dir.name == name
+                    row = (f"| {name if top else ''} | {run_dir.name if i == 0 else ''} | `{key}` | {first} | {last} | "
+                           f"{steps if i == 0 else ''} | {f'{wall:.0f}' if top else ''} |")
+                    lines.append(row)
+                    print(row, flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text("\n".join(lines) + "\n")
+        Path(args.out).write_text("\n".join([*lines, "", note]) + "\n")
     return 1 if failed else 0
 
 
