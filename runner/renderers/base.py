@@ -103,6 +103,10 @@ class Renderer(ABC):
     # Special tokens the format needs as single tokens: checked when the renderer is built, so a renderer and a
     # tokenizer of different families fail at once instead of training on special tokens spelled out in bytes.
     required_tokens: tuple[str, ...] = ()
+    # The special token that ends a turn, for formats whose turns end on one (it is then the stop sequence), and
+    # the tokenizer family that has it (named in the error when the tokenizer lacks it).
+    end_text: str | None = None
+    end_family: str = ""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
@@ -126,8 +130,16 @@ class Renderer(ABC):
     @abstractmethod
     def render_message(self, message: Message, ctx: RenderContext) -> Rendered: ...
 
-    @abstractmethod
-    def get_stop_sequences(self) -> list[str] | list[int]: ...
+    @property
+    def end_token(self) -> int:
+        """The id of `end_text`, the token that ends a turn."""
+        if self.end_text is None:
+            raise TypeError(f"renderer {self.name!r} declares no end_text")
+        return self.single_token(self.end_text, self.end_family)
+
+    def get_stop_sequences(self) -> list[str] | list[int]:
+        """By default the end-of-turn token; formats that stop otherwise override this."""
+        return [self.end_token]
 
     @abstractmethod
     def parse_response(self, response: list[int]) -> tuple[Message, Termination]: ...

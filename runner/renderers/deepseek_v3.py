@@ -32,6 +32,8 @@ _CALL = re.compile(r"<｜tool▁call▁begin｜>(\w+)<｜tool▁sep｜>(.*?)<｜
 
 class _DeepSeekV3Base(Renderer):
     required_tokens = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>")
+    end_text = "<｜end▁of▁sentence｜>"
+    end_family = "a DeepSeek V3 tokenizer"
 
     def __init__(self, tokenizer: Any, system_role_as_user: bool = False, strip_thinking_from_history: bool = True):
         super().__init__(tokenizer)
@@ -48,10 +50,6 @@ class _DeepSeekV3Base(Renderer):
     @property
     def bos_tokens(self) -> list[int]:
         return [self.special("begin▁of▁sentence")]
-
-    @property
-    def end_token(self) -> int:
-        return self.special("end▁of▁sentence")
 
     def render_message(self, message: Message, ctx: RenderContext) -> Rendered:
         follows_tool = ctx.prev_message is not None and ctx.prev_message["role"] == "tool"
@@ -92,9 +90,6 @@ class _DeepSeekV3Base(Renderer):
         if role == "assistant" and message["content"]:
             output.append(self.end_token)
         return Rendered(output=[output], header=header)
-
-    def get_stop_sequences(self) -> list[int]:
-        return [self.end_token]
 
     def normalize_response(self, response: list[int]) -> list[int]:
         return response

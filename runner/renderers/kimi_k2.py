@@ -34,6 +34,8 @@ _HEADERS = {"user": "<|im_user|>", "assistant": "<|im_assistant|>"}
 @register("kimi_k2")
 class KimiK2Renderer(Renderer):
     required_tokens = ("<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<|im_end|>")
+    end_text = "<|im_end|>"
+    end_family = "Kimi's"
 
     def __init__(self, tokenizer: Any, strip_thinking_from_history: bool = True):
         super().__init__(tokenizer)
@@ -91,13 +93,6 @@ class KimiK2Renderer(Renderer):
     def build_supervised_example(self, messages: list[Message], train_on_what: str = "last_assistant_message"
                                  ) -> tuple[list[int], list[float]]:
         return super().build_supervised_example(self._with_system(messages), train_on_what)
-
-    @property
-    def end_token(self) -> int:
-        return self.single_token("<|im_end|>", "Kimi's")
-
-    def get_stop_sequences(self) -> list[int]:
-        return [self.end_token]
 
     def parse_response(self, response: list[int]) -> tuple[Message, Termination]:
         message, termination = parse_for_stop_token(response, self.tokenizer, self.end_token)

@@ -17,6 +17,8 @@ from runner.renderers.base import (
 @register("llama3")
 class Llama3Renderer(Renderer):
     required_tokens = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+    end_text = "<|eot_id|>"
+    end_family = "a Llama 3 tokenizer"
 
     @property
     def has_extension_property(self) -> bool:
@@ -30,13 +32,6 @@ class Llama3Renderer(Renderer):
         header = self.encode(f"<|start_header_id|>{message['role']}<|end_header_id|>\n\n")
         output = self.encode(ensure_text(message["content"]) + "<|eot_id|>")
         return Rendered(output=[output], header=header)
-
-    @property
-    def end_token(self) -> int:
-        return self.single_token("<|eot_id|>", "a Llama 3 tokenizer")
-
-    def get_stop_sequences(self) -> list[int]:
-        return [self.end_token]
 
     def parse_response(self, response: list[int]) -> tuple[Message, Termination]:
         return parse_for_stop_token(response, self.tokenizer, self.end_token)

@@ -53,6 +53,8 @@ def _unframe(parts: list[Part]) -> list[Part]:
 @register("qwen3")
 class Qwen3Renderer(Renderer):
     required_tokens = ("<|im_start|>", "<|im_end|>")
+    end_text = "<|im_end|>"
+    end_family = "ChatML"
 
     frames_thinking = True  # the 2507 instruct models use no think tag at all
 
@@ -113,13 +115,6 @@ class Qwen3Renderer(Renderer):
                               for c in message["tool_calls"])
             text += ("\n" if has_text else "") + calls
         return Rendered(output=[self._encode_content(text), [self.end_token]], header=header)
-
-    @property
-    def end_token(self) -> int:
-        return self.single_token("<|im_end|>", "ChatML")
-
-    def get_stop_sequences(self) -> list[int]:
-        return [self.end_token]
 
     def parse_response(self, response: list[int]) -> tuple[Message, Termination]:
         message, termination = parse_for_stop_token(response, self.tokenizer, self.end_token)
