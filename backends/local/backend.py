@@ -211,13 +211,23 @@ class LocalBackend:
             setup = M.setup_from_meta(meta)
             trained = M.make_trainable(self.base(), setup, 0)
             M.load_weights(path, trained)
-            return self.sampling_client(M.sampling_snapshot(trained, self.base()), path.name)
+            return self.sampling_client(M.sampling_snapshot(trained, self.base(), self.merge_samplers()), path.name)
         if (path / "adapter_config.json").is_file():
             trained = M.load_adapter(self.base(), path)
             return self.sampling_client(M.sampling_copy(trained, private=True), path.name)
         if (path / "config.json").is_file():  # a full fine-tune's sampler weights
             return self.sampling_client(M.load_base(path, self.device, self.dtype), path.name)
         raise _user_error(f"{model_path} is not a sampler-weights or checkpoint folder")
+
+    def merge_samplers(self) -> bool:
+        """Whether a LoRA sampling client gets merged weights (Local.sampler_weights): "auto" merges on the CPU
+        for a base under 1 GiB, where a copy of the adapted weights is cheap and the decode fast path is fastest
+        on merged ones; on a GPU or for a larger base, clients share the base and apply their adapters unmerged."""
+        mode = self.cfg.sampler_weights
+        if mode != "auto":
+            return mode == "merged"
+        size = sum(p.numel() * p.element_size() for p in self.base().parameters())
+        return self.device.type == "cpu" and size < (1 << 30)
 
     def sampling_client(self, model: torch.nn.Module, name: str) -> LocalSamplingClient:
         # Unseeded samples draw from a generator seeded per client, so a rerun repeats them too.
@@ -399,7 +409,7 @@ class LocalTrainingClient:
         return OptimStepOutput({"grad_norm:mean": norm, "lr:mean": p.learning_rate})
 
     def _snapshot(self) -> LocalSamplingClient:
-        snap = M.sampling_snapshot(self.model, self._backend.base())
+        snap = M.sampling_snapshot(self.model, self._backend.base(), self._backend.merge_samplers())
         return self._backend.sampling_client(snap, f"{self.name}-step{self.step}")
 
     def _save_state(self, name: str) -> str:

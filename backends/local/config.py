@@ -29,6 +29,11 @@ class Local(BackendConfig):
     # (backends/local/packed.py; Llama/Mistral/Qwen2/Qwen3 LoRA models). false, or any other model: each
     # batch runs as padded chunks (backends/local/batching.py). Both compute the same numbers to float rounding.
     packed: bool = True
+    # What a sampling client holds. "merged": its own copy of every adapted weight with the LoRA merged in (the
+    # fastest decode; a copy of most of the model per client). "lora": the base's own tensors plus a copy of the
+    # adapters, applied unmerged (two thin extra matmuls per adapted layer; an extra client costs its adapters).
+    # "auto": merged on the CPU for a base under 1 GiB, else lora (a GPU's memory, or a large model's).
+    sampler_weights: Literal["auto", "merged", "lora"] = "auto"
 
     def make(self, model: str, tokenizer: str | None, storage_dir: Path, seed: int) -> Backend:
         from backends.local.backend import LocalBackend  # torch loads here, not when a recipe is validated

@@ -160,13 +160,45 @@ def _bias(linear: nn.Linear) -> torch.Tensor | None:
     return None if linear.bias is None else linear.bias.detach()
 
 
+class LoraDelta(nn.Module):
+    """An adapted Linear layer of an unmerged sampling snapshot: y = base(x) + scale * (x @ A^T) @ B^T, the order
+    peft's forward computes it in. `base` is the frozen base model's own Linear (shared, never written); A and B
+    are private copies, stored transposed ((in, r) and (r, out), the layout `x @ m` multiplies fastest), so the
+    snapshot stays what it was when taken while training goes on. A sampling client made of these costs its
+    adapters, not a copy of the adapted weights (see model.sampling_snapshot)."""
+
+    def __init__(self, base: nn.Linear, a: torch.Tensor, b: torch.Tensor, scale: float):
+        super().__init__()
+        self.base = base
+        self.a_t = nn.Parameter(a.detach().t().contiguous(), requires_grad=False)
+        self.b_t = nn.Parameter(b.detach().t().contiguous(), requires_grad=False)
+        self.scale = scale
+
+    @property
+    def weight(self) -> torch.Tensor:  # what HF code reads of an output embedding (dtype, device, shape)
+        return self.base.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.a_t @ self.b_t) * self.scale
+
+
 class FastLinear:
     """y = x @ W.T (+ b): oneDNN's prepacked matmul for large fp32 weights, else x @ wt with wt the contiguous
     (in, out) matrix (see _ONEDNN_MIN_BYTES and _transposed)."""
 
-    __slots__ = ("b", "packed", "wt")
+    __slots__ = ("a_t", "b", "b_t", "packed", "scale", "wt")
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear | LoraDelta):
+        # An unmerged adapter: the base layer's fast matmul plus scale * (x @ A^T) @ B^T (LoraDelta's math).
+        self.a_t = self.b_t = None
+        self.scale = 1.0
+        if isinstance(linear, LoraDelta):
+            self.a_t, self.b_t, self.scale = linear.a_t.detach(), linear.b_t.detach(), linear.scale
+            linear = linear.base
         # Cached under the parameter itself (a .detach() is a new object each time, and would never hit).
         w, self.b = linear.weight, _bias(linear)
         self.packed: torch.Tensor | None = None
@@ -182,9 +214,14 @@ class FastLinear:
         # torch.ops.mkldnn's linear ops are the ones inductor's CPU weight prepacking emits; were they ever
         # missing (or failing), FastLinear's constructor raises and LlamaDecoder.of falls back to HF's modules.
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
-        assert self.wt is not None
-        return torch.mm(x, self.wt) if self.b is None else torch.addmm(self.b, x, self.wt)
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
+        else:
+            assert self.wt is not None
+            y = torch.mm(x, self.wt) if self.b is None else torch.addmm(self.b, x, self.wt)
+        if self.a_t is None:
+            return y
+        assert self.b_t is not None
+        return y + torch.mm(torch.mm(x, self.a_t), self.b_t) * self.scale
 
 
 @dataclass
@@ -252,7 +289,7 @@ class LlamaDecoder:
         # Called as a module (a few us) so that forward hooks on the input embeddings see every forward.
         self.embed_tokens = inner.embed_tokens
         self.embed = inner.embed_tokens.weight.detach()
-        if type(model.lm_head) is not nn.Linear:
+        if type(model.lm_head) is not nn.Linear and type(model.lm_head) is not LoraDelta:
             raise TypeError("custom lm_head")
         # Transposed too (a copy of the embeddings when tied): F.linear's layout gives 4-row matmuls other
         # results than 8-row ones on some shapes (tiny's 128 -> 259), which would break batch invariance.
@@ -262,8 +299,8 @@ class LlamaDecoder:
         for layer in inner.layers:
             att, mlp = layer.self_attn, layer.mlp
             linears = (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-            if any(type(m) is not nn.Linear for m in linears):
-                raise TypeError("not plain Linear layers (an unmerged adapter?)")
+            if any(type(m) is not nn.Linear and type(m) is not LoraDelta for m in linears):
+                raise TypeError("not plain Linear layers (a peft adapter?)")
             qn, kn = getattr(att, "q_norm", None), getattr(att, "k_norm", None)
             self.layers.append(_Layer(
                 ln1=layer.input_layernorm.weight.detach(),

@@ -241,7 +241,7 @@ def sampling_copy(model: HFModel, private: bool = False) -> HFModel:
     return snap
 
 
-def sampling_snapshot(model: HFModel, base: HFModel) -> HFModel:
+def sampling_snapshot(model: HFModel, base: HFModel, merge: bool = True) -> HFModel:
     """sampling_copy of a LoRA model that make_trainable built on `base`, without copying the model: a new
     module tree over base's frozen tensors (shared_copy), in which each adapted Linear layer gets its merged
     weight W + scale * B @ A as a new tensor. Nothing is deep-copied and peft's merge_and_unload (which
@@ -252,11 +252,16 @@ def sampling_snapshot(model: HFModel, base: HFModel) -> HFModel:
     it needs no further transposing copy. A tied lm_head with an adapter gets
     its own merged tensor; the input embeddings stay the base's. Anything this does not recognise exactly
     (not a peft LoRA model, DoRA, fan_in_fan_out, several adapters, weights that are no longer the base's)
-    takes sampling_copy."""
+    takes sampling_copy.
+
+    merge=False: no merged tensors either: each adapted layer becomes a LoraDelta over the base's own Linear, so
+    the snapshot holds the base's tensors plus a copy of the adapters (what an extra sampling client costs; a
+    merged one costs every adapted weight again). A decode step then does two thin extra matmuls per adapted
+    layer (backends/local/config.py `sampler_weights` says when which is chosen)."""
     import peft
     from peft.tuners.lora import LoraLayer
 
-    from backends.local.llama import packs_for_onednn
+    from backends.local.llama import LoraDelta, packs_for_onednn
 
     if not isinstance(model, peft.PeftModel):
         return sampling_copy(model)
@@ -283,6 +288,13 @@ def sampling_snapshot(model: HFModel, base: HFModel) -> HFModel:
         if not ok:
             return sampling_copy(model)
     snap: HFModel = shared_copy(base)
+    if not merge:
+        for name, (_w, a, b, scale) in adapted.items():
+            parent, _, attr = name.rpartition(".")
+            holder = snap.get_submodule(parent) if parent else snap
+            setattr(holder, attr, LoraDelta(snap.get_submodule(name), a, b, scale))  # type: ignore[arg-type]
+        snap.eval()
+        return snap
     out_emb = snap.get_output_embeddings()
     with torch.no_grad():
         for name, (w, a, b, scale) in adapted.items():

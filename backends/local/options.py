@@ -27,3 +27,7 @@ class LocalOptions(Protocol):
 
     @property
     def packed(self) -> bool: ...
+
+    @property
+    def sampler_weights(self) -> str:  # "auto" | "merged" | "lora"
+        ...
