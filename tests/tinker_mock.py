@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backends.serve.http import ServeConfig, build_service, running
+from backends.serve.http import ServeConfig, Server, _handler_class, build_service
 from backends.serve.replies import Reply
 from backends.serve.service import Service
 from backends.serve.wire import decode_forward_backward
@@ -251,8 +251,16 @@ def shared_service(storage: Path) -> Iterator[Service]:
 
 @contextlib.contextmanager
 def serve(service: Service, try_again_every: int = 2) -> Iterator[MockTinker]:
-    """A fresh MockTinker over `service`, served on a free port of 127.0.0.1 (its base URL: mock.url)."""
+    """A fresh MockTinker over `service`, served by backends/serve/http.py's server and request handler on a free
+    port of 127.0.0.1 (its base URL: mock.url). A port per test: a previous test's clients never reach this one."""
     mock = MockTinker(service, try_again_every)
-    with running(mock) as server:  # type: ignore[arg-type]  # the app in front of the service
-        mock.url = f"http://127.0.0.1:{server.server_address[1]}"
+    server = Server(("127.0.0.1", 0), _handler_class(mock))  # type: ignore[arg-type]  # the app before the service
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
+    thread.start()
+    mock.url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
         yield mock
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
