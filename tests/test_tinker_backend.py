@@ -156,7 +156,7 @@ def test_from_state_restores_optimizer(backend):
 
 
 def test_mask_is_folded_not_sent(backend, mock):
-    # Tinker has no `mask` input: the adapter zeroes masked weights/advantages instead (the mock
+    # Tinker has no `mask` input: the adapter zeroes masked weights/advantages instead (the service
     # rejects any unknown input key, so a sent mask would fail the request).
     tc = backend.create_training_client(SPEC).result(WAIT)
     seq = list(range(40, 52))
@@ -263,7 +263,7 @@ def test_failed_future_is_backend_error(backend, mock, category, user):
     mock.faults.fail_future["forward_backward"] = (category, "target token 99999 out of vocabulary")
     t0 = time.monotonic()
     with pytest.raises(BackendError) as err:
-        tc.forward_backward(DATA, "cross_entropy").result(WAIT)
+        tc.forward_backward(DATA[1:], "cross_entropy").result(WAIT)
     assert time.monotonic() - t0 < 3
     assert err.value.user_error is user and err.value.request == "forward_backward #1"
     assert str(err.value).startswith("forward_backward #1: ")
@@ -272,6 +272,11 @@ def test_failed_future_is_backend_error(backend, mock, category, user):
     # The request failed, the client did not: the next step runs (seq 2 follows the failed seq 1).
     fb, _ = step(tc)
     assert fb.metrics["loss:sum"] > 0
+    # The failed request never reached the engine (its seq_id was spent): that step lands where a fresh client's does.
+    fresh = backend.create_training_client(SPEC).result(WAIT)
+    step(fresh)
+    got, want = (c.forward(DATA, "cross_entropy").result(WAIT).metrics["loss:sum"] for c in (tc, fresh))
+    assert got == want
 
 
 def test_4xx_is_backend_error(backend, mock):
