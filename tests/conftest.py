@@ -22,7 +22,7 @@ def tinker_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 @pytest.fixture
-def tinker(tinker_service: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+def mock_tinker(tinker_service: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """The service behind a fresh fault-injecting MockTinker on its own port, with the env a Tinker recipe reads
     (a test key, the server's base URL, no telemetry)."""
     from tinker_mock import serve
@@ -35,5 +35,5 @@ def tinker(tinker_service: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any
 
 
 @pytest.fixture
-def mocked_tinker(tinker: Any) -> None:
+def mocked_tinker(mock_tinker: Any) -> None:
     """The real tinker SDK against the emulated service, for tests that need only the env."""

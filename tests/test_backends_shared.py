@@ -38,9 +38,9 @@ class Service:
 
 
 def start(kind: str, request: pytest.FixtureRequest) -> Service:
-    """The tinker kind's service: the session's backends/serve behind this test's MockTinker (the `tinker` fixture
+    """The tinker kind's service: the session's backends/serve behind this test's MockTinker (the mock_tinker fixture
     also points TINKER_BASE_URL at it)."""
-    return Service(kind) if kind == "local" else Service(kind, request.getfixturevalue("tinker"))
+    return Service(kind) if kind == "local" else Service(kind, request.getfixturevalue("mock_tinker"))
 
 
 @pytest.fixture(params=["local", "tinker"])
@@ -101,7 +101,7 @@ def test_sft_learns_and_checkpoints(service, tmp_path):
     assert mock.finished[-1]["reason"] == {"type": "success"}
 
 
-def test_tinker_matches_local(tmp_path, tinker):
+def test_tinker_matches_local(tmp_path, mock_tinker):
     """Same recipe, same seed, same math: the Tinker wire changes nothing in the numbers."""
     run(recipe_for(tmp_path, "local", "local"), "r")
     run(recipe_for(tmp_path, "tinker", "tinker"), "r")
@@ -163,9 +163,9 @@ def test_backend_failure_keeps_checkpoint_and_resumes(service, tmp_path):
     assert metrics(tmp_path / "crashed") == want
 
 
-def test_user_category_failure_is_a_user_error(tmp_path, tinker):
+def test_user_category_failure_is_a_user_error(tmp_path, mock_tinker):
     """What the service rejects as the user's fault ends the run as a one-line UserError (exit 2)."""
-    tinker.faults.fail_after["forward_backward"] = (1, "user", "sequence longer than the model's context")
+    mock_tinker.faults.fail_after["forward_backward"] = (1, "user", "sequence longer than the model's context")
     with pytest.raises(UserError, match="forward_backward #2.*server rejected request: sequence longer") as err:
         run(recipe_for(tmp_path, "tinker", "run"), "r")
     assert str(err.value).count("forward_backward #2") == 1  # named once, not once per layer
@@ -239,7 +239,7 @@ def rl_recipe_for(tmp_path: Path, kind: str, run_dir: str) -> Recipe:
     }, Recipe)
 
 
-def test_rl_tinker_matches_local(tmp_path, tinker):
+def test_rl_tinker_matches_local(tmp_path, mock_tinker):
     """The RL algorithm over the Tinker wire: same samples, rewards and evals as local; logprob-derived numbers
     to float noise (the sampler batches concurrent requests differently when they arrive one HTTP call each)."""
     run(rl_recipe_for(tmp_path, "local", "local"), "r")
@@ -253,7 +253,7 @@ def test_rl_tinker_matches_local(tmp_path, tinker):
     assert "test/env/all/reward/total" in want[0] and "optim/kl_sample_train_v1" in want[0]
     assert [c["next_step"] for c in checkpoints(tmp_path / "tinker")] == [1, 2]
     # Per step: fb, optim, then the next step's sampler snapshot, in one FIFO with the saves.
-    kinds = [r.route for r in tinker.submits("forward_backward", "optim_step", "save_weights_for_sampler")]
+    kinds = [r.route for r in mock_tinker.submits("forward_backward", "optim_step", "save_weights_for_sampler")]
     assert kinds.count("forward_backward") == kinds.count("optim_step") == 2
     assert (tmp_path / "tinker" / "iteration_000001" / "train.html").exists()
 
@@ -261,7 +261,7 @@ def test_rl_tinker_matches_local(tmp_path, tinker):
 KEY = "tml-secret-key-that-must-not-leak-0123456789"
 
 
-def test_cli_runs_sft_and_rl_against_a_tinker_compatible_http_server(tmp_path, monkeypatch, tinker):
+def test_cli_runs_sft_and_rl_against_a_tinker_compatible_http_server(tmp_path, monkeypatch, mock_tinker):
     """`runner run` with backend.base_url pointing at a Tinker-compatible server on 127.0.0.1 (real sockets,
     the SDK's pyqwest transport): SFT and RL both finish, and no file in either run dir holds the API key."""
     from runner.cli import main
@@ -269,7 +269,7 @@ def test_cli_runs_sft_and_rl_against_a_tinker_compatible_http_server(tmp_path, m
     monkeypatch.setenv("TINKER_API_KEY", KEY)
     monkeypatch.delenv("TINKER_BASE_URL")
     monkeypatch.chdir(tmp_path)
-    url = tinker.url
+    url = mock_tinker.url
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft_conversations(12, seed=2)))
     (tmp_path / "r.toml").write_text(f"""
 [recipes.sft]

@@ -98,7 +98,7 @@ def test_loss_and_metrics_match_numpy():
 # ---------------------------------------------------------------- same gradient: local one pass vs the SDK's two
 
 
-def test_gradient_local_one_pass_equals_tinker_sdk_two_passes(tmp_path, tinker):
+def test_gradient_local_one_pass_equals_tinker_sdk_two_passes(tmp_path, mock_tinker):
     """forward_backward_custom with the DPO loss: the local backend's single autograd pass and the real SDK's
     forward + surrogate backward against backends/serve (whose engine is the local backend) accumulate the same
     gradient, to 1e-5 of each tensor's scale."""
@@ -135,12 +135,12 @@ def test_gradient_local_one_pass_equals_tinker_sdk_two_passes(tmp_path, tinker):
             rtc.forward_backward(warmup, "cross_entropy")
             rtc.optim_step(AdamParams(learning_rate=1e-2)).result(60)
             got = rtc.forward_backward_custom(data, dpo_loss_fn(ref, 0.1)).result(60)
-            (model_id,) = {r.model_id for r in tinker.submits("forward_backward")}
-            got_grads = grads(tinker.training_client(model_id).model)  # the service's engine, before the session ends
+            (model_id,) = {r.model_id for r in mock_tinker.submits("forward_backward")}
+            got_grads = grads(mock_tinker.training_client(model_id).model)  # the engine's, before the session ends
         finally:
             remote.close()
         # The SDK really made two passes: a forward, then a forward_backward with weights = −dloss/dlogprobs.
-        passes = [(r.route, r.forward_only) for r in tinker.submits("forward_backward")]
+        passes = [(r.route, r.forward_only) for r in mock_tinker.submits("forward_backward")]
         assert passes[-2:] == [("forward_backward", True), ("forward_backward", False)]
     finally:
         local.close()
@@ -232,12 +232,12 @@ def test_dpo_runs_on_the_local_backend(tmp_path):
     assert rows[2]["test/margin"] > rows[1]["test/margin"]
 
 
-def test_dpo_runs_through_the_tinker_sdk(tmp_path, tinker):
+def test_dpo_runs_through_the_tinker_sdk(tmp_path, mock_tinker):
     """The same algorithm over the real SDK and backends/serve: reference logprobs from a base-model sampling client,
     the custom loss as the SDK's two passes, evals as forwards, the final eval on the final sampler weights."""
     path = write_rows(tmp_path / "p.jsonl", [pair_row(i) for i in range(16)])
     recipe = dpo_recipe(tmp_path, path, model="Qwen/Qwen3-8B", tokenizer="tiny", backend={"kind": "tinker"})
-    mock = tinker
+    mock = mock_tinker
     run(recipe, "d")
     rows = metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1, 2]

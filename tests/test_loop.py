@@ -241,13 +241,13 @@ def test_schedules():
     assert all(a > b for a, b in itertools.pairwise(warm[3:])) and warm[-1] > 0.1
 
 
-def test_sft_through_the_tinker_sdk(tmp_path, tinker):
+def test_sft_through_the_tinker_sdk(tmp_path, mock_tinker):
     """The same loop, unchanged, on backends/tinker/backend.py over the real SDK and backends/serve (faults from
     tests/tinker_mock.py unused here); make_backend picks the adapter from the recipe. A resume extends the run
     from the service-side final checkpoint, optimizer state included."""
     recipe = make_recipe(tmp_path, max_steps=4, depth=2, model="Qwen/Qwen3-8B", tokenizer="tiny",
                          backend={"kind": "tinker"})
-    mock = tinker
+    mock = mock_tinker
     run(recipe, "t")
     run(msgspec.structs.replace(recipe, max_steps=6), "t")
     rows = metrics(tmp_path / "run")

@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(autouse=True)
 def env(monkeypatch):
     monkeypatch.setenv("TINKER_API_KEY", KEY)
-    monkeypatch.setenv("TINKER_BASE_URL", "http://tinker.invalid")  # the `tinker` fixture's server, where used
+    monkeypatch.setenv("TINKER_BASE_URL", "http://tinker.invalid")  # mock_tinker's server, where used
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     # Offline for the hub too: the env var alone is read once, when huggingface_hub is first imported.
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -58,9 +58,9 @@ def env(monkeypatch):
 
 
 @pytest.fixture
-def mock(tinker, monkeypatch):
+def mock(mock_tinker, monkeypatch):
     monkeypatch.setenv("TINKER_API_KEY", KEY)  # this file's key, which some tests look for
-    return tinker
+    return mock_tinker
 
 
 @pytest.fixture

@@ -153,8 +153,8 @@ class MockTinker:
                 reply = self.service.handle(method, path, headers, body, base_url)
             if route == "finish":
                 self.finished.append(rec.body)
-            if route in SUBMITS and reply.status == 200:
-                rid = json.loads(reply.body)["request_id"]
+            rid = json.loads(reply.body).get("request_id") if route in SUBMITS and reply.status == 200 else None
+            if isinstance(rid, str):
                 rec.request_id = rid
                 with self._lock:
                     self._slots.setdefault(rid, _Slot(route, next(self._n), rec.seq_id))
