@@ -1,9 +1,10 @@
 """The same loop tests on both backends.
 
-`local` is backends/local in process. `tinker` is backends/tinker/backend.py driving the real tinker SDK
-against tests/tinker_mock.py, whose engine is a LocalBackend on the same tiny model: every byte
-crosses the SDK's protobuf/JSON wire and the service's promise/poll/seq-id machinery, yet the math
-is the local backend's, so the two must agree number for number.
+`local` is backends/local in process. `tinker` is backends/tinker/backend.py driving the real tinker SDK over
+real HTTP against backends/serve (what `runner serve` runs; tests/tinker_mock.py injects faults in front of it),
+whose engine is a LocalBackend on the same tiny model: every byte crosses the SDK's protobuf/JSON wire and the
+service's promise/poll/seq-id machinery, yet the math is the local backend's, so the two must agree number for
+number.
 
 Run: python -m pytest tests/test_backends_shared.py   (about a minute on 2 cores)
 """
@@ -18,7 +19,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from tinker_mock import BASE_URL, MockTinker, respx_tinker
+from tinker_mock import MockTinker
 
 from backends.base import BackendError, Future
 from backends.errors import UserError
@@ -36,32 +37,15 @@ class Service:
     mock: MockTinker | None = None
 
 
-def start(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stack: Any) -> Service:
-    if kind == "local":
-        return Service(kind)
-    from backends.local import LocalBackend
-
-    monkeypatch.setenv("TINKER_API_KEY", "tml-test-shared")
-    monkeypatch.setenv("TINKER_BASE_URL", BASE_URL)
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    engine = LocalBackend(Local(device="cpu"), "tiny", None, tmp_path / "service", seed=0)
-    stack.callback(engine.close)
-    mock = MockTinker(engine)
-    stack.enter_context(respx_tinker(mock))
-    return Service(kind, mock)
-
-
-@pytest.fixture
-def stack():
-    import contextlib
-
-    with contextlib.ExitStack() as s:
-        yield s
+def start(kind: str, request: pytest.FixtureRequest) -> Service:
+    """The tinker kind's service: the session's backends/serve behind this test's MockTinker (the mock_tinker fixture
+    also points TINKER_BASE_URL at it)."""
+    return Service(kind) if kind == "local" else Service(kind, request.getfixturevalue("mock_tinker"))
 
 
 @pytest.fixture(params=["local", "tinker"])
-def service(request, tmp_path, monkeypatch, stack) -> Service:
-    return start(request.param, tmp_path, monkeypatch, stack)
+def service(request) -> Service:
+    return start(request.param, request)
 
 
 def recipe_for(tmp_path: Path, kind: str, run_dir: str, **over: Any) -> Recipe:
@@ -117,10 +101,9 @@ def test_sft_learns_and_checkpoints(service, tmp_path):
     assert mock.finished[-1]["reason"] == {"type": "success"}
 
 
-def test_tinker_matches_local(tmp_path, monkeypatch, stack):
+def test_tinker_matches_local(tmp_path, mock_tinker):
     """Same recipe, same seed, same math: the Tinker wire changes nothing in the numbers."""
     run(recipe_for(tmp_path, "local", "local"), "r")
-    start("tinker", tmp_path, monkeypatch, stack)
     run(recipe_for(tmp_path, "tinker", "tinker"), "r")
     assert metrics(tmp_path / "tinker") == metrics(tmp_path / "local")
 
@@ -180,10 +163,9 @@ def test_backend_failure_keeps_checkpoint_and_resumes(service, tmp_path):
     assert metrics(tmp_path / "crashed") == want
 
 
-def test_user_category_failure_is_a_user_error(tmp_path, monkeypatch, stack):
+def test_user_category_failure_is_a_user_error(tmp_path, mock_tinker):
     """What the service rejects as the user's fault ends the run as a one-line UserError (exit 2)."""
-    svc = start("tinker", tmp_path, monkeypatch, stack)
-    svc.mock.faults.fail_after["forward_backward"] = (1, "user", "sequence longer than the model's context")
+    mock_tinker.faults.fail_after["forward_backward"] = (1, "user", "sequence longer than the model's context")
     with pytest.raises(UserError, match="forward_backward #2.*server rejected request: sequence longer") as err:
         run(recipe_for(tmp_path, "tinker", "run"), "r")
     assert str(err.value).count("forward_backward #2") == 1  # named once, not once per layer
@@ -233,11 +215,11 @@ def rl_steps(backend: Any, steps: int = 3) -> list[tuple[list[list[int]], float]
     return out
 
 
-def test_rl_steps_match_across_backends(tmp_path, monkeypatch, stack):
+def test_rl_steps_match_across_backends(tmp_path, request):
     """Sampling (seeded), the ratio loss and snapshots agree between the two backends, step by step."""
     runs = {}
     for kind in ("local", "tinker"):
-        backend = backend_for(start(kind, tmp_path, monkeypatch, stack), tmp_path)
+        backend = backend_for(start(kind, request), tmp_path)
         try:
             runs[kind] = rl_steps(backend)
         finally:
@@ -257,11 +239,10 @@ def rl_recipe_for(tmp_path: Path, kind: str, run_dir: str) -> Recipe:
     }, Recipe)
 
 
-def test_rl_tinker_matches_local(tmp_path, monkeypatch, stack):
+def test_rl_tinker_matches_local(tmp_path, mock_tinker):
     """The RL algorithm over the Tinker wire: same samples, rewards and evals as local; logprob-derived numbers
     to float noise (the sampler batches concurrent requests differently when they arrive one HTTP call each)."""
     run(rl_recipe_for(tmp_path, "local", "local"), "r")
-    svc = start("tinker", tmp_path, monkeypatch, stack)
     run(rl_recipe_for(tmp_path, "tinker", "tinker"), "r")
     got, want = metrics(tmp_path / "tinker"), metrics(tmp_path / "local")
     assert [sorted(r) for r in got] == [sorted(r) for r in want] and len(want) == 3  # 2 steps + the final eval
@@ -272,7 +253,7 @@ def test_rl_tinker_matches_local(tmp_path, monkeypatch, stack):
     assert "test/env/all/reward/total" in want[0] and "optim/kl_sample_train_v1" in want[0]
     assert [c["next_step"] for c in checkpoints(tmp_path / "tinker")] == [1, 2]
     # Per step: fb, optim, then the next step's sampler snapshot, in one FIFO with the saves.
-    kinds = [r.route for r in svc.mock.submits("forward_backward", "optim_step", "save_weights_for_sampler")]
+    kinds = [r.route for r in mock_tinker.submits("forward_backward", "optim_step", "save_weights_for_sampler")]
     assert kinds.count("forward_backward") == kinds.count("optim_step") == 2
     assert (tmp_path / "tinker" / "iteration_000001" / "train.html").exists()
 
@@ -280,21 +261,15 @@ def test_rl_tinker_matches_local(tmp_path, monkeypatch, stack):
 KEY = "tml-secret-key-that-must-not-leak-0123456789"
 
 
-def test_cli_runs_sft_and_rl_against_a_tinker_compatible_http_server(tmp_path, monkeypatch, stack):
+def test_cli_runs_sft_and_rl_against_a_tinker_compatible_http_server(tmp_path, monkeypatch, mock_tinker):
     """`runner run` with backend.base_url pointing at a Tinker-compatible server on 127.0.0.1 (real sockets,
     the SDK's pyqwest transport): SFT and RL both finish, and no file in either run dir holds the API key."""
-    from tinker_server import serve
-
-    from backends.local import LocalBackend
     from runner.cli import main
 
     monkeypatch.setenv("TINKER_API_KEY", KEY)
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    monkeypatch.delenv("TINKER_BASE_URL", raising=False)
+    monkeypatch.delenv("TINKER_BASE_URL")
     monkeypatch.chdir(tmp_path)
-    engine = LocalBackend(Local(device="cpu"), "tiny", None, tmp_path / "service", seed=0)
-    stack.callback(engine.close)
-    url = stack.enter_context(serve(MockTinker(engine, pyqwest=True)))
+    url = mock_tinker.url
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft_conversations(12, seed=2)))
     (tmp_path / "r.toml").write_text(f"""
 [recipes.sft]

@@ -124,9 +124,11 @@ def test_chain_on_the_tinker_backend(proj: Path, mocked_tinker: None) -> None:
     optimizer)."""
     remote = 'model = "Qwen/Qwen3-8B"\ntokenizer = "tiny"\n'
     text = (stage("warm", 3, remote) + stage("next", 2, remote + 'init_from = "#warm"'))
+    text = text.replace("lr = 0.05", "lr = 0.02")  # qwen3-rendered rows: 0.05 overshoots at the third step
     (proj / "recipes.toml").write_text(text.replace('{kind = "local", device = "cpu"}', '{kind = "tinker"}'))
     assert main(["run", "recipes.toml#next"]) == 0
     init = json.loads((proj / "runs" / "next" / "init_from.json").read_text())
     assert init["state_path"].startswith("tinker://")
     warm, nxt = nll(proj / "runs" / "warm"), nll(proj / "runs" / "next")
-    assert nxt[0] < warm[0]
+    # The downstream's first step sees the upstream's final weights: below even the upstream's last step.
+    assert nxt[0] < warm[-1] < warm[0], (warm, nxt)

@@ -101,7 +101,7 @@ def test_multi_teacher_distillation_on_the_local_backend(proj: Path) -> None:
 def test_distillation_over_the_tinker_sdk(proj: Path, mocked_tinker: None) -> None:
     (proj / "r.toml").write_text(DISTILL.format(backend=TINKER))
     assert main(["run", "r.toml#student"]) == 0
-    check_rows(proj, min_kl=1e-3)  # the mocked service's model is a unigram table: a small but real KL
+    check_rows(proj)  # the service trains and samples the tiny model as the local backend does: the same bounds
 
 
 def test_a_teacher_with_another_tokenizer_is_a_check_error(proj: Path, capsys: pytest.CaptureFixture[str]) -> None:

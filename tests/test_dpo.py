@@ -98,12 +98,10 @@ def test_loss_and_metrics_match_numpy():
 # ---------------------------------------------------------------- same gradient: local one pass vs the SDK's two
 
 
-def test_gradient_local_one_pass_equals_tinker_sdk_two_passes(tmp_path, monkeypatch):
+def test_gradient_local_one_pass_equals_tinker_sdk_two_passes(tmp_path, mock_tinker):
     """forward_backward_custom with the DPO loss: the local backend's single autograd pass and the real SDK's
-    forward + surrogate backward against a mocked service (whose engine is the local backend) accumulate the same
+    forward + surrogate backward against backends/serve (whose engine is the local backend) accumulate the same
     gradient, to 1e-5 of each tensor's scale."""
-    from tinker_mock import BASE_URL, MockTinker, respx_tinker
-
     from backends.local import LocalBackend
     from backends.local import model as M
     from backends.local.config import Local
@@ -111,9 +109,6 @@ def test_gradient_local_one_pass_equals_tinker_sdk_two_passes(tmp_path, monkeypa
     from backends.tinker.config import Tinker
     from backends.types import AdamParams
 
-    monkeypatch.setenv("TINKER_API_KEY", "tml-test-dpo")
-    monkeypatch.setenv("TINKER_BASE_URL", BASE_URL)
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
     pairs = load_pairs(Jsonl(str(COMPARISONS))).pairs[:3]
     cfg = msgspec.convert({"kind": "dpo", "data": {"kind": "jsonl", "path": "x"}}, DPO)
     algo = DPOAlgo(cfg, load_pairs(Jsonl(str(COMPARISONS))), TOK)
@@ -127,7 +122,6 @@ def test_gradient_local_one_pass_equals_tinker_sdk_two_passes(tmp_path, monkeypa
         return {n: p.grad.clone() for n, p in M.trainable_params(tc_model)}
 
     local = LocalBackend(Local(device="cpu"), "tiny", None, tmp_path / "local", seed=0)
-    engine = LocalBackend(Local(device="cpu"), "tiny", None, tmp_path / "service", seed=0)
     try:
         tc = local.create_training_client(spec).result()
         tc.forward_backward(warmup, "cross_entropy")  # one step off LoRA's B = 0, so every tensor has a gradient
@@ -135,24 +129,21 @@ def test_gradient_local_one_pass_equals_tinker_sdk_two_passes(tmp_path, monkeypa
         want = tc.forward_backward_custom(data, dpo_loss_fn(ref, 0.1)).result()
         want_grads = grads(tc.model)
 
-        mock = MockTinker(engine)
-        with respx_tinker(mock):
-            remote = TinkerBackend(Tinker(), "tiny", "tiny")
-            try:
-                rtc = remote.create_training_client(spec).result(60)
-                rtc.forward_backward(warmup, "cross_entropy")
-                rtc.optim_step(AdamParams(learning_rate=1e-2)).result(60)
-                got = rtc.forward_backward_custom(data, dpo_loss_fn(ref, 0.1)).result(60)
-            finally:
-                remote.close()
-        (model,) = mock._models.values()
-        got_grads = grads(model.tc.result().model)
+        remote = TinkerBackend(Tinker(), "tiny", "tiny")
+        try:
+            rtc = remote.create_training_client(spec).result(60)
+            rtc.forward_backward(warmup, "cross_entropy")
+            rtc.optim_step(AdamParams(learning_rate=1e-2)).result(60)
+            got = rtc.forward_backward_custom(data, dpo_loss_fn(ref, 0.1)).result(60)
+            (model_id,) = {r.model_id for r in mock_tinker.submits("forward_backward")}
+            got_grads = grads(mock_tinker.training_client(model_id).model)  # the engine's, before the session ends
+        finally:
+            remote.close()
         # The SDK really made two passes: a forward, then a forward_backward with weights = −dloss/dlogprobs.
-        passes = [(r.route, r.forward_only) for r in mock.submits("forward_backward")]
+        passes = [(r.route, r.forward_only) for r in mock_tinker.submits("forward_backward")]
         assert passes[-2:] == [("forward_backward", True), ("forward_backward", False)]
     finally:
         local.close()
-        engine.close()
     assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-5)
     assert got.metrics["dpo_loss"] == pytest.approx(want.metrics["dpo_loss"], rel=1e-5)
     assert want_grads.keys() == got_grads.keys() and want_grads
@@ -241,23 +232,17 @@ def test_dpo_runs_on_the_local_backend(tmp_path):
     assert rows[2]["test/margin"] > rows[1]["test/margin"]
 
 
-def test_dpo_runs_through_the_tinker_sdk(tmp_path, monkeypatch):
-    """The same algorithm over the real SDK and a mocked service (numpy engine): reference logprobs from a base-model
-    sampling client, the custom loss as the SDK's two passes, evals as forwards, the final eval on the final
-    sampler weights."""
-    from tinker_mock import BASE_URL, MockTinker, NumpyEngine, respx_tinker
-
-    monkeypatch.setenv("TINKER_API_KEY", "tml-test-0123456789")
-    monkeypatch.setenv("TINKER_BASE_URL", BASE_URL)
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+def test_dpo_runs_through_the_tinker_sdk(tmp_path, mock_tinker):
+    """The same algorithm over the real SDK and backends/serve: reference logprobs from a base-model sampling client,
+    the custom loss as the SDK's two passes, evals as forwards, the final eval on the final sampler weights."""
     path = write_rows(tmp_path / "p.jsonl", [pair_row(i) for i in range(16)])
     recipe = dpo_recipe(tmp_path, path, model="Qwen/Qwen3-8B", tokenizer="tiny", backend={"kind": "tinker"})
-    mock = MockTinker(NumpyEngine())
-    with respx_tinker(mock):
-        run(recipe, "d")
+    mock = mock_tinker
+    run(recipe, "d")
     rows = metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert rows[0]["dpo_loss"] == pytest.approx(np.log(2), abs=1e-4)  # the numpy engine is exact: Δ = 0
+    # Step 0: the policy is the reference (LoRA starts at B = 0), so Δ = 0 up to sampler-vs-trainer float noise.
+    assert rows[0]["dpo_loss"] == pytest.approx(np.log(2), abs=1e-4)
     assert rows[1]["margin"] > 0 and rows[2]["test/margin"] > 0
     # Per step: forward (the eval), then the custom loss's two passes, then optim_step, in one FIFO.
     training = mock.submits("forward_backward", "optim_step")

@@ -241,21 +241,15 @@ def test_schedules():
     assert all(a > b for a, b in itertools.pairwise(warm[3:])) and warm[-1] > 0.1
 
 
-def test_sft_through_the_tinker_sdk(tmp_path, monkeypatch):
-    """The same loop, unchanged, on backends/tinker/backend.py over the real SDK and a mocked service
-    (tests/tinker_mock.py); make_backend picks the adapter from the recipe. A resume extends the run
+def test_sft_through_the_tinker_sdk(tmp_path, mock_tinker):
+    """The same loop, unchanged, on backends/tinker/backend.py over the real SDK and backends/serve (faults from
+    tests/tinker_mock.py unused here); make_backend picks the adapter from the recipe. A resume extends the run
     from the service-side final checkpoint, optimizer state included."""
-    from tinker_mock import BASE_URL, MockTinker, NumpyEngine, respx_tinker
-
-    monkeypatch.setenv("TINKER_API_KEY", "tml-test-0123456789")
-    monkeypatch.setenv("TINKER_BASE_URL", BASE_URL)
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
     recipe = make_recipe(tmp_path, max_steps=4, depth=2, model="Qwen/Qwen3-8B", tokenizer="tiny",
                          backend={"kind": "tinker"})
-    mock = MockTinker(NumpyEngine())
-    with respx_tinker(mock):
-        run(recipe, "t")
-        run(msgspec.structs.replace(recipe, max_steps=6), "t")
+    mock = mock_tinker
+    run(recipe, "t")
+    run(msgspec.structs.replace(recipe, max_steps=6), "t")
     rows = metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == list(range(7))  # 6 steps and the final weights' eval
     assert rows[-2]["train_mean_nll"] < rows[0]["train_mean_nll"]

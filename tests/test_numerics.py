@@ -306,7 +306,7 @@ def test_runner_numerics_flags_a_broken_sampler(tmp_path: Path, capsys: pytest.C
 
 def test_runner_numerics_over_the_tinker_sdk(tmp_path: Path, mocked_tinker: None,
                                              capsys: pytest.CaptureFixture[str]) -> None:
-    """The same check through the Tinker adapter (the mocked service: a unigram table, consistent across calls)."""
+    """The same check through the Tinker adapter (backends/serve over the tiny model: its sampler and trainer agree)."""
     path = tmp_path / "gate.toml"
     path.write_text(RECIPE.replace('backend = {kind = "local", device = "cpu"}',
                                    'model = "Qwen/Qwen3-8B"\ntokenizer = "tiny"\nbackend = {kind = "tinker"}'))

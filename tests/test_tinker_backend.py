@@ -1,4 +1,5 @@
-"""backends/tinker/backend.py against the real tinker SDK and a mocked service (tests/tinker_mock.py), offline.
+"""backends/tinker/backend.py against the real tinker SDK and backends/serve's emulated service over real HTTP, with
+faults injected in front of it (tests/tinker_mock.py), offline.
 
 Run: python -m pytest tests/test_tinker_backend.py
 """
@@ -23,8 +24,6 @@ import numpy as np
 import pytest
 import tinker
 from tinker.lib import internal_client_holder
-from tinker_mock import BASE_URL, MockTinker, NumpyEngine, respx_tinker
-from tinker_server import serve
 
 from backends.base import BackendError
 from backends.errors import UserError
@@ -43,7 +42,7 @@ from backends.types import (
 KEY = "tml-test-SECRET-0123456789"
 MODEL = "Qwen/Qwen3-8B"  # a service model name; the tokenizer is the embedded one
 SPEC = LoraSpec(base_model=MODEL, rank=8, seed=0)
-ADAM = AdamParams(learning_rate=0.05)
+ADAM = AdamParams(learning_rate=1e-2)  # LoRA on the tiny model: larger steps overshoot
 WAIT = 30  # seconds; a hang fails the test instead of the suite
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(autouse=True)
 def env(monkeypatch):
     monkeypatch.setenv("TINKER_API_KEY", KEY)
-    monkeypatch.setenv("TINKER_BASE_URL", BASE_URL)
+    monkeypatch.setenv("TINKER_BASE_URL", "http://tinker.invalid")  # mock_tinker's server, where used
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     # Offline for the hub too: the env var alone is read once, when huggingface_hub is first imported.
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -59,18 +58,18 @@ def env(monkeypatch):
 
 
 @pytest.fixture
-def mock():
-    return MockTinker(NumpyEngine())
+def mock(mock_tinker, monkeypatch):
+    monkeypatch.setenv("TINKER_API_KEY", KEY)  # this file's key, which some tests look for
+    return mock_tinker
 
 
 @pytest.fixture
 def backend(mock):
-    with respx_tinker(mock):
-        be = TinkerBackend(Tinker(), MODEL, "tiny")
-        try:
-            yield be
-        finally:
-            be.close()  # stops the SDK's heartbeat tasks
+    be = TinkerBackend(Tinker(), MODEL, "tiny")
+    try:
+        yield be
+    finally:
+        be.close()  # stops the SDK's heartbeat tasks
 
 
 def sft_datum(seq: list[int], mask: list[float] | None = None) -> Datum:
@@ -157,7 +156,7 @@ def test_from_state_restores_optimizer(backend):
 
 
 def test_mask_is_folded_not_sent(backend, mock):
-    # Tinker has no `mask` input: the adapter zeroes masked weights/advantages instead (the mock
+    # Tinker has no `mask` input: the adapter zeroes masked weights/advantages instead (the service
     # rejects any unknown input key, so a sent mask would fail the request).
     tc = backend.create_training_client(SPEC).result(WAIT)
     seq = list(range(40, 52))
@@ -264,7 +263,7 @@ def test_failed_future_is_backend_error(backend, mock, category, user):
     mock.faults.fail_future["forward_backward"] = (category, "target token 99999 out of vocabulary")
     t0 = time.monotonic()
     with pytest.raises(BackendError) as err:
-        tc.forward_backward(DATA, "cross_entropy").result(WAIT)
+        tc.forward_backward(DATA[1:], "cross_entropy").result(WAIT)
     assert time.monotonic() - t0 < 3
     assert err.value.user_error is user and err.value.request == "forward_backward #1"
     assert str(err.value).startswith("forward_backward #1: ")
@@ -273,6 +272,11 @@ def test_failed_future_is_backend_error(backend, mock, category, user):
     # The request failed, the client did not: the next step runs (seq 2 follows the failed seq 1).
     fb, _ = step(tc)
     assert fb.metrics["loss:sum"] > 0
+    # The failed request never reached the engine (its seq_id was spent): that step lands where a fresh client's does.
+    fresh = backend.create_training_client(SPEC).result(WAIT)
+    step(fresh)
+    got, want = (c.forward(DATA, "cross_entropy").result(WAIT).metrics["loss:sum"] for c in (tc, fresh))
+    assert got == want
 
 
 def test_4xx_is_backend_error(backend, mock):
@@ -318,28 +322,26 @@ def test_dropped_connection_is_backend_error(backend, mock, monkeypatch):
 def test_unreachable_service_at_start(mock, monkeypatch):
     fast_backoff(monkeypatch)
     mock.faults.drop = {"*"}
-    with respx_tinker(mock):
-        be = TinkerBackend(Tinker(), MODEL, "tiny")
-        try:
-            with pytest.raises(BackendError, match="create_training_client 'Qwen/Qwen3-8B'") as err:
-                be.create_training_client(SPEC).result(WAIT)
-            assert KEY not in str(err.value)
-        finally:
-            be.close("errored")
+    be = TinkerBackend(Tinker(), MODEL, "tiny")
+    try:
+        with pytest.raises(BackendError, match="create_training_client 'Qwen/Qwen3-8B'") as err:
+            be.create_training_client(SPEC).result(WAIT)
+        assert KEY not in str(err.value)
+    finally:
+        be.close("errored")
 
 
 # ---------------------------------------------------------------- the key
 
 
 def test_missing_or_malformed_key_fails_before_any_request(mock, monkeypatch):
-    with respx_tinker(mock):
-        monkeypatch.delenv("TINKER_API_KEY")
-        with pytest.raises(UserError, match="set TINKER_API_KEY"):
-            TinkerBackend(Tinker(), MODEL, "tiny")
-        monkeypatch.setenv("TINKER_API_KEY", "sk-not-a-tinker-key")
-        with pytest.raises(UserError, match="must start with 'tml-'") as err:
-            TinkerBackend(Tinker(), MODEL, "tiny")
-        assert "sk-not-a-tinker-key" not in str(err.value)
+    monkeypatch.delenv("TINKER_API_KEY")
+    with pytest.raises(UserError, match="set TINKER_API_KEY"):
+        TinkerBackend(Tinker(), MODEL, "tiny")
+    monkeypatch.setenv("TINKER_API_KEY", "sk-not-a-tinker-key")
+    with pytest.raises(UserError, match="must start with 'tml-'") as err:
+        TinkerBackend(Tinker(), MODEL, "tiny")
+    assert "sk-not-a-tinker-key" not in str(err.value)
     assert mock.records == []
 
 
@@ -360,25 +362,24 @@ def test_key_never_in_error_text(backend, mock):
 
 
 def test_real_http_server_with_pyqwest(mock, monkeypatch):
-    mock.pyqwest = True  # client/config leaves the SDK's default (Rust) transport on
-    with serve(mock) as url:
-        monkeypatch.delenv("TINKER_BASE_URL")
-        be = TinkerBackend(Tinker(base_url=url), MODEL, "tiny")
-        try:
-            tc = be.create_training_client(SPEC).result(WAIT)
-            losses = [step(tc)[0].metrics["loss:sum"] for _ in range(3)]
-            assert losses[-1] < losses[0]
-            sc = be.create_sampling_client(model_path=tc.save_weights_for_sampler("w").result(WAIT)).result(WAIT)
-            assert len(sc.sample([1, 2], 2, SamplingParams(max_tokens=4)).result(WAIT).sequences) == 2
-            holder = be._service.holder  # the transport really is pyqwest, over a real socket
+    # The base URL from the backend's config; the service's client/config leaves the SDK's default (Rust) transport on.
+    monkeypatch.delenv("TINKER_BASE_URL")
+    be = TinkerBackend(Tinker(base_url=mock.url), MODEL, "tiny")
+    try:
+        tc = be.create_training_client(SPEC).result(WAIT)
+        losses = [step(tc)[0].metrics["loss:sum"] for _ in range(3)]
+        assert losses[-1] < losses[0]
+        sc = be.create_sampling_client(model_path=tc.save_weights_for_sampler("w").result(WAIT)).result(WAIT)
+        assert len(sc.sample([1, 2], 2, SamplingParams(max_tokens=4)).result(WAIT).sequences) == 2
+        holder = be._service.holder  # the transport really is pyqwest, over a real socket
 
-            async def transport() -> str:
-                with holder.aclient(internal_client_holder.ClientConnectionPoolType.TRAIN) as client:
-                    return type(client._client._transport).__name__
+        async def transport() -> str:
+            with holder.aclient(internal_client_holder.ClientConnectionPoolType.TRAIN) as client:
+                return type(client._client._transport).__name__
 
-            assert "Pyqwest" in holder.run_coroutine_threadsafe(transport()).result(WAIT)
-        finally:
-            be.close()
+        assert "Pyqwest" in holder.run_coroutine_threadsafe(transport()).result(WAIT)
+    finally:
+        be.close()
     assert mock.finished == [{"reason": {"type": "success"}, "detail": None}]
     assert [r.seq_id for r in mock.submits("forward_backward", "optim_step", "save_weights_for_sampler")] == list(range(1, 8))
 
@@ -488,43 +489,41 @@ def test_session_creation_does_not_block_the_caller(monkeypatch):
 
 
 def test_server_lost_mid_run_fails_waiting_calls(mock):
-    with respx_tinker(mock):
-        be = TinkerBackend(Tinker(lost_after_s=1.0), MODEL, "tiny")
-        try:
-            tc = be.create_training_client(SPEC).result(WAIT)
-            step(tc)
-            mock.faults.drop = {"*"}  # the server dies: every connection fails from now on
-            t0 = time.monotonic()
-            fb, op = tc.forward_backward(DATA, "cross_entropy"), tc.optim_step(ADAM)
-            for f, name in ((fb, "forward_backward #2"), (op, "optim_step #2")):
-                with pytest.raises(BackendError, match=rf"^{name}: lost the Tinker service at {BASE_URL}: "
-                                                       r"no answer for \d+ s \(") as err:
-                    f.result(WAIT)
-                assert "\n" not in str(err.value)
-            assert time.monotonic() - t0 < 6  # the SDK alone retries each request for ~5 min
-            with pytest.raises(BackendError, match=r"^forward_backward #3: lost the Tinker service"):
-                tc.forward_backward(DATA, "cross_entropy").result(1)  # later calls fail at once
-        finally:
-            t0 = time.monotonic()
-            be.close("errored")
-            assert time.monotonic() - t0 < 8
+    be = TinkerBackend(Tinker(lost_after_s=1.0), MODEL, "tiny")
+    try:
+        tc = be.create_training_client(SPEC).result(WAIT)
+        step(tc)
+        mock.faults.drop = {"*"}  # the server dies: every connection fails from now on
+        t0 = time.monotonic()
+        fb, op = tc.forward_backward(DATA, "cross_entropy"), tc.optim_step(ADAM)
+        for f, name in ((fb, "forward_backward #2"), (op, "optim_step #2")):
+            with pytest.raises(BackendError, match=rf"^{name}: lost the Tinker service at {mock.url}: "
+                                                   r"no answer for \d+ s \(") as err:
+                f.result(WAIT)
+            assert "\n" not in str(err.value)
+        assert time.monotonic() - t0 < 6  # the SDK alone retries each request for ~5 min
+        with pytest.raises(BackendError, match=r"^forward_backward #3: lost the Tinker service"):
+            tc.forward_backward(DATA, "cross_entropy").result(1)  # later calls fail at once
+    finally:
+        t0 = time.monotonic()
+        be.close("errored")
+        assert time.monotonic() - t0 < 8
 
 
 def test_slow_request_on_a_live_server_is_not_lost(mock):
     # A request the service takes long over (a queue) is not a lost service: the pings are answered.
-    with respx_tinker(mock):
-        be = TinkerBackend(Tinker(lost_after_s=0.5), MODEL, "tiny")
-        try:
-            tc = be.create_training_client(SPEC).result(WAIT)
-            mock.hold_until_submits = 1000  # forward_backward's result is held until released below
-            fb = tc.forward_backward(DATA, "cross_entropy")
-            time.sleep(2.0)  # four times lost_after_s
-            assert not fb.done(), fb.future().exception()
-            mock.hold_until_submits = 0
-            op = tc.optim_step(ADAM)
-            assert fb.result(WAIT).metrics["loss:sum"] > 0 and isinstance(op.result(WAIT), OptimStepOutput)
-        finally:
-            be.close()
+    be = TinkerBackend(Tinker(lost_after_s=0.5), MODEL, "tiny")
+    try:
+        tc = be.create_training_client(SPEC).result(WAIT)
+        mock.hold_until_submits = 1000  # forward_backward's result is held until released below
+        fb = tc.forward_backward(DATA, "cross_entropy")
+        time.sleep(2.0)  # four times lost_after_s
+        assert not fb.done(), fb.future().exception()
+        mock.hold_until_submits = 0
+        op = tc.optim_step(ADAM)
+        assert fb.result(WAIT).metrics["loss:sum"] > 0 and isinstance(op.result(WAIT), OptimStepOutput)
+    finally:
+        be.close()
 
 
 CTRL_C_SCRIPT = """

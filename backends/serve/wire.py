@@ -1,8 +1,8 @@
 """Tinker's binary wire formats (tinker-sdk.md §4.1): forward/backward requests in, forward/backward and
 sample results out, as protobuf (`tinker.proto.tinker_public_pb2`, which ships with the SDK).
 
-Everything else on the wire is JSON. The service (backends/serve/service.py) and the test mock
-(tests/tinker_mock.py) share these codecs.
+Everything else on the wire is JSON. The service (backends/serve/service.py) uses these codecs; the tests' fault
+layer in front of it (tests/tinker_mock.py) reads requests with them.
 """
 
 from __future__ import annotations
