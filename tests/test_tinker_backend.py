@@ -139,6 +139,35 @@ def test_round_trip(backend, mock):
     assert saved.compute_logprobs(list(range(10, 30))).result(WAIT) == before
 
 
+def test_httpx_transport_under_respx_computes_what_sockets_do(mock, tinker_service, monkeypatch):
+    """The SDK's httpx transport (a service whose client/config turns pyqwest off), driven through respx with no
+    socket, against the same service: the same requests give the same numbers as over real sockets."""
+    from tinker_mock import RESPX_URL, respx_mounted
+
+    def losses_and_sample(be):
+        tc = be.create_training_client(SPEC).result(WAIT)
+        out = [step(tc)[0].metrics["loss:sum"] for _ in range(2)]
+        sc = tc.save_weights_and_get_sampling_client().result(WAIT)
+        got = sc.sample([5, 6, 7], 2, SamplingParams(max_tokens=6, seed=3, stop=[])).result(WAIT)
+        return out, [s.tokens for s in got.sequences]
+
+    over_sockets = TinkerBackend(Tinker(), MODEL, "tiny")
+    try:
+        expected = losses_and_sample(over_sockets)
+    finally:
+        over_sockets.close()
+    monkeypatch.setenv("TINKER_BASE_URL", RESPX_URL)
+    with respx_mounted(tinker_service) as (mounted, router):
+        be = TinkerBackend(Tinker(), MODEL, "tiny")
+        try:
+            assert losses_and_sample(be) == expected
+        finally:
+            be.close()
+        routes = {r.route for r in mounted.records}
+        assert {"client/config", "create_model", "forward_backward", "optim_step", "asample"} <= routes
+        assert router.calls.call_count == len(mounted.records) > 0  # every request went through respx
+
+
 def test_from_state_restores_optimizer(backend):
     tc = backend.create_training_client(SPEC).result(WAIT)
     step(tc)

@@ -13,12 +13,17 @@ the HTTP layer in between. The SDK talks to it over real sockets with its own (p
 - passes everything else to the service unchanged: the numbers, the seq_id order, checkpoints, samples are all
   the service's own.
 
+`respx_mounted(mock)` serves the same app without sockets: respx routes every httpx request of the process for its
+base URL to `mock.handle`, and its client/config turns the SDK's pyqwest transport off, so the SDK's other (httpx)
+transport runs, as it does for a service whose client/config says so.
+
 An injected failed future never reaches the engine: the wrapper sends the service a request it refuses, which
 spends the seq_id as any refused request does (backends/serve/sessions.py), so later requests do not wait for it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -28,6 +33,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import httpx
+import respx
 
 from backends.serve.http import ServeConfig, Server, _handler_class, build_service
 from backends.serve.replies import Reply
@@ -264,3 +272,31 @@ def serve(service: Service, try_again_every: int = 2) -> Iterator[MockTinker]:
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+RESPX_URL = "http://tinker.respx"
+
+
+@contextlib.contextmanager
+def respx_mounted(service: Service, base_url: str = RESPX_URL, try_again_every: int = 2
+                  ) -> Iterator[tuple[MockTinker, respx.MockRouter]]:
+    """A fresh MockTinker over `service`, mounted under respx at base_url (no socket, no server thread). Handlers
+    that block (a long-polled retrieve_future) run in a worker thread, off the SDK's event loop."""
+    mock = MockTinker(service, try_again_every)
+    mock.url = base_url
+
+    async def side_effect(request: httpx.Request) -> httpx.Response:
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        path = request.url.raw_path.decode()
+        try:
+            reply = await asyncio.to_thread(mock.handle, request.method, path, headers, request.content, base_url)
+        except Dropped as exc:
+            raise httpx.ConnectError(f"connection dropped ({exc})", request=request) from None
+        body = reply.body
+        if path.split("?")[0].endswith("/client/config") and reply.status == 200:
+            body = json.dumps({**json.loads(body), "use_pyqwest_transport": False}).encode()
+        return httpx.Response(reply.status, content=body, headers=reply.headers)
+
+    with respx.mock(base_url=base_url, assert_all_called=False, using="httpx") as router:
+        router.route().mock(side_effect=side_effect)
+        yield mock, router
