@@ -73,6 +73,14 @@ def with_tools() -> Task:
 
 def not_a_task():
     return 3
+
+
+@task
+def from_file(path: str) -> Task:
+    import json
+
+    rows = [json.loads(line) for line in open(path)]
+    return Task(dataset=_samples([r["q"] for r in rows], [r["a"] for r in rows]), solver=generate(), scorer=includes())
 '''
 
 
@@ -238,6 +246,23 @@ def test_task_failures_stop_the_run_with_one_line(tmp_path: Path, task: str, mes
     name, recipe = load_recipe(f"{path}#p")
     with pytest.raises(UserError, match=message):
         run(recipe, name)
+
+
+def test_task_file_and_path_args_are_found_next_to_the_recipe(tmp_path: Path) -> None:
+    needs_inspect()
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "qa_tasks.py").write_text(TASKS)
+    (proj / "qa.jsonl").write_text("".join(json.dumps({"q": q, "a": NEVER}) + "\n" for q in INPUTS[:3]))
+    path = proj / "r.toml"  # run from tmp_path (the fixture's working directory), not proj
+    path.write_text(recipe_text(tmp_path, inspect_table("qa_tasks.py@from_file", {"path": "qa.jsonl"}), 1))
+    assert main(["check", str(path)]) == 0
+    _, recipe = load_recipe(f"{path}#p")
+    e = recipe.evals[0]
+    assert isinstance(e, InspectPinned)
+    assert (e.task, e.task_args) == (f"{proj / 'qa_tasks.py'}@from_file", {"path": str(proj / "qa.jsonl")})
+    got = with_backend(lambda s, t: asyncio.run(run_evals(recipe.evals, s, t, "auto", "tiny")))
+    assert got["test/eval/from_file/samples"] == 3 and got["test/eval/from_file/accuracy"] == 0.0
 
 
 def test_without_the_extra_check_names_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

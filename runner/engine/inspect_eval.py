@@ -24,7 +24,7 @@ from backends.base import SamplingClient
 from backends.errors import UserError
 from runner.recipe.common import TARGET_PATTERN
 from runner.recipe.explain import dotted
-from runner.recipe.pinned import InspectPinned, PinnedEval
+from runner.recipe.pinned import InspectPinned, PinnedEval, task_file
 from runner.recipe.targets import args_mismatch, import_target
 from runner.renderers import Renderer
 
@@ -53,19 +53,14 @@ def default_name(task: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", tail) or "inspect"
 
 
-def _file_spec(task: str) -> Path | None:
-    """The file of a 'file.py' / 'file.py@task' spec; None for other specs."""
-    path = task.rpartition("@")[0] if "@" in task else task
-    return Path(path) if path.endswith(".py") else None
-
-
 def task_function(task: str) -> Callable[..., Any] | None:
     """The function that builds `task`, found without building it (no dataset is read); None for a file spec (its
     file is checked to exist). UserError when nothing by that name exists."""
     if re.fullmatch(TARGET_PATTERN, task):
         return import_target(task)
-    file = _file_spec(task)
-    if file is not None:
+    spec = task_file(task)
+    if spec is not None:
+        file = Path(spec[0])
         if not file.exists():
             raise UserError(f"inspect task file not found: {file} (looked in {os.getcwd()})")
         return None

@@ -77,4 +77,10 @@ class InspectPinned(PinnedEvalBase, tag="inspect"):
     max_samples: PosInt = 32
 
 
+def task_file(task: str) -> tuple[str, str] | None:
+    """An inspect task spec naming a file, split: ("dir/tasks.py", "@qa"), ("dir/tasks.py", ""); None otherwise."""
+    file, at, name = task.partition("@")
+    return (file, at + name) if file.endswith(".py") else None
+
+
 PinnedEval = MathPinned | NLLPinned | PythonPinned | InspectPinned
