@@ -210,6 +210,29 @@ def test_logged_at_eval_steps_final_row_and_by_runner_eval(tmp_path: Path,
     assert "test/eval/echo/accuracy" in capsys.readouterr().out
 
 
+def test_on_the_tinker_backend(tmp_path: Path, mocked_tinker: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The real tinker SDK against the mocked service: the provider samples through a Tinker sampling client.
+    # With $INSPECT_LOG_DIR set, inspect's logs are kept there.
+    needs_inspect()
+    monkeypatch.setenv("INSPECT_LOG_DIR", str(tmp_path / "inspect-logs"))
+    targets = [NEVER] * len(INPUTS)
+    remote = 'model = "Qwen/Qwen3-8B"\ntokenizer = "tiny"\nbackend = {kind = "tinker"}\n'
+    text = recipe_text(tmp_path, inspect_table("inspect_tasks:echo", {"inputs": INPUTS, "targets": targets}), 1)
+    (tmp_path / "r.toml").write_text(text.replace("[recipes.p]\n", "[recipes.p]\n" + remote))
+    assert main(["run", f"{tmp_path / 'r.toml'}#p"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    scored = [r for r in rows if "test/eval/echo/samples" in r]
+    assert [r["step"] for r in scored] == [0, 1] and all(r["test/eval/echo/samples"] == 4 for r in scored)
+    assert all(r["test/eval/echo/accuracy"] == 0.0 for r in scored)
+    from inspect_ai.log import list_eval_logs, read_eval_log
+
+    logs = [read_eval_log(info) for info in list_eval_logs(str(tmp_path / "inspect-logs"))]
+    assert len(logs) == 2 and all(log.eval.model == "runner/Qwen/Qwen3-8B" for log in logs)
+    for log in logs:
+        assert log.samples is not None and len(log.samples) == 4
+        assert all(s.output.usage is not None and s.output.usage.output_tokens > 0 for s in log.samples)
+
+
 @pytest.mark.parametrize(
     ("task", "args", "message"),
     [
@@ -274,6 +297,17 @@ def test_without_the_extra_check_names_it(tmp_path: Path, monkeypatch: pytest.Mo
     err = capsys.readouterr().err.strip()
     assert err == (f"error: {path}#p: evals[0].task: kind = \"inspect\" needs the inspect_ai package: "
                    "pip install 'runner[inspect]' (or pip install inspect_ai)")
+
+
+def test_smoke_caps_the_samples_and_leaves_task_args_alone(tmp_path: Path) -> None:
+    from runner.tools.smoke import smoke_recipe
+
+    path = tmp_path / "r.toml"
+    path.write_text(recipe_text(tmp_path, inspect_table("inspect_tasks:echo", {"max_tokens": 999}), 1))
+    name, recipe = load_recipe(f"{path}#p")
+    [e] = smoke_recipe(recipe, name, f"{path}#p").evals
+    assert isinstance(e, InspectPinned)
+    assert (e.limit, e.task_args) == (2, {"max_tokens": 999}) and e.max_tokens <= MAX_TOKENS
 
 
 def test_default_names_are_the_tasks() -> None:
