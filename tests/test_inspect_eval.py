@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 import textwrap
 from pathlib import Path
@@ -136,8 +137,9 @@ def includes_accuracy(replies: list[str], targets: list[str]) -> float:
     return sum(t.lower() in r.lower() for r, t in zip(replies, targets, strict=True)) / len(replies)
 
 
-def test_metrics_are_the_scorers_on_the_sampled_replies() -> None:
+def test_metrics_are_the_scorers_on_the_sampled_replies(capsys: pytest.CaptureFixture[str]) -> None:
     needs_inspect()
+    hook, level = sys.excepthook, logging.getLogger().level
 
     def check(sampler: Any, tokenizer: Any) -> None:
         replies = direct_replies(sampler, tokenizer, INPUTS)
@@ -159,6 +161,8 @@ def test_metrics_are_the_scorers_on_the_sampled_replies() -> None:
         assert got["test/eval/two_scorers/exact/mean"] == 0.5  # exact() reports a mean; the full reply matches
 
     with_backend(check)
+    assert capsys.readouterr() == ("", "")  # inspect's display is off
+    assert (sys.excepthook, logging.getLogger().level) == (hook, level)  # and the runner's hook and log level stay
 
 
 def recipe_text(tmp_path: Path, evals: str, max_steps: int = 3) -> str:

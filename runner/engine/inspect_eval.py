@@ -10,6 +10,7 @@ $INSPECT_LOG_DIR when set, else to a temporary directory removed afterwards.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import os
 import re
@@ -122,6 +123,8 @@ def load_task(e: InspectPinned) -> Any:
 
 async def inspect_eval(e: InspectPinned, sampler: SamplingClient, chat: Renderer, model_name: str | None) -> Metrics:
     """Run e's task on `sampler`'s weights: its scorers' metrics (see metrics_of)."""
+    # inspect installs its own excepthook on first use and sets the root logger's level: the runner keeps its own.
+    hook, root_level = sys.excepthook, logging.getLogger().level
     require()
     from inspect_ai import eval_async
     from inspect_ai.util._display import init_display_type
@@ -129,23 +132,29 @@ async def inspect_eval(e: InspectPinned, sampler: SamplingClient, chat: Renderer
     from runner.engine import inspect_model as bridge
     from runner.rl.renderer import ChatRenderer
 
-    task = load_task(e)
     key = uuid.uuid4().hex
-    model = bridge.bridged_model(key, bridge.Bridge(sampler, ChatRenderer(chat), e.temperature, e.max_tokens, e.seed,
-                                                    e.max_samples), model_name or "model")
-    hook = sys.excepthook  # inspect installs its own on first use; the runner's CLI keeps its error handling
-    init_display_type("none")
     try:
+        task = load_task(e)
+        model = bridge.bridged_model(key, bridge.Bridge(sampler, ChatRenderer(chat), e.temperature, e.max_tokens,
+                                                        e.seed, e.max_samples), model_name or "model")
+        init_display_type("none")
         with tempfile.TemporaryDirectory(prefix="runner-inspect-") as tmp:
             logs = await eval_async(
                 task, model=model, limit=e.limit, log_dir=os.environ.get("INSPECT_LOG_DIR") or tmp,
-                log_level="error", log_realtime=False, score_display=False, ctl_server=False, fail_on_error=True,
+                log_level="warning", log_realtime=False, score_display=False, ctl_server=False, fail_on_error=True,
                 max_samples=e.max_samples, max_connections=e.max_samples,
                 temperature=e.temperature, max_tokens=e.max_tokens, seed=e.seed,
             )  # fmt: skip
+    except UserError:
+        raise
+    except Exception as ex:  # noqa: BLE001 - inspect's own refusals (a task it cannot run): one line
+        from runner.rl.rollouts import describe_error
+
+        raise UserError(f"inspect eval {e.task!r} failed: {describe_error(ex)}") from None
     finally:
         bridge.BRIDGES.pop(key, None)
         sys.excepthook = hook
+        logging.getLogger().setLevel(root_level)
     return metrics_of(e.task, logs[0])
 
 
