@@ -165,6 +165,29 @@ def test_metrics_are_the_scorers_on_the_sampled_replies(capsys: pytest.CaptureFi
     assert (sys.excepthook, logging.getLogger().level) == (hook, level)  # and the runner's hook and log level stay
 
 
+def test_sampling_at_temperature_is_seeded_per_sample(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    needs_inspect()
+    from inspect_ai.log import list_eval_logs, read_eval_log
+
+    def completions(sampler: Any, tokenizer: Any, seed: int, logs: str) -> list[str]:
+        monkeypatch.setenv("INSPECT_LOG_DIR", str(tmp_path / logs))
+        e = InspectPinned(task="inspect_tasks:echo", task_args={"inputs": INPUTS * 2, "targets": [NEVER] * 8},
+                          temperature=1.0, max_tokens=MAX_TOKENS, seed=seed)
+        asyncio.run(run_evals([e], sampler, tokenizer, "auto", "tiny"))
+        [info] = list_eval_logs(str(tmp_path / logs))
+        samples = read_eval_log(info).samples or []
+        return [s.output.completion for s in sorted(samples, key=lambda s: int(s.id))]
+
+    def check(sampler: Any, tokenizer: Any) -> None:
+        first, again, other = (completions(sampler, tokenizer, seed, logs)
+                               for seed, logs in ((0, "a"), (0, "b"), (1, "c")))
+        assert len(first) == 8 and first == again  # the same seed: the same replies, whatever the order they ran in
+        assert first[:4] != first[4:]  # seeds per sample (id, epoch): the same prompts, other replies
+        assert first != other  # another seed, other replies
+
+    with_backend(check)
+
+
 def recipe_text(tmp_path: Path, evals: str, max_steps: int = 3) -> str:
     return textwrap.dedent(f"""\
         [recipes.p]
@@ -240,7 +263,9 @@ def test_on_the_tinker_backend(tmp_path: Path, mocked_tinker: None, monkeypatch:
 @pytest.mark.parametrize(
     ("task", "args", "message"),
     [
-        ("no_such_pkg/nothing", {}, "evals[0].task: no inspect task named 'no_such_pkg/nothing'"),
+        ("no_such_pkg/nothing", {}, "evals[0].task: no inspect task named 'no_such_pkg/nothing': the package "
+                                    "'no_such_pkg' is not installed"),
+        ("nothing_by_that_name", {}, "evals[0].task: no inspect task named 'nothing_by_that_name'; name a task of"),
         ("inspect_tasks:missing", {}, "evals[0].task: cannot import 'inspect_tasks:missing'"),
         ("missing_file.py@echo", {}, "evals[0].task: inspect task file not found: missing_file.py"),
         ("inspect_tasks:echo", {"inputs": ["a"]}, "cannot be called with task_args ['inputs']: missing a required"),

@@ -35,9 +35,9 @@ MISSING = "kind = \"inspect\" needs the inspect_ai package: pip install 'runner[
 NAMES = "a task of an installed package ('inspect_evals/gsm8k'), 'file.py@task', or 'pkg.mod:fn' returning a Task"
 
 
-def available() -> bool:
+def available(package: str = "inspect_ai") -> bool:
     try:
-        return importlib.util.find_spec("inspect_ai") is not None
+        return importlib.util.find_spec(package) is not None
     except (ImportError, ValueError):
         return False
 
@@ -69,6 +69,9 @@ def task_function(task: str) -> Callable[..., Any] | None:
 
     fn = registry_lookup("task", task)
     if not callable(fn):
+        package = task.partition("/")[0] if "/" in task else None
+        if package and not available(package):
+            raise UserError(f"no inspect task named {task!r}: the package {package!r} is not installed")
         raise UserError(f"no inspect task named {task!r}; name {NAMES}")
     return fn
 

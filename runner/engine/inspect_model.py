@@ -23,6 +23,7 @@ from inspect_ai.model import (
     get_model,
     modelapi,
 )
+from inspect_ai.solver._task_state import sample_state
 from inspect_ai.tool import ToolChoice, ToolInfo
 
 from backends.base import SamplingClient
@@ -63,8 +64,10 @@ def to_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def sample_seed(seed: int, prompt: list[int]) -> int:
-    """A seed per prompt, the same whatever order inspect runs the samples in."""
-    return (seed * 1_000_003 + zlib.crc32(repr(prompt).encode())) % 2**31
+    """A seed per sample, epoch and prompt (a sample's turns), the same whatever order inspect runs them in."""
+    state = sample_state()  # the sample being generated for (None for a call outside one, e.g. a scorer's)
+    where = (state.sample_id, state.epoch) if state is not None else None
+    return (seed * 1_000_003 + zlib.crc32(repr((where, prompt)).encode())) % 2**31
 
 
 class RunnerModelAPI(ModelAPI):

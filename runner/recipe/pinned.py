@@ -68,8 +68,8 @@ class InspectPinned(PinnedEvalBase, tag="inspect"):
     task_args: dict[str, Any] = {}
     # The first `limit` samples (None: all).
     limit: PosInt | None = None
-    # Fixed sampling, whatever the task's own generate config says; 0 = greedy. A seed per sample (from `seed` and
-    # its prompt) when temperature > 0.
+    # Fixed sampling, whatever the task's own generate config says; 0 = greedy. A seed per sample (from `seed`, the
+    # sample's id and epoch, and the prompt) when temperature > 0.
     temperature: NonNegFloat = 0.0
     max_tokens: PosInt = 256
     seed: int = 0
