@@ -67,7 +67,12 @@ def task_function(task: str) -> Callable[..., Any] | None:
         return None
     from inspect_ai._util.registry import registry_lookup
 
-    fn = registry_lookup("task", task)
+    from runner.rl.rollouts import describe_error
+
+    try:
+        fn = registry_lookup("task", task)  # loads the package's inspect_ai entry point ("pkg/name")
+    except Exception as ex:  # noqa: BLE001 - the package's own import: one line naming it
+        raise UserError(f"inspect task {task!r}: loading its package raised {describe_error(ex)}") from None
     if not callable(fn):
         package = task.partition("/")[0] if "/" in task else None
         if package and not available(package):
