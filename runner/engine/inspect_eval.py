@@ -4,7 +4,8 @@ weights through the "runner" model provider (runner/engine/inspect_model.py), me
 inspect_ai is an optional extra (`pip install 'runner[inspect]'`). This module loads it only inside functions, and
 only for a recipe that pins an inspect eval: without it, `runner check`, `run` and `eval` of such a recipe say so in
 one line. The eval runs in runner's event loop (eval_async), prints nothing (display "none"), and writes its log to
-$INSPECT_LOG_DIR when set, else to a temporary directory removed afterwards.
+$INSPECT_LOG_DIR when set, else to a temporary directory removed afterwards. (inspect_ai imports carry a pyright
+ignore, so pyright is clean in an environment without the extra too.)
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def task_function(task: str) -> Callable[..., Any] | None:
         if not file.exists():
             raise UserError(f"inspect task file not found: {file} (looked in {os.getcwd()})")
         return None
-    from inspect_ai._util.registry import registry_lookup
+    from inspect_ai._util.registry import registry_lookup  # pyright: ignore[reportMissingImports]
 
     from runner.rl.rollouts import describe_error
 
@@ -102,7 +103,7 @@ def check_inspect_evals(evals: list[PinnedEval], where: str) -> None:
 
 def load_task(e: InspectPinned) -> Any:
     """The inspect_ai Task that e names, built with its task_args."""
-    from inspect_ai import Task
+    from inspect_ai import Task  # pyright: ignore[reportMissingImports]
 
     from runner.rl.rollouts import describe_error
 
@@ -117,7 +118,7 @@ def load_task(e: InspectPinned) -> Any:
         if not isinstance(task, Task):
             raise UserError(f"inspect task {e.task!r} returned {type(task).__name__}, not an inspect_ai Task")
         return task
-    from inspect_ai._eval.loader import load_task_spec
+    from inspect_ai._eval.loader import load_task_spec  # pyright: ignore[reportMissingImports]
 
     try:
         tasks = load_task_spec(e.task, dict(e.task_args))
@@ -134,8 +135,8 @@ async def inspect_eval(e: InspectPinned, sampler: SamplingClient, chat: Renderer
     # inspect installs its own excepthook on first use and sets the root logger's level: the runner keeps its own.
     hook, root_level = sys.excepthook, logging.getLogger().level
     require()
-    from inspect_ai import eval_async
-    from inspect_ai.util._display import init_display_type
+    from inspect_ai import eval_async  # pyright: ignore[reportMissingImports]
+    from inspect_ai.util._display import init_display_type  # pyright: ignore[reportMissingImports]
 
     from runner.engine import inspect_model as bridge
     from runner.rl.renderer import ChatRenderer

@@ -4,7 +4,8 @@ weights of the moment (any backend), and the reply parsed back, at the pinned ev
 
 Imports inspect_ai at module level: runner/engine/inspect_eval.py imports this module only once it knows the extra is
 installed. A provider instance finds its sampler through `bridge` (a key into BRIDGES), so the model args inspect
-records in its log stay plain strings.
+records in its log stay plain strings. (The inspect_ai imports carry a pyright ignore: pyright is clean without the
+extra too.)
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from inspect_ai.model import (
+from inspect_ai.model import (  # pyright: ignore[reportMissingImports]
     ChatMessage,
     GenerateConfig,
     Model,
@@ -23,8 +24,8 @@ from inspect_ai.model import (
     get_model,
     modelapi,
 )
-from inspect_ai.solver._task_state import sample_state
-from inspect_ai.tool import ToolChoice, ToolInfo
+from inspect_ai.solver._task_state import sample_state  # pyright: ignore[reportMissingImports]
+from inspect_ai.tool import ToolChoice, ToolInfo  # pyright: ignore[reportMissingImports]
 
 from backends.base import SamplingClient
 from backends.types import SamplingParams
