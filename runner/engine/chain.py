@@ -101,12 +101,14 @@ def check_all(recipe: Recipe, where: str) -> None:
     runner.data.check.check_data, a custom algorithm's args) for it and every recipe it runs first (its init_from chain, teachers, judges), and that every model it scores with shares its tokenizer."""
     from runner.algos import check_algo
     from runner.data.check import check_data
+    from runner.engine.inspect_eval import check_inspect_evals
 
     for r, at in [(recipe, where), *((s.recipe, s.ref) for s in [*upstreams(recipe, where),
                                                                   *dependencies(recipe, where)] if s.runnable)]:
         check_recipe(r, at)
         check_data(r, at)
         check_algo(r.algo, at)
+        check_inspect_evals(r.evals, at)
     for path, model in base_models(recipe):
         if (problem := tokenizer_mismatch(model, recipe.tokenizer or recipe.model)) is not None:
             raise UserError(f"{where}: {path} {model!r}: {problem}")

@@ -2,8 +2,9 @@
 same way at every eval step (eval_every), after the last step (in the final row) and by `runner eval`.
 
 Kinds (runner/recipe/schema.py): `math` (accuracy with the `math` env's loading, prompt and grading, at fixed
-sampling params), `nll` (per-token NLL of conversations via compute_logprobs), `python` (`pkg.mod:fn`). Each needs
-only a SamplingClient and the tokenizer, so every algorithm gets them. Metrics: test/eval/<name>/<metric> (held-out numbers, as every test/ metric).
+sampling params), `nll` (per-token NLL of conversations via compute_logprobs), `python` (`pkg.mod:fn`), `inspect` (an
+inspect_ai task through a model provider over the sampler: runner/engine/inspect_eval.py). Each needs only a
+SamplingClient and the tokenizer, so every algorithm gets them. Metrics: test/eval/<name>/<metric> (held-out numbers, as every test/ metric).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from backends.base import SamplingClient
 from backends.errors import UserError
 from backends.types import SamplingParams
 from runner.data.conversations import load_conversations
-from runner.recipe.schema import Jsonl, Math, MathPinned, NLLPinned, PinnedEval, PythonPinned
+from runner.engine.inspect_eval import default_name, inspect_eval
+from runner.recipe.schema import InspectPinned, Jsonl, Math, MathPinned, NLLPinned, PinnedEval, PythonPinned
 from runner.recipe.targets import import_target
 from runner.renderers import Renderer, get_renderer, render_row
 from runner.rl.envs.math import MathEnv, load_problems
@@ -29,11 +31,13 @@ Metrics = dict[str, float]
 
 
 def names(evals: list[PinnedEval]) -> list[str]:
-    """Each eval's metric prefix: its `name`, else its kind ("math"), with the position when a kind repeats."""
-    kinds = [str(type(e).__struct_config__.tag) for e in evals]
+    """Each eval's metric prefix: its `name`, else its kind ("math"; an inspect eval: its task's name, "gsm8k"), with
+    the position when that repeats."""
+    bases = [default_name(e.task) if isinstance(e, InspectPinned) else str(type(e).__struct_config__.tag)
+             for e in evals]
     out = []
-    for i, (e, kind) in enumerate(zip(evals, kinds, strict=True)):
-        out.append(e.name or (kind if kinds.count(kind) == 1 else f"{kind}_{i}"))
+    for i, (e, base) in enumerate(zip(evals, bases, strict=True)):
+        out.append(e.name or (base if bases.count(base) == 1 else f"{base}_{i}"))
     if len(set(out)) != len(out):
         raise UserError(f"evals: two pinned evals are named the same ({', '.join(out)}); set distinct `name`s")
     return out
@@ -55,6 +59,8 @@ async def run_evals(evals: list[PinnedEval], sampler: SamplingClient, tokenizer:
                 metrics = await nll_eval(e, sampler, chat)
             case PythonPinned():
                 metrics = await python_eval(e, sampler, tokenizer)
+            case InspectPinned():
+                metrics = await inspect_eval(e, sampler, chat, model_name)
         out.update({f"test/eval/{name}/{k}": v for k, v in metrics.items()})
         out[f"time/eval/{name}"] = loop.time() - t
     return out

@@ -188,7 +188,7 @@ class Progress:
                     parts.append(f"{key} {metrics[key]:.4f}")
             # Pinned evals' headline numbers (runner/engine/evals.py).
             parts += [f"{k[len('test/'):]} {v:.4f}" for k, v in metrics.items()
-                      if k.startswith("test/eval/") and k.endswith(("/accuracy", "/nll")) and isinstance(v, float)]
+                      if k.startswith("test/eval/") and k.endswith(("/accuracy", "/nll", "/mean")) and isinstance(v, float)]
         return parts
 
     def final(self, metrics: dict[str, Any]) -> None:

@@ -30,8 +30,9 @@ import tomli_w
 from backends.errors import UserError
 from runner.recipe.explain import NAME, child, convert, dotted, got, info, is_ref, is_str, is_target
 from runner.recipe.lr import resolve_auto
+from runner.recipe.pinned import task_file
 from runner.recipe.refs import absolute_ref
-from runner.recipe.schema import File, Jsonl, Recipe
+from runner.recipe.schema import File, InspectPinned, Jsonl, Recipe
 from runner.recipe.targets import args_mismatch, import_target
 
 DEFAULT_FILE = "recipes.toml"
@@ -116,12 +117,19 @@ def _data_next_to_recipe(recipe: Recipe, where: str, base: Path) -> Recipe:
     for keys, node in structs(recipe, ()):
         if isinstance(node, (Jsonl, File)) and (value := moved(node.path)) is not None:
             fixes.append(((*keys, "path"), value))
-        # Paths handed to user code (`args = {path = "data/x.jsonl"}` of a python data source, env or eval) too.
-        args = getattr(node, "args", None)
-        if isinstance(args, dict):
-            for k, v in args.items():
-                if isinstance(k, str) and _PATH_ARG.search(k) and (value := moved(v)) is not None:
-                    fixes.append(((*keys, "args", k), value))
+        # Paths handed to user code (`args = {path = "data/x.jsonl"}` of a python data source, env or eval; an
+        # inspect eval's task_args) too.
+        for field in ("args", "task_args"):
+            args = getattr(node, field, None)
+            if isinstance(args, dict):
+                for k, v in args.items():
+                    if isinstance(k, str) and _PATH_ARG.search(k) and (value := moved(v)) is not None:
+                        fixes.append(((*keys, field, k), value))
+        # An inspect eval's "file.py@task".
+        if isinstance(node, InspectPinned) and (task := task_file(node.task)) is not None:
+            file, at = task
+            if (value := moved(file)) is not None:
+                fixes.append(((*keys, "task"), value + at))
     if not fixes:
         return recipe
     raw = msgspec.to_builtins(recipe)

@@ -57,4 +57,30 @@ class PythonPinned(PinnedEvalBase, tag="python"):
     args: dict[str, Any] = {}
 
 
-PinnedEval = MathPinned | NLLPinned | PythonPinned
+class InspectPinned(PinnedEvalBase, tag="inspect"):
+    """An inspect_ai task (the `inspect` extra) against the weights, through a model provider backed by the sampler
+    and the recipe's renderer (runner/engine/inspect_eval.py): test/eval/<name>/<metric> for its scorer's metrics
+    (<scorer>/<metric> when it has several). Default name: the task's own (gsm8k for "inspect_evals/gsm8k")."""
+
+    # A registry name ("inspect_evals/gsm8k": a task of an installed package), "file.py@task", or "pkg.mod:fn"
+    # (a function returning a Task, called with task_args).
+    task: Annotated[str, Meta(min_length=1)]
+    task_args: dict[str, Any] = {}
+    # The first `limit` samples (None: all).
+    limit: PosInt | None = None
+    # Fixed sampling, whatever the task's own generate config says; 0 = greedy. A seed per sample (from `seed`, the
+    # sample's id and epoch, and the prompt) when temperature > 0.
+    temperature: NonNegFloat = 0.0
+    max_tokens: PosInt = 256
+    seed: int = 0
+    # Samples in flight at once (the sampler batches them).
+    max_samples: PosInt = 32
+
+
+def task_file(task: str) -> tuple[str, str] | None:
+    """An inspect task spec naming a file, split: ("dir/tasks.py", "@qa"), ("dir/tasks.py", ""); None otherwise."""
+    file, at, name = task.partition("@")
+    return (file, at + name) if file.endswith(".py") else None
+
+
+PinnedEval = MathPinned | NLLPinned | PythonPinned | InspectPinned

@@ -50,6 +50,7 @@ from runner.recipe.envs import TicTacToe as TicTacToe
 from runner.recipe.envs import ToolUse as ToolUse
 from runner.recipe.envs import TwentyQuestions as TwentyQuestions
 from runner.recipe.numerics import Numerics, check_temperature
+from runner.recipe.pinned import InspectPinned as InspectPinned
 from runner.recipe.pinned import MathPinned as MathPinned
 from runner.recipe.pinned import NLLPinned as NLLPinned
 from runner.recipe.pinned import PinnedEval as PinnedEval
@@ -540,7 +541,8 @@ class Recipe(Base):
     log: Log = Log()
     # Stand-ins for `--smoke` (offline, seconds): data, env, model, steps. Not used by a real run.
     smoke: Smoke | None = None
-    # Evals pinned in the recipe ([[recipes.x.evals]]: kind = "math" | "nll" | "python"), see runner/engine/evals.py.
+    # Evals pinned in the recipe ([[recipes.x.evals]]: kind = "math" | "nll" | "python" | "inspect"), see
+    # runner/engine/evals.py.
     evals: list[PinnedEval] = []
     # Cost (runner/recipe/cost.py, docs/cost.md): USD per million tokens for this model (over the shipped table and
     # price_file / $RUNNER_PRICES), and a budget = {usd = ..., tokens = ...} that stops the run at a checkpoint.

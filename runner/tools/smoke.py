@@ -59,7 +59,7 @@ TEST_CAP = 2
 # A local JSONL file is smoked on its first rows (a copy under runs/.smoke/data/), however large it is.
 HEAD_ROWS = 256
 # Tables whose fields are not the algorithm's sizes: data sources, user code's args, teachers, judges.
-OPAQUE = frozenset({"data", "prompts", "args", "teacher", "judge"})
+OPAQUE = frozenset({"data", "prompts", "args", "task_args", "teacher", "judge"})
 # The stand-in model's shape (the family's config with these sizes; vocabulary and chat template unchanged).
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 16, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
@@ -101,7 +101,7 @@ def smoke_recipe(recipe: Recipe, name: str, where: str, refs: dict[str, str] | N
     _shrink(raw["algo"])
     for pinned in raw.get("evals", []):  # [[evals]]: a few problems or rows, short replies
         _shrink(pinned)
-        key = {"math": "max_problems", "nll": "max_rows"}.get(pinned.get("kind", ""))
+        key = {"math": "max_problems", "nll": "max_rows", "inspect": "limit"}.get(pinned.get("kind", ""))
         if key is not None:
             pinned[key] = min(pinned.get(key) or TEST_CAP, TEST_CAP)
         if "samples" in pinned:
