@@ -345,3 +345,25 @@ def test_default_names_are_the_tasks() -> None:
     two = [InspectPinned(task="inspect_evals/gsm8k"), InspectPinned(task="inspect_evals/gsm8k", limit=5)]
     assert names(two) == ["gsm8k_0", "gsm8k_1"]
     assert names([two[0], InspectPinned(task="x:y", name="mine")]) == ["gsm8k", "mine"]
+
+
+def test_a_task_file_is_checked_for_the_task_it_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`file.py@name`: check reads the file (without running it) for a @task function registered as `name`."""
+    needs_inspect()
+    (tmp_path / "tasks_here.py").write_text(
+        "from inspect_ai import task\n\n@task\ndef qa():\n    pass\n\n@task(name='renamed')\ndef other():\n    pass\n")
+    (tmp_path / "broken.py").write_text("def (:\n")
+    cases = {"tasks_here.py@qa": None, "tasks_here.py@renamed": None, "tasks_here.py": None,
+             "tasks_here.py@qax": "no @task function named 'qax' in ",
+             "tasks_here.py@other": "no @task function named 'other' in ",
+             "broken.py@qa": "broken.py: SyntaxError"}
+    for task, message in cases.items():
+        path = tmp_path / "r.toml"
+        path.write_text(recipe_text(tmp_path, inspect_table(task), 1))
+        capsys.readouterr()
+        assert main(["check", str(path)]) == (0 if message is None else 2), task
+        err = capsys.readouterr().err
+        if message is not None:
+            assert message in err and len(err.strip().splitlines()) == 1, err
+            if "qax" in message:
+                assert "(its @task functions: qa, renamed)" in err

@@ -65,6 +65,7 @@ def task_function(task: str) -> Callable[..., Any] | None:
         file = Path(spec[0])
         if not file.exists():
             raise UserError(f"inspect task file not found: {file} (looked in {os.getcwd()})")
+        _check_task_file(file, spec[1].removeprefix("@"))
         return None
     from inspect_ai._util.registry import registry_lookup  # pyright: ignore[reportMissingImports]
 
@@ -80,6 +81,36 @@ def task_function(task: str) -> Callable[..., Any] | None:
             raise UserError(f"no inspect task named {task!r}: the package {package!r} is not installed")
         raise UserError(f"no inspect task named {task!r}; name {NAMES}")
     return fn
+
+
+def _check_task_file(file: Path, name: str) -> None:
+    """The file parses and defines the @task functions `name` asks for (read, not run: its imports and dataset
+    loading wait for the eval). With no name the file must define at least one."""
+    import ast
+
+    try:
+        tree = ast.parse(file.read_bytes(), filename=str(file))
+    except (OSError, SyntaxError, ValueError) as ex:
+        raise UserError(f"inspect task file {file}: {type(ex).__name__}: {ex}") from None
+
+    def is_task(d: ast.expr) -> bool:
+        d = d.func if isinstance(d, ast.Call) else d
+        return (isinstance(d, ast.Name) and d.id == "task") or (isinstance(d, ast.Attribute) and d.attr == "task")
+
+    tasks: list[str] = []
+    for f in tree.body:
+        if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for d in f.decorator_list:
+            if is_task(d):  # @task(name="other") registers the task under that name
+                named = [k.value.value for k in d.keywords if k.arg == "name" and isinstance(k.value, ast.Constant)
+                         and isinstance(k.value.value, str)] if isinstance(d, ast.Call) else []
+                tasks += named or [f.name]
+    if name and name not in tasks:
+        known = ", ".join(tasks) if tasks else "none"
+        raise UserError(f"no @task function named {name!r} in {file} (its @task functions: {known})")
+    if not name and not tasks:
+        raise UserError(f"{file} defines no @task function")
 
 
 def check_task(e: InspectPinned) -> None:
