@@ -425,3 +425,22 @@ def test_grouped_first_turn_does_not_wait_for_a_member_that_ends_at_once():
     group = asyncio.run(do_group_rollout(Mixed(lambda: None, 3, []), sampler, PARAMS))
     assert [len(t.transitions) for t in group.trajectories_G] == [1, 0, 1]
     assert sampler.num_samples == [1, 1]  # members 0 and 2 are not consecutive: two requests, no wait
+
+
+def test_member_seeds_are_consecutive_and_a_wrap_splits_the_request():
+    """Member 0's seed is the plain hash of (seed, step, group, turn); member m's is it + m (mod 2**31). Members
+    whose seeds wrap past 2**31 are not consecutive: their group goes out as two requests."""
+    from runner.rl.rollouts import _FirstTurn
+
+    assert [sample_seed(5, 6, 7, m, 1) for m in range(3)] == [(sample_seed(5, 6, 7, 0, 1) + m) % 2**31 for m in range(3)]
+    sampler = ScriptedSampler(TOK, lambda p, s: "2")
+    first = _FirstTurn(sampler, 3)
+    ob = R.build_prompt([{"role": "user", "content": "x"}])
+
+    async def go():
+        return await asyncio.gather(*(first.sample(m, ob, SamplingParams(max_tokens=4, seed=seed))
+                                      for m, seed in enumerate([2**31 - 2, 2**31 - 1, 0])))
+
+    outs = asyncio.run(go())
+    assert [len(o.sequences) for o in outs] == [1, 1, 1]
+    assert sampler.num_samples == [2, 1] and [p.seed for _, p in sampler.calls] == [2**31 - 2, 0]

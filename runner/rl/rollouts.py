@@ -86,10 +86,11 @@ FIRST_TURN_WAIT_S = 0.005
 
 def sample_seed(seed: int, step: int, group: int, member: int, turn: int) -> int:
     """A 31-bit seed: a hash of (seed, step, group, turn) (so neighbouring coordinates are unrelated) plus the
-    member, so a group's members have consecutive seeds and can share one request (see the module docstring)."""
-    words = [x % 2**32 for x in (seed, seed >> 32, step, group, turn)]
-    base = int(np.random.SeedSequence(words).generate_state(1)[0]) & 0x3FFFFFFF
-    return base + member % 2**30
+    member, so a group's members have consecutive seeds and can share one request (see the module docstring).
+    Member 0's seed is the hash alone (a group of one samples as it did before groups shared requests); past
+    2**31 the seeds wrap, which only splits that group's request in two."""
+    words = [x % 2**32 for x in (seed, seed >> 32, step, group, 0, turn)]
+    return (int(np.random.SeedSequence(words).generate_state(1)[0]) + member) & 0x7FFFFFFF
 
 
 class _FirstTurn:
