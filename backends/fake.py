@@ -290,12 +290,16 @@ class FakeSamplingClient:
 
     def sample(self, prompt: list[int], num_samples: int, params: SamplingParams) -> Future[SampleOutput]:
         seed = params.seed if params.seed is not None else next(self._calls)
+        # Seeded: sample k draws from seed + k, as the local sampler's (one request of n samples seeded s is n
+        # requests seeded s, s + 1, ...); unseeded: one stream for the call.
         rng = np.random.default_rng([seed, len(prompt)])
         logp = self._logp(params.temperature)
         tok = self.backend.tokenizer
         eos = getattr(tok, "eos_token_id", None)
         seqs = []
-        for _ in range(num_samples):
+        for k in range(num_samples):
+            if params.seed is not None:
+                rng = np.random.default_rng([(params.seed + k) % 2**63, len(prompt)])
             tokens: list[int] = []
             logprobs: list[float] = []
             reason = "length"

@@ -6,7 +6,8 @@ load hits both alike, and the report is medians. One `runner serve` process serv
 user would keep it running. Reported per contender: wall time of the `runner run` process (start-up
 included), the summed per-step time from its metrics.jsonl (`time/step`, the loop's own clock) and its
 sampling part (`time/sampling`), and the final rewards (the two runs compute the same thing: with the same
-seed they should match exactly).
+seed they should match exactly). The server runs with `-v` (a log line per request), so each serve round
+also reports the HTTP requests it made: `asample`, `retrieve_future` and all of them.
 
     python bench/bench_serve.py                 # rl_basic, 40 steps, 3 rounds (~3 min on 2 busy cores)
     python bench/bench_serve.py --steps 20 --rounds 1
@@ -45,6 +46,16 @@ def run(log_dir: Path, steps: int, recipe: str, base_url: str | None) -> dict[st
             "test": rows[-1].get("test/env/all/reward/total", float("nan"))}
 
 
+def requests(log: Path) -> list[str]:
+    """The last path segment of every request `runner serve -v` has logged so far ("POST /api/v1/asample -> 200")."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        parts = line.split()
+        if "->" in parts and parts.index("->") >= 2 and parts[parts.index("->") - 2] in ("GET", "POST", "PUT", "DELETE"):
+            out.append(parts[parts.index("->") - 1].rstrip("/").rsplit("/", 1)[-1])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=40)
@@ -55,7 +66,7 @@ def main() -> None:
         tmp = Path(tmp_)
         port_file = tmp / "port"
         server = subprocess.Popen(
-            [sys.executable, "-m", "runner", "serve", "--port", "0", "--port-file", str(port_file),
+            [sys.executable, "-m", "runner", "serve", "-v", "--port", "0", "--port-file", str(port_file),
              "--storage", str(tmp / "storage")],
             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
             stderr=open(tmp / "serve.log", "w"))  # noqa: SIM115 - open while the server runs
@@ -68,11 +79,17 @@ def main() -> None:
             results: dict[str, list[dict[str, float]]] = {"serve": [], "local": []}
             for r in range(args.rounds):
                 for name in ("serve", "local"):
+                    seen = len(requests(tmp / "serve.log"))
                     res = run(tmp / f"{name}-{r}", args.steps, args.recipe, url if name == "serve" else None)
                     results[name].append(res)
+                    made = ""
+                    if name == "serve":
+                        routes = requests(tmp / "serve.log")[seen:]
+                        made = (f"  requests: asample {routes.count('asample')}, retrieve_future "
+                                f"{routes.count('retrieve_future')}, all {len(routes)}")
                     print(f"round {r + 1} {name:5s}  wall {res['wall']:6.2f} s  steps {res['steps']:6.2f} s  "
-                          f"sampling {res['sampling']:6.2f} s  reward {res['reward']:.4f}  test {res['test']:.4f}",
-                          flush=True)
+                          f"sampling {res['sampling']:6.2f} s  reward {res['reward']:.4f}  test {res['test']:.4f}"
+                          f"{made}", flush=True)
         finally:
             server.terminate()
             server.wait(timeout=30)

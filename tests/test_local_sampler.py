@@ -317,6 +317,18 @@ def test_seed_reproducible_whatever_the_batch(rand, tok):
     assert [s.tokens for s in other] != [s.tokens for s in alone]
 
 
+def test_sample_k_of_seed_s_is_the_one_sample_of_seed_s_plus_k(rand, tok):
+    """n samples seeded s are n one-sample requests seeded s, s+1, ... (logprobs too): the RL rollouts send a
+    group's members as one request (runner/rl/rollouts.py _FirstTurn) and get the tokens they would alone."""
+    prompt = tok.encode("group")
+    params = SamplingParams(max_tokens=10, temperature=1.5, stop=[], seed=2**31 - 2)
+    together = _one(Sampler(rand, tok, CPU), prompt, params, n=4)
+    alone = [_one(Sampler(rand, tok, CPU), prompt, SamplingParams(max_tokens=10, temperature=1.5, stop=[],
+                                                                  seed=params.seed + k))[0] for k in range(4)]
+    assert [(s.tokens, s.logprobs) for s in together] == [(s.tokens, s.logprobs) for s in alone]
+    assert len({tuple(s.tokens) for s in together}) > 1
+
+
 def test_unseeded_reproducible_from_sampler_seed(rand, tok):
     def calls(seed):
         sampler = Sampler(rand, tok, CPU, seed=seed)

@@ -249,13 +249,14 @@ def test_later_substeps_and_stale_samplers_are_not_gated(tmp_path: Path, capsys:
     """optim/kl_sample_train_* spans the whole step, so a second substep (trained after the first's update) or an
     async sampler one step behind shows the policy's change; numerics/* and the gate see only on-policy tokens."""
     strict = 'algo.numerics={action="stop", max_kl=1e-4, max_abs_dlogprob=1e-3}'
+    # Groups of 4, so the first substep's group is unlikely to have one reward for all (advantages all 0, no update).
     rc, _, err = run_cli(["run", recipe_file(tmp_path), f"log_dir={tmp_path / 'sub'}", "lr=0.05", "max_steps=1",
-                          "algo.num_substeps=2", strict], capsys)
+                          "algo.num_substeps=2", "algo.group_size=4", strict], capsys)
     assert rc == 0, err
     [m] = rows(tmp_path / "sub" / "metrics.jsonl")
     assert m["optim/num_substeps"] == 2 and m["numerics/gate_failed"] == 0.0
     assert abs(m["optim/kl_sample_train_v1"]) > 1e-3 and abs(m["numerics/kl_sample_train_v1"]) < 1e-5
-    rc, _, err = run_cli(["run", recipe_file(tmp_path), f"log_dir={tmp_path / 'async'}", "lr=0.05",
+    rc, _, err = run_cli(["run", recipe_file(tmp_path), f"log_dir={tmp_path / 'async'}", "lr=0.05", "algo.group_size=4",
                           'algo.mode={kind="async", max_staleness=1, fixed_staleness=true}', strict], capsys)
     assert rc == 0, err
     first, second = rows(tmp_path / "async" / "metrics.jsonl")

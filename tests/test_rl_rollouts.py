@@ -18,7 +18,7 @@ from runner.rl.envs.common import RepeatGroupBuilder
 from runner.rl.envs.guess_number import GuessNumberEnv
 from runner.rl.metrics import trajectory_metrics
 from runner.rl.renderer import ChatRenderer
-from runner.rl.rollouts import do_group_rollout, rollout_batch, sample_seed
+from runner.rl.rollouts import do_group_rollout, rollout_batch, run_episode, sample_seed
 from runner.rl.testing import ScriptedSampler, fake_logprob
 from runner.rl.types import Env, StepResult, Trajectory, TrajectoryGroup, Transition
 
@@ -44,8 +44,10 @@ def test_group_rollout_records_seeds_params_and_logprobs():
     sampler = ScriptedSampler(TOK, lambda p, s: "12")
     group = asyncio.run(do_group_rollout(arith_builder(5, 7), sampler, PARAMS, seed=3, step=4, group_idx=2))
     assert group.total_rewards_G() == [1.0, 1.0, 1.0] and group.tags == ["arithmetic"]
-    seeds = sorted(p.seed for _, p in sampler.calls)
-    assert seeds == sorted(sample_seed(3, 4, 2, m, 0) for m in range(3))
+    # The three members open with the same prompt: one request for the three, seeded as member 0 (member m's
+    # seed is member 0's + m, and sample k of a request is sampled as a one-sample request seeded seed + k).
+    assert [p.seed for _, p in sampler.calls] == [sample_seed(3, 4, 2, 0, 0)] and sampler.num_samples == [3]
+    assert [sample_seed(3, 4, 2, m, 0) for m in range(3)] == [sample_seed(3, 4, 2, 0, 0) + m for m in range(3)]
     _, params = sampler.calls[0]
     assert (params.max_tokens, params.temperature, params.stop) == (16, 0.7, R.stop_tokens)
     ac = group.trajectories_G[0].transitions[0].ac
@@ -57,8 +59,9 @@ def test_multiturn_seeds_vary_by_turn():
     builder = RepeatGroupBuilder(functools.partial(GuessNumberEnv, R, 3, 0, 9, 4), 2, ["guess_number"])
     sampler = ScriptedSampler(TOK, lambda p, s: "0")
     asyncio.run(do_group_rollout(builder, sampler, PARAMS, seed=0, step=1, group_idx=0))
-    assert len(sampler.calls) == 8
-    want = {sample_seed(0, 1, 0, m, t) for m in range(2) for t in range(4)}
+    # The first turn of both members is one request (num_samples=2); the later turns one each.
+    assert sampler.num_samples == [2] + [1] * 6
+    want = {sample_seed(0, 1, 0, m, t) for m in range(2) for t in range(4)} - {sample_seed(0, 1, 0, 1, 0)}
     assert {p.seed for _, p in sampler.calls} == want
 
 
@@ -302,3 +305,142 @@ def test_remove_constant_reward_groups():
     assert remove_constant_reward_groups([flat, mixed, flat2]) == [mixed]
     assert remove_constant_reward_groups([flat, flat2]) == [flat]  # keeps one so the step has data
     assert remove_constant_reward_groups([]) == []
+
+
+class Counting:
+    """A SamplingClient wrapper that records num_samples of every request."""
+
+    def __init__(self, inner):
+        self.inner, self.num_samples = inner, []
+
+    def sample(self, prompt, num_samples, params):
+        self.num_samples.append(num_samples)
+        return self.inner.sample(prompt, num_samples, params)
+
+    def compute_logprobs(self, tokens):
+        return self.inner.compute_logprobs(tokens)
+
+
+class Problem(Env):
+    """An env whose prompt names its problem, so members on different problems differ."""
+
+    def __init__(self, problem: str):
+        self.problem = problem
+
+    async def initial_observation(self):
+        return R.build_prompt([{"role": "user", "content": self.problem}]), R.stop_tokens
+
+    async def step(self, action_tokens, stop_reason):
+        return StepResult(float(len(action_tokens)), True)
+
+
+class Problems(RepeatGroupBuilder):
+    def __init__(self, problems):
+        super().__init__(lambda: None, len(problems), [])
+        self.problems = problems
+
+    async def make_envs(self):
+        return [Problem(p) for p in self.problems]
+
+
+def _local_sampler(tmp_path):
+    from backends.local.backend import LocalBackend
+    from backends.local.config import Local
+
+    be = LocalBackend(Local(), "tiny", None, tmp_path, seed=0)
+    return be, be.create_sampling_client(base_model="tiny").result()
+
+
+def _fake_sampler(tmp_path):
+    from backends.fake import FakeBackend
+
+    be = FakeBackend(TOK)
+    return be, be.create_sampling_client().result()
+
+
+@pytest.mark.parametrize("make", [_local_sampler, _fake_sampler], ids=["local", "fake"])
+@pytest.mark.parametrize("problems, requests", [(["5+7"] * 4, [4]), (["1+1", "1+1", "2+2", "1+1"], [2, 1, 1])])
+def test_grouped_first_turn_samples_what_each_member_would_alone(tmp_path, make, problems, requests):
+    """A group's members that open with the same prompt share one request (runs of consecutive members), and
+    get the very tokens and logprobs each would have sampled alone with its own seed: grouping only cuts the
+    request count (over HTTP), it never changes a run's samples."""
+    be, sc = make(tmp_path)
+    try:
+        params = SamplingParams(max_tokens=6, temperature=2.0)
+        counting = Counting(sc)
+        group = asyncio.run(do_group_rollout(Problems(problems), counting, params, seed=1, step=2, group_idx=3))
+        assert counting.num_samples == requests
+        alone = [asyncio.run(run_episode(Problem(p), sc, params, seed=1, step=2, group=3, member=m))
+                 for m, p in enumerate(problems)]
+        got = [(t.transitions[0].ac.tokens, t.transitions[0].ac.logprobs) for t in group.trajectories_G]
+        assert got == [(t.transitions[0].ac.tokens, t.transitions[0].ac.logprobs) for t in alone]
+        assert len({tuple(tokens) for tokens, _ in got}) > 1  # the members' samples differ
+    finally:
+        be.close()
+
+
+class Waits(Problem):
+    """Member 1 opens only after member 0's first step (as a self-play seat waits for the other's move)."""
+
+    def __init__(self, problem, gate: asyncio.Event, first: bool):
+        super().__init__(problem)
+        self.gate, self.first = gate, first
+
+    async def initial_observation(self):
+        if not self.first:
+            await self.gate.wait()
+        return await super().initial_observation()
+
+    async def step(self, action_tokens, stop_reason):
+        self.gate.set()
+        return await super().step(action_tokens, stop_reason)
+
+
+def test_grouped_first_turn_does_not_wait_forever_for_a_member_that_waits_on_another():
+    class Gated(RepeatGroupBuilder):
+        async def make_envs(self):
+            gate = asyncio.Event()
+            return [Waits("x", gate, True), Waits("x", gate, False), Waits("x", gate, False)]
+
+    sampler = ScriptedSampler(TOK, lambda p, s: "22")
+    group = asyncio.run(asyncio.wait_for(do_group_rollout(Gated(lambda: None, 3, []), sampler, PARAMS), 10))
+    assert group.total_rewards_G() == [3.0, 3.0, 3.0]
+    assert sampler.num_samples == [1, 1, 1]  # member 0 was sent alone after the wait; the late ones alone
+
+
+class Ends(Env):
+    async def initial_observation(self):
+        return None
+
+    async def step(self, action_tokens, stop_reason):
+        raise AssertionError("never stepped")
+
+
+def test_grouped_first_turn_does_not_wait_for_a_member_that_ends_at_once():
+    class Mixed(RepeatGroupBuilder):
+        async def make_envs(self):
+            return [Problem("x"), Ends(), Problem("x")]
+
+    sampler = ScriptedSampler(TOK, lambda p, s: "2")
+    group = asyncio.run(do_group_rollout(Mixed(lambda: None, 3, []), sampler, PARAMS))
+    assert [len(t.transitions) for t in group.trajectories_G] == [1, 0, 1]
+    assert sampler.num_samples == [1, 1]  # members 0 and 2 are not consecutive: two requests, no wait
+
+
+def test_member_seeds_are_consecutive_and_a_wrap_splits_the_request():
+    """Member 0's seed is the plain hash of (seed, step, group, turn); member m's is it + m (mod 2**31). Members
+    whose seeds wrap past 2**31 are not consecutive: their group goes out as two requests."""
+    from runner.rl.rollouts import _FirstTurn
+
+    assert [sample_seed(5, 6, 7, m, 1) for m in range(3)] == [(sample_seed(5, 6, 7, 0, 1) + m) % 2**31 for m in range(3)]
+    sampler = ScriptedSampler(TOK, lambda p, s: "2")
+    first = _FirstTurn(sampler, 3)
+    ob = R.build_prompt([{"role": "user", "content": "x"}])
+
+    async def go():
+        return await asyncio.gather(*(first.sample(m, ob, SamplingParams(max_tokens=4, seed=seed))
+                                      for m, seed in enumerate([2**31 - 2, 2**31 - 1, 0])))
+
+    outs = asyncio.run(go())
+    assert [len(o.sequences) for o in outs] == [1, 1, 1]
+    assert sampler.num_samples == [2, 1] and [p.seed for _, p in sampler.calls] == [2**31 - 2, 0]

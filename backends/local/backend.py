@@ -428,7 +428,7 @@ class LocalSamplingClient:
     ms for requests that are likely on their way (backends/local/worker.py, Worker._gather).
 
     Determinism: a request with a seed gets the same tokens and logprobs, bit for bit, whatever it is batched
-    with (the engine seeds each row from (seed, sample index), and on the CPU its forwards are batch-invariant:
+    with (the engine seeds sample k of a request from seed + k, and on the CPU its forwards are batch-invariant:
     see sampler._ROW_QUANTUM; on CUDA only float noise from the batch's shapes can differ). Unseeded
     requests draw from this client's one generator in batch order, so which numbers they get depends on how
     requests happened to be coalesced, i.e. on timing: seed every request that must repeat.

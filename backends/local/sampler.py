@@ -220,9 +220,11 @@ class Sampler:
         for k in range(num_samples):
             gen = None
             if p.seed is not None:
-                # Seeded from (seed, sample index) alone, so the sample is the same whatever shares the batch.
+                # Seeded from seed + sample index alone, so the sample is the same whatever shares the batch,
+                # and sample k of a request seeded s is the one sample of a request seeded s + k (the RL
+                # rollouts send a group's members as one request or one each: the same tokens either way).
                 gen = torch.Generator(device=self.device)
-                state = np.random.SeedSequence([p.seed % 2**63, k]).generate_state(1, np.uint64)[0]
+                state = np.random.SeedSequence([(p.seed + k) % 2**63, 0]).generate_state(1, np.uint64)[0]
                 gen.manual_seed(int(state) >> 1)
             rows.append(_Row(req, k, list(prompt), p, limit, stop_ids, stop_strs, window, gen))
         return rows

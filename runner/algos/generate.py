@@ -64,7 +64,8 @@ class GenerateAlgo:
         futures = [client.sample(self.renderer.build_prompt(system + conv), cfg.n,
                                  SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
                                                 stop=self.renderer.stop,
-                                                seed=(self.seed * 1_000_003 + first + i) % 2**31))
+                                                # n samples use seeds s .. s + n - 1: spaced by n
+                                                seed=(self.seed * 1_000_003 + (first + i) * cfg.n) % 2**31))
                    for i, conv in enumerate(batch)]
         outs = await asyncio.gather(*futures)
         rows: list[dict[str, Any]] = []

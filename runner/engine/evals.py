@@ -79,7 +79,9 @@ async def math_eval(e: MathPinned, sampler: SamplingClient, chat: Renderer) -> M
     async def one(i: int) -> tuple[list[float], list[float]]:
         envs = [MathEnv(renderer, problems[i], cfg) for _ in range(e.samples)]
         prompt, stop = await envs[0].initial_observation()
-        seed = None if e.temperature == 0 else e.seed * 1_000_003 + i
+        # Problem i's samples are seeded seed .. seed + samples - 1 (sample k of a request seeded s samples as a
+        # request seeded s + k), so problems' seeds are spaced by `samples` to keep their draws apart.
+        seed = None if e.temperature == 0 else (e.seed * 1_000_003 + i * e.samples) % 2**31
         params = SamplingParams(max_tokens=e.max_tokens, temperature=e.temperature, stop=stop, seed=seed)
         out = await sampler.sample(prompt, e.samples, params)
         correct, fmt = [], []

@@ -27,9 +27,11 @@ class ScriptedSampler:
         self.policy = policy
         # (prompt tokens, params) of every sample call, in call order.
         self.calls: list[tuple[list[int], SamplingParams]] = []
+        self.num_samples: list[int] = []  # of every call, in call order
 
     def sample(self, prompt: list[int], num_samples: int, params: SamplingParams) -> Future[SampleOutput]:
         self.calls.append((list(prompt), params))
+        self.num_samples.append(num_samples)
         text = self.tokenizer.decode(prompt, skip_special_tokens=False)
         seqs = [self._one(text, params) for _ in range(num_samples)]
         return Future.completed(SampleOutput(seqs))
