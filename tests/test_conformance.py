@@ -141,3 +141,22 @@ def test_without_a_tokenizer_the_checks_use_raw_token_ids(url, monkeypatch):
     by = {r.check: r.result for r in results}
     assert by.pop("stop_string") == "skip"
     assert set(by.values()) == {"pass"}
+
+
+def test_a_server_that_reuses_the_seed_per_row_fails(url, monkeypatch):
+    """A seeded num_samples=4 request answered with 4 copies of one sample (a seed reused per row) fails
+    seeded_rows_differ: runner's RL sends a group's first turn as one such request."""
+    from backends.local.sampler import Sampler
+    from backends.types import SampleOutput
+
+    real = Sampler.sample_batch
+
+    def copies(self, requests):
+        return [SampleOutput(sequences=[o.sequences[0]] * len(o.sequences)) for o in real(self, requests)]
+
+    _, results = _run(url, ("seeded_rows_differ",))
+    assert [r.result for r in results] == ["pass"] and "distinct rows of 4" in results[0].detail
+    monkeypatch.setattr(Sampler, "sample_batch", copies)
+    _, results = _run(url, ("seeded_rows_differ",))
+    assert [r.result for r in results] == ["FAIL"], results
+    assert "the seed is reused for every row" in results[0].detail

@@ -100,6 +100,26 @@ def max_tokens_and_num_samples(ctx: Ctx) -> str:
     return "3 sequences x 5 tokens, stop_reason 'length'"
 
 
+@check("sampling", "seeded_rows_differ", timeout_s=90)
+def seeded_rows_differ(ctx: Ctx) -> str:
+    """One seeded request with num_samples = 4 draws 4 samples, not one sample 4 times: runner's RL sends a group's
+    first turn as one such request (runner/rl/rollouts.py), and copies would give the group equal rewards. Only
+    failed when identical rows are implausible for fair draws: each row's probability p = exp(sum of its logprobs),
+    and 3 more copies of it had chance p ** 3."""
+    import math
+
+    res = _sample(ctx, 4, max_tokens=16, temperature=1.0, seed=2024, stop=[])
+    rows = [tuple(s.tokens) for s in res.sequences]
+    if len(set(rows)) > 1:
+        return f"{len(set(rows))} distinct rows of 4"
+    total = sum(res.sequences[0].logprobs or [])
+    chance = math.exp(3 * total)
+    if chance < 1e-6:
+        raise Fail(f"num_samples=4 with one seed returned 4 copies of a {len(rows[0])}-token sample of probability "
+                   f"{math.exp(total):.2e} (chance of that {chance:.1e}): the seed is reused for every row")
+    return f"4 identical rows, but the model is confident (p = {math.exp(total):.2f} each): not decisive"
+
+
 def _seeded(ctx: Ctx, **kw: Any) -> Any:
     """One seeded temperature-1 sample of up to 12 tokens; the same seed with a stop rule must give a prefix."""
     return _sample(ctx, 1, max_tokens=12, temperature=1.0, seed=4242, **kw).sequences[0]
