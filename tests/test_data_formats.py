@@ -367,3 +367,42 @@ def test_check_reads_a_file_once_until_it_changes(tmp_path: Path, monkeypatch: p
     os.utime(path, ns=(1, 1))  # a new mtime even on a coarse clock
     with pytest.raises(UserError, match=r"d.jsonl:3: messages\[0\].role 'gpt' is not a role"):
         check.check_source(src)
+
+
+def test_run_reads_its_data_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`runner run` of a recipe that runs alone: the up-front check's rows go to the loader (files.keep_rows), so the
+    file is read once; the loader gets exactly what a fresh read gives, and a file changed in between is read again."""
+    from runner.data import check
+
+    monkeypatch.setattr(files, "_KEPT", {})
+    path = write_jsonl(tmp_path / "d.jsonl", NO_ROBOTS)
+    reads: list[Path] = []
+    real = files.read_jsonl
+    monkeypatch.setattr(files, "read_jsonl", lambda p: reads.append(p) or real(p))
+    src = Jsonl(path=str(path))
+    fresh = load_conversations(Jsonl(path=str(path)))
+    reads.clear()
+    assert check._check(src, keep=True) == 2
+    assert load_conversations(src) == fresh and reads == [path]  # handed over, not read again
+    assert load_conversations(src) == fresh and reads == [path, path]  # taken once: the next read reads
+    # Changed between the check and the load: read again.
+    check._check(src, keep=True)
+    write_jsonl(path, NO_ROBOTS[:1])
+    os.utime(path, ns=(1, 1))
+    assert load_conversations(src)[0] == fresh[0][:1] and len(reads) == 4
+    assert not files._KEPT  # nothing left behind: the stale entry went with the read
+    # Over the cap: not kept.
+    monkeypatch.setattr(files, "KEEP_ROWS", 0)  # the file holds 1 row now
+    check._check(src, keep=True)
+    assert not files._KEPT
+    # End to end: `runner run` reads the data file once (check + load), `runner check` keeps nothing.
+    monkeypatch.setattr(files, "KEEP_ROWS", 2_000_000)
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(path, NO_ROBOTS * 4)
+    (tmp_path / "r.toml").write_text(CHECK_RECIPE % ("jsonl", "d.jsonl") + "[recipes.x]\nmax_steps = 1\neval_every = 0\n")
+    reads.clear()
+    assert main(["check", "r.toml#x"]) == 0 and not files._KEPT
+    reads.clear()
+    check._CHECKED.clear()
+    assert main(["run", "r.toml#x", f"log_dir={tmp_path / 'run'}", "algo.batch_size=2"]) == 0
+    assert [p.name for p in reads] == ["d.jsonl"] and not files._KEPT

@@ -16,7 +16,7 @@ import msgspec
 
 from backends.errors import UserError
 from runner.data.conversations import conversation
-from runner.data.files import iter_rows
+from runner.data.files import iter_rows, keep_rows
 from runner.data.formats import AUTO, FORMATS, FormatError, map_row, resolve_format
 from runner.data.problems import problem
 from runner.recipe.explain import dotted
@@ -32,22 +32,25 @@ SHAPES = ("conversation", "comparison", "problem")
 _CHECKED: dict[tuple[bytes, tuple[int, int]], int] = {}
 
 
-def check_data(recipe: Recipe, where: str) -> None:
-    """Every data source of a recipe checked (check_source); UserError prefixed with `where` and the key path."""
+def check_data(recipe: Recipe, where: str, keep: bool = False) -> None:
+    """Every data source of a recipe checked (check_source); UserError prefixed with `where` and the key path.
+    keep: the algorithm's own data rows are kept for its loader to take (files.keep_rows): `runner run` of a recipe
+    that trains next, so its file is read once."""
     for path, node in structs(recipe, ()):
         if isinstance(node, DataBase):
             # An algorithm's own data (SFT conversations, comparisons, distillation prompts) has a known shape; an
             # env's or an eval's rows carry the fields that env reads (tests, rubrics, tools), which it checks itself.
             strict = path[:1] == ("algo",) and "env" not in path
             try:
-                check_source(node, strict)  # pyright: ignore[reportArgumentType] (every DataBase is a DataSource)
+                check_source(node, strict, keep and strict)  # pyright: ignore[reportArgumentType] (a DataSource)
             except UserError as e:
                 raise UserError(f"{where}: {dotted(list(path))}: {e}") from None
 
 
-def check_source(source: DataSource, strict: bool = True) -> int:
+def check_source(source: DataSource, strict: bool = True, keep: bool = False) -> int:
     """Read and validate the source's rows; the number checked (0: a source checked only when it is read).
-    strict = False: rows of no known shape pass (the file is still read: encoding, JSON, permissions)."""
+    strict = False: rows of no known shape pass (the file is still read: encoding, JSON, permissions). keep: the rows
+    read are held for the next iter_rows of the source (files.keep_rows)."""
     if not isinstance(source, (Jsonl, File, HF)) or (isinstance(source, HF) and not Path(source.name).is_dir()):
         return 0
     try:
@@ -56,16 +59,19 @@ def check_source(source: DataSource, strict: bool = True) -> int:
         return _check(source, strict)  # which says what is wrong with the path
     key = (msgspec.json.encode(source) + bytes([strict]), (stat.st_size, stat.st_mtime_ns))
     if key not in _CHECKED:
-        _CHECKED[key] = _check(source, strict)
+        _CHECKED[key] = _check(source, strict, keep)
     return _CHECKED[key]
 
 
-def _check(source: Jsonl | File | HF, strict: bool = True) -> int:
+def _check(source: Jsonl | File | HF, strict: bool = True, keep: bool = False) -> int:
     streaming = isinstance(source, (File, HF)) and source.streaming
     rows = itertools.islice(iter_rows(source), STREAMING_ROWS if streaming else None)
     name = resolve_format(source.format, source.fields)
+    kept: list[tuple[Any, str]] | None = [] if keep and not streaming and isinstance(source, (Jsonl, File)) else None
     n = 0
     for row, where in rows:
+        if kept is not None:
+            kept.append((row, where))
         if name == AUTO:
             _check_row(row, where, strict)
         else:
@@ -79,6 +85,8 @@ def _check(source: Jsonl | File | HF, strict: bool = True) -> int:
                 if mapped is not None:
                     _validate(shape, mapped, where)
         n += 1
+    if kept is not None:
+        keep_rows(source, kept)
     return n
 
 

@@ -33,8 +33,44 @@ BATCH_ROWS = 1024
 MAPPED = (Jsonl, File, HF)
 
 
+# Rows that `runner run`'s up-front check read (runner/data/check.py, keep=True), handed to the first iter_rows of the
+# same source, so a run reads a local file once, not once to check it and again to train on it. Keyed by the source's
+# table and its file's size and mtime (a file changed in between is read again); taken by that first read, so the
+# memory is the loader's own; at most KEEP_ROWS rows kept in all (beyond, the file is simply read twice).
+KEEP_ROWS = 2_000_000
+_KEPT: dict[tuple[bytes, int, int], list[Located]] = {}
+
+
+def _keep_key(source: DataSource) -> tuple[bytes, int, int] | None:
+    if not isinstance(source, (Jsonl, File)) or (isinstance(source, File) and source.streaming):
+        return None
+    try:
+        st = Path(source.path).stat()
+    except OSError:
+        return None
+    import msgspec
+
+    return msgspec.json.encode(source), st.st_size, st.st_mtime_ns
+
+
+def keep_rows(source: DataSource, rows: list[Located]) -> bool:
+    """Hold `rows` (all of iter_rows(source), just read) for the next iter_rows(source); False when not kept (not a
+    local non-streaming file, or over KEEP_ROWS)."""
+    key = _keep_key(source)
+    if key is None or sum(map(len, _KEPT.values())) + len(rows) > KEEP_ROWS:
+        return False
+    _KEPT[key] = rows
+    return True
+
+
 def iter_rows(source: DataSource) -> Iterator[Located]:
     """The source's rows in order, each with its location; at most `max_rows` of them."""
+    if _KEPT and (key := _keep_key(source)) is not None:
+        kept = _KEPT.pop(key, None)
+        for stale in [k for k in _KEPT if k[0] == key[0]]:  # kept before the file changed
+            del _KEPT[stale]
+        if kept is not None:
+            return iter(kept)
     rows = _rows(source)
     limit = source.max_rows if isinstance(source, MAPPED) else None
     return itertools.islice(rows, limit) if limit else rows

@@ -96,17 +96,19 @@ def dependencies(recipe: Recipe, where: str, seen: tuple[str, ...] = ()) -> list
     return out
 
 
-def check_all(recipe: Recipe, where: str) -> None:
+def check_all(recipe: Recipe, where: str, keep_rows: bool = False) -> None:
     """`runner check` of one recipe: what decoding cannot see (runner.recipe.load.check_recipe, the data's rows:
     runner.data.check.check_data, a custom algorithm's args) for it and every recipe it runs first (its init_from chain, teachers, judges), and that every model it scores with shares its tokenizer."""
     from runner.algos import check_algo
     from runner.data.check import check_data
     from runner.engine.inspect_eval import check_inspect_evals
 
-    for r, at in [(recipe, where), *((s.recipe, s.ref) for s in [*upstreams(recipe, where),
-                                                                  *dependencies(recipe, where)] if s.runnable)]:
+    first = [s for s in [*upstreams(recipe, where), *dependencies(recipe, where)] if s.runnable]
+    for r, at in [(recipe, where), *((s.recipe, s.ref) for s in first)]:
         check_recipe(r, at)
-        check_data(r, at)
+        # keep_rows (`runner run`): a recipe that runs alone keeps its data's rows for its loader (read once); in a
+        # chain they would wait in memory while the stages before it train, so those are read again instead.
+        check_data(r, at, keep=keep_rows and not first)
         check_algo(r.algo, at)
         check_inspect_evals(r.evals, at)
     for path, model in base_models(recipe):
