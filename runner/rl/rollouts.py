@@ -181,26 +181,6 @@ async def run_episode(
 ) -> Trajectory:
     """One episode. first_turn (do_group_rollout's): where its first sample request goes, to be sent with its
     siblings'; None: every request alone."""
-    try:
-        return await _run_episode(env, sampling_client, params, seed=seed, step=step, group=group, member=member,
-                                  max_context=max_context, first_turn=first_turn)
-    finally:
-        if first_turn is not None:
-            first_turn.leave(member)  # a no-op once it asked
-
-
-async def _run_episode(
-    env: Env,
-    sampling_client: SamplingClient,
-    params: SamplingParams,
-    *,
-    seed: int,
-    step: int,
-    group: int,
-    member: int,
-    max_context: int | None,
-    first_turn: _FirstTurn | None,
-) -> Trajectory:
     first = await _awaited(env, "initial_observation", env.initial_observation())
     if first is None:
         return Trajectory([])
@@ -328,26 +308,19 @@ async def do_group_rollout(
 ) -> TrajectoryGroup:
     envs_G = list(await _awaited(builder, "make_envs", builder.make_envs()))
     first_turn = _FirstTurn(sampling_client, len(envs_G))
+
+    async def member(i: int, env: Env) -> Trajectory:
+        try:
+            return await run_episode(env, sampling_client, params, seed=seed, step=step, group=group_idx, member=i,
+                                     max_context=max_context, first_turn=first_turn)
+        finally:
+            first_turn.leave(i)  # ended or failed before asking: the siblings stop waiting for it (else a no-op)
+
     # A TaskGroup rather than a bare gather: if one episode fails, its siblings are cancelled instead of
     # left running (a self-play seat would otherwise wait forever for a move that never comes).
     try:
         async with asyncio.TaskGroup() as tg:
-            tasks = [
-                tg.create_task(
-                    run_episode(
-                        env,
-                        sampling_client,
-                        params,
-                        seed=seed,
-                        step=step,
-                        group=group_idx,
-                        member=i,
-                        max_context=max_context,
-                        first_turn=first_turn,
-                    )
-                )
-                for i, env in enumerate(envs_G)
-            ]
+            tasks = [tg.create_task(member(i, env)) for i, env in enumerate(envs_G)]
     except BaseExceptionGroup as eg:
         raise eg.exceptions[0] from None
     trajectories_G = [t.result() for t in tasks]
