@@ -9,11 +9,11 @@ import asyncio
 import json
 import logging
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
+from test_pinned_evals import recipe_text  # the same SFT recipe around its evals
 
 from backends.errors import UserError
 from runner.cli import main
@@ -23,8 +23,6 @@ from runner.engine.loop import run
 from runner.recipe.load import load_recipe
 from runner.recipe.schema import InspectPinned
 
-ROOT = Path(__file__).resolve().parents[1]
-CHAT = ROOT / "examples/data/chat_sft.jsonl"
 INPUTS = ["What is 2+2?", "Say hi", "Name a colour", "Count to three"]
 MAX_TOKENS = 8
 NEVER = "zq#never#qz"  # a target no reply of the tiny model holds
@@ -188,17 +186,6 @@ def test_sampling_at_temperature_is_seeded_per_sample(tmp_path: Path, monkeypatc
     with_backend(check)
 
 
-def recipe_text(tmp_path: Path, evals: str, max_steps: int = 3) -> str:
-    return textwrap.dedent(f"""\
-        [recipes.p]
-        lr = 1e-2
-        max_steps = {max_steps}
-        eval_every = 2
-        save_every = 0
-        schedule = {{ kind = "constant" }}
-        log_dir = "{tmp_path / 'run'}"
-        algo = {{ kind = "sft", data = {{ kind = "jsonl", path = "{CHAT}" }}, batch_size = 8 }}
-        """) + textwrap.dedent(evals)
 
 
 def inspect_table(task: str, args: dict[str, Any] | None = None) -> str:
