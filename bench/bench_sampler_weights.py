@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from backends.local import model as M
 from backends.local.sampler import Sampler
 from backends.types import SamplingParams
-from bench.bench_sampling import make_model, make_prompts
+from bench.bench_sampling import make_prompts
+from bench.bench_snapshot import trained_lora
 
 
 def _own_bytes(model: torch.nn.Module, base: torch.nn.Module) -> int:
@@ -50,15 +51,7 @@ def main() -> None:
     print(f"{'model':6} {'base MB':>8} {'merged MB':>10} {'lora MB':>8} {'snap ms m/l':>12} {'tok/s merged':>13} "
           f"{'tok/s lora':>11} {'lora/merged':>12} {'max|dlp| m':>11} {'max|dlp| l':>11}")
     for name in args.models.split(","):
-        base, tok = make_model(name, cpu, torch.float32)
-        base.requires_grad_(False)
-        targets = M.lora_targets(base, attn=True, mlp=True, unembed=True)
-        trained = M.make_trainable(base, M.TrainSetup(args.rank, 2.0 * args.rank, targets), seed=0)
-        with torch.no_grad():
-            gen = torch.Generator().manual_seed(1)
-            for n, p in trained.named_parameters():
-                if "lora_B" in n:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        base, tok, trained = trained_lora(name, args.rank)
         prompts = make_prompts(8)
         params = SamplingParams(max_tokens=64, temperature=1.0, stop=[], seed=5)
         requests = [(p, 4, params) for p in prompts]

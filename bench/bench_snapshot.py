@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,6 +34,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from backends.local import model as M
 from backends.local.sampler import Sampler
 from bench.bench_sampling import make_model
+
+
+def trained_lora(name: str, rank: int) -> tuple[torch.nn.Module, Any, torch.nn.Module]:
+    """(frozen base, tokenizer, LoRA model on it) for a bench_sampling.py model on the CPU: rank `rank`, alpha 2 x rank
+    on every attention and MLP Linear and the tied lm_head, lora_B randomised so the adapters are not a no-op."""
+    base, tok = make_model(name, torch.device("cpu"), torch.float32)
+    base.requires_grad_(False)
+    targets = M.lora_targets(base, attn=True, mlp=True, unembed=True)
+    trained = M.make_trainable(base, M.TrainSetup(rank, 2.0 * rank, targets), seed=0)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(1)
+        for n, p in trained.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return base, tok, trained
 
 
 def main() -> None:
@@ -47,15 +63,7 @@ def main() -> None:
     print(f"{'model':6} {'before ms':>10} {'copy+fast ms':>13} {'after ms':>9} {'before/after':>13} "
           f"{'max |logit diff|':>17}")
     for name in args.models.split(","):
-        base, tok = make_model(name, cpu, torch.float32)
-        base.requires_grad_(False)
-        targets = M.lora_targets(base, attn=True, mlp=True, unembed=True)
-        trained = M.make_trainable(base, M.TrainSetup(args.rank, 2.0 * args.rank, targets), seed=0)
-        with torch.no_grad():
-            gen = torch.Generator().manual_seed(1)
-            for n, p in trained.named_parameters():
-                if "lora_B" in n:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        base, tok, trained = trained_lora(name, args.rank)
 
         def before(trained=trained):
             return M.sampling_copy(trained)
