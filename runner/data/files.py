@@ -19,7 +19,7 @@ import itertools
 import json
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from backends.errors import UserError
 from runner.data.formats import AUTO, columns, resolve_format
@@ -41,8 +41,13 @@ KEEP_ROWS = 2_000_000
 _KEPT: dict[tuple[bytes, int, int], list[Located]] = {}
 
 
+def can_keep(source: DataSource) -> TypeGuard[Jsonl | File]:
+    """Whether keep_rows takes this source's rows: a local file read whole (jsonl, or a file kind not streamed)."""
+    return isinstance(source, Jsonl) or (isinstance(source, File) and not source.streaming)
+
+
 def _keep_key(source: DataSource) -> tuple[bytes, int, int] | None:
-    if not isinstance(source, (Jsonl, File)) or (isinstance(source, File) and source.streaming):
+    if not can_keep(source):
         return None
     try:
         st = Path(source.path).stat()
