@@ -179,9 +179,15 @@ class Renderer(ABC):
             raise UserError(f"renderer {self.name!r} needs a tokenizer with {text} as one token ({family})")
         return ids[0]
 
+    def with_defaults(self, messages: list[Message]) -> list[Message]:
+        """The conversation as this renderer renders it: `messages`, with what the renderer adds by default (gpt-oss
+        and Kimi K2 add their default system message) - both build_* methods render this."""
+        return messages
+
     def build_generation_prompt(self, messages: list[Message], role: str = "assistant",
                                 prefill: str | None = None) -> list[int]:
         """Tokens of `messages` followed by the header of a `role` message (and `prefill`) to sample from."""
+        messages = self.with_defaults(messages)
         _check_messages(messages)
         tokens = list(self.bos_tokens)
         last_user = _last_user_index(messages)
@@ -203,6 +209,7 @@ class Renderer(ABC):
                                  ) -> tuple[list[int], list[float]]:
         """Tokens of the conversation and a 0/1 weight per token (1 = trained)."""
         what = parse_train_on_what(str(train_on_what))
+        messages = self.with_defaults(messages)
         _check_messages(messages)
         if what == TrainOnWhat.ALL_ASSISTANT_MESSAGES and not self.has_extension_property and not self._warned:
             self._warned = True

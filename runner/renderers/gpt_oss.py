@@ -79,21 +79,13 @@ class GptOssRenderer(Renderer):
             out += f"<|message|>{ensure_text(message['content'])}<|end|>"
         return Rendered(header=self.encode(f"<|start|>{wire_role}"), output=[self.encode(out)])
 
-    def _with_system(self, messages: list[Message]) -> list[Message]:
+    def with_defaults(self, messages: list[Message]) -> list[Message]:
         if not self.use_system_prompt:
             return messages
         date = self.current_date if self.current_date is not None else datetime.now().strftime("%Y-%m-%d")
         system = {"role": _INTERNAL_SYSTEM,
                   "content": _SYSTEM_PROMPT.format(current_date=date, reasoning_effort=self.reasoning_effort)}
         return [system, *messages]
-
-    def build_generation_prompt(self, messages: list[Message], role: str = "assistant",
-                                prefill: str | None = None) -> list[int]:
-        return super().build_generation_prompt(self._with_system(messages), role, prefill)
-
-    def build_supervised_example(self, messages: list[Message], train_on_what: str = "last_assistant_message"
-                                 ) -> tuple[list[int], list[float]]:
-        return super().build_supervised_example(self._with_system(messages), train_on_what)
 
     def _single(self, text: str) -> int:
         return self.single_token(text, "gpt-oss's")

@@ -44,7 +44,7 @@ class KimiK2Renderer(Renderer):
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))  # as Kimi's renderer does (its tokenizer adds nothing)
 
-    def _with_system(self, messages: list[Message]) -> list[Message]:
+    def with_defaults(self, messages: list[Message]) -> list[Message]:
         system = {"role": "system", "content": DEFAULT_SYSTEM_PROMPT}
         if not messages:
             return [system]
@@ -85,14 +85,6 @@ class KimiK2Renderer(Renderer):
             if messages[idx]["role"] == "assistant" and not messages[idx].get("tool_calls"):
                 return idx + 1
         return 0
-
-    def build_generation_prompt(self, messages: list[Message], role: str = "assistant",
-                                prefill: str | None = None) -> list[int]:
-        return super().build_generation_prompt(self._with_system(messages), role, prefill)
-
-    def build_supervised_example(self, messages: list[Message], train_on_what: str = "last_assistant_message"
-                                 ) -> tuple[list[int], list[float]]:
-        return super().build_supervised_example(self._with_system(messages), train_on_what)
 
     def parse_response(self, response: list[int]) -> tuple[Message, Termination]:
         message, termination = parse_for_stop_token(response, self.tokenizer, self.end_token)
