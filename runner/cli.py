@@ -168,6 +168,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="free a sampling session's model after this many idle seconds (default 30)")
     serve.add_argument("--max-live-samplers", type=int, default=None,
                        help="sampling sessions that may hold a loaded model at once (default 4)")
+    serve.add_argument("--renderer", default=None,
+                       help="renderer of /v1/chat/completions (default: a checkpoint's run's, else auto; docs/openai.md)")
     serve.add_argument("-v", "--verbose", action="store_true", help="log every request")
     serve.set_defaults(command=cmd_serve)
 
@@ -401,6 +403,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError("--port 0 picks a free port: give --port-file FILE to learn which")
     prefer_passive_openmp()  # before torch loads (runner/threads.py)
     from backends.serve.http import ServeConfig, serve_forever
+    from runner.renderers import names as renderer_names
+    from runner.rl.openai_chat import serve_hooks
+
+    if args.renderer is not None and args.renderer not in renderer_names():
+        raise UserError(f"--renderer {args.renderer!r} is unknown; choose one of: {', '.join(renderer_names())}")
 
     def stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -409,7 +416,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = ServeConfig(host=args.host, port=args.port, port_file=args.port_file, models=tuple(args.model),
                       storage=args.storage, device=args.device, sampler_weights=args.sampler_weights,
                       api_key_env=args.api_key_env,
-                      sampler_idle_s=args.sampler_idle_s, max_live_samplers=args.max_live_samplers)
+                      sampler_idle_s=args.sampler_idle_s, max_live_samplers=args.max_live_samplers,
+                      openai=serve_hooks(args.renderer))
     try:
         serve_forever(cfg)
     except KeyboardInterrupt:

@@ -22,6 +22,7 @@ from typing import Any
 
 from backends.errors import UserError
 from backends.serve.limits import Limits
+from backends.serve.openai_api import OpenAIHooks
 from backends.serve.replies import Reply
 from backends.serve.service import Service
 from backends.serve.sessions import ServedModel
@@ -145,6 +146,7 @@ class ServeConfig:
     sampler_idle_s: float | None = None
     max_live_samplers: int | None = None
     limits: Limits = field(default_factory=Limits)  # caps (backends/serve/limits.py)
+    openai: OpenAIHooks | None = None  # chat formats for /v1/chat/completions (runner/rl/openai_chat.py)
 
 
 def parse_models(specs: tuple[str, ...]) -> dict[str, str]:
@@ -201,7 +203,9 @@ def build_service(cfg: ServeConfig) -> Service:
         kwargs["sampler_idle_s"] = cfg.sampler_idle_s
     if cfg.max_live_samplers is not None:
         kwargs["max_live_samplers"] = cfg.max_live_samplers
-    return Service(store, models, api_key=api_key, limits=cfg.limits, **kwargs)
+    service = Service(store, models, api_key=api_key, limits=cfg.limits, **kwargs)
+    service.openai.hooks = cfg.openai
+    return service
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ from backends.errors import UserError
 from backends.serve.adapters import Stability
 from backends.serve.downloads import Downloads
 from backends.serve.limits import Budget, Fields, Limits, check_id, json_depth_ok
+from backends.serve.openai_api import OpenAIRoutes
 from backends.serve.replies import ApiError, Promises, Reply
 from backends.serve.rest import RestRoutes
 from backends.serve.samplers import MAX_LIVE_SAMPLERS, SAMPLER_IDLE_S, Gather, SamplerPool, trim_heap
@@ -73,6 +74,7 @@ class Service(TrainingRoutes, SamplingRoutes, RestRoutes):
         self.downloads = Downloads(store)
         self.budget = Budget(self.limits.max_live_tokens)
         self.gather = Gather()
+        self.openai = OpenAIRoutes(self)  # /v1/...: OpenAI-compatible (its own auth and error shape)
         self._lock = threading.RLock()
         self._runs: dict[str, Run] = {}
         self._sessions: dict[str, Session] = {}
@@ -106,6 +108,8 @@ class Service(TrainingRoutes, SamplingRoutes, RestRoutes):
         route = path.split("?", 1)[0].removeprefix("/api/v1/").strip("/")
         if route.startswith("files/"):  # signed download URLs carry their own authorisation
             return self.downloads.serve(route, path) if method == "GET" else Reply.error(405, "downloads are GET")
+        if route == "v1" or route.startswith("v1/"):
+            return self.openai.handle(method, route, headers, body)
         if (self.api_key is not None and route != "healthz"
                 and not hmac.compare_digest(headers.get("x-api-key", "").encode(), self.api_key.encode())):
             return Reply.error(401, "invalid API key")

@@ -1,0 +1,616 @@
+"""OpenAI-compatible endpoints: `/v1/chat/completions`, `/v1/completions`, `/v1/models` (docs/openai.md).
+
+Two layers:
+- the request/response code, independent of any transport: `chat_plan` / `completion_plan` read an OpenAI request
+  into prompts and SamplingParams, `chat_response` / `completion_response` turn the sampler's SampleOutput into
+  OpenAI's response object, `sse` into a `stream = true` reply. runner's verifiers env (an in-process client, no
+  socket) and `runner serve` both use them;
+- `OpenAIRoutes`, `runner serve`'s routes: `model` names a served base model, a sampler checkpoint of this server
+  (`tinker://<run>/sampler_weights/<name>`), or a local checkpoint (a run dir, `RUN_DIR:NAME`, or a checkpoint
+  folder) that the `local_model` hook resolves.
+
+Chat messages become tokens through a `ChatFormat` (the model's renderer, given by runner: backends never import
+runner). A bad request is a 4xx in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from backends.errors import UserError
+from backends.serve.limits import Fields, Limits, json_depth_ok, to_int
+from backends.serve.replies import ApiError, Reply
+from backends.types import SampledSequence, SampleOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from backends.serve.samplers import SamplerSession
+
+MAX_N = 128  # OpenAI's own cap on `n`
+MAX_STOP = 16
+MAX_TOP_LOGPROBS = 20
+CHAT_MAX_TOKENS = 512  # when a chat request gives none (OpenAI: the context's rest)
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class ChatFormat(Protocol):
+    """Chat messages <-> tokens for one model (runner/rl/openai_chat.py: the model's renderer)."""
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def stop(self) -> list[str] | list[int]:
+        """The renderer's stop sequences."""
+        ...
+
+    def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        """The generation prompt (UserError for messages the format cannot render)."""
+        ...
+
+    def reply(self, tokens: list[int]) -> tuple[dict[str, Any], bool]:
+        """The sampled tokens as an assistant message {"content", optional "tool_calls", "reasoning_content"}, and
+        whether it ended on the renderer's stop sequence."""
+        ...
+
+
+TopK = Callable[[list[int], int, float, Sequence[int]], tuple[Any, Any]]  # backends/serve/topk.py's signature
+
+
+# ---------------------------------------------------------------- reading requests
+
+
+@dataclass
+class Plan:
+    """What to sample for one request: each prompt n times with `params`."""
+
+    model: str
+    prompts: list[list[int]]
+    n: int
+    params: SamplingParams | None  # None: nothing to sample (a completion with max_tokens = 0 and echo)
+    user_stop: list[str]
+    logprobs: bool
+    top_logprobs: int
+    stream: bool
+    include_usage: bool
+    echo: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cost(self) -> int:
+        """Tokens of sampling work (limits.Limits.max_request_tokens)."""
+        gen = self.params.max_tokens if self.params is not None else 0
+        return sum(self.n * (len(p) + gen) for p in self.prompts)
+
+
+def _refuse_unsupported(f: Fields) -> None:
+    for key in ("presence_penalty", "frequency_penalty"):
+        if f.float(key, 0.0) != 0.0:
+            raise ApiError(400, f"{key} is not supported (only 0)")
+    if f.dict("logit_bias", None):
+        raise ApiError(400, "logit_bias is not supported")
+    fmt = f.dict("response_format", None)
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise ApiError(400, f"response_format {str(fmt.get('type'))[:40]!r} is not supported (only text)")
+    if f.int("best_of", 1, lo=1) != 1:
+        raise ApiError(400, "best_of is not supported (only 1)")
+
+
+def _stops(f: Fields) -> list[str]:
+    stop = f.req.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, "stop must be a non-empty string or a list of non-empty strings")
+    if len(stop) > MAX_STOP:
+        raise ApiError(400, f"stop has {len(stop)} strings; at most {MAX_STOP}")
+    return list(stop)
+
+
+def _params(f: Fields, default_max_tokens: int, stop: list[str] | list[int] | None, lo_tokens: int = 1
+            ) -> SamplingParams | None:
+    raw = f.req.get("max_completion_tokens", f.req.get("max_tokens"))
+    key = "max_completion_tokens" if "max_completion_tokens" in f.req else "max_tokens"
+    max_tokens = default_max_tokens if raw is None else to_int(key, raw, lo=lo_tokens)
+    temperature = f.float("temperature", 1.0, lo=0.0, hi=2.0)
+    top_p = f.float("top_p", 1.0, lo=0.0, hi=1.0)
+    if top_p == 0.0:
+        raise ApiError(400, "top_p must be in (0, 1]")
+    top_k = f.int("top_k", -1, lo=-1)  # not OpenAI's; vLLM and others accept it
+    seed = f.int("seed", None)
+    if max_tokens == 0:
+        return None
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                          stop=stop, seed=seed)
+
+
+def _stream(f: Fields) -> tuple[bool, bool]:
+    stream = f.bool("stream", False)
+    opts = f.sub("stream_options")
+    return stream, stream and opts.bool("include_usage", False)
+
+
+def _with_user_stops(stop: list[str] | list[int], user: list[str], tokenizer: Any) -> list[str] | list[int]:
+    """The sampler's stop list: the format's own stops, plus the request's strings (stop token ids then stop as
+    their text, as a stop list holds strings or ids, not both). The text is cut at the user's strings afterwards."""
+    if not user:
+        return stop
+    own = [tokenizer.decode([s], skip_special_tokens=False) if isinstance(s, int) else s for s in stop]
+    return [*dict.fromkeys([*own, *user])]
+
+
+def chat_plan(req: dict[str, Any], fmt: ChatFormat, limits: Limits | None = None) -> Plan:
+    """An OpenAI chat completion request as prompt tokens and sampling params (ApiError for a bad request)."""
+    f = Fields(req, limits or Limits())
+    model = f.str("model")
+    messages = req.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with a role")
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI's content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported")
+            content = "".join(p["text"] for p in content)
+        elif content is None:
+            if not m.get("tool_calls"):
+                raise ApiError(400, f"messages[{i}] has no content")
+            content = ""
+        elif not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts")
+        msg = {k: v for k, v in m.items() if k in ("role", "name", "tool_call_id", "tool_calls")}
+        msg["content"] = content
+        out.append(msg)
+    tools = req.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ApiError(400, "tools must be a list of tool objects")
+    _refuse_unsupported(f)
+    n = f.int("n", 1, lo=1, hi=MAX_N)
+    user_stop = _stops(f)
+    logprobs = f.bool("logprobs", False)
+    top = f.int("top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
+    if top and not logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs = true")
+    stream, usage = _stream(f)
+    params = _params(f, CHAT_MAX_TOKENS, _with_user_stops(fmt.stop, user_stop, fmt.tokenizer))
+    try:
+        prompt = fmt.prompt(out, [_tool_spec(t) for t in tools] if tools else None)
+    except (UserError, ValueError, KeyError, TypeError) as exc:
+        raise ApiError(400, f"cannot render these messages: {exc}") from None
+    return Plan(model, [prompt], n, params, user_stop, logprobs, top, stream, usage)
+
+
+def _tool_spec(tool: dict[str, Any]) -> dict[str, Any]:
+    """{"type": "function", "function": {...}} -> the function's JSON schema spec."""
+    fn = tool.get("function") if tool.get("type", "function") == "function" else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ApiError(400, "tools: each must be {type: 'function', function: {name, description, parameters}}")
+    return {"name": fn["name"], "description": fn.get("description", ""),
+            "parameters": fn.get("parameters", {"type": "object", "properties": {}})}
+
+
+def completion_plan(req: dict[str, Any], tokenizer: Any, limits: Limits | None = None) -> Plan:
+    """An OpenAI (legacy) completion request: prompt text (or token ids, one prompt or a list)."""
+    f = Fields(req, limits or Limits())
+    model = f.str("model")
+    prompt = req.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of such lists")
+    prompts: list[list[int]] = []
+    for p in prompt:
+        if isinstance(p, str):
+            toks = list(tokenizer.encode(p))
+        elif isinstance(p, list) and all(type(t) is int for t in p):
+            toks = [to_int("prompt token", t, lo=0, hi=len(tokenizer) - 1) for t in p]
+        else:
+            raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of such lists")
+        if not toks:
+            raise ApiError(400, "a prompt has no tokens")
+        prompts.append(toks)
+    _refuse_unsupported(f)
+    if f.str("suffix", ""):
+        raise ApiError(400, "suffix is not supported")
+    n = f.int("n", 1, lo=1, hi=MAX_N)
+    user_stop = _stops(f)
+    echo = f.bool("echo", False)
+    lp = req.get("logprobs")
+    top = 0 if lp is None or lp is False else to_int("logprobs", lp, lo=0, hi=MAX_TOP_LOGPROBS)
+    stream, usage = _stream(f)
+    eos = getattr(tokenizer, "eos_token", None)
+    stop: list[str] | None = [*user_stop, eos] if user_stop and eos else (user_stop or None)
+    params = _params(f, COMPLETION_MAX_TOKENS, stop, lo_tokens=0 if echo else 1)
+    if params is None and stream:
+        raise ApiError(400, "max_tokens = 0 cannot stream")
+    return Plan(model, prompts, n, params, user_stop, lp is not None and lp is not False, top, stream, usage, echo)
+
+
+# ---------------------------------------------------------------- writing responses
+
+
+def _cut(text: str, stops: list[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _token_texts(tokenizer: Any, tokens: Sequence[int]) -> list[str]:
+    return [tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
+
+
+def _kept_tokens(tokenizer: Any, tokens: list[int], text_len: int) -> int:
+    """How many leading tokens make up the first `text_len` characters of their decoded text."""
+    for k in range(len(tokens) + 1):
+        if len(tokenizer.decode(tokens[:k], skip_special_tokens=True)) >= text_len:
+            return k
+    return len(tokens)
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def _usage(prompts: list[list[int]], n: int, completion_tokens: int) -> dict[str, int]:
+    p = sum(len(x) for x in prompts) * n
+    return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
+
+
+def chat_response(plan: Plan, out: SampleOutput, fmt: ChatFormat, topk: TopK | None = None) -> dict[str, Any]:
+    """The chat.completion object for plan's one prompt sampled n times (`out`)."""
+    tok = fmt.tokenizer
+    choices = []
+    completion_tokens = 0
+    for i, seq in enumerate(out.sequences):
+        completion_tokens += len(seq.tokens)
+        message, clean = fmt.reply(list(seq.tokens))
+        content = message.get("content") or ""
+        cut = _cut(content, plan.user_stop)
+        tokens = list(seq.tokens)
+        if clean and tokens and seq.stop_reason == "stop":
+            tokens = tokens[:-1]  # the stop token: not part of the reply
+        if cut is not None:
+            content = content[:cut]
+            tokens = tokens[: _kept_tokens(tok, tokens, cut)]
+        finish = "stop" if clean or cut is not None else "length"
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
+        if message.get("reasoning_content"):
+            msg["reasoning_content"] = message["reasoning_content"]
+        if message.get("tool_calls") and cut is None:
+            msg["tool_calls"] = message["tool_calls"]
+            finish = "tool_calls"
+        logprobs = None
+        if plan.logprobs:
+            logprobs = {"content": _chat_logprobs(tok, plan.prompts[0], seq, len(tokens), plan, topk)}
+        choices.append({"index": i, "message": msg, "logprobs": logprobs, "finish_reason": finish})
+    return {"id": _new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": plan.model,
+            "choices": choices, "usage": _usage(plan.prompts, plan.n, completion_tokens), "system_fingerprint": None}
+
+
+def _chat_logprobs(tok: Any, prompt: list[int], seq: SampledSequence, keep: int, plan: Plan, topk: TopK | None
+                   ) -> list[dict[str, Any]]:
+    tokens = list(seq.tokens[:keep])
+    texts = _token_texts(tok, tokens)
+    tops: list[list[dict[str, Any]]] = [[] for _ in tokens]
+    if plan.top_logprobs and tokens:
+        if topk is None:
+            raise ApiError(400, "top_logprobs is not offered by this sampler")
+        assert plan.params is not None
+        ids, lps = topk([*prompt, *tokens], plan.top_logprobs, plan.params.temperature,
+                        range(len(prompt), len(prompt) + len(tokens)))
+        for j in range(len(tokens)):
+            alt = _token_texts(tok, [int(x) for x in ids[j]])
+            tops[j] = [{"token": t, "logprob": float(v), "bytes": list(t.encode())} for t, v in zip(alt, lps[j], strict=True)]
+    return [{"token": t, "logprob": float(lp), "bytes": list(t.encode()), "top_logprobs": top}
+            for t, lp, top in zip(texts, seq.logprobs[:keep], tops, strict=True)]
+
+
+def completion_response(plan: Plan, outs: list[SampleOutput | None], tokenizer: Any, topk: TopK | None = None,
+                        prompt_logprobs: list[list[float | None]] | None = None) -> dict[str, Any]:
+    """The text_completion object: plan.prompts[p] sampled n times is outs[p] (None when nothing was sampled);
+    choice index p * n + k. With echo, the prompt's text (and its logprobs: prompt_logprobs) come first."""
+    choices = []
+    completion_tokens = 0
+    for p, (prompt, out) in enumerate(zip(plan.prompts, outs, strict=True)):
+        seqs = out.sequences if out is not None else [SampledSequence([], [], "length")] * plan.n
+        for k, seq in enumerate(seqs):
+            completion_tokens += len(seq.tokens)
+            tokens = list(seq.tokens)
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            cut = _cut(text, plan.user_stop)
+            if cut is not None:
+                text = text[:cut]
+                tokens = tokens[: _kept_tokens(tokenizer, tokens, cut)]
+            elif (seq.stop_reason == "stop" and tokens and not plan.echo
+                  and not tokenizer.decode(tokens[-1:], skip_special_tokens=True)):
+                tokens = tokens[:-1]  # EOS (kept with echo: lm-eval drops the last scored token as the sampled one)
+            finish = "stop" if seq.stop_reason == "stop" or cut is not None else "length"
+            logprobs = None
+            if plan.logprobs:
+                logprobs = _completion_logprobs(tokenizer, prompt, seq, len(tokens), plan, topk,
+                                                prompt_logprobs[p] if prompt_logprobs else None)
+            if plan.echo:
+                text = tokenizer.decode(prompt, skip_special_tokens=True) + text
+            choices.append({"index": p * plan.n + k, "text": text, "logprobs": logprobs, "finish_reason": finish})
+    return {"id": _new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": plan.model,
+            "choices": choices, "usage": _usage(plan.prompts, plan.n, completion_tokens), "system_fingerprint": None}
+
+
+def _completion_logprobs(tok: Any, prompt: list[int], seq: SampledSequence, keep: int, plan: Plan, topk: TopK | None,
+                         prompt_lps: list[float | None] | None) -> dict[str, Any]:
+    tokens = list(seq.tokens[:keep])
+    lps: list[float | None] = [float(x) for x in seq.logprobs[:keep]]
+    start = 0
+    if plan.echo:
+        assert prompt_lps is not None
+        tokens, lps, start = [*prompt, *tokens], [*prompt_lps, *lps], 0
+    else:
+        start = len(prompt)
+    full = [*prompt, *seq.tokens[:keep]]
+    texts = _token_texts(tok, tokens)
+    tops: list[dict[str, float] | None] = [None] * len(tokens)
+    if plan.top_logprobs:
+        if topk is None:
+            raise ApiError(400, "logprobs > 0 is not offered by this sampler")
+        positions = [q for q in range(start, len(full)) if q > 0]
+        temperature = plan.params.temperature if plan.params is not None else 1.0
+        ids, vals = topk(full, plan.top_logprobs, temperature, positions)
+        for j, q in enumerate(positions):
+            alt = _token_texts(tok, [int(x) for x in ids[j]])
+            tops[q - start] = {t: float(v) for t, v in zip(alt, vals[j], strict=True)}
+    offsets, pos = [], 0
+    for t in texts:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": texts, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def sse(response: dict[str, Any], include_usage: bool) -> bytes:
+    """A finished response as OpenAI's server-sent event stream (one chunk per choice, then usage, then [DONE])."""
+    chat = response["object"] == "chat.completion"
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    head = {k: response[k] for k in ("id", "created", "model", "system_fingerprint")}
+    events: list[dict[str, Any]] = []
+    for c in response["choices"]:
+        if chat:
+            delta = {k: v for k, v in c["message"].items() if k != "tool_calls"}
+            if "tool_calls" in c["message"]:
+                delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(c["message"]["tool_calls"])]
+            events.append({**head, "object": obj, "choices": [{"index": c["index"], "delta": delta,
+                                                                "logprobs": c["logprobs"], "finish_reason": None}]})
+            events.append({**head, "object": obj, "choices": [{"index": c["index"], "delta": {},
+                                                                "logprobs": None, "finish_reason": c["finish_reason"]}]})
+        else:
+            events.append({**head, "object": obj, "choices": [c]})
+    if include_usage:
+        events.append({**head, "object": obj, "choices": [], "usage": response["usage"]})
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    kind = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
+    code = {401: "invalid_api_key", 404: "model_not_found"}.get(status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# ---------------------------------------------------------------- runner serve's routes
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    """A local checkpoint the `local_model` hook found: its base model (as its run named it), its sampler folder,
+    and its run's renderer (None: the served model's)."""
+
+    base_model: str
+    path: Path
+    renderer: str | None = None
+
+
+@dataclass
+class OpenAIHooks:
+    """What runner gives `runner serve` (backends never import runner): the chat format of a model (its name as
+    served, its tokenizer, a renderer name or None for the model's own) and the resolver of local checkpoints
+    (a run dir, `RUN_DIR:NAME`, a checkpoint folder; None when `spec` names none)."""
+
+    chat: Callable[[str, Any, str | None], ChatFormat]
+    local_model: Callable[[str], LocalModel | None] = lambda _: None
+
+
+class OpenAIRoutes:
+    """`/v1/...` on runner serve. Each distinct `model` gets one sampling session in the service's sampler pool
+    (loaded on demand, freed when idle like the SDK's), so the pool's caps hold for these requests too."""
+
+    def __init__(self, service: Any, hooks: OpenAIHooks | None = None):
+        # service: backends.serve.service.Service (not imported: it imports this module)
+        self.service = service
+        self.hooks = hooks
+        self._lock = threading.Lock()
+        self._sessions: dict[str, tuple[SamplerSession, str | None]] = {}  # model spec -> (session, renderer)
+        self._formats: dict[tuple[str, str | None], ChatFormat] = {}
+
+    def handle(self, method: str, route: str, headers: dict[str, str], body: bytes) -> Reply:
+        try:
+            return self._handle(method, route, headers, body)
+        except ApiError as exc:
+            return Reply.json(error_body(exc.status, exc.detail), exc.status)
+        except (UserError, ValueError) as exc:
+            return Reply.json(error_body(400, str(exc)[:300]), 400)
+
+    def _authorized(self, headers: dict[str, str]) -> bool:
+        key = self.service.api_key
+        if key is None:
+            return True
+        given = headers.get("authorization", "").removeprefix("Bearer ").strip() or headers.get("x-api-key", "")
+        return hmac.compare_digest(given.encode(), key.encode())
+
+    def _handle(self, method: str, route: str, headers: dict[str, str], body: bytes) -> Reply:
+        if not self._authorized(headers):
+            raise ApiError(401, "invalid API key (send it as Authorization: Bearer <key>)")
+        if route == "v1/models" or route.startswith("v1/models/"):
+            if method != "GET":
+                raise ApiError(405, f"{route} takes GET, not {method}")
+            return self._models(route.removeprefix("v1/models").strip("/"))
+        if route not in ("v1/chat/completions", "v1/completions"):
+            raise ApiError(404, f"no route {method} /{route[:100]}")
+        if method != "POST":
+            raise ApiError(405, f"/{route} takes POST, not {method}")
+        limits = self.service.limits
+        if body and not json_depth_ok(body, limits.max_json_depth):
+            raise ApiError(400, f"JSON nested deeper than {limits.max_json_depth} levels")
+        try:
+            req = json.loads(body) if body else None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "the body is not valid JSON") from None
+        if not isinstance(req, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        model = req.get("model")
+        if not isinstance(model, str) or not model:
+            raise ApiError(400, "model is required (a served model's name or a checkpoint)")
+        sess, renderer = self._session(model)
+        engine = sess.model.engine()
+        tokenizer = engine.get_tokenizer()
+        fmt: ChatFormat | None = None
+        if route == "v1/chat/completions":
+            fmt = self._format(sess.model.name, tokenizer, renderer)
+            plan = chat_plan(req, fmt, limits)
+        else:
+            plan = completion_plan(req, tokenizer, limits)
+        if plan.cost > limits.max_request_tokens:
+            raise ApiError(413, f"n x (prompt + max_tokens) = {plan.cost} tokens; runner serve takes at most "
+                                f"{limits.max_request_tokens} per request")
+        result = self._run(sess, plan, fmt, tokenizer)
+        if plan.stream:
+            return Reply(200, sse(result, plan.include_usage), {"content-type": "text/event-stream"})
+        return Reply.json(result)
+
+    def _format(self, name: str, tokenizer: Any, renderer: str | None) -> ChatFormat:
+        if self.hooks is None:
+            raise ApiError(400, "this server was started without chat formats: use /v1/completions")
+        key = (name, renderer)
+        with self._lock:
+            fmt = self._formats.get(key)
+        if fmt is None:
+            fmt = self.hooks.chat(name, tokenizer, renderer)
+            with self._lock:
+                self._formats[key] = fmt
+        return fmt
+
+    def _run(self, sess: SamplerSession, plan: Plan, fmt: ChatFormat | None, tokenizer: Any) -> dict[str, Any]:
+        svc = self.service
+        ready = threading.Event()
+        svc.budget.acquire(plan.cost, ready.set)  # waits, in arrival order, while the sampler is full
+        ready.wait()
+        try:
+            try:
+                sc = svc.pool.client(sess).result()
+            except Exception as exc:  # the checkpoint is gone or does not load
+                raise ApiError(404, f"model {plan.model!r} does not load: {str(exc)[:200]}") from None
+            topk = _topk_of(sc)
+            if plan.params is None:
+                outs: list[SampleOutput | None] = [None] * len(plan.prompts)
+            else:
+                futs = [sc.sample(p, plan.n, plan.params) for p in plan.prompts]
+                outs = [f.result() for f in futs]
+            try:
+                if fmt is not None:
+                    out = outs[0]
+                    assert out is not None
+                    return chat_response(plan, out, fmt, topk)
+                prompt_lps = [sc.compute_logprobs(p).result() for p in plan.prompts] if plan.echo and plan.logprobs else None
+                return completion_response(plan, outs, tokenizer, topk, prompt_lps)
+            finally:
+                sess.last_used = time.monotonic()
+        finally:
+            svc.budget.release(plan.cost)
+
+    def _session(self, spec: str) -> tuple[SamplerSession, str | None]:
+        from backends.serve.samplers import SamplerSession
+
+        svc = self.service
+        run_id = kind = name = ""
+        if spec.startswith("tinker://"):
+            run_id, kind, name = svc._parse_path(spec)  # 404 once expired or deleted
+            if kind == "weights":
+                raise ApiError(400, f"{spec} is a training state; sample from its sampler_weights checkpoint")
+        with self._lock:
+            hit = self._sessions.get(spec)
+        if hit is not None:
+            return hit
+        renderer = None
+        if spec in svc.models:
+            sess = SamplerSession(f"openai:{len(self._sessions)}", svc.models[spec], "openai", None)
+        elif spec.startswith("tinker://"):
+            meta = svc.store.read_run(run_id)
+            if meta is None:
+                raise ApiError(404, f"no training run {run_id}")
+            sess = SamplerSession(f"openai:{len(self._sessions)}", svc._served(meta["base_model"]), "openai", spec,
+                                  source=svc.store.checkpoint_dir(run_id, kind, name))
+        else:
+            local = self.hooks.local_model(spec) if self.hooks is not None else None
+            if local is None:
+                raise ApiError(404, f"model {spec[:200]!r} is neither a served model ({', '.join(svc.models)}), "
+                                    "a tinker:// sampler checkpoint, a run dir nor a checkpoint folder")
+            served = self._served_for(local.base_model)
+            sess = SamplerSession(f"openai:{len(self._sessions)}", served, "openai", spec, source=local.path)
+            renderer = local.renderer
+        with self._lock:
+            hit = self._sessions.setdefault(spec, (sess, renderer))
+        if hit[0] is sess:
+            svc.pool.add(sess)
+        return hit
+
+    def _served_for(self, base: str) -> Any:
+        svc = self.service
+        for m in svc.models.values():
+            if base in (m.name, m.path) or _same_dir(base, m.path):
+                return m
+        raise ApiError(404, f"that checkpoint was trained on {base!r}, which this server does not serve "
+                            f"(it serves {', '.join(svc.models)})")
+
+    def _models(self, one: str) -> Reply:
+        svc = self.service
+        created = int(time.time())
+        names = list(svc.models)
+        for run in svc.store.list_runs():
+            names += [c["tinker_path"] for c in svc.store.list_checkpoints(run["training_run_id"])
+                      if c.get("checkpoint_type") == "sampler"]
+        rows = [{"id": n, "object": "model", "created": created, "owned_by": "runner"} for n in names]
+        if one:
+            row = next((r for r in rows if r["id"] == one), None)
+            if row is None:
+                raise ApiError(404, f"no model {one[:200]!r}")
+            return Reply.json(row)
+        return Reply.json({"object": "list", "data": rows})
+
+
+def _same_dir(a: str, b: str) -> bool:
+    try:
+        pa, pb = Path(a), Path(b)
+        return pa.is_dir() and pb.is_dir() and pa.resolve() == pb.resolve()
+    except OSError:
+        return False
+
+
+def _topk_of(sc: Any) -> TopK | None:
+    model = getattr(sc, "model", None)
+    if model is None:
+        return None
+    from backends.serve.topk import topk_logprobs
+
+    def topk(tokens: list[int], k: int, temperature: float, positions: Sequence[int]) -> tuple[Any, Any]:
+        return topk_logprobs(model, tokens, k, temperature, positions)
+
+    return topk

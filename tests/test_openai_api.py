@@ -1,0 +1,241 @@
+"""`runner serve`'s OpenAI-compatible endpoints (backends/serve/openai_api.py, docs/openai.md), driven by the `openai`
+client over loopback HTTP against a real `runner serve` process: the base model, a sampler checkpoint trained
+through the server (tinker://) and a local run dir's checkpoint each answer as their weights do; n, stop,
+max_tokens, seed, temperature, logprobs / top_logprobs, echo and streaming are honoured; bad requests get
+OpenAI-shaped 4xx errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+from tests.test_serve import REPO, runner_serve, service_client  # noqa: E402
+
+QUESTION = [{"role": "user", "content": "Name a fruit."}]
+
+
+def _train_run_dir(tmp: Path) -> Path:
+    """A local `runner run` SFT that teaches the tiny model to answer QUESTION with "lime"."""
+    data = tmp / "lime.jsonl"
+    row = {"messages": [*QUESTION, {"role": "assistant", "content": "lime"}]}
+    data.write_text("".join(json.dumps(row) + "\n" for _ in range(16)))
+    recipe = tmp / "lime.toml"
+    run = tmp / "lime-run"
+    recipe.write_text(f"""
+[recipes.lime]
+lr = 1e-2
+max_steps = 24
+log_dir = "{run}"
+save_every = 12
+schedule = {{ kind = "constant" }}
+[recipes.lime.algo]
+kind = "sft"
+data = {{ kind = "jsonl", path = "{data}" }}
+batch_size = 4
+epochs = 6
+[recipes.lime.lora]
+rank = 8
+""")
+    out = subprocess.run([sys.executable, "-m", "runner", "run", f"{recipe}#lime"], cwd=REPO, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return run
+
+
+def _train_plum(url: str) -> str:
+    """A sampler checkpoint trained through the server (the tinker SDK) to answer QUESTION with "plum"."""
+    from runner.renderers import get_renderer
+    from runner.rl.renderer import ChatRenderer
+
+    with service_client(url) as sc:
+        tc = sc.create_lora_training_client("tiny", rank=8, seed=0).result()
+        chat = ChatRenderer(get_renderer("auto", tc.get_tokenizer(), model_name="tiny"))
+        prompt = chat.build_prompt(QUESTION)
+        answer = [*chat.tokenizer.encode("plum", add_special_tokens=False), *chat.stop_tokens]
+        seq = [*prompt, *answer]
+        weights = [0.0] * (len(prompt) - 1) + [1.0] * len(answer)
+        datum = types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
+                            loss_fn_inputs={"target_tokens": seq[1:], "weights": weights})
+        for _ in range(30):
+            tc.forward_backward([datum], "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=3e-2)).result()
+        return tc.save_weights_for_sampler("plum").result().path
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("openai")
+    run = _train_run_dir(tmp)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TINKER_TELEMETRY", "0")
+    try:
+        with runner_serve(tmp / "storage", "--device", "cpu") as (url, _):
+            plum = _train_plum(url)
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            yield {"url": url, "client": client, "plum": plum, "run": run, "log": tmp / "storage.log"}
+    finally:
+        mp.undo()
+
+
+def _greedy(client: Any, model: str) -> str:
+    r = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=8)
+    return r.choices[0].message.content
+
+
+def test_base_and_checkpoints_answer_as_their_weights(served):
+    client, run = served["client"], served["run"]
+    base = _greedy(client, "tiny")
+    assert _greedy(client, served["plum"]) == "plum"
+    assert _greedy(client, str(run)) == "lime"  # a run dir: its last checkpoint
+    assert base not in ("plum", "lime")
+    # A run dir's checkpoint by name (save_every = 12: one half-way through the training).
+    names = [json.loads(line)["name"] for line in (run / "checkpoints.jsonl").read_text().splitlines()]
+    assert names[-1] == "final" and len(names) >= 2
+    assert _greedy(client, f"{run}:final") == "lime"
+    with pytest.raises(openai.BadRequestError, match="no checkpoint 'nope'"):
+        _greedy(client, f"{run}:nope")
+    ids = [m.id for m in client.models.list().data]
+    assert ids[0] == "tiny" and served["plum"] in ids
+    assert client.models.retrieve("tiny").id == "tiny"
+
+
+def test_sampling_parameters_are_honoured(served):
+    client, model = served["client"], "tiny"
+    ask = dict(model=model, messages=[{"role": "user", "content": "Tell me about glimmerhorns."}])
+    r = client.chat.completions.create(**ask, n=3, max_tokens=12, seed=7, temperature=1.5)
+    texts = [c.message.content for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2] and len(set(texts)) == 3
+    assert r.usage.completion_tokens <= 36 and r.usage.prompt_tokens > 0
+    again = client.chat.completions.create(**ask, n=3, max_tokens=12, seed=7, temperature=1.5)
+    assert [c.message.content for c in again.choices] == texts  # seeded: repeatable
+    other = client.chat.completions.create(**ask, n=3, max_tokens=12, seed=8, temperature=1.5)
+    assert [c.message.content for c in other.choices] != texts
+    # max_tokens: cut replies say "length" and hold at most that many tokens.
+    short = client.chat.completions.create(**ask, max_tokens=2, seed=0, temperature=1.5, logprobs=True)
+    assert short.choices[0].finish_reason == "length" and len(short.choices[0].logprobs.content) == 2
+    # stop: a string the unstopped sample holds ends it there, and is not returned.
+    long = client.chat.completions.create(**ask, max_tokens=12, seed=7, temperature=1.5).choices[0].message.content
+    cut = next(i for i in range(2, len(long)) if long[i] != " ")
+    stop = long[cut:cut + 1]
+    stopped = client.chat.completions.create(**ask, max_tokens=12, seed=7, temperature=1.5, stop=[stop]).choices[0]
+    assert stopped.message.content == long[: long.index(stop)] and stopped.finish_reason == "stop"
+    # temperature 0: greedy, every sample the same.
+    greedy = client.chat.completions.create(**ask, n=2, max_tokens=6, temperature=0)
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+
+
+def test_logprobs(served):
+    client, model = served["client"], "tiny"
+    r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=6, seed=3, temperature=1.0,
+                                       logprobs=True, top_logprobs=3)
+    c = r.choices[0]
+    content = c.logprobs.content
+    assert "".join(t.token for t in content) == c.message.content
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3
+        tops = [x.logprob for x in t.top_logprobs]
+        assert tops == sorted(tops, reverse=True) and tops[0] >= t.logprob - 1e-4
+        if t.token in [x.token for x in t.top_logprobs]:  # the same distribution (temperature 1)
+            assert dict((x.token, x.logprob) for x in t.top_logprobs)[t.token] == pytest.approx(t.logprob, abs=1e-4)
+    # /v1/completions with echo and max_tokens = 0 scores a text (lm-eval's loglikelihood requests): the scores of a
+    # sampled continuation are the sampler's own logprobs of it.
+    prompt = "The capital of France is"
+    gen = client.completions.create(model=model, prompt=prompt, max_tokens=5, seed=2, temperature=1.0, logprobs=0)
+    assert gen.choices[0].logprobs.top_logprobs == [None] * len(gen.choices[0].logprobs.tokens)
+    toks = httpx.post(f"{served['url']}/v1/completions", json={
+        "model": model, "prompt": prompt, "max_tokens": 5, "seed": 2, "temperature": 1.0}).json()
+    assert toks["choices"][0]["text"] == gen.choices[0].text
+    scored = client.completions.create(model=model, prompt=prompt + gen.choices[0].text, max_tokens=0, echo=True,
+                                       logprobs=1)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == prompt + gen.choices[0].text and lp.token_logprobs[0] is None
+    n = len(gen.choices[0].logprobs.tokens)
+    if "".join(lp.tokens[-n:]) == gen.choices[0].text:  # the text re-encodes to the sampled tokens
+        assert lp.token_logprobs[-n:] == pytest.approx(gen.choices[0].logprobs.token_logprobs, abs=1e-4)
+    assert all(len(t) == 1 for t in lp.top_logprobs[1:])
+
+
+def test_stream_matches_the_whole_reply(served):
+    client = served["client"]
+    ask = dict(model="tiny", messages=QUESTION, max_tokens=10, seed=5, temperature=1.2, n=2)
+    whole = client.chat.completions.create(**ask)
+    parts: dict[int, str] = {0: "", 1: ""}
+    finish, usage = {}, None
+    for chunk in client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            parts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+        usage = chunk.usage or usage
+    assert [parts[0], parts[1]] == [c.message.content for c in whole.choices]
+    assert finish == {c.index: c.finish_reason for c in whole.choices}
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+    text = "".join(c.choices[0].text for c in client.completions.create(model="tiny", prompt="Hello", max_tokens=4,
+                                                                          seed=1, stream=True))
+    assert text == client.completions.create(model="tiny", prompt="Hello", max_tokens=4, seed=1).choices[0].text
+
+
+@pytest.mark.parametrize(("body", "status", "says"), [
+    ({"model": "tiny", "messages": QUESTION, "temperature": 3}, 400, "temperature"),
+    ({"model": "tiny", "messages": QUESTION, "n": 0}, 400, "n must be"),
+    ({"model": "tiny", "messages": QUESTION, "n": "2"}, 400, "n must be an integer"),
+    ({"model": "tiny", "messages": []}, 400, "messages"),
+    ({"model": "tiny"}, 400, "messages"),
+    ({"messages": QUESTION}, 400, "model is required"),
+    ({"model": "gpt-9", "messages": QUESTION}, 404, "neither a served model"),
+    ({"model": "tinker://nope/sampler_weights/x", "messages": QUESTION}, 404, "no checkpoint"),
+    ({"model": "tiny", "messages": QUESTION, "top_logprobs": 2}, 400, "needs logprobs"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "only text"),
+    ({"model": "tiny", "messages": QUESTION, "stop": [""]}, 400, "stop"),
+    ({"model": "tiny", "messages": QUESTION, "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "messages": QUESTION, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({"model": "tiny", "messages": QUESTION, "n": 128, "max_tokens": 10**5}, 413, "tokens"),
+])
+def test_bad_requests_get_openai_errors(served, body, status, says):
+    r = httpx.post(f"{served['url']}/v1/chat/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert says in err["message"] and err["type"].endswith("_error")
+
+
+def test_bad_bodies_and_routes(served):
+    url = served["url"]
+    assert httpx.post(f"{url}/v1/completions", content=b"{not json").status_code == 400
+    assert httpx.post(f"{url}/v1/completions", json=[1]).status_code == 400
+    assert httpx.get(f"{url}/v1/chat/completions").status_code == 405
+    assert httpx.post(f"{url}/v1/embeddings", json={}).json()["error"]["type"] == "not_found_error"
+    bad = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [10**9]})
+    assert bad.status_code == 413 and "prompt token" in bad.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError):
+        served["client"].completions.create(model="tiny", prompt="x", max_tokens=0)  # 0 only with echo
+    # The server still samples after all that, and logged no traceback.
+    assert _greedy(served["client"], "tiny")
+    assert "Traceback" not in served["log"].read_text()
+
+
+def test_api_key_is_a_bearer_token(monkeypatch, tmp_path):
+    from backends.serve.http import ServeConfig, build_service
+
+    monkeypatch.setenv("OA_KEY", "sk-local-123")
+    svc = build_service(ServeConfig(storage=tmp_path / "s", device="cpu", api_key_env="OA_KEY"))
+    try:
+        body = json.dumps({"model": "tiny", "messages": QUESTION}).encode()
+        for headers in ({}, {"authorization": "Bearer sk-wrong"}):
+            r = svc.handle("POST", "/v1/chat/completions", headers, body)
+            assert r.status == 401 and json.loads(r.body)["error"]["code"] == "invalid_api_key"
+        ok = svc.handle("GET", "/v1/models", {"authorization": "Bearer sk-local-123"}, b"")
+        assert ok.status == 200 and json.loads(ok.body)["data"][0]["id"] == "tiny"
+    finally:
+        svc.close()
