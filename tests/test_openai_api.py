@@ -239,3 +239,21 @@ def test_api_key_is_a_bearer_token(monkeypatch, tmp_path):
         assert ok.status == 200 and json.loads(ok.body)["data"][0]["id"] == "tiny"
     finally:
         svc.close()
+
+
+def test_inspect_openai_provider_scores_the_checkpoint(served, tmp_path, monkeypatch):
+    """inspect's OpenAI-compatible provider (`openai-api/<service>/<model>`, as docs/openai.md shows) against the
+    server: the plum checkpoint answers the task right, the base model does not."""
+    inspect_ai = pytest.importorskip("inspect_ai")
+    from inspect_ai.dataset import Sample
+    from inspect_ai.scorer import exact
+
+    monkeypatch.setenv("RUNNER_API_KEY", "unused")
+    task = inspect_ai.Task(dataset=[Sample(input="Name a fruit.", target="plum", id=i) for i in (1, 2)], scorer=exact())
+    scores = {}
+    for model in (served["plum"], "tiny"):
+        log = inspect_ai.eval(task, model=f"openai-api/runner/{model}", model_base_url=f"{served['url']}/v1",
+                              temperature=0, max_tokens=8, log_dir=str(tmp_path), display="none")[0]
+        assert log.status == "success", log.error
+        scores[model] = log.results.scores[0].metrics["mean"].value
+    assert scores == {served["plum"]: 1.0, "tiny": 0.0}
