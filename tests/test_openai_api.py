@@ -165,6 +165,15 @@ def test_logprobs(served):
     if "".join(lp.tokens[-n:]) == gen.choices[0].text:  # the text re-encodes to the sampled tokens
         assert lp.token_logprobs[-n:] == pytest.approx(gen.choices[0].logprobs.token_logprobs, abs=1e-4)
     assert all(len(t) == 1 for t in lp.top_logprobs[1:])
+    # lm-eval's local-completions loglikelihood request, verbatim (token ids, max_tokens 1, echo): it reads the
+    # continuation's scores as token_logprobs[ctxlen:-1] (the last one is the sampled token's).
+    tokens = [*range(60, 70), *range(70, 75)]
+    lm_eval = httpx.post(f"{served['url']}/v1/completions", json={
+        "model": model, "prompt": tokens, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+        "echo": True}).json()["choices"][0]["logprobs"]
+    alone = client.completions.create(model=model, prompt=tokens, max_tokens=0, echo=True, logprobs=1).choices[0]
+    assert len(lm_eval["token_logprobs"]) == len(tokens) + 1
+    assert lm_eval["token_logprobs"][10:-1] == pytest.approx(alone.logprobs.token_logprobs[10:], abs=1e-5)
 
 
 def test_stream_matches_the_whole_reply(served):
