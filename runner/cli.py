@@ -404,7 +404,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     prefer_passive_openmp()  # before torch loads (runner/threads.py)
     from backends.serve.http import ServeConfig, serve_forever
     from runner.renderers import names as renderer_names
-    from runner.rl.openai_chat import serve_hooks
+    from runner.tools.openai_serve import serve_hooks
 
     if args.renderer is not None and args.renderer not in renderer_names():
         raise UserError(f"--renderer {args.renderer!r} is unknown; choose one of: {', '.join(renderer_names())}")

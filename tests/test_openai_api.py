@@ -57,7 +57,7 @@ rank = 8
 def _train_plum(url: str) -> str:
     """A sampler checkpoint trained through the server (the tinker SDK) to answer QUESTION with "plum"."""
     from runner.renderers import get_renderer
-    from runner.rl.renderer import ChatRenderer
+    from runner.renderers.chat import ChatRenderer
 
     with service_client(url) as sc:
         tc = sc.create_lora_training_client("tiny", rank=8, seed=0).result()
@@ -266,3 +266,33 @@ def test_inspect_openai_provider_scores_the_checkpoint(served, tmp_path, monkeyp
         assert log.status == "success", log.error
         scores[model] = log.results.scores[0].metrics["mean"].value
     assert scores == {served["plum"]: 1.0, "tiny": 0.0}
+
+
+def test_tool_calls_round_trip_through_the_plain_call_convention():
+    """The tiny model's renderer (its chat template) has no tool format: tools are declared as JSON schemas, an
+    assistant's tool_calls go in as `CALL` lines and tool results as `RESULT` lines, and a reply's `CALL` line comes
+    back as an OpenAI tool call with finish_reason "tool_calls"."""
+    import transformers
+
+    from backends.local.model import resolve_model_dir
+    from backends.serve.openai_api import chat_plan, chat_response
+    from backends.types import SampledSequence, SampleOutput
+    from runner.renderers.base import make_tool_call
+    from runner.rl.openai_chat import chat_format
+
+    tok = transformers.AutoTokenizer.from_pretrained(resolve_model_dir("tiny"))
+    fmt = chat_format("tiny", tok)
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+    messages = [{"role": "user", "content": "What is 2 + 3?"},
+                {"role": "assistant", "content": None, "tool_calls": [make_tool_call("add", '{"a": 2, "b": 3}', "c1")]},
+                {"role": "tool", "tool_call_id": "c1", "name": "add", "content": "5"}]
+    plan = chat_plan({"model": "tiny", "messages": messages, "tools": tools}, fmt)
+    text = tok.decode(plan.prompts[0])
+    assert '"name": "add"' in text and 'CALL add {"a": 2, "b": 3}' in text and "RESULT add: 5" in text
+    reply = [*tok.encode('Adding.\nCALL add {"a": 1, "b": 2}', add_special_tokens=False), *fmt.chat.stop_tokens]
+    out = SampleOutput([SampledSequence(reply, [-0.5] * len(reply), "stop")])
+    choice = chat_response(plan, out, fmt)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+    assert choice["message"]["content"] == 'Adding.\nCALL add {"a": 1, "b": 2}'
