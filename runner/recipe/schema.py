@@ -45,6 +45,7 @@ from runner.recipe.envs import ModelJudge as ModelJudge
 from runner.recipe.envs import Preference as Preference
 from runner.recipe.envs import PythonEnv as PythonEnv
 from runner.recipe.envs import PythonGrader as PythonGrader
+from runner.recipe.envs import ReasoningGym as ReasoningGym
 from runner.recipe.envs import Rubric as Rubric
 from runner.recipe.envs import TicTacToe as TicTacToe
 from runner.recipe.envs import ToolUse as ToolUse

@@ -25,6 +25,7 @@ from runner.recipe.schema import (
     Math,
     Preference,
     PythonEnv,
+    ReasoningGym,
     Rubric,
     TicTacToe,
     ToolUse,
@@ -37,6 +38,7 @@ from runner.rl.envs import (
     guess_number,
     math,
     preference,
+    reasoning_gym,
     rubric,
     tictactoe,
     tool_use,
@@ -74,6 +76,7 @@ ENVS: dict[type[Any], EnvKind] = {
     ToolUse: EnvKind(tool_use.build, [("env/all/correct", "correct"), ("env/all/tool_calls", "tool_calls"),
                                       ("env/all/malformed", "malformed")]),
     Rubric: EnvKind(rubric.build, [("env/all/rubric_score", "rubric"), ("env/all/judge_unparsed", "unparsed")]),
+    ReasoningGym: EnvKind(reasoning_gym.build, [("env/all/score", "score"), ("env/all/format", "format")]),
 }
 
 
