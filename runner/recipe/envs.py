@@ -234,6 +234,21 @@ class ReasoningGym(EnvBase, tag="reasoning_gym", kw_only=True):
             raise ValueError("tasks holds a task twice")
 
 
+class Verifiers(EnvBase, tag="verifiers", kw_only=True):
+    """Any installed `verifiers` environment (chat; single- or multi-turn, tools included), rolled out through the
+    recipe's sampler and renderer by an in-process OpenAI client; its rubric's reward is the reward and its metrics
+    are logged. train_size rows of its dataset (repeated as needed), test_size of its eval dataset (else held out)."""
+
+    # What `verifiers.load_environment` takes: an installed environment module ("reverse_text", "owner/env-id").
+    module: str
+    # Keyword arguments of the module's load_environment.
+    args: dict[str, Any] = {}
+    # The row order's seed (None: the recipe's).
+    seed: int | None = None
+    # The model name the environment's requests carry (some environments log it).
+    model_name: str = "runner"
+
+
 class PythonEnv(EnvBase, tag="python", kw_only=True):
     """User code: target "pkg.mod:fn" is called as fn(**args) and returns a dataset builder, a callable
     builder(ctx: runner.rl.envs.EnvContext) -> (train: RLDataset, test: RLDataset | None).
@@ -244,4 +259,4 @@ class PythonEnv(EnvBase, tag="python", kw_only=True):
 
 
 Env = (Arithmetic | GuessNumber | TwentyQuestions | TicTacToe | Preference | Math | Code | ToolUse | Rubric | ReasoningGym
-       | PythonEnv)
+       | Verifiers | PythonEnv)

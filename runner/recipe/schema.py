@@ -50,6 +50,7 @@ from runner.recipe.envs import Rubric as Rubric
 from runner.recipe.envs import TicTacToe as TicTacToe
 from runner.recipe.envs import ToolUse as ToolUse
 from runner.recipe.envs import TwentyQuestions as TwentyQuestions
+from runner.recipe.envs import Verifiers as Verifiers
 from runner.recipe.numerics import Numerics, check_temperature
 from runner.recipe.pinned import InspectPinned as InspectPinned
 from runner.recipe.pinned import MathPinned as MathPinned

@@ -35,7 +35,9 @@ class RendererChat:
         return self.chat.stop
 
     def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        msgs = [self._message(m) for m in messages]
+        names = {c.get("id"): c.get("function", {}).get("name") for m in messages for c in m.get("tool_calls") or []}
+        msgs = [self._message({**m, "name": m.get("name") or names.get(m.get("tool_call_id"))}
+                              if m["role"] == "tool" else m) for m in messages]
         if tools:
             system = ""
             if msgs and msgs[0]["role"] == "system":

@@ -30,6 +30,7 @@ from runner.recipe.schema import (
     TicTacToe,
     ToolUse,
     TwentyQuestions,
+    Verifiers,
 )
 from runner.recipe.targets import args_mismatch, import_target
 from runner.rl.envs import (
@@ -43,6 +44,7 @@ from runner.rl.envs import (
     tictactoe,
     tool_use,
     twenty_questions,
+    verifiers_env,
 )
 from runner.rl.envs.common import EnvContext
 from runner.rl.rollouts import describe_error
@@ -77,6 +79,7 @@ ENVS: dict[type[Any], EnvKind] = {
                                       ("env/all/malformed", "malformed")]),
     Rubric: EnvKind(rubric.build, [("env/all/rubric_score", "rubric"), ("env/all/judge_unparsed", "unparsed")]),
     ReasoningGym: EnvKind(reasoning_gym.build, [("env/all/score", "score"), ("env/all/format", "format")]),
+    Verifiers: EnvKind(verifiers_env.build, [("env/all/vf_error", "vf_error")]),
 }
 
 
