@@ -36,7 +36,7 @@ def ctx() -> EnvContext:
 
 def group(ds: Any, policy: Any) -> tuple[Any, ScriptedSampler]:
     sampler = ScriptedSampler(TOK, lambda p, s: policy(p))
-    out = asyncio.run(do_group_rollout(ds.get_batch(0)[0], sampler, SamplingParams(max_tokens=32)))
+    out = asyncio.run(do_group_rollout(ds.get_batch(0)[0], sampler, SamplingParams(max_tokens=96)))
     return out, sampler
 
 
@@ -127,3 +127,19 @@ def test_trains_through_runner_run_and_smokes(tmp_path: Path, monkeypatch: pytes
     assert all(r["env/all/vf_error"] == 0.0 for r in rows if "env/all/vf_error" in r)
     assert any("test/env/all/exact" in r for r in rows)
     assert main(["smoke", "vf.toml"]) == 0
+
+
+def test_the_cookbook_recipe_smokes_on_the_local_reverse_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/verifiers_rl.toml (hosted Tinker, the Hub's reverse-text) smokes offline on
+    examples/vf_reverse_text.py, whose rubric scores a right reversal 1."""
+    from runner.cli import main
+
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RUNNER_SMOKE_CACHE", str(tmp_path / "models"))
+    assert main(["smoke", "examples/verifiers_rl.toml"]) == 0
+    train, _ = build_datasets(Verifiers(module="examples.vf_reverse_text", args={"n": 4}, train_size=2, test_size=1),
+                              ctx())
+    right, _ = group(train, lambda p: "<reversed_text>" + p.split("<|im_start|>user\n")[-1].split("<|im_end|>")[0][::-1]
+                     + "</reversed_text>")
+    assert right.total_rewards_G() == [1.0, 1.0] and right.metrics_G[0]["lcs_reward"] == 1.0

@@ -23,7 +23,9 @@ import contextlib
 import functools
 import importlib
 import json
+import os
 import random
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +51,8 @@ def library() -> Any:
 def load(cfg: Verifiers) -> Any:
     """The environment: `verifiers.load_environment(module, **args)` (the module's load_environment)."""
     vf = library()
+    if os.getcwd() not in sys.path:  # environment modules next to the recipe, as user targets (recipe/targets.py)
+        sys.path.insert(0, os.getcwd())
     try:
         importlib.import_module(cfg.module.replace("-", "_").split("/")[-1])
     except ImportError as e:
