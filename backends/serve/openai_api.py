@@ -16,6 +16,7 @@ runner). A bad request is a 4xx in OpenAI's error shape: {"error": {"message", "
 from __future__ import annotations
 
 import hmac
+import itertools
 import json
 import secrets
 import threading
@@ -440,6 +441,7 @@ class OpenAIRoutes:
         self._lock = threading.Lock()
         self._sessions: dict[str, tuple[SamplerSession, str | None]] = {}  # model spec -> (session, renderer)
         self._formats: dict[tuple[str, str | None], ChatFormat] = {}
+        self._ids = itertools.count()
 
     def handle(self, method: str, route: str, headers: dict[str, str], body: bytes) -> Reply:
         try:
@@ -551,12 +553,12 @@ class OpenAIRoutes:
             return hit
         renderer = None
         if spec in svc.models:
-            sess = SamplerSession(f"openai:{len(self._sessions)}", svc.models[spec], "openai", None)
+            sess = SamplerSession(f"openai:{next(self._ids)}", svc.models[spec], "openai", None)
         elif spec.startswith("tinker://"):
             meta = svc.store.read_run(run_id)
             if meta is None:
                 raise ApiError(404, f"no training run {run_id}")
-            sess = SamplerSession(f"openai:{len(self._sessions)}", svc._served(meta["base_model"]), "openai", spec,
+            sess = SamplerSession(f"openai:{next(self._ids)}", svc._served(meta["base_model"]), "openai", spec,
                                   source=svc.store.checkpoint_dir(run_id, kind, name))
         else:
             local = self.hooks.local_model(spec) if self.hooks is not None else None
@@ -564,7 +566,7 @@ class OpenAIRoutes:
                 raise ApiError(404, f"model {spec[:200]!r} is neither a served model ({', '.join(svc.models)}), "
                                     "a tinker:// sampler checkpoint, a run dir nor a checkpoint folder")
             served = self._served_for(local.base_model)
-            sess = SamplerSession(f"openai:{len(self._sessions)}", served, "openai", spec, source=local.path)
+            sess = SamplerSession(f"openai:{next(self._ids)}", served, "openai", spec, source=local.path)
             renderer = local.renderer
         with self._lock:
             hit = self._sessions.setdefault(spec, (sess, renderer))
