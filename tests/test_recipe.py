@@ -553,7 +553,7 @@ RL_ERRORS = [
     (['algo.loss={kind="ppo", clip_low=1.5}'], "algo.loss: clip_low must be < clip_high"),
     (["algo.env.kind=chess"],
      ("algo.env.kind: invalid choice 'chess'; expected one of: arithmetic, code, guess_number, math, preference, "
-     "python, rubric, tictactoe, tool_use, twenty_questions")),
+     "python, reasoning_gym, rubric, tictactoe, tool_use, twenty_questions, verifiers")),
 ]
 
 
