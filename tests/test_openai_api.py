@@ -155,8 +155,12 @@ def test_logprobs(served):
     gen = client.completions.create(model=model, prompt=prompt, max_tokens=5, seed=2, temperature=1.0, logprobs=0)
     assert gen.choices[0].logprobs.top_logprobs == [None] * len(gen.choices[0].logprobs.tokens)
     toks = httpx.post(f"{served['url']}/v1/completions", json={
-        "model": model, "prompt": prompt, "max_tokens": 5, "seed": 2, "temperature": 1.0}).json()
+        "model": model, "prompt": prompt, "max_tokens": 5, "seed": 2, "temperature": 1.0, "return_token_ids": True}).json()
     assert toks["choices"][0]["text"] == gen.choices[0].text
+    # vLLM's return_token_ids: the prompt's and the sample's token ids (what verifiers records)
+    choice = toks["choices"][0]
+    assert len(choice["prompt_token_ids"]) == toks["usage"]["prompt_tokens"] > 0
+    assert len(choice["token_ids"]) == toks["usage"]["completion_tokens"] >= len(gen.choices[0].logprobs.tokens)
     scored = client.completions.create(model=model, prompt=prompt + gen.choices[0].text, max_tokens=0, echo=True,
                                        logprobs=1)
     lp = scored.choices[0].logprobs

@@ -191,7 +191,8 @@ def chat_plan(req: dict[str, Any], fmt: ChatFormat, limits: Limits | None = None
         prompt = fmt.prompt(out, [_tool_spec(t) for t in tools] if tools else None)
     except (UserError, ValueError, KeyError, TypeError) as exc:
         raise ApiError(400, f"cannot render these messages: {exc}") from None
-    return Plan(model, [prompt], n, params, user_stop, logprobs, top, stream, usage)
+    return Plan(model, [prompt], n, params, user_stop, logprobs, top, stream, usage,
+                extra={"return_token_ids": f.bool("return_token_ids", False)})
 
 
 def _tool_spec(tool: dict[str, Any]) -> dict[str, Any]:
@@ -237,7 +238,8 @@ def completion_plan(req: dict[str, Any], tokenizer: Any, limits: Limits | None =
     params = _params(f, COMPLETION_MAX_TOKENS, stop, lo_tokens=0 if echo else 1)
     if params is None and stream:
         raise ApiError(400, "max_tokens = 0 cannot stream")
-    return Plan(model, prompts, n, params, user_stop, lp is not None and lp is not False, top, stream, usage, echo)
+    return Plan(model, prompts, n, params, user_stop, lp is not None and lp is not False, top, stream, usage, echo,
+                extra={"return_token_ids": f.bool("return_token_ids", False)})
 
 
 # ---------------------------------------------------------------- writing responses
@@ -295,9 +297,16 @@ def chat_response(plan: Plan, out: SampleOutput, fmt: ChatFormat, topk: TopK | N
         logprobs = None
         if plan.logprobs:
             logprobs = {"content": _chat_logprobs(tok, plan.prompts[0], seq, len(tokens), plan, topk)}
-        choices.append({"index": i, "message": msg, "logprobs": logprobs, "finish_reason": finish})
-    return {"id": _new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": plan.model,
-            "choices": choices, "usage": _usage(plan.prompts, plan.n, completion_tokens), "system_fingerprint": None}
+        choice: dict[str, Any] = {"index": i, "message": msg, "logprobs": logprobs, "finish_reason": finish}
+        if plan.extra.get("return_token_ids"):  # vLLM's extension: the sampled tokens, stop token included
+            choice["token_ids"] = list(seq.tokens)
+        choices.append(choice)
+    resp: dict[str, Any] = {
+        "id": _new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": plan.model,
+        "choices": choices, "usage": _usage(plan.prompts, plan.n, completion_tokens), "system_fingerprint": None}
+    if plan.extra.get("return_token_ids"):
+        resp["prompt_token_ids"] = list(plan.prompts[0])
+    return resp
 
 
 def _chat_logprobs(tok: Any, prompt: list[int], seq: SampledSequence, keep: int, plan: Plan, topk: TopK | None
@@ -344,7 +353,11 @@ def completion_response(plan: Plan, outs: list[SampleOutput | None], tokenizer: 
                                                 prompt_logprobs[p] if prompt_logprobs else None)
             if plan.echo:
                 text = tokenizer.decode(prompt, skip_special_tokens=True) + text
-            choices.append({"index": p * plan.n + k, "text": text, "logprobs": logprobs, "finish_reason": finish})
+            choice: dict[str, Any] = {"index": p * plan.n + k, "text": text, "logprobs": logprobs,
+                                      "finish_reason": finish}
+            if plan.extra.get("return_token_ids"):  # vLLM's extension
+                choice["prompt_token_ids"], choice["token_ids"] = list(prompt), list(seq.tokens)
+            choices.append(choice)
     return {"id": _new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": plan.model,
             "choices": choices, "usage": _usage(plan.prompts, plan.n, completion_tokens), "system_fingerprint": None}
 

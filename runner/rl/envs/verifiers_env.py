@@ -28,15 +28,17 @@ import random
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.errors import UserError
 from backends.serve.openai_api import ApiError, chat_plan, chat_response, error_body
 from backends.types import SampledSequence, SampleOutput
 from runner.recipe.schema import Verifiers
 from runner.rl.envs.common import EnvContext, ListDataset
-from runner.rl.openai_chat import RendererChat
 from runner.rl.types import Env, EnvGroupBuilder, Metrics, Observation, RLDataset, StepResult, StopCondition, Trajectory
+
+if TYPE_CHECKING:  # imported in build(): runner.rl.openai_chat imports an env module (tool_use), hence this package
+    from runner.rl.openai_chat import RendererChat
 
 INSTALL = "the verifiers env needs the verifiers package: pip install 'verifiers==0.1.9.post3'"
 
@@ -140,7 +142,7 @@ class VerifiersEnv(Env):
         try:
             if not isinstance(body, dict):
                 raise ApiError(400, "the request body must be a JSON object")
-            plan = chat_plan(body, self.fmt)
+            plan = chat_plan({**body, "return_token_ids": True}, self.fmt)  # verifiers records them
             if plan.n != 1:
                 raise ApiError(400, "n must be 1 (the RL loop samples each member of a group on its own)")
         except ApiError as e:
@@ -148,10 +150,7 @@ class VerifiersEnv(Env):
         fut: asyncio.Future[SampledSequence] = asyncio.get_running_loop().create_future()
         self._queue.put_nowait((plan.prompts[0], fut))
         seq = await fut
-        resp = chat_response(plan, SampleOutput([seq]), self.fmt)
-        resp["prompt_token_ids"] = plan.prompts[0]  # as vLLM's return_token_ids
-        resp["choices"][0]["token_ids"] = list(seq.tokens)
-        return 200, resp
+        return 200, chat_response(plan, SampleOutput([seq]), self.fmt)
 
 
 def _transport(env: VerifiersEnv) -> Any:
@@ -230,6 +229,8 @@ def build(cfg: Verifiers, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]
     if len(train) < ctx.groups_per_batch:
         raise UserError(f"verifiers env: train_size {cfg.train_size} is smaller than groups_per_batch "
                         f"{ctx.groups_per_batch}")
+    from runner.rl.openai_chat import RendererChat
+
     fmt = RendererChat(ctx.renderer)
     tag = cfg.module.split("/")[-1].split(".")[-1]
 
