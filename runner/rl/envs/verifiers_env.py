@@ -23,6 +23,7 @@ import contextlib
 import functools
 import importlib
 import json
+import logging
 import os
 import random
 import sys
@@ -53,6 +54,10 @@ def library() -> Any:
 def load(cfg: Verifiers) -> Any:
     """The environment: `verifiers.load_environment(module, **args)` (the module's load_environment)."""
     vf = library()
+    # verifiers logs every load and rubric at INFO on its own handler: runner's progress line is the output.
+    logging.getLogger("verifiers").setLevel(logging.WARNING)
+    with contextlib.suppress(Exception):  # and its datasets' map() progress bars
+        importlib.import_module("datasets").disable_progress_bars()
     if os.getcwd() not in sys.path:  # environment modules next to the recipe, as user targets (recipe/targets.py)
         sys.path.insert(0, os.getcwd())
     try:
