@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.errors import UserError
-from backends.serve.limits import Limits
+from backends.serve.limits import Limits, fmt_bytes
 from backends.serve.replies import Reply
 from backends.serve.service import Service
 from backends.serve.sessions import ServedModel
@@ -236,6 +236,8 @@ def serve_forever(cfg: ServeConfig) -> None:
         log.warning("listening on %s without --api-key-env: anyone who can reach this address can use it", host)
     models = ", ".join(f"{m.name}={m.path}" if m.name != m.path else m.name for m in service.models.values())
     log.info("runner serve: %s (models: %s; storage: %s)", url, models, service.store.root)
+    log.info("caps: %d live training runs (--max-models), %s held (--max-bytes)", service.memory.max_models,
+             fmt_bytes(service.memory.max_bytes))
     log.info("use it: TINKER_BASE_URL=%s TINKER_API_KEY=%s python your_script.py", url,
              f"${cfg.api_key_env}" if cfg.api_key_env else "tml-local")
     try:
