@@ -21,7 +21,7 @@ from backends.errors import UserError
 from backends.serve import memory, wire
 from backends.serve.adapters import Op, Stability, fb_reply, loss_op
 from backends.serve.limits import Fields, Limits, check_id, to_float
-from backends.serve.replies import ApiError, Promises, Reply, deliver, failed
+from backends.serve.replies import NOT_LOADED, ApiError, Promises, Reply, deliver, failed
 from backends.serve.samplers import SamplerPool, SamplerSession
 from backends.serve.sessions import Run, ServedModel, Session
 from backends.serve.store import KINDS, Store, iso, now, valid_name
@@ -29,7 +29,6 @@ from backends.types import AdamParams, LoraSpec
 
 log = logging.getLogger("runner.serve")
 ADAM_FIELDS = tuple(f.name for f in dataclasses.fields(AdamParams))
-NOT_LOADED = "training_run_not_loaded"  # the reply's "code" for a run this server does not hold (docs/serve.md)
 
 
 class TrainingRoutes:
