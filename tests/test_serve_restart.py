@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("tinker")
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS = 14
+STEPS = 10  # save_every=2
 
 
 def _free_port() -> int:
@@ -50,7 +50,9 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def test_sigkilled_server_costs_the_run_its_inflight_steps_not_the_run(tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["sl_basic", "rl_basic"])
+def test_sigkilled_server_costs_the_run_its_inflight_steps_not_the_run(recipe, tmp_path):
     port = _free_port()
     storage, log_dir = tmp_path / "storage", tmp_path / "run"
     server_log = tmp_path / "serve.log"
@@ -59,7 +61,7 @@ def test_sigkilled_server_costs_the_run_its_inflight_steps_not_the_run(tmp_path)
     try:
         env = {**os.environ, "PYTHONPATH": str(REPO), "TINKER_API_KEY": "tml-test", "TINKER_TELEMETRY": "0"}
         run = subprocess.Popen(
-            [sys.executable, "-m", "runner", "run", "recipes.toml#sl_basic", f"max_steps={STEPS}", "save_every=2",
+            [sys.executable, "-m", "runner", "run", f"recipes.toml#{recipe}", f"max_steps={STEPS}", "save_every=2",
              "eval_every=0", f'backend={{kind="tinker", base_url="http://127.0.0.1:{port}"}}', "tokenizer=tiny",
              f"log_dir={log_dir}"],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -84,7 +86,7 @@ def test_sigkilled_server_costs_the_run_its_inflight_steps_not_the_run(tmp_path)
             server.kill()
     assert killed_at < STEPS
     assert "the server lost the run's training state (restarted?): resuming from checkpoint" in err
-    assert "the server lost this training client" in err and "load the run's last checkpoint" in err
+    assert "the server no longer holds this client" in err
     # The run went on from its last checkpoint: a second session starting there, each step logged once.
     sessions = _rows(log_dir / "sessions.jsonl")
     assert [s["session"] for s in sessions] == [1, 2]
@@ -98,6 +100,9 @@ def test_sigkilled_server_costs_the_run_its_inflight_steps_not_the_run(tmp_path)
     # Training went on from the saved weights and optimizer state: the steps retrained after the restart have
     # the losses the first server gave them (kept in the resume's backup of metrics.jsonl).
     rows = {r["step"]: r for r in _rows(log_dir / "metrics.jsonl")}
+    # No step trained on what was left of a batch whose groups lost their sampler (RL): it was retrained whole.
+    assert all(r.get("rollout_errors/total", 0) == 0 for r in rows.values())
     before = {r["step"]: r for r in _rows(log_dir / f"metrics.jsonl.pre_resume_{resumed_at:06d}")}
     for s in [s for s in before if s >= resumed_at]:  # none when the kill came right after a checkpoint
-        assert rows[s]["train_mean_nll"] == pytest.approx(before[s]["train_mean_nll"], rel=1e-5)
+        key = "train_mean_nll" if recipe == "sl_basic" else "env/all/reward/total"
+        assert rows[s][key] == pytest.approx(before[s][key], rel=1e-5)

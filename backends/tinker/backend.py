@@ -109,7 +109,7 @@ def to_backend_error(exc: BaseException, request: str, key: str) -> BackendError
     text = re.sub(r" for self\.request_id=.*$", "", text.removeprefix("Request failed: "), flags=re.DOTALL)
     detail = _first_line(_scrub(text, key))
     if _state_lost(exc):
-        return BackendError(f"{request}: the server lost this training client: {detail}", request=request,
+        return BackendError(f"{request}: the server no longer holds this client: {detail}", request=request,
                             state_lost=True)
     user = False
     if isinstance(exc, tinker.RequestFailedError):
