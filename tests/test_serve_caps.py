@@ -191,3 +191,49 @@ def test_a_run_the_server_no_longer_holds_names_its_last_checkpoint(tmp_path):
                                                  "adam_params": {"learning_rate": 1e-3}})
         assert unknown.status_code == 404 and "code" not in unknown.json()
     service.close()
+
+
+@pytest.mark.parametrize("text, n", [("8G", 8 << 30), ("512M", 512 << 20), ("1.5GiB", 3 << 29), ("4096", 4096),
+                                     ("2t", 2 << 40), ("64kb", 64 << 10)])
+def test_max_bytes_sizes(text, n):
+    assert memory.parse_bytes(text) == n
+
+
+@pytest.mark.parametrize("args, error", [(["--max-bytes", "lots"], "--max-bytes 'lots' is not a size"),
+                                         (["--max-bytes", "0"], "at least 1 byte"),
+                                         (["--max-models", "0"], "--max-models 0: must be at least 1")])
+def test_bad_cap_flags_are_one_line_exit_2(args, error, capsys):
+    from runner.cli import main
+
+    assert main(["serve", "--port", "0", "--port-file", "unused", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and error in err and err.count("\n") == 1
+
+
+def test_budget_holds_a_request_that_does_not_fit_beside_runs_then_fails_it():
+    """The ledger under the routes: bytes a waiting request needs are taken only when they fit; with nothing in
+    flight it fails after max_wait_s; a session ending (pump) starts it."""
+    from backends.serve.limits import Budget
+
+    mem = memory.Memory(max_models=4, max_bytes=100)
+    budget = Budget(1000, mem, max_wait_s=5.0)
+    mem.reserve_run("a", 70, "run a")
+    started, failed = [], []
+    budget.acquire(10, lambda: started.append("first"), 20, failed.append)  # 70 + 20 <= 100: runs
+    budget.acquire(10, lambda: started.append("second"), 20, failed.append)  # 110 > 100: waits
+    assert started == ["first"] and mem.sampling == 20 and budget.waiting() == 1
+    budget.release(10, 20)  # the first finished: the second fits now
+    assert started == ["first", "second"] and mem.sampling == 20
+    budget.release(10, 20)
+    budget.acquire(10, lambda: started.append("third"), 40, failed.append)  # 70 + 40 > 100, nothing in flight
+    budget.expire(time.monotonic() + 1.0)
+    assert budget.waiting() == 1 and not failed
+    budget.expire(time.monotonic() + 6.0)
+    assert budget.waiting() == 0 and len(failed) == 1 and "higher --max-bytes" in failed[0]
+    budget.acquire(10, lambda: started.append("fourth"), 40, failed.append)
+    mem.release("run:a")
+    budget.pump()
+    assert started[-1] == "fourth" and mem.used == 40
+    with pytest.raises(Exception, match=r"--max-models 4"):
+        for i in range(5):
+            mem.reserve_run(f"r{i}", 1, "a run")

@@ -115,8 +115,13 @@ def physical_memory() -> int:
         return 16 << 30
 
 
-def default_max_bytes() -> int:
-    """Half the machine's memory: the rest is the interpreter, torch, the sampler pool and the OS."""
+def default_max_bytes(device: Any = None) -> int:
+    """On the CPU, half the machine's memory (the rest is the interpreter, torch, the sampler pool and the OS);
+    on a CUDA device, 90% of its memory (what the runs' tensors and KV caches live in)."""
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+
+        return int(torch.cuda.get_device_properties(device).total_memory * 0.9)
     return physical_memory() // 2
 
 
