@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.serve import memory
-from backends.serve.limits import fmt_bytes
+from backends.serve.memory import fmt_bytes
 
 
 def rss() -> int:

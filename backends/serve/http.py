@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from backends.errors import UserError
-from backends.serve.limits import Limits, fmt_bytes
-from backends.serve.memory import default_max_bytes
+from backends.serve.limits import Limits
+from backends.serve.memory import default_max_bytes, fmt_bytes
 from backends.serve.replies import Reply
 from backends.serve.service import Service
 from backends.serve.sessions import ServedModel

@@ -12,12 +12,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from backends.serve.memory import Memory, fmt_bytes
 from backends.serve.replies import ApiError
-
-if TYPE_CHECKING:
-    from backends.serve.memory import Memory
 
 
 @dataclass(frozen=True)
@@ -261,10 +259,3 @@ class _Waiter:
     nbytes: int
     start: Callable[[], None]
     fail: Callable[[str], None] | None
-
-
-def fmt_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"

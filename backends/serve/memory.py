@@ -23,7 +23,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from backends.serve.limits import fmt_bytes as fmt
 from backends.serve.replies import ApiError
 
 ADAPTER_COPIES = 4  # the adapter, its gradient, AdamW's exp_avg and exp_avg_sq
@@ -136,6 +135,13 @@ def parse_bytes(text: str) -> int:
     return int(n)
 
 
+def fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
 class Memory:
     """The ledger of live models and bytes held. Keys: "base:<model>", "run:<run_id>"; sampling requests hold
     bytes through limits.Budget, which asks `fits` and calls `take` / `give`."""
@@ -171,8 +177,8 @@ class Memory:
                                     f"runner serve with a higher --max-models")
             used = sum(self._held.values()) + self.sampling
             if used + n > self.max_bytes:
-                raise ApiError(400, f"{what} needs {fmt(n)} and runner serve holds {fmt(used)} of its cap "
-                                    f"(--max-bytes {fmt(self.max_bytes)}): use a lower rank, end other sessions, "
+                raise ApiError(400, f"{what} needs {fmt_bytes(n)} and runner serve holds {fmt_bytes(used)} of its cap "
+                                    f"(--max-bytes {fmt_bytes(self.max_bytes)}): use a lower rank, end other sessions, "
                                     f"or restart runner serve with a higher --max-bytes")
             self._held[f"run:{run_id}"] = n
 

@@ -17,7 +17,8 @@ import numpy as np
 
 from backends.serve import memory, wire
 from backends.serve.adapters import Stability
-from backends.serve.limits import Budget, Fields, Limits, fmt_bytes, to_int
+from backends.serve.limits import Budget, Fields, Limits, to_int
+from backends.serve.memory import fmt_bytes
 from backends.serve.replies import ApiError, Promise, Promises, Reply, error_reply, failed
 from backends.serve.samplers import Gather, SamplerPool, SamplerSession
 from backends.serve.sessions import ServedModel, Session
