@@ -237,3 +237,24 @@ def test_budget_holds_a_request_that_does_not_fit_beside_runs_then_fails_it():
     with pytest.raises(Exception, match=r"--max-models 4"):
         for i in range(5):
             mem.reserve_run(f"r{i}", 1, "a run")
+
+
+def test_tinker_backend_marks_a_run_the_server_lost():
+    """The tinker backend's reading of the code (runner run resumes on BackendError.state_lost): from a 404's body,
+    and from a failed future's text (the SDK passes only that on); other 404s stay the user's errors."""
+    tinker = pytest.importorskip("tinker")
+    from backends.tinker.backend import to_backend_error
+
+    def not_found(body: dict) -> Exception:
+        response = httpx.Response(404, json=body, request=httpx.Request("POST", "http://127.0.0.1/api/v1/optim_step"))
+        return tinker.NotFoundError("Error code: 404", response=response, body=body)
+
+    lost = to_backend_error(not_found({"detail": "training run r is not loaded on this server", "code":
+                                       "training_run_not_loaded"}), "optim_step #3", "tml-x")
+    assert lost.state_lost and not lost.user_error
+    assert str(lost) == "optim_step #3: the server no longer holds this client: training run r is not loaded on this server"
+    text = to_backend_error(RuntimeError("request req-1 was made before runner serve restarted (training_run_not_loaded)"),
+                            "sample #1", "tml-x")
+    assert text.state_lost
+    other = to_backend_error(not_found({"detail": "unknown training run r"}), "optim_step #3", "tml-x")
+    assert not other.state_lost and other.user_error
