@@ -58,7 +58,8 @@ def test_hostile_programs_are_stopped_and_the_next_run_works(sandbox: Sandbox, t
     assert not r["fork_bomb"].ok and r["fork_bomb"].seconds < LIMITS.wall_s + 1
     assert r["memory_hog"].exit_code == 1 and "MemoryError" in r["memory_hog"].stderr
     assert not r["write_outside"].ok and not outside.exists()
-    assert "Permission denied" in r["write_outside"].stderr
+    # Landlock refuses it (no namespaces), or the path is not in the view at all (bwrap/unshare).
+    assert any(m in r["write_outside"].stderr for m in ("Permission denied", "No such file", "Read-only"))
     assert not r["big_file"].ok and "File too large" in r["big_file"].stderr
     assert r["sleeper"].timed_out and r["sleeper"].signal == "SIGKILL"
     assert r["sleeper"].seconds < LIMITS.wall_s + 1
