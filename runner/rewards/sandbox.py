@@ -240,8 +240,10 @@ def _prefix(isolation: str, root: bool) -> list[str] | None:
         exe = shutil.which("bwrap")
         if exe is None:
             return None
+        # --as-pid-1: the launcher is the namespace's PID 1 and stays in our process group (no --new-session; the
+        # run has no terminal), so the wall-clock killpg kills it and the kernel then kills every process inside.
         caps = ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_CHOWN"] if root else []
-        return [exe, "--die-with-parent", "--new-session", "--as-pid-1", "--unshare-ipc", "--unshare-pid", "--unshare-net",
+        return [exe, "--die-with-parent", "--as-pid-1", "--unshare-ipc", "--unshare-pid", "--unshare-net",
                 "--unshare-uts", "--unshare-cgroup-try", *([] if root else ["--unshare-user"]), *caps]  # fmt: skip
     exe = shutil.which("unshare")
     if exe is None:
