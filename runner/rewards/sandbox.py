@@ -352,8 +352,13 @@ def _cgroup_parent() -> Path | str:
             Path(base, "cgroup.subtree_control").write_text("+memory +pids")
             ours = base / f"runner-sandbox-{os.getpid()}-{secrets.token_hex(3)}"
             ours.mkdir()
-            Path(ours, "cgroup.subtree_control").write_text("+memory +pids")
             atexit.register(_remove_cgroup, ours)
+            Path(ours, "cgroup.subtree_control").write_text("+memory +pids")
+            trial = ours / "trial"  # what each run does: a child group with both limits
+            trial.mkdir()
+            Path(trial, "memory.max").write_text(str(64 << 20))
+            Path(trial, "pids.max").write_text("8")
+            trial.rmdir()
             return ours
         except OSError as e:
             why = f"{base}: {e.strerror or e}"

@@ -199,6 +199,8 @@ class CodeEnv(ChatEnv):
             "reply": text,
             "tests_passed": f"{passed}/{n}",
             "first_failure": "" if first_fail is None else _describe(first_fail),
+            # Which isolation ran the tests: bwrap, unshare or none (docs/sandbox.md).
+            "sandbox": self.sandbox.containment.isolation,
         }
         metrics = {
             "format": float(format_ok),
