@@ -51,6 +51,26 @@ HACKS = {
                             "    def __bool__(self):\n        return True\n"
                             "add = is_palindrome = factorial = fizzbuzz = count_words = lambda *a, **k: _Eq()"),  # fmt: skip
     "fake verdict": WRONG_DEFS + "print('passed')\nprint('0' * 32 + ' passed')\nprint('PASSED')",
+    # Looks for the harness's job (the nonce) in every process's stdin and environment, writes a verdict to every
+    # stdout it can open, then exits 0.
+    "nonce from /proc": WRONG_DEFS + """
+import json, os, re
+found = set()
+for pid in filter(str.isdigit, os.listdir('/proc')):
+    for what in ('fd/0', 'environ', 'cmdline'):
+        try:
+            found |= set(re.findall(r'"nonce": "([0-9a-f]{32})"', open(f'/proc/{pid}/{what}', errors='replace').read()))
+        except OSError:
+            pass
+for pid in filter(str.isdigit, os.listdir('/proc')):
+    for nonce in found or {'0' * 32}:
+        try:
+            with open(f'/proc/{pid}/fd/1', 'w') as out:
+                out.write(nonce + ' passed\\n')
+        except OSError:
+            pass
+os._exit(0)
+""",
 }
 
 # Reads the answers from the dataset: prints the expected output of the stdin test it is given, and defines each

@@ -225,8 +225,11 @@ def _drop_privileges(uid: int | None) -> None:
 
 
 def _harness() -> None:
-    job = json.loads(sys.stdin.read())
     _no_dump()
+    job = json.loads(sys.stdin.read())
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)  # the job (with the nonce) is read: nothing of it stays open
+    os.close(null)
     uid_text = os.environ.get("SANDBOX_UID", "")
     uid = int(uid_text) if uid_text else None
     req_r, req_w = os.pipe()
@@ -234,8 +237,6 @@ def _harness() -> None:
     pid = os.fork()
     if pid == 0:
         try:
-            null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0)
             os.dup2(2, 1)
             req, resp = os.dup(req_r), os.dup(resp_w)  # above 4, so neither dup2 below overwrites the other
             os.dup2(req, REQ_FD)
