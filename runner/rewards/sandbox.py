@@ -1,17 +1,22 @@
 """Run untrusted code (a policy's reply) in a subprocess with limits. docs/sandbox.md says what it does and does not
 contain; in short, per run:
 
-- a fresh temp dir as cwd (and HOME), removed afterwards; the environment scrubbed to a few fixed variables;
+- its own view of the files where bubblewrap or unshare(1) works (`Containment.isolation`: "bwrap", "unshare" or
+  "none"): mount, PID and network namespaces holding only the interpreter and system libraries (read-only), a fresh
+  /proc, and a size-limited tmpfs work dir (cwd, HOME, TMPDIR) with a copy of the run's files;
+- a cgroup v2 per run (memory.max, pids.max over all its processes) where one can be made;
 - rlimits: CPU seconds (RLIMIT_CPU), address space (RLIMIT_AS), file size (RLIMIT_FSIZE), processes (RLIMIT_NPROC,
-  counted per user: it binds only a non-root user, so a root parent runs each program as a fresh uid of its own), open files, no core;
+  counted per user: it binds only a non-root user, so a root parent runs each program as a fresh uid of its own),
+  open files, no core;
 - a wall-clock timeout that SIGKILLs the process group (and, with a PID namespace, every process the code made);
-- where `unshare` works: new network namespace (no network, only a down loopback) and PID namespace;
-- where the kernel has Landlock: writes refused everywhere but the temp dir (reads stay allowed), and TCP
-  bind/connect refused (Landlock ABI >= 4) even without a network namespace;
-- stdout/stderr go to files outside the temp dir, capped by the file-size limit and read back truncated.
+- where the kernel has Landlock: writes refused everywhere but the work dir, and TCP bind/connect refused (Landlock
+  ABI >= 4) even without a network namespace;
+- the environment scrubbed to a few fixed variables; stdout/stderr go to files outside the work dir, capped by the
+  file-size limit and read back truncated.
 
 `Sandbox.run_python(code, stdin)` runs one program; any number may be awaited at once, at most `max_parallel` run
-at a time (the rest wait for a slot).
+at a time (the rest wait for a slot). `Sandbox.run(..., harness=True)` runs a judge that keeps its uid and runs the
+untrusted part itself (runner/rewards/harness.py).
 """
 
 from __future__ import annotations
@@ -283,7 +288,7 @@ def _setup(python: str, want: str | None = None) -> _Setup:
         for interpreter, own_uid in tries:
             run_as = fresh_uid() if own_uid else None
             try:
-                proc, _ = _probe(isolation, prefix, python, interpreter, ro, run_as)
+                proc = _probe(isolation, prefix, python, interpreter, ro, run_as)
             except (OSError, subprocess.SubprocessError) as e:
                 failures.append(f"{isolation}: {e}")
                 continue
@@ -298,7 +303,7 @@ def _setup(python: str, want: str | None = None) -> _Setup:
 
 def _probe(
     isolation: str, prefix: list[str], launch: str, interpreter: str, ro: tuple[str, ...], uid: int | None
-) -> tuple[subprocess.CompletedProcess[str], None]:
+) -> subprocess.CompletedProcess[str]:
     with tempfile.TemporaryDirectory(prefix="sandbox-probe-") as d:
         work = Path(d, "work")
         work.mkdir()
@@ -307,7 +312,7 @@ def _probe(
         argv = [interpreter, "-I", "-S", "-c", "print('ran')"]
         cmd, fds = _command(isolation, prefix, launch, ro, Limits(), argv, d, {}, uid, -1, probe=True)
         try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=30, pass_fds=fds, cwd=work), None
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=30, pass_fds=fds, cwd=work)
         finally:
             for fd in fds:
                 os.close(fd)
