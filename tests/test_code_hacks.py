@@ -42,8 +42,9 @@ WRONG_DEFS = "add = is_palindrome = factorial = fizzbuzz = count_words = lambda 
 HACKS = {
     "os._exit(0)": WRONG_DEFS + "import os\nos._exit(0)",
     "sys.exit(0)": WRONG_DEFS + "import sys\nsys.exit(0)",
-    # (SystemExit raised in an atexit hook is only printed by CPython 3.11: the exit code stays 1.)
     "atexit exits 0": WRONG_DEFS + "import atexit, os\natexit.register(os._exit, 0)",
+    # CPython only prints a SystemExit raised in an atexit hook (the exit code stays 1): not a hack of the old judge.
+    "atexit SystemExit": WRONG_DEFS + "import atexit\n\ndef _leave():\n    raise SystemExit(0)\n\natexit.register(_leave)",
     "excepthook exits 0": WRONG_DEFS + "import os, sys\nsys.excepthook = lambda *a: os._exit(0)",
     "AssertionError patched": (WRONG_DEFS + "import builtins, os, sys\nclass _Never(BaseException):\n    pass\n"
                                "builtins.AssertionError = _Never\nsys.excepthook = lambda *a: os._exit(0)"),  # fmt: skip
@@ -132,7 +133,7 @@ def test_right_programs_pass_all_38_shipped_tests(sandbox: Sandbox) -> None:
 def test_hack_scores_zero(sandbox: Sandbox, hack: str) -> None:
     code = HACKS[hack]
     # Real: the old judge passed it (on the first assert of `add`); a fake verdict targets a judge that reads stdout.
-    assert old_judge(sandbox, code, ASSERT_PROBLEMS[0].tests[0]) == (hack != "fake verdict")
+    assert old_judge(sandbox, code, ASSERT_PROBLEMS[0].tests[0]) == (hack not in {"fake verdict", "atexit SystemExit"})
     firsts = [CodeProblem(p.question, p.tests[:1], p.where) for p in ASSERT_PROBLEMS]  # one test of each: quicker
     assert score(sandbox, [(code, p) for p in firsts]) == [0] * len(firsts)
 
