@@ -1,7 +1,9 @@
 """What the code sandbox holds on this machine, per isolation path (docs/sandbox.md's figures): which paths work,
 whether a cgroup is made, processes visible in /proc, whether a path-named Unix socket in the host's tmp is
 reached, bytes written by 16 forked writers, memory held by 8 forked 48 MiB hogs, and the time of one `print(1)`
-run (median of 5, each path measured in the same run, so the ratio to the unisolated path is the figure to keep).
+run (median of 5, each path measured in the same run, so the ratio to the unisolated path is the figure to keep);
+then, on the preferred path, one assert test judged by the harness (runner/rewards/harness.py) against the old way
+(the assert appended to the program, exit 0 a pass), medians of 5 interleaved.
 
     python bench/bench_sandbox.py
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runner.rewards.sandbox import ISOLATIONS, Limits, Sandbox
+from runner.rl.envs.code import run_check
 
 LIMITS = Limits(cpu_s=5, wall_s=15.0, memory_mb=128, file_mb=4, nproc=32, work_mb=16)
 
@@ -124,6 +127,18 @@ def main() -> None:
     folder.rmdir()
     if "none" in times:
         print("per-run time / unisolated: " + ", ".join(f"{k} {v / times['none']:.2f}x" for k, v in times.items()))
+    sb = Sandbox(LIMITS, max_parallel=1)
+    program, check = "def add(a, b):\n    return a + b", "assert add(1, 2) == 3"
+    old, new = [], []
+    for _ in range(5):
+        start = time.perf_counter()
+        assert asyncio.run(sb.run_python(program + "\n\n" + check)).ok
+        old.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        assert asyncio.run(run_check(sb, program, check))[0]
+        new.append(time.perf_counter() - start)
+    o, n = statistics.median(old), statistics.median(new)
+    print(f"assert test on {sb.containment.isolation}: appended {o:.3f} s, harness {n:.3f} s ({n / o:.2f}x)")
 
 
 if __name__ == "__main__":
