@@ -525,9 +525,21 @@ class OpenAIRoutes:
 
     def _run(self, sess: SamplerSession, plan: Plan, fmt: ChatFormat | None, tokenizer: Any) -> dict[str, Any]:
         svc = self.service
-        ready = threading.Event()
-        svc.budget.acquire(plan.cost, ready.set)  # waits, in arrival order, while the sampler is full
+        gen = plan.params.max_tokens if plan.params is not None else 0
+        # The request's memory (backends/serve/memory.py), as the Tinker API's sample requests reserve it: over
+        # --max-bytes a 413 now; otherwise it waits, in arrival order, with them for tokens and bytes.
+        nbytes = sum(svc._sample_bytes(sess.model, plan.n, len(p), max(gen, 1), plan.echo and plan.logprobs)
+                     for p in plan.prompts) if hasattr(svc, "_sample_bytes") else 0
+        ready, refused = threading.Event(), []
+
+        def fail(why: str) -> None:
+            refused.append(why)
+            ready.set()
+
+        svc.budget.acquire(plan.cost, ready.set, nbytes, fail)
         ready.wait()
+        if refused:
+            raise ApiError(413, refused[0])
         try:
             try:
                 sc = svc.pool.client(sess).result()
@@ -549,7 +561,7 @@ class OpenAIRoutes:
             finally:
                 sess.last_used = time.monotonic()
         finally:
-            svc.budget.release(plan.cost)
+            svc.budget.release(plan.cost, nbytes)
 
     def _session(self, spec: str) -> tuple[SamplerSession, str | None]:
         from backends.serve.samplers import SamplerSession
