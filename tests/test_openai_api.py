@@ -300,3 +300,23 @@ def test_tool_calls_round_trip_through_the_plain_call_convention():
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
     assert choice["message"]["content"] == 'Adding.\nCALL add {"a": 1, "b": 2}'
+
+
+def test_sampling_memory_over_max_bytes_is_an_openai_413(tmp_path):
+    """The /v1 routes reserve their sampling memory as the Tinker API's sample requests do (backends/serve/memory.py):
+    a request that could never fit under --max-bytes is refused at once, in OpenAI's error shape."""
+    from backends.serve.http import ServeConfig, build_service
+    from backends.serve.limits import Limits
+    from runner.tools.openai_serve import serve_hooks
+
+    svc = build_service(ServeConfig(storage=tmp_path / "s", device="cpu", openai=serve_hooks(),
+                                    limits=Limits(max_bytes=64 << 20)))
+    try:
+        body = {"model": "tiny", "messages": QUESTION, "n": 128, "max_tokens": 2000}
+        r = svc.handle("POST", "/v1/chat/completions", {}, json.dumps(body).encode())
+        err = json.loads(r.body)["error"]
+        assert r.status == 413 and "--max-bytes" in err["message"] and err["type"] == "invalid_request_error"
+        ok = svc.handle("POST", "/v1/chat/completions", {}, json.dumps({**body, "n": 1, "max_tokens": 2}).encode())
+        assert ok.status == 200 and svc.stats()["live_sample_tokens"] == 0  # returned when done
+    finally:
+        svc.close()
