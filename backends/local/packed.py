@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends.local import logprobs as LP
+from backends.local.batching import chunk_tokens
 from backends.local.kernels import ATTN_HEAD_DIMS, Kernels
 from backends.local.kernels import MAX_HEAD_DIM as kernels_max_head_dim
 from backends.local.kernels import load as load_kernels
@@ -48,6 +50,9 @@ from backends.local.llama import llama_family_problem, rms_norm, rope
 from backends.local.model import lora_linear_parts
 from backends.local.tree import MIN_SHARED, Layout, ancestors, plan
 from backends.types import Datum
+
+# Tokens per packed chunk when the unembedding is chunked (logprobs.py): activations, not logits, bound it.
+MAX_PACKED_TOKENS = 16384
 
 # ---------------------------------------------------------------- autograd functions
 
@@ -331,6 +336,9 @@ class PackedLM:
             ))
         head, self.head_a, self.head_b, self.head_s = _lora_parts(inner.get_output_embeddings())
         self.head_w = head.weight
+        # Target logprobs by the chunked unembedding (backends/local/logprobs.py); False: full logits per chunk
+        # (the reference path, kept for tests and bench comparisons).
+        self.chunked_head = True
         if self.head_w.requires_grad:
             raise _Unsupported("trainable lm_head")
         if head.bias is not None:
@@ -415,27 +423,45 @@ class PackedLM:
             out = torch.addmm(out.to(a.dtype), h.to(a.dtype) @ a.t(), b.t(), alpha=self.head_s).to(out.dtype)
         return out
 
-    def chunk_logprobs(self, data: list[Datum], budget: int, device: torch.device
+    def token_budget(self, vocab: int) -> int:
+        """Tokens per packed chunk: with the chunked unembedding activations bound a chunk, not logits
+        (MAX_PACKED_TOKENS); else batching.chunk_tokens' float32 logits budget."""
+        return MAX_PACKED_TOKENS if self.chunked_head else chunk_tokens(vocab)
+
+    def chunk_logprobs(self, data: list[Datum], budget: int, device: torch.device,
+                       trained: Sequence[np.ndarray | None] | None = None
                        ) -> Iterator[tuple[list[int], list[torch.Tensor]]]:
         """As batching.chunk_logprobs: (datum indices, their float32 target logprobs shaped like target_tokens),
-        one packed chunk of at most `budget` tokens (a longer segment alone) at a time."""
+        one packed chunk of at most `budget` tokens (a longer segment alone) at a time (see token_budget).
+        trained[i] (bool per position of datum i, or None: all) says where a gradient can be nonzero; the
+        chunked unembedding (backends/local/logprobs.py) recomputes only those rows in backward."""
         for layout in plan(data, budget, self.min_shared()):
             idx = layout.datums
             ids = torch.as_tensor(layout.tokens, dtype=torch.long, device=device)
-            logits = self.logits(self.hidden(ids, layout)).float()
+            h = self.hidden(ids, layout)
+            if self.chunked_head:
+                rows = np.concatenate([layout.rows[i] for i in idx])
+                targets = np.concatenate([data[i].target_tokens.reshape(data[i].length, -1) for i in idx])
+                grad = None
+                if trained is not None and any(trained[i] is not None for i in idx):
+                    parts: list[np.ndarray] = []
+                    for i in idx:
+                        t = trained[i]
+                        parts.append(np.ones(data[i].length, bool) if t is None else t)
+                    grad = np.concatenate(parts)
+                lp_plan = LP.plan(rows, targets, h.shape[0], self.head_w.shape[0], device, grad)
+                a, b = self.head_a, self.head_b
+                flat = LP.target_logprobs(h, self.head_w, lp_plan, None if a is None or b is None else (a, b, self.head_s))
+                sizes = [data[i].target_tokens.size for i in idx]
+                yield idx, [x.view(data[i].target_tokens.shape) for i, x in zip(idx, flat.split(sizes))]
+                continue
+            logits = self.logits(h).float()
             lse = torch.logsumexp(logits, dim=-1)
-            rows = [torch.as_tensor(layout.rows[i], device=device) for i in idx]
-            if all(data[i].target_tokens.ndim == 1 for i in idx):
-                # One gather for the chunk (a datum's rows may include a shared prefix's).
-                flat_rows = torch.cat(rows)
-                targets = torch.as_tensor(np.concatenate([data[i].target_tokens for i in idx]), device=device)
-                lp_all = logits[flat_rows, targets] - lse[flat_rows]
-                out = list(lp_all.split([data[i].length for i in idx]))
-            else:
-                out = []
-                for i, r in zip(idx, rows):
-                    t = torch.as_tensor(data[i].target_tokens, device=device).view(len(r), -1)
-                    out.append((logits[r].gather(-1, t) - lse[r, None]).view(data[i].target_tokens.shape))
+            rows_t = [torch.as_tensor(layout.rows[i], device=device) for i in idx]
+            out = []
+            for i, r in zip(idx, rows_t):
+                t = torch.as_tensor(data[i].target_tokens, device=device).view(len(r), -1)
+                out.append((logits[r].gather(-1, t) - lse[r, None]).view(data[i].target_tokens.shape))
             yield idx, out
 
 
