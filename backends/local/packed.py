@@ -32,7 +32,7 @@ On CUDA the same code runs (SDPA per run of sequences; not yet measured there: n
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends.local import attention as flex
 from backends.local import logprobs as LP
 from backends.local.batching import chunk_tokens
 from backends.local.kernels import ATTN_HEAD_DIMS, Kernels
@@ -339,6 +340,10 @@ class PackedLM:
         # Target logprobs by the chunked unembedding (backends/local/logprobs.py); False: full logits per chunk
         # (the reference path, kept for tests and bench comparisons).
         self.chunked_head = True
+        # Attention over a chunk: "auto" (FlexAttention on CUDA, else the C tree kernel or SDPA per block), "flex",
+        # "torch" (never flex). flex_compiled=False runs FlexAttention's eager reference (CPU tests).
+        self.attention = "auto"
+        self.flex_compiled = True
         if self.head_w.requires_grad:
             raise _Unsupported("trainable lm_head")
         if head.bias is not None:
@@ -368,13 +373,17 @@ class PackedLM:
 
     def hidden(self, ids: torch.Tensor, layout: Layout) -> torch.Tensor:
         """Final-norm hidden states (T x hidden) of the packed tokens `ids` (T,) laid out by `layout`."""
+        if self.use_flex(ids.device):
+            return self._hidden_flex(ids, layout)
         x = self.embed(ids)
         pos = torch.as_tensor(layout.positions, device=ids.device)
         cos, sin = self.rotary(x[None], pos[None])
         T, H, K, D = ids.shape[0], self.n_heads, self.n_kv, self.head_dim
         kern = self.kernels if self.kernels is not None and Kernels.usable(x, cos, sin) and cos.shape[-1] == D else None
         if kern is None:
-            return self._hidden_eager(x, cos[0, :, None, :], sin[0, :, None, :], attention_blocks(layout, ids.device))
+            blocks = attention_blocks(layout, ids.device)
+            return self._hidden_eager(x, cos[0, :, None, :], sin[0, :, None, :],
+                                      lambda q, k, v: _attention(q, k, v, blocks, self.scaling))
         cos, sin, eps = cos[0].contiguous(), sin[0].contiguous(), self.eps
         plan = attention_plan(layout) if D in ATTN_HEAD_DIMS else None
         blocks = attention_blocks(layout, ids.device) if plan is None else []
@@ -395,9 +404,30 @@ class PackedLM:
             x, h = _FusedNorm.apply(x, d, nxt, eps, kern)
         return h
 
-    def _hidden_eager(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, blocks: list[_Block]
-                      ) -> torch.Tensor:
-        """hidden() in torch's eager ops (no fused kernels: another device or dtype, or no C compiler)."""
+    def use_flex(self, device: torch.device) -> bool:
+        """Whether hidden() runs attention as one FlexAttention call per layer (backends/local/attention.py):
+        `attention` "flex" always (forward only on the CPU), "auto" on CUDA when torch has it."""
+        if self.attention == "flex":
+            return True
+        return self.attention == "auto" and device.type == "cuda" and flex.available()
+
+    def _hidden_flex(self, ids: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """hidden() with FlexAttention: the chunk padded to a bucketed size (flex.bucket; padding rows are token 0
+        at position 0 in a segment of their own), one block mask for every layer, the padding cut off at the end."""
+        n = ids.shape[0]
+        mask = flex.flex_mask(layout, ids.device)
+        pad = mask.padded - n
+        pos = torch.as_tensor(np.concatenate([layout.positions, np.zeros(pad, np.int64)]), device=ids.device)
+        x = self.embed(torch.cat([ids, ids.new_zeros(pad)]) if pad else ids)
+        cos, sin = self.rotary(x[None], pos[None])
+        h = self._hidden_eager(x, cos[0, :, None, :], sin[0, :, None, :],
+                               lambda q, k, v: flex.flex_attend(q, k, v, mask, self.scaling, self.flex_compiled))
+        return h[:n]
+
+    def _hidden_eager(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """hidden() in torch's eager ops (no fused kernels: another device or dtype, or no C compiler); attend(q, k,
+        v) is the attention over the chunk."""
         T, H, K, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
         for layer in self.layers:
             h = rms_norm(x, layer.ln1, self.eps)
@@ -406,7 +436,7 @@ class PackedLM:
             if layer.q_norm is not None and layer.k_norm is not None:
                 q, k = rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)
             q, k = rope(q, cos, sin), rope(k, cos, sin)
-            a = _attention(q, k, v, blocks, self.scaling)
+            a = attend(q, k, v)
             (o,) = layer.o(a)
             x = x + o
             h = rms_norm(x, layer.ln2, self.eps)
