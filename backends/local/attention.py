@@ -92,8 +92,13 @@ def flex_mask(layout: Layout, device: torch.device, padded: int | None = None) -
 def _compiled() -> Any:
     from torch.nn.attention.flex_attention import flex_attention
 
-    # dynamic: the bucketed chunk sizes share one compiled kernel where the backend can (else one per bucket)
-    return torch.compile(flex_attention, dynamic=True)
+    # One kernel per bucketed size (static shapes: dynamic ones failed to build on the CPU with torch 2.13's
+    # inductor template); a run sees a few buckets, all of them below the recompile limit raised here.
+    import torch._dynamo.config as dynamo_config
+
+    if getattr(dynamo_config, "recompile_limit", 64) < 64:
+        dynamo_config.recompile_limit = 64
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexMask, scale: float,
