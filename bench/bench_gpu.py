@@ -303,6 +303,9 @@ def bench_training(shape: str, model_dir: Path, cfg: Any, device: torch.device, 
         try:
             steps[name] = make()
             first[name] = steps[name](batches[0])  # the first loss (before any update) and the warm-up step
+            if name == "hf-flex":  # compiled per sequence length (no bucketing in a hand loop): compile them all now
+                for b in batches[1:]:
+                    steps[name](b)
         except Exception as exc:  # noqa: BLE001 (an out-of-memory contender is a result, anything else is not)
             if not is_oom(exc):
                 raise

@@ -174,3 +174,25 @@ def test_peak_memory_is_a_fraction_of_the_full_logits():
     full, chunked = grow("full"), grow("chunked")
     assert full > 256 * 1024, full  # at least the logits themselves
     assert chunked < full / 4, (chunked, full)
+
+
+@pytest.mark.parametrize("loss_fn", LOSSES)
+def test_zero_where_holds_for_every_builtin(loss_fn):
+    """A loss's zero_where input at 0 gives a zero gradient whatever the logprob (what the skipping relies on);
+    a loss without one (dro: its penalty does not multiply by A) has nonzero gradients there."""
+    from backends import losses as registry
+    from backends.local.losses import LossInputs, token_losses
+
+    spec = registry.get(loss_fn)
+    rng = np.random.default_rng(0)
+    n = 40
+    zero = rng.random(n) < 0.5
+    lp = torch.tensor(-rng.random(n) * 4, requires_grad=True)
+    value = torch.tensor(np.where(zero, 0.0, rng.normal(size=n)))
+    q = torch.tensor(-rng.random(n) * 4)
+    inp = LossInputs(weights=value, logprobs=q, advantages=value)
+    (g,) = torch.autograd.grad(token_losses(loss_fn, lp, inp, resolve_config(loss_fn, None)).sum(), lp)
+    if spec.zero_where is None:
+        assert loss_fn == "dro" and bool((g[torch.as_tensor(zero)] != 0).all())
+    else:
+        assert bool((g[torch.as_tensor(zero)] == 0).all()) and bool((g[torch.as_tensor(~zero)] != 0).any())

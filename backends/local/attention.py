@@ -90,11 +90,10 @@ def flex_mask(layout: Layout, device: torch.device, padded: int | None = None) -
 
 @functools.cache
 def _compiled() -> Any:
-    from torch.nn.attention.flex_attention import flex_attention
-
     # One kernel per bucketed size (static shapes: dynamic ones failed to build on the CPU with torch 2.13's
     # inductor template); a run sees a few buckets, all of them below the recompile limit raised here.
     import torch._dynamo.config as dynamo_config
+    from torch.nn.attention.flex_attention import flex_attention
 
     if getattr(dynamo_config, "recompile_limit", 64) < 64:
         dynamo_config.recompile_limit = 64
