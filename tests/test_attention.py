@@ -36,9 +36,9 @@ def test_the_mask_is_each_sequence_causal_whatever_the_tree():
     assert layout.trees and layout.runs  # both kinds of block are in the chunk
     n = len(layout.tokens)
     padded = flex.bucket(n)
-    seg, vis = flex.segment_tables(layout, padded)
+    ends = flex.subtree_ends(layout, padded)
     q, kv = np.arange(padded)[:, None], np.arange(padded)[None, :]
-    allowed = (kv <= q) & vis[seg[:, None], seg[None, :]]
+    allowed = (kv <= q) & (q < ends[None, :])
     expected = np.zeros((padded, padded), dtype=bool)  # row rows[j] of datum i sees rows[:j + 1], nothing else
     for rows in layout.rows.values():
         for j, r in enumerate(rows):

@@ -2,14 +2,16 @@
 
 A packed chunk (backends/local/tree.py's Layout) is lone sequences one after another and prefix trees (a shared
 prompt once, then what continues it). Every row attends causally to its own segment (a lone sequence or a tree
-node) and to all rows of its segment's ancestors. As a FlexAttention mask_mod that is
+node) and to all rows of its segment's ancestors. tree.py places a tree in pre-order (a node, then each child's
+subtree), so a segment's descendants are exactly the rows from its end to its subtree's end, and the visibility
+rule is one comparison per side, with `ends[row]` the end of the subtree of the row's segment:
 
-    kv <= q  and  visible[segment[q], segment[kv]]
+    kv <= q  and  q < ends[kv]
 
-with `segment` the row's segment index and `visible` the (segments x segments) ancestor-or-self table: ancestors
-are placed before their descendants, so "kv <= q" is causal within a segment and lets every ancestor row through.
-Lone sequences are segments without ancestors (a document mask). The block mask is built once per chunk, on the
-device, from two small tensors (no Python loop over sequences or nodes, no host sync); all layers reuse it.
+(kv's segment is q's or an ancestor of it). Lone sequences are segments without children (a document mask).
+The block mask is built once per chunk on the device from that one vector of row indices (its shape is the
+bucket's, so the compiled mask builder is reused too) and every layer uses it; no Python loop over sequences or
+nodes runs in the step.
 
 Token counts are bucketed (`bucket`): the chunk is padded to a bucket size with rows in a segment of their own,
 so the shapes the compiled kernel sees repeat from step to step. On the CPU FlexAttention has a forward only (no
@@ -47,19 +49,22 @@ def bucket(n: int) -> int:
     return -(-n // step) * step
 
 
-def segment_tables(layout: Layout, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """(segment index per row, padded to `rows`; visible (S + 1, S + 1) bool: [i, j] = segment j is i or an
-    ancestor of i). The padding rows are segment S, visible to itself only."""
-    seg, anc, _ = layout.segments()
-    index = {first: i for i, (first, _, _, _) in enumerate(seg)}
-    s = len(seg)
-    visible = np.eye(s + 1, dtype=bool)
-    for i, (_, _, a0, a1) in enumerate(seg):
-        for first, _ in anc[a0:a1]:
-            visible[i, index[first]] = True
-    seg_of_row = np.full(rows, s, dtype=np.int64)
-    seg_of_row[: len(layout.tokens)] = np.repeat(np.arange(s), [n for _, n, _, _ in seg])
-    return seg_of_row, visible
+def subtree_ends(layout: Layout, rows: int) -> np.ndarray:
+    """Per row (padded to `rows`), the end row of its segment's subtree: a lone sequence's own end; a tree node's
+    last descendant's end (tree.py places a tree in pre-order, so a node's descendants are the rows right after
+    it). Padding rows get `rows` (they see each other, never a real row)."""
+    end = np.full(rows, rows, dtype=np.int64)
+    for start, count, n in layout.runs:
+        for i in range(count):
+            end[start + i * n:start + (i + 1) * n] = start + (i + 1) * n
+    for nodes in layout.trees:
+        ends = [first + length for first, length, _ in nodes]
+        for i in range(len(nodes) - 1, 0, -1):
+            parent = nodes[i][2]
+            ends[parent] = max(ends[parent], ends[i])
+        for (first, length, _), e in zip(nodes, ends):
+            end[first:first + length] = e
+    return end
 
 
 @dataclass
@@ -77,14 +82,15 @@ def flex_mask(layout: Layout, device: torch.device, padded: int | None = None) -
 
     n = len(layout.tokens)
     padded = padded or bucket(n)
-    seg_np, vis_np = segment_tables(layout, padded)
-    seg = torch.as_tensor(seg_np, device=device)
-    vis = torch.as_tensor(vis_np, device=device)
+    ends = torch.as_tensor(subtree_ends(layout, padded), device=device)
 
     def mask_mod(b: Any, h: Any, q: Any, kv: Any) -> Any:
-        return (kv <= q) & vis[seg[q], seg[kv]]
+        return (kv <= q) & (q < ends[kv])
 
-    block = create_block_mask(mask_mod, None, None, padded, padded, device=str(device), BLOCK_SIZE=BLOCK)
+    # On CUDA the mask is evaluated block by block by a compiled kernel (eagerly it would materialise padded^2
+    # booleans and their index tensors: gigabytes at 16k rows); the CPU (tests, small chunks) builds it eagerly.
+    block = create_block_mask(mask_mod, None, None, padded, padded, device=str(device), BLOCK_SIZE=BLOCK,
+                              _compile=device.type == "cuda")
     return FlexMask(block, n, padded)
 
 
