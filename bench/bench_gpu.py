@@ -377,7 +377,7 @@ def bench_sampling(shape: str, model_dir: Path, cfg: Any, device: torch.device, 
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     ids = torch.tensor(prompts, device=device)
-    gen_kw = {"do_sample": True, "temperature": 1.0, "top_k": None, "top_p": None, "max_new_tokens": new,
+    gen_kw = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": new,
               "min_new_tokens": new, "attention_mask": torch.ones_like(ids)}
 
     def run_generate(m: Any, **extra: Any) -> int:
