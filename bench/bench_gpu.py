@@ -8,6 +8,8 @@ tokens, lengths uniform in [--min-len, --max-len], the first 30% of each row wei
 Training contenders (a step = forward + backward + AdamW step on one batch; tokens = the batch's input tokens):
   ours          LocalBackend: forward_backward("cross_entropy") + optim_step (packed rows, FlexAttention on CUDA,
                 chunked unembedding: backends/local/packed.py, attention.py, logprobs.py)
+  ours-before   the same with the packed path as before issue #29 (full logits per chunk of 2^27 / vocab tokens,
+                attention per block): PackedLM.chunked_head = False, attention = "torch"
   hf-padded     HF + peft: right-padded batch with attention mask, full [rows x width x vocab] logits, weighted CE
   hf-packed     HF + peft: the batch as one packed row (position ids restart per sequence), causal SDPA per
                 sequence (bench_train.varlen_sdpa), logits only at trained positions
@@ -24,6 +26,9 @@ counting the tied embedding once (as the lm_head matmul), attention scores not c
 measured bf16 (CUDA) / fp32 (CPU) torch.mm throughput on 8192^3 (CUDA) / 1024^3 (CPU). Memory: the largest
 torch.cuda.max_memory_allocated during a contender's steps, less what was allocated before them (every
 contender's weights and optimizer state stay resident; they are the same for all).
+
+RL: rl_basic-shaped batches (8 groups x 8 samples of a 69-token prompt, 2-8 answer tokens), importance_sampling:
+training steps/s of ours against ours-before (the sampling half of an RL step is measured separately below).
 
 Sampling: --prompts prompts of --prompt-len random tokens, --new-tokens tokens each at temperature 1 with no stop
 (ours: stop=[]; generate: min_new_tokens = max_new_tokens), against HF `generate` (dynamic cache) and, on CUDA,
@@ -143,13 +148,19 @@ def hf_step(model, loss_of: Callable[[Any, list[Datum]], torch.Tensor]) -> Step:
 # ---------------------------------------------------------------- contenders
 
 
-def make_ours(model_dir: Path, device: torch.device, storage: Path) -> Step:
+def make_ours(model_dir: Path, device: torch.device, storage: Path, before: bool = False, loss_fn: str = "cross_entropy"
+              ) -> Step:
+    """before: the packed path as it was before issue #29 (full [tokens x vocab] logits per chunk, chunks of
+    2^27 / vocab tokens, attention per block): PackedLM.chunked_head off, attention "torch"."""
     backend = LocalBackend(Local(device=device.type, lora_alpha=ALPHA, packed=True), str(model_dir), None, storage, seed=0)
     client = backend.create_training_client(LoraSpec(base_model=str(model_dir), rank=RANK, seed=0,
                                                      train_unembed=False)).result()
+    if before:
+        assert client.packed is not None
+        client.packed.chunked_head, client.packed.attention = False, "torch"
 
     def step(batch: list[Datum]) -> float:
-        fb = client.forward_backward(batch, "cross_entropy")
+        fb = client.forward_backward(batch, loss_fn)
         opt = client.optim_step(ADAM)
         loss = fb.result().metrics["loss:sum"]
         opt.result()
@@ -157,6 +168,26 @@ def make_ours(model_dir: Path, device: torch.device, storage: Path) -> Step:
 
     step.client = client  # type: ignore[attr-defined]  (the sampling bench takes its sampler from it)
     return step
+
+
+def rl_batches(n: int, vocab: int, groups: int = 8, group: int = 8, prompt: int = 69, seed: int = 0) -> list[list[Datum]]:
+    """rl_basic-shaped batches: `groups` prompts of `prompt` tokens, `group` samples each with 2-8 answer tokens;
+    importance_sampling inputs (sampler logprobs, advantages on the answer, 0 on the prompt)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        batch = []
+        for _ in range(groups):
+            p = list(map(int, rng.integers(0, vocab, prompt)))
+            for _ in range(group):
+                seq = p + list(map(int, rng.integers(0, vocab, int(rng.integers(2, 9)) + 1)))
+                k = len(seq) - 1
+                adv = np.zeros(k, np.float32)
+                adv[prompt - 1:] = rng.normal()
+                batch.append(Datum(seq[:-1], np.array(seq[1:]), logprobs=(-rng.random(k) * 3).astype(np.float32),
+                                   advantages=adv))
+        out.append(batch)
+    return out
 
 
 def padded_loss(model, batch: list[Datum]) -> torch.Tensor:
@@ -288,6 +319,7 @@ def bench_training(shape: str, model_dir: Path, cfg: Any, device: torch.device, 
     tokens = sum(d.length for b in batches[1:] for d in b)
     makers: dict[str, Callable[[], Step]] = {
         "ours": lambda: make_ours(model_dir, device, storage),
+        "ours-before": lambda: make_ours(model_dir, device, storage / "before", before=True),
         "hf-padded": lambda: hf_step(peft_model(model_dir, device, dtype), padded_loss),
         "hf-packed": lambda: hf_step(peft_model(model_dir, device, dtype, VARLEN), packed_loss),
     }
@@ -351,7 +383,7 @@ def bench_training(shape: str, model_dir: Path, cfg: Any, device: torch.device, 
     lines.append("| contender | tokens/s | vs best hand loop | MFU | step peak above resident (GiB) |")
     lines.append("|---|---:|---:|---:|---:|")
     tps = {n: tokens / statistics.median(t) for n, t in times.items() if t and n in steps}
-    hand = [v for n, v in tps.items() if n != "ours"]
+    hand = [v for n, v in tps.items() if not n.startswith("ours")]
     best = max(hand) if hand else float("nan")
     for name in makers:
         if name in tps:
@@ -361,6 +393,34 @@ def bench_training(shape: str, model_dir: Path, cfg: Any, device: torch.device, 
         else:
             lines.append(f"| {name} | {failed.get(name, 'failed')} | | | |")
     return steps.get("ours")
+
+
+def bench_rl(shape: str, model_dir: Path, cfg: Any, device: torch.device, args: Any, storage: Path,
+             lines: list[str]) -> None:
+    """Training steps/s (forward_backward importance_sampling + optim_step) on rl_basic-shaped batches, ours
+    against ours before issue #29, interleaved."""
+    batches = rl_batches(args.steps + 1, cfg.vocab_size)
+    steps = {"ours": make_ours(model_dir, device, storage / "rl", loss_fn="importance_sampling"),
+             "ours-before": make_ours(model_dir, device, storage / "rl-before", before=True, loss_fn="importance_sampling")}
+    first = {n: s(batches[0]) for n, s in steps.items()}
+    if abs(first["ours"] - first["ours-before"]) > 2e-2 * max(1.0, abs(first["ours-before"])):
+        raise SystemExit(f"{shape} RL: first losses differ: {first}")
+    times: dict[str, list[float]] = {n: [] for n in steps}
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            sync(device)
+            t = time.perf_counter()
+            for b in batches[1:]:
+                step(b)
+            sync(device)
+            times[name].append((time.perf_counter() - t) / args.steps)
+    per = {n: statistics.median(t) for n, t in times.items()}
+    lines.append(f"\n### {shape} RL-shaped training steps (8 groups x 8 samples, 69-token prompts, 2-8 answer tokens; "
+                 f"importance_sampling; sampling not included)\n")
+    lines.append("| contender | steps/s | vs before |")
+    lines.append("|---|---:|---:|")
+    for name, v in per.items():
+        lines.append(f"| {name} | {1 / v:.2f} | {per['ours-before'] / v:.2f}x |")
 
 
 def bench_sampling(shape: str, model_dir: Path, cfg: Any, device: torch.device, dtype: torch.dtype, args: Any,
@@ -422,6 +482,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--no-sampling", action="store_true")
+    ap.add_argument("--no-rl", action="store_true", help="skip the RL-shaped steps")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     args = ap.parse_args()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -445,6 +506,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             model_dir, cfg = write_model(shape, Path(tmp) / "model", dtype)
             ours = bench_training(shape, model_dir, cfg, device, dtype, args, Path(tmp) / "storage", lines)
+            if not args.no_rl:
+                bench_rl(shape, model_dir, cfg, device, args, Path(tmp) / "storage", lines)
             if not args.no_sampling and ours is not None:
                 bench_sampling(shape, model_dir, cfg, device, dtype, args, ours, lines)
         gc.collect()
