@@ -73,7 +73,7 @@ from backends.local.config import Local
 from backends.local.tiny import _save, build_config, build_tokenizer
 from backends.types import AdamParams, Datum, LoraSpec
 from runner.algos.sft import to_datum
-from runner.data.chat_template import render
+from runner.renderers.chat_template import render
 
 try:
     import trl
