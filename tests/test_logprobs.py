@@ -196,3 +196,18 @@ def test_zero_where_holds_for_every_builtin(loss_fn):
         assert loss_fn == "dro" and bool((g[torch.as_tensor(zero)] != 0).all())
     else:
         assert bool((g[torch.as_tensor(zero)] == 0).all()) and bool((g[torch.as_tensor(~zero)] != 0).any())
+
+
+def test_token_budget_is_bound_by_activations_not_logits(monkeypatch):
+    from backends.local import packed as packed_mod
+
+    packed, _ = PackedLM.build(_lora(_model("qwen3")))
+    assert packed is not None
+    assert packed.token_budget(151936) == packed_mod.MAX_PACKED_TOKENS  # small model: the cap, whatever the vocab
+    monkeypatch.setattr(packed_mod, "ACTIVATION_BYTES", 8 << 20)  # 8 MiB of activations
+    per_token = 2 * (4 * 64 + 2 * 64 + 2 * 32 + 3 * 96) * 4  # layers x (4 hidden + 2 q + 2 kv + 3 inter) x fp32
+    assert packed.token_budget(151936) == (8 << 20) // per_token == 1424  # above the logits budget (883)
+    monkeypatch.setattr(packed_mod, "ACTIVATION_BYTES", 1 << 20)  # fewer than the logits budget: that one
+    assert packed.token_budget(151936) == batching.chunk_tokens(151936) == 883
+    packed.chunked_head = False  # the full-logits path keeps the logits budget
+    assert packed.token_budget(151936) == batching.chunk_tokens(151936)

@@ -52,8 +52,13 @@ from backends.local.model import lora_linear_parts
 from backends.local.tree import MIN_SHARED, Layout, ancestors, plan
 from backends.types import Datum
 
-# Tokens per packed chunk when the unembedding is chunked (logprobs.py): activations, not logits, bound it.
+# Tokens per packed chunk when the unembedding is chunked (logprobs.py): activations, not logits, bound it
+# (PackedLM.token_budget): at most MAX_PACKED_TOKENS, and saved activations within a quarter of the GPU's memory
+# or 4 GiB on the CPU (tiny and bench_train's 25M model: 16,384 either way; Qwen3-0.6B on an 80 GB GPU: 16,384;
+# Qwen3-1.7B: ~11k).
 MAX_PACKED_TOKENS = 16384
+ACTIVATION_FRACTION = 0.25
+ACTIVATION_BYTES = 4 << 30
 
 # ---------------------------------------------------------------- autograd functions
 
@@ -454,9 +459,21 @@ class PackedLM:
         return out
 
     def token_budget(self, vocab: int) -> int:
-        """Tokens per packed chunk: with the chunked unembedding activations bound a chunk, not logits
-        (MAX_PACKED_TOKENS); else batching.chunk_tokens' float32 logits budget."""
-        return MAX_PACKED_TOKENS if self.chunked_head else chunk_tokens(vocab)
+        """Tokens per packed chunk. With the chunked unembedding the activations bound a chunk, not the logits:
+        as many tokens as keep the saved activations (about 4 hidden + 2 q + 2 kv + 3 intermediate values per
+        token and layer) within ACTIVATION_FRACTION of the GPU's memory or ACTIVATION_BYTES on the CPU, at most
+        MAX_PACKED_TOKENS, at least batching.chunk_tokens' (the float32 logits budget, the bound without it)."""
+        if not self.chunked_head:
+            return chunk_tokens(vocab)
+        w = self.embed.weight
+        q, kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        inter = int(self.layers[0].gate_up.weights[0].shape[0])
+        per_token = len(self.layers) * (4 * self.hidden_size + 2 * q + 2 * kv + 3 * inter) * w.element_size()
+        if w.device.type == "cuda":
+            limit = int(torch.cuda.get_device_properties(w.device).total_memory * ACTIVATION_FRACTION)
+        else:
+            limit = ACTIVATION_BYTES
+        return max(chunk_tokens(vocab), min(MAX_PACKED_TOKENS, limit // per_token))
 
     def chunk_logprobs(self, data: list[Datum], budget: int, device: torch.device,
                        trained: Sequence[np.ndarray | None] | None = None
