@@ -27,7 +27,9 @@ only the arithmetic is ours, so peft keeps owning adapters, checkpoints and expo
 
 Anything else (another architecture, DoRA, sliding-window layers, a full fine-tune, ...) makes
 `PackedLM.build` return None with the reason, and the backend uses the padded path (backends/local/batching.py).
-On CUDA the same code runs (SDPA per run of sequences; not yet measured there: no GPU was at hand).
+On CUDA attention over the chunk is one FlexAttention call per layer (backends/local/attention.py); on every device
+the target logprobs come from a chunked unembedding (backends/local/logprobs.py). docs/local-backend.md says what
+runs where; the GPU figures are bench/bench_gpu.py's (owed: no GPU was at hand when this was written).
 """
 
 from __future__ import annotations
@@ -505,10 +507,17 @@ class PackedLM:
             logits = self.logits(h).float()
             lse = torch.logsumexp(logits, dim=-1)
             rows_t = [torch.as_tensor(layout.rows[i], device=device) for i in idx]
-            out = []
-            for i, r in zip(idx, rows_t):
-                t = torch.as_tensor(data[i].target_tokens, device=device).view(len(r), -1)
-                out.append((logits[r].gather(-1, t) - lse[r, None]).view(data[i].target_tokens.shape))
+            if all(data[i].target_tokens.ndim == 1 for i in idx):
+                # One gather for the chunk (a datum's rows may include a shared prefix's).
+                flat_rows = torch.cat(rows_t)
+                targets_t = torch.as_tensor(np.concatenate([data[i].target_tokens for i in idx]), device=device)
+                lp_all = logits[flat_rows, targets_t] - lse[flat_rows]
+                out = list(lp_all.split([data[i].length for i in idx]))
+            else:
+                out = []
+                for i, r in zip(idx, rows_t):
+                    t = torch.as_tensor(data[i].target_tokens, device=device).view(len(r), -1)
+                    out.append((logits[r].gather(-1, t) - lse[r, None]).view(data[i].target_tokens.shape))
             yield idx, out
 
 
