@@ -244,3 +244,40 @@ def test_dry_run_and_the_run_say_where_they_run(tmp_path, monkeypatch, capsys):
     assert main(["run", ref, "--dry-run", "backend.dtype=bfloat16"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[1].startswith("device: cpu bfloat16 (") and "dtype = 'bfloat16'" in out[1]
+
+
+# ---------------------------------------------------------------- runner serve --dtype bfloat16
+
+
+@pytest.mark.slow
+def test_conformance_against_serve_in_bf16(tmp_path, monkeypatch, caplog):
+    """Every conformance check passes against `runner serve --dtype bfloat16`, with the numeric checks at
+    atol = rtol = 5e-3 (their sampler-vs-trainer checks then allow max |dlogprob| 0.05 = TOL_LORA; measured
+    0.0174 for sampler_weights, 0.0015 for prompt_logprobs)."""
+    pytest.importorskip("tinker")
+    import logging
+
+    from backends.serve.http import ServeConfig, build_service, running
+    from runner.tools.conformance.core import Ctx, run_suite
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    with caplog.at_level(logging.INFO):
+        service = build_service(ServeConfig(storage=tmp_path / "storage", device="cpu", dtype="bfloat16"))
+    assert "model tiny: device: cpu bfloat16" in caplog.text
+    try:
+        with running(service) as srv:
+            ctx = Ctx(f"http://127.0.0.1:{srv.server_address[1]}", "tml-test", None, atol=5e-3, rtol=5e-3)
+            try:
+                _, results = run_suite(ctx, ())
+            finally:
+                ctx.close()
+    finally:
+        service.close()
+    assert len(results) >= 42
+    assert [(r.check, r.detail) for r in results if r.result != "pass"] == []
+
+
+def test_serve_takes_a_dtype(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--dtype", "float16"])
+    assert e.value.code == 2 and "invalid choice: 'float16'" in capsys.readouterr().err
