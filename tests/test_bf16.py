@@ -281,3 +281,16 @@ def test_serve_takes_a_dtype(capsys):
     with pytest.raises(SystemExit) as e:
         main(["serve", "--dtype", "float16"])
     assert e.value.code == 2 and "invalid choice: 'float16'" in capsys.readouterr().err
+
+
+def test_the_env_sets_what_auto_picks(monkeypatch):
+    from backends.errors import UserError
+
+    monkeypatch.setenv("RUNNER_LOCAL_DEVICE", "cuda")
+    assert place(Local(), TINY_DIR, cuda=True).device.type == "cuda"  # a small model too
+    assert place(Local(device="cpu"), TINY_DIR, cuda=True).device.type == "cpu"  # an explicit device wins
+    with pytest.raises(UserError, match="RUNNER_LOCAL_DEVICE=cuda but torch sees no CUDA device"):
+        place(Local(), TINY_DIR, cuda=False)
+    monkeypatch.setenv("RUNNER_LOCAL_DEVICE", "tpu")
+    with pytest.raises(UserError, match="expected cpu or cuda"):
+        place(Local(), TINY_DIR, cuda=True)

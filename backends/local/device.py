@@ -15,6 +15,7 @@ A full fine-tune trains the base's own tensors, in `dtype`.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,10 @@ from backends.local.options import LocalOptions
 # on 2 CPU cores). Every real chat model (0.5B parameters and up) is far above it. The cut itself sits between
 # those two measured points; bench/gpu_check.py reports both devices' step times for the embedded model.
 CPU_MAX_PARAMS = 50_000_000
+# Set to "cpu" or "cuda": what device = "auto" picks in this process, whatever the model (bench/gpu_check.py smokes
+# every recipe on cuda with it, where "auto" would keep their small stand-in models on the CPU). A recipe's
+# explicit device is never overridden.
+DEVICE_ENV = "RUNNER_LOCAL_DEVICE"
 
 
 # LoRA A/B as trained (and AdamW's moments of them), the copies an unmerged sampling snapshot keeps, and the
@@ -111,7 +116,14 @@ def place(cfg: LocalOptions, model_dir: Path | None = None, cuda: bool | None = 
     else cpu. cfg.dtype "auto": bfloat16 on cuda (fast, and what Tinker serves), float32 on cpu (bit-for-bit
     reproducible runs and exact resume). `cuda`: whether CUDA is available (None: ask torch; tests pass it)."""
     has_cuda = torch.cuda.is_available() if cuda is None else cuda
-    if cfg.device == "auto":
+    forced = os.environ.get(DEVICE_ENV, "")
+    if cfg.device == "auto" and forced:
+        if forced not in ("cpu", "cuda"):
+            raise UserError(f"{DEVICE_ENV}={forced!r}: expected cpu or cuda")
+        if forced == "cuda" and not has_cuda:
+            raise UserError(f"{DEVICE_ENV}=cuda but torch sees no CUDA device")
+        device, why = forced, f"auto, set by {DEVICE_ENV}={forced}"
+    elif cfg.device == "auto":
         params = model_parameters(model_dir) if model_dir is not None else None
         if not has_cuda:
             device, why = "cpu", "auto: no CUDA device"
