@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_bf16 import MEAN_VS_FP32, SPEC, TOL_LORA, TOL_OWN, TOL_VS_FP32, _data, _own_logprobs_gap, _worst
 
 from backends.local import model as M
 from backends.local.backend import LocalBackend
 from backends.local.config import Local
 from backends.types import AdamParams
-from test_bf16 import MEAN_VS_FP32, SPEC, TOL_LORA, TOL_OWN, TOL_VS_FP32, _data, _own_logprobs_gap, _worst
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
