@@ -294,3 +294,12 @@ def test_the_env_sets_what_auto_picks(monkeypatch):
     monkeypatch.setenv("RUNNER_LOCAL_DEVICE", "tpu")
     with pytest.raises(UserError, match="expected cpu or cuda"):
         place(Local(), TINY_DIR, cuda=True)
+
+
+@pytest.mark.slow
+def test_numerics_check_passes_in_bf16(tmp_path, monkeypatch, capsys):
+    """`runner numerics`: sampler, compute_logprobs and trainer agree on sampled tokens under the default gate."""
+    monkeypatch.chdir(tmp_path)
+    ref = f"{REPO / 'recipes.toml'}#rl_basic"
+    assert main(["numerics", ref, "backend.device=cpu", "backend.dtype=bfloat16"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("ok (max_kl 0.01)")
