@@ -13,6 +13,7 @@ Exit 0 when every step passed.
 
     bench/gpu_check.sh                                  # on the GPU box (installs the carried wheels first)
     python bench/gpu_check.py --device cpu --quick --out /tmp/gpu.md   # the same steps on the CPU, ~1-2 min
+    bench/gpu_check.sh --steps suite --out bench/results/gpu-suite.md   # the whole suite there (a second call)
 --quick: one smoke file (examples/sft_tiny.toml), the full runs cut to 2 steps, conformance's sampling group only.
 """
 
@@ -53,12 +54,15 @@ class Budget:
         return self.end - time.monotonic()
 
 
-def _env(device: str) -> dict[str, str]:
+def _env(device: str | None) -> dict[str, str]:
+    """This repo first on the path; device: what device = "auto" picks (RUNNER_LOCAL_DEVICE), None: its own rule."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     env["TINKER_TELEMETRY"] = "0"
-    env["RUNNER_LOCAL_DEVICE"] = device
+    env.pop("RUNNER_LOCAL_DEVICE", None)
+    if device is not None:
+        env["RUNNER_LOCAL_DEVICE"] = device
     return env
 
 
@@ -103,11 +107,27 @@ def env_info() -> list[str]:
 
 def step_pytest(device: str, scratch: Path, budget: Budget, quick: bool) -> Step:
     rc, wall, tail = _run(_py("-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", str(REPO / "tests")),
-                          REPO, _env(device), min(240.0, budget.left()), scratch / "pytest.log")
+                          REPO, _env(None), min(240.0, budget.left()), scratch / "pytest.log")
     # Exit 5: nothing collected/selected ran (every gpu test skipped where there is no CUDA device).
     summary = tail.splitlines()[-1] if tail else ""
     return Step("pytest -m gpu", rc in (0, 5) if device == "cpu" else rc == 0, wall,
                 "timed out" if rc is None else summary)
+
+
+def step_suite(device: str, scratch: Path, budget: Budget, quick: bool) -> Step:
+    """The whole suite on this machine (not in the default steps: ~10 min on 2 cores, a few on the GPU box's 16 with
+    pytest-xdist). Device = "auto" keeps its tiny models on the CPU, so it must pass where CUDA exists too."""
+    workers = ["-n", str(max(1, min(14, (os.cpu_count() or 2) - 2)))] if _has_xdist() else []
+    rc, wall, tail = _run(_py("-m", "pytest", "-p", "no:cacheprovider", *workers, str(REPO / "tests")), REPO,
+                          _env(None), budget.left(), scratch / "suite.log")
+    summary = tail.splitlines()[-1] if tail else ""
+    return Step("pytest (the whole suite)", rc == 0, wall, "timed out" if rc is None else summary)
+
+
+def _has_xdist() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("xdist") is not None
 
 
 def step_conformance(device: str, scratch: Path, budget: Budget, quick: bool) -> Step:
@@ -240,13 +260,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=470.0, help="wall-clock budget of all steps (default 470)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gpu.md")
     p.add_argument("--steps", nargs="+", default=["pytest", "conformance", "smoke", "full"],
-                   choices=["pytest", "conformance", "smoke", "full"])
+                   choices=["pytest", "conformance", "smoke", "full", "suite"],
+                   help="default: pytest (-m gpu) conformance smoke full; suite: the whole test suite (a call of its own)")
     args = p.parse_args(argv)
     t0 = time.monotonic()
     budget = Budget(args.budget_s)
     info = env_info()
     print("\n".join(info), flush=True)
-    funcs = {"pytest": step_pytest, "conformance": step_conformance, "smoke": step_smoke, "full": step_full}
+    funcs = {"pytest": step_pytest, "conformance": step_conformance, "smoke": step_smoke, "full": step_full,
+             "suite": step_suite}
     steps = []
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         scratch = Path(tmp)

@@ -218,6 +218,7 @@ def _fake_model(folder: Path, params: int) -> Path:
 
 
 def test_auto_keeps_a_small_model_on_the_cpu_where_cuda_exists(tmp_path, monkeypatch):
+    monkeypatch.delenv("RUNNER_LOCAL_DEVICE", raising=False)
     base = M.load_base(TINY_DIR, torch.device("cpu"), torch.float32)
     assert model_parameters(TINY_DIR) == sum(p.numel() for p in base.parameters())  # tied lm_head counted once
     tiny = place(Local(), TINY_DIR, cuda=True)
