@@ -137,6 +137,7 @@ def test_samplers_agree_with_the_trainer(tmp_path, mode, tol):
     try:
         tok = backend.get_tokenizer()
         data = _data(tok)
+        pristine = {k: v.clone() for k, v in backend.base().state_dict().items()}
         tc = _trained(backend, data)
         lps = tc.forward(data, "cross_entropy").result().logprobs
         snap = tc.save_weights_and_get_sampling_client().result()
@@ -153,6 +154,8 @@ def test_samplers_agree_with_the_trainer(tmp_path, mode, tol):
         again = loaded.forward(data, "cross_entropy").result().logprobs
         assert all(np.array_equal(a, b) for a, b in zip(again, lps, strict=True))
         assert loaded.step == tc.step == 3
+        # The clients share the base's tensors (snapshots, loaded adapters): none of them wrote to it.
+        assert all(torch.equal(v, pristine[k]) for k, v in backend.base().state_dict().items())
     finally:
         backend.close()
 

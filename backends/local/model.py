@@ -215,14 +215,18 @@ def _adapters_to(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def load_adapter(base: nn.Module, path: Path) -> HFModel:
-    """A copy of `base` with the PEFT adapter folder `path` applied (not merged). A full copy when the folder
-    also carries base weights (modules_to_save), which must not leak into `base`."""
+    """A copy of `base` with the PEFT adapter folder `path` applied (not merged). A full copy unless it is a plain
+    LoRA adapter: a folder that also carries base weights (modules_to_save) must not leak them into `base`."""
     import peft
 
     config = peft.PeftConfig.from_pretrained(str(path))
-    # Without modules_to_save, a LoRA adapter only wraps layers: the copy may share base's frozen tensors
-    # (shared_copy), which lets sampling_snapshot build its sampler as for a training client's snapshot.
-    own = copy.deepcopy(base) if getattr(config, "modules_to_save", None) else shared_copy(base)
+    # A plain LoRA adapter only wraps layers: the copy may share base's frozen tensors (shared_copy), which lets
+    # sampling_snapshot build its sampler as for a training client's snapshot. Anything that may write base
+    # weights or bring its own (modules_to_save, trainable tokens, PiSSA/OLoRA-style inits) gets a full copy.
+    plain = (isinstance(config, peft.LoraConfig) and not config.modules_to_save
+             and not getattr(config, "trainable_token_indices", None)
+             and getattr(config, "init_lora_weights", True) in (True, False, "gaussian"))
+    own = shared_copy(base) if plain else copy.deepcopy(base)
     with _quiet_peft():
         model = peft.PeftModel.from_pretrained(own, path)
     _adapters_to(model, ADAPTER_DTYPE)
