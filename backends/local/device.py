@@ -1,4 +1,4 @@
-"""Where the local backend runs and in which dtypes: the one place both are decided (style.md #16).
+"""Where the local backend runs and in which dtypes: the one place both are decided.
 
 `place(cfg, model_dir)` gives a `Placement`, and every tensor a local client creates takes its device and dtype
 from it (docs/local-backend.md, "Device and dtype"):
@@ -27,9 +27,10 @@ from backends.local.options import LocalOptions
 
 # device = "auto" keeps a model with fewer parameters than this on the CPU even where CUDA exists: for such a model
 # a forward is a few hundred tiny kernels, and launching them costs more than the CPU takes to do the arithmetic
-# (issue #28, one H200: the embedded 0.82M-parameter model's sl_basic took 1.7-2 s per step on cuda, about 0.2 s
-# on 2 CPU cores). Every real chat model (0.5B parameters and up) is far above it. The cut itself sits between
-# those two measured points; bench/gpu_check.py reports both devices' step times for the embedded model.
+# (issue #28, one H200: the embedded 0.82M-parameter model's sl_basic took 1.7-2 s per step on cuda; all 60 steps
+# take 18 s on 2 CPU cores, bench/results/recipes.md). Every real chat model (0.5B parameters and up) is far above
+# it; where between the two the GPU starts to win is not measured yet (bench/gpu_check.py puts the recipes' cuda
+# wall times next to the CPU ones).
 CPU_MAX_PARAMS = 50_000_000
 # Set to "cpu" or "cuda": what device = "auto" picks in this process, whatever the model (bench/gpu_check.py smokes
 # every recipe on cuda with it, where "auto" would keep their small stand-in models on the CPU). A recipe's
