@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_bf16 import MEAN_VS_FP32, SPEC, TOL_LORA, TOL_OWN, TOL_VS_FP32, _data, _own_logprobs_gap, _worst
+from test_bf16 import GRAD_COS, MEAN_VS_FP32, SPEC, TOL_LORA, TOL_OWN, TOL_VS_FP32, _data, _own_logprobs_gap, _worst
 
 from backends.local import model as M
 from backends.local.backend import LocalBackend
@@ -37,8 +37,9 @@ def test_auto_puts_tiny_on_the_cpu_and_cuda_takes_bf16(tmp_path):
 
 
 def test_bf16_training_step_tracks_float32_on_cuda(tmp_path):
-    """One forward_backward + optim_step in bf16 on cuda vs float32 on cuda and on the CPU: logprobs before the
-    step within the bf16 tolerance, the step's update pointing the same way (cosine of the LoRA B updates)."""
+    """A forward_backward + optim_step in bf16 on cuda vs float32 on cuda and on the CPU: logprobs before the step
+    within the bf16 tolerance, the LoRA B gradients pointing the same way (cosine; 0.996 measured on the CPU), and
+    the step lowering the loss in each."""
     out = {}
     for key, backend in (("cpu32", LocalBackend(Local(device="cpu"), "tiny", None, tmp_path / "c", seed=0)),
                          ("cuda32", _cuda(tmp_path / "g32", "float32")), ("cuda16", _cuda(tmp_path / "g16"))):
@@ -47,20 +48,19 @@ def test_bf16_training_step_tracks_float32_on_cuda(tmp_path):
             tc = backend.create_training_client(SPEC).result()
             before = tc.forward(data, "cross_entropy").result().logprobs
             tc.forward_backward(data, "cross_entropy").result()
+            grad = torch.cat([p.grad.float().cpu().flatten() for n, p in M.trainable_params(tc.model) if "lora_B" in n])
             tc.optim_step(AdamParams(learning_rate=1e-2)).result()
             after = tc.forward(data, "cross_entropy").result().logprobs
-            b = torch.cat([p.detach().float().cpu().flatten() for n, p in M.trainable_params(tc.model) if "lora_B" in n])
-            out[key] = (before, after, b)
+            out[key] = (before, after, grad)
         finally:
             backend.close()
     for a, b in zip(out["cpu32"][0], out["cuda32"][0], strict=True):
-        assert np.abs(a - b).max() <= 1e-3  # float32 on cuda: the CPU's numbers up to kernel rounding
+        assert np.abs(a - b).max() <= 5e-3  # float32 on cuda: the CPU's numbers up to kernel rounding
     gaps = [np.abs(a - b) for a, b in zip(out["cuda32"][0], out["cuda16"][0], strict=True)]
     assert max(g.max() for g in gaps) <= TOL_VS_FP32 and np.mean([g.mean() for g in gaps]) <= MEAN_VS_FP32
-    cos = torch.nn.functional.cosine_similarity(out["cuda32"][2], out["cuda16"][2], dim=0)
-    assert cos > 0.9
-    # The step lowered the loss in both.
-    for key in ("cuda32", "cuda16"):
+    for ref in ("cpu32", "cuda32"):
+        assert torch.nn.functional.cosine_similarity(out[ref][2], out["cuda16"][2], dim=0) >= GRAD_COS
+    for key in out:
         assert sum(x.sum() for x in out[key][1]) > sum(x.sum() for x in out[key][0])
 
 
