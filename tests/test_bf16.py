@@ -196,6 +196,7 @@ def test_recipes_run_in_bf16(tmp_path, monkeypatch, capsys, file, name):
     (tmp_path / "examples").symlink_to(REPO / "examples")
     ref = f"{REPO / file}#{name}"
     assert main(["run", ref, "--smoke", "backend.device=cpu", "backend.dtype=bfloat16"]) == 0
+    assert "device: cpu bfloat16 (device = 'cpu'; dtype = 'bfloat16')" in capsys.readouterr().err
     run_dir = tmp_path / "runs" / f"{name}-smoke"
     rows = _metrics(run_dir)
     assert rows and all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
