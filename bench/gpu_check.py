@@ -263,6 +263,13 @@ def main(argv: list[str] | None = None) -> int:
                    choices=["pytest", "conformance", "smoke", "full", "suite"],
                    help="default: pytest (-m gpu) conformance smoke full; suite: the whole test suite (a call of its own)")
     args = p.parse_args(argv)
+    import importlib.util
+
+    missing = [m for m in ("msgspec", "tomli_w", "zstandard", "datasets", "tinker") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"error: {', '.join(missing)} not installed: run bench/gpu_wheels.sh where PyPI is reachable and carry "
+              ".whl/ (bench/gpu_check.sh installs it; docs/gpu.md)", file=sys.stderr)
+        return 2
     t0 = time.monotonic()
     budget = Budget(args.budget_s)
     info = env_info()
