@@ -35,7 +35,7 @@ from backends.local import batching
 from backends.local import model as M
 from backends.local.alloc import keep_freed_memory
 from backends.local.device import place
-from backends.local.losses import batch_loss, resolve_config
+from backends.local.losses import batch_loss, resolve_config, trained_positions
 from backends.local.options import LocalOptions
 from backends.local.packed import PackedLM
 from backends.local.worker import Job, Worker, fail
@@ -338,10 +338,11 @@ class LocalTrainingClient:
         except ValueError as exc:
             raise _user_error(str(exc)) from None
 
-    def _logprobs(self, data: list[Datum]):
+    def _logprobs(self, data: list[Datum], trained: list[np.ndarray | None] | None = None):
         budget = batching.chunk_tokens(self._backend.vocab_size())
         if self.packed is not None:
-            return self.packed.chunk_logprobs(data, budget, self._backend.device)
+            budget = self.packed.token_budget(self._backend.vocab_size())
+            return self.packed.chunk_logprobs(data, budget, self._backend.device, trained)
         return batching.chunk_logprobs(self.model, data, self._backend.device, budget)
 
     def _run_loss(
@@ -356,7 +357,8 @@ class LocalTrainingClient:
         logprobs: list[np.ndarray] = [np.empty(0)] * len(data)
         total = 0.0
         with torch.set_grad_enabled(backward):
-            for idx, lps in self._logprobs(data):
+            trained = [trained_positions(loss_fn, d, config) for d in data] if backward else None
+            for idx, lps in self._logprobs(data, trained):
                 loss = batch_loss(loss_fn, lps, [data[i] for i in idx], device, config)
                 if backward:
                     loss.backward()  # per chunk: grads accumulate in .grad, activations are freed
