@@ -9,9 +9,12 @@ within the stated bfloat16 tolerances; every algorithm runs end to end; `runner 
 The tolerances (max |dlogprob| over every target token), measured on the tiny model and stated with ~2.5x room:
 - bfloat16 vs float32 on the same weights: 0.20 measured (mean 0.03): TOL_VS_FP32 = 0.5, mean 0.08. This is the
   format's own noise (8 mantissa bits on logits of magnitude ~10), the same for the packed trainer and HF's modules.
-- sampler vs trainer on the same weights, adapters unmerged ("lora", what "auto" picks in bfloat16): 0.0185
-  measured: TOL_LORA = 0.05. The two run the same math in other op orders, each rounding to bfloat16.
-- merged ("merged": W + s B A rounded to bfloat16 once more): 0.088 measured: TOL_MERGED = 0.25.
+- sampler vs trainer on the same weights, adapters unmerged ("lora", what "auto" picks in bfloat16): 0.039 measured
+  here (0.035 on other data): TOL_LORA = 0.1. The packed trainer (backends/local/packed.py) and the sampler's HF
+  modules run the same math in other op orders, each rounding to bfloat16 (the padded trainer, HF's modules too,
+  gives 0.006).
+- merged ("merged": W + s B A rounded to bfloat16 once more): 0.045 measured here, 0.12 on other data:
+  TOL_MERGED = 0.25.
 - a sample's own logprobs vs compute_logprobs of the same sequence by the same client: 5e-7 measured: 1e-3.
 - a training step's LoRA B gradient, bfloat16 vs float32: cosine 0.996 measured: GRAD_COS = 0.98.
 """
@@ -40,7 +43,7 @@ from runner.cli import main
 REPO = Path(__file__).resolve().parent.parent
 SPEC = LoraSpec("tiny", rank=8, seed=3)
 TOL_VS_FP32, MEAN_VS_FP32 = 0.5, 0.08
-TOL_LORA, TOL_MERGED, TOL_OWN = 0.05, 0.25, 1e-3
+TOL_LORA, TOL_MERGED, TOL_OWN = 0.1, 0.25, 1e-3
 GRAD_COS = 0.98  # cosine of a bf16 step's LoRA B gradient with float32's on the same data: 0.996 measured
 TEXTS = ["hello there, how are you", "the quick brown fox jumps", "2+2=4 and 3+3=6"]
 
@@ -264,8 +267,8 @@ def test_dry_run_and_the_run_say_where_they_run(tmp_path, monkeypatch, capsys):
 @pytest.mark.slow
 def test_conformance_against_serve_in_bf16(tmp_path, monkeypatch, caplog):
     """Every conformance check passes against `runner serve --dtype bfloat16`, with the numeric checks at
-    atol = rtol = 5e-3 (their sampler-vs-trainer checks then allow max |dlogprob| 0.05 = TOL_LORA; measured
-    0.0174 for sampler_weights, 0.0015 for prompt_logprobs)."""
+    atol = rtol = 5e-3 (their sampler-vs-trainer checks then allow max |dlogprob| 0.05; measured 0.0174 for
+    sampler_weights, 0.0015 for prompt_logprobs; the default 2e-3 allows 0.02 and passes too, narrowly)."""
     pytest.importorskip("tinker")
     import logging
 
