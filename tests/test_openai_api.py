@@ -68,9 +68,9 @@ def _train_plum(url: str) -> str:
         weights = [0.0] * (len(prompt) - 1) + [1.0] * len(answer)
         datum = types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
                             loss_fn_inputs={"target_tokens": seq[1:], "weights": weights})
-        for _ in range(30):
+        for _ in range(20):
             tc.forward_backward([datum], "cross_entropy")
-            tc.optim_step(types.AdamParams(learning_rate=3e-2)).result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         return tc.save_weights_for_sampler("plum").result().path
 
 
