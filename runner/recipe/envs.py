@@ -4,7 +4,7 @@ registry `ENVS` there). Part of the recipe schema (runner/recipe/schema.py re-ex
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta
@@ -228,6 +228,7 @@ class ReasoningGym(EnvBase, tag="reasoning_gym", kw_only=True):
     # Solved examples of the same task shown before the question (held out from train and test).
     few_shot: NonNegInt = 0
     format_coef: NonNegFloat = 0.1
+    implementation: ClassVar[str] = "runner.rl.envs.reasoning_gym"
 
     def __post_init__(self) -> None:
         if len(set(self.tasks)) != len(self.tasks):
@@ -247,6 +248,7 @@ class Verifiers(EnvBase, tag="verifiers", kw_only=True):
     seed: int | None = None
     # The model name the environment's requests carry (some environments log it).
     model_name: str = "runner"
+    implementation: ClassVar[str] = "runner.rl.envs.verifiers_env"
 
 
 class PythonEnv(EnvBase, tag="python", kw_only=True):
