@@ -46,6 +46,34 @@ def load_tokenizer(name: str) -> Any:
         raise UserError(f"cannot load tokenizer {name!r} ({_first(e)}); {fix}") from None
 
 
+def local_core_tokenizer(name: str) -> Any:
+    """The `tokenizers.Tokenizer` of tokenizer `name` when it is on this machine: "tiny" (built in code), a folder
+    with a tokenizer.json, or a hub id whose tokenizer.json is in the Hugging Face cache; None otherwise (never a
+    download). Light: no transformers, so `runner check` can look at it (runner/renderers/registry.py)."""
+    from tokenizers import Tokenizer
+
+    if name == "tiny":
+        from backends.local.tiny import build_core_tokenizer
+
+        return build_core_tokenizer()
+    path = Path(name).expanduser()
+    file: str | Path | None = path / "tokenizer.json" if path.is_dir() else None
+    if file is None and not name.startswith((".", "/", "~")) and name.count("/") <= 1:
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            found = try_to_load_from_cache(name, "tokenizer.json")
+        except Exception:  # noqa: BLE001 - a name the hub client refuses: not in the cache
+            found = None
+        file = found if isinstance(found, str) else None
+    if file is None or not Path(file).is_file():
+        return None
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception:  # noqa: BLE001 - a file tokenizers cannot read: loading it for real says why, later
+        return None
+
+
 def hub_reachable(timeout: float = HUB_CHECK_TIMEOUT_S) -> bool:
     """Whether a TCP connection to the Hugging Face endpoint opens within `timeout`."""
     url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
