@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -37,9 +38,14 @@ def load_tokenizer(name: str) -> Any:
     except Exception:  # noqa: BLE001 - not in the cache (or a bad name): try the hub below, if it is there
         pass
     fix = 'set tokenizer = "<local tokenizer folder>" in the recipe'
-    if _offline() or not hub_reachable():
+    if _offline():
+        raise UserError(f"tokenizer {name!r} is not a local folder nor in the Hugging Face cache, and downloads are "
+                        f"off (HF_HUB_OFFLINE=1); {fix}")
+    if not hub_reachable():
         raise UserError(f"tokenizer {name!r} is not a local folder nor in the Hugging Face cache, and the hub "
-                        f"cannot be reached; {fix}")
+                        f"({hub_endpoint()}) cannot be reached; {fix}")
+    print(f"tokenizer {name}: not in the Hugging Face cache, downloading it from {hub_endpoint()}", file=sys.stderr,
+          flush=True)
     try:
         return AutoTokenizer.from_pretrained(name)
     except Exception as e:  # noqa: BLE001 - no such repo, gated, bad files: all one fix
@@ -74,9 +80,14 @@ def local_core_tokenizer(name: str) -> Any:
         return None
 
 
+def hub_endpoint() -> str:
+    """The Hugging Face endpoint: $HF_ENDPOINT, else the public hub."""
+    return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+
+
 def hub_reachable(timeout: float = HUB_CHECK_TIMEOUT_S) -> bool:
     """Whether a TCP connection to the Hugging Face endpoint opens within `timeout`."""
-    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    url = urlparse(hub_endpoint())
     host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
     try:
         with socket.create_connection((host, port), timeout=timeout):

@@ -34,6 +34,8 @@ class Local(BackendConfig):
     # adapters, applied unmerged (two thin extra matmuls per adapted layer; an extra client costs its adapters).
     # "auto": merged on the CPU for a base under 1 GiB, else lora (a GPU's memory, or a large model's).
     sampler_weights: Literal["auto", "merged", "lora"] = "auto"
+    # A hub id not in the Hugging Face cache is downloaded on first use (backends/hub.py); true keeps to the cache.
+    local_files_only: bool = False
 
     def make(self, model: str, tokenizer: str | None, storage_dir: Path, seed: int) -> Backend:
         from backends.local.backend import LocalBackend  # torch loads here, not when a recipe is validated
