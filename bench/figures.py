@@ -188,6 +188,17 @@ def _current(path: Path, name: str) -> str:
 
 
 def _commit() -> str:
+    """HEAD's short hash (+changes when tracked files differ from it), as it was when this script started."""
+    global _COMMIT
+    if _COMMIT is None:
+        _COMMIT = _head()
+    return _COMMIT
+
+
+_COMMIT: str | None = None
+
+
+def _head() -> str:
     proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
                            text=True).stdout.strip()
@@ -267,6 +278,7 @@ def main() -> int:
     if args.only:
         figs = [f for f in figs if f.name in args.only]
     problems: list[str] = []
+    _commit()  # the code the figures come from: HEAD now, before they run
     t_all = time.perf_counter()
     for fig in figs:
         t0 = time.perf_counter()
