@@ -22,6 +22,7 @@ came from; `merge_layers` merges them and keeps, for each key path, the label of
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,9 @@ DEFAULTS = "defaults"
 SWEEP = "sweep"
 TAG = "kind"
 
-Path_ = tuple[str, ...]
+KeyPath = tuple[str, ...]
+# Reads and parses another recipe file (`extends = "other.toml#base"`): runner/recipe/load.py's read_data.
+Reader = Callable[[str], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -59,17 +62,17 @@ def _switches(below: dict[str, Any], value: dict[str, Any]) -> bool:
     return TAG in below and TAG in value and below[TAG] != value[TAG]
 
 
-def merge_layers(layers: list[Layer]) -> tuple[dict[str, Any], dict[Path_, str]]:
+def merge_layers(layers: list[Layer]) -> tuple[dict[str, Any], dict[KeyPath, str]]:
     """(merged table, {key path: label of the layer that set it}) of `layers`, lowest first."""
     table: dict[str, Any] = {}
-    origins: dict[Path_, str] = {}
+    origins: dict[KeyPath, str] = {}
     for layer in layers:
         _note(table, layer.table, (), layer.label, origins)
         table = deep_merge(table, layer.table)
     return table, origins
 
 
-def _note(below: Any, over: dict[str, Any], at: Path_, label: str, origins: dict[Path_, str]) -> None:
+def _note(below: Any, over: dict[str, Any], at: KeyPath, label: str, origins: dict[KeyPath, str]) -> None:
     for key, value in over.items():
         path = (*at, key)
         under = below.get(key) if isinstance(below, dict) else None
@@ -84,7 +87,7 @@ def _note(below: Any, over: dict[str, Any], at: Path_, label: str, origins: dict
             origins[path] = label
 
 
-def origin(origins: dict[Path_, str], path: Path_) -> str | None:
+def origin(origins: dict[KeyPath, str], path: KeyPath) -> str | None:
     """The label that set `path` (or a table or list holding it), None for a schema default."""
     for n in range(len(path), 0, -1):
         if path[:n] in origins:
@@ -92,13 +95,13 @@ def origin(origins: dict[Path_, str], path: Path_) -> str | None:
     return None
 
 
-def resolve_tables(path: str, data: dict[str, Any], read: Any) -> dict[str, dict[str, Any]]:
+def resolve_tables(path: str, data: dict[str, Any], read: Reader) -> dict[str, dict[str, Any]]:
     """Every recipe of a parsed file with its extends chain and the file's [defaults] merged in.
     `read(path) -> parsed file` reads another file (`extends = "other.toml#base"`)."""
     return {name: merge_layers(layers(path, name, data, read))[0] for name in data["recipes"]}
 
 
-def layers(path: str, name: str, data: dict[str, Any], read: Any,
+def layers(path: str, name: str, data: dict[str, Any], read: Reader,
            stack: tuple[tuple[str, str], ...] = ()) -> list[Layer]:
     """The tables that make recipe `name` of parsed file `data` (at `path`), lowest first (module doc).
     `stack` holds the (label, resolved key) of the recipes that extend this one, to name a cycle."""
