@@ -99,9 +99,9 @@ def dependencies(recipe: Recipe, where: str, seen: tuple[str, ...] = ()) -> list
 def check_all(recipe: Recipe, where: str, keep_rows: bool = False) -> None:
     """`runner check` of one recipe: what decoding cannot see (runner.recipe.load.check_recipe, the data's rows:
     runner.data.check.check_data, a custom algorithm's args) for it and every recipe it runs first (its init_from chain, teachers, judges), and that every model it scores with shares its tokenizer."""
-    from runner.algos import check_algo
     from runner.data.check import check_data
     from runner.engine.inspect_eval import check_inspect_evals
+    from runner.engine.spec import check_algo
     from runner.renderers.registry import renderer_mismatch
 
     first = [s for s in [*upstreams(recipe, where), *dependencies(recipe, where)] if s.runnable]

@@ -71,7 +71,7 @@ def _backend(t: Target) -> Any:
 def _renderer(t: Target, backend: Any) -> Any:
     """The recipe's renderer (runner/renderers/) as the envs' ChatRenderer: prompts, stops, reply parsing."""
     from runner.renderers import get_renderer
-    from runner.rl.renderer import ChatRenderer
+    from runner.renderers.chat import ChatRenderer
 
     return ChatRenderer(get_renderer(t.recipe.renderer, backend.get_tokenizer(), model_name=t.recipe.model))
 
@@ -197,7 +197,7 @@ async def _evaluate_all(algo: Any, ctx: Any, recipe: Any) -> dict[str, float]:
 def eval_order(recipe: Any, metrics: dict[str, float]) -> list[str]:
     """The keys `runner eval` prints: the algorithm's main metrics first (`runner compare`'s, held-out first), then the
     rest alphabetically; no time/ keys."""
-    from runner.algos import spec_of
+    from runner.engine.spec import spec_of
 
     main = [k for k in spec_of(recipe.algo).compare_keys() if k in metrics]
     return [*main, *sorted(k for k in metrics if k not in main and not k.startswith("time/"))]
