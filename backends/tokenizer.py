@@ -80,6 +80,40 @@ def local_core_tokenizer(name: str) -> Any:
         return None
 
 
+def local_has_chat_template(name: str) -> bool | None:
+    """Whether tokenizer `name` has a chat template (tokenizer_config.json's `chat_template`, or a chat_template.jinja
+    or .json file next to it), when it is on this machine: "tiny" (yes), a folder, a hub id in the Hugging Face
+    cache; None when it is not here to look at (never a download)."""
+    import json
+
+    if name == "tiny":
+        return True
+
+    def find(file: str) -> Path | None:
+        path = Path(name).expanduser()
+        if path.is_dir():
+            return path / file if (path / file).is_file() else None
+        if name.startswith((".", "/", "~")) or name.count("/") > 1:
+            return None
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            found = try_to_load_from_cache(name, file)
+        except Exception:  # noqa: BLE001 - a name the hub client refuses: not in the cache
+            return None
+        return Path(found) if isinstance(found, str) else None
+
+    config = find("tokenizer_config.json")
+    if config is None:
+        return None
+    try:
+        if json.loads(config.read_text(encoding="utf-8")).get("chat_template"):
+            return True
+    except (OSError, ValueError, AttributeError):
+        return None
+    return find("chat_template.jinja") is not None or find("chat_template.json") is not None
+
+
 def hub_endpoint() -> str:
     """The Hugging Face endpoint: $HF_ENDPOINT, else the public hub."""
     return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")

@@ -52,6 +52,14 @@ def test_check_reads_a_local_tokenizer_folder_and_trusts_a_hub_id_not_here(
     assert main(["check", "r.toml#x", "renderer=kimi_k2", "tokenizer=tok"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: r.toml#x: renderer 'kimi_k2': the tokenizer (tok) does not have <|im_user|>")
+    # "hf" needs a chat template: the folder has none (tiny's own is built in code).
+    (workdir / "tok" / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>"}')
+    assert main(["check", "r.toml#x", "renderer=hf", "tokenizer=tok"]) == 2
+    assert capsys.readouterr().err == ("error: r.toml#x: renderer 'hf': the tokenizer (tok) has no chat template; set "
+                                       "renderer = \"role_colon\" (a base model) or the model family's renderer\n")
+    (workdir / "tok" / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert main(["check", "r.toml#x", "renderer=hf", "tokenizer=tok"]) == 0
+    assert main(["check", "r.toml#x", "renderer=hf"]) == 0  # tiny
     # Not on this machine: nothing to look at (and nothing downloads); the run checks it when it loads it.
     assert main(["check", "r.toml#x", "renderer=llama3", "tokenizer=someone/not-downloaded"]) == 0
 

@@ -38,10 +38,13 @@ def renderer_mismatch(renderer: str, model: str, tokenizer: str | None) -> str |
     """`runner check`: why `renderer` cannot write for the recipe's tokenizer (its special tokens are not single
     tokens there), or None: it can, it needs none, or the tokenizer is not on this machine to look at (a hub id
     not yet downloaded is taken on trust; the run checks it when it loads it)."""
-    from backends.tokenizer import local_core_tokenizer
+    from backends.tokenizer import local_core_tokenizer, local_has_chat_template
     from runner.renderers.auto import MODEL_RENDERERS
 
     name = MODEL_RENDERERS.get(model.split(":", 1)[0]) if renderer == AUTO else renderer
+    if name == "hf" and local_has_chat_template(tokenizer or model) is False:
+        return (f"renderer 'hf': the tokenizer ({tokenizer or model}) has no chat template; set renderer = "
+                "\"role_colon\" (a base model) or the model family's renderer")
     required: tuple[str, ...] = getattr(REGISTRY.get(name or ""), "required_tokens", None) or ()
     if not required:
         return None
