@@ -106,3 +106,16 @@ algo = {{kind = "sft", data = {{kind = "jsonl", path = "d.jsonl"}}, batch_size =
     assert f"model {REPO}: not in the Hugging Face cache, downloading it from {hub.url}" in proc.stderr
     rows = [json.loads(line) for line in (tmp_path / "runs/hub/metrics.jsonl").read_text().splitlines()]
     assert rows and rows[-1]["train_mean_nll"] > 0
+
+
+def test_local_files_only_is_not_part_of_a_runs_identity() -> None:
+    """Keeping to the cache on a rerun resumes the run: where the files come from is not what trains."""
+    from runner.engine.rundir import recipe_diff
+    from runner.recipe.load import decode_recipe
+
+    def recipe(**backend: object):
+        return decode_recipe({"algo": {"kind": "sft", "data": {"kind": "jsonl", "path": "d.jsonl"}},
+                              "backend": {"kind": "local", **backend}}, "t")
+
+    assert recipe_diff(recipe(), recipe(local_files_only=True)) == []
+    assert recipe_diff(recipe(), recipe(lora_alpha=8.0)) == ["backend.lora_alpha"]
