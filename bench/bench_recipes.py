@@ -102,8 +102,9 @@ def main() -> int:
     ap.add_argument("--out", help="also write the table to this file")
     args = ap.parse_args()
     refs = args.refs or terminal_recipes(ROOT / "recipes.toml")
-    lines = [f"<!-- bench/bench_recipes.py on {platform.machine()}, {os.cpu_count()} cores, "
-             f"{time.strftime('%Y-%m-%d')} -->",
+    # The same block bench/figures.py writes (which keeps README.md's copy current).
+    lines = [f"<!-- figure:recipes (bench/bench_recipes.py on {platform.machine()}, {os.cpu_count()} cores, "
+             f"{time.strftime('%Y-%m-%d')}) -->",
              "| recipe | run | metric | first | last | steps | wall s |", "|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     note = ("Held-out (`test/`) metrics: the first and the last eval; training metrics: the mean of the first and of "
@@ -115,7 +116,7 @@ def main() -> int:
         lines.extend(rows)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text("\n".join([*lines, "", note]) + "\n")
+        Path(args.out).write_text("\n".join([*lines, "<!-- /figure:recipes -->", "", note]) + "\n")
     return 1 if failed else 0
 
 
