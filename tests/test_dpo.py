@@ -213,6 +213,15 @@ def test_a_prompt_that_fills_max_length_is_an_error_naming_the_row(tmp_path):
 # ---------------------------------------------------------------- through the loop
 
 
+def test_the_ties_note_is_said_once(tmp_path, capsys):
+    """A chain's dry run reads the same comparisons in two stages (the reward model and the RL stage that prices it):
+    the note about its ties prints once."""
+    path = write_rows(tmp_path / "t.jsonl", [pair_row(1), pair_row(2, "cookbook", "Tie")])
+    first, second = load_pairs(Jsonl(str(path))), load_pairs(Jsonl(str(path)))
+    assert first.ties == second.ties == 1  # both counted
+    assert capsys.readouterr().err.count("1 of 2 rows are ties") == 1
+
+
 def test_dpo_runs_on_the_local_backend(tmp_path):
     path = write_rows(tmp_path / "p.jsonl", [pair_row(i) for i in range(16)] + [pair_row(99, "cookbook", "Tie")])
     run(dpo_recipe(tmp_path, path), "d")

@@ -216,7 +216,7 @@ def test_broken_sampler_is_stopped_keeping_the_last_good_checkpoint(tmp_path: Pa
                           'algo.numerics={action="stop", after_steps=1}'], capsys)
     assert rc == 2
     [line] = [x for x in err.splitlines() if "numerics" in x]
-    assert line.startswith("error: numerics gate: step 1: ") and "max_kl 0.01" in line
+    assert line.startswith("error: ") and "gate.toml#gate: numerics gate: step 1: " in line and "max_kl 0.01" in line
     assert sum("error" in x for x in err.splitlines()) == 1
     # Step 0 (before after_steps) was trained, logged and checkpointed; step 1 failed: no row, no checkpoint row.
     ms = rows(run_dir / "metrics.jsonl")
@@ -274,7 +274,7 @@ def test_distill_steps_are_gated_too(tmp_path: Path, capsys: pytest.CaptureFixtu
     path.write_text(DISTILL.replace("PROMPTS", str(prompts)))
     rc, _, err = run_cli(["run", f"{path}#student", f"log_dir={tmp_path / 'run'}", 'algo.numerics={action="stop"}'],
                          capsys)
-    assert rc == 2 and "error: numerics gate: step 0: " in err
+    assert rc == 2 and f"error: {path}#student: numerics gate: step 0: " in err
     assert rows(tmp_path / "run" / "metrics.jsonl") == [] and rows(tmp_path / "run" / "checkpoints.jsonl") == []
 
 

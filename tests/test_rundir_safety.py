@@ -103,7 +103,7 @@ def test_second_writer_is_refused_naming_the_holders_pid(tmp_path: Path, capsys:
         (tmp_path / "r.toml").write_text(dump_recipe("r", recipe))
         assert main(["run", f"{tmp_path / 'r.toml'}#r"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert err == [f"error: run dir {run_dir} is in use by another run (pid {holder.pid}); wait for it to "
+        assert err == [f"error: {tmp_path / 'r.toml'}#r: run dir {run_dir} is in use by another run (pid {holder.pid}); wait for it to "
                        "finish, stop it, or set another log_dir"]
     finally:
         holder.kill()

@@ -54,6 +54,9 @@ class Pairs:
     dropped: int = 0
 
 
+_NOTED: set[str] = set()
+
+
 def load_pairs(source: DataSource) -> Pairs:
     """Every row of `source` as a Pair (ties dropped and counted); UserError on the first bad row."""
     rows, where, dropped = mapped_rows(source, "comparison")
@@ -68,9 +71,11 @@ def load_pairs(source: DataSource) -> Pairs:
     if not pairs:
         raise UserError(f"data source {name} has no comparisons with a winner ({len(rows)} rows, {ties} ties, "
                         f"{dropped} dropped)")
-    if ties:
-        print(f"note: {name}: {ties} of {len(rows)} rows are ties (label \"Tie\"), dropped: a tie says nothing "
-              "about which completion is better", file=sys.stderr)
+    note = f"note: {name}: {ties} of {len(rows)} rows are ties (label \"Tie\"), dropped: a tie says nothing " \
+           "about which completion is better"
+    if ties and note not in _NOTED:  # once per process: a chain's dry run reads the same file in two stages
+        _NOTED.add(note)
+        print(note, file=sys.stderr)
     return Pairs(pairs, ties, len(rows) + dropped, name, dropped)
 
 

@@ -102,10 +102,13 @@ def check_all(recipe: Recipe, where: str, keep_rows: bool = False) -> None:
     from runner.data.check import check_data
     from runner.engine.inspect_eval import check_inspect_evals
     from runner.engine.spec import check_algo
+    from runner.renderers.registry import renderer_mismatch
 
     first = [s for s in [*upstreams(recipe, where), *dependencies(recipe, where)] if s.runnable]
     for r, at in [(recipe, where), *((s.recipe, s.ref) for s in first)]:
         check_recipe(r, at)
+        if (problem := renderer_mismatch(r.renderer, r.model, r.tokenizer)) is not None:
+            raise UserError(f"{at}: {problem}")
         # keep_rows (`runner run`): a recipe that runs alone keeps its data's rows for its loader (read once); in a
         # chain they would wait in memory while the stages before it train, so those are read again instead.
         check_data(r, at, keep=keep_rows and not first)

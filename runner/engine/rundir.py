@@ -69,6 +69,8 @@ BOOKKEEPING = (CONFIG, SESSIONS, INIT, LOCK, FINGERPRINT)
 # directory itself is the run's identity, and where metrics are also sent (log) and the `--smoke` stand-ins (smoke) are
 # not part of the training; nor are the cost settings (a rerun with a larger budget continues, docs/cost.md).
 RESUMABLE_CHANGES = ("max_steps", "if_exists", "log_dir", "log", "smoke", "budget", "price", "price_file")
+# Dotted keys that say where the model's files come from, not what trains (backends/hub.py).
+RESUMABLE_KEYS = ("backend.local_files_only",)
 
 
 @dataclass
@@ -345,7 +347,8 @@ def recipe_diff(a: Recipe, b: Recipe) -> list[str]:
     """Dotted keys whose values differ, ignoring the keys a resumed run may change."""
     fa, fb = flatten(msgspec.to_builtins(a)), flatten(msgspec.to_builtins(b))
     keys = sorted(set(fa) | set(fb))
-    return [k for k in keys if k.split(".")[0] not in RESUMABLE_CHANGES and fa.get(k) != fb.get(k)]
+    return [k for k in keys if k.split(".")[0] not in RESUMABLE_CHANGES and k not in RESUMABLE_KEYS
+            and fa.get(k) != fb.get(k)]
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -34,6 +34,30 @@ def get_renderer(name: str, tokenizer: Any, model_name: str | None = None) -> Re
     return renderer
 
 
+def renderer_mismatch(renderer: str, model: str, tokenizer: str | None) -> str | None:
+    """`runner check`: why `renderer` cannot write for the recipe's tokenizer (its special tokens are not single
+    tokens there), or None: it can, it needs none, or the tokenizer is not on this machine to look at (a hub id
+    not yet downloaded is taken on trust; the run checks it when it loads it)."""
+    from backends.tokenizer import local_core_tokenizer, local_has_chat_template
+    from runner.renderers.auto import MODEL_RENDERERS
+
+    name = MODEL_RENDERERS.get(model.split(":", 1)[0]) if renderer == AUTO else renderer
+    if name == "hf" and local_has_chat_template(tokenizer or model) is False:
+        return (f"renderer 'hf': the tokenizer ({tokenizer or model}) has no chat template; set renderer = "
+                "\"role_colon\" (a base model) or the model family's renderer")
+    required: tuple[str, ...] = getattr(REGISTRY.get(name or ""), "required_tokens", None) or ()
+    if not required:
+        return None
+    tok = local_core_tokenizer(tokenizer or model)
+    if tok is None:
+        return None
+    missing = [t for t in required if len(tok.encode(t, add_special_tokens=False).ids) != 1]
+    if not missing:
+        return None
+    return (f"renderer {name!r}: the tokenizer ({tokenizer or model}) does not have {', '.join(missing)} as single "
+            "tokens, which this format writes: pick the renderer of the model's family (or \"hf\": its chat template)")
+
+
 def smoke_renderer(renderer: str, model: str, stand_in: str) -> str:
     """The renderer a smoke run (runner/tools/smoke.py) of a `model` recipe uses on its `stand_in` model: what
     `renderer` means for the real model ("auto" resolved by the model's name when the cookbook knows it), kept when

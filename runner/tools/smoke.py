@@ -40,8 +40,9 @@ from runner.recipe.load import (
     apply_overrides,
     decode_recipe,
     load_recipe,
-    read_tables,
+    pick,
     recipe_dict,
+    recipe_names,
     split_ref,
     structs,
     toml_value,
@@ -407,7 +408,7 @@ def write(smoke: SmokePlan) -> None:
 
 def check_smoke(path: str, name: str, overrides: Sequence[str] = ()) -> None:
     """`runner check`: a recipe with a smoke table must smoke (its data keys name data sources, its overrides fit)."""
-    if "smoke" in read_tables(path)[name]:
+    if "smoke" in pick(f"{path}#{name}")[2]:
         plan(path, [name], overrides)
 
 
@@ -522,7 +523,7 @@ def table(results: Sequence[Result]) -> str:
 
 
 def all_names(path: str) -> list[str]:
-    return list(read_tables(path))
+    return recipe_names(path)
 
 
 def split(ref: str) -> tuple[str, str]:
