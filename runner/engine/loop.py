@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import math
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -32,7 +31,6 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from backends.base import Backend, BackendError, Future, TrainingClient
@@ -46,7 +44,7 @@ from runner.engine.cost import BudgetReached, Ledger
 from runner.engine.evals import names as eval_names
 from runner.engine.evals import pinned_metrics
 from runner.engine.log import Progress, disk_error
-from runner.engine.rundir import RunDir, open_run_dir
+from runner.engine.rundir import RunDir, open_run_dir, remove_own_state
 from runner.engine.schedule import adam_at
 from runner.recipe.schema import Recipe
 
@@ -534,7 +532,7 @@ def check_finite(p: Pending, metrics: Mapping[str, Any], run: RunDir) -> None:
 
 async def discard_non_finite(run: RunDir, e: NonFinite) -> None:
     """Delete the saved states with non-finite weights (the dropped rows' and the saves queued after them), when
-    they are files in the run dir's checkpoints/ (a service's checkpoints expire on their own)."""
+    they are runner's own files in the run dir's checkpoints/ (a service's checkpoints expire on their own)."""
     paths: list[str] = [str(r[k]) for r in e.dropped for k in ("state_path", "sampler_path") if r.get(k)]
     for _, *futures in e.saves:
         for f in futures:
@@ -542,18 +540,8 @@ async def discard_non_finite(run: RunDir, e: NonFinite) -> None:
                 paths.append(await f)
             except BackendError:
                 continue
-    root = (run.path / "checkpoints").resolve()
-    for p in paths:
-        if "://" in p:
-            continue
-        path = Path(p).resolve()
-        if root not in path.parents or not path.exists():
-            continue
-        with contextlib.suppress(OSError):
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+    for p in paths:  # only states runner wrote there, by name, never through a link (rundir.own_state)
+        remove_own_state(run.path, p)
 
 
 def checkpoint_due(recipe: Recipe, step: int, total: int) -> bool:

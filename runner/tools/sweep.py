@@ -484,7 +484,7 @@ def check_line(ref: str, overrides: Sequence[str]) -> str:
     where = f"{path}#{name}"
     if has_sweep(raw):
         return f"ok  {where} (sweep: {len(plan(ref, overrides, inspect_dirs=False).points)} points)"
-    check_all(resolve(path, name, raw, overrides), where)
+    check_all(resolve(path, name, raw, overrides), where, name=name)
     return f"ok  {where}"
 
 
