@@ -235,7 +235,8 @@ def open_run_dir(recipe: Recipe, name: str, *, dry_run: bool = False, init: dict
 
 def claim(path: Path) -> Claim:
     """Whether `path` may be a run dir of ours, only looking (nothing is written, deleted or locked): "new" (nothing
-    there), "ours" (it holds our marker), "empty" (an empty folder, or one holding only a .lock file: adopted),
+    there), "ours" (it holds our marker), "empty" (an empty folder, or one holding only a .lock file and a
+    checkpoints/ that is empty or links to a folder: adopted),
     "legacy" (no marker, but every entry is one runner writes and config.toml holds one recipe: a run dir of an
     older runner, adopted). Anything else is a one-line UserError, as is a link at the top of the run dir (only
     checkpoints/ may link to another folder, a folder). `path` itself may be a link (runs/x -> /big/x): the user
@@ -262,7 +263,7 @@ def claim(path: Path) -> Claim:
             raise UserError(f"run dir {path} was made by a newer runner (run dir format {version}, this one "
                             f"knows {MARKER_FORMAT}); use that version or another log_dir")
         kind = "ours"
-    elif not entries or (set(entries) == {LOCK} and entries[LOCK].is_file(follow_symlinks=False)):
+    elif _empty(path, entries):
         return "empty"
     else:
         foreign = [n for n in sorted(entries) if not _own_entry(n, entries[n])]
@@ -281,6 +282,17 @@ def claim(path: Path) -> Claim:
     if odd:  # a FIFO or a device named like our files: reading it would block or never end
         raise UserError(f"run dir {path}: {odd[0]} is not a plain file; remove it")
     return kind
+
+
+def _empty(path: Path, entries: dict[str, os.DirEntry[str]]) -> bool:
+    """A folder that holds nothing, or nothing but a .lock file and a checkpoints/ that is empty or a link to a
+    folder (checkpoints put on another disk before the first run)."""
+    if set(entries) - {LOCK, "checkpoints"}:
+        return False
+    if LOCK in entries and not entries[LOCK].is_file(follow_symlinks=False):
+        return False
+    ckpts = entries.get("checkpoints")
+    return ckpts is None or (ckpts.is_symlink() and ckpts.is_dir()) or (ckpts.is_dir() and not _names(path / ckpts.name))
 
 
 def _own_entry(name: str, entry: os.DirEntry[str]) -> bool:
@@ -383,8 +395,9 @@ class RunLock:
 
 
 def _is_empty(path: Path) -> bool:
-    """Nothing there, or nothing but our marker and lock file (a run dir whose first run never started)."""
-    return not path.exists() or all(e.name in (LOCK, MARKER) for e in path.iterdir())
+    """Nothing there, or nothing but our marker, lock file and an empty or linked checkpoints/ (a run dir whose
+    first run never started)."""
+    return not path.exists() or _empty(path, {e.name: e for e in os.scandir(path) if e.name != MARKER})
 
 
 def _open(recipe: Recipe, name: str, path: Path, dry_run: bool, init: dict[str, Any] | None,
@@ -539,16 +552,19 @@ def _is_local(p: object) -> bool:
 def relative_row(row: dict[str, Any], run_path: Path) -> dict[str, Any]:
     """The row as checkpoints.jsonl stores it: local state/sampler paths inside the run dir made relative to it."""
     out = dict(row)
-    base = run_path.resolve()
     for key in ("state_path", "sampler_path"):
         p = out.get(key)
         if not _is_local(p):
             continue
-        try:
-            out[key] = str(Path(str(p)).resolve().relative_to(base))
-        except ValueError:  # outside the run dir (a backend with its own storage): kept as given
-            continue
-        out["paths"] = "run"
+        # As written (a linked checkpoints/ stays checkpoints/...), else with links resolved on both sides.
+        for path, base in [(Path(os.path.abspath(str(p))), Path(os.path.abspath(run_path))),
+                           (Path(str(p)).resolve(), run_path.resolve())]:
+            try:
+                out[key] = str(path.relative_to(base))
+            except ValueError:  # outside the run dir (a backend with its own storage): kept as given
+                continue
+            out["paths"] = "run"
+            break
     return out
 
 
