@@ -256,3 +256,99 @@ def test_ctrl_c_while_an_env_awaits_forever_stops_gracefully(tmp_path: Path) -> 
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
     assert steps == list(range(len(steps))) and len(steps) >= 2
     assert read_jsonl(run_dir / "checkpoints.jsonl")[-1]["next_step"] == len(steps)  # the last submitted step
+
+
+GIL_ENV = """
+from pathlib import Path
+from runner.rl.envs.arithmetic import ArithmeticEnv
+from runner.rl.envs.common import ListDataset, RepeatGroupBuilder
+
+class Hog(ArithmeticEnv):
+    def __init__(self, run_dir, *args):
+        super().__init__(*args)
+        self.run_dir = Path(run_dir)
+
+    async def step(self, action_tokens, stop_reason):
+        ckpts = self.run_dir / "checkpoints.jsonl"
+        # Once a checkpoint is recorded: C code that holds the GIL for hours (no Python signal handler, no other
+        # thread runs until it returns).
+        if ckpts.exists() and ckpts.read_text().strip() and not (self.run_dir.parent / "unblock").exists():
+            (self.run_dir.parent / "blocked").touch()
+            sum(range(10**12))
+        return await super().step(action_tokens, stop_reason)
+
+def make(run_dir):
+    def builder(ctx):
+        group = lambda i: RepeatGroupBuilder(lambda: Hog(run_dir, ctx.renderer, i % 10, 1), ctx.group_size, [])
+        return ListDataset(range(40), group, 2), None
+    return builder
+"""
+
+
+def gil_run(tmp_path: Path) -> tuple[Recipe, Path, subprocess.Popen[bytes]]:
+    (tmp_path / "gil_env.py").write_text(GIL_ENV)
+    run_dir = tmp_path / "run"
+    recipe = msgspec.convert({
+        "algo": {"kind": "rl", "env": {"kind": "python", "target": "gil_env:make", "args": {"run_dir": str(run_dir)}},
+                 "group_size": 2, "groups_per_batch": 2, "max_tokens": 4},
+        "lr": 1e-2, "max_steps": 6, "eval_every": 0, "save_every": 1, "log_dir": str(run_dir),
+    }, Recipe)
+    proc = subprocess.Popen(fake_run_script(recipe, tmp_path, run_dir / "checkpoints"), cwd=tmp_path,
+                            env=python_path(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return recipe, run_dir, proc
+
+
+def wait_for(proc: subprocess.Popen[bytes], marker: Path) -> None:
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+        assert time.monotonic() < deadline, f"no {marker.name} within 120 s"
+        time.sleep(0.05)
+    time.sleep(0.3)  # well inside the C loop
+
+
+def test_ctrl_c_stops_a_run_whose_env_holds_the_gil_in_c(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: an env in `sum(range(10**12))` ignored two Ctrl-C's (kill -9 after 36 s). Now the first Ctrl-C ends
+    it within seconds: the watchdog process (runner/engine/watchdog.py) got the signal from the C-level handler,
+    saw no heartbeat of the event loop for 4 s and killed the run; the run dir resumes."""
+    recipe, run_dir, proc = gil_run(tmp_path)
+    try:
+        wait_for(proc, tmp_path / "blocked")
+        t = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        stopped_in, text = time.monotonic() - t, err.decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL, text[-2000:]
+    assert 3.5 < stopped_in < 10, stopped_in
+    print(f"GIL-holding env: killed {stopped_in:.2f} s after one SIGINT")
+    assert "the run is blocked (nothing in it ran for 4 s after Ctrl-C" in text and "Traceback" not in text
+    done = [c["next_step"] for c in read_jsonl(run_dir / "checkpoints.jsonl")]
+    assert done and done[-1] < 6
+    (tmp_path / "unblock").touch()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run(recipe, "r", backend=FakeBackend(TOK, storage_dir=run_dir / "checkpoints"))
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(6))
+
+
+def test_a_second_ctrl_c_ends_a_gil_holding_run_at_once(tmp_path: Path) -> None:
+    """The second Ctrl-C does not wait for the first one's 4 s: the watchdog kills the run 1 s after it."""
+    _, _, proc = gil_run(tmp_path)
+    try:
+        wait_for(proc, tmp_path / "blocked")
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        t = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        stopped_in, text = time.monotonic() - t, err.decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL and stopped_in < 2.5, (stopped_in, text[-2000:])
+    print(f"GIL-holding env: killed {stopped_in:.2f} s after the second SIGINT")
+    assert "interrupted again: the runner watchdog kills the run now" in text
