@@ -357,3 +357,31 @@ def test_a_data_path_that_is_not_a_regular_file_is_one_line(tmp_path: Path) -> N
         assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
         assert f"data file {path} is {what}" in out.stderr
         assert not (tmp_path / name).exists()  # refused before the run dir
+
+
+def test_a_sweep_never_writes_into_a_folder_that_is_not_a_sweep_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A sweep's log_dir gets sweep.json, index.html and a run dir per point: a folder holding anything else is
+    refused (exit 2, one line) before a point dir is made there; a sweep dir of ours (points claim() accepts) is not."""
+    root, cwd, _ = foreign_layout(tmp_path, "foreign")
+    monkeypatch.chdir(cwd)
+    before = snapshot(root)
+    capsys.readouterr()
+    for extra in ([], ["--dry-run"]):
+        assert main(["sweep", "recipes.toml#r", "lr=[0.01,0.02]", *extra]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err == [f"error: {root} exists and is not a sweep dir (it holds 'checkpoints'); nothing there was "
+                       "changed. Set log_dir to a new or empty folder for the sweep"], err
+    assert snapshot(root) == before
+    from runner.tools.sweep import _foreign_entry
+
+    ours = tmp_path / "sweep"
+    (ours / "lr=0.01").mkdir(parents=True)
+    (ours / "lr=0.01" / MARKER).write_text("{}")
+    (ours / "sweep.json").write_text("{}")
+    (ours / "plot-train_mean_nll.png").write_bytes(b"png")
+    assert _foreign_entry(ours) is None and _foreign_entry(tmp_path / "none") is None
+    (ours / "lr=0.01" / "thesis.txt").write_text("x")  # a point dir that is ours may hold anything
+    (ours / "lr=0.02").mkdir()
+    (ours / "lr=0.02" / "thesis.txt").write_text("x")
+    assert _foreign_entry(ours) == "lr=0.02"
