@@ -352,3 +352,55 @@ def test_a_second_ctrl_c_ends_a_gil_holding_run_at_once(tmp_path: Path) -> None:
     assert proc.returncode == -signal.SIGKILL and stopped_in < 2.5, (stopped_in, text[-2000:])
     print(f"GIL-holding env: killed {stopped_in:.2f} s after the second SIGINT")
     assert "interrupted again: the runner watchdog kills the run now" in text
+
+
+def test_the_watchdog_starts_relays_and_stops() -> None:
+    """The watchdog process (runner/engine/watchdog.py) answers ready, relays SIGINT bytes written to its wake fd,
+    ignores heartbeats, and ends (reaped) on stop(); an interpreter that cannot run it gives None (the caller keeps
+    its in-process handling)."""
+    import select
+
+    from runner.engine.watchdog import Watchdog
+
+    w = Watchdog.start(first_s=30.0)
+    assert w is not None and w.proc.poll() is None
+    w.beat()
+    os.write(w.wake_fd, bytes([signal.SIGINT, signal.SIGUSR1]))  # what the C-level handler writes
+    assert select.select([w.relay_fd], [], [], 10)[0] and os.read(w.relay_fd, 16) == bytes([signal.SIGINT])
+    w.stop()
+    assert w.proc.returncode == 0 and os.read(w.relay_fd, 16) == b""  # EOF: the reader thread ends
+    os.close(w.relay_fd)
+
+
+def test_no_watchdog_or_a_lost_one_falls_back_to_the_python_handler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the watchdog cannot start, StopFlag reads signals in-process as before; where it dies mid-run (killed),
+    the Python SIGINT handler counts them: the first Ctrl-C still asks for the clean stop."""
+    from runner.engine.log import Progress
+    from runner.engine.loop import StopFlag
+    from runner.engine.watchdog import Watchdog
+
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    assert Watchdog.start() is None
+    monkeypatch.undo()
+
+    async def main(kill_watchdog: bool) -> bool:
+        with StopFlag(Progress(1, 0)) as stop:
+            assert (stop._guard is None) == (not kill_watchdog)
+            if kill_watchdog:
+                assert stop._guard is not None
+                stop._guard.proc.kill()
+                for _ in range(200):
+                    if stop._relay_lost:
+                        break
+                    await asyncio.sleep(0.01)
+                assert stop._relay_lost
+            signal.raise_signal(signal.SIGINT)
+            for _ in range(200):
+                if stop.set:
+                    break
+                await asyncio.sleep(0.01)
+            return stop.set
+
+    assert asyncio.run(main(kill_watchdog=True))
+    monkeypatch.setattr(Watchdog, "start", classmethod(lambda cls, **kw: None))
+    assert asyncio.run(main(kill_watchdog=False))

@@ -204,6 +204,8 @@ class StopFlag:
         self.installed = False
         self._closed = threading.Event()
         self._guard: Watchdog | None = None
+        self._count = 0  # SIGINTs seen
+        self._relay_lost = False  # the watchdog ended early: count signals in the Python handler instead
 
     def __enter__(self) -> StopFlag:
         if threading.current_thread() is not threading.main_thread():
@@ -218,9 +220,9 @@ class StopFlag:
             self._w.setblocking(False)
             wake_fd, read_fd = self._w.fileno(), self._r.detach()
         self._old_fd = signal.set_wakeup_fd(wake_fd, warn_on_full_buffer=False)
-        # A Python-level no-op handler: the C handler still writes the wakeup byte, and no KeyboardInterrupt
-        # is raised into whatever the main thread runs.
-        self._previous = signal.signal(signal.SIGINT, _no_op)
+        # A Python-level handler that does nothing while the relay works: the C handler still writes the wakeup
+        # byte, and no KeyboardInterrupt is raised into whatever the main thread runs.
+        self._previous = signal.signal(signal.SIGINT, self._on_sigint)
         self.installed = True
         threading.Thread(target=self._read_signals, args=(read_fd,), name="runner-sigint", daemon=True).start()
         return self
@@ -242,25 +244,34 @@ class StopFlag:
         self._w.close()
 
     def _read_signals(self, fd: int) -> None:
-        count = 0
         try:
             while True:
                 try:
                     data = os.read(fd, 64)
                 except OSError:
-                    return
+                    data = b""
                 if not data or self.STOP[0] in data:
+                    # The watchdog gone while the run goes on (killed by someone): signals are then counted by the
+                    # Python handler, on the main thread, as long as C code lets it run.
+                    self._relay_lost = self._guard is not None and not self._closed.is_set()
                     return
                 for b in data:
-                    if b != signal.SIGINT:
-                        continue
-                    count += 1
-                    if count == 1:
-                        self._first()
-                    else:
-                        self._second()
+                    if b == signal.SIGINT:
+                        self._signal()
         finally:
             os.close(fd)
+
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        if self._relay_lost:
+            signal.set_wakeup_fd(self._old_fd)  # nothing reads the pipe any more
+            self._signal()
+
+    def _signal(self) -> None:
+        self._count += 1
+        if self._count == 1:
+            self._first()
+        else:
+            self._second()
 
     def _first(self) -> None:
         self.set = True
@@ -296,10 +307,6 @@ class StopFlag:
         sys.stderr.write("\ninterrupted again: quitting now, without a checkpoint of the last steps\n")
         sys.stderr.flush()
         os._exit(130)
-
-
-def _no_op(signum: int, frame: object) -> None:
-    return None
 
 
 async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm, final: bool,

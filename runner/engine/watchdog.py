@@ -24,16 +24,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import subprocess
 import sys
 import threading
 
 STOP, BEAT = b"\xff", b"h"  # bytes the run writes besides signal numbers (1-64): the end, and "my loop runs"
+READY, READY_S = b"r", 10.0  # what the watchdog writes first, and how long start() waits for it
 
 _CHILD = r"""
 import os, select, signal, sys, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 parent, first_s, second_s = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+os.write(1, b"r")
 count, deadline, why = 0, None, ""
 while os.getppid() == parent:
     wait = 0.25 if deadline is None else min(0.25, max(0.0, deadline - time.monotonic()))
@@ -70,10 +73,14 @@ while os.getppid() == parent:
 class Watchdog:
     """The watchdog process of one training session: `wake_fd` is for signal.set_wakeup_fd (non-blocking), the
     relayed SIGINTs are read from `relay_fd` (EOF once the watchdog ended), beat() says the run's loop runs, stop()
-    ends it. start() returns None where no process can be started (the caller keeps its in-process handling)."""
+    ends it. start() returns None where no watchdog starts and says it is ready within READY_S (the caller keeps its
+    in-process handling)."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], wake_fd: int, relay_fd: int):
+    def __init__(self, proc: subprocess.Popen[bytes], wake_fd: int, relay_fd: int, spare_fd: int):
         self.proc, self.wake_fd, self.relay_fd = proc, wake_fd, relay_fd
+        # The wake pipe's read end, kept open here too: should the watchdog die, the C handler's writes land in the
+        # pipe (dropped once it is full) instead of failing with EPIPE.
+        self._spare_fd = spare_fd
         self._lock = threading.Lock()  # beat() from a thread never writes to a closed (reused) descriptor
 
     @classmethod
@@ -86,14 +93,22 @@ class Watchdog:
             proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _CHILD, str(os.getpid()), str(first_s),
                                      str(second_s)], stdin=wake_r, stdout=relay_w, close_fds=True, process_group=0)
         except OSError:
-            os.close(wake_w)
-            os.close(relay_r)
+            for fd in (wake_r, wake_w, relay_r):
+                os.close(fd)
             return None
         finally:
-            os.close(wake_r)
             os.close(relay_w)
+        # Ready: it ignores SIGINT and reads the pipe. Else (an interpreter that cannot run it) the caller keeps its
+        # in-process handling rather than send signals into a pipe nobody reads.
+        ready = select.select([relay_r], [], [], READY_S)[0] and os.read(relay_r, 1) == READY
+        if not ready:
+            proc.kill()
+            proc.wait()
+            for fd in (wake_r, wake_w, relay_r):
+                os.close(fd)
+            return None
         os.set_blocking(wake_w, False)
-        return cls(proc, wake_w, relay_r)
+        return cls(proc, wake_w, relay_r, wake_r)
 
     def beat(self) -> None:
         self._send(BEAT)
@@ -107,9 +122,10 @@ class Watchdog:
         """Tell the watchdog to end and wait for it (it ends within its 0.25 s poll; killed after 2 s)."""
         self._send(STOP)
         with self._lock:
-            fd, self.wake_fd = self.wake_fd, -1
-            if fd >= 0:
-                os.close(fd)
+            fds, self.wake_fd, self._spare_fd = (self.wake_fd, self._spare_fd), -1, -1
+            for fd in fds:
+                if fd >= 0:
+                    os.close(fd)
         try:
             self.proc.wait(timeout=2)
         except subprocess.TimeoutExpired:
