@@ -6,7 +6,7 @@ function giving its per-token loss from the learner's logprobs. Readers:
   - the recipe schema (runner/recipe/schema.py): one `algo.loss` variant per entry offered to RL, its fields from
     the entry's `fields`; a user's own loss is `loss = {kind = "python", target = "pkg.mod:NAME", args = {...}}`
     naming a LossSpec in their module (`runner check` imports it and checks `args` against its keys);
-  - RL (runner/rl/algo.py): the recipe's variant -> (name, loss_fn_config);
+  - RL (runner/algos/rl.py): the recipe's variant -> (name, loss_fn_config);
   - the local backend (backends/local/losses.py), the fake (backends/fake.py) and `runner serve` (through the
     local backend; backends/serve/losses.py adds the two losses that need the server's own records): the function;
   - the Tinker backend: a loss the hosted service knows goes by name, any other runs through forward_backward_custom

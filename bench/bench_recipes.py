@@ -24,8 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runner.algos import spec_of  # noqa: E402
 from runner.engine.rundir import load_config  # noqa: E402
+from runner.engine.spec import spec_of  # noqa: E402
 from runner.recipe.load import load_file  # noqa: E402
 
 

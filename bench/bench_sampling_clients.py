@@ -116,8 +116,8 @@ def episodes(variant: str, args) -> dict:
 def twentyq(variant: str, args) -> dict:
     from backends.types import SamplingParams
     from runner.recipe.schema import TwentyQuestions
+    from runner.renderers.chat import ChatRenderer
     from runner.rl.envs import EnvContext, build_datasets
-    from runner.rl.renderer import ChatRenderer
     from runner.rl.rollouts import rollout_batch
 
     be = _backend(variant)

@@ -26,8 +26,8 @@ import numpy as np
 from backends.base import Future, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
-from runner.algos import AlgoSpec, BuildArgs, custom_args
 from runner.engine.context import FinalContext
+from runner.engine.spec import AlgoSpec, BuildArgs, custom_args
 
 
 class CompletionArgs(msgspec.Struct, forbid_unknown_fields=True):

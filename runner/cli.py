@@ -486,7 +486,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from runner.renderers.show import render_command
+    from runner.tools.render import render_command
 
     render_command(args.ref, args.overrides, args.n, args.json, sys.stdout)
     return 0

@@ -117,7 +117,7 @@ def test_main_metrics_of_other_algorithms(tmp_path: Path, monkeypatch: pytest.Mo
     assert main_metrics("no_such_kind") == []
     # A custom algorithm's spec without `compare` gets its headline metrics, held-out first.
     (tmp_path / "my_algo_mod.py").write_text(
-        "from runner.algos import AlgoSpec\n"
+        "from runner.engine.spec import AlgoSpec\n"
         "SPEC = AlgoSpec(build=lambda cfg, args: None, headline=[('loss', 'loss'), ('test/score', 's')])\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main_metrics("custom", "my_algo_mod:SPEC") == ["test/score", "loss"]

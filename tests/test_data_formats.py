@@ -23,8 +23,8 @@ from runner.data import files
 from runner.data.comparisons import load_pairs
 from runner.data.conversations import ROLES, load_conversations
 from runner.data.files import iter_rows
-from runner.data.formats import FORMATS, boxed_answer, gsm8k_answer, hh_transcript
 from runner.data.problems import Problem, load_problems
+from runner.recipe.formats import FORMATS, boxed_answer, gsm8k_answer, hh_transcript
 from runner.recipe.load import check_recipe, load_recipe
 from runner.recipe.schema import HF, File, Jsonl
 

@@ -10,10 +10,10 @@ import pytest
 
 from backends.errors import UserError
 from backends.local.tiny import build_tokenizer
-from runner.data.chat_template import render
+from runner.renderers.chat import ChatRenderer
+from runner.renderers.chat_template import render
 from runner.rl.demos import demonstrations
 from runner.rl.envs import twenty_questions as tq
-from runner.rl.renderer import ChatRenderer
 
 
 def test_guess_number_expert_searches_by_feedback() -> None:

@@ -1,4 +1,4 @@
-"""Preference learning: DPO (runner/algos/dpo.py) and the reward model (runner/algos/reward_model.py, runner/algos/judge.py)
+"""Preference learning: DPO (runner/algos/dpo.py) and the reward model (runner/algos/reward_model.py, runner/rewards/judge.py)
 on comparisons (runner/data/comparisons.py).
 
 Run: pytest tests/test_dpo.py   (about a minute on 2 cores; the learning tests are marked slow)
@@ -404,7 +404,7 @@ def test_reward_model_accuracy_metric():
 def test_judge_prob_is_a_symmetric_probability(tmp_path):
     from backends.local import LocalBackend
     from backends.local.config import Local
-    from runner.algos.judge import judge_prob
+    from runner.rewards.judge import judge_prob
 
     backend = LocalBackend(Local(device="cpu"), "tiny", None, tmp_path / "store", seed=0)
     try:

@@ -20,10 +20,10 @@ from runner.engine.loop import run
 from runner.recipe.load import load_recipe
 from runner.recipe.schema import Jsonl, ToolUse
 from runner.renderers import get_renderer
+from runner.renderers.chat import ChatRenderer
 from runner.rewards.tools import BM25, ToolError, calculator, load_docs, tool_from_function
 from runner.rl.envs import EnvContext, build_datasets
 from runner.rl.envs.tool_use import Problem, ToolUseEnv, answer_matches, parse_plain_calls, setup_tools
-from runner.rl.renderer import ChatRenderer
 from runner.rl.rollouts import run_episode
 from runner.rl.testing import ScriptedSampler
 from runner.rl.types import Trajectory

@@ -1,4 +1,5 @@
-"""The import graph of runner/ and backends/ has no circles, and backends/ never imports runner/.
+"""The import graph of runner/ and backends/ has no circles, backends/ never imports runner/, and runner/'s packages
+import only down the package order (ORDER below, drawn in docs/architecture.md).
 
 Pure `ast`, no module is imported. Every import statement counts wherever it sits: at module level, inside a
 function (a lazy import is still a dependency), under `if TYPE_CHECKING:` (a type-only dependency still couples the
@@ -14,6 +15,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("runner", "backends")
+
+# runner/'s packages from the bottom up: a module may import its own package and any package before it, never one
+# after it. renderers (messages <-> tokens, over a tokenizer) sit below the recipe, whose schema names them as it
+# names backends/'s losses; the engine holds the algorithm interface (runner/engine/spec.py) and finds an algorithm
+# module by the name its recipe variant gives, so it never imports runner/algos/; the tools and the CLI sit on top.
+ORDER = ("runner.threads", "runner.renderers", "runner.recipe", "runner.data", "runner.rewards", "runner.rl",
+         "runner.engine", "runner.algos", "runner.tools", "runner.cli", "runner.__main__", "runner")
 
 
 def module_files(root: Path = ROOT, packages: Iterable[str] = PACKAGES) -> dict[str, Path]:
@@ -136,6 +144,51 @@ def test_backends_never_import_runner() -> None:
     bad = sorted(f"{a} -> {b}" for a, deps in graph.items() if a.startswith("backends")
                  for b in deps if b == "runner" or b.startswith("runner."))
     assert not bad, bad
+
+
+def layer_of(module: str, order: Iterable[str] = ORDER) -> int:
+    """The position in `order` of the longest entry that is `module` or a package above it."""
+    best, found = -1, ""
+    for i, entry in enumerate(order):
+        if (module == entry or module.startswith(entry + ".")) and len(entry) > len(found):
+            best, found = i, entry
+    return best
+
+
+def imports_up(graph: dict[str, set[str]], order: Iterable[str] = ORDER) -> list[str]:
+    """Every edge from a module of runner/ to one of a package later in the order ("a -> b")."""
+    order = tuple(order)
+    return sorted(f"{a} -> {b}" for a, deps in graph.items() if layer_of(a, order) >= 0
+                  for b in deps if layer_of(b, order) > layer_of(a, order))
+
+
+def test_every_module_has_a_place_in_the_order() -> None:
+    lost = sorted(m for m in import_graph() if m.startswith("runner") and layer_of(m) < 0)
+    assert not lost, lost
+
+
+def test_no_import_runs_back_up_the_package_order() -> None:
+    up = imports_up(import_graph())
+    assert not up, "imports up the package order (tests/test_import_graph.py ORDER):\n" + "\n".join(up)
+
+
+def test_the_order_check_sees_a_function_level_import_up(tmp_path: Path) -> None:
+    """The checker itself: an import inside a function that reaches a later package is caught, one that reaches an
+    earlier one or its own package is not, and the longest matching entry places a module."""
+    pkg = tmp_path / "q"
+    for sub in ("low", "high"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "a.py").write_text("import os\n\ndef f():\n    from q.high import b\n")
+    (pkg / "low" / "c.py").write_text("from q.low import a\n")
+    (pkg / "high" / "b.py").write_text("from ..low import c\n")
+    order = ("q.low", "q.high", "q")
+    graph = import_graph(tmp_path, ["q"])
+    assert layer_of("q.high.b", order) == 1 and layer_of("q", order) == 2 and layer_of("r.x", order) == -1
+    assert imports_up(graph, order) == ["q.low.a -> q.high.b"]
+    (pkg / "low" / "a.py").write_text("import os\n")
+    assert imports_up(import_graph(tmp_path, ["q"]), order) == []
 
 
 def test_graph_sees_every_kind_of_import(tmp_path: Path) -> None:

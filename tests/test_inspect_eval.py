@@ -103,7 +103,7 @@ def direct_replies(sampler: Any, tokenizer: Any, inputs: list[str]) -> list[str]
     """Greedy replies of `sampler`'s weights, rendered and parsed as the recipe's renderer ("auto") does."""
     from backends.types import SamplingParams
     from runner.renderers import get_renderer
-    from runner.rl.renderer import ChatRenderer
+    from runner.renderers.chat import ChatRenderer
 
     chat = ChatRenderer(get_renderer("auto", tokenizer, model_name="tiny"))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=chat.stop)

@@ -27,9 +27,9 @@ from backends.types import SamplingParams
 from runner.engine.log import read_jsonl
 from runner.engine.loop import run
 from runner.recipe.schema import Recipe
+from runner.renderers.chat import ChatRenderer
 from runner.rl.envs.arithmetic import ArithmeticEnv
 from runner.rl.envs.common import RepeatGroupBuilder
-from runner.rl.renderer import ChatRenderer
 from runner.rl.rollouts import rollout_batch
 from runner.rl.testing import ScriptedSampler
 

@@ -303,7 +303,7 @@ def test_progress_line():
 
 def test_progress_keys_per_algorithm():
     """The headline numbers follow the algorithm, and envs whose mean reward cannot move get one that does."""
-    from runner.algos import spec_of
+    from runner.engine.spec import spec_of
     from runner.recipe.load import load_file
 
     def algo_keys(recipe):

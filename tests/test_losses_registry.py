@@ -103,7 +103,7 @@ def test_schema_variants_come_from_the_registry():
     assert type(rl.loss).__name__ == "DRO" and getattr(rl.loss, "beta") == 0.2
     with pytest.raises(msgspec.ValidationError, match="clip_low must be < clip_high"):
         msgspec.convert({"env": {"kind": "arithmetic"}, "loss": {"kind": "ppo", "clip_low": 1.5}}, RL)
-    from runner.rl.algo import loss_of
+    from runner.algos.rl import loss_of
 
     assert loss_of(msgspec.convert({"env": {"kind": "arithmetic"}, "loss": {"kind": "cispo", "clip_high": 3}}, RL)) \
         == ("cispo", {"clip_low_threshold": 0.0, "clip_high_threshold": 3.0})

@@ -138,7 +138,7 @@ def test_trained_reply_parses_back(name: str, tok: str) -> None:
 
 
 def test_chat_renderer_over_a_renderer_keeps_sampled_tokens_across_turns() -> None:
-    from runner.rl.renderer import ChatRenderer
+    from runner.renderers.chat import ChatRenderer
 
     tok = tokenizer("tiny")
     chat = ChatRenderer(get_renderer("role_colon", tok))

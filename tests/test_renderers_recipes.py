@@ -15,7 +15,7 @@ from backends.tokenizer import load_tokenizer
 from runner.cli import main
 from runner.engine.log import read_jsonl
 from runner.renderers import get_renderer
-from runner.renderers.show import render_command
+from runner.tools.render import render_command
 from tools.tiny_build import sft_conversations
 
 PAIRS = [{"prompt": [{"role": "user", "content": "Say hi"}], "chosen": "hi", "rejected": "no"},
@@ -67,6 +67,51 @@ def test_render_prints_what_sft_and_dpo_train_on(proj: Path, capsys: pytest.Capt
     text = out.getvalue()
     assert text.startswith("── chats.jsonl:1: ") and "\x1b[32m" in text and "Assistant:" in text
     assert main(["render", "r.toml#s", "--n", "0"]) == 2
+
+
+USER_ALGO = """
+from runner.engine.spec import AlgoSpec
+
+
+def build(cfg, args):
+    raise AssertionError("runner render builds nothing")
+
+
+def show(cfg, recipe, renderer, n):
+    for word in cfg.args["words"][:n]:
+        tokens = renderer.build_generation_prompt([{"role": "user", "content": word}])
+        yield {"where": word, "tokens": tokens, "weights": [0.0] * len(tokens)}
+
+
+SPEC = AlgoSpec(build=build, show=show)
+QUIET = AlgoSpec(build=build)
+"""
+
+
+def test_render_asks_the_algorithms_spec(proj: Path, capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`runner render` lists no algorithms: a user's algorithm renders through its spec's `show`; one without
+    `show` is a one-line error (exit 2); the reward model shows both orders of its judge prompt, the label trained."""
+    (proj / "user_algo.py").write_text(USER_ALGO)
+    monkeypatch.syspath_prepend(str(proj))
+    (proj / "r.toml").write_text(
+        '[recipes.u]\nalgo = {kind = "custom", spec = "user_algo:SPEC", args = {words = ["hi", "yo", "ok"]}}\n'
+        '[recipes.q]\nalgo = {kind = "custom", spec = "user_algo:QUIET"}\n'
+        '[recipes.m]\nalgo = {kind = "reward_model", data = {kind = "jsonl", path = "pairs.jsonl"}}\n')
+    assert main(["render", "r.toml#u", "--n", "2", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    renderer = get_renderer("auto", load_tokenizer("tiny"), model_name="tiny")
+    assert rows == [{"where": w, "tokens": renderer.build_generation_prompt([{"role": "user", "content": w}]),
+                     "weights": [0.0] * len(rows[i]["tokens"])} for i, w in enumerate(["hi", "yo"])]
+    assert main(["render", "r.toml#q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "the custom algorithm has no data to show" in err and len(err.splitlines()) == 1
+    assert main(["render", "r.toml#m", "--n", "1", "--json"]) == 0
+    sides = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [s["side"] for s in sides] == ["chosen first", "rejected first"]
+    assert all(s["weights"] == [0.0] * (len(s["tokens"]) - 1) + [1.0] for s in sides)
+    tok = load_tokenizer("tiny")
+    assert [tok.decode(s["tokens"][-1:]) for s in sides] == ["A", "B"]  # chosen is A first, then B
 
 
 def _base_model(path: Path) -> Path:

@@ -14,12 +14,12 @@ import pytest
 from backends.local.tiny import build_tokenizer
 from backends.types import Datum, SampledSequence, SamplingParams
 from runner.recipe.schema import PPO, RL, Arithmetic, ReferenceKL, Stream
+from runner.renderers.chat import ChatRenderer
 from runner.rl.advantages import compute_advantages
 from runner.rl.datums import assemble_datums, trajectory_to_datums
 from runner.rl.envs.common import RepeatGroupBuilder
 from runner.rl.envs.guess_number import GuessNumberEnv
 from runner.rl.kl import apply_kl_penalty, kl_sample_train, reference_logprobs
-from runner.rl.renderer import ChatRenderer
 from runner.rl.rollouts import do_group_rollout
 from runner.rl.testing import ScriptedSampler, fake_logprob
 from runner.rl.transcripts import rollout_summary_rows, write_html, write_rollout_summaries

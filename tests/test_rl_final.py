@@ -1,4 +1,4 @@
-"""RL after the loop (runner/engine/loop.py `final`, runner/rl/algo.py `final`): one eval of the test set on the final
+"""RL after the loop (runner/engine/loop.py `final`, runner/algos/rl.py `final`): one eval of the test set on the final
 weights, logged at step = the number of steps (the cookbook's end_batch); resuming a run stopped before it runs
 it once, a finished run never again; and `transcript_every`, which steps write iteration_NNNNNN/ transcripts.
 

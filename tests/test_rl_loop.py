@@ -1,4 +1,4 @@
-"""RL through the one training loop (runner/engine/loop.py + runner/rl/algo.py) on the local backend and the tiny model:
+"""RL through the one training loop (runner/engine/loop.py + runner/algos/rl.py) on the local backend and the tiny model:
 every shipped RL recipe runs a couple of steps, writes the cookbook's metric names, an HTML transcript that
 parses, rollout summaries and checkpoints; sync, stream and async modes behave as documented; a crashed sync
 run resumes to the same metrics as an uninterrupted one.

@@ -12,12 +12,12 @@ import pytest
 from backends.errors import UserError
 from backends.local.tiny import build_tokenizer
 from backends.types import SampledSequence, SamplingParams
+from runner.renderers.chat import ChatRenderer
 from runner.rl.advantages import compute_advantages, remove_constant_reward_groups
 from runner.rl.envs.arithmetic import ArithmeticEnv
 from runner.rl.envs.common import RepeatGroupBuilder
 from runner.rl.envs.guess_number import GuessNumberEnv
 from runner.rl.metrics import trajectory_metrics
-from runner.rl.renderer import ChatRenderer
 from runner.rl.rollouts import do_group_rollout, rollout_batch, run_episode, sample_seed
 from runner.rl.testing import ScriptedSampler, fake_logprob
 from runner.rl.types import Env, StepResult, Trajectory, TrajectoryGroup, Transition

@@ -16,10 +16,10 @@ import pytest
 from backends.errors import UserError
 from backends.local.tiny import build_tokenizer
 from runner.algos.sft import SFTAlgo, to_datum
-from runner.data.chat_template import render  # the "hf" renderer: what "auto" gives the tiny model
 from runner.data.conversations import load_conversations
 from runner.engine.loop import run
 from runner.recipe.schema import HF, SFT, Jsonl, Python, Recipe
+from runner.renderers.chat_template import render  # the "hf" renderer: what "auto" gives the tiny model
 
 TOK = build_tokenizer()
 CONV = [

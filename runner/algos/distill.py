@@ -6,7 +6,7 @@ rkl_t = (student_lp_t − teacher_lp_t)·mask_t is folded into the advantages as
 discounted sum over the later tokens), with no centring; the rewards are 0, so that is all the signal. Metrics
 `teacher_kl` = Σ rkl / Σ mask and `teacher_kl/dataset_<i>`; evals report `test/teacher_kl` on held-out prompts.
 
-Everything else is RL's (runner/rl/algo.py): the same sampling, datums, ratio loss, substeps and modes (sync, stream,
+Everything else is RL's (runner/algos/rl.py): the same sampling, datums, ratio loss, substeps and modes (sync, stream,
 async: unlike the cookbook's sync only), checkpoints and transcripts. Teachers: a chained run's final weights
 (`teacher = {init_from = "#teacher"}`, run first by runner/engine/chain.py), a saved sampler checkpoint, or a base model.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -25,15 +25,15 @@ import numpy as np
 from backends.base import SamplingClient
 from backends.errors import UserError
 from backends.types import Datum
-from runner.algos import AlgoSpec, BuildArgs
-from runner.data.conversations import load_conversations
-from runner.recipe.schema import Distill, Teacher
+from runner.algos.rl import EVAL_SEED_OFFSET, RLAlgo
+from runner.data.conversations import load_conversations, prompt_rows
+from runner.engine.spec import AlgoSpec, BuildArgs
+from runner.recipe.schema import Distill, Recipe, Teacher
+from runner.renderers.chat import ChatRenderer
 from runner.rl.advantages import compute_advantages
-from runner.rl.algo import EVAL_SEED_OFFSET, RLAlgo
 from runner.rl.datums import assemble_datums
 from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, RepeatGroupBuilder
 from runner.rl.kl import reference_logprobs
-from runner.rl.renderer import ChatRenderer
 from runner.rl.rollouts import rollout_batch
 from runner.rl.types import EnvGroupBuilder, Observation, RLDataset, StepResult, StopCondition, TrajectoryGroup
 
@@ -233,7 +233,7 @@ def prompts_from_chats(path: str, limit: int | None = None) -> list[dict[str, An
     return out[:limit] if limit else out
 
 
-# ---------------------------------------------------------------- the registry entry (runner/algos/__init__.py)
+# ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
 def build(cfg: Distill, args: BuildArgs) -> functools.partial[DistillAlgo]:
     r = args.recipe
@@ -241,4 +241,10 @@ def build(cfg: Distill, args: BuildArgs) -> functools.partial[DistillAlgo]:
                              weights=dict(args.weights), renderer=r.renderer)
 
 
-SPEC = AlgoSpec(build=build, headline=[("teacher_kl", "teacher_kl"), ("test/teacher_kl", "test/teacher_kl")])
+def show(cfg: Distill, recipe: Recipe, renderer: Any, n: int) -> Iterator[dict[str, Any]]:
+    """`runner render`: the first `n` prompts, over the datasets in order."""
+    return prompt_rows([d.prompts for d in cfg.datasets], renderer, n)
+
+
+SPEC = AlgoSpec(build=build, show=show,
+                headline=[("teacher_kl", "teacher_kl"), ("test/teacher_kl", "test/teacher_kl")])

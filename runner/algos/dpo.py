@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,10 +41,10 @@ import numpy as np
 from backends.base import CustomLossFn, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
-from runner.algos import AlgoSpec, BuildArgs
 from runner.algos.sft import PLAN_STEPS, to_datum, weights
 from runner.data.comparisons import Batches, Pair, Pairs, load_pairs, render_completion
-from runner.recipe.schema import DPO
+from runner.engine.spec import AlgoSpec, BuildArgs
+from runner.recipe.schema import DPO, Recipe
 from runner.renderers import get_renderer
 from runner.rl.kl import reference_logprobs
 
@@ -274,7 +274,7 @@ class DPOAlgo:
         return lines
 
 
-# ---------------------------------------------------------------- the registry entry (runner/algos/__init__.py)
+# ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
 def build(cfg: DPO, args: BuildArgs) -> functools.partial[DPOAlgo]:
     r = args.recipe
@@ -282,5 +282,15 @@ def build(cfg: DPO, args: BuildArgs) -> functools.partial[DPOAlgo]:
                              max_steps=r.max_steps, reference_path=args.reference_path, renderer=r.renderer)
 
 
-SPEC = AlgoSpec(build=build, headline=[("dpo_loss", "loss"), ("accuracy", "acc"), ("test/accuracy", "test/acc")],
+def show(cfg: DPO, recipe: Recipe, renderer: Any, n: int) -> Iterator[dict[str, Any]]:
+    """`runner render`: each side of the first `n` comparisons, tokens and weights."""
+    for pair in load_pairs(cfg.data).pairs[:n]:
+        for side, completion in (("chosen", pair.chosen), ("rejected", pair.rejected)):
+            tokens, ws = render_completion(renderer, pair.prompt, completion)
+            yield {"where": pair.where, "side": side, "tokens": tokens[: cfg.max_length],
+                   "weights": ws[: cfg.max_length]}
+
+
+SPEC = AlgoSpec(build=build, show=show,
+                headline=[("dpo_loss", "loss"), ("accuracy", "acc"), ("test/accuracy", "test/acc")],
                 compare=["test/accuracy", "accuracy"])

@@ -16,18 +16,19 @@ import asyncio
 import functools
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from backends.base import SamplingClient
 from backends.errors import UserError
 from backends.types import SamplingParams
-from runner.algos import AlgoSpec, BuildArgs
-from runner.data.conversations import Conversation, load_conversations
+from runner.data.conversations import Conversation, load_conversations, prompt_rows
 from runner.engine.rundir import OUTPUT
-from runner.recipe.schema import Generate
+from runner.engine.spec import AlgoSpec, BuildArgs
+from runner.recipe.schema import Generate, Recipe
 from runner.renderers import get_renderer
-from runner.rl.renderer import ChatRenderer
+from runner.renderers.chat import ChatRenderer
 
 
 class GenerateAlgo:
@@ -131,7 +132,7 @@ class GenerateAlgo:
         return {}
 
 
-# ---------------------------------------------------------------- the registry entry (runner/algos/__init__.py)
+# ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
 def build(cfg: Generate, args: BuildArgs) -> functools.partial[GenerateAlgo]:
     r = args.recipe
@@ -140,5 +141,9 @@ def build(cfg: Generate, args: BuildArgs) -> functools.partial[GenerateAlgo]:
                              max_steps=r.max_steps, weights=dict(args.weights), renderer=r.renderer)
 
 
-SPEC = AlgoSpec(build=build,
+def show(cfg: Generate, recipe: Recipe, renderer: Any, n: int) -> Iterator[dict[str, Any]]:
+    return prompt_rows([cfg.prompts], renderer, n)
+
+
+SPEC = AlgoSpec(build=build, show=show,
                 headline=[("rows", "rows"), ("reply_chars", "reply_chars"), ("truncated_frac", "truncated")])

@@ -9,7 +9,7 @@ tends to win. Plain forward_backward(cross_entropy) + optim_step, as SFT.
 The label position carries two targets (a (N, 2) cross_entropy datum): the preferred label, weight 1, and the
 other label, weight 0. The gradient is SFT's, and the same forward also returns the logprob of the other label, so
 accuracy comes for free: per comparison, P(chosen better) = the mean over both orders of σ(lp(preferred label) −
-lp(other label)), correct when > 0.5 (what runner/algos/judge.py `judge_prob` computes from a sampling
+lp(other label)), correct when > 0.5 (what runner/rewards/judge.py `judge_prob` computes from a sampling
 client). Metrics: train_mean_nll (−lp of the preferred label, whole vocabulary), accuracy; test/nll and
 test/accuracy on the held-out comparisons every eval_every steps (a forward, no gradient) and, as RL and DPO, once
 more after the last step on the final sampler weights (through compute_logprobs), at step = total steps.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,12 +29,12 @@ import numpy as np
 from backends.base import Future, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
-from runner.algos import AlgoSpec, BuildArgs
-from runner.algos.judge import label_logprobs, p_first
 from runner.algos.sft import PLAN_STEPS
 from runner.data.comparisons import Batches, Pair, Pairs, load_pairs, render_judge
-from runner.recipe.schema import RewardModel
+from runner.engine.spec import AlgoSpec, BuildArgs
+from runner.recipe.schema import Recipe, RewardModel
 from runner.renderers import get_renderer
+from runner.rewards.judge import label_logprobs, p_first
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ class RewardModelAlgo:
         return lines
 
 
-# ---------------------------------------------------------------- the registry entry (runner/algos/__init__.py)
+# ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
 def build(cfg: RewardModel, args: BuildArgs) -> functools.partial[RewardModelAlgo]:
     return functools.partial(RewardModelAlgo, cfg, load_pairs(cfg.data), seed=args.recipe.seed,
@@ -204,6 +204,15 @@ def build(cfg: RewardModel, args: BuildArgs) -> functools.partial[RewardModelAlg
                              model_name=args.recipe.model)
 
 
-SPEC = AlgoSpec(build=build,
+def show(cfg: RewardModel, recipe: Recipe, renderer: Any, n: int) -> Iterator[dict[str, Any]]:
+    """`runner render`: each order of the judge prompt of the first `n` comparisons; the label is trained."""
+    for pair in load_pairs(cfg.data).pairs[:n]:
+        for side, judged in zip(("chosen first", "rejected first"), orders(renderer, pair, cfg.max_length),
+                                strict=True):
+            tokens = [*judged.prefix, judged.label]
+            yield {"where": pair.where, "side": side, "tokens": tokens, "weights": [0.0] * len(judged.prefix) + [1.0]}
+
+
+SPEC = AlgoSpec(build=build, show=show,
                 headline=[("train_mean_nll", "nll"), ("accuracy", "acc"), ("test/accuracy", "test/acc")],
                 compare=["test/accuracy", "accuracy"])

@@ -19,7 +19,7 @@ at any checkpoint. No final row when eval_every = 0 (and agreement is off) or th
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,10 +28,10 @@ import numpy as np
 from backends.base import Future, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
-from runner.algos import AlgoSpec, BuildArgs
 from runner.data.conversations import Conversation, load_conversations
 from runner.engine.context import FinalContext
-from runner.recipe.schema import SFT
+from runner.engine.spec import AlgoSpec, BuildArgs
+from runner.recipe.schema import SFT, Recipe
 from runner.renderers import Renderer, get_renderer, render_row, text_of
 
 # How many steps the dry-run plan renders to report datums and tokens per step.
@@ -203,7 +203,7 @@ class SFTAlgo:
         import asyncio
 
         from backends.types import SamplingParams
-        from runner.rl.renderer import ChatRenderer
+        from runner.renderers.chat import ChatRenderer
 
         renderer = ChatRenderer(self.renderer)
         client = await ctx.backend.create_sampling_client(model_path=ctx.sampler_path)
@@ -244,7 +244,7 @@ class SFTAlgo:
         return lines
 
 
-# ---------------------------------------------------------------- the registry entry (runner/algos/__init__.py)
+# ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
 def build(cfg: SFT, args: BuildArgs) -> functools.partial[SFTAlgo]:
     convs, where = load_conversations(cfg.data)
@@ -252,5 +252,13 @@ def build(cfg: SFT, args: BuildArgs) -> functools.partial[SFTAlgo]:
                              renderer=args.recipe.renderer, model_name=args.recipe.model)
 
 
+def show(cfg: SFT, recipe: Recipe, renderer: Renderer, n: int) -> Iterator[dict[str, Any]]:
+    """`runner render`: the first `n` conversations, tokens and weights as a step trains them."""
+    convs, where = load_conversations(cfg.data)
+    for conv, w in list(zip(convs, where, strict=True))[:n]:
+        tokens, ws = render_row(renderer, conv, cfg.train_on_what, w)
+        yield {"where": w, "tokens": tokens[: cfg.max_length], "weights": ws[: cfg.max_length]}
+
+
 SPEC = AlgoSpec(build=build, headline=[("train_mean_nll", "nll"), ("test/nll", "test/nll")],
-                compare=["test/nll", "train_mean_nll"])
+                compare=["test/nll", "train_mean_nll"], show=show)

@@ -17,9 +17,9 @@ import msgspec
 from backends.errors import UserError
 from runner.data.conversations import conversation
 from runner.data.files import can_keep, iter_rows, keep_rows
-from runner.data.formats import AUTO, FORMATS, FormatError, map_row, resolve_format
 from runner.data.problems import problem
 from runner.recipe.explain import dotted
+from runner.recipe.formats import AUTO, FORMATS, FormatError, map_row, resolve_format
 from runner.recipe.load import structs
 from runner.recipe.schema import HF, DataBase, DataSource, File, Jsonl, Recipe
 

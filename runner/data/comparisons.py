@@ -1,7 +1,7 @@
 """Preference data: labelled comparisons of two completions of one prompt, for DPO and the reward model.
 
 Rows (any data source of runner/data/files.py; a source with `format = "hh_rlhf"` maps the HH-RLHF transcripts first,
-runner/data/formats.py), one of:
+runner/recipe/formats.py), one of:
   {"prompt": [messages], "chosen": [messages], "rejected": [messages]}
   {"comparison": {"prompt_conversation": [...], "completion_A": [...], "completion_B": [...]},
    "label": "A" | "B" | "Tie"}                                    (the cookbook's LabeledComparison)
@@ -9,7 +9,7 @@ A completion may also be a plain string (one assistant message). A "Tie" says no
 so it is dropped and counted (the cookbook silently makes B the winner). A bad row is one UserError naming its
 file and line.
 
-Rendering (shared by DPO, the reward model and runner/algos/judge.py):
+Rendering (shared by DPO, the reward model and runner/rewards/judge.py):
   - `render_completion`: prompt + completion through the recipe's renderer (or the tokenizer's chat template); weight 1 on every token after
     the prompt's generation header (the completion's content and end-of-turn), 0 on the prompt;
   - `judge_messages`: the reward model's input, one user message showing the conversation and both completions and
@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 
 from backends.errors import UserError
-from runner.data.chat_template import encode, prefix_len, template
 from runner.data.conversations import Conversation, describe, mapped_rows, messages_of
 from runner.recipe.schema import DataSource
+from runner.renderers.chat_template import encode, prefix_len, template
 
 LABELS = ("A", "B", "Tie")
 

@@ -2,7 +2,7 @@
 
 Rows are read by runner/data/files.py (jsonl, json, parquet, arrow, save_to_disk folders, hub datasets, `pkg.mod:fn`,
 another run's output; each row keeps a location such as "data.jsonl:17" so a bad row is a one-line UserError that says
-where to look). A source with a `format` (runner/data/formats.py: messages, prompt_response, hh_rlhf, gsm8k, math) has
+where to look). A source with a `format` (runner/recipe/formats.py: messages, prompt_response, hh_rlhf, gsm8k, math) has
 its columns mapped to {"messages": [...]} first; without one a row must already be {"messages": [...]}.
 
 Every message is {"role", "content"} with a role in ROLES: an unknown role (a typo such as "asistant", or "human"/"gpt"
@@ -16,11 +16,12 @@ render; columnar files do add them, and they are dropped here.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from backends.errors import UserError
 from runner.data.files import MAPPED, describe, iter_rows, load_rows, read_jsonl
-from runner.data.formats import AUTO, FormatError, map_row, resolve_format
+from runner.recipe.formats import AUTO, FormatError, map_row, resolve_format
 from runner.recipe.schema import DataSource
 
 __all__ = ["ROLES", "Conversation", "Message", "conversation", "describe", "load_conversations", "load_rows",
@@ -34,7 +35,7 @@ ROLES = ("system", "user", "assistant", "tool")
 
 def mapped_rows(source: DataSource, shape: str) -> tuple[list[Any], list[str], int]:
     """(rows as the canonical `shape`, their locations, rows the format drops): the source's rows through its format
-    (runner/data/formats.py); rows as they are for "auto"."""
+    (runner/recipe/formats.py); rows as they are for "auto"."""
     name = resolve_format(source.format, source.fields) if isinstance(source, MAPPED) else AUTO
     if name == AUTO:
         rows, where = load_rows(source)
@@ -62,6 +63,19 @@ def load_conversations(source: DataSource) -> tuple[list[Conversation], list[str
     if not rows:
         raise UserError(f"data source {describe(source)} has no rows")
     return [conversation(row, w) for row, w in zip(rows, where, strict=True)], where
+
+
+def prompt_rows(sources: list[DataSource], renderer: Any, n: int) -> Iterator[dict[str, Any]]:
+    """`runner render` of prompts (generate, distill): the first `n` generation prompts, nothing trained."""
+    shown = 0
+    for source in sources:
+        convs, where = load_conversations(source)
+        for conv, w in zip(convs, where, strict=True):
+            if shown >= n:
+                return
+            tokens = renderer.build_generation_prompt(conv)
+            yield {"where": w, "tokens": tokens, "weights": [0.0] * len(tokens)}
+            shown += 1
 
 
 def conversation(row: Any, where: str) -> Conversation:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from backends.errors import UserError
-from runner.data.formats import AUTO, columns, resolve_format
+from runner.recipe.formats import AUTO, columns, resolve_format
 from runner.recipe.schema import HF, DataSource, File, Jsonl, Python, RunOutput
 from runner.recipe.targets import import_target
 

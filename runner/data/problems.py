@@ -4,7 +4,7 @@
     problems = load_problems(source)   # source: any data source of a recipe (jsonl, file, hf, python, ...)
     problems[0].question, problems[0].answer, problems[0].where   # str, str, "train.parquet[0]"
 
-`source.format` says how a row becomes a problem (runner/data/formats.py):
+`source.format` says how a row becomes a problem (runner/recipe/formats.py):
   - "gsm8k"  {"question", "answer"}: the answer is the text after the last "####" (commas dropped), as the cookbook;
   - "math"   {"problem", "solution"}: the answer is the content of the last \\boxed{...};
   - "prompt_response" {"prompt", "response"}: the response is the answer as it is;

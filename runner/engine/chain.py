@@ -101,9 +101,9 @@ def check_all(recipe: Recipe, where: str, keep_rows: bool = False, name: str | N
     runner.data.check.check_data, a custom algorithm's args) for it and every recipe it runs first (its init_from chain, teachers, judges), and that every model it scores with shares its tokenizer.
     `name` (the recipe's): also that its run dir, and those of the recipes it runs first, are new or run dirs of
     ours (rundir.claim, which only looks)."""
-    from runner.algos import check_algo
     from runner.data.check import check_data
     from runner.engine.inspect_eval import check_inspect_evals
+    from runner.engine.spec import check_algo
 
     first = [s for s in [*upstreams(recipe, where), *dependencies(recipe, where)] if s.runnable]
     for r, at in [(recipe, where), *((s.recipe, s.ref) for s in first)]:

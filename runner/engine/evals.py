@@ -23,8 +23,8 @@ from runner.engine.inspect_eval import default_name, inspect_eval
 from runner.recipe.schema import InspectPinned, Jsonl, Math, MathPinned, NLLPinned, PinnedEval, PythonPinned
 from runner.recipe.targets import import_target
 from runner.renderers import Renderer, get_renderer, render_row
+from runner.renderers.chat import ChatRenderer
 from runner.rl.envs.math import MathEnv, load_problems
-from runner.rl.renderer import ChatRenderer
 from runner.rl.rollouts import describe_error
 
 Metrics = dict[str, float]

@@ -170,7 +170,7 @@ async def inspect_eval(e: InspectPinned, sampler: SamplingClient, chat: Renderer
     from inspect_ai.util._display import init_display_type  # pyright: ignore[reportMissingImports]
 
     from runner.engine import inspect_model as bridge
-    from runner.rl.renderer import ChatRenderer
+    from runner.renderers.chat import ChatRenderer
 
     key = uuid.uuid4().hex
     try:

@@ -1,5 +1,5 @@
 """An inspect_ai model provider ("runner/<model>") backed by a runner SamplingClient: inspect's chat messages are
-rendered with the recipe's renderer (runner/rl/renderer.py:ChatRenderer, as the envs render them), sampled on the
+rendered with the recipe's renderer (runner/renderers/chat.py:ChatRenderer, as the envs render them), sampled on the
 weights of the moment (any backend), and the reply parsed back, at the pinned eval's fixed sampling params.
 
 Imports inspect_ai at module level: runner/engine/inspect_eval.py imports this module only once it knows the extra is
@@ -29,7 +29,7 @@ from inspect_ai.tool import ToolChoice, ToolInfo  # pyright: ignore[reportMissin
 
 from backends.base import SamplingClient
 from backends.types import SamplingParams
-from runner.rl.renderer import ChatRenderer
+from runner.renderers.chat import ChatRenderer
 
 PROVIDER = "runner"
 

@@ -13,8 +13,8 @@ the cookbook's "after the loop") and its metrics are one more row at step = tota
 end_batch). A run killed between its last step and that row resumes for final() alone; a run that has
 the row (or whose algorithm has no final()) is finished.
 
-An algorithm is anything with the `Algorithm` interface below (SFT: runner/algos/sft.py); `make_algo` is
-the one place a recipe's algo variant becomes one. Nothing here knows which backend runs.
+An algorithm is anything with the `Algorithm` interface (runner/engine/context.py; SFT: runner/algos/sft.py);
+`make_algo` (runner/engine/spec.py) is the one place a recipe's algo variant becomes one. Nothing here knows which backend runs.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from backends.base import Backend, BackendError, Future, TrainingClient
 from backends.errors import UserError
 from backends.tokenizer import load_tokenizer
 from backends.types import LoraSpec
-from runner.algos import make_algo, spec_of
 from runner.engine.context import Algorithm, Context, FinalContext, InitWeights
 from runner.engine.cost import STEP as COST_STEP
 from runner.engine.cost import BudgetReached, Ledger
@@ -46,6 +45,7 @@ from runner.engine.evals import pinned_metrics
 from runner.engine.log import Progress, disk_error
 from runner.engine.rundir import RunDir, open_run_dir, remove_own_state
 from runner.engine.schedule import adam_at
+from runner.engine.spec import make_algo, spec_of
 from runner.engine.watchdog import Watchdog
 from runner.recipe.schema import Recipe
 

@@ -60,9 +60,9 @@ def print_costs(recipe: Recipe, name: str, where: str, stages: list[Upstream]) -
 
 def _planned(recipe: Recipe, name: str, where: str, label: str, finished: bool) -> Any:
     """A stage as its dry run sees it: upstream weights planned, not yet resolved."""
-    from runner.algos import make_algo
     from runner.engine.estimate import Stage
     from runner.engine.rundir import open_run_dir
+    from runner.engine.spec import make_algo
 
     chain = upstreams(recipe, where)
     init = InitWeights.planned(chain[-1]) if chain else None

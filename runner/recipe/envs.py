@@ -77,7 +77,7 @@ class TicTacToe(EnvBase, tag="tictactoe"):
 
 class ModelJudge(Base, tag_field="kind", tag="model"):
     """A trained pairwise reward model as the preference judge: P(a better) from the logprobs of its "A"/"B" label
-    tokens, averaged over both orders (runner/algos/judge.py). When the RL recipe is chained (init_from), the
+    tokens, averaged over both orders (runner/rewards/judge.py). When the RL recipe is chained (init_from), the
     final eval also reports test/win_rate_vs_init: the final policy's replies against the initial policy's, judged by
     it on the test prompts."""
 

@@ -116,7 +116,7 @@ Schedule = Constant | Linear | Cosine
 # ---------------------------------------------------------------- algorithms
 
 class AlgoBase(Base, tag_field="kind", tag=str.lower):
-    # The module that implements the variant: it declares `SPEC = AlgoSpec(...)` (runner/algos/__init__.py).
+    # The module that implements the variant: it declares `SPEC = AlgoSpec(...)` (runner/engine/spec.py).
     implementation: ClassVar[str] = ""
 
 
@@ -170,7 +170,7 @@ class DPO(AlgoBase):
 class RewardModel(AlgoBase, tag="reward_model"):
     """A pairwise judge (the cookbook's RLHF stage 2): SFT on "which completion is better, A or B?" with the
     preferred label as the one trained token, every comparison in both orders (A/B swapped) so position carries
-    no signal. runner/algos/judge.py turns the trained weights into P(a better)."""
+    no signal. runner/rewards/judge.py turns the trained weights into P(a better)."""
 
     implementation: ClassVar[str] = "runner.algos.reward_model"
 
@@ -297,7 +297,7 @@ class RL(AlgoBase):
     """Group-relative policy gradient on environments (cookbook rl/train.py): per group, advantage = reward −
     group mean; datums carry sampler logprobs and per-token advantages; a built-in ratio loss."""
 
-    implementation: ClassVar[str] = "runner.rl.algo"
+    implementation: ClassVar[str] = "runner.algos.rl"
 
     env: Env
     # ---- Core
@@ -430,7 +430,7 @@ class Generate(AlgoBase):
     keep_truncated: bool = False
 
 
-# A user's algorithm: an `AlgoSpec` in their module (runner/algos/__init__.py, examples/custom_algo.py).
+# A user's algorithm: an `AlgoSpec` in their module (runner/engine/spec.py, examples/custom_algo.py).
 SpecRef = Annotated[str, Meta(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w]*$", description="'pkg.mod:SPEC'")]
 
 

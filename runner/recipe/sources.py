@@ -1,7 +1,7 @@
 """The recipe's data sources that read files or datasets: `jsonl`, `file`, `hf` (part of runner/recipe/schema.py,
 which adds `python` and `run_output` and the DataSource union; kept here so the schema module stays small).
 
-`format` and `fields` map a dataset's columns (runner/data/formats.py, docs/datasets.md); they are validated when the
+`format` and `fields` map a dataset's columns (runner/recipe/formats.py, docs/datasets.md); they are validated when the
 recipe is decoded. Reading is runner/data/files.py.
 """
 
@@ -22,11 +22,11 @@ class DataBase(ConfigStruct, tag_field="kind", tag=str.lower):  # pyright: ignor
 
 class Mapped(DataBase):
     """Rows read from data: `format` maps a dataset's columns (messages, prompt_response, hh_rlhf, gsm8k, math:
-    runner/data/formats.py, docs/datasets.md; "auto": rows as they are), `fields` names them (e.g. {prompt = "q"}),
+    runner/recipe/formats.py, docs/datasets.md; "auto": rows as they are), `fields` names them (e.g. {prompt = "q"}),
     `max_rows` reads only the first rows. The subclasses declare these fields after their own required ones."""
 
     def __post_init__(self) -> None:
-        from runner.data.formats import resolve_format  # pure: no I/O, no recipe types
+        from runner.recipe.formats import resolve_format  # pure: no I/O, no recipe types
 
         resolve_format(getattr(self, "format"), getattr(self, "fields"))  # noqa: B009
 

@@ -1,12 +1,12 @@
 """hf: the tokenizer's own Hugging Face chat template (what a chat model's serving stack applies). Weights come
-from the template's prefixes (runner/data/chat_template.py); stops are the eos and the usual turn-end tokens."""
+from the template's prefixes (runner/renderers/chat_template.py); stops are the eos and the usual turn-end tokens."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from backends.errors import UserError
-from runner.data import chat_template
+from runner.renderers import chat_template
 from runner.renderers.base import (
     Message,
     RenderContext,

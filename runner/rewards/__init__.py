@@ -1,1 +1,2 @@
-"""Reward helpers shared by envs: math answer grading and a subprocess sandbox for untrusted code."""
+"""Reward helpers shared by envs: math answer grading, a subprocess sandbox for untrusted code, a trained reward
+model as a pairwise judge (`judge.py`, also the reward model's own accuracy)."""

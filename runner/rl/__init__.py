@@ -11,10 +11,12 @@ One RL step, as the loop calls it:
     metrics = trajectory_metrics(groups) | batch.error_metrics()        # metrics
     write_html(...), write_rollout_summaries(...)                       # transcripts
 
-The loop's RL algorithm is algo.RLAlgo (sync / stream / async modes, evals, transcripts, resume state).
+This package is the RL library; the RL algorithm that the loop runs is runner/algos/rl.py RLAlgo (sync / stream /
+async modes, evals, transcripts, resume state).
 
-Modules: algo, types (Env, StepResult, Transition, Trajectory, TrajectoryGroup, EnvGroupBuilder, RLDataset),
-renderer (chat messages <-> tokens), envs/ (built-in envs and the python escape hatch), rollouts, advantages,
-datums, kl, metrics, transcripts, testing (a scripted sampler); the recipe section is in runner/recipe/schema.py
+Modules: types (Env, StepResult, Transition, Trajectory, TrajectoryGroup, EnvGroupBuilder, RLDataset),
+envs/ (built-in envs and the python escape hatch), rollouts, advantages,
+datums, kl, metrics, transcripts, testing (a scripted sampler); envs speak messages through runner/renderers/chat.py
+ChatRenderer; the recipe section is in runner/recipe/schema.py
 (schema re-exports it).
 """

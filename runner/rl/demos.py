@@ -24,11 +24,11 @@ from typing import Any
 
 from backends.errors import UserError
 from runner.recipe.schema import Env, GuessNumber, Preference, TicTacToe, TwentyQuestions
+from runner.renderers.chat import ChatRenderer
 from runner.rl.envs import build_datasets, get_batch
 from runner.rl.envs import tictactoe as ttt
 from runner.rl.envs import twenty_questions as tq
 from runner.rl.envs.common import ChatEnv, EnvContext
-from runner.rl.renderer import ChatRenderer
 
 Expert = Callable[[ChatEnv, random.Random], str]
 

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from backends.errors import UserError
-from runner.algos import spec_of_kind
 from runner.engine.rundir import CONFIG, METRICS, flatten
+from runner.engine.spec import spec_of_kind
 from runner.recipe.load import show_value
 
 # Lower is better for NLLs and losses, higher for rewards and accuracy (parse_metric).

@@ -124,9 +124,9 @@ def render(report: Report, out: TextIO) -> None:
 
 async def prompts_of(recipe: Any, tokenizer: Any, n: int) -> list[tuple[list[int], Any]]:
     """n (prompt tokens, stop) from the recipe's env / prompt sets (RL, distill), else generic chat prompts."""
-    from runner.algos import make_algo
-    from runner.rl.algo import RLAlgo
-    from runner.rl.renderer import ChatRenderer
+    from runner.algos.rl import RLAlgo
+    from runner.engine.spec import make_algo
+    from runner.renderers.chat import ChatRenderer
 
     out: list[tuple[list[int], Any]] = []
     if type(recipe.algo).__name__ in ("RL", "Distill"):

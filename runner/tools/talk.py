@@ -71,7 +71,7 @@ def _backend(t: Target) -> Any:
 def _renderer(t: Target, backend: Any) -> Any:
     """The recipe's renderer (runner/renderers/) as the envs' ChatRenderer: prompts, stops, reply parsing."""
     from runner.renderers import get_renderer
-    from runner.rl.renderer import ChatRenderer
+    from runner.renderers.chat import ChatRenderer
 
     return ChatRenderer(get_renderer(t.recipe.renderer, backend.get_tokenizer(), model_name=t.recipe.model))
 

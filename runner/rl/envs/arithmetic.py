@@ -6,8 +6,8 @@ import functools
 import re
 
 from runner.recipe.schema import Arithmetic
+from runner.renderers.chat import ChatRenderer, Message
 from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, RepeatGroupBuilder, check_train_size, split_problems
-from runner.rl.renderer import ChatRenderer, Message
 from runner.rl.types import Observation, RLDataset, StepResult, StopCondition
 
 FORMAT_COEF = 0.1

@@ -20,10 +20,10 @@ from typing import Any
 from backends.errors import UserError
 from runner.data.conversations import load_rows
 from runner.recipe.schema import Code, DataSource
+from runner.renderers.chat import ChatRenderer
 from runner.rewards.sandbox import Limits, RunResult, Sandbox
 from runner.rl.envs.common import ChatEnv, EnvContext, RepeatGroupBuilder
 from runner.rl.envs.math import datasets, split
-from runner.rl.renderer import ChatRenderer
 from runner.rl.types import EnvGroupBuilder, Observation, RLDataset, StepResult, StopCondition
 
 INSTRUCTION = (

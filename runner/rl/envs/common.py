@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from backends.base import SamplingClient
 from backends.errors import UserError
-from runner.rl.renderer import ChatRenderer, Message, ParsedReply, Prompt
+from runner.renderers.chat import ChatRenderer, Message, ParsedReply, Prompt
 from runner.rl.types import Env, EnvGroupBuilder, Observation, RLDataset, StopCondition
 
 T = TypeVar("T", bound=Hashable)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import functools
 
 from runner.recipe.schema import GuessNumber
+from runner.renderers.chat import ChatRenderer
 from runner.rl.envs.arithmetic import INTEGER
 from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, RepeatGroupBuilder, check_train_size, split_problems
-from runner.rl.renderer import ChatRenderer
 from runner.rl.types import Observation, RLDataset, StepResult, StopCondition
 
 

@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 from backends.errors import UserError
 from runner.data.conversations import load_rows
 from runner.recipe.schema import DataSource, EnvBase, Math
+from runner.renderers.chat import ChatRenderer, Message
 from runner.rewards.math_grading import extract_answer, grade, math_verify_available, reference_answer
 from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, RepeatGroupBuilder
-from runner.rl.renderer import ChatRenderer, Message
 from runner.rl.types import EnvGroupBuilder, Observation, RLDataset, StepResult, StopCondition
 
 BOXED_SUFFIX = " Write your answer in \\boxed{} format."

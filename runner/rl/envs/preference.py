@@ -18,8 +18,8 @@ from backends.errors import UserError
 from backends.types import SamplingParams
 from runner.recipe.schema import ModelJudge, Preference
 from runner.recipe.targets import import_target
+from runner.renderers.chat import ChatRenderer
 from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, check_train_size
-from runner.rl.renderer import ChatRenderer
 from runner.rl.types import (
     Env,
     EnvGroupBuilder,
@@ -83,7 +83,7 @@ class PromptEnv(ChatEnv):
 
 
 class ModelJudgeFn:
-    """A reward model's pairwise judgement (runner/algos/judge.py), on a sampling client over its final weights,
+    """A reward model's pairwise judgement (runner/rewards/judge.py), on a sampling client over its final weights,
     opened once through the run's backend."""
 
     def __init__(self, ctx: EnvContext, ref: str):
@@ -91,7 +91,7 @@ class ModelJudgeFn:
         self.client: SamplingClient | None = None
 
     async def __call__(self, prompt: str, a: str, b: str) -> float:
-        from runner.algos.judge import judge_prob
+        from runner.rewards.judge import judge_prob
 
         if self.client is None:
             if self.ctx.open_weights is None:

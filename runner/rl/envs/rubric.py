@@ -24,9 +24,9 @@ from backends.types import SamplingParams
 from runner.data.conversations import load_rows, messages_of
 from runner.recipe.schema import JudgeModel, PythonGrader, Rubric
 from runner.recipe.targets import import_target
+from runner.renderers.chat import ChatRenderer, Message
 from runner.rl.envs.common import ChatEnv, EnvContext, RepeatGroupBuilder
 from runner.rl.envs.math import datasets, split
-from runner.rl.renderer import ChatRenderer, Message
 from runner.rl.rollouts import describe_error
 from runner.rl.types import EnvGroupBuilder, Logs, Observation, RLDataset, StepResult, StopCondition
 

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from runner.recipe.schema import TicTacToe
+from runner.renderers.chat import ChatRenderer
 from runner.rl.envs.arithmetic import INTEGER
 from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, RepeatGroupBuilder, check_train_size, split_problems
-from runner.rl.renderer import ChatRenderer
 from runner.rl.types import Env, EnvGroupBuilder, Metrics, Observation, RLDataset, StepResult, StopCondition, Trajectory
 
 Seat = Literal["X", "O"]

@@ -12,8 +12,8 @@ import functools
 import re
 
 from runner.recipe.schema import TwentyQuestions
+from runner.renderers.chat import ChatRenderer
 from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, RepeatGroupBuilder, check_train_size, split_problems
-from runner.rl.renderer import ChatRenderer
 from runner.rl.types import Observation, RLDataset, StepResult, StopCondition
 
 # attribute -> (how the intro names it, words that ask about it)

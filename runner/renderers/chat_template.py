@@ -1,5 +1,5 @@
 """Conversations -> tokens and per-token weights with the tokenizer's own (Hugging Face) chat template: the `hf`
-renderer (runner/renderers/hf.py) and the helpers comparisons.py shares."""
+renderer (runner/renderers/hf.py) and the helpers runner/data/comparisons.py shares."""
 
 from __future__ import annotations
 

@@ -50,10 +50,11 @@ from backends import losses
 from backends.base import BackendError, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, LossFn, OptimStepOutput, SamplingParams
-from runner.algos import AlgoSpec, BuildArgs
-from runner.recipe.schema import RL, Async, ModelJudge, Preference, PythonLoss, ReferenceKL, Stream
+from runner.engine.spec import AlgoSpec, BuildArgs
+from runner.recipe.schema import RL, Async, ModelJudge, Preference, PythonLoss, Recipe, ReferenceKL, Stream
 from runner.recipe.targets import import_object
 from runner.renderers import get_renderer
+from runner.renderers.chat import ChatRenderer, context_window
 from runner.rl import transcripts
 from runner.rl.advantages import compute_advantages, remove_constant_reward_groups
 from runner.rl.datums import assemble_datums
@@ -61,7 +62,6 @@ from runner.rl.envs import EnvContext, build_datasets, get_batch, headline_of
 from runner.rl.kl import apply_kl_penalty, kl_sample_train, reference_logprobs
 from runner.rl.metrics import trajectory_metrics
 from runner.rl.numerics import Gate, dlogprob_metrics, on_policy
-from runner.rl.renderer import ChatRenderer, context_window
 from runner.rl.rollouts import RolloutBatch, collect, guarded_group_rollout, rollout_batch
 from runner.rl.types import EnvGroupBuilder, RLDataset, TrajectoryGroup
 
@@ -525,7 +525,7 @@ def _merge(parts: list[dict[str, float]]) -> dict[str, float]:
             for k in keys}
 
 
-# ---------------------------------------------------------------- the registry entry (runner/algos/__init__.py)
+# ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
 def build(cfg: RL, args: BuildArgs) -> functools.partial[RLAlgo]:
     r = args.recipe
@@ -539,5 +539,27 @@ def env_headline(cfg: RL) -> list[tuple[str, str]]:
     return headline_of(cfg.env)
 
 
-SPEC = AlgoSpec(build=build, headline=[("env/all/reward/total", "reward"), ("test/env/all/reward/total", "test/reward")],
+def show(cfg: RL, recipe: Recipe, renderer: Any, n: int) -> list[dict[str, Any]]:
+    """`runner render`: the first prompt of each of the first `n` training groups, built by the env itself (one env
+    per group)."""
+    ctx = EnvContext(ChatRenderer(renderer), 1, 1, cfg.groups_per_batch, recipe.seed)
+    train, _ = build_datasets(cfg.env, ctx)
+
+    async def first() -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for batch in range(len(train)):
+            for group, builder in enumerate(get_batch(train, batch, "train")):
+                if len(out) >= n:
+                    return out
+                ob = await (await builder.make_envs())[0].initial_observation()
+                if ob is not None:
+                    tokens = list(ob[0])
+                    out.append({"where": f"env {type(cfg.env).__struct_config__.tag} batch {batch} group {group}",
+                                "tokens": tokens, "weights": [0.0] * len(tokens)})
+        return out
+
+    return asyncio.run(first())
+
+
+SPEC = AlgoSpec(build=build, show=show, headline=[("env/all/reward/total", "reward"), ("test/env/all/reward/total", "test/reward")],
                 compare=["test/env/all/reward/total", "env/all/reward/total"], headline_for=env_headline)

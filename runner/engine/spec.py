@@ -1,0 +1,138 @@
+"""The algorithm interface: what an algorithm module declares (`AlgoSpec`) and how a recipe's `algo` finds it.
+
+An algorithm is its recipe struct (runner/recipe/schema.py: a variant of `Algo`, whose `implementation` names the
+module, e.g. runner/algos/sft.py) plus that module, which declares `SPEC = AlgoSpec(...)`: how to build it from a
+recipe, its headline metrics (the progress line, `runner compare`'s default columns), how `runner render` shows its
+data. The loop, progress, compare, render and `runner eval` read the spec; nothing lists algorithms, and the engine
+never imports runner/algos/ (it imports the module a recipe names, by name, as it imports a user's). A user's own
+algorithm needs no edit here at all:
+`algo = {kind = "custom", target = "pkg.mod:SPEC", args = {...}}` names an `AlgoSpec` in their module, and its
+`config` struct (if any) validates `args` at `runner check` (examples/custom_algo.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from backends.errors import UserError
+from runner.engine.context import Algorithm, InitWeights
+from runner.recipe.schema import ALGO_VARIANTS, Custom, Recipe
+
+
+@dataclass(frozen=True)
+class BuildArgs:
+    """What building an algorithm may use besides its own config."""
+
+    recipe: Recipe
+    # A chained recipe's starting weights (its reference model), else None.
+    init: InitWeights | None = None
+    # The final sampler weights of every other run the recipe names (teachers, judges), by reference.
+    weights: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def reference_path(self) -> str | None:
+        return self.init.sampler_path if self.init is not None else None
+
+
+# (config, args) -> a function of the tokenizer that returns the algorithm. Building reads and validates the data,
+# so the cheapest errors come before any model loads.
+Builder = Callable[[Any, BuildArgs], Callable[[Any], Algorithm]]
+# `runner render` (runner/tools/render.py): (config, recipe, renderer, n) -> the first `n` rows of the algorithm's data
+# as the trainer sees them: {"where", "tokens", "weights"} (+ "side": which side of a comparison).
+Shower = Callable[[Any, Recipe, Any, int], Iterable[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class AlgoSpec:
+    build: Builder
+    # The progress line's metrics: (metrics key, label), the training number first, held-out ones after.
+    headline: Sequence[tuple[str, str]] = (("loss", "loss"),)
+    # `runner compare`'s default metrics; default: the headline's keys, held-out ones first.
+    compare: Sequence[str] | None = None
+    # Extra headline metrics that depend on the config (RL: its env's), inserted after the first.
+    headline_for: Callable[[Any], Sequence[tuple[str, str]]] | None = None
+    # A user algorithm's `args` struct (algo.kind = "custom"): validated by `runner check`, handed to `build`.
+    config: type | None = None
+    # How `runner render` shows the data; None: it has none to show.
+    show: Shower | None = None
+
+    def progress_keys(self, cfg: Any) -> list[tuple[str, str]]:
+        keys = list(self.headline)
+        if self.headline_for is not None:
+            keys[1:1] = list(self.headline_for(cfg))
+        return keys
+
+    def compare_keys(self) -> list[str]:
+        if self.compare is not None:
+            return list(self.compare)
+        return sorted((k for k, _ in self.headline), key=lambda k: not k.startswith("test/"))
+
+
+def spec_of(cfg: Any) -> AlgoSpec:
+    """The spec of a recipe's `algo` table."""
+    if isinstance(cfg, Custom):
+        return _custom_spec(cfg.target)
+    return _module_spec(type(cfg).implementation)
+
+
+def spec_of_kind(kind: str, target: str | None = None) -> AlgoSpec | None:
+    """The spec of an algorithm by its `kind` tag (a run dir's flattened config); None when unknown or not
+    importable (a run written by another version, a custom algorithm whose module is gone)."""
+    try:
+        if kind == "custom":
+            return _custom_spec(target) if target else None
+        for variant in ALGO_VARIANTS:
+            if variant.__struct_config__.tag == kind:
+                return _module_spec(variant.implementation)
+    except UserError:
+        return None
+    return None
+
+
+def make_algo(recipe: Recipe, init: InitWeights | None = None,
+              weights: Mapping[str, str] | None = None) -> Callable[[Any], Algorithm]:
+    """The one place a recipe's algo variant becomes an Algorithm (a function of the tokenizer)."""
+    return spec_of(recipe.algo).build(recipe.algo, BuildArgs(recipe, init, dict(weights or {})))
+
+
+def check_algo(cfg: Any, where: str) -> None:
+    """`runner check`: a custom algorithm's target is an AlgoSpec and its args fit the spec's config."""
+    if not isinstance(cfg, Custom):
+        return
+    spec = _custom_spec(cfg.target, where)
+    custom_args(spec, cfg, where)
+
+
+def custom_args(spec: AlgoSpec, cfg: Custom, where: str = "") -> Any:
+    """A custom algorithm's `args`, decoded into its spec's config struct (as given when it has none)."""
+    if spec.config is None:
+        return cfg.args
+    from runner.recipe.explain import convert
+
+    return convert(cfg.args, spec.config, f"{where + ': ' if where else ''}algo.args")
+
+
+def _module_spec(module: str) -> AlgoSpec:
+    spec = getattr(importlib.import_module(module), "SPEC", None)
+    if not isinstance(spec, AlgoSpec):
+        raise TypeError(f"{module} declares no SPEC = AlgoSpec(...)")
+    return spec
+
+
+def _custom_spec(target: str, where: str = "") -> AlgoSpec:
+    from runner.recipe.targets import import_object
+
+    try:
+        obj: Any = import_object(target)
+    except UserError as e:
+        raise UserError(f"{where + ': ' if where else ''}algo.spec: {e}") from None
+    if not isinstance(obj, AlgoSpec):
+        raise UserError(f"{where + ': ' if where else ''}algo.spec {target!r} is a {type(obj).__name__}, not an "
+                        "AlgoSpec (declare `SPEC = AlgoSpec(build=...)` in your module; see examples/custom_algo.py)")
+    return obj
+
+
+__all__ = ["AlgoSpec", "BuildArgs", "check_algo", "custom_args", "make_algo", "spec_of", "spec_of_kind"]

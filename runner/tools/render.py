@@ -1,0 +1,53 @@
+"""`runner render FILE#name`: the first rows of a recipe's data as the trainer sees them, tokens and weights from
+the recipe's renderer, as its algorithm's spec shows them (`AlgoSpec.show`: SFT conversations; DPO each side of a
+comparison; the reward model each order of its judge prompt; generate and distill their prompts; RL the first
+training groups' first prompts, as its env builds them). Colored by weight on a terminal, else one JSON object per
+line."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+from backends.errors import UserError
+from runner.engine.spec import spec_of
+from runner.renderers.display import colorize
+from runner.renderers.registry import get_renderer
+
+
+def rendered_rows(ref: str, overrides: list[str], n: int) -> Iterator[dict[str, Any]]:
+    """{"where", "tokens", "weights"} (+ "side" for comparisons) for the first `n` rows of the recipe's data: what
+    its algorithm's spec shows (`AlgoSpec.show`, runner/engine/spec.py)."""
+    from backends.tokenizer import load_tokenizer
+    from runner.recipe.load import load_recipe
+
+    _, recipe = load_recipe(ref, overrides)
+    spec = spec_of(recipe.algo)
+    if spec.show is None:
+        kind = type(recipe.algo).__struct_config__.tag
+        raise UserError(f"runner render: the {kind} algorithm has no data to show (its AlgoSpec declares no `show`)")
+    renderer = get_renderer(recipe.renderer, load_tokenizer(recipe.tokenizer or recipe.model), model_name=recipe.model)
+    yield from spec.show(recipe.algo, recipe, renderer, n)
+
+
+def render_command(ref: str, overrides: list[str], n: int, as_json: bool, out: TextIO) -> None:
+    from backends.tokenizer import load_tokenizer
+    from runner.recipe.load import load_recipe
+
+    if n < 1:
+        raise UserError(f"--n must be >= 1, got {n}")
+    color = not as_json and out.isatty()
+    tokenizer = None
+    for row in rendered_rows(ref, overrides, n):
+        if not color:
+            out.write(json.dumps(row) + "\n")
+            continue
+        if tokenizer is None:
+            _, recipe = load_recipe(ref, overrides)
+            tokenizer = load_tokenizer(recipe.tokenizer or recipe.model)
+        side = f" ({row['side']})" if "side" in row else ""
+        trained = sum(1 for w in row["weights"] if w > 0)
+        out.write(f"── {row['where']}{side}: {len(row['tokens'])} tokens, {trained} trained\n")
+        out.write(colorize(row["tokens"], row["weights"], tokenizer, color=True) + "\n\n")
+    out.flush()
