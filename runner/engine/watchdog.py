@@ -92,7 +92,7 @@ class Watchdog:
         try:
             proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _CHILD, str(os.getpid()), str(first_s),
                                      str(second_s)], stdin=wake_r, stdout=relay_w, close_fds=True, process_group=0)
-        except OSError:
+        except (OSError, subprocess.SubprocessError):
             for fd in (wake_r, wake_w, relay_r):
                 os.close(fd)
             return None
