@@ -194,6 +194,31 @@ def test_an_empty_folder_is_adopted(tmp_path: Path) -> None:
     assert steps_of(empty) == [0, 1] and claim(empty) == "ours"
 
 
+def test_a_run_dir_of_ours_with_odd_entries_is_refused(tmp_path: Path) -> None:
+    """Our marker is not a pass for anything: a FIFO named metrics.jsonl (reading it would block), a marker that is a
+    link, a marker of a newer format, and a log_dir that is a file are each one line."""
+    run_dir = tmp_path / "run"
+    run(make_recipe(tmp_path, run_dir, max_steps=2), "r", backend=fake(run_dir))
+    assert claim(run_dir) == "ours"
+    (run_dir / METRICS).unlink()
+    os.mkfifo(run_dir / METRICS)
+    with pytest.raises(UserError, match=f"run dir {run_dir}: {METRICS} is not a plain file; remove it"):
+        claim(run_dir)
+    (run_dir / METRICS).unlink()
+    (run_dir / MARKER).write_text('{"format": 2}\n')
+    with pytest.raises(UserError, match=r"made by a newer runner \(run dir format 2, this one knows 1\)"):
+        claim(run_dir)
+    (run_dir / MARKER).unlink()
+    (run_dir / MARKER).symlink_to(tmp_path / "data.jsonl")
+    with pytest.raises(UserError, match=r"\.runner-run is not a plain file \(a link\?\)"):
+        claim(run_dir)
+    with pytest.raises(UserError, match="exists and is not a folder"):
+        claim(tmp_path / "data.jsonl")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    with pytest.raises(UserError, match="is a symbolic link to nothing"):
+        claim(tmp_path / "dangling")
+
+
 def test_own_file_names_are_the_modules_own() -> None:
     """The names a legacy run dir may hold are the ones the modules that write them use."""
     from runner.engine.track import WANDB_FILE
