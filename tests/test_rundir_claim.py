@@ -41,6 +41,7 @@ from runner.engine.rundir import (
     claim,
     open_run_dir,
     own_state,
+    relative_row,
     remove_own_state,
 )
 from runner.recipe.schema import Recipe
@@ -343,6 +344,12 @@ def test_only_our_saved_states_are_deleted(tmp_path: Path) -> None:
         assert own_state(run_dir, str(run_dir / foreign)) is None, foreign
         assert not remove_own_state(run_dir, str(run_dir / foreign))
     assert own_state(run_dir, str(run_dir / "checkpoints/weights/000002")) is not None
+    # The local backend resolves its storage dir: its paths name the link's target, and are the same states.
+    assert own_state(run_dir, str(other_disk / "weights/000002")) == run_dir / "checkpoints/weights/000002"
+    assert own_state(run_dir, str(other_disk / "alice")) is None
+    assert relative_row({"state_path": str(other_disk / "weights/000002")}, run_dir) == {
+        "state_path": "checkpoints/weights/000002", "paths": "run"}
+    assert relative_row({"state_path": str(tmp_path / "elsewhere")}, run_dir) == {"state_path": str(tmp_path / "elsewhere")}
     assert remove_own_state(run_dir, str(run_dir / "checkpoints/weights/000002"))
     assert remove_own_state(run_dir, str(run_dir / "checkpoints/x_final.npz"))
     assert not (other_disk / "weights" / "000002").exists() and not (other_disk / "x_final.npz").exists()

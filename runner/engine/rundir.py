@@ -556,16 +556,24 @@ def relative_row(row: dict[str, Any], run_path: Path) -> dict[str, Any]:
         p = out.get(key)
         if not _is_local(p):
             continue
-        # As written (a linked checkpoints/ stays checkpoints/...), else with links resolved on both sides.
-        for path, base in [(Path(os.path.abspath(str(p))), Path(os.path.abspath(run_path))),
-                           (Path(str(p)).resolve(), run_path.resolve())]:
-            try:
-                out[key] = str(path.relative_to(base))
-            except ValueError:  # outside the run dir (a backend with its own storage): kept as given
-                continue
-            out["paths"] = "run"
-            break
+        if (rel := _in_run_dir(str(p), run_path)) is not None:
+            out[key], out["paths"] = rel, "run"
     return out
+
+
+def _in_run_dir(p: str, run_path: Path) -> str | None:
+    """`p` relative to the run dir: as written (a linked checkpoints/ stays checkpoints/...), under checkpoints/'s
+    target (a backend that resolved its storage dir, as the local one does), or with links resolved on both sides;
+    None: outside it (a backend with its own storage)."""
+    ckpts = run_path / "checkpoints"
+    for path, base, prefix in [(Path(os.path.abspath(p)), Path(os.path.abspath(run_path)), ""),
+                               (Path(os.path.abspath(p)), ckpts.resolve(), "checkpoints"),
+                               (Path(p).resolve(), run_path.resolve(), "")]:
+        try:
+            return str(Path(prefix, path.relative_to(base)))
+        except ValueError:
+            continue
+    return None
 
 
 def resolve_row(row: dict[str, Any], run_path: Path) -> dict[str, Any]:
@@ -623,13 +631,10 @@ def own_state(run_path: Path, state: str) -> Path | None:
     the local backend, *_<name>.npz of the fake one; <name> a checkpoint name) and no part of it below checkpoints/
     is a link; else None. Deleting anything else (a row of a copied checkpoints.jsonl naming a linked folder's
     files) is never ours to do."""
-    if "://" in state:
+    if "://" in state or (rel := _in_run_dir(state, run_path)) is None or Path(rel).parts[:1] != ("checkpoints",):
         return None
     root = Path(os.path.abspath(run_path / "checkpoints"))
-    try:
-        parts = Path(os.path.abspath(state)).relative_to(root).parts
-    except ValueError:
-        return None
+    parts = Path(rel).parts[1:]
     ours = ((len(parts) == 2 and parts[0] in CHECKPOINT_KINDS and bool(_OWN_STATE.fullmatch(parts[1])))
             or (len(parts) == 1 and bool(_OWN_NPZ.fullmatch(parts[0]))))
     if not ours or not all(_plain(root.joinpath(*parts[: i + 1])) for i in range(len(parts))):
