@@ -1,8 +1,9 @@
-"""Nothing hangs (issue 22): env_timeout_s drops a group whose env never answers (awaiting, or blocking the event
-loop's thread in a synchronous call), and Ctrl-C stops a run within seconds whatever its env does; the run dir then
-resumes. The runs are RL on the fake backend, in a subprocess where a signal is sent.
+"""Nothing hangs (issues 22, 31): env_timeout_s drops a group whose env never answers (awaiting, or blocking the event
+loop's thread in a synchronous call), and Ctrl-C stops a run within seconds whatever its env does, C code that holds
+the GIL included (the watchdog process, runner/engine/watchdog.py); the run dir then resumes. The runs are RL on the
+fake backend, in a subprocess where a signal is sent.
 
-Run: pytest tests/test_interrupt.py   (about 15 s on 2 cores)
+Run: pytest tests/test_interrupt.py   (about 60 s on 2 shared cores: five runs in subprocesses)
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ temp folders. A data path that is not a regular file (FIFO, device, folder) is o
 Each test reproduces one finding of the issue; "unchanged" is a full listing of the tree with each entry's kind,
 mode, mtime (ns) and contents (or link target), before and after.
 
-Run: pytest tests/test_rundir_claim.py   (about 20 s on 2 cores)
+Run: pytest tests/test_rundir_claim.py   (6-20 s on 2 shared cores)
 """
 
 from __future__ import annotations
