@@ -269,7 +269,8 @@ def claim(path: Path) -> Claim:
         foreign = [n for n in sorted(entries) if not _own_entry(n, entries[n])]
         if foreign or not _holds_recipe(path / CONFIG):
             what = f"it holds {foreign[0]!r}" if foreign else f"it holds no {CONFIG} with one recipe"
-            raise UserError(f"{path} exists and is not a run dir (no {MARKER}; {what}); nothing there was changed. "
+            shown = path if path.is_absolute() else f"{path} ({path.resolve()})"  # "..": which one
+            raise UserError(f"{shown} exists and is not a run dir (no {MARKER}; {what}); nothing there was changed. "
                             "Set log_dir to a new or empty folder")
         kind = "legacy"
     links = sorted(n for n, e in entries.items() if e.is_symlink() and n != "checkpoints")
