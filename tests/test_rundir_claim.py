@@ -272,7 +272,8 @@ def test_a_linked_file_in_a_run_dir_is_refused_untouched(name: str, tmp_path: Pa
 
 
 def test_the_run_dir_writers_never_write_through_a_link(tmp_path: Path) -> None:
-    """Below claim(): append_jsonl, write_text_atomic's temp file and read_jsonl's repair open with O_NOFOLLOW."""
+    """Below claim(): append_jsonl, write_text_atomic's temp file, read_jsonl's repair and the RL transcripts open
+    with O_NOFOLLOW."""
     victim = tmp_path / "victim.jsonl"
     victim.write_text('{"step": 0}\n{"step": 1, "torn')
     link = tmp_path / "metrics.jsonl"
@@ -289,6 +290,14 @@ def test_the_run_dir_writers_never_write_through_a_link(tmp_path: Path) -> None:
         write_text_atomic(tmp_path / "config.toml", "x")
     # The failed write removes its temp name (the link itself); what it pointed to is untouched.
     assert snapshot(tmp_path)["victim.jsonl"] == before["victim.jsonl"] and not (tmp_path / "config.toml").exists()
+    from runner.rl.transcripts import write_rollout_summaries
+
+    (tmp_path / "iteration_000000").mkdir()
+    (tmp_path / "iteration_000000" / "train_rollout_summaries.jsonl").symlink_to(victim)  # RL transcripts too
+    with pytest.raises(UserError, match="train_rollout_summaries.jsonl is a symbolic link"):
+        write_rollout_summaries(tmp_path / "iteration_000000" / "train_rollout_summaries.jsonl", [], split="train",
+                                iteration=0)
+    assert snapshot(tmp_path)["victim.jsonl"] == before["victim.jsonl"]
     assert victim.read_text() == '{"step": 0}\n{"step": 1, "torn'
 
 
