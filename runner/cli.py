@@ -396,7 +396,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     name, recipe = load_recipe(args.ref, args.overrides)
     refuse_sweep(args.ref)
     where = _where(args.ref, name)
-    check_all(recipe, where, keep_rows=not args.dry_run)
+    check_all(recipe, where, keep_rows=not args.dry_run, name=name)
     prefer_passive_openmp()  # before torch loads (runner/threads.py)
     from runner.engine.cost import BudgetReached
     from runner.engine.loop import Interrupted  # torch and the backends load here, and only here

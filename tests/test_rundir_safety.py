@@ -220,7 +220,7 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_loads(tmp_path: Path,
 def test_stale_temp_dirs_of_a_failed_save_are_removed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "run"
     run(make_recipe(tmp_path, max_steps=2), "r", backend=fake(run_dir))
-    stale = run_dir / "checkpoints" / "weights" / ".000004.k2j3h4"
+    stale = run_dir / "checkpoints" / "weights" / ".000004.k2j3h4x9"
     stale.mkdir(parents=True)
     (stale / "adapter.bin").write_bytes(b"half")
     (run_dir / "config.toml.tmp").write_text("half")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from backends.base import SamplingClient
 from backends.errors import UserError
 from backends.types import SamplingParams
 from runner.data.conversations import Conversation, load_conversations, prompt_rows
+from runner.engine.log import write_text_atomic
 from runner.engine.rundir import OUTPUT
 from runner.engine.spec import AlgoSpec, BuildArgs
 from runner.recipe.schema import Generate, Recipe
@@ -88,13 +88,8 @@ class GenerateAlgo:
         assert self.log_dir is not None
         out = Path(self.log_dir) / OUTPUT
         out.mkdir(parents=True, exist_ok=True)
-        path = out / f"step_{step:06d}.jsonl"
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r) + "\n" for r in part["rows"])
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        # Atomic, fsynced, never through a link (docs/reliability.md).
+        write_text_atomic(out / f"step_{step:06d}.jsonl", "".join(json.dumps(r) + "\n" for r in part["rows"]))
         rows = part["rows"]
         replies = [r["messages"][-1]["content"] for r in rows]
         return {"rows": len(rows), "samples": part["samples"],
