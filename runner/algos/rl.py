@@ -535,7 +535,7 @@ def build(cfg: RL, args: BuildArgs) -> functools.partial[RLAlgo]:
 
 
 def env_headline(cfg: RL) -> list[tuple[str, str]]:
-    """The env's own progress-line metrics (runner/rl/envs ENVS registry)."""
+    """The env's own progress-line metrics (its module's `ENV`, runner/rl/envs/__init__.py)."""
     return headline_of(cfg.env)
 
 

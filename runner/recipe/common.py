@@ -3,7 +3,7 @@ recipe references, the struct base, the data sources a table may name, and Train
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from msgspec import Meta
 
@@ -26,6 +26,16 @@ RecipeRef = Annotated[str, Meta(min_length=1, description=REF_DESCRIPTION)]
 
 class Base(ConfigStruct):  # pyright: ignore[reportGeneralTypeIssues] (see ConfigStruct)
     pass
+
+
+B = TypeVar("B", bound=type)
+
+
+def variants(base: B) -> tuple[B, ...]:
+    """The direct subclasses of a tagged struct base, in the order they are declared: the schema's union of them
+    (msgspec decodes `kind = ...` into the one with that tag). A variant declares itself once, by subclassing the
+    base (algorithms, envs); nothing lists them."""
+    return tuple(base.__subclasses__())
 
 
 # ---------------------------------------------------------------- data sources

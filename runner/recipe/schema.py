@@ -9,7 +9,7 @@ The backend tables (`backend = {kind = ...}`) are declared by each backend (back
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_args
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union
 
 import msgspec
 from msgspec import Meta
@@ -32,6 +32,7 @@ from runner.recipe.common import RecipeRef as RecipeRef
 from runner.recipe.common import RunOutput as RunOutput
 from runner.recipe.common import Target as Target
 from runner.recipe.common import TrainOnWhat as TrainOnWhat
+from runner.recipe.common import variants
 from runner.recipe.cost import Budget, Price
 from runner.recipe.envs import BUILTIN_TOOLS as BUILTIN_TOOLS
 from runner.recipe.envs import Arithmetic as Arithmetic
@@ -446,8 +447,12 @@ class Custom(AlgoBase):
         return self.spec
 
 
-Algo = SFT | DPO | RewardModel | RL | Distill | Generate | Custom
-ALGO_VARIANTS: tuple[type[AlgoBase], ...] = get_args(Algo)
+# Every algorithm, in the order declared above: a new one is its struct here (naming its module) and that module.
+ALGO_VARIANTS: tuple[type[AlgoBase], ...] = variants(AlgoBase)
+if TYPE_CHECKING:
+    Algo = AlgoBase
+else:
+    Algo = Union[ALGO_VARIANTS]  # noqa: UP007 - built from the variants at import
 
 
 # ---------------------------------------------------------------- experiment tracking
