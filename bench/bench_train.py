@@ -72,7 +72,8 @@ from backends.local.backend import LocalBackend
 from backends.local.config import Local
 from backends.local.tiny import _save, build_config, build_tokenizer
 from backends.types import AdamParams, Datum, LoraSpec
-from runner.algos.sft import render, to_datum
+from runner.algos.sft import to_datum
+from runner.renderers.chat_template import render
 
 try:
     import trl
