@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from msgspec import Meta
 
@@ -55,6 +55,8 @@ class PythonPinned(PinnedEvalBase, tag="python"):
 
     target: Target
     args: dict[str, Any] = {}
+    # fn's positional arguments before the args (sampler, tokenizer): what `runner check` binds them after.
+    TARGET_LEADING: ClassVar[int] = 2
 
 
 class InspectPinned(PinnedEvalBase, tag="inspect"):

@@ -9,6 +9,7 @@ The backend tables (`backend = {kind = ...}`) are declared by each backend (back
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union
 
 import msgspec
@@ -558,7 +559,8 @@ class Recipe(Base):
     def __post_init__(self) -> None:
         from runner.renderers.registry import names as renderer_names
 
-        if self.renderer not in renderer_names():
-            raise ValueError(f"renderer {self.renderer!r} is unknown; choose one of: {', '.join(renderer_names())}")
+        if self.renderer not in renderer_names() and re.fullmatch(TARGET_PATTERN, self.renderer) is None:
+            raise ValueError(f"renderer {self.renderer!r} is unknown; choose one of: {', '.join(renderer_names())}, "
+                             "or your own as 'pkg.mod:NAME'")
         if isinstance(self.algo, RL) and isinstance(self.algo.mode, Async) and self.depth == 0:
             raise ValueError("algo.mode async samples while the previous step trains: it needs depth >= 1")
