@@ -32,10 +32,14 @@ B = TypeVar("B", bound=type)
 
 
 def variants(base: B) -> tuple[B, ...]:
-    """The direct subclasses of a tagged struct base, in the order they are declared: the schema's union of them
-    (msgspec decodes `kind = ...` into the one with that tag). A variant declares itself once, by subclassing the
-    base (algorithms, envs); nothing lists them."""
-    return tuple(base.__subclasses__())
+    """The subclasses of a tagged struct base, in the order they are declared: the schema's union of them (msgspec
+    decodes `kind = ...` into the one with that tag). A variant declares itself once, by subclassing the base
+    (algorithms, envs); nothing lists them. A subclass that declares `ABSTRACT = True` (a shared base of several
+    variants) is not one: its own subclasses are, in its place."""
+    out: list[B] = []
+    for sub in base.__subclasses__():
+        out.extend(variants(sub) if sub.__dict__.get("ABSTRACT", False) else [sub])
+    return tuple(out)
 
 
 # ---------------------------------------------------------------- data sources
