@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -27,7 +27,7 @@ from backends.errors import UserError
 from backends.types import Datum
 from runner.algos.rl import EVAL_SEED_OFFSET, RLAlgo
 from runner.data.conversations import load_conversations, prompt_rows
-from runner.engine.spec import AlgoSpec, BuildArgs
+from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import Distill, Recipe, Teacher
 from runner.renderers.chat import ChatRenderer
 from runner.rl.advantages import compute_advantages
@@ -67,9 +67,9 @@ class CompositeDataset(RLDataset):
 
 
 class DistillAlgo(RLAlgo):
-    def __init__(self, cfg: Distill, tokenizer: Any, *, seed: int = 0, base_model: str = "tiny",
-                 max_steps: int | None = None, weights: dict[str, str] | None = None, renderer: str = "auto"):
-        self.weights = weights or {}
+    def __init__(self, cfg: Distill, s: Settings):
+        seed = s.seed
+        self.weights = dict(s.weights)
         self.prompts: list[tuple[list[list[dict[str, str]]], list[list[dict[str, str]]]]] = []
         for i, ds in enumerate(cfg.datasets):
             convs, _ = load_conversations(ds.prompts)
@@ -84,8 +84,7 @@ class DistillAlgo(RLAlgo):
                                 f"{ds.groups_per_batch}")
             self.prompts.append((train, test))
         self.teachers: list[SamplingClient | None] = [None] * len(cfg.datasets)
-        super().__init__(cfg, tokenizer, seed=seed, base_model=base_model, max_steps=max_steps, weights=weights,
-                         renderer=renderer)
+        super().__init__(cfg, s)
 
     # ---------------------------------------------------------------- data
 
@@ -235,10 +234,9 @@ def prompts_from_chats(path: str, limit: int | None = None) -> list[dict[str, An
 
 # ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
-def build(cfg: Distill, args: BuildArgs) -> functools.partial[DistillAlgo]:
-    r = args.recipe
-    return functools.partial(DistillAlgo, cfg, seed=r.seed, base_model=r.model, max_steps=r.max_steps,
-                             weights=dict(args.weights), renderer=r.renderer)
+def build(cfg: Distill, args: BuildArgs) -> Callable[[Any], DistillAlgo]:
+    # No reference model: the teachers are what the student is pulled toward.
+    return lambda tokenizer: DistillAlgo(cfg, replace(Settings.of(args, tokenizer), reference_path=None))
 
 
 def show(cfg: Distill, recipe: Recipe, renderer: Any, n: int) -> Iterator[dict[str, Any]]:

@@ -30,9 +30,8 @@ Departures from the cookbook:
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,9 +42,8 @@ from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
 from runner.algos.sft import PLAN_STEPS, to_datum, weights
 from runner.data.comparisons import Batches, Pair, Pairs, load_pairs, render_completion
-from runner.engine.spec import AlgoSpec, BuildArgs
+from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import DPO, Recipe
-from runner.renderers import get_renderer
 from runner.rl.kl import reference_logprobs
 
 # ---------------------------------------------------------------- the math
@@ -111,13 +109,12 @@ class Submitted:
 class DPOAlgo:
     """DPO behind the loop's Algorithm interface (runner/engine/loop.py)."""
 
-    def __init__(self, cfg: DPO, pairs: Pairs, tokenizer: Any, *, seed: int = 0, base_model: str = "tiny",
-                 reference_path: str | None = None, max_steps: int | None = None, renderer: str = "auto"):
-        self.cfg, self.tokenizer, self.data = cfg, tokenizer, pairs
-        self.renderer = get_renderer(renderer, tokenizer, model_name=base_model)
-        self.base_model, self.reference_path = base_model, reference_path
+    def __init__(self, cfg: DPO, pairs: Pairs, s: Settings):
+        self.cfg, self.tokenizer, self.data = cfg, s.tokenizer, pairs
+        self.renderer = s.renderer
+        self.base_model, self.reference_path = s.model, s.reference_path
         self.batches = Batches(pairs.pairs, test_size=cfg.test_size, batch_size=cfg.batch_size, epochs=cfg.epochs,
-                               seed=seed, max_steps=max_steps, what="pairs")
+                               seed=s.seed, max_steps=s.max_steps, what="pairs")
         self.total_steps = self.batches.total_steps
         self.next_step = 0
         self._reference: asyncio.Task[SamplingClient] | None = None
@@ -276,10 +273,9 @@ class DPOAlgo:
 
 # ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
-def build(cfg: DPO, args: BuildArgs) -> functools.partial[DPOAlgo]:
-    r = args.recipe
-    return functools.partial(DPOAlgo, cfg, load_pairs(cfg.data), seed=r.seed, base_model=r.model,
-                             max_steps=r.max_steps, reference_path=args.reference_path, renderer=r.renderer)
+def build(cfg: DPO, args: BuildArgs) -> Callable[[Any], DPOAlgo]:
+    pairs = load_pairs(cfg.data)
+    return lambda tokenizer: DPOAlgo(cfg, pairs, Settings.of(args, tokenizer))
 
 
 def show(cfg: DPO, recipe: Recipe, renderer: Any, n: int) -> Iterator[dict[str, Any]]:

@@ -13,10 +13,9 @@ It goes through the same loop as training (checkpoints are its resume points); i
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,22 +24,20 @@ from backends.errors import UserError
 from backends.types import SamplingParams
 from runner.data.conversations import Conversation, load_conversations, prompt_rows
 from runner.engine.rundir import OUTPUT
-from runner.engine.spec import AlgoSpec, BuildArgs
+from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import Generate, Recipe
-from runner.renderers import get_renderer
 from runner.renderers.chat import ChatRenderer
 
 
 class GenerateAlgo:
-    def __init__(self, cfg: Generate, prompts: list[Conversation], where: list[str], tokenizer: Any, *,
-                 seed: int = 0, base_model: str = "tiny", max_steps: int | None = None,
-                 weights: dict[str, str] | None = None, renderer: str = "auto"):
+    def __init__(self, cfg: Generate, prompts: list[Conversation], where: list[str], s: Settings):
+        seed, base_model, max_steps = s.seed, s.model, s.max_steps
         for conv, w in zip(prompts, where, strict=True):
             if conv[-1]["role"] != "user":
                 raise UserError(f"{w}: a prompt must end with the user's turn (the teacher replies to it)")
         self.cfg, self.prompts, self.seed, self.base_model = cfg, prompts, seed, base_model
-        self.weights = weights or {}
-        self.renderer = ChatRenderer(get_renderer(renderer, tokenizer, model_name=base_model))
+        self.weights = dict(s.weights)
+        self.renderer = ChatRenderer(s.renderer)
         full = -(-len(prompts) // cfg.batch_size)
         self.total_steps = min(full, max_steps) if max_steps else full
         self.client: SamplingClient | None = None
@@ -134,11 +131,9 @@ class GenerateAlgo:
 
 # ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
-def build(cfg: Generate, args: BuildArgs) -> functools.partial[GenerateAlgo]:
-    r = args.recipe
+def build(cfg: Generate, args: BuildArgs) -> Callable[[Any], GenerateAlgo]:
     prompts, where = load_conversations(cfg.prompts)
-    return functools.partial(GenerateAlgo, cfg, prompts, where, seed=r.seed, base_model=r.model,
-                             max_steps=r.max_steps, weights=dict(args.weights), renderer=r.renderer)
+    return lambda tokenizer: GenerateAlgo(cfg, prompts, where, Settings.of(args, tokenizer))
 
 
 def show(cfg: Generate, recipe: Recipe, renderer: Any, n: int) -> Iterator[dict[str, Any]]:

@@ -19,8 +19,7 @@ Ties are dropped and counted (runner/data/comparisons.py).
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +30,8 @@ from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
 from runner.algos.sft import PLAN_STEPS
 from runner.data.comparisons import Batches, Pair, Pairs, load_pairs, render_judge
-from runner.engine.spec import AlgoSpec, BuildArgs
+from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import Recipe, RewardModel
-from runner.renderers import get_renderer
 from runner.rewards.judge import label_logprobs, p_first
 
 
@@ -99,12 +97,11 @@ class Submitted:
 class RewardModelAlgo:
     """The reward model behind the loop's Algorithm interface (runner/engine/loop.py)."""
 
-    def __init__(self, cfg: RewardModel, pairs: Pairs, tokenizer: Any, *, seed: int = 0,
-                 max_steps: int | None = None, renderer: str = "auto", model_name: str | None = None):
-        self.cfg, self.tokenizer, self.data = cfg, tokenizer, pairs
-        self.renderer = get_renderer(renderer, tokenizer, model_name=model_name)
+    def __init__(self, cfg: RewardModel, pairs: Pairs, s: Settings):
+        self.cfg, self.tokenizer, self.data = cfg, s.tokenizer, pairs
+        self.renderer = s.renderer
         self.batches = Batches(pairs.pairs, test_size=cfg.test_size, batch_size=cfg.batch_size, epochs=cfg.epochs,
-                               seed=seed, max_steps=max_steps, what="comparisons")
+                               seed=s.seed, max_steps=s.max_steps, what="comparisons")
         self.total_steps = self.batches.total_steps
         self.next_step = 0
         self._test: list[Judged] | None = None
@@ -198,10 +195,9 @@ class RewardModelAlgo:
 
 # ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
-def build(cfg: RewardModel, args: BuildArgs) -> functools.partial[RewardModelAlgo]:
-    return functools.partial(RewardModelAlgo, cfg, load_pairs(cfg.data), seed=args.recipe.seed,
-                             max_steps=args.recipe.max_steps, renderer=args.recipe.renderer,
-                             model_name=args.recipe.model)
+def build(cfg: RewardModel, args: BuildArgs) -> Callable[[Any], RewardModelAlgo]:
+    pairs = load_pairs(cfg.data)
+    return lambda tokenizer: RewardModelAlgo(cfg, pairs, Settings.of(args, tokenizer))
 
 
 def show(cfg: RewardModel, recipe: Recipe, renderer: Any, n: int) -> Iterator[dict[str, Any]]:

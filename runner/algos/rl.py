@@ -36,10 +36,9 @@ snapshot of the restored weights, which are exactly those after the previous ste
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -50,10 +49,9 @@ from backends import losses
 from backends.base import BackendError, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, LossFn, OptimStepOutput, SamplingParams
-from runner.engine.spec import AlgoSpec, BuildArgs
+from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import RL, Async, ModelJudge, Preference, PythonLoss, Recipe, ReferenceKL, Stream
 from runner.recipe.targets import import_object
-from runner.renderers import get_renderer
 from runner.renderers.chat import ChatRenderer, context_window
 from runner.rl import transcripts
 from runner.rl.advantages import compute_advantages, remove_constant_reward_groups
@@ -135,26 +133,25 @@ class RLAlgo:
     """`cfg` is an RL table, or one with the same sampling/training fields (runner.algos.distill.DistillAlgo subclasses this
     with its own datasets and KL term)."""
 
-    def __init__(self, cfg: Any, tokenizer: Any, *, seed: int = 0, base_model: str = "tiny",
-                 reference_path: str | None = None,
-                 max_steps: int | None = None, weights: dict[str, str] | None = None, renderer: str = "auto"):
-        self.cfg, self.seed, self.base_model = cfg, seed, base_model
+    def __init__(self, cfg: Any, s: Settings):
+        seed, max_steps = s.seed, s.max_steps
+        self.cfg, self.seed, self.base_model = cfg, seed, s.model
         # A group's rollout time limit (RL's env_timeout_s; a table without the field, as distillation's: none).
         self.env_timeout_s: float | None = getattr(cfg, "env_timeout_s", None)
         # Final sampler weights of the runs the recipe names (a model judge), by reference; opened on demand.
-        self.weights = weights or {}
+        self.weights = dict(s.weights)
         self._opened: dict[str, SamplingClient] = {}
         self._backend: Any = None
         # The KL penalty's reference: the initial weights (a chained recipe's upstream weights, else the base model).
-        self.reference_path = reference_path
-        self.renderer = ChatRenderer(get_renderer(renderer, tokenizer, model_name=base_model))
+        self.reference_path = s.reference_path
+        self.renderer = ChatRenderer(s.renderer)
         env_ctx = EnvContext(self.renderer, cfg.group_size, cfg.eval.group_size, cfg.groups_per_batch, seed,
                              self.open_weights, self.open_model)
         self.train, self.test = self.build_datasets(env_ctx)
         full = len(self.train) * cfg.epochs
         self.total_steps = min(full, max_steps) if max_steps else full
         self.params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
-        self.max_context = context_window(tokenizer)
+        self.max_context = context_window(s.tokenizer)
         loss_fn, self.loss_config = loss_of(cfg)
         self.loss_fn: LossFn = loss_fn
         # Snapshots by sampler step (weights after that many optimizer steps), oldest first.
@@ -527,11 +524,9 @@ def _merge(parts: list[dict[str, float]]) -> dict[str, float]:
 
 # ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
-def build(cfg: RL, args: BuildArgs) -> functools.partial[RLAlgo]:
-    r = args.recipe
+def build(cfg: RL, args: BuildArgs) -> Callable[[Any], RLAlgo]:
     loss_of(cfg)  # a user's loss: imported and registered before any model loads
-    return functools.partial(RLAlgo, cfg, seed=r.seed, base_model=r.model, max_steps=r.max_steps,
-                             reference_path=args.reference_path, weights=dict(args.weights), renderer=r.renderer)
+    return lambda tokenizer: RLAlgo(cfg, Settings.of(args, tokenizer))
 
 
 def env_headline(cfg: RL) -> list[tuple[str, str]]:

@@ -18,8 +18,7 @@ at any checkpoint. No final row when eval_every = 0 (and agreement is off) or th
 
 from __future__ import annotations
 
-import functools
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,9 +29,9 @@ from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
 from runner.data.conversations import Conversation, load_conversations
 from runner.engine.context import FinalContext
-from runner.engine.spec import AlgoSpec, BuildArgs
+from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import SFT, Recipe
-from runner.renderers import Renderer, get_renderer, render_row, text_of
+from runner.renderers import Renderer, render_row, text_of
 
 # How many steps the dry-run plan renders to report datums and tokens per step.
 PLAN_STEPS = 20
@@ -76,10 +75,10 @@ class Submitted:
 class SFTAlgo:
     """SFT behind the loop's Algorithm interface (runner/engine/loop.py)."""
 
-    def __init__(self, cfg: SFT, convs: list[Conversation], where: list[str], tokenizer: Any, *,
-                 seed: int = 0, max_steps: int | None = None, renderer: str = "auto", model_name: str | None = None):
-        self.cfg, self.tokenizer, self.seed = cfg, tokenizer, seed
-        self.renderer: Renderer = get_renderer(renderer, tokenizer, model_name=model_name)
+    def __init__(self, cfg: SFT, convs: list[Conversation], where: list[str], s: Settings):
+        self.cfg, self.tokenizer, self.seed = cfg, s.tokenizer, s.seed
+        self.renderer: Renderer = s.renderer
+        seed, max_steps = s.seed, s.max_steps
         if cfg.test_size >= len(convs):
             raise UserError(f"algo.test_size = {cfg.test_size} leaves no training rows (the data has {len(convs)})")
         order = np.random.default_rng(seed).permutation(len(convs))  # one seeded shuffle, then split
@@ -246,10 +245,9 @@ class SFTAlgo:
 
 # ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
-def build(cfg: SFT, args: BuildArgs) -> functools.partial[SFTAlgo]:
+def build(cfg: SFT, args: BuildArgs) -> Callable[[Any], SFTAlgo]:
     convs, where = load_conversations(cfg.data)
-    return functools.partial(SFTAlgo, cfg, convs, where, seed=args.recipe.seed, max_steps=args.recipe.max_steps,
-                             renderer=args.recipe.renderer, model_name=args.recipe.model)
+    return lambda tokenizer: SFTAlgo(cfg, convs, where, Settings.of(args, tokenizer))
 
 
 def show(cfg: SFT, recipe: Recipe, renderer: Renderer, n: int) -> Iterator[dict[str, Any]]:
