@@ -171,3 +171,16 @@ def test_sft_nll_falls_on_shipped_data(tmp_path):
     assert np.mean(nll[-3:]) < nll[0] - 0.1, nll
     assert test[2] < test[1] < test[0], test
     assert rows[-1]["step"] == 8
+
+
+def test_resume_guard_names_what_changed():
+    """The one resume guard (runner/data/position.py) every algorithm's load_state uses: a checkpoint's data
+    position over data of another size is a one-line error, the same data resumes."""
+    convs = [[{"role": "user", "content": str(i)}, {"role": "assistant", "content": "x"}] for i in range(23)]
+    where = [f"f:{i + 1}" for i in range(23)]
+    algo = SFTAlgo(SFT(data=Jsonl(path="f"), batch_size=4, test_size=3), convs, where, Settings.make(TOK))
+    algo.load_state(algo.state(), 2)
+    assert algo.next_step == 2
+    with pytest.raises(UserError, match=r"^the training data changed since the checkpoint \(5 -> 20 rows\), so its "
+                                        r"data position means nothing; use if_exists = \"overwrite\"$"):
+        algo.load_state({**algo.state(), "train_rows": 5}, 2)

@@ -42,6 +42,7 @@ from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
 from runner.algos.sft import PLAN_STEPS, to_datum, weights
 from runner.data.comparisons import Batches, Pair, Pairs, load_pairs, render_completion
+from runner.engine.context import AlgorithmBase
 from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import DPO, Recipe
 from runner.rl.kl import reference_logprobs
@@ -106,7 +107,7 @@ class Submitted:
     eval: Future[ForwardBackwardOutput] | None
 
 
-class DPOAlgo:
+class DPOAlgo(AlgorithmBase):
     """DPO behind the loop's Algorithm interface (runner/engine/loop.py)."""
 
     def __init__(self, cfg: DPO, pairs: Pairs, s: Settings):
@@ -224,9 +225,6 @@ class DPOAlgo:
 
     # --- after the last step: the held-out pairs on the final weights
 
-    async def evaluate(self, ctx: Any) -> dict[str, float]:
-        """`runner eval`: the held-out evals on ctx's sampler weights (the same as the final row's)."""
-        return await self.final(ctx, True) if self.final_plan(True) is not None else {}
 
     def final_plan(self, evaluate: bool) -> str | None:
         if not evaluate or not self.batches.test:

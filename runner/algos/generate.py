@@ -23,13 +23,15 @@ from backends.base import SamplingClient
 from backends.errors import UserError
 from backends.types import SamplingParams
 from runner.data.conversations import Conversation, load_conversations, prompt_rows
+from runner.data.position import check_resume
+from runner.engine.context import AlgorithmBase
 from runner.engine.rundir import OUTPUT
 from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import Generate, Recipe
 from runner.renderers.chat import ChatRenderer
 
 
-class GenerateAlgo:
+class GenerateAlgo(AlgorithmBase):
     def __init__(self, cfg: Generate, prompts: list[Conversation], where: list[str], s: Settings):
         seed, base_model, max_steps = s.seed, s.model, s.max_steps
         for conv, w in zip(prompts, where, strict=True):
@@ -102,9 +104,7 @@ class GenerateAlgo:
         return {"generate_prompts": len(self.prompts)}
 
     def load_state(self, state: dict[str, Any], next_step: int) -> None:
-        if state.get("generate_prompts") != len(self.prompts):
-            raise UserError(f"the prompts changed since the checkpoint ({state.get('generate_prompts')} -> "
-                            f"{len(self.prompts)}); use if_exists = \"overwrite\"")
+        check_resume(state, "generate_prompts", len(self.prompts), "the prompts")
         self.next_step = next_step
 
     def describe(self) -> list[str]:
@@ -118,15 +118,7 @@ class GenerateAlgo:
             f"writes {OUTPUT}/step_NNNNNN.jsonl (conversations without the system prompt); no training calls",
         ]
 
-    async def evaluate(self, ctx: Any) -> dict[str, float]:
-        """`runner eval`: the held-out evals on ctx's sampler weights (the same as the final row's)."""
-        return await self.final(ctx, True) if self.final_plan(True) is not None else {}
 
-    def final_plan(self, evaluate: bool) -> str | None:
-        return None
-
-    async def final(self, ctx: Any, evaluate: bool) -> dict[str, float]:
-        return {}
 
 
 # ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)

@@ -30,6 +30,7 @@ from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
 from runner.algos.sft import PLAN_STEPS
 from runner.data.comparisons import Batches, Pair, Pairs, load_pairs, render_judge
+from runner.engine.context import AlgorithmBase
 from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import Recipe, RewardModel
 from runner.rewards.judge import label_logprobs, p_first
@@ -94,7 +95,7 @@ class Submitted:
     eval: Future[ForwardBackwardOutput] | None
 
 
-class RewardModelAlgo:
+class RewardModelAlgo(AlgorithmBase):
     """The reward model behind the loop's Algorithm interface (runner/engine/loop.py)."""
 
     def __init__(self, cfg: RewardModel, pairs: Pairs, s: Settings):
@@ -157,9 +158,6 @@ class RewardModelAlgo:
 
     # --- after the last step: the held-out comparisons on the final weights
 
-    async def evaluate(self, ctx: Any) -> dict[str, float]:
-        """`runner eval`: the held-out evals on ctx's sampler weights (the same as the final row's)."""
-        return await self.final(ctx, True) if self.final_plan(True) is not None else {}
 
     def final_plan(self, evaluate: bool) -> str | None:
         if not evaluate or not self.batches.test:

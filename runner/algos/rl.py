@@ -49,6 +49,8 @@ from backends import losses
 from backends.base import BackendError, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, LossFn, OptimStepOutput, SamplingParams
+from runner.data.position import check_resume
+from runner.engine.context import AlgorithmBase
 from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import RL, Async, ModelJudge, Preference, PythonLoss, Recipe, ReferenceKL, Stream
 from runner.recipe.targets import import_object
@@ -129,7 +131,7 @@ class Submitted:
     before_optim: int | None = None
 
 
-class RLAlgo:
+class RLAlgo(AlgorithmBase):
     """`cfg` is an RL table, or one with the same sampling/training fields (runner.algos.distill.DistillAlgo subclasses this
     with its own datasets and KL term)."""
 
@@ -193,11 +195,7 @@ class RLAlgo:
         return {"rl_train_batches": len(self.train), "sampler_step": self.next_step}
 
     def load_state(self, state: dict[str, Any], next_step: int) -> None:
-        if state.get("rl_train_batches") != len(self.train):
-            raise UserError(
-                f"the RL training set changed since the checkpoint ({state.get('rl_train_batches')} -> "
-                f"{len(self.train)} batches), so its data position means nothing; use if_exists = \"overwrite\""
-            )
+        check_resume(state, "rl_train_batches", len(self.train), "the RL training set", " batches")
         self.next_step = next_step
 
     # ---------------------------------------------------------------- prepare: sample and build datums
@@ -418,9 +416,6 @@ class RLAlgo:
 
     # ---------------------------------------------------------------- after the last step: the final eval
 
-    async def evaluate(self, ctx: Any) -> dict[str, float]:
-        """`runner eval`: the held-out evals on ctx's sampler weights (the same as the final row's)."""
-        return await self.final(ctx, True) if self.final_plan(True) is not None else {}
 
     def final_plan(self, evaluate: bool) -> str | None:
         if not evaluate or not self.test:

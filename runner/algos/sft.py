@@ -28,7 +28,8 @@ from backends.base import Future, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
 from runner.data.conversations import Conversation, load_conversations
-from runner.engine.context import FinalContext
+from runner.data.position import check_resume
+from runner.engine.context import AlgorithmBase, FinalContext
 from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import SFT, Recipe
 from runner.renderers import Renderer, render_row, text_of
@@ -72,7 +73,7 @@ class Submitted:
     eval: Future[ForwardBackwardOutput] | None
 
 
-class SFTAlgo:
+class SFTAlgo(AlgorithmBase):
     """SFT behind the loop's Algorithm interface (runner/engine/loop.py)."""
 
     def __init__(self, cfg: SFT, convs: list[Conversation], where: list[str], s: Settings):
@@ -125,11 +126,7 @@ class SFTAlgo:
         return {"epoch": epoch, "batch": batch, "train_rows": len(self.train_rows)}
 
     def load_state(self, state: dict[str, Any], next_step: int) -> None:
-        if state.get("train_rows") != len(self.train_rows):
-            raise UserError(
-                f"the training data changed since the checkpoint ({state.get('train_rows')} -> "
-                f"{len(self.train_rows)} rows), so its data position means nothing; use if_exists = \"overwrite\""
-            )
+        check_resume(state, "train_rows", len(self.train_rows), "the training data", " rows")
         self.next_step = next_step
 
     # --- one step
@@ -185,8 +182,6 @@ class SFTAlgo:
             metrics.update(await self.agreement(ctx))
         return metrics
 
-    async def evaluate(self, ctx: FinalContext) -> dict[str, float]:
-        return await self.final(ctx, True)
 
     async def test_nll(self, ctx: FinalContext) -> dict[str, float]:
         """test/nll of the held-out rows on ctx's sampler weights (weights as the training loss has them)."""

@@ -81,6 +81,20 @@ class Algorithm(Protocol):
         ...
 
 
+class AlgorithmBase:
+    """What the built-in algorithms (runner/algos/) share: no final step unless `final_plan` names one, and `runner
+    eval` is that final eval on any checkpoint's weights (the same numbers the run logs for them)."""
+
+    def final_plan(self, evaluate: bool, /) -> str | None:
+        return None
+
+    async def final(self, ctx: FinalContext, evaluate: bool, /) -> dict[str, float]:
+        return {}
+
+    async def evaluate(self, ctx: FinalContext, /) -> dict[str, float]:
+        return await self.final(ctx, True) if self.final_plan(True) is not None else {}
+
+
 @dataclass(frozen=True)
 class InitWeights:
     """Where a chained recipe starts (runner/engine/chain.py): another run's final checkpoint. Training starts from its
