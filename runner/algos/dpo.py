@@ -12,7 +12,7 @@ Per step k (the loop calls prepare, submit, finish):
               the reference calls overlap training;
   submit(k)   [forward on the held-out pairs, on eval steps] + forward_backward_custom(the DPO loss) +
               optim_step. The custom loss is one autograd pass on the local backend and the SDK's two passes on
-              Tinker (tinker-sdk.md §3.8), with the same gradient;
+              Tinker (docs/losses.md: forward_backward_custom), with the same gradient;
   finish(k)   the metrics, from the logprobs forward_backward_custom saw (before the update).
 After the last step, as RL, one more eval on the final weights (the final checkpoint's sampler weights, through
 compute_logprobs), logged at step = total steps.
