@@ -9,7 +9,7 @@ Per step k (the loop calls prepare, submit, finish):
               the snapshot "after step k" sits in the FIFO right behind step k's last optim_step;
               on eval steps also starts the test-set rollouts on step k's sampler (a task, awaited in finish);
   finish(k)   awaits it all: optim/kl_sample_train_v1/v2, optim/entropy, numerics/* and the numerics gate
-              (runner/rl/numerics.py), loss, grad norm, test/..., and optionally optim/kl_pre_post_v1/v2 under
+              (runner/rl/gate.py), loss, grad norm, test/..., and optionally optim/kl_pre_post_v1/v2 under
               the new weights.
 After the last step (the loop calls final, when eval_every > 0 and there is a test set) one more eval, as the
 cookbook's "after the loop": the test set on the final weights, loaded from the final checkpoint's sampler
@@ -59,9 +59,9 @@ from runner.rl import transcripts
 from runner.rl.advantages import compute_advantages, remove_constant_reward_groups
 from runner.rl.datums import assemble_datums
 from runner.rl.envs import EnvContext, build_datasets, get_batch, headline_of
+from runner.rl.gate import Gate, dlogprob_metrics, on_policy
 from runner.rl.kl import apply_kl_penalty, kl_sample_train, reference_logprobs
 from runner.rl.metrics import trajectory_metrics
-from runner.rl.numerics import Gate, dlogprob_metrics, on_policy
 from runner.rl.rollouts import RolloutBatch, collect, guarded_group_rollout, rollout_batch
 from runner.rl.types import EnvGroupBuilder, RLDataset, TrajectoryGroup
 
@@ -127,7 +127,7 @@ class Submitted:
     eval: asyncio.Task[dict[str, float]] | None
     # Clock: when the part was submitted, when its last call (optim_step) and the next snapshot completed.
     times: dict[str, float] = field(default_factory=dict)
-    # How many of fwd_bwd were submitted before the first of optims (None: no optim_step; runner/rl/numerics.py).
+    # How many of fwd_bwd were submitted before the first of optims (None: no optim_step; runner/rl/gate.py).
     before_optim: int | None = None
 
 
@@ -160,7 +160,7 @@ class RLAlgo(AlgorithmBase):
         self.samplers: dict[int, Future[SamplingClient]] = {}
         self.reference: SamplingClient | None = None
         self.next_step = 0
-        self.gate = Gate(getattr(cfg, "numerics", None))  # the sampler-vs-trainer gate (runner/rl/numerics.py)
+        self.gate = Gate(getattr(cfg, "numerics", None))  # the sampler-vs-trainer gate (runner/rl/gate.py)
         # The run dir, for transcripts (set by prepare from the loop's context; None in a dry run).
         self.log_dir: Path | None = None
 
@@ -376,7 +376,7 @@ class RLAlgo(AlgorithmBase):
     @staticmethod
     async def _parts(subs: list[Submitted]) -> list[tuple[int | None, list[Datum], list[np.ndarray]]]:
         """Per submission: (its datums before its first optim_step, None: all; its datums; their trainer logprobs),
-        for runner/rl/numerics.on_policy."""
+        for runner/rl/gate.on_policy."""
         out = []
         for s in subs:
             outs = [await f for _, f in s.fwd_bwd]
