@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import SamplingClient
+from backends.base import Backend, SamplingClient
 from backends.errors import UserError
 from backends.types import Datum
 from runner.algos.rl import EVAL_SEED_OFFSET, RLAlgo
@@ -119,14 +119,14 @@ class DistillAlgo(RLAlgo):
                                                            self.base_model, f"algo.datasets[{i}].teacher")
         return client
 
-    async def _datums(self, groups: list[TrajectoryGroup], ctx: Any) -> tuple[list[Datum], dict[str, float]]:
+    async def _datums(self, groups: list[TrajectoryGroup], backend: Backend) -> tuple[list[Datum], dict[str, float]]:
         data_D, sources_D = assemble_datums(groups, compute_advantages(groups))
         if not data_D:
             return data_D, {}
         t = time.monotonic()
         set_D = [_dataset_index(groups[src.group_idx].tags) for src in sources_D]
         sets = sorted(set(set_D))
-        clients = await asyncio.gather(*(self.teacher(i, ctx.backend) for i in sets))
+        clients = await asyncio.gather(*(self.teacher(i, backend) for i in sets))
         teacher_lp: list[np.ndarray | None] = [None] * len(data_D)
         for i, client in zip(sets, clients, strict=True):
             idx = [k for k, s in enumerate(set_D) if s == i]
@@ -146,7 +146,7 @@ class DistillAlgo(RLAlgo):
                                     seed=self.seed + EVAL_SEED_OFFSET, step=step, max_context=self.max_context,
                                     what=f"the test prompts (eval at step {step})")
         assert self._backend is not None  # set by RLAlgo.prepare / final, before any eval starts
-        _, metrics = await self._datums(batch.groups, _Ctx(self._backend))
+        _, metrics = await self._datums(batch.groups, self._backend)
         out = {f"test/{k}": v for k, v in metrics.items() if k.startswith("teacher_kl")}
         out["time/eval"] = time.monotonic() - t
         self._write_transcripts("test", step, batch, None)
@@ -169,11 +169,6 @@ async def open_teacher(teacher: Teacher, weights: dict[str, str], backend: Any, 
                         "`runner run`, which runs the teacher first")
     return await backend.create_sampling_client(model_path=path or None,
                                                 base_model=None if path else (teacher.model or base_model))
-
-
-class _Ctx:
-    def __init__(self, backend: Any):
-        self.backend = backend
 
 
 def _dataset_index(tags: Sequence[str]) -> int:

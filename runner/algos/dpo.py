@@ -42,7 +42,7 @@ from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
 from runner.algos.sft import PLAN_STEPS, to_datum, weights
 from runner.data.comparisons import Batches, Pair, Pairs, load_pairs, render_completion
-from runner.engine.context import AlgorithmBase
+from runner.engine.context import AlgorithmBase, Context, FinalContext
 from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import DPO, Recipe
 from runner.rl.kl import reference_logprobs
@@ -175,7 +175,7 @@ class DPOAlgo(AlgorithmBase):
 
     # --- one step
 
-    async def prepare(self, step: int, ctx: Any) -> AsyncIterator[Batch]:
+    async def prepare(self, step: int, ctx: Context) -> AsyncIterator[Batch]:
         self.next_step = step + 1
         self._backend = ctx.backend
         idx = self.batches.indices(step)
@@ -231,7 +231,7 @@ class DPOAlgo(AlgorithmBase):
             return None
         return f"final eval (the held-out pairs on the final weights), logged at step {self.total_steps}"
 
-    async def final(self, ctx: Any, evaluate: bool) -> dict[str, float]:
+    async def final(self, ctx: FinalContext, evaluate: bool) -> dict[str, float]:
         """test/... on the final checkpoint's sampler weights (ctx: runner.engine.loop.FinalContext)."""
         data = self.test_data()
         policy = await ctx.backend.create_sampling_client(model_path=ctx.sampler_path)

@@ -24,7 +24,7 @@ from backends.errors import UserError
 from backends.types import SamplingParams
 from runner.data.conversations import Conversation, load_conversations, prompt_rows
 from runner.data.position import check_resume
-from runner.engine.context import AlgorithmBase
+from runner.engine.context import AlgorithmBase, Context
 from runner.engine.rundir import OUTPUT
 from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import Generate, Recipe
@@ -53,7 +53,7 @@ class GenerateAlgo(AlgorithmBase):
             self.client = await open_teacher(self.cfg.teacher, self.weights, backend, self.base_model, "algo.teacher")
         return self.client
 
-    async def prepare(self, step: int, ctx: Any):  # AsyncIterator[list[dict]]
+    async def prepare(self, step: int, ctx: Context):  # AsyncIterator[list[dict]]
         self.next_step = step + 1
         self.log_dir = ctx.log_dir
         client = await self.teacher(ctx.backend)

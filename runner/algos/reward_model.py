@@ -30,7 +30,7 @@ from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
 from runner.algos.sft import PLAN_STEPS
 from runner.data.comparisons import Batches, Pair, Pairs, load_pairs, render_judge
-from runner.engine.context import AlgorithmBase
+from runner.engine.context import AlgorithmBase, Context, FinalContext
 from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import Recipe, RewardModel
 from runner.rewards.judge import label_logprobs, p_first
@@ -124,7 +124,7 @@ class RewardModelAlgo(AlgorithmBase):
 
     # --- one step
 
-    async def prepare(self, step: int, ctx: Any) -> AsyncIterator[list[Datum]]:
+    async def prepare(self, step: int, ctx: Context) -> AsyncIterator[list[Datum]]:
         self.next_step = step + 1
         yield [to_datum(j) for j in self.judged([self.batches.train[i] for i in self.batches.indices(step)])]
 
@@ -164,7 +164,7 @@ class RewardModelAlgo(AlgorithmBase):
             return None
         return f"final eval (the held-out comparisons on the final weights), logged at step {self.total_steps}"
 
-    async def final(self, ctx: Any, evaluate: bool) -> dict[str, float]:
+    async def final(self, ctx: FinalContext, evaluate: bool) -> dict[str, float]:
         client = await ctx.backend.create_sampling_client(model_path=ctx.sampler_path)
         lps = await asyncio.gather(*(label_logprobs(client, j.prefix, j.label, j.other) for j in self.test_judged()))
         return {f"test/{k}": v for k, v in judge_stats(np.array([a for a, _ in lps]), np.array([b for _, b in lps])).items()}

@@ -46,11 +46,11 @@ from typing import Any
 import numpy as np
 
 from backends import losses
-from backends.base import BackendError, Future, SamplingClient, TrainingClient
+from backends.base import Backend, BackendError, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, LossFn, OptimStepOutput, SamplingParams
 from runner.data.position import check_resume
-from runner.engine.context import AlgorithmBase
+from runner.engine.context import AlgorithmBase, Context, FinalContext
 from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import RL, Async, ModelJudge, Preference, PythonLoss, Recipe, ReferenceKL, Stream
 from runner.recipe.targets import import_object
@@ -200,7 +200,7 @@ class RLAlgo(AlgorithmBase):
 
     # ---------------------------------------------------------------- prepare: sample and build datums
 
-    async def sampler_for(self, step: int, ctx: Any) -> tuple[int, SamplingClient]:
+    async def sampler_for(self, step: int, ctx: Context) -> tuple[int, SamplingClient]:
         if not self.samplers:  # first step of a session: the weights as they are now
             self.samplers[step] = ctx.snapshot()
         if isinstance(self.cfg.mode, Async):
@@ -217,7 +217,7 @@ class RLAlgo(AlgorithmBase):
             del self.samplers[old]  # each local snapshot holds a model copy
         return s, client
 
-    async def prepare(self, step: int, ctx: Any) -> AsyncIterator[Part]:
+    async def prepare(self, step: int, ctx: Context) -> AsyncIterator[Part]:
         self._backend = ctx.backend
         self.next_step = step + 1
         self.log_dir = ctx.log_dir
@@ -232,7 +232,7 @@ class RLAlgo(AlgorithmBase):
         else:
             prepared.batch = await rollout_batch(builders, sampler, self.params, seed=self.seed, step=step,
                                                  max_context=self.max_context, timeout_s=self.env_timeout_s)
-            prepared.data_D, prepared.metrics = await self._datums(prepared.batch.groups, ctx)
+            prepared.data_D, prepared.metrics = await self._datums(prepared.batch.groups, ctx.backend)
         batch = prepared.batch
         m = prepared.metrics
         m.update(trajectory_metrics(batch.groups))
@@ -247,7 +247,7 @@ class RLAlgo(AlgorithmBase):
         if not isinstance(self.cfg.mode, Stream):
             yield Part(prepared, prepared.data_D)
 
-    async def _datums(self, groups: list[TrajectoryGroup], ctx: Any) -> tuple[list[Datum], dict[str, float]]:
+    async def _datums(self, groups: list[TrajectoryGroup], backend: Backend) -> tuple[list[Datum], dict[str, float]]:
         """Advantages, datums and the KL penalty for some groups of one step (a subclass adds its own terms)."""
         metrics: dict[str, float] = {}
         if self.cfg.remove_constant_reward_groups:
@@ -258,7 +258,7 @@ class RLAlgo(AlgorithmBase):
         if isinstance(self.cfg.kl, ReferenceKL) and data_D:
             reference = self.reference
             if reference is None:
-                reference = self.reference = await ctx.backend.create_sampling_client(
+                reference = self.reference = await backend.create_sampling_client(
                     model_path=self.reference_path, base_model=None if self.reference_path else self.base_model)
             t = time.monotonic()
             ref_D = await reference_logprobs(reference, data_D)
@@ -267,7 +267,7 @@ class RLAlgo(AlgorithmBase):
             metrics["time/kl_vs_base"] = time.monotonic() - t
         return data_D, metrics
 
-    async def _stream(self, prepared: Prepared, builders: list[EnvGroupBuilder], ctx: Any) -> AsyncIterator[Part]:
+    async def _stream(self, prepared: Prepared, builders: list[EnvGroupBuilder], ctx: Context) -> AsyncIterator[Part]:
         """Rollouts as tasks; every `per_minibatch` finished groups become a part (a forward_backward, submitted by
         the loop at once), and the last minibatch of each substep carries its optim_step."""
         assert isinstance(self.cfg.mode, Stream)
@@ -307,7 +307,7 @@ class RLAlgo(AlgorithmBase):
                     continue
                 data_D: list[Datum] = []
                 if pending:
-                    data_D, metrics = await self._datums(pending, ctx)
+                    data_D, metrics = await self._datums(pending, ctx.backend)
                     parts.append(metrics)
                     pending = []
                     prepared.data_D += data_D
@@ -422,7 +422,7 @@ class RLAlgo(AlgorithmBase):
             return None
         return f"final eval (the test set on the final weights), logged at step {self.total_steps}"
 
-    async def final(self, ctx: Any, evaluate: bool) -> dict[str, float]:
+    async def final(self, ctx: FinalContext, evaluate: bool) -> dict[str, float]:
         """The test-set eval on the final weights (ctx: runner.engine.loop.FinalContext)."""
         self.log_dir = ctx.log_dir  # a session resumed for the final eval alone prepared no step
         self._backend = ctx.backend

@@ -29,7 +29,7 @@ from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
 from runner.data.conversations import Conversation, load_conversations
 from runner.data.position import check_resume
-from runner.engine.context import AlgorithmBase, FinalContext
+from runner.engine.context import AlgorithmBase, Context, FinalContext
 from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import SFT, Recipe
 from runner.renderers import Renderer, render_row, text_of
@@ -131,7 +131,7 @@ class SFTAlgo(AlgorithmBase):
 
     # --- one step
 
-    async def prepare(self, step: int, ctx: Any) -> AsyncIterator[list[Datum]]:
+    async def prepare(self, step: int, ctx: Context) -> AsyncIterator[list[Datum]]:
         self.next_step = step + 1
         yield self.datums(self.rows_for(step))
 
