@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from backends.base import Backend, Future, SamplingClient, TrainingClient
 from backends.types import AdamParams
 from runner.recipe.schema import Recipe
+from runner.renderers.base import Tokenizer
 
 
 @dataclass
@@ -18,7 +19,7 @@ class Context:
     """What prepare() may use. There is no training client: calls that train go through submit()."""
 
     backend: Backend
-    tokenizer: Any
+    tokenizer: Tokenizer
     # The run dir, for what an algorithm writes besides metrics (RL transcripts).
     log_dir: Path
     # A sampling client over the weights as of now in the training FIFO (after every step submitted so

@@ -23,6 +23,7 @@ from runner.engine.inspect_eval import default_name, inspect_eval
 from runner.recipe.schema import InspectPinned, Jsonl, Math, MathPinned, NLLPinned, PinnedEval, PythonPinned
 from runner.recipe.targets import import_target
 from runner.renderers import Renderer, get_renderer, render_row
+from runner.renderers.base import Tokenizer
 from runner.renderers.chat import ChatRenderer
 from runner.rl.envs.math import MathEnv, load_problems
 from runner.rl.rollouts import describe_error
@@ -43,7 +44,7 @@ def names(evals: list[PinnedEval]) -> list[str]:
     return out
 
 
-async def run_evals(evals: list[PinnedEval], sampler: SamplingClient, tokenizer: Any, renderer: str = "auto",
+async def run_evals(evals: list[PinnedEval], sampler: SamplingClient, tokenizer: Tokenizer, renderer: str = "auto",
                     model_name: str | None = None) -> Metrics:
     """Every pinned eval on `sampler`'s weights, one after another: test/eval/<name>/<metric> (+ time/eval/<name>).
     `math` and `nll` render with the recipe's renderer (runner/renderers/), as its algorithm does."""
@@ -125,7 +126,7 @@ async def _awaited(x: Awaitable[Any]) -> Any:
     return await x
 
 
-async def python_eval(e: PythonPinned, sampler: SamplingClient, tokenizer: Any) -> Metrics:
+async def python_eval(e: PythonPinned, sampler: SamplingClient, tokenizer: Tokenizer) -> Metrics:
     where = f"python eval {e.target!r}"
     fn: Callable[..., Any] = import_target(e.target)
     try:
@@ -145,7 +146,7 @@ async def python_eval(e: PythonPinned, sampler: SamplingClient, tokenizer: Any) 
 
 
 async def pinned_metrics(evals: list[PinnedEval], sampler: Awaitable[SamplingClient] | SamplingClient,
-                         tokenizer: Any, renderer: str = "auto", model_name: str | None = None) -> Metrics:  # fmt: skip
+                         tokenizer: Tokenizer, renderer: str = "auto", model_name: str | None = None) -> Metrics:  # fmt: skip
     """run_evals on a sampler or the future of one; {} (nothing awaited) when there are no pinned evals."""
     if not evals:
         return {}

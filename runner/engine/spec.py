@@ -21,6 +21,7 @@ from backends.errors import UserError
 from runner.engine.context import Algorithm, InitWeights
 from runner.recipe.schema import ALGO_VARIANTS, Custom, Recipe
 from runner.renderers import Renderer, get_renderer
+from runner.renderers.base import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class Settings:
     the reference weights and the other runs' weights. Built-in algorithms take one (`Settings.of`)."""
 
     model: str
-    tokenizer: Any
+    tokenizer: Tokenizer
     renderer: Renderer
     seed: int = 0
     max_steps: int | None = None
@@ -56,14 +57,14 @@ class Settings:
     weights: Mapping[str, str] = field(default_factory=dict)
 
     @staticmethod
-    def of(args: BuildArgs, tokenizer: Any) -> Settings:
+    def of(args: BuildArgs, tokenizer: Tokenizer) -> Settings:
         """A recipe's settings over the tokenizer the loop loaded."""
         r = args.recipe
         return Settings.make(tokenizer, model=r.model, renderer=r.renderer, seed=r.seed, max_steps=r.max_steps,
                              reference_path=args.reference_path, weights=args.weights)
 
     @staticmethod
-    def make(tokenizer: Any, *, model: str = "tiny", renderer: str = "auto", seed: int = 0,
+    def make(tokenizer: Tokenizer, *, model: str = "tiny", renderer: str = "auto", seed: int = 0,
              max_steps: int | None = None, reference_path: str | None = None,
              weights: Mapping[str, str] | None = None) -> Settings:
         """Settings from names (the renderer by its recipe name), as a test or a bench builds an algorithm."""

@@ -14,7 +14,7 @@ from typing import Any
 from backends.errors import UserError
 from runner.renderers import deepseek_v3, gpt_oss, hf, kimi_k2, llama3, qwen3, role_colon  # noqa: F401 - registers
 from runner.renderers.auto import pick_renderer
-from runner.renderers.base import AUTO, REGISTRY, Renderer
+from runner.renderers.base import AUTO, REGISTRY, Renderer, Tokenizer
 
 # A user's renderer: "pkg.mod:NAME" (the recipe's TARGET_PATTERN; the recipe sits above this package).
 USER_RENDERER = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -25,7 +25,7 @@ def names() -> list[str]:
     return [AUTO, *sorted(REGISTRY, key=lambda n: (n != "hf", n))]
 
 
-def get_renderer(name: str, tokenizer: Any, model_name: str | None = None) -> Renderer:
+def get_renderer(name: str, tokenizer: Tokenizer, model_name: str | None = None) -> Renderer:
     """The renderer `name` over `tokenizer`; "auto" picks one for `model_name` (see pick_renderer)."""
     if name == AUTO:
         name = pick_renderer(model_name or getattr(tokenizer, "name_or_path", "") or "", tokenizer)
