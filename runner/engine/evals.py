@@ -62,6 +62,8 @@ async def run_evals(evals: list[PinnedEval], sampler: SamplingClient, tokenizer:
                 metrics = await python_eval(e, sampler, tokenizer)
             case InspectPinned():
                 metrics = await inspect_eval(e, sampler, chat, model_name)
+            case _:
+                raise TypeError(f"pinned eval {type(e).__name__} has no case here (runner/engine/evals.py run_evals)")
         out.update({f"test/eval/{name}/{k}": v for k, v in metrics.items()})
         out[f"time/eval/{name}"] = loop.time() - t
     return out
