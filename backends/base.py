@@ -41,14 +41,17 @@ CustomLossFn = Callable[[list[Datum], list[Any]], tuple[Any, dict[str, float]]]
 
 class BackendError(RuntimeError):
     """A request the backend gave up on. `request` names the call (e.g. 'forward_backward #12'); the message
-    always starts with it, so callers print str(error) as is."""
+    always starts with it, so callers print str(error) as is. `state_lost`: the service no longer holds the
+    training client's state (a restarted `runner serve`); the run carries on from its last checkpoint
+    (runner/engine/loop.py)."""
 
-    def __init__(self, message: str, request: str = "", user_error: bool = False):
+    def __init__(self, message: str, request: str = "", user_error: bool = False, state_lost: bool = False):
         if request and not message.startswith(request):
             message = f"{request}: {message}"
         super().__init__(message)
         self.request = request
         self.user_error = user_error
+        self.state_lost = state_lost
 
 
 class Future(Generic[T_co]):

@@ -168,6 +168,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="free a sampling session's model after this many idle seconds (default 30)")
     serve.add_argument("--max-live-samplers", type=int, default=None,
                        help="sampling sessions that may hold a loaded model at once (default 4)")
+    serve.add_argument("--max-models", type=int, default=None, metavar="N",
+                       help="live training runs held at once (default 32); one more is refused with a 400")
+    serve.add_argument("--max-bytes", default=None, metavar="SIZE",
+                       help="memory live sessions may hold: base models, training runs' adapters + gradients + "
+                            "optimizer state, in-flight sampling (e.g. 24G; default: half the machine's memory, 90%% of the "
+                            "GPU's on CUDA)")
     serve.add_argument("-v", "--verbose", action="store_true", help="log every request")
     serve.set_defaults(command=cmd_serve)
 
@@ -401,6 +407,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError("--port 0 picks a free port: give --port-file FILE to learn which")
     prefer_passive_openmp()  # before torch loads (runner/threads.py)
     from backends.serve.http import ServeConfig, serve_forever
+    from backends.serve.limits import Limits
+    from backends.serve.memory import parse_bytes
+
+    caps: dict[str, int] = {}
+    if args.max_models is not None:
+        if args.max_models < 1:
+            raise UserError(f"--max-models {args.max_models}: must be at least 1")
+        caps["max_models"] = args.max_models
+    if args.max_bytes is not None:
+        try:
+            caps["max_bytes"] = parse_bytes(args.max_bytes)
+        except ValueError as exc:
+            raise UserError(f"--max-bytes {exc}") from None
 
     def stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -409,7 +428,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = ServeConfig(host=args.host, port=args.port, port_file=args.port_file, models=tuple(args.model),
                       storage=args.storage, device=args.device, sampler_weights=args.sampler_weights,
                       api_key_env=args.api_key_env,
-                      sampler_idle_s=args.sampler_idle_s, max_live_samplers=args.max_live_samplers)
+                      sampler_idle_s=args.sampler_idle_s, max_live_samplers=args.max_live_samplers,
+                      limits=Limits(**caps))
     try:
         serve_forever(cfg)
     except KeyboardInterrupt:

@@ -93,6 +93,7 @@ def test_right_stdin_solution() -> None:
     assert tr.reward == 1.0
     assert tr.metrics == {"format": 1.0, "compile": 1.0, "passed": 1.0, "all_passed": 1.0, "timeout": 0.0}
     assert tr.logs["tests_passed"] == "3/3" and tr.logs["first_failure"] == ""
+    assert tr.logs["sandbox"] in {"bwrap", "unshare", "none"}
 
 
 def test_partly_right_assert_solution() -> None:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
+import socket
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from runner.rewards.sandbox import RUN_UID_BASE, RUN_UID_SPAN, Limits, RunResult, Sandbox
+from runner.rewards.sandbox import ISOLATIONS, RUN_UID_BASE, RUN_UID_SPAN, WORK, Limits, RunResult, Sandbox
 
 LIMITS = Limits(cpu_s=1, wall_s=2.5, memory_mb=256, file_mb=1, nproc=16, output_bytes=4096)
 
@@ -58,7 +62,8 @@ def test_hostile_programs_are_stopped_and_the_next_run_works(sandbox: Sandbox, t
     assert not r["fork_bomb"].ok and r["fork_bomb"].seconds < LIMITS.wall_s + 1
     assert r["memory_hog"].exit_code == 1 and "MemoryError" in r["memory_hog"].stderr
     assert not r["write_outside"].ok and not outside.exists()
-    assert "Permission denied" in r["write_outside"].stderr
+    # Landlock refuses it (no namespaces), or the path is not in the view at all (bwrap/unshare).
+    assert any(m in r["write_outside"].stderr for m in ("Permission denied", "No such file", "Read-only"))
     assert not r["big_file"].ok and "File too large" in r["big_file"].stderr
     assert r["sleeper"].timed_out and r["sleeper"].signal == "SIGKILL"
     assert r["sleeper"].seconds < LIMITS.wall_s + 1
@@ -146,3 +151,196 @@ def test_without_unshare_the_rest_still_holds(monkeypatch: pytest.MonkeyPatch) -
         assert sleeper.timed_out and sleeper.seconds < LIMITS.wall_s + 1
     finally:
         sbx._setup.cache_clear()
+
+
+# ------------------------------------------------------------------------------------- the view (bwrap / unshare)
+
+ROOT = Path(__file__).resolve().parents[1]
+DATASET = ROOT / "examples/data/code_problems.jsonl"
+
+
+def isolated(isolation: str, limits: Limits = LIMITS) -> Sandbox:
+    try:
+        return Sandbox(limits, max_parallel=4, isolation=isolation)
+    except RuntimeError as e:
+        pytest.skip(f"{isolation} does not work here: {e}")
+
+
+@pytest.mark.parametrize("isolation", ["bwrap", "unshare"])
+def test_view_shows_only_the_run(isolation: str, tmp_path: Path) -> None:
+    """Only the interpreter (read-only), its own work dir and its own processes: not the dataset, not the test's
+    files, not the host's processes, and no path-named Unix socket (a listener in the host's tmp gets nothing)."""
+    sb = isolated(isolation)
+    assert sb.containment.isolation == isolation and sb.containment.namespaces
+    sock_path = tmp_path / "listener.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sock_path))
+    listener.listen(1)
+    listener.setblocking(False)
+    probe = f"""
+import json, os, socket
+procs = [p for p in os.listdir('/proc') if p.isdigit()]
+cmds = [open(f'/proc/{{p}}/cmdline', 'rb').read() for p in procs]
+out = {{"procs": len(procs), "pytest": any(b"pytest" in c for c in cmds), "root": sorted(os.listdir('/'))}}
+for name, path in [("dataset", {str(DATASET)!r}), ("tmp", {str(tmp_path)!r})]:
+    out[name] = os.path.exists(path)
+try:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect({str(sock_path)!r})
+    s.sendall(b"leak")
+    out["socket"] = "connected"
+except OSError as e:
+    out["socket"] = type(e).__name__
+try:
+    open('/usr/escape', 'w')
+    out["ro"] = False
+except OSError:
+    out["ro"] = True
+print(json.dumps(out))
+"""
+    try:
+        r = run(sb, probe)
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+    finally:
+        listener.close()
+    assert r.ok, r.stderr
+    got = json.loads(r.stdout)
+    # The launcher's PID 1 (bwrap's --as-pid-1: the launcher) and the program; unshare adds nothing.
+    assert got["procs"] <= 3 and not got["pytest"]
+    assert not got["dataset"] and not got["tmp"] and got["socket"] == "FileNotFoundError" and got["ro"]
+    assert "tmp" not in got["root"] and WORK.strip("/") in got["root"]
+
+
+def test_without_namespaces_the_socket_and_processes_are_reachable() -> None:
+    """What the fallback lacks (docs/sandbox.md), measured: a path socket in the host's tmp is reached and the host's
+    processes are listed."""
+    sb = isolated("none")
+    assert not sb.containment.namespaces and any("no namespaces" in n for n in sb.containment.notes)
+    # In a folder any uid may pass (pytest's tmp_path is under a 0700 folder, which would stop the run's uid).
+    sock_path = Path(tempfile.mkdtemp(prefix="listener-")) / "listener.sock"
+    os.chmod(sock_path.parent, 0o755)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sock_path))
+    listener.listen(1)
+    listener.settimeout(10)
+    os.chmod(sock_path, 0o777)
+    code = (f"import os, socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({str(sock_path)!r})\n"
+            "print(sum(p.isdigit() for p in os.listdir('/proc')))")  # fmt: skip
+    try:
+        r = run(sb, code)
+        conn, _ = listener.accept()
+        conn.close()
+    finally:
+        listener.close()
+        shutil.rmtree(sock_path.parent)
+    assert r.ok and int(r.stdout) > 3
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_a_concurrent_run_cannot_read_another(isolation: str) -> None:
+    """Run B is given the exact host path of run A's program (and its stdin) while A runs, and reads neither."""
+    sb = isolated(isolation)
+    if not sb.containment.namespaces and not sb.containment.own_uid:
+        pytest.skip("no namespaces and no uid per run (a non-root parent): runs share a uid, files cannot part them")
+    secret = f"secret-{os.getpid()}-{time.monotonic_ns()}"
+
+    async def both() -> tuple[RunResult, RunResult]:
+        a = asyncio.create_task(sb.run_python(f"# {secret}\nimport time\ntime.sleep(3)", stdin=secret))
+        paths: list[Path] = []
+        for _ in range(100):
+            paths = [p for p in Path(tempfile.gettempdir()).glob("sandbox-*/work/main.py") if _holds(p, secret)]
+            if paths:
+                break
+            await asyncio.sleep(0.03)
+        assert paths, "run A's files never appeared"
+        targets = [str(paths[0]), str(paths[0].parent.parent / "out" / "stdin")]
+        code = ("import sys\nfor p in sys.argv[1:] or " + repr(targets) + ":\n    try:\n        print(open(p).read())\n"
+                "    except OSError as e:\n        print(type(e).__name__)")  # fmt: skip
+        b = await sb.run_python(code)
+        return await a, b
+
+    _, b = asyncio.run(both())
+    assert b.ok and secret not in b.stdout
+    expected = "FileNotFoundError" if isolation != "none" else "PermissionError"
+    assert b.stdout.split() == [expected, expected]
+
+
+def _holds(path: Path, text: str) -> bool:
+    try:
+        return text in path.read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("isolation", ["bwrap", "unshare"])
+def test_sixteen_writers_fill_only_the_work_tmpfs(isolation: str) -> None:
+    """16 processes writing as fast as they can share the work dir's tmpfs: together they write at most work_mb."""
+    sb = isolated(isolation, Limits(cpu_s=5, wall_s=10.0, memory_mb=128, file_mb=4, nproc=32, work_mb=16))
+    code = """
+import os
+kids = []
+for i in range(16):
+    pid = os.fork()
+    if pid == 0:
+        n = 0
+        try:
+            while True:
+                with open(f"w{i}-{n}", "wb") as f:
+                    for _ in range(4):
+                        f.write(b"x" * (1 << 20))
+                n += 1
+        except OSError:
+            os._exit(0)
+    kids.append(pid)
+for pid in kids:
+    os.waitpid(pid, 0)
+print(sum(os.path.getsize(f) for f in os.listdir(".") if f.startswith("w")))
+"""
+    r = run(sb, code)
+    assert r.ok, r.stderr
+    written = int(r.stdout)
+    assert 8 << 20 < written <= 16 << 20  # it did fill the tmpfs, and no more
+
+
+def test_memory_of_eight_forked_hogs() -> None:
+    """8 forked processes each holding 48 MiB: with a cgroup their total is capped at memory_mb (128 MiB: the rest
+    are OOM-killed); without one each is capped alone, so all 8 hold theirs (384 MiB: the stated fallback,
+    nproc × memory_mb)."""
+    sb = Sandbox(Limits(cpu_s=5, wall_s=10.0, memory_mb=128, nproc=32), max_parallel=1)
+    if not sb.containment.namespaces and not sb.containment.own_uid:
+        pytest.skip("RLIMIT_NPROC counts all of this user's processes here: the 8 forks may be refused")
+    code = """
+import os, time
+r, w = os.pipe()
+kids = []
+for i in range(8):
+    pid = os.fork()
+    if pid == 0:
+        block = bytearray(48 << 20)
+        for j in range(0, len(block), 4096):
+            block[j] = 1
+        os.write(w, b"x")
+        time.sleep(3)
+        os._exit(0)
+    kids.append(pid)
+os.close(w)
+held = 0
+for pid in kids:
+    os.waitpid(pid, 0)
+while os.read(r, 1):
+    held += 48
+print(held)
+"""
+    r = run(sb, code)
+    assert r.ok, r.stderr
+    held = int(r.stdout)
+    if sb.containment.cgroup:
+        assert held <= 128
+    else:
+        assert held == 8 * 48 and any("no cgroup" in n for n in sb.containment.notes)
+
+
+def test_unknown_isolation_is_refused() -> None:
+    with pytest.raises(ValueError, match="isolation must be one of"):
+        Sandbox(LIMITS, isolation="docker")

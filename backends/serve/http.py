@@ -9,6 +9,7 @@ is one DEBUG line, not a traceback. The API key is never logged.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -22,6 +23,7 @@ from typing import Any
 
 from backends.errors import UserError
 from backends.serve.limits import Limits
+from backends.serve.memory import default_max_bytes, fmt_bytes
 from backends.serve.replies import Reply
 from backends.serve.service import Service
 from backends.serve.sessions import ServedModel
@@ -178,9 +180,12 @@ def build_service(cfg: ServeConfig) -> Service:
         M.resolve_model_dir(path)  # UserError now for a missing folder, before anything is written
     local = Local(device=cfg.device, sampler_weights=cfg.sampler_weights)  # type: ignore[arg-type]
     try:
-        pick_device(local)  # --device cuda without CUDA fails here, not at the first request
+        device, _ = pick_device(local)  # --device cuda without CUDA fails here, not at the first request
     except UserError:
         raise UserError(f"--device {cfg.device}: torch sees no CUDA device; use --device auto or cpu") from None
+    limits = cfg.limits
+    if limits.max_bytes is None:  # what the device holds (backends/serve/memory.py)
+        limits = dataclasses.replace(limits, max_bytes=default_max_bytes(device))
     store = Store(cfg.storage)
 
     class ServeBackend(LocalBackend):
@@ -201,7 +206,7 @@ def build_service(cfg: ServeConfig) -> Service:
         kwargs["sampler_idle_s"] = cfg.sampler_idle_s
     if cfg.max_live_samplers is not None:
         kwargs["max_live_samplers"] = cfg.max_live_samplers
-    return Service(store, models, api_key=api_key, limits=cfg.limits, **kwargs)
+    return Service(store, models, api_key=api_key, limits=limits, **kwargs)
 
 
 @contextlib.contextmanager
@@ -236,6 +241,8 @@ def serve_forever(cfg: ServeConfig) -> None:
         log.warning("listening on %s without --api-key-env: anyone who can reach this address can use it", host)
     models = ", ".join(f"{m.name}={m.path}" if m.name != m.path else m.name for m in service.models.values())
     log.info("runner serve: %s (models: %s; storage: %s)", url, models, service.store.root)
+    log.info("caps: %d live training runs (--max-models), %s held (--max-bytes)", service.memory.max_models,
+             fmt_bytes(service.memory.max_bytes))
     log.info("use it: TINKER_BASE_URL=%s TINKER_API_KEY=%s python your_script.py", url,
              f"${cfg.api_key_env}" if cfg.api_key_env else "tml-local")
     try:

@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from backends.serve.memory import Memory, fmt_bytes
 from backends.serve.replies import ApiError
 
 
@@ -27,6 +29,13 @@ class Limits:
     # sampler's memory grows with them). A request over the first is refused; one over the second waits.
     max_request_tokens: int = 1 << 20
     max_live_tokens: int = 4 << 20
+    # What live sessions hold (backends/serve/memory.py): training runs at once, and bytes of base models,
+    # runs' adapters + gradients + optimizer moments, and in-flight sampling (None: half the machine's memory).
+    max_models: int = 32
+    max_bytes: int | None = None
+    # A sampling request that does not fit while nothing else samples (live runs hold the bytes) fails after
+    # waiting this long.
+    max_sample_wait_s: float = 30.0
 
 
 _ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]*")
@@ -156,35 +165,97 @@ def json_depth_ok(body: bytes, limit: int) -> bool:
 
 
 class Budget:
-    """Tokens of sampling work in flight. A request runs when its tokens fit under the limit, else waits (in
-    arrival order) for finished requests to return theirs."""
+    """Sampling work in flight: tokens (Limits.max_live_tokens) and, with a `memory` ledger, bytes (its
+    max_bytes, shared with the live training runs). A request runs when it fits (a lone request always fits the
+    tokens), else waits in arrival order for finished requests to return theirs. A request that does not fit
+    while nothing is in flight waits on memory that only ending sessions free: after `max_wait_s` of that it
+    fails (`fail(reason)`), and the ones behind it get their turn."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, memory: Memory | None = None, max_wait_s: float = 30.0):
         self.limit = limit
+        self.memory = memory
+        self.max_wait_s = max_wait_s
         self.used = 0
         self._lock = threading.Lock()
-        self._waiting: list[tuple[int, Callable[[], None]]] = []
+        self._waiting: list[_Waiter] = []
+        self._stalled: float | None = None  # since when the head waits with nothing in flight
 
-    def acquire(self, n: int, start: Callable[[], None]) -> None:
+    def acquire(self, n: int, start: Callable[[], None], nbytes: int = 0,
+                fail: Callable[[str], None] | None = None) -> None:
         with self._lock:
-            run = not self._waiting and self.used + n <= self.limit
-            if run:
-                self.used += n
-            else:
-                self._waiting.append((n, start))
-        if run:
-            start()
+            self._waiting.append(_Waiter(n, nbytes, start, fail))
+            ready = self._admit()
+        for w in ready:
+            w.start()
 
-    def release(self, n: int) -> None:
-        ready = []
+    def release(self, n: int, nbytes: int = 0) -> None:
         with self._lock:
             self.used -= n
-            while self._waiting and self.used + self._waiting[0][0] <= self.limit:
-                m, start = self._waiting.pop(0)
-                self.used += m
-                ready.append(start)
-        for start in ready:
-            start()
+            if self.memory is not None and nbytes:
+                self.memory.give_sampling(nbytes)
+            ready = self._admit()
+        for w in ready:
+            w.start()
+
+    def pump(self) -> None:
+        """Memory was freed elsewhere (a session ended): start what fits now."""
+        self.release(0)
+
+    def expire(self, now: float | None = None) -> None:
+        """Fail the head of the queue once it has waited max_wait_s with nothing in flight (the reaper calls this)."""
+        t = time.monotonic() if now is None else now
+        failed: list[tuple[_Waiter, str]] = []
+        with self._lock:
+            while self._waiting and self._stalled is not None and t - self._stalled >= self.max_wait_s:
+                w = self._waiting.pop(0)
+                failed.append((w, self._why(w)))
+                self._stalled = None
+                ready = self._admit()
+                if ready:
+                    break
+            else:
+                ready = []
+        for w, why in failed:
+            if w.fail is not None:
+                w.fail(why)
+        for w in ready:
+            w.start()
+
+    def _why(self, w: _Waiter) -> str:
+        m = self.memory
+        assert m is not None or w.nbytes == 0
+        held = m.used if m is not None else 0
+        cap = m.max_bytes if m is not None else 0
+        return (f"this sample request needs {fmt_bytes(w.nbytes)} and live training runs and base models hold "
+                f"{fmt_bytes(held)} of runner serve's --max-bytes {fmt_bytes(cap)}; waited {self.max_wait_s:g} s for "
+                f"them to end: end other sessions, ask for fewer samples or tokens, or restart runner serve with a "
+                f"higher --max-bytes")
+
+    def _admit(self) -> list[_Waiter]:
+        """Under the lock: take the waiting requests that fit now, in order."""
+        ready = []
+        while self._waiting:
+            w = self._waiting[0]
+            if self.used and self.used + w.n > self.limit:
+                break
+            if self.memory is not None and w.nbytes and not self.memory.take_sampling(w.nbytes):
+                break
+            self._waiting.pop(0)
+            self.used += w.n
+            ready.append(w)
+        if self._waiting and not self.used and not ready:
+            self._stalled = self._stalled or time.monotonic()
+        else:
+            self._stalled = None
+        return ready
 
     def waiting(self) -> int:
         return len(self._waiting)
+
+
+@dataclass
+class _Waiter:
+    n: int
+    nbytes: int
+    start: Callable[[], None]
+    fail: Callable[[str], None] | None

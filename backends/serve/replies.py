@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import json
 import logging
+import re
 import secrets
 import threading
 import time
@@ -21,6 +22,7 @@ from backends.errors import UserError
 
 log = logging.getLogger("runner.serve")
 
+NOT_LOADED = "training_run_not_loaded"  # the code of a reply about a run this server does not hold (docs/serve.md)
 PROMISE_KEEP_S = 900.0  # a result stays retrievable this long after it is ready
 
 
@@ -28,10 +30,14 @@ class ApiError(Exception):
     """An HTTP error reply: {"detail": ...} with this status. Never 408/409/429/5xx for the client's mistakes:
     the SDK retries those for up to 5 minutes."""
 
-    def __init__(self, status: int, detail: str):
+    def __init__(self, status: int, detail: str, code: str | None = None):
         super().__init__(detail)
         self.status = status
         self.detail = detail
+        self.code = code  # machine-readable, for clients that act on it (e.g. "training_run_not_loaded")
+
+    def reply(self) -> Reply:
+        return Reply.json({"detail": self.detail, **({"code": self.code} if self.code else {})}, self.status)
 
 
 @dataclass
@@ -106,12 +112,14 @@ class Promises:
 
     def __init__(self, long_poll_s: float):
         self.long_poll_s = long_poll_s
+        # In every request id: a request of an earlier server process (a restart) is told apart from an expired one.
+        self.boot = secrets.token_hex(4)
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._by_id: dict[str, Promise] = {}
 
     def new(self, route: str, extra: dict[str, Any] | None = None) -> tuple[Promise, Reply]:
-        rid = f"req-{next(self._ids)}-{secrets.token_hex(3)}"
+        rid = f"req-{self.boot}-{next(self._ids)}-{secrets.token_hex(3)}"
         p = Promise(route)
         with self._lock:
             self._by_id[rid] = p
@@ -124,8 +132,14 @@ class Promises:
         """The result, waiting for it up to long_poll_s (then try_again, which the SDK polls again at once)."""
         with self._lock:
             p = self._by_id.get(rid)
-        if p is None:  # unknown or expired: the SDK resubmits on 410
-            raise ApiError(410, f"request {rid} is unknown or expired")
+        if p is None:
+            if re.fullmatch(r"req-[0-9a-f]{8}-[0-9]+-[0-9a-f]{6}", rid) and not rid.startswith(f"req-{self.boot}-"):
+                # Made before a restart: resubmitting it would only hit a run or sampler this process never
+                # held, so the client is told what happened (backends/tinker/backend.py reloads on this code).
+                return failed(f"request {rid} was made before runner serve restarted ({NOT_LOADED}): the training "
+                              "run or sampler it was for is not loaded; load the run's last checkpoint "
+                              "(create_training_client_from_state_with_optimizer) and carry on from there")
+            raise ApiError(410, f"request {rid} is unknown or expired")  # the SDK resubmits on 410
         try:
             return p.future.result(timeout=self.long_poll_s)
         except concurrent.futures.TimeoutError:

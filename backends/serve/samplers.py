@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.base import Future
-from backends.serve.replies import ApiError
+from backends.serve.replies import NOT_LOADED, ApiError
 from backends.serve.sessions import ServedModel
 
 log = logging.getLogger("runner.serve")
@@ -65,7 +65,7 @@ class SamplerPool:
             s = self._by_id.get(sid)
         if s is None:
             raise ApiError(404, f"unknown sampling session {sid} (its session ended, or the server restarted: "
-                                f"create a new sampling client)")
+                                f"create a new sampling client)", code=NOT_LOADED)
         return s
 
     def find(self, sids: Iterable[str]) -> list[SamplerSession]:

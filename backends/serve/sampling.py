@@ -2,7 +2,9 @@
 
 A sample request costs num_samples x (prompt + max_tokens) tokens: over Limits.max_request_tokens it is
 refused at once (413); otherwise it waits until the tokens of all requests in flight fit under
-Limits.max_live_tokens (limits.Budget) and returns them when it finishes, failed or not.
+Limits.max_live_tokens (limits.Budget) and returns them when it finishes, failed or not. Its memory (KV cache
+and logits, backends/serve/memory.py) is reserved the same way against --max-bytes: over the cap outright, a
+413; not fitting beside what live training runs hold, it waits (Limits.max_sample_wait_s, then fails).
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from backends.serve import wire
+from backends.serve import memory, wire
 from backends.serve.adapters import Stability
 from backends.serve.limits import Budget, Fields, Limits, to_int
-from backends.serve.replies import ApiError, Promise, Promises, Reply, error_reply
+from backends.serve.memory import fmt_bytes
+from backends.serve.replies import ApiError, Promise, Promises, Reply, error_reply, failed
 from backends.serve.samplers import Gather, SamplerPool, SamplerSession
 from backends.serve.sessions import ServedModel, Session
 from backends.serve.store import Store
@@ -37,6 +40,7 @@ class SamplingRoutes:
     def _session(self, sid: str) -> Session: ...
     def _served(self, name: str) -> ServedModel: ...
     def _parse_path(self, path: str) -> tuple[str, str, str]: ...
+    def _shapes(self, model: ServedModel) -> memory.Shapes: ...
 
     def _create_sampling_session(self, f: Fields) -> Reply:
         session_id = f.id("session_id")
@@ -70,13 +74,14 @@ class SamplingRoutes:
             if f.req.get(unsupported):
                 raise ApiError(400, f"{unsupported} is not offered by runner serve")
         want_lps = f.bool("prompt_logprobs", False)
+        nbytes = self._sample_bytes(sess.model, n, len(prompt), params.max_tokens, want_lps)
         k_prompt = f.int("topk_prompt_logprobs", 0, lo=0, hi=1024)
         k_sample = f.int("topk_sample_logprobs", 0, lo=0, hi=1024)
         last_n = f.int("prompt_logprobs_last_n", None, lo=0)
         record = f.bool("record_stability_info", False)
         seq_ids = [f"{sess.sampler_id}:seq:{self.promises.next_id()}" for _ in range(n)]
         promise, reply = self.promises.new("asample", {"sample_sequence_ids": seq_ids})
-        held = _Held(self.budget, cost)
+        held = _Held(self.budget, cost, nbytes)
 
         def run(sc: Any) -> None:
             sample = sc.sample(prompt, n, params)
@@ -133,15 +138,29 @@ class SamplingRoutes:
             self.gather.add(sess.sampler_id, lambda: client.future().add_done_callback(start), sess.session_id)
 
         promise.future.add_done_callback(lambda _: held.release())  # however the request ends
-        self.budget.acquire(cost, dispatch)
+        self.budget.acquire(cost, dispatch, nbytes, lambda why: promise.resolve(failed(why)))
         return reply
+
+    def _sample_bytes(self, model: ServedModel, n: int, prompt: int, max_tokens: int, want_lps: bool) -> int:
+        """The request's memory (backends/serve/memory.py), reserved before it runs; over --max-bytes: a 413."""
+        engine = model.engine()
+        chunk = memory.CPU_CHUNK_BYTES if engine.device.type == "cpu" else 1 << 62
+        nbytes = memory.sample_bytes(self._shapes(model), engine.dtype.itemsize, n, prompt, max_tokens, want_lps,
+                                     chunk_bytes=chunk)
+        cap = self.budget.memory.max_bytes if self.budget.memory is not None else 1 << 62
+        if nbytes > cap:
+            raise ApiError(413, f"this sample request needs {fmt_bytes(nbytes)} (num_samples {n} x (prompt {prompt} + "
+                                f"max_tokens {max_tokens}) tokens of KV cache and logits), over runner serve's "
+                                f"--max-bytes {fmt_bytes(cap)}: ask for fewer samples or tokens, or restart runner "
+                                f"serve with a higher --max-bytes")
+        return nbytes
 
 
 class _Held:
     """A request's share of the sampling budget: released once, and only if it was acquired."""
 
-    def __init__(self, budget: Budget, cost: int):
-        self.budget, self.cost = budget, cost
+    def __init__(self, budget: Budget, cost: int, nbytes: int):
+        self.budget, self.cost, self.nbytes = budget, cost, nbytes
         self._lock = threading.Lock()
         self._acquired = self._released = False
 
@@ -154,7 +173,7 @@ class _Held:
             if not self._acquired or self._released:
                 return
             self._released = True
-        self.budget.release(self.cost)
+        self.budget.release(self.cost, self.nbytes)
 
 
 def sampling_params(f: Fields) -> SamplingParams:

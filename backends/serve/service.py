@@ -11,7 +11,9 @@
   (backends/serve/limits.py), never a dropped connection;
 - training runs and checkpoints live on disk (backends/serve/store.py): a restarted server lists, loads and
   resumes them, and session (hence run) ids never repeat; checkpoint ttl_seconds are honoured on every access;
-- memory is bounded: the sampler pool (backends/serve/samplers.py) keeps few models loaded, sampling work in
+- memory is bounded: live training runs and the bytes they, the base models and in-flight sampling hold are
+  capped (backends/serve/memory.py: a new run over a cap is a 4xx naming it; a sampling request's bytes are
+  reserved before it runs); the sampler pool (backends/serve/samplers.py) keeps few models loaded, sampling work in
   flight is capped (limits.Budget), and finished or silent sessions (no heartbeat for SESSION_TIMEOUT_S)
   free their clients (the reaper thread).
 
@@ -36,6 +38,7 @@ from backends.errors import UserError
 from backends.serve.adapters import Stability
 from backends.serve.downloads import Downloads
 from backends.serve.limits import Budget, Fields, Limits, check_id, json_depth_ok
+from backends.serve.memory import Memory, default_max_bytes
 from backends.serve.replies import ApiError, Promises, Reply
 from backends.serve.rest import RestRoutes
 from backends.serve.samplers import MAX_LIVE_SAMPLERS, SAMPLER_IDLE_S, Gather, SamplerPool, trim_heap
@@ -71,7 +74,8 @@ class Service(TrainingRoutes, SamplingRoutes, RestRoutes):
         self.pool = SamplerPool(store.ephemeral_dir, sampler_idle_s, max_live_samplers)
         self.stability = Stability()
         self.downloads = Downloads(store)
-        self.budget = Budget(self.limits.max_live_tokens)
+        self.memory = Memory(self.limits.max_models, self.limits.max_bytes or default_max_bytes())
+        self.budget = Budget(self.limits.max_live_tokens, self.memory, self.limits.max_sample_wait_s)
         self.gather = Gather()
         self._lock = threading.RLock()
         self._runs: dict[str, Run] = {}
@@ -97,7 +101,7 @@ class Service(TrainingRoutes, SamplingRoutes, RestRoutes):
         try:
             return self._dispatch(method, path, headers, body, base_url)
         except ApiError as exc:
-            return Reply.error(exc.status, exc.detail)
+            return exc.reply()
         except Exception as exc:  # a bug of ours: say so, and keep serving
             log.exception("error handling %s %s", method, path[:200])
             return Reply.error(500, f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
@@ -146,7 +150,7 @@ class Service(TrainingRoutes, SamplingRoutes, RestRoutes):
             if not isinstance(exc, (ApiError, ValueError, KeyError, TypeError, UserError, RecursionError)):
                 raise  # ours: a 500 (handle)
             if isinstance(exc, ApiError):
-                return Reply.error(exc.status, exc.detail)
+                return exc.reply()
             detail = "invalid JSON" if isinstance(exc, json.JSONDecodeError) else str(exc)[:300]
             return Reply.error(400, f"bad request: {type(exc).__name__}: {detail}")
 
@@ -233,6 +237,8 @@ class Service(TrainingRoutes, SamplingRoutes, RestRoutes):
                 return
             for rid in s.runs:
                 self._runs.pop(rid, None)
+                self.memory.release(f"run:{rid}")
+        self.budget.pump()  # sampling requests waiting for the bytes those runs held
         freed = self.pool.remove(s.samplers)
         log.info("session %s ended: freed %d training and %d sampling clients", sid, len(s.runs), freed)
 
@@ -264,6 +270,7 @@ class Service(TrainingRoutes, SamplingRoutes, RestRoutes):
         self.pool.evict()
         trim_heap()
         t = time.monotonic()
+        self.budget.expire(t)
         self.promises.forget_old(t)
         self.stability.forget_old(t)
         with self._lock:
@@ -276,4 +283,5 @@ class Service(TrainingRoutes, SamplingRoutes, RestRoutes):
         with self._lock:
             out = {"sessions": len(self._sessions), "runs": len(self._runs)}
         return {**out, **self.pool.stats(), "promises": len(self.promises), "stability_records": len(self.stability),
-                "live_sample_tokens": self.budget.used, "waiting_samples": self.budget.waiting()}
+                "live_sample_tokens": self.budget.used, "waiting_samples": self.budget.waiting(),
+                "held_bytes": self.memory.used, "sampling_bytes": self.memory.sampling, "max_bytes": self.memory.max_bytes}

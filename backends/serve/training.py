@@ -18,10 +18,10 @@ from typing import Any
 
 from backends.base import Future
 from backends.errors import UserError
-from backends.serve import wire
+from backends.serve import memory, wire
 from backends.serve.adapters import Op, Stability, fb_reply, loss_op
 from backends.serve.limits import Fields, Limits, check_id, to_float
-from backends.serve.replies import ApiError, Promises, Reply, deliver, failed
+from backends.serve.replies import NOT_LOADED, ApiError, Promises, Reply, deliver, failed
 from backends.serve.samplers import SamplerPool, SamplerSession
 from backends.serve.sessions import Run, ServedModel, Session
 from backends.serve.store import KINDS, Store, iso, now, valid_name
@@ -38,6 +38,7 @@ class TrainingRoutes:
     promises: Promises
     pool: SamplerPool
     stability: Stability
+    memory: memory.Memory
     _lock: threading.RLock
     _runs: dict[str, Run]
 
@@ -98,6 +99,17 @@ class TrainingRoutes:
             self._session(session_id).runs.add(run_id)
         return run
 
+    def _shapes(self, model: ServedModel) -> memory.Shapes:
+        """The model's sizes; its base counts as held from its first use on."""
+        s = memory.shapes(model.path)
+        self.memory.hold(f"base:{model.name}", memory.base_bytes(s, model.engine().dtype.itemsize))
+        return s
+
+    def _reserve(self, run_id: str, model: ServedModel, spec: LoraSpec) -> None:
+        """Count the new run against --max-models and --max-bytes, or refuse it (a 400 naming the cap)."""
+        n = memory.lora_bytes(self._shapes(model), spec.rank, spec.train_attn, spec.train_mlp, spec.train_unembed)
+        self.memory.reserve_run(run_id, n, f"a LoRA rank-{spec.rank} training run of {model.name}")
+
     def _new_run_id(self, f: Fields) -> tuple[str, str]:
         sid = f.id("session_id")
         run_id = f"{sid}:train:{f.int('model_seq_id', lo=0)}"
@@ -120,7 +132,12 @@ class TrainingRoutes:
             raise ApiError(400, "lora_config trains nothing (train_attn, train_mlp and train_unembed all false)")
         metadata = f.metadata()
         sid, run_id = self._new_run_id(f)
-        tc = model.engine().create_training_client(spec)
+        self._reserve(run_id, model, spec)
+        try:
+            tc = model.engine().create_training_client(spec)
+        except BaseException:
+            self.memory.release(f"run:{run_id}")
+            raise
         self._new_run(run_id, model, spec, tc, sid, metadata)
         log.info("run %s: %s, LoRA rank %d", run_id, model.name, rank)
         promise, reply = self.promises.new("create_model")
@@ -132,10 +149,19 @@ class TrainingRoutes:
         with self._lock:
             run = self._runs.get(run_id)
         if run is None:
-            known = self.store.read_run(run_id) is not None
-            raise ApiError(404, f"training run {run_id} is not loaded (its session ended; load a checkpoint of it with "
-                                f"create_training_client_from_state)" if known else f"unknown training run {run_id}")
+            if self.store.read_run(run_id) is None:
+                raise ApiError(404, f"unknown training run {run_id}")
+            raise ApiError(404, self._not_loaded(run_id), code=NOT_LOADED)
         return run
+
+    def _not_loaded(self, run_id: str) -> str:
+        """What a client of a run this server does not hold (it restarted, or the session ended) should do."""
+        saved = [m for m in self.store.list_checkpoints(run_id) if m["checkpoint_id"].startswith("weights/")]
+        why = f"training run {run_id} is not loaded on this server (runner serve restarted, or its session ended)"
+        if not saved:
+            return f"{why}, and it saved no state (save_state): create a new training client"
+        return (f"{why}: load its last checkpoint, {saved[-1]['tinker_path']}, with "
+                f"create_training_client_from_state_with_optimizer and carry on from there")
 
     def _get_info(self, f: Fields) -> Reply:
         run = self._run(f.id("model_id"))
@@ -174,7 +200,12 @@ class TrainingRoutes:
         with_opt = f.bool("optimizer", False)
         model, spec, folder, meta = self._state_source(path)
         sid, run_id = self._new_run_id(f)
-        tc = model.engine().create_training_client_from_state(str(folder), spec, with_optimizer=with_opt)
+        self._reserve(run_id, model, spec)
+        try:
+            tc = model.engine().create_training_client_from_state(str(folder), spec, with_optimizer=with_opt)
+        except BaseException:
+            self.memory.release(f"run:{run_id}")
+            raise
         self._new_run(run_id, model, spec, tc, sid, f.metadata() or meta.get("user_metadata"), path)
         log.info("run %s: loaded %s%s", run_id, path, " with optimizer state" if with_opt else "")
         promise, reply = self.promises.new("load_weights")
@@ -203,6 +234,8 @@ class TrainingRoutes:
                 exc = fut.exception()
                 if exc is None:
                     run.spec = spec
+                    self.memory.resize_run(run.run_id, memory.lora_bytes(
+                        self._shapes(model), spec.rank, spec.train_attn, spec.train_mlp, spec.train_unembed))
                     swapped.set_result(fut.result())
                     loaded.set_result(None)
                 else:

@@ -86,6 +86,18 @@ def _first_line(text: str, limit: int = 300) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
+# The reply code with which `runner serve` says it no longer holds a training run (it restarted): the run loads
+# its last checkpoint and carries on (docs/serve.md "After a restart").
+STATE_LOST_CODE = "training_run_not_loaded"
+
+
+def _state_lost(exc: BaseException) -> bool:
+    body = getattr(exc, "body", None)
+    if isinstance(body, dict) and body.get("code") == STATE_LOST_CODE:
+        return True
+    return STATE_LOST_CODE in str(exc)  # the SDK's poller passes the reply's body on only as text
+
+
 def to_backend_error(exc: BaseException, request: str, key: str) -> BackendError:
     """What the SDK gave up on, as one scrubbed line naming the request."""
     if isinstance(exc, BackendError):
@@ -96,6 +108,9 @@ def to_backend_error(exc: BaseException, request: str, key: str) -> BackendError
     # RequestFailedError reads "Request failed: <reason> for self.request_id=... and expected type ...".
     text = re.sub(r" for self\.request_id=.*$", "", text.removeprefix("Request failed: "), flags=re.DOTALL)
     detail = _first_line(_scrub(text, key))
+    if _state_lost(exc):
+        return BackendError(f"{request}: the server no longer holds this client: {detail}", request=request,
+                            state_lost=True)
     user = False
     if isinstance(exc, tinker.RequestFailedError):
         user = exc.category == RequestErrorCategory.User

@@ -99,7 +99,14 @@ def run(recipe: Recipe, name: str, *, dry_run: bool = False, backend: Backend | 
             if (warning := short_data_warning(recipe, algo)) is not None:
                 print(f"warning: {warning}", file=sys.stderr)
             has_final = algo.final_plan(recipe.eval_every > 0) is not None
-            asyncio.run(train(recipe, run_dir, backend, algo, has_final, init))
+            for reload in range(MAX_RELOADS + 1):
+                try:
+                    asyncio.run(train(recipe, run_dir, backend, algo, has_final, init))
+                    break
+                except BackendError as e:
+                    if not e.state_lost or reload == MAX_RELOADS:
+                        raise
+                    algo = reload_after_lost_state(run_dir, build_algo(backend.get_tokenizer()), e)
         status = "success"
     except BackendError as e:
         if e.user_error:
@@ -116,6 +123,27 @@ def run(recipe: Recipe, name: str, *, dry_run: bool = False, backend: Backend | 
     finally:
         run_dir.end(status)
         backend.close(status)
+
+
+MAX_RELOADS = 5  # server restarts one `runner run` rides out
+
+
+def reload_after_lost_state(run: RunDir, algo: Algorithm, error: BackendError) -> Algorithm:
+    """The service no longer holds the run's training client (a restarted `runner serve`, docs/serve.md): the
+    steps since the run dir's last checkpoint are lost, the run is not. Set `run` up to resume from that
+    checkpoint (as a new session of the run dir: the rows after it are set aside, the steps retrained) and
+    return the fresh `algo` at its data position."""
+    if run.tracker is not None:
+        tracker, run.tracker = run.tracker, None
+        tracker.finish("error")
+    states = [r for r in run.checkpoints() if r.get("state_path")]
+    run.candidates, run.resume = states[::-1], states[-1] if states else None
+    if run.resume is not None:
+        algo.load_state(run.resume, run.start_step)
+    where = (f"checkpoint {run.resume['name']!r} (after {run.resume['next_step']} steps)" if run.resume
+             else "step 0 (no checkpoint yet)")
+    print(f"{error}\nthe server lost the run's training state (restarted?): resuming from {where}", file=sys.stderr)
+    return algo
 
 
 def short_data_warning(recipe: Recipe, algo: Algorithm) -> str | None:

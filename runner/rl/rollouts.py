@@ -391,6 +391,9 @@ def collect(results: Sequence[tuple[int, TrajectoryGroup | Exception]], what: st
     errors: Counter[str] = Counter(type(r).__name__ for _, r in results if isinstance(r, Exception))
     kept = [(i, r) for i, r in results if isinstance(r, TrajectoryGroup)]
     if results and not kept:
+        lost = next((r for _, r in results if isinstance(r, BackendError) and r.state_lost), None)
+        if lost is not None:  # a restarted server: the loop resumes from the last checkpoint (runner/engine/loop.py)
+            raise lost
         first = next(r for _, r in results if isinstance(r, Exception))
         n = len(results)
         raise UserError(f"{'the only group' if n == 1 else f'all {n} groups'} of {what} failed; "

@@ -3,7 +3,9 @@
 
 Rows: {"question": str, "tests": [{"input": str, "output": str}, ...], "asserts": [str, ...]} (either list may be
 absent, not both). A stdin/stdout test passes when the program exits 0 and its output matches line by line (trailing
-whitespace ignored); an assert test runs the code followed by the assert and passes on exit 0. Every test is its own
+whitespace ignored); an assert test runs in runner/rewards/harness.py: the check code runs in a harness process that
+calls the program's functions in another process (of another uid) and passes only when the harness prints the run's
+nonce, so the program's exit code, output or patches count for nothing (docs/sandbox.md). Every test is its own
 sandboxed run. reward = passed fraction + format_coef·(format − 1); metrics `format`, `compile`, `passed`,
 `all_passed`, `timeout` (a test ran out of time).
 """
@@ -14,13 +16,16 @@ import asyncio
 import functools
 import json
 import re
+import secrets
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from backends.errors import UserError
 from runner.data.conversations import load_rows
 from runner.recipe.schema import Code, DataSource
 from runner.renderers.chat import ChatRenderer
+from runner.rewards import harness
 from runner.rewards.sandbox import Limits, RunResult, Sandbox
 from runner.rl.envs.common import ChatEnv, EnvContext, EnvKind, RepeatGroupBuilder, group_datasets, split
 from runner.rl.types import EnvGroupBuilder, Observation, RLDataset, StepResult, StopCondition
@@ -36,7 +41,7 @@ class CodeTest:
     stdin: str = ""
     # Expected stdout; None for an assert test.
     expected: str | None = None
-    # Appended to the code for an assert test.
+    # Python run by the harness against the program's names, for an assert test.
     check: str = ""
 
 
@@ -143,11 +148,22 @@ def load_code_problems(source: DataSource) -> list[CodeProblem]:
     return out
 
 
+HARNESS = Path(harness.__file__).read_text()
+
+
+async def run_check(sandbox: Sandbox, code: str, check: str) -> tuple[bool, RunResult]:
+    """An assert test: passed only when the harness prints this run's nonce (runner/rewards/harness.py)."""
+    nonce = secrets.token_hex(16)
+    job = json.dumps({"nonce": nonce, "check": check, "source": HARNESS})
+    argv = [sandbox.python, "-I", "-S", "-c", HARNESS]
+    r = await sandbox.run({"main.py": code}, argv, job, harness=True)
+    return r.ok and f"{nonce} passed" in r.stdout.splitlines(), r
+
+
 async def run_tests(sandbox: Sandbox, code: str, tests: tuple[CodeTest, ...]) -> list[tuple[bool, RunResult]]:
     async def one(t: CodeTest) -> tuple[bool, RunResult]:
         if t.expected is None:
-            r = await sandbox.run_python(code + "\n\n" + t.check + "\n")
-            return r.ok, r
+            return await run_check(sandbox, code, t.check)
         r = await sandbox.run_python(code, t.stdin)
         return r.ok and same_output(r.stdout, t.expected), r
 
@@ -182,6 +198,8 @@ class CodeEnv(ChatEnv):
             "reply": text,
             "tests_passed": f"{passed}/{n}",
             "first_failure": "" if first_fail is None else _describe(first_fail),
+            # Which isolation ran the tests: bwrap, unshare or none (docs/sandbox.md).
+            "sandbox": self.sandbox.containment.isolation,
         }
         metrics = {
             "format": float(format_ok),
