@@ -29,6 +29,11 @@ class BackendConfig(ConfigStruct, tag_field="kind", tag=str.lower):  # pyright: 
         where a backend that stores checkpoints itself keeps them (the run dir's checkpoints/)."""
         raise NotImplementedError
 
+    def describe(self, model: str) -> str | None:
+        """One line saying where this backend will run `model` and why (the local backend: device and dtype,
+        backends/local/device.py), printed by --dry-run and as a run's first line; None: nothing to say."""
+        return None
+
     def sweep_parallel(self, cores: int) -> int:
         """How many runs on this backend a sweep starts at once on a machine with `cores` usable cores
         (runner/tools/sweep.py takes the smallest answer among its points). Default: one per core."""

@@ -90,12 +90,18 @@ class LossSpec:
     tinker_builtin: bool = False
     # The recipe variant's class name (default: from the name).
     title: str = ""
+    # A Datum input (from `inputs`) where the per-token loss is identically zero, whatever the logprob, at
+    # every position where that input is 0 (cross_entropy: weights; the policy-gradient losses: advantages).
+    # The local backend skips those positions' gradient work (backends/local/logprobs.py). None: no such input.
+    zero_where: str | None = None
     _signature: inspect.Signature = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in self.inputs:
             if name not in INPUT_NAMES:
                 raise ValueError(f"loss {self.name!r}: unknown input {name!r} (expected one of {INPUT_NAMES})")
+        if self.zero_where is not None and self.zero_where not in self.inputs:
+            raise ValueError(f"loss {self.name!r}: zero_where {self.zero_where!r} is not one of its inputs {self.inputs}")
         params = [inspect.Parameter(f.key, inspect.Parameter.KEYWORD_ONLY, default=f.default) for f in self.fields]
         object.__setattr__(self, "_signature", inspect.Signature(params))
 
@@ -250,16 +256,16 @@ def _clip_fields(lo: float, hi: float) -> tuple[LossField, ...]:
 
 
 CROSS_ENTROPY = register(LossSpec(
-    "cross_entropy", _cross_entropy, inputs=("weights",), multi_target=True, in_rl=False, tinker_builtin=True,
+    "cross_entropy", _cross_entropy, inputs=("weights",), multi_target=True, zero_where="weights", in_rl=False, tinker_builtin=True,
     doc="−Σ w·lp (SFT; (N, K) targets: top-K / soft-target cross entropy)."))
 IMPORTANCE_SAMPLING = register(LossSpec(
-    "importance_sampling", _importance_sampling, tinker_builtin=True, title="ImportanceSampling",
+    "importance_sampling", _importance_sampling, tinker_builtin=True, zero_where="advantages", title="ImportanceSampling",
     doc="−Σ r·A, r = exp(lp − lp_sampler)."))
 PPO = register(LossSpec(
-    "ppo", _ppo, fields=_clip_fields(0.8, 1.2), rule=_clips_ordered, tinker_builtin=True, title="PPO",
+    "ppo", _ppo, fields=_clip_fields(0.8, 1.2), rule=_clips_ordered, tinker_builtin=True, zero_where="advantages", title="PPO",
     doc="−Σ min(r·A, clip(r, lo, hi)·A). The bounds are on the ratio itself, not epsilons."))
 CISPO = register(LossSpec(
-    "cispo", _cispo, fields=_clip_fields(0.0, 4.0), rule=_clips_ordered, tinker_builtin=True, title="CISPO",
+    "cispo", _cispo, fields=_clip_fields(0.0, 4.0), rule=_clips_ordered, tinker_builtin=True, zero_where="advantages", title="CISPO",
     doc="−Σ sg(clip(r, lo, hi))·lp·A. Default one-sided (Tinker's)."))
 # dro's beta follows the docs' example; Tinker states no default.
 DRO = register(LossSpec(

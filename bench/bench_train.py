@@ -10,6 +10,8 @@ its tokens are the batch's input tokens (sum of len(model_input)). Contenders:
                 prefix of >= 16 tokens, here the system prompt, compute it once)
   ours-noshare  the same with prefix sharing off (packed.MIN_SHARED huge): every token of every row computed
   ours-padded   the same with backend.packed = false: padded chunks (batching.PAD_FILL), ours before packing
+  ours-before   ours with the full-logits unembedding of before issue #29 (PackedLM.chunked_head = False; the
+                chunked one skips the unembedding's backward at weight-0 positions): the CPU must not regress
   plain         the obvious loop: right-pad, model(ids, attention_mask).logits, weighted cross entropy,
                 backward, AdamW step, zero_grad (ratio "vs plain")
   plain-nomask  the same without attention_mask (right padding cannot change a causal LM's real positions)
@@ -529,6 +531,9 @@ def bench_model(name: str, args, clock: Callable[[], float], tmp: Path) -> None:
     ours_padded, backend_padded, _ = make_ours(model_dir, tmp / f"{name}-storage-padded", packed=False)
     ours_noshare, backend_noshare, _ = make_ours(model_dir, tmp / f"{name}-storage-noshare")
     ours_noshare = no_share(ours_noshare)
+    ours_before, backend_before, client_before = make_ours(model_dir, tmp / f"{name}-storage-before")
+    if client_before.packed is not None:
+        client_before.packed.chunked_head = False
     from backends.local.packed import plan
 
     min_shared = client.packed.min_shared() if client.packed is not None else None
@@ -541,7 +546,7 @@ def bench_model(name: str, args, clock: Callable[[], float], tmp: Path) -> None:
           f"{' (measured)' if args.per_forward is None else ''}")
     print(f"batch 0: {describe_plan(batches[0], per_forward)}")
     # Before any update the LoRA delta is 0, so every contender sees the base model: the same loss.
-    first = {"ours": ours(batches[0]), "ours-noshare": ours_noshare(batches[0]),
+    first = {"ours": ours(batches[0]), "ours-noshare": ours_noshare(batches[0]), "ours-before": ours_before(batches[0]),
              "ours-padded": ours_padded(batches[0]), "plain": plain(batches[0]), "plain-nomask": plain_nomask(batches[0]),
              "packed": packed(batches[0]), "bucketed": bucketed(batches[0])}
 
@@ -554,7 +559,7 @@ def bench_model(name: str, args, clock: Callable[[], float], tmp: Path) -> None:
         return run
 
     contenders: dict[str, Callable[[], float]] = {"ours": loop(ours), "ours-noshare": loop(ours_noshare),
-                                                  "ours-padded": loop(ours_padded)}
+                                                  "ours-padded": loop(ours_padded), "ours-before": loop(ours_before)}
     contenders.update({"plain": loop(plain), "plain-nomask": loop(plain_nomask), "packed": loop(packed),
                        "bucketed": loop(bucketed)})
     if args.trl:
@@ -571,6 +576,8 @@ def bench_model(name: str, args, clock: Callable[[], float], tmp: Path) -> None:
     bad = {k: v for k, v in first.items() if abs(v - ref) > 1e-4 * abs(ref)}
     assert not bad, f"first-step loss differs from plain's {ref}: {bad}"
 
+    if args.only:
+        contenders = {k: v for k, v in contenders.items() if k in args.only.split(",")}
     for run in contenders.values():  # warm-up
         run()
     times: dict[str, list[float]] = {k: [] for k in contenders}
@@ -583,17 +590,17 @@ def bench_model(name: str, args, clock: Callable[[], float], tmp: Path) -> None:
     print("fp32 torch.mm GFLOP/s over the run (median of " + f"{len(next(iter(peak_samples.values())))} samples): "
           + ", ".join(f"{k} {v:.1f}" for k, v in gflops.items()) + f"; peak {peak:.1f}")
     rates = {k: tokens / statistics.median(v) for k, v in times.items()}
-    best = max(HAND_WRITTEN, key=lambda k: rates[k])
+    best = max((k for k in HAND_WRITTEN if k in rates), key=lambda k: rates[k], default="ours")
     print(f"{'model':5} {'contender':13} {'tok/s':>8} {'vs best':>7} {'vs plain':>8} {'MFU':>6} {'ms/step':>8} "
           f"{'max/min':>7}")
     for label, rate in rates.items():
-        print(f"{name:5} {label:13} {rate:8.0f} {rate / rates[best]:6.2f}x {rate / rates['plain']:7.2f}x "
+        print(f"{name:5} {label:13} {rate:8.0f} {rate / rates[best]:6.2f}x {rate / rates.get('plain', float('nan')):7.2f}x "
               f"{rate * flops_per_token / (peak * 1e9):6.1%} {statistics.median(times[label]) * 1000 / steps:8.1f} "
               f"{max(times[label]) / min(times[label]):7.2f}", flush=True)
     print(f"{name} seconds per round, in round order: "
           + "; ".join(f"{k} " + " ".join(f"{t:.2f}" for t in v) for k, v in times.items()))
     summary = f"{name}: best hand-written peer {best}; ours / {best} = {rates['ours'] / rates[best]:.2f}x"
-    if args.trl:
+    if args.trl and not args.only:
         best_trl = max(("trl", "trl-nogc", "trl-best"), key=lambda k: rates[k])
         summary += (f"; ours / trl (defaults) = {rates['ours'] / rates['trl']:.2f}x; fastest TRL option "
                     f"{best_trl}: ours / {best_trl} = {rates['ours'] / rates[best_trl]:.2f}x")
@@ -610,6 +617,7 @@ def bench_model(name: str, args, clock: Callable[[], float], tmp: Path) -> None:
     backend.close()
     backend_padded.close()
     backend_noshare.close()
+    backend_before.close()
 
 
 def main() -> None:
@@ -627,6 +635,7 @@ def main() -> None:
     ap.add_argument("--trl", action=argparse.BooleanOptionalAction, default=None,
                     help="include TRL's SFTTrainer (default: when trl imports)")
     ap.add_argument("--profile", action="store_true", help="break ours' step into phases")
+    ap.add_argument("--only", default=None, help="comma list of contenders to time (all are checked for the first loss)")
     ap.add_argument("--per-forward", type=float, default=None,
                     help="bucketed: fixed cost of a forward+backward in padded tokens (default: measured)")
     args = ap.parse_args()

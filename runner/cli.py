@@ -159,10 +159,14 @@ def _parser() -> argparse.ArgumentParser:
                        "repeatable; default: tiny")
     serve.add_argument("--storage", type=Path, default=Path("serve-storage"),
                        help="folder for training runs and checkpoints (kept across restarts; default ./serve-storage)")
-    serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                       help="auto: cuda for a model of 50M parameters or more where CUDA exists, else cpu")
+    serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                       help="of the base weights and activations (adapters stay float32); auto: bfloat16 on cuda, "
+                       "float32 on cpu")
     serve.add_argument("--sampler-weights", choices=["auto", "merged", "lora"], default="auto",
                        help="sampling clients hold merged weights (fastest) or share the base and apply their LoRA "
-                       "unmerged (an extra client costs its adapters); auto: merged on the CPU under 1 GiB")
+                       "unmerged (an extra client costs its adapters); auto: merged on the CPU in float32 under 1 GiB")
     serve.add_argument("--api-key-env", metavar="VAR", help="require the API key held in environment variable VAR")
     serve.add_argument("--sampler-idle-s", type=float, default=None,
                        help="free a sampling session's model after this many idle seconds (default 30)")
@@ -426,7 +430,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     cfg = ServeConfig(host=args.host, port=args.port, port_file=args.port_file, models=tuple(args.model),
-                      storage=args.storage, device=args.device, sampler_weights=args.sampler_weights,
+                      storage=args.storage, device=args.device, dtype=args.dtype,
+                      sampler_weights=args.sampler_weights,
                       api_key_env=args.api_key_env,
                       sampler_idle_s=args.sampler_idle_s, max_live_samplers=args.max_live_samplers,
                       limits=Limits(**caps))

@@ -34,8 +34,8 @@ from backends.errors import UserError
 from backends.local import batching
 from backends.local import model as M
 from backends.local.alloc import keep_freed_memory
-from backends.local.device import pick_device
-from backends.local.losses import batch_loss, resolve_config
+from backends.local.device import place
+from backends.local.losses import batch_loss, resolve_config, trained_positions
 from backends.local.options import LocalOptions
 from backends.local.packed import PackedLM
 from backends.local.worker import Job, Worker, fail
@@ -91,7 +91,9 @@ class LocalBackend:
         self.tokenizer_dir = M.resolve_tokenizer_dir(tokenizer) if tokenizer else self.model_dir
         self.storage_dir = Path(storage_dir).resolve()
         self.seed = seed
-        self.device, self.dtype = pick_device(cfg)
+        # Device and dtypes of every tensor the clients create: decided once, in backends/local/device.py.
+        self.placement = place(cfg, self.model_dir)
+        self.device, self.dtype = self.placement.device, self.placement.dtype
         keep_freed_memory()  # no page faults re-fetching each step's activations (backends/local/alloc.py)
         if not _default_threads:  # before any sampling worker has changed the inherited count
             _default_threads.append(torch.get_num_threads())
@@ -214,20 +216,25 @@ class LocalBackend:
             return self.sampling_client(M.sampling_snapshot(trained, self.base(), self.merge_samplers()), path.name)
         if (path / "adapter_config.json").is_file():
             trained = M.load_adapter(self.base(), path)
-            return self.sampling_client(M.sampling_copy(trained, private=True), path.name)
+            # The same sampler a training client's snapshot gets (merged or not, dtypes by device.py); a folder
+            # it does not recognise (modules_to_save, DoRA, ...) is merged by peft into a private copy.
+            return self.sampling_client(
+                M.sampling_snapshot(trained, self.base(), self.merge_samplers(), private=True), path.name)
         if (path / "config.json").is_file():  # a full fine-tune's sampler weights
             return self.sampling_client(M.load_base(path, self.device, self.dtype), path.name)
         raise _user_error(f"{model_path} is not a sampler-weights or checkpoint folder")
 
     def merge_samplers(self) -> bool:
         """Whether a LoRA sampling client gets merged weights (Local.sampler_weights): "auto" merges on the CPU
-        for a base under 1 GiB, where a copy of the adapted weights is cheap and the decode fast path is fastest
-        on merged ones; on a GPU or for a larger base, clients share the base and apply their adapters unmerged."""
+        in float32 for a base under 1 GiB, where a copy of the adapted weights is cheap and the decode fast path
+        is fastest on merged ones; on a GPU, for a larger base, or in bfloat16 (where W + s B A rounded to 8 bits
+        of mantissa loses most of a small update, and the sampler would disagree with the trainer), clients share
+        the base and apply their float32 adapters unmerged."""
         mode = self.cfg.sampler_weights
         if mode != "auto":
             return mode == "merged"
         size = sum(p.numel() * p.element_size() for p in self.base().parameters())
-        return self.device.type == "cpu" and size < (1 << 30)
+        return self.device.type == "cpu" and self.dtype == torch.float32 and size < (1 << 30)
 
     def sampling_client(self, model: torch.nn.Module, name: str) -> LocalSamplingClient:
         # Unseeded samples draw from a generator seeded per client, so a rerun repeats them too.
@@ -331,10 +338,11 @@ class LocalTrainingClient:
         except ValueError as exc:
             raise _user_error(str(exc)) from None
 
-    def _logprobs(self, data: list[Datum]):
+    def _logprobs(self, data: list[Datum], trained: list[np.ndarray | None] | None = None):
         budget = batching.chunk_tokens(self._backend.vocab_size())
         if self.packed is not None:
-            return self.packed.chunk_logprobs(data, budget, self._backend.device)
+            budget = self.packed.token_budget(self._backend.vocab_size())
+            return self.packed.chunk_logprobs(data, budget, self._backend.device, trained)
         return batching.chunk_logprobs(self.model, data, self._backend.device, budget)
 
     def _run_loss(
@@ -349,7 +357,8 @@ class LocalTrainingClient:
         logprobs: list[np.ndarray] = [np.empty(0)] * len(data)
         total = 0.0
         with torch.set_grad_enabled(backward):
-            for idx, lps in self._logprobs(data):
+            trained = [trained_positions(loss_fn, d, config) for d in data] if backward else None
+            for idx, lps in self._logprobs(data, trained):
                 loss = batch_loss(loss_fn, lps, [data[i] for i in idx], device, config)
                 if backward:
                     loss.backward()  # per chunk: grads accumulate in .grad, activations are freed

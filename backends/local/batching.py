@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from backends.local.device import LOGITS_DTYPE
 from backends.types import Datum
 
 # Upper bound on padded tokens per chunk, and on the chunk's float32 logits (2**27 floats = 512 MiB).
@@ -69,7 +70,7 @@ def chunk_logprobs(
         ids = torch.zeros((len(idx), width), dtype=torch.long)  # pad id 0: any valid id works (see above)
         for row, i in enumerate(idx):
             ids[row, : data[i].length] = torch.as_tensor(data[i].model_input, dtype=torch.long)
-        logits = model(input_ids=ids.to(device), use_cache=False).logits.float()
+        logits = model(input_ids=ids.to(device), use_cache=False).logits.to(LOGITS_DTYPE)
         # log p(target) = logit[target] - logsumexp(logits): no full log_softmax tensor is built.
         lse = torch.logsumexp(logits, dim=-1)
         out = []

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 class Local(BackendConfig):
     """In-process torch trainer and sampler (backends/local)."""
 
-    # "auto": cuda if available, else cpu. Chosen in one place: backends/local/device.py.
+    # "auto": cuda if available and the model has 50M parameters or more, else cpu (the embedded tiny model runs
+    # faster on the CPU). Chosen in one place, with every tensor's dtype: backends/local/device.py.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # "auto": bfloat16 on cuda, float32 on cpu (bit-for-bit reproducible there).
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -32,13 +33,25 @@ class Local(BackendConfig):
     # What a sampling client holds. "merged": its own copy of every adapted weight with the LoRA merged in (the
     # fastest decode; a copy of most of the model per client). "lora": the base's own tensors plus a copy of the
     # adapters, applied unmerged (two thin extra matmuls per adapted layer; an extra client costs its adapters).
-    # "auto": merged on the CPU for a base under 1 GiB, else lora (a GPU's memory, or a large model's).
+    # "auto": merged on the CPU in float32 for a base under 1 GiB, else lora (a GPU's memory, a large model's, or
+    # bfloat16, where merging rounds away most of a small update).
     sampler_weights: Literal["auto", "merged", "lora"] = "auto"
 
     def make(self, model: str, tokenizer: str | None, storage_dir: Path, seed: int) -> Backend:
         from backends.local.backend import LocalBackend  # torch loads here, not when a recipe is validated
 
         return LocalBackend(self, model, tokenizer, storage_dir, seed=seed)
+
+    def describe(self, model: str) -> str | None:
+        from backends.errors import UserError
+        from backends.local.device import place  # torch loads here
+        from backends.local.model import resolve_model_dir
+
+        try:
+            model_dir = resolve_model_dir(model)
+        except UserError:  # not on this machine (yet): the run itself says so
+            model_dir = None
+        return f"device: {place(self, model_dir).describe()}"
 
     def sweep_parallel(self, cores: int) -> int:
         """On a machine with an NVIDIA GPU (unless device = "cpu"): 1, runs would share the one device. On the CPU:

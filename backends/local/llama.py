@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends.local.device import ADAPTER_DTYPE, add_adapter_term
+
 # Decoders whose layers backends/local/packed.py (training) and sampler.py (decoding) compute on plain tensors.
 LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
@@ -165,13 +167,15 @@ class LoraDelta(nn.Module):
     peft's forward computes it in. `base` is the frozen base model's own Linear (shared, never written); A and B
     are private copies, stored transposed ((in, r) and (r, out), the layout `x @ m` multiplies fastest), so the
     snapshot stays what it was when taken while training goes on. A sampling client made of these costs its
-    adapters, not a copy of the adapted weights (see model.sampling_snapshot)."""
+    adapters, not a copy of the adapted weights (see model.sampling_snapshot). Under a bfloat16 base the adapters
+    stay float32 and their term is added in float32, as peft's forward does (device.add_adapter_term)."""
 
     def __init__(self, base: nn.Linear, a: torch.Tensor, b: torch.Tensor, scale: float):
         super().__init__()
         self.base = base
-        self.a_t = nn.Parameter(a.detach().t().contiguous(), requires_grad=False)
-        self.b_t = nn.Parameter(b.detach().t().contiguous(), requires_grad=False)
+        # In ADAPTER_DTYPE (float32) whatever the base's dtype, as trained (backends/local/device.py).
+        self.a_t = nn.Parameter(a.detach().t().to(ADAPTER_DTYPE, copy=True).contiguous(), requires_grad=False)
+        self.b_t = nn.Parameter(b.detach().t().to(ADAPTER_DTYPE, copy=True).contiguous(), requires_grad=False)
         self.scale = scale
 
     @property
@@ -183,7 +187,7 @@ class LoraDelta(nn.Module):
         return self.base.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + (x @ self.a_t @ self.b_t) * self.scale
+        return add_adapter_term(self.base(x), x, self.a_t, self.b_t, self.scale)
 
 
 class FastLinear:
@@ -221,7 +225,7 @@ class FastLinear:
         if self.a_t is None:
             return y
         assert self.b_t is not None
-        return y + torch.mm(torch.mm(x, self.a_t), self.b_t) * self.scale
+        return add_adapter_term(y, x, self.a_t, self.b_t, self.scale)
 
 
 @dataclass

@@ -16,7 +16,8 @@ from backends import losses
 from backends.losses import LossInputs
 from backends.types import Datum, LossFn
 
-__all__ = ["LossInputs", "batch_loss", "datum_loss", "inputs_from_datum", "resolve_config", "token_losses"]
+__all__ = ["LossInputs", "batch_loss", "datum_loss", "inputs_from_datum", "resolve_config", "token_losses",
+           "trained_positions"]
 
 
 def resolve_config(loss_fn: str, config: Mapping[str, float] | None) -> dict[str, float]:
@@ -60,3 +61,19 @@ def batch_loss(loss_fn: LossFn, lps: list[torch.Tensor], data: list[Datum], devi
 
     inputs = LossInputs(joined("weights", 0.0), joined("logprobs", 0.0), joined("advantages", 0.0), joined("mask", 1.0))
     return datum_loss(loss_fn, torch.cat(lps), inputs, config)
+
+
+def trained_positions(loss_fn: LossFn, datum: Datum, config: Mapping[str, float]) -> np.ndarray | None:
+    """Per position of the datum, whether its loss can have a gradient: not where `mask` is 0, nor where the
+    loss's `zero_where` input is 0 (LossSpec.zero_where: cross_entropy's weights, the policy-gradient losses'
+    advantages). None: every position (nothing to skip). `config` is unused today (kept for losses whose zero set
+    depends on it)."""
+    spec = losses.get(loss_fn)
+    keep = np.ones(datum.length, dtype=bool)
+    if datum.mask is not None:
+        keep &= np.asarray(datum.mask).reshape(datum.length, -1).any(axis=1)
+    if spec.zero_where is not None:
+        value = getattr(datum, spec.zero_where)
+        if value is not None:
+            keep &= (np.asarray(value).reshape(datum.length, -1) != 0).any(axis=1)
+    return None if keep.all() else keep

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from backends.errors import UserError
+from backends.local.device import ADAPTER_DTYPE, merged_weight
 
 ATTN_KEYS = ("attn", "attention")
 MLP_KEYS = ("mlp", "feed_forward", "ffn", "experts")
@@ -199,17 +200,38 @@ def make_trainable(base: nn.Module, setup: TrainSetup, seed: int) -> nn.Module:
     with torch.random.fork_rng(devices=devices), _quiet_peft():
         torch.manual_seed(seed)
         model = peft.get_peft_model(model, config)
+    _adapters_to(model, ADAPTER_DTYPE)
     model.eval()
     return model
 
 
-def load_adapter(base: nn.Module, path: Path) -> nn.Module:
-    """A private copy of `base` with the PEFT adapter folder `path` applied (not merged). A full copy: a
-    foreign adapter folder may also carry base weights (modules_to_save), which must not leak into `base`."""
+def _adapters_to(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every LoRA A/B tensor of `model` in `dtype` (backends/local/device.py ADAPTER_DTYPE: float32 under any
+    base). peft upcasts them itself by default (autocast_adapter_dtype); this makes it this backend's rule, not
+    a peft default a version could change."""
+    for name, p in model.named_parameters():
+        if ("lora_A" in name or "lora_B" in name) and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
+def load_adapter(base: nn.Module, path: Path) -> HFModel:
+    """A copy of `base` with the PEFT adapter folder `path` applied (not merged). A full copy unless it is a plain
+    LoRA adapter: a folder that also carries base weights (modules_to_save) must not leak them into `base`."""
     import peft
 
+    config = peft.PeftConfig.from_pretrained(str(path))
+    # A plain LoRA adapter only wraps layers: the copy may share base's frozen tensors (shared_copy), which lets
+    # sampling_snapshot build its sampler as for a training client's snapshot. Anything that may write base
+    # weights or bring its own (modules_to_save, trainable tokens, PiSSA/OLoRA-style inits) gets a full copy.
+    plain = (isinstance(config, peft.LoraConfig) and not config.modules_to_save
+             and not getattr(config, "trainable_token_indices", None)
+             and getattr(config, "init_lora_weights", True) in (True, False, "gaussian"))
+    own = shared_copy(base) if plain else copy.deepcopy(base)
     with _quiet_peft():
-        return peft.PeftModel.from_pretrained(copy.deepcopy(base), path)
+        model = peft.PeftModel.from_pretrained(own, path)
+    _adapters_to(model, ADAPTER_DTYPE)
+    model.eval()
+    return model
 
 
 def trainable_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -241,7 +263,7 @@ def sampling_copy(model: HFModel, private: bool = False) -> HFModel:
     return snap
 
 
-def sampling_snapshot(model: HFModel, base: HFModel, merge: bool = True) -> HFModel:
+def sampling_snapshot(model: HFModel, base: HFModel, merge: bool = True, private: bool = False) -> HFModel:
     """sampling_copy of a LoRA model that make_trainable built on `base`, without copying the model: a new
     module tree over base's frozen tensors (shared_copy), in which each adapted Linear layer gets its merged
     weight W + scale * B @ A as a new tensor. Nothing is deep-copied and peft's merge_and_unload (which
@@ -252,7 +274,7 @@ def sampling_snapshot(model: HFModel, base: HFModel, merge: bool = True) -> HFMo
     it needs no further transposing copy. A tied lm_head with an adapter gets
     its own merged tensor; the input embeddings stay the base's. Anything this does not recognise exactly
     (not a peft LoRA model, DoRA, fan_in_fan_out, several adapters, weights that are no longer the base's)
-    takes sampling_copy.
+    takes sampling_copy (private: `model` is a throwaway copy, see sampling_copy).
 
     merge=False: no merged tensors either: each adapted layer becomes a LoraDelta over the base's own Linear, so
     the snapshot holds the base's tensors plus a copy of the adapters (what an extra sampling client costs; a
@@ -264,7 +286,7 @@ def sampling_snapshot(model: HFModel, base: HFModel, merge: bool = True) -> HFMo
     from backends.local.llama import LoraDelta, packs_for_onednn
 
     if not isinstance(model, peft.PeftModel):
-        return sampling_copy(model)
+        return sampling_copy(model, private)
     inner: HFModel = model.get_base_model()
     adapted: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]] = {}
     for name, m in inner.named_modules():
@@ -272,7 +294,7 @@ def sampling_snapshot(model: HFModel, base: HFModel, merge: bool = True) -> HFMo
             continue
         parts = lora_linear_parts(m)
         if isinstance(parts, str):
-            return sampling_copy(model)
+            return sampling_copy(model, private)
         base_layer, a, b, scale = parts
         adapted[name] = (base_layer.weight, a, b, scale)
     # Every weight must still be the base's own tensor (an adapted layer's through its base_layer).
@@ -286,7 +308,7 @@ def sampling_snapshot(model: HFModel, base: HFModel, merge: bool = True) -> HFMo
             except AttributeError:
                 ok = False
         if not ok:
-            return sampling_copy(model)
+            return sampling_copy(model, private)
     snap: HFModel = shared_copy(base)
     if not merge:
         for name, (_w, a, b, scale) in adapted.items():
@@ -301,10 +323,8 @@ def sampling_snapshot(model: HFModel, base: HFModel, merge: bool = True) -> HFMo
             module = snap.get_submodule(name)
             if module is out_emb:
                 snap.config.tie_word_embeddings = False  # lm_head gets its own tensor below
-            if packs_for_onednn(w):
-                merged = torch.addmm(w, b, a, alpha=scale)
-            else:  # (W + s B A)^T = W^T + s A^T B^T, written straight into the transposed layout
-                merged = torch.addmm(w.t(), a.t(), b.t(), alpha=scale).t()
+            # In W's dtype (a bfloat16 base: the float32 sum rounded once), in the layout its use wants.
+            merged = merged_weight(w, a, b, scale, transposed=not packs_for_onednn(w))
             module.weight = nn.Parameter(merged, requires_grad=False)
     snap.eval()
     return snap

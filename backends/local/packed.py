@@ -27,12 +27,14 @@ only the arithmetic is ours, so peft keeps owning adapters, checkpoints and expo
 
 Anything else (another architecture, DoRA, sliding-window layers, a full fine-tune, ...) makes
 `PackedLM.build` return None with the reason, and the backend uses the padded path (backends/local/batching.py).
-On CUDA the same code runs (SDPA per run of sequences; not yet measured there: no GPU was at hand).
+On CUDA attention over the chunk is one FlexAttention call per layer (backends/local/attention.py); on every device
+the target logprobs come from a chunked unembedding (backends/local/logprobs.py). docs/local-backend.md says what
+runs where; the GPU figures are bench/bench_gpu.py's (owed: no GPU was at hand when this was written).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -41,6 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends.local import attention as flex
+from backends.local import logprobs as LP
+from backends.local.batching import chunk_tokens
 from backends.local.kernels import ATTN_HEAD_DIMS, Kernels
 from backends.local.kernels import MAX_HEAD_DIM as kernels_max_head_dim
 from backends.local.kernels import load as load_kernels
@@ -48,6 +53,14 @@ from backends.local.llama import llama_family_problem, rms_norm, rope
 from backends.local.model import lora_linear_parts
 from backends.local.tree import MIN_SHARED, Layout, ancestors, plan
 from backends.types import Datum
+
+# Tokens per packed chunk when the unembedding is chunked (logprobs.py): activations, not logits, bound it
+# (PackedLM.token_budget): at most MAX_PACKED_TOKENS, and saved activations within a quarter of the GPU's memory
+# or 4 GiB on the CPU (tiny and bench_train's 25M model: 16,384 either way; Qwen3-0.6B on an 80 GB GPU: 16,384;
+# Qwen3-1.7B: ~11k).
+MAX_PACKED_TOKENS = 16384
+ACTIVATION_FRACTION = 0.25
+ACTIVATION_BYTES = 4 << 30
 
 # ---------------------------------------------------------------- autograd functions
 
@@ -331,6 +344,13 @@ class PackedLM:
             ))
         head, self.head_a, self.head_b, self.head_s = _lora_parts(inner.get_output_embeddings())
         self.head_w = head.weight
+        # Target logprobs by the chunked unembedding (backends/local/logprobs.py); False: full logits per chunk
+        # (the reference path, kept for tests and bench comparisons).
+        self.chunked_head = True
+        # Attention over a chunk: "auto" (FlexAttention on CUDA, else the C tree kernel or SDPA per block), "flex",
+        # "torch" (never flex). flex_compiled=False runs FlexAttention's eager reference (CPU tests).
+        self.attention = "auto"
+        self.flex_compiled = True
         if self.head_w.requires_grad:
             raise _Unsupported("trainable lm_head")
         if head.bias is not None:
@@ -360,13 +380,17 @@ class PackedLM:
 
     def hidden(self, ids: torch.Tensor, layout: Layout) -> torch.Tensor:
         """Final-norm hidden states (T x hidden) of the packed tokens `ids` (T,) laid out by `layout`."""
+        if self.use_flex(ids.device):
+            return self._hidden_flex(ids, layout)
         x = self.embed(ids)
         pos = torch.as_tensor(layout.positions, device=ids.device)
         cos, sin = self.rotary(x[None], pos[None])
         T, H, K, D = ids.shape[0], self.n_heads, self.n_kv, self.head_dim
         kern = self.kernels if self.kernels is not None and Kernels.usable(x, cos, sin) and cos.shape[-1] == D else None
         if kern is None:
-            return self._hidden_eager(x, cos[0, :, None, :], sin[0, :, None, :], attention_blocks(layout, ids.device))
+            blocks = attention_blocks(layout, ids.device)
+            return self._hidden_eager(x, cos[0, :, None, :], sin[0, :, None, :],
+                                      lambda q, k, v: _attention(q, k, v, blocks, self.scaling))
         cos, sin, eps = cos[0].contiguous(), sin[0].contiguous(), self.eps
         plan = attention_plan(layout) if D in ATTN_HEAD_DIMS else None
         blocks = attention_blocks(layout, ids.device) if plan is None else []
@@ -387,9 +411,30 @@ class PackedLM:
             x, h = _FusedNorm.apply(x, d, nxt, eps, kern)
         return h
 
-    def _hidden_eager(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, blocks: list[_Block]
-                      ) -> torch.Tensor:
-        """hidden() in torch's eager ops (no fused kernels: another device or dtype, or no C compiler)."""
+    def use_flex(self, device: torch.device) -> bool:
+        """Whether hidden() runs attention as one FlexAttention call per layer (backends/local/attention.py):
+        `attention` "flex" always (forward only on the CPU), "auto" on CUDA when torch has it."""
+        if self.attention == "flex":
+            return True
+        return self.attention == "auto" and device.type == "cuda" and flex.available()
+
+    def _hidden_flex(self, ids: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """hidden() with FlexAttention: the chunk padded to a bucketed size (flex.bucket; padding rows are token 0
+        at position 0 in a segment of their own), one block mask for every layer, the padding cut off at the end."""
+        n = ids.shape[0]
+        mask = flex.flex_mask(layout, ids.device)
+        pad = mask.padded - n
+        pos = torch.as_tensor(np.concatenate([layout.positions, np.zeros(pad, np.int64)]), device=ids.device)
+        x = self.embed(torch.cat([ids, ids.new_zeros(pad)]) if pad else ids)
+        cos, sin = self.rotary(x[None], pos[None])
+        h = self._hidden_eager(x, cos[0, :, None, :], sin[0, :, None, :],
+                               lambda q, k, v: flex.flex_attend(q, k, v, mask, self.scaling, self.flex_compiled))
+        return h[:n]
+
+    def _hidden_eager(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """hidden() in torch's eager ops (no fused kernels: another device or dtype, or no C compiler); attend(q, k,
+        v) is the attention over the chunk."""
         T, H, K, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
         for layer in self.layers:
             h = rms_norm(x, layer.ln1, self.eps)
@@ -398,7 +443,7 @@ class PackedLM:
             if layer.q_norm is not None and layer.k_norm is not None:
                 q, k = rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)
             q, k = rope(q, cos, sin), rope(k, cos, sin)
-            a = _attention(q, k, v, blocks, self.scaling)
+            a = attend(q, k, v)
             (o,) = layer.o(a)
             x = x + o
             h = rms_norm(x, layer.ln2, self.eps)
@@ -415,25 +460,62 @@ class PackedLM:
             out = torch.addmm(out.to(a.dtype), h.to(a.dtype) @ a.t(), b.t(), alpha=self.head_s).to(out.dtype)
         return out
 
-    def chunk_logprobs(self, data: list[Datum], budget: int, device: torch.device
+    def token_budget(self, vocab: int) -> int:
+        """Tokens per packed chunk. With the chunked unembedding the activations bound a chunk, not the logits:
+        as many tokens as keep the saved activations (about 4 hidden + 2 q + 2 kv + 3 intermediate values per
+        token and layer) within ACTIVATION_FRACTION of the GPU's memory or ACTIVATION_BYTES on the CPU, at most
+        MAX_PACKED_TOKENS, at least batching.chunk_tokens' (the float32 logits budget, the bound without it)."""
+        if not self.chunked_head:
+            return chunk_tokens(vocab)
+        w = self.embed.weight
+        q, kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        inter = int(self.layers[0].gate_up.weights[0].shape[0])
+        per_token = len(self.layers) * (4 * self.hidden_size + 2 * q + 2 * kv + 3 * inter) * w.element_size()
+        if w.device.type == "cuda":
+            limit = int(torch.cuda.get_device_properties(w.device).total_memory * ACTIVATION_FRACTION)
+        else:
+            limit = ACTIVATION_BYTES
+        return max(chunk_tokens(vocab), min(MAX_PACKED_TOKENS, limit // per_token))
+
+    def chunk_logprobs(self, data: list[Datum], budget: int, device: torch.device,
+                       trained: Sequence[np.ndarray | None] | None = None
                        ) -> Iterator[tuple[list[int], list[torch.Tensor]]]:
         """As batching.chunk_logprobs: (datum indices, their float32 target logprobs shaped like target_tokens),
-        one packed chunk of at most `budget` tokens (a longer segment alone) at a time."""
+        one packed chunk of at most `budget` tokens (a longer segment alone) at a time (see token_budget).
+        trained[i] (bool per position of datum i, or None: all) says where a gradient can be nonzero; the
+        chunked unembedding (backends/local/logprobs.py) recomputes only those rows in backward."""
         for layout in plan(data, budget, self.min_shared()):
             idx = layout.datums
             ids = torch.as_tensor(layout.tokens, dtype=torch.long, device=device)
-            logits = self.logits(self.hidden(ids, layout)).float()
+            h = self.hidden(ids, layout)
+            if self.chunked_head:
+                rows = np.concatenate([layout.rows[i] for i in idx])
+                targets = np.concatenate([data[i].target_tokens.reshape(data[i].length, -1) for i in idx])
+                grad = None
+                if trained is not None and any(trained[i] is not None for i in idx):
+                    parts: list[np.ndarray] = []
+                    for i in idx:
+                        t = trained[i]
+                        parts.append(np.ones(data[i].length, bool) if t is None else t)
+                    grad = np.concatenate(parts)
+                lp_plan = LP.plan(rows, targets, h.shape[0], self.head_w.shape[0], device, grad)
+                a, b = self.head_a, self.head_b
+                flat = LP.target_logprobs(h, self.head_w, lp_plan, None if a is None or b is None else (a, b, self.head_s))
+                sizes = [data[i].target_tokens.size for i in idx]
+                yield idx, [x.view(data[i].target_tokens.shape) for i, x in zip(idx, flat.split(sizes))]
+                continue
+            logits = self.logits(h).float()
             lse = torch.logsumexp(logits, dim=-1)
-            rows = [torch.as_tensor(layout.rows[i], device=device) for i in idx]
+            rows_t = [torch.as_tensor(layout.rows[i], device=device) for i in idx]
             if all(data[i].target_tokens.ndim == 1 for i in idx):
                 # One gather for the chunk (a datum's rows may include a shared prefix's).
-                flat_rows = torch.cat(rows)
-                targets = torch.as_tensor(np.concatenate([data[i].target_tokens for i in idx]), device=device)
-                lp_all = logits[flat_rows, targets] - lse[flat_rows]
+                flat_rows = torch.cat(rows_t)
+                targets_t = torch.as_tensor(np.concatenate([data[i].target_tokens for i in idx]), device=device)
+                lp_all = logits[flat_rows, targets_t] - lse[flat_rows]
                 out = list(lp_all.split([data[i].length for i in idx]))
             else:
                 out = []
-                for i, r in zip(idx, rows):
+                for i, r in zip(idx, rows_t):
                     t = torch.as_tensor(data[i].target_tokens, device=device).view(len(r), -1)
                     out.append((logits[r].gather(-1, t) - lse[r, None]).view(data[i].target_tokens.shape))
             yield idx, out

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from backends.local.device import LOGITS_DTYPE
 from backends.local.llama import DecodeCache, LlamaDecoder, Slots
 from backends.types import SampledSequence, SampleOutput, SamplingParams, StopReason
 
@@ -143,6 +144,7 @@ class Sampler:
         self.keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
         # transformers 5.24 renamed `past_key_values` to `cache` (the old name warns on every call until 5.40).
         self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        # The weights' dtype (backends/local/device.py Placement.dtype): the KV cache's too; logits go to LOGITS_DTYPE.
         self.dtype = next(model.parameters()).dtype
         # KV cache bytes one decode batch may hold; rows beyond it run in further batches. None: 2 GiB on
         # CPU, half the free memory on CUDA (measured per call).
@@ -181,7 +183,7 @@ class Sampler:
                 for j, i in enumerate(chunk):
                     ids[j, : len(seqs[i])] = torch.tensor(seqs[i])
                 ids = ids.to(self.device)
-                logits = self.model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+                logits = self.model(input_ids=ids, use_cache=False).logits[:, :-1].to(LOGITS_DTYPE)
                 lp = logits.gather(-1, ids[:, 1:, None])[..., 0] - torch.logsumexp(logits, -1)
                 for j, values in enumerate(lp.tolist()):
                     i = chunk[j]
@@ -368,7 +370,7 @@ class Sampler:
         if slots is not None:
             slots.rows = torch.arange(n, device=dev)
         for t in range(steps):
-            tok, lp = plan.choose(logits.float(), self.gen)
+            tok, lp = plan.choose(logits.to(LOGITS_DTYPE), self.gen)
             lp_buf[plan.row_ids, t] = lp
             dead = 0
             for i, tk in zip(live, tok.tolist()):

@@ -145,6 +145,8 @@ def _layout(data: list[Datum], roots: list[_Node]) -> Layout:
         else:
             runs.append((start, 1, n))
 
+    # Pre-order (a node, then each child's subtree): a node's descendants are the rows right after it, which
+    # attention.py's FlexAttention mask relies on (tests/test_attention.py).
     def place(node: _Node, parent: int, path: np.ndarray, out: list[tuple[int, int, int]]) -> None:
         start = len(tokens)
         tokens.extend(data[node.members[0]].model_input[node.offset:node.offset + node.length])

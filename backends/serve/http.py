@@ -142,6 +142,7 @@ class ServeConfig:
     models: tuple[str, ...] = ()  # "NAME=PATH" or "PATH" (served under its own name)
     storage: Path = Path("serve-storage")
     device: str = "auto"
+    dtype: str = "auto"  # backends/local/config.py Local.dtype
     sampler_weights: str = "auto"  # backends/local/config.py Local.sampler_weights
     api_key_env: str | None = None
     sampler_idle_s: float | None = None
@@ -178,7 +179,7 @@ def build_service(cfg: ServeConfig) -> Service:
     served = parse_models(cfg.models)
     for path in served.values():
         M.resolve_model_dir(path)  # UserError now for a missing folder, before anything is written
-    local = Local(device=cfg.device, sampler_weights=cfg.sampler_weights)  # type: ignore[arg-type]
+    local = Local(device=cfg.device, dtype=cfg.dtype, sampler_weights=cfg.sampler_weights)  # type: ignore[arg-type]
     try:
         device, _ = pick_device(local)  # --device cuda without CUDA fails here, not at the first request
     except UserError:
@@ -200,6 +201,7 @@ def build_service(cfg: ServeConfig) -> Service:
 
     models = {}
     for name, path in served.items():
+        log.info("model %s: %s", name, local.describe(path))
         models[name] = ServedModel(name, path, lambda p=path: ServeBackend(local, p, None, store.root / "runs"))
     kwargs = {}
     if cfg.sampler_idle_s is not None:

@@ -84,6 +84,8 @@ def run(recipe: Recipe, name: str, *, dry_run: bool = False, backend: Backend | 
         if backend is None:
             # Saved states live in the run dir, next to the checkpoints.jsonl rows that point at them.
             backend = recipe.backend.make(recipe.model, recipe.tokenizer, run_dir.path / "checkpoints", recipe.seed)
+            if (where := recipe.backend.describe(recipe.model)) is not None:
+                print(where, file=sys.stderr)
     except BaseException:
         run_dir.end(status)
         raise
@@ -604,6 +606,7 @@ def print_plan(recipe: Recipe, name: str, run: RunDir, algo: Algorithm) -> None:
     init = run.init
     lines = [
         f"recipe {name}: {algo_kind} on {recipe.model!r}, backend {backend_kind}",
+        *([where] if (where := recipe.backend.describe(recipe.model)) is not None else []),
         *([f"init_from: #{init['name']} ({init['ref']}), its checkpoint {init['checkpoint']}: weights only, fresh "
            f"optimizer"] if init else []),
         f"run dir: {run.path} ({run.note})",

@@ -1,0 +1,526 @@
+"""LoRA training and sampling throughput of the local backend on one GPU against hand-written loops (issue #29).
+
+Models: Qwen3-0.6B's and Qwen3-1.7B's shapes built from a config with random weights (nothing downloaded),
+bf16 on CUDA; `--shape tiny` is backends/local/tiny.py's model in fp32 on the CPU (a smoke run: tests/test_bench_gpu.py).
+LoRA rank 32 (alpha 32) on all 7 linear modules of every layer, AdamW lr 1e-4. Batches: --rows rows of random
+tokens, lengths uniform in [--min-len, --max-len], the first 30% of each row weight 0 (a prompt), the rest 1.
+
+Training contenders (a step = forward + backward + AdamW step on one batch; tokens = the batch's input tokens):
+  ours          LocalBackend: forward_backward("cross_entropy") + optim_step (packed rows, FlexAttention on CUDA,
+                chunked unembedding: backends/local/packed.py, attention.py, logprobs.py)
+  ours-before   the same with the packed path as before issue #29 (full logits per chunk of 2^27 / vocab tokens,
+                attention per block): PackedLM.chunked_head = False, attention = "torch"
+  hf-padded     HF + peft: right-padded batch with attention mask, full [rows x width x vocab] logits, weighted CE
+  hf-packed     HF + peft: the batch as one packed row (position ids restart per sequence), causal SDPA per
+                sequence (bench_train.varlen_sdpa), logits only at trained positions
+  hf-flex       hf-packed with compiled FlexAttention and a document block mask (CUDA only: no CPU backward)
+  liger         hf-packed with Liger-Kernel's fused linear cross entropy on the trained positions' hidden
+                states (when liger_kernel is installed; CUDA only)
+TRL's padding-free SFTTrainer is measured by bench/bench_train.py (CPU); it is not repeated here.
+
+Every contender's first loss (weighted CE summed, before any update; LoRA B = 0, so the base model's) must agree
+with ours to 2e-2 relative in bf16 (1e-4 in fp32) or the bench stops. Contenders run in interleaved rounds
+(ours, hf-padded, ..., ours, ...), each round --steps distinct batches, after one warm-up step each; medians.
+A contender that runs out of memory is reported as such. MFU = tokens/s x (4 N_base + 6 N_LoRA) / peak, N_base
+counting the tied embedding once (as the lm_head matmul), attention scores not counted, peak = the median of
+measured bf16 (CUDA) / fp32 (CPU) torch.mm throughput on 8192^3 (CUDA) / 1024^3 (CPU). Memory: the largest
+torch.cuda.max_memory_allocated during a contender's steps, less what was allocated before them (every
+contender's weights and optimizer state stay resident; they are the same for all).
+
+RL: rl_basic-shaped batches (8 groups x 8 samples of a 69-token prompt, 2-8 answer tokens), importance_sampling:
+training steps/s of ours against ours-before (the sampling half of an RL step is measured separately below).
+
+Sampling: --prompts prompts of --prompt-len random tokens, --new-tokens tokens each at temperature 1 with no stop
+(ours: stop=[]; generate: min_new_tokens = max_new_tokens), against HF `generate` (dynamic cache) and, on CUDA,
+`generate` with a static cache and a torch.compile'd forward; tokens/s = new tokens / wall time, medians.
+
+    python bench/bench_gpu.py                      # CUDA: 0.6b and 1.7b, writes bench/results/gpu.md
+    python bench/bench_gpu.py --shape tiny --quick # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_train import VARLEN  # noqa: E402  (registers varlen_sdpa with transformers)
+
+from backends.local.backend import LocalBackend  # noqa: E402
+from backends.local.config import Local  # noqa: E402
+from backends.local.tiny import _save, build_config, build_tokenizer  # noqa: E402
+from backends.types import AdamParams, Datum, LoraSpec, SamplingParams  # noqa: E402
+
+RANK, ALPHA = 32, 32.0
+ADAM = AdamParams(learning_rate=1e-4)
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True,
+             "max_position_embeddings": 40960},
+    "1.7b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
+             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True,
+             "max_position_embeddings": 40960},
+}
+Step = Callable[[list[Datum]], float]
+RESULTS = Path(__file__).resolve().parent / "results" / "gpu.md"
+
+
+# ---------------------------------------------------------------- setup
+
+
+def write_model(shape: str, path: Path, dtype: torch.dtype) -> tuple[Path, transformers.PretrainedConfig]:
+    tok = build_tokenizer()
+    base = {k: v for k, v in build_config(tok).to_dict().items() if k != "layer_types"}
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3Config(**{**base, **SHAPES[shape]}))
+    _save(model.to(dtype), tok, path)
+    return path, model.config
+
+
+def make_batches(n: int, rows: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[Datum]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        batch = []
+        for _ in range(rows):
+            length = int(rng.integers(lo, hi + 1))
+            ids = rng.integers(0, vocab, length + 1)
+            w = np.ones(length, np.float32)
+            w[: int(0.3 * length)] = 0
+            batch.append(Datum(list(map(int, ids[:-1])), ids[1:].astype(np.int64), weights=w))
+        out.append(batch)
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def peft_model(model_dir: Path, device: torch.device, dtype: torch.dtype, attn: str | None = None):
+    import peft
+
+    kw = {"attn_implementation": attn} if attn else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kw).to(device)
+    torch.manual_seed(0)
+    cfg = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS), lora_dropout=0.0, bias="none",
+                          task_type="CAUSAL_LM")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return peft.get_peft_model(model, cfg)
+
+
+def adamw(model) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=ADAM.learning_rate,
+                             betas=(ADAM.beta1, ADAM.beta2), eps=ADAM.eps, weight_decay=ADAM.weight_decay)
+
+
+def hf_step(model, loss_of: Callable[[Any, list[Datum]], torch.Tensor]) -> Step:
+    opt = adamw(model)
+
+    def step(batch: list[Datum]) -> float:
+        loss = loss_of(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step
+
+
+# ---------------------------------------------------------------- contenders
+
+
+def make_ours(model_dir: Path, device: torch.device, storage: Path, before: bool = False, loss_fn: str = "cross_entropy"
+              ) -> Step:
+    """before: the packed path as it was before issue #29 (full [tokens x vocab] logits per chunk, chunks of
+    2^27 / vocab tokens, attention per block): PackedLM.chunked_head off, attention "torch"."""
+    backend = LocalBackend(Local(device=device.type, lora_alpha=ALPHA, packed=True), str(model_dir), None, storage, seed=0)
+    client = backend.create_training_client(LoraSpec(base_model=str(model_dir), rank=RANK, seed=0,
+                                                     train_unembed=False)).result()
+    if before:
+        assert client.packed is not None
+        client.packed.chunked_head, client.packed.attention = False, "torch"
+
+    def step(batch: list[Datum]) -> float:
+        fb = client.forward_backward(batch, loss_fn)
+        opt = client.optim_step(ADAM)
+        loss = fb.result().metrics["loss:sum"]
+        opt.result()
+        return loss
+
+    step.client = client  # type: ignore[attr-defined]  (the sampling bench takes its sampler from it)
+    return step
+
+
+def rl_batches(n: int, vocab: int, groups: int = 8, group: int = 8, prompt: int = 69, seed: int = 0) -> list[list[Datum]]:
+    """rl_basic-shaped batches: `groups` prompts of `prompt` tokens, `group` samples each with 2-8 answer tokens;
+    importance_sampling inputs (sampler logprobs, advantages on the answer, 0 on the prompt)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        batch = []
+        for _ in range(groups):
+            p = list(map(int, rng.integers(0, vocab, prompt)))
+            for _ in range(group):
+                seq = p + list(map(int, rng.integers(0, vocab, int(rng.integers(2, 9)) + 1)))
+                k = len(seq) - 1
+                adv = np.zeros(k, np.float32)
+                adv[prompt - 1:] = rng.normal()
+                batch.append(Datum(seq[:-1], np.array(seq[1:]), logprobs=(-rng.random(k) * 3).astype(np.float32),
+                                   advantages=adv))
+        out.append(batch)
+    return out
+
+
+def padded_loss(model, batch: list[Datum]) -> torch.Tensor:
+    dev = model.device
+    width = max(d.length for d in batch)
+    ids = torch.zeros((len(batch), width), dtype=torch.long)
+    tgt = torch.zeros((len(batch), width), dtype=torch.long)
+    w = torch.zeros((len(batch), width))
+    attn = torch.zeros((len(batch), width), dtype=torch.long)
+    for r, d in enumerate(batch):
+        ids[r, : d.length] = torch.as_tensor(d.model_input)
+        tgt[r, : d.length] = torch.from_numpy(d.target_tokens)
+        w[r, : d.length] = torch.from_numpy(d.weights)
+        attn[r, : d.length] = 1
+    logits = model(input_ids=ids.to(dev), attention_mask=attn.to(dev), use_cache=False).logits.float()
+    nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.to(dev).flatten(), reduction="none")
+    return (nll * w.to(dev).flatten()).sum()
+
+
+def packed_inputs(batch: list[Datum], dev: torch.device) -> dict[str, Any]:
+    lengths = [d.length for d in batch]
+    cu = torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32, device=dev)
+    ids = torch.as_tensor(np.concatenate([d.model_input for d in batch]), dtype=torch.long, device=dev)[None]
+    pos = torch.as_tensor(np.concatenate([np.arange(n) for n in lengths]), device=dev)[None]
+    return {"input_ids": ids, "position_ids": pos, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+            "max_length_q": max(lengths), "max_length_k": max(lengths)}
+
+
+def trained(batch: list[Datum], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    w = np.concatenate([d.weights for d in batch])
+    keep = np.nonzero(w > 0)[0]
+    tgt = np.concatenate([d.target_tokens for d in batch])[keep]
+    return (torch.as_tensor(keep, device=dev), torch.as_tensor(tgt, device=dev),
+            torch.as_tensor(w[keep], device=dev))
+
+
+def packed_loss(model, batch: list[Datum]) -> torch.Tensor:
+    dev = model.device
+    keep, tgt, w = trained(batch, dev)
+    logits = model(**packed_inputs(batch, dev), logits_to_keep=keep, use_cache=False).logits[0].float()
+    return (torch.nn.functional.cross_entropy(logits, tgt, reduction="none") * w).sum()
+
+
+FLEX = "bench_flex_doc"
+_FLEX_MASKS: dict[tuple[int, ...], Any] = {}
+
+
+def flex_doc(module, query, key, value, attention_mask, dropout=0.0, scaling=None, cu_seq_lens_q=None, **kwargs):
+    """Compiled FlexAttention over a packed row with a document-causal block mask (built once per batch, cached
+    by the boundaries). query (1, H, T, D); returns (1, T, H, D)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from backends.local.attention import _compiled
+
+    bounds = tuple(cu_seq_lens_q.tolist())
+    mask = _FLEX_MASKS.get(bounds)
+    if mask is None:
+        T = query.shape[2]
+        doc = torch.repeat_interleave(torch.arange(len(bounds) - 1, device=query.device),
+                                      torch.tensor(np.diff(bounds), device=query.device))
+
+        def mm(b, h, q, kv):
+            return (kv <= q) & (doc[q] == doc[kv])
+
+        _FLEX_MASKS.clear()
+        mask = _FLEX_MASKS[bounds] = create_block_mask(mm, None, None, T, T, device=str(query.device))
+    o = _compiled()(query, key, value, block_mask=mask, scale=scaling, enable_gqa=True)
+    return o.transpose(1, 2).contiguous(), None
+
+
+transformers.AttentionInterface.register(FLEX, flex_doc)
+
+
+def liger_loss_fn() -> Callable[[Any, list[Datum]], torch.Tensor] | None:
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    flce = LigerFusedLinearCrossEntropyLoss(reduction="none")
+
+    def loss(model, batch: list[Datum]) -> torch.Tensor:
+        dev = model.device
+        keep, tgt, w = trained(batch, dev)
+        body = model.get_base_model().model
+        h = body(**packed_inputs(batch, dev), use_cache=False).last_hidden_state[0, keep]
+        return (flce(model.get_base_model().lm_head.weight, h, tgt).float() * w).sum()
+
+    return loss
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def matmul_peak(device: torch.device) -> float:
+    """FLOP/s: median of bf16 (CUDA) or fp32 (CPU) torch.mm on a square shape."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (1024, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for _ in range(6):
+        sync(device)
+        t = time.perf_counter()
+        for _ in range(5):
+            a @ b
+        sync(device)
+        times.append((time.perf_counter() - t) / 5)
+    return 2 * n**3 / statistics.median(times[1:])
+
+
+def flops_per_token(cfg: Any) -> tuple[float, int, int]:
+    """4 N_base + 6 N_LoRA, N_base with the (tied) embedding counted once as the lm_head matmul."""
+    h, i, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i
+    n_base = L * per_layer + cfg.vocab_size * h
+    lora_layer = RANK * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h))
+    n_lora = L * lora_layer
+    return 4 * n_base + 6 * n_lora, n_base, n_lora
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def bench_training(shape: str, model_dir: Path, cfg: Any, device: torch.device, dtype: torch.dtype, args: Any,
+                   storage: Path, lines: list[str]) -> Any:
+    batches = make_batches(args.steps + 1, args.rows, args.min_len, args.max_len, cfg.vocab_size)
+    tokens = sum(d.length for b in batches[1:] for d in b)
+    makers: dict[str, Callable[[], Step]] = {
+        "ours": lambda: make_ours(model_dir, device, storage),
+        "ours-before": lambda: make_ours(model_dir, device, storage / "before", before=True),
+        "hf-padded": lambda: hf_step(peft_model(model_dir, device, dtype), padded_loss),
+        "hf-packed": lambda: hf_step(peft_model(model_dir, device, dtype, VARLEN), packed_loss),
+    }
+    if device.type == "cuda":
+        makers["hf-flex"] = lambda: hf_step(peft_model(model_dir, device, dtype, FLEX), packed_loss)
+        liger = liger_loss_fn()
+        if liger is not None:
+            makers["liger"] = lambda: hf_step(peft_model(model_dir, device, dtype, VARLEN), liger)
+    steps: dict[str, Step] = {}
+    failed: dict[str, str] = {}
+    first: dict[str, float] = {}
+    for name, make in makers.items():
+        try:
+            steps[name] = make()
+            first[name] = steps[name](batches[0])  # the first loss (before any update) and the warm-up step
+            if name == "hf-flex":  # compiled per sequence length (no bucketing in a hand loop): compile them all now
+                for b in batches[1:]:
+                    steps[name](b)
+        except Exception as exc:  # noqa: BLE001 (an out-of-memory contender is a result, anything else is not)
+            if not is_oom(exc):
+                raise
+            failed[name] = "out of memory"
+            steps.pop(name, None)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    ref = first["ours"]
+    print(f"{shape}: first loss " + ", ".join(f"{k} {v:.4f}" for k, v in first.items()))
+    for name, value in first.items():
+        if abs(value - ref) > tol * abs(ref):
+            raise SystemExit(f"{shape}: {name}'s first loss {value} differs from ours' {ref} by more than {tol:.0e}")
+    times: dict[str, list[float]] = {n: [] for n in steps}
+    mem: dict[str, float] = dict.fromkeys(steps, 0.0)
+    for _ in range(args.rounds):
+        for name, step in list(steps.items()):
+            sync(device)
+            if device.type == "cuda":
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            t = time.perf_counter()
+            try:
+                for b in batches[1:]:
+                    step(b)
+                sync(device)
+            except Exception as exc:  # noqa: BLE001
+                if not is_oom(exc):
+                    raise
+                failed[name] = "out of memory"
+                del steps[name]
+                continue
+            times[name].append(time.perf_counter() - t)
+            if device.type == "cuda":
+                mem[name] = max(mem[name], (torch.cuda.max_memory_allocated() - base) / 2**30)
+    fpt, n_base, n_lora = flops_per_token(cfg)
+    peak = matmul_peak(device)
+    lines.append(f"\n### {shape} training: N_base {n_base / 1e6:.1f}M, N_LoRA {n_lora / 1e6:.2f}M, "
+                 f"{args.rows} rows x {args.min_len}-{args.max_len} tokens, {tokens / args.steps:.0f} tokens/batch; "
+                 f"MFU = tokens/s x (4 N_base + 6 N_LoRA = {fpt / 1e6:.1f} MFLOP/token) / {peak / 1e9:,.0f} GFLOP/s "
+                 f"(measured {'bf16' if device.type == 'cuda' else 'fp32'} torch.mm)\n")
+    lines.append("| contender | tokens/s | vs best hand loop | MFU | step peak above resident (GiB) |")
+    lines.append("|---|---:|---:|---:|---:|")
+    tps = {n: tokens / statistics.median(t) for n, t in times.items() if t and n in steps}
+    hand = [v for n, v in tps.items() if not n.startswith("ours")]
+    best = max(hand) if hand else float("nan")
+    for name in makers:
+        if name in tps:
+            lines.append(f"| {name} | {tps[name]:,.0f} | {tps[name] / best:.2f}x | {100 * tps[name] * fpt / peak:.1f}% "
+                         f"| {mem[name]:.2f} |" if device.type == "cuda" else
+                         f"| {name} | {tps[name]:,.0f} | {tps[name] / best:.2f}x | {100 * tps[name] * fpt / peak:.1f}% | n/a (CPU) |")
+        else:
+            lines.append(f"| {name} | {failed.get(name, 'failed')} | | | |")
+    return steps.get("ours")
+
+
+def bench_rl(shape: str, model_dir: Path, cfg: Any, device: torch.device, args: Any, storage: Path,
+             lines: list[str]) -> None:
+    """Training steps/s (forward_backward importance_sampling + optim_step) on rl_basic-shaped batches, ours
+    against ours before issue #29, interleaved."""
+    batches = rl_batches(args.steps + 1, cfg.vocab_size)
+    steps = {"ours": make_ours(model_dir, device, storage / "rl", loss_fn="importance_sampling"),
+             "ours-before": make_ours(model_dir, device, storage / "rl-before", before=True, loss_fn="importance_sampling")}
+    first = {n: s(batches[0]) for n, s in steps.items()}
+    if abs(first["ours"] - first["ours-before"]) > 2e-2 * max(1.0, abs(first["ours-before"])):
+        raise SystemExit(f"{shape} RL: first losses differ: {first}")
+    times: dict[str, list[float]] = {n: [] for n in steps}
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            sync(device)
+            t = time.perf_counter()
+            for b in batches[1:]:
+                step(b)
+            sync(device)
+            times[name].append((time.perf_counter() - t) / args.steps)
+    per = {n: statistics.median(t) for n, t in times.items()}
+    lines.append(f"\n### {shape} RL-shaped training steps (8 groups x 8 samples, 69-token prompts, 2-8 answer tokens; "
+                 f"importance_sampling; sampling not included)\n")
+    lines.append("| contender | steps/s | vs before |")
+    lines.append("|---|---:|---:|")
+    for name, v in per.items():
+        lines.append(f"| {name} | {1 / v:.2f} | {per['ours-before'] / v:.2f}x |")
+
+
+def bench_sampling(shape: str, model_dir: Path, cfg: Any, device: torch.device, dtype: torch.dtype, args: Any,
+                   ours: Any, lines: list[str]) -> None:
+    rng = np.random.default_rng(1)
+    prompts = [list(map(int, rng.integers(0, cfg.vocab_size, args.prompt_len))) for _ in range(args.prompts)]
+    new = args.new_tokens
+    sampler = ours.client.save_weights_and_get_sampling_client().result()
+
+    def run_ours() -> int:
+        params = SamplingParams(max_tokens=new, temperature=1.0, stop=[], seed=0)
+        futs = [sampler.sample(p, 1, params) for p in prompts]  # all submitted, then awaited: one batch
+        return sum(len(s.tokens) for f in futs for s in f.result().sequences)
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    ids = torch.tensor(prompts, device=device)
+    gen_kw = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": new,
+              "min_new_tokens": new, "attention_mask": torch.ones_like(ids)}
+
+    def run_generate(m: Any, **extra: Any) -> int:
+        with torch.no_grad():
+            out = m.generate(ids, **gen_kw, **extra)
+        return int(out.shape[0] * (out.shape[1] - ids.shape[1]))
+
+    contenders: dict[str, Callable[[], int]] = {"ours": run_ours, "generate": lambda: run_generate(model)}
+    if device.type == "cuda":
+        static = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        static.forward = torch.compile(static.forward, mode="reduce-overhead", fullgraph=True)
+        contenders["generate static+compile"] = lambda: run_generate(static, cache_implementation="static")
+    times: dict[str, list[float]] = {n: [] for n in contenders}
+    made: dict[str, int] = {}
+    for fn in contenders.values():
+        fn()  # warm-up (compiles)
+    for _ in range(args.rounds):
+        for name, fn in contenders.items():
+            sync(device)
+            t = time.perf_counter()
+            made[name] = fn()
+            sync(device)
+            times[name].append(time.perf_counter() - t)
+    lines.append(f"\n### {shape} sampling: {args.prompts} prompts x {args.prompt_len} tokens, {new} new tokens each, T = 1\n")
+    lines.append("| contender | new tokens/s | ours vs it |")
+    lines.append("|---|---:|---:|")
+    tps = {n: made[n] / statistics.median(t) for n, t in times.items()}
+    for name, v in tps.items():
+        lines.append(f"| {name} | {v:,.0f} | {tps['ours'] / v:.2f}x |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default=None, help="comma list of: " + ", ".join(SHAPES) + " (default: 0.6b,1.7b on CUDA, tiny on CPU)")
+    ap.add_argument("--quick", action="store_true", help="2 rounds of 1 batch, fewer rows and prompts")
+    ap.add_argument("--rows", type=int, default=None)
+    ap.add_argument("--min-len", type=int, default=None)
+    ap.add_argument("--max-len", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None, help="distinct batches per timed round")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--prompts", type=int, default=None)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--no-sampling", action="store_true")
+    ap.add_argument("--no-rl", action="store_true", help="skip the RL-shaped steps")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    args = ap.parse_args()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    shapes = (args.shape or ("0.6b,1.7b" if device.type == "cuda" else "tiny")).split(",")
+    small = device.type == "cpu"
+    args.rows = args.rows or (4 if small else 16)
+    args.min_len = args.min_len or (16 if small else 256)
+    args.max_len = args.max_len or (64 if small else 2048)
+    args.steps = args.steps or (1 if args.quick else 3)
+    args.rounds = args.rounds or (2 if args.quick else 5)
+    args.prompts = args.prompts or (4 if small else 64)
+    args.new_tokens = args.new_tokens or (8 if small else 128)
+    if small:
+        args.prompt_len = min(args.prompt_len, 16)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    lines = [f"Device: {card}; torch {torch.__version__}, transformers {transformers.__version__}; "
+             f"{'bf16' if dtype == torch.bfloat16 else 'fp32'}; LoRA rank {RANK} on {', '.join(TARGETS)}; "
+             f"{args.rounds} interleaved rounds of {args.steps} batch(es), medians (bench/bench_gpu.py)"]
+    for shape in shapes:
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir, cfg = write_model(shape, Path(tmp) / "model", dtype)
+            ours = bench_training(shape, model_dir, cfg, device, dtype, args, Path(tmp) / "storage", lines)
+            if not args.no_rl:
+                bench_rl(shape, model_dir, cfg, device, args, Path(tmp) / "storage", lines)
+            if not args.no_sampling and ours is not None:
+                bench_sampling(shape, model_dir, cfg, device, dtype, args, ours, lines)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if device.type == "cuda" and not args.quick:
+        RESULTS.parent.mkdir(exist_ok=True)
+        RESULTS.write_text("# bench/bench_gpu.py results\n\n" + text)
+        print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Download, here (where PyPI is reachable), the wheels of this project's dependencies that the GPU device image
+# lacks, into .whl/ (git-ignored), for bench/gpu_check.sh to install there with no network (docs/gpu.md).
+#
+# The image already holds torch, transformers, peft, safetensors, tokenizers, huggingface_hub, numpy, pyarrow, pandas,
+# httpx, anyio, rich, click, protobuf, pyyaml, xxhash, fsspec, filelock, tqdm, packaging, typing-extensions and pytest
+# (/work/.library/device/KINDS.md's package list); what is left is below, at the versions this project's venv runs,
+# each named with --no-deps (their own needs are in the list too). Python 3.12, manylinux x86-64: the device's.
+#
+#   bench/gpu_wheels.sh            # download into .whl/
+#   bench/gpu_wheels.sh --list     # print the NAME==VERSION list only
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+WHEELS=(
+  msgspec==0.22.0 tomli-w==1.2.0 zstandard==0.25.0                                    # runner's own
+  datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19                                   # datasets
+  tinker==0.38.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0        # tinker (conformance)
+  typing-inspection==0.4.5 distro==1.9.0 orjson==3.13.0 sniffio==1.3.1 pyqwest==0.12.0 opentelemetry-api==1.45.2
+  respx==0.23.1                                                                       # tests
+)
+
+if [[ "${1:-}" == "--list" ]]; then
+  printf '%s\n' "${WHEELS[@]}"
+  exit 0
+fi
+PY=${PYTHON:-python3}
+mkdir -p .whl
+platforms=()
+for n in 28 27 17 24 31 34 35; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  "${platforms[@]}" --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any \
+  -d .whl "${WHEELS[@]}"
+# One version of each: a stale second one would stop the install there.
+ls .whl | sed -E 's/-[0-9][^-]*-.*//' | sort | uniq -d | while read -r dup; do
+  echo "error: .whl holds several versions of $dup; remove the old one" >&2; exit 1
+done
+du -sh .whl

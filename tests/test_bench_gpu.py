@@ -1,0 +1,32 @@
+"""bench/bench_gpu.py runs end to end on the CPU with the tiny shape (its contenders agree on the first loss, or it
+exits non-zero), and bench/bench_train.py imports (it once failed at import and nothing noticed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_bench_gpu_smokes_on_cpu():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_gpu.py"), "--shape", "tiny", "--quick",
+                          "--rows", "2", "--rounds", "1", "--prompts", "2", "--new-tokens", "4"],
+                         capture_output=True, text=True, env=_env(), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {line.split("|")[1].strip() for line in out.stdout.splitlines() if line.startswith("| ")}
+    assert {"ours", "hf-padded", "hf-packed", "generate"} <= rows, out.stdout
+    assert "tiny: first loss ours" in out.stdout
+    assert not (ROOT / "bench" / "results" / "gpu.md").exists() or "CPU" not in (ROOT / "bench" / "results" / "gpu.md").read_text()
+
+
+def test_bench_train_imports():
+    code = "import sys; sys.argv = ['bench_train.py', '--help']; import runpy; runpy.run_path('bench/bench_train.py', run_name='__main__')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert out.returncode == 0 and "--quick" in out.stdout, out.stderr[-3000:]

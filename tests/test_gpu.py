@@ -1,0 +1,104 @@
+"""The local backend on CUDA (`pytest -m gpu`; every test here skips where torch sees no CUDA device): a bfloat16
+training step against a float32 reference, sampler/trainer agreement, and `runner conformance` against `runner serve
+--device cuda`. The CPU stand-in of the same checks is tests/test_bf16.py, whose tolerances these reuse: CUDA's
+bfloat16 kernels round differently from the CPU's, not more coarsely."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_bf16 import GRAD_COS, MEAN_VS_FP32, SPEC, TOL_LORA, TOL_OWN, TOL_VS_FP32, _data, _own_logprobs_gap, _worst
+
+from backends.local import model as M
+from backends.local.backend import LocalBackend
+from backends.local.config import Local
+from backends.types import AdamParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+
+
+def _cuda(tmp: Path, dtype: str = "auto") -> LocalBackend:
+    return LocalBackend(Local(device="cuda", dtype=dtype), "tiny", None, tmp, seed=0)  # type: ignore[arg-type]
+
+
+def test_auto_puts_tiny_on_the_cpu_and_cuda_takes_bf16(tmp_path):
+    auto = LocalBackend(Local(), "tiny", None, tmp_path / "auto", seed=0)
+    cuda = _cuda(tmp_path / "cuda")
+    try:
+        assert (auto.device.type, auto.dtype) == ("cpu", torch.float32)
+        assert (cuda.device.type, cuda.dtype) == ("cuda", torch.bfloat16)
+        assert not cuda.merge_samplers()  # unmerged float32 adapters over the shared bf16 base
+    finally:
+        auto.close()
+        cuda.close()
+
+
+def test_bf16_training_step_tracks_float32_on_cuda(tmp_path):
+    """A forward_backward + optim_step in bf16 on cuda vs float32 on cuda and on the CPU: logprobs before the step
+    within the bf16 tolerance, the LoRA B gradients pointing the same way (cosine; 0.996 measured on the CPU), and
+    the step lowering the loss in each."""
+    out = {}
+    for key, backend in (("cpu32", LocalBackend(Local(device="cpu"), "tiny", None, tmp_path / "c", seed=0)),
+                         ("cuda32", _cuda(tmp_path / "g32", "float32")), ("cuda16", _cuda(tmp_path / "g16"))):
+        try:
+            data = _data(backend.get_tokenizer())
+            tc = backend.create_training_client(SPEC).result()
+            before = tc.forward(data, "cross_entropy").result().logprobs
+            tc.forward_backward(data, "cross_entropy").result()
+            grad = torch.cat([p.grad.float().cpu().flatten() for n, p in M.trainable_params(tc.model) if "lora_B" in n])
+            tc.optim_step(AdamParams(learning_rate=1e-2)).result()
+            after = tc.forward(data, "cross_entropy").result().logprobs
+            out[key] = (before, after, grad)
+        finally:
+            backend.close()
+    for a, b in zip(out["cpu32"][0], out["cuda32"][0], strict=True):
+        assert np.abs(a - b).max() <= 5e-3  # float32 on cuda: the CPU's numbers up to kernel rounding
+    gaps = [np.abs(a - b) for a, b in zip(out["cuda32"][0], out["cuda16"][0], strict=True)]
+    assert max(g.max() for g in gaps) <= TOL_VS_FP32 and np.mean([g.mean() for g in gaps]) <= MEAN_VS_FP32
+    for ref in ("cpu32", "cuda32"):
+        assert torch.nn.functional.cosine_similarity(out[ref][2], out["cuda16"][2], dim=0) >= GRAD_COS
+    for key in out:
+        assert sum(x.sum() for x in out[key][1]) > sum(x.sum() for x in out[key][0])
+
+
+def test_sampler_agrees_with_trainer_on_cuda(tmp_path):
+    backend = _cuda(tmp_path)
+    try:
+        tok = backend.get_tokenizer()
+        data = _data(tok)
+        tc = backend.create_training_client(SPEC).result()
+        for _ in range(3):
+            tc.forward_backward(data, "cross_entropy").result()
+            tc.optim_step(AdamParams(learning_rate=1e-2)).result()
+        lps = tc.forward(data, "cross_entropy").result().logprobs
+        snap = tc.save_weights_and_get_sampling_client().result()
+        assert _worst(snap, data, lps) <= TOL_LORA
+        assert _own_logprobs_gap(snap, tok) <= TOL_OWN
+        saved = backend.create_sampling_client(model_path=tc.save_weights_for_sampler("s").result()).result()
+        assert _worst(saved, data, lps) <= TOL_LORA
+    finally:
+        backend.close()
+
+
+@pytest.mark.slow
+def test_conformance_against_serve_on_cuda(tmp_path, monkeypatch):
+    pytest.importorskip("tinker")
+    from backends.serve.http import ServeConfig, build_service, running
+    from runner.tools.conformance.core import Ctx, run_suite
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    service = build_service(ServeConfig(storage=tmp_path / "storage", device="cuda"))
+    try:
+        with running(service) as srv:
+            ctx = Ctx(f"http://127.0.0.1:{srv.server_address[1]}", "tml-test", None, atol=5e-3, rtol=5e-3)
+            try:
+                _, results = run_suite(ctx, ())
+            finally:
+                ctx.close()
+    finally:
+        service.close()
+    assert [(r.check, r.detail) for r in results if r.result != "pass"] == []
+
