@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -37,18 +38,90 @@ def load_tokenizer(name: str) -> Any:
     except Exception:  # noqa: BLE001 - not in the cache (or a bad name): try the hub below, if it is there
         pass
     fix = 'set tokenizer = "<local tokenizer folder>" in the recipe'
-    if _offline() or not hub_reachable():
+    if _offline():
+        raise UserError(f"tokenizer {name!r} is not a local folder nor in the Hugging Face cache, and downloads are "
+                        f"off (HF_HUB_OFFLINE=1); {fix}")
+    if not hub_reachable():
         raise UserError(f"tokenizer {name!r} is not a local folder nor in the Hugging Face cache, and the hub "
-                        f"cannot be reached; {fix}")
+                        f"({hub_endpoint()}) cannot be reached; {fix}")
+    print(f"tokenizer {name}: not in the Hugging Face cache, downloading it from {hub_endpoint()}", file=sys.stderr,
+          flush=True)
     try:
         return AutoTokenizer.from_pretrained(name)
     except Exception as e:  # noqa: BLE001 - no such repo, gated, bad files: all one fix
         raise UserError(f"cannot load tokenizer {name!r} ({_first(e)}); {fix}") from None
 
 
+def local_core_tokenizer(name: str) -> Any:
+    """The `tokenizers.Tokenizer` of tokenizer `name` when it is on this machine: "tiny" (built in code), a folder
+    with a tokenizer.json, or a hub id whose tokenizer.json is in the Hugging Face cache; None otherwise (never a
+    download). Light: no transformers, so `runner check` can look at it (runner/renderers/registry.py)."""
+    from tokenizers import Tokenizer
+
+    if name == "tiny":
+        from backends.local.tiny import build_core_tokenizer
+
+        return build_core_tokenizer()
+    path = Path(name).expanduser()
+    file: str | Path | None = path / "tokenizer.json" if path.is_dir() else None
+    if file is None and not name.startswith((".", "/", "~")) and name.count("/") <= 1:
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            found = try_to_load_from_cache(name, "tokenizer.json")
+        except Exception:  # noqa: BLE001 - a name the hub client refuses: not in the cache
+            found = None
+        file = found if isinstance(found, str) else None
+    if file is None or not Path(file).is_file():
+        return None
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception:  # noqa: BLE001 - a file tokenizers cannot read: loading it for real says why, later
+        return None
+
+
+def local_has_chat_template(name: str) -> bool | None:
+    """Whether tokenizer `name` has a chat template (tokenizer_config.json's `chat_template`, or a chat_template.jinja
+    or .json file next to it), when it is on this machine: "tiny" (yes), a folder, a hub id in the Hugging Face
+    cache; None when it is not here to look at (never a download)."""
+    import json
+
+    if name == "tiny":
+        return True
+
+    def find(file: str) -> Path | None:
+        path = Path(name).expanduser()
+        if path.is_dir():
+            return path / file if (path / file).is_file() else None
+        if name.startswith((".", "/", "~")) or name.count("/") > 1:
+            return None
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            found = try_to_load_from_cache(name, file)
+        except Exception:  # noqa: BLE001 - a name the hub client refuses: not in the cache
+            return None
+        return Path(found) if isinstance(found, str) else None
+
+    config = find("tokenizer_config.json")
+    if config is None:
+        return None
+    try:
+        if json.loads(config.read_text(encoding="utf-8")).get("chat_template"):
+            return True
+    except (OSError, ValueError, AttributeError):
+        return None
+    return find("chat_template.jinja") is not None or find("chat_template.json") is not None
+
+
+def hub_endpoint() -> str:
+    """The Hugging Face endpoint: $HF_ENDPOINT, else the public hub."""
+    return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+
+
 def hub_reachable(timeout: float = HUB_CHECK_TIMEOUT_S) -> bool:
     """Whether a TCP connection to the Hugging Face endpoint opens within `timeout`."""
-    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    url = urlparse(hub_endpoint())
     host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
     try:
         with socket.create_connection((host, port), timeout=timeout):

@@ -34,7 +34,7 @@ Sampling: --prompts prompts of --prompt-len random tokens, --new-tokens tokens e
 (ours: stop=[]; generate: min_new_tokens = max_new_tokens), against HF `generate` (dynamic cache) and, on CUDA,
 `generate` with a static cache and a torch.compile'd forward; tokens/s = new tokens / wall time, medians.
 
-    python bench/bench_gpu.py                      # CUDA: 0.6b and 1.7b, writes bench/results/gpu.md
+    python bench/bench_gpu.py                      # CUDA: 0.6b and 1.7b, writes bench/results/gpu_speed.md
     python bench/bench_gpu.py --shape tiny --quick # CPU smoke
 """
 
@@ -79,7 +79,7 @@ SHAPES: dict[str, dict[str, Any]] = {
              "max_position_embeddings": 40960},
 }
 Step = Callable[[list[Datum]], float]
-RESULTS = Path(__file__).resolve().parent / "results" / "gpu.md"
+RESULTS = Path(__file__).resolve().parent / "results" / "gpu_speed.md"
 
 
 # ---------------------------------------------------------------- setup
@@ -309,6 +309,11 @@ def flops_per_token(cfg: Any) -> tuple[float, int, int]:
     return 4 * n_base + 6 * n_lora, n_base, n_lora
 
 
+def progress(msg: str) -> None:
+    """A line on stderr while the bench runs (compiles and warm-ups can take minutes on a GPU)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
 def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
@@ -328,13 +333,18 @@ def bench_training(shape: str, model_dir: Path, cfg: Any, device: torch.device, 
         liger = liger_loss_fn()
         if liger is not None:
             makers["liger"] = lambda: hf_step(peft_model(model_dir, device, dtype, VARLEN), liger)
+    if args.only:
+        keep = {"ours", *args.only.split(",")}
+        makers = {k: v for k, v in makers.items() if k in keep}
     steps: dict[str, Step] = {}
     failed: dict[str, str] = {}
     first: dict[str, float] = {}
     for name, make in makers.items():
         try:
             steps[name] = make()
+            t0 = time.perf_counter()
             first[name] = steps[name](batches[0])  # the first loss (before any update) and the warm-up step
+            progress(f"{shape}: {name} ready, first loss {first[name]:.4f} ({time.perf_counter() - t0:.1f} s)")
             if name == "hf-flex":  # compiled per sequence length (no bucketing in a hand loop): compile them all now
                 for b in batches[1:]:
                     steps[name](b)
@@ -484,6 +494,7 @@ def main() -> None:
     ap.add_argument("--no-sampling", action="store_true")
     ap.add_argument("--no-rl", action="store_true", help="skip the RL-shaped steps")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    ap.add_argument("--only", default=None, help="comma list of training contenders to run (ours is always run)")
     args = ap.parse_args()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shapes = (args.shape or ("0.6b,1.7b" if device.type == "cuda" else "tiny")).split(",")
@@ -505,11 +516,17 @@ def main() -> None:
     for shape in shapes:
         with tempfile.TemporaryDirectory() as tmp:
             model_dir, cfg = write_model(shape, Path(tmp) / "model", dtype)
+            done = len(lines)
             ours = bench_training(shape, model_dir, cfg, device, dtype, args, Path(tmp) / "storage", lines)
+            progress("\n".join(lines[done:]))  # each section as soon as it is measured (a run cut short keeps it)
             if not args.no_rl:
+                done = len(lines)
                 bench_rl(shape, model_dir, cfg, device, args, Path(tmp) / "storage", lines)
+                progress("\n".join(lines[done:]))
             if not args.no_sampling and ours is not None:
+                done = len(lines)
                 bench_sampling(shape, model_dir, cfg, device, dtype, args, ours, lines)
+                progress("\n".join(lines[done:]))
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

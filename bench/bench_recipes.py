@@ -5,8 +5,9 @@ per run dir, its algorithm's main metric at the first and the last row that has 
     python bench/bench_recipes.py recipes.toml#rl_basic examples/rl_tictactoe.toml#rl_tictactoe
     python bench/bench_recipes.py --out bench/results/recipes.md
 
-The table is what the README's "What the shipped recipes do" quotes (tests/test_readme.py checks the README's rows are
-this file's rows), so a figure there comes from a run of this script, on the machine named in the header line.
+The table is what the README's "What the shipped recipes do" quotes: bench/figures.py writes it there and into
+bench/results/recipes.md with recipe_rows below (tests/test_readme.py checks the two agree; CI reruns the cheap rows
+with `python bench/figures.py --check`), so a figure there comes from a run of this script.
 """
 
 from __future__ import annotations
@@ -70,43 +71,52 @@ def summarize(run_dir: Path) -> list[tuple[str, str, str, str]]:
 EXTRA = ("test/win_rate_vs_init", "test/agreement")
 
 
+def recipe_rows(ref: str) -> tuple[list[str], bool]:
+    """(the table rows of recipe `ref`: one per metric of each run dir its chain made, whether it ran): runs it from
+    a fresh directory, printing each row as it comes (bench/figures.py keeps the README's rows current with it)."""
+    path, _, name = ref.partition("#")
+    rows: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "runner", "run", f"{Path(path).resolve()}#{name}"],
+                              cwd=tmp, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            row = f"| {name} | - | FAILED (exit {proc.returncode}) | - | - | - | {wall:.0f} |"
+            print(row, proc.stderr.strip().splitlines()[-1:], file=sys.stderr)
+            print(row, flush=True)
+            return [row], False
+        for run_dir in sorted((Path(tmp) / "runs").glob("*/"), key=lambda d: (d.name != name, d.name)):
+            for i, (key, first, last, steps) in enumerate(summarize(run_dir)):
+                top = i == 0 and run_dir.name == name
+                row = (f"| {name if top else ''} | {run_dir.name if i == 0 else ''} | `{key}` | {first} | {last} | "
+                       f"{steps if i == 0 else ''} | {f'{wall:.0f}' if top else ''} |")
+                rows.append(row)
+                print(row, flush=True)
+    return rows, True
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("refs", nargs="*", help="FILE#name (default: recipes.toml's terminal recipes)")
     ap.add_argument("--out", help="also write the table to this file")
     args = ap.parse_args()
     refs = args.refs or terminal_recipes(ROOT / "recipes.toml")
-    lines = [f"<!-- bench/bench_recipes.py on {platform.machine()}, {os.cpu_count()} cores, "
-             f"{time.strftime('%Y-%m-%d')} -->",
+    # The same block bench/figures.py writes (which keeps README.md's copy current).
+    lines = [f"<!-- figure:recipes (bench/bench_recipes.py on {platform.machine()}, {os.cpu_count()} cores, "
+             f"{time.strftime('%Y-%m-%d')}) -->",
              "| recipe | run | metric | first | last | steps | wall s |", "|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     note = ("Held-out (`test/`) metrics: the first and the last eval; training metrics: the mean of the first and of "
             "the last 5 steps. `wall s`: the whole chain, from a fresh directory.")
     failed = 0
     for ref in refs:
-        path, _, name = ref.partition("#")
-        with tempfile.TemporaryDirectory() as tmp:
-            t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "runner", "run", f"{Path(path).resolve()}#{name}"],
-                                  cwd=tmp, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-            wall = time.perf_counter() - t0
-            if proc.returncode != 0:
-                failed += 1
-                row = f"| {name} | - | FAILED (exit {proc.returncode}) | - | - | - | {wall:.0f} |"
-                print(row, proc.stderr.strip().splitlines()[-1:], file=sys.stderr)
-                lines.append(row)
-                print(row, flush=True)
-                continue
-            for run_dir in sorted((Path(tmp) / "runs").glob("*/"), key=lambda d: (d.name != name, d.name)):
-                for i, (key, first, last, steps) in enumerate(summarize(run_dir)):
-                    top = i == 0 and run_dir.name == name
-                    row = (f"| {name if top else ''} | {run_dir.name if i == 0 else ''} | `{key}` | {first} | {last} | "
-                           f"{steps if i == 0 else ''} | {f'{wall:.0f}' if top else ''} |")
-                    lines.append(row)
-                    print(row, flush=True)
+        rows, ok = recipe_rows(ref)
+        failed += not ok
+        lines.extend(rows)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text("\n".join([*lines, "", note]) + "\n")
+        Path(args.out).write_text("\n".join([*lines, "<!-- /figure:recipes -->", "", note]) + "\n")
     return 1 if failed else 0
 
 

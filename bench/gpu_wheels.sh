@@ -17,6 +17,7 @@ WHEELS=(
   datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19                                   # datasets
   tinker==0.38.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0        # tinker (conformance)
   typing-inspection==0.4.5 distro==1.9.0 orjson==3.13.0 sniffio==1.3.1 pyqwest==0.12.0 opentelemetry-api==1.45.2
+  h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0                                         # tinker's http2 transport
   respx==0.23.1                                                                       # tests
 )
 

@@ -16,7 +16,16 @@ from pathlib import Path
 
 from backends.errors import UserError
 from runner.engine.chain import check_all, upstreams
-from runner.recipe.load import DEFAULT_FILE, dump_recipe, load_recipe, read_tables, resolve, split_ref
+from runner.recipe.load import (
+    DEFAULT_FILE,
+    dump_recipe,
+    explain_recipe,
+    load_recipe,
+    read_tables,
+    recipe_names,
+    resolve,
+    split_ref,
+)
 from runner.renderers.auto import auto_note as renderer_note
 from runner.threads import prefer_passive_openmp
 from runner.tools.smoke import check_smoke
@@ -114,6 +123,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     _ref_and_overrides(show)
     show.add_argument("--smoke", action="store_true", help="print the recipe --smoke runs (and its smoked stages)")
+    show.add_argument("--explain", action="store_true",
+                      help="one `key = value  # source` line per value: default, [defaults], an extends base, "
+                      "the recipe, or an override (docs/recipes.md)")
     show.set_defaults(command=cmd_show)
 
     render = sub.add_parser(
@@ -386,7 +398,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     name, recipe = load_recipe(args.ref, args.overrides)
     refuse_sweep(args.ref)
     where = _where(args.ref, name)
-    check_all(recipe, where, keep_rows=not args.dry_run)
+    check_all(recipe, where, keep_rows=not args.dry_run, name=name)
     prefer_passive_openmp()  # before torch loads (runner/threads.py)
     from runner.engine.cost import BudgetReached
     from runner.engine.loop import Interrupted  # torch and the backends load here, and only here
@@ -457,7 +469,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         return 0
     # Every recipe, each reported on its own line, so one bad recipe does not hide the others.
     failed = 0
-    for name in read_tables(path):
+    for name in recipe_names(path):
         try:
             line = check_line(f"{path}#{name}", args.overrides)
             check_smoke(path, name, args.overrides)
@@ -513,6 +525,9 @@ def cmd_show(args: argparse.Namespace) -> int:
         sys.stdout.write(f"# chain (init_from): {stages}\n")
     sys.stdout.write(_lr_note(args.ref, args.overrides))
     sys.stdout.write(renderer_note(recipe.renderer, recipe.model))
+    if args.explain:
+        sys.stdout.write(explain_recipe(split_ref(args.ref)[0], name, recipe, args.overrides))
+        return 0
     sys.stdout.write(dump_recipe(name, recipe))
     return 0
 

@@ -23,7 +23,7 @@ def test_bench_gpu_smokes_on_cpu():
     rows = {line.split("|")[1].strip() for line in out.stdout.splitlines() if line.startswith("| ")}
     assert {"ours", "hf-padded", "hf-packed", "generate"} <= rows, out.stdout
     assert "tiny: first loss ours" in out.stdout
-    assert not (ROOT / "bench" / "results" / "gpu.md").exists() or "CPU" not in (ROOT / "bench" / "results" / "gpu.md").read_text()
+    assert not (ROOT / "bench" / "results" / "gpu_speed.md").exists() or "CPU" not in (ROOT / "bench" / "results" / "gpu_speed.md").read_text()
 
 
 def test_bench_train_imports():

@@ -136,7 +136,8 @@ def test_run_exit_codes(workdir: Path, fake_loop: list[Any], capsys: pytest.Capt
     ref = "recipes.toml#sl_basic"
     fake_loop.append(UserError("runs/sl_basic holds a different recipe"))
     assert main(["run", ref]) == 2
-    assert capsys.readouterr().err == "error: runs/sl_basic holds a different recipe\n"
+    # An error raised while it runs names the recipe, as the check's do.
+    assert capsys.readouterr().err == "error: recipes.toml#sl_basic: runs/sl_basic holds a different recipe\n"
     fake_loop[0] = KeyboardInterrupt()
     assert main(["run", ref]) == 130
     # The backend's message names the request once (the CLI adds no second prefix).

@@ -1,8 +1,9 @@
-"""Nothing hangs (issue 22): env_timeout_s drops a group whose env never answers (awaiting, or blocking the event
-loop's thread in a synchronous call), and Ctrl-C stops a run within seconds whatever its env does; the run dir then
-resumes. The runs are RL on the fake backend, in a subprocess where a signal is sent.
+"""Nothing hangs (issues 22, 31): env_timeout_s drops a group whose env never answers (awaiting, or blocking the event
+loop's thread in a synchronous call), and Ctrl-C stops a run within seconds whatever its env does, C code that holds
+the GIL included (the watchdog process, runner/engine/watchdog.py); the run dir then resumes. The runs are RL on the
+fake backend, in a subprocess where a signal is sent.
 
-Run: pytest tests/test_interrupt.py   (about 15 s on 2 cores)
+Run: pytest tests/test_interrupt.py   (about 60 s on 2 shared cores: five runs in subprocesses)
 """
 
 from __future__ import annotations
@@ -256,3 +257,151 @@ def test_ctrl_c_while_an_env_awaits_forever_stops_gracefully(tmp_path: Path) -> 
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
     assert steps == list(range(len(steps))) and len(steps) >= 2
     assert read_jsonl(run_dir / "checkpoints.jsonl")[-1]["next_step"] == len(steps)  # the last submitted step
+
+
+GIL_ENV = """
+from pathlib import Path
+from runner.rl.envs.arithmetic import ArithmeticEnv
+from runner.rl.envs.common import ListDataset, RepeatGroupBuilder
+
+class Hog(ArithmeticEnv):
+    def __init__(self, run_dir, *args):
+        super().__init__(*args)
+        self.run_dir = Path(run_dir)
+
+    async def step(self, action_tokens, stop_reason):
+        ckpts = self.run_dir / "checkpoints.jsonl"
+        # Once a checkpoint is recorded: C code that holds the GIL for hours (no Python signal handler, no other
+        # thread runs until it returns).
+        if ckpts.exists() and ckpts.read_text().strip() and not (self.run_dir.parent / "unblock").exists():
+            (self.run_dir.parent / "blocked").touch()
+            sum(range(10**12))
+        return await super().step(action_tokens, stop_reason)
+
+def make(run_dir):
+    def builder(ctx):
+        group = lambda i: RepeatGroupBuilder(lambda: Hog(run_dir, ctx.renderer, i % 10, 1), ctx.group_size, [])
+        return ListDataset(range(40), group, 2), None
+    return builder
+"""
+
+
+def gil_run(tmp_path: Path) -> tuple[Recipe, Path, subprocess.Popen[bytes]]:
+    (tmp_path / "gil_env.py").write_text(GIL_ENV)
+    run_dir = tmp_path / "run"
+    recipe = msgspec.convert({
+        "algo": {"kind": "rl", "env": {"kind": "python", "target": "gil_env:make", "args": {"run_dir": str(run_dir)}},
+                 "group_size": 2, "groups_per_batch": 2, "max_tokens": 4},
+        "lr": 1e-2, "max_steps": 6, "eval_every": 0, "save_every": 1, "log_dir": str(run_dir),
+    }, Recipe)
+    proc = subprocess.Popen(fake_run_script(recipe, tmp_path, run_dir / "checkpoints"), cwd=tmp_path,
+                            env=python_path(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return recipe, run_dir, proc
+
+
+def wait_for(proc: subprocess.Popen[bytes], marker: Path) -> None:
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+        assert time.monotonic() < deadline, f"no {marker.name} within 120 s"
+        time.sleep(0.05)
+    time.sleep(0.3)  # well inside the C loop
+
+
+def test_ctrl_c_stops_a_run_whose_env_holds_the_gil_in_c(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: an env in `sum(range(10**12))` ignored two Ctrl-C's (kill -9 after 36 s). Now the first Ctrl-C ends
+    it within seconds: the watchdog process (runner/engine/watchdog.py) got the signal from the C-level handler,
+    saw no heartbeat of the event loop for 4 s and killed the run; the run dir resumes."""
+    recipe, run_dir, proc = gil_run(tmp_path)
+    try:
+        wait_for(proc, tmp_path / "blocked")
+        t = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        stopped_in, text = time.monotonic() - t, err.decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL, text[-2000:]
+    assert 3.5 < stopped_in < 10, stopped_in
+    print(f"GIL-holding env: killed {stopped_in:.2f} s after one SIGINT")
+    assert "the run is blocked (nothing in it ran for 4 s after Ctrl-C" in text and "Traceback" not in text
+    done = [c["next_step"] for c in read_jsonl(run_dir / "checkpoints.jsonl")]
+    assert done and done[-1] < 6
+    (tmp_path / "unblock").touch()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run(recipe, "r", backend=FakeBackend(TOK, storage_dir=run_dir / "checkpoints"))
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(6))
+
+
+def test_a_second_ctrl_c_ends_a_gil_holding_run_at_once(tmp_path: Path) -> None:
+    """The second Ctrl-C does not wait for the first one's 4 s: the watchdog kills the run 1 s after it."""
+    _, _, proc = gil_run(tmp_path)
+    try:
+        wait_for(proc, tmp_path / "blocked")
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        t = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        stopped_in, text = time.monotonic() - t, err.decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL and stopped_in < 2.5, (stopped_in, text[-2000:])
+    print(f"GIL-holding env: killed {stopped_in:.2f} s after the second SIGINT")
+    assert "interrupted again: the runner watchdog kills the run now" in text
+
+
+def test_the_watchdog_starts_relays_and_stops() -> None:
+    """The watchdog process (runner/engine/watchdog.py) answers ready, relays SIGINT bytes written to its wake fd,
+    ignores heartbeats, and ends (reaped) on stop(); an interpreter that cannot run it gives None (the caller keeps
+    its in-process handling)."""
+    import select
+
+    from runner.engine.watchdog import Watchdog
+
+    w = Watchdog.start(first_s=30.0)
+    assert w is not None and w.proc.poll() is None
+    w.beat()
+    os.write(w.wake_fd, bytes([signal.SIGINT, signal.SIGUSR1]))  # what the C-level handler writes
+    assert select.select([w.relay_fd], [], [], 10)[0] and os.read(w.relay_fd, 16) == bytes([signal.SIGINT])
+    w.stop()
+    assert w.proc.returncode == 0 and os.read(w.relay_fd, 16) == b""  # EOF: the reader thread ends
+    os.close(w.relay_fd)
+
+
+def test_no_watchdog_or_a_lost_one_falls_back_to_the_python_handler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the watchdog cannot start, StopFlag reads signals in-process as before; where it dies mid-run (killed),
+    the Python SIGINT handler counts them: the first Ctrl-C still asks for the clean stop."""
+    from runner.engine.log import Progress
+    from runner.engine.loop import StopFlag
+    from runner.engine.watchdog import Watchdog
+
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    assert Watchdog.start() is None
+    monkeypatch.undo()
+
+    async def main(kill_watchdog: bool) -> bool:
+        with StopFlag(Progress(1, 0)) as stop:
+            assert (stop._guard is None) == (not kill_watchdog)
+            if kill_watchdog:
+                assert stop._guard is not None
+                stop._guard.proc.kill()
+                for _ in range(200):
+                    if stop._relay_lost:
+                        break
+                    await asyncio.sleep(0.01)
+                assert stop._relay_lost
+            signal.raise_signal(signal.SIGINT)
+            for _ in range(200):
+                if stop.set:
+                    break
+                await asyncio.sleep(0.01)
+            return stop.set
+
+    assert asyncio.run(main(kill_watchdog=True))
+    monkeypatch.setattr(Watchdog, "start", classmethod(lambda cls, **kw: None))
+    assert asyncio.run(main(kill_watchdog=False))

@@ -296,8 +296,8 @@ def test_bad_input_is_a_user_error_naming_the_request(backend, data):
 
 
 def test_missing_model_and_device_are_user_errors(tmp_path):
-    with pytest.raises(UserError, match="'no-such-org/no-such-model' is neither a local folder nor in the"):
-        LocalBackend(Local(), "no-such-org/no-such-model", None, tmp_path)
+    with pytest.raises(UserError, match="'no-such-org/no-such-model' is not in the Hugging Face cache and downloads"):
+        LocalBackend(Local(local_files_only=True), "no-such-org/no-such-model", None, tmp_path)
     with pytest.raises(UserError, match="does not exist"):
         LocalBackend(Local(), str(tmp_path / "nope"), None, tmp_path)
     assert pick_device(Local()) == (torch.device("cpu"), torch.float32) or torch.cuda.is_available()

@@ -207,6 +207,7 @@ def test_overwrite_twice_within_a_second_keeps_both_old_runs(tmp_path, monkeypat
     recipe = msgspec.structs.replace(make_recipe(tmp_path, max_steps=1), if_exists="overwrite")
     for i in range(3):
         (tmp_path / "run").mkdir(exist_ok=True)
+        (tmp_path / "run" / runner.engine.rundir.MARKER).touch()  # a run dir of ours: only those move aside
         (tmp_path / "run" / "mark").write_text(str(i))
         open_run_dir(recipe, "t")
     aside = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("run.old-"))

@@ -1,4 +1,4 @@
-"""The numerics gate (runner/rl/numerics.py): every RL / distill step logs the sampler-vs-trainer logprob mismatch of
+"""The numerics gate (runner/rl/gate.py): every RL / distill step logs the sampler-vs-trainer logprob mismatch of
 its sampled tokens; `numerics = {action = "warn" | "stop"}` acts on it; `runner numerics` runs the check alone.
 
 A broken sampler is the local backend's, with every sampled logprob multiplied by 1.5 (BrokenBackend below): the
@@ -27,7 +27,7 @@ from runner import cli
 from runner.recipe.load import load_recipe
 from runner.recipe.numerics import Numerics
 from runner.recipe.schema import RL
-from runner.rl.numerics import FRAC_KEY, Gate, dlogprob_metrics, on_policy
+from runner.rl.gate import FRAC_KEY, Gate, dlogprob_metrics, on_policy
 
 SCALE = 1.5
 
@@ -216,7 +216,7 @@ def test_broken_sampler_is_stopped_keeping_the_last_good_checkpoint(tmp_path: Pa
                           'algo.numerics={action="stop", after_steps=1}'], capsys)
     assert rc == 2
     [line] = [x for x in err.splitlines() if "numerics" in x]
-    assert line.startswith("error: numerics gate: step 1: ") and "max_kl 0.01" in line
+    assert line.startswith("error: ") and "gate.toml#gate: numerics gate: step 1: " in line and "max_kl 0.01" in line
     assert sum("error" in x for x in err.splitlines()) == 1
     # Step 0 (before after_steps) was trained, logged and checkpointed; step 1 failed: no row, no checkpoint row.
     ms = rows(run_dir / "metrics.jsonl")
@@ -274,7 +274,7 @@ def test_distill_steps_are_gated_too(tmp_path: Path, capsys: pytest.CaptureFixtu
     path.write_text(DISTILL.replace("PROMPTS", str(prompts)))
     rc, _, err = run_cli(["run", f"{path}#student", f"log_dir={tmp_path / 'run'}", 'algo.numerics={action="stop"}'],
                          capsys)
-    assert rc == 2 and "error: numerics gate: step 0: " in err
+    assert rc == 2 and f"error: {path}#student: numerics gate: step 0: " in err
     assert rows(tmp_path / "run" / "metrics.jsonl") == [] and rows(tmp_path / "run" / "checkpoints.jsonl") == []
 
 

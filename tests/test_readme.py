@@ -28,6 +28,19 @@ def test_main_command_names_a_real_recipe() -> None:
     assert main_command.startswith("python3 -m venv .venv && ") and "torch==2.13.0" in main_command
 
 
+def test_quick_start_shows_progress_and_installs_what_plot_needs() -> None:
+    """The first command's install is not silent (no pip -q: it takes minutes), and `runner plot` works after it:
+    matplotlib is in the base dependencies the quick start installs (`-e .`, no extra)."""
+    import tomllib
+
+    main_command = _bash_blocks()[0].strip()
+    assert " -q " not in main_command and "-e . " in main_command
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(d.startswith("matplotlib") for d in deps)
+    readme = (ROOT / "README.md").read_text()
+    assert "The install takes a few minutes" in readme
+
+
 def test_pyproject_ships_every_package() -> None:
     """A non-editable install ships what setuptools finds under pyproject's include patterns: every subpackage of
     runner/ and backends/ (each with an __init__.py), and nothing else (tests, bench, tools, examples)."""
@@ -52,14 +65,15 @@ def test_pyproject_ships_every_package() -> None:
 
 def test_recipe_figures_come_from_the_bench_output() -> None:
     """The README's table of what the shipped recipes do is bench/bench_recipes.py's output, as saved in
-    bench/results/recipes.md: the same rows, so a figure there cannot drift from a measured one."""
+    bench/results/recipes.md by bench/figures.py: the same rows (and CI's `bench/figures.py --check` reruns the cheap
+    ones at HEAD: tests/test_figures.py checks CI runs it)."""
     saved = (ROOT / "bench" / "results" / "recipes.md").read_text().splitlines()
     rows = [line for line in saved if line.startswith("| ")]
     assert len(rows) >= 4 and rows[0].startswith("| recipe |")
     readme = (ROOT / "README.md").read_text().splitlines()
     start = readme.index(rows[0])
     assert readme[start:start + len(rows) + 1] == [rows[0], saved[saved.index(rows[0]) + 1], *rows[1:]]
-    assert any(line.startswith("<!-- bench/bench_recipes.py") for line in saved)
+    assert any(line.startswith("<!-- figure:recipes (") for line in saved)  # bench/figures.py writes both
 
 
 def test_every_relative_link_in_the_docs_exists() -> None:

@@ -103,7 +103,7 @@ def test_second_writer_is_refused_naming_the_holders_pid(tmp_path: Path, capsys:
         (tmp_path / "r.toml").write_text(dump_recipe("r", recipe))
         assert main(["run", f"{tmp_path / 'r.toml'}#r"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert err == [f"error: run dir {run_dir} is in use by another run (pid {holder.pid}); wait for it to "
+        assert err == [f"error: {tmp_path / 'r.toml'}#r: run dir {run_dir} is in use by another run (pid {holder.pid}); wait for it to "
                        "finish, stop it, or set another log_dir"]
     finally:
         holder.kill()
@@ -220,7 +220,7 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_loads(tmp_path: Path,
 def test_stale_temp_dirs_of_a_failed_save_are_removed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "run"
     run(make_recipe(tmp_path, max_steps=2), "r", backend=fake(run_dir))
-    stale = run_dir / "checkpoints" / "weights" / ".000004.k2j3h4"
+    stale = run_dir / "checkpoints" / "weights" / ".000004.k2j3h4x9"
     stale.mkdir(parents=True)
     (stale / "adapter.bin").write_bytes(b"half")
     (run_dir / "config.toml.tmp").write_text("half")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from runner.cli import main
+from runner.recipe.load import read_tables
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -65,7 +66,7 @@ def test_smoke_every_shipped_recipe(workdir: Path, capsys: pytest.CaptureFixture
 
     assert main(["smoke", "examples/cookbook.toml"]) == 0
     rows = _table(capsys.readouterr().out)
-    cookbook = tomllib.loads((REPO / "examples" / "cookbook.toml").read_text())["recipes"]
+    cookbook = read_tables(str(REPO / "examples" / "cookbook.toml"))  # [defaults] and extends merged in
     assert set(rows) == set(cookbook) >= {"chat_sl", "dpo_hhh", "rlhf_sft", "rlhf_rm", "rlhf_rl", "distillation",
                                           "prompt_distillation"}
     assert all(r[3] == "ok" and r[1] == "2" for r in rows.values()), rows

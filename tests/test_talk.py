@@ -83,13 +83,18 @@ def test_eval_repeats_the_logged_held_out_nll(sft_run: Path, capsys: pytest.Capt
     assert read_jsonl(sft_run / "evals.jsonl")[-1]["checkpoint"] == "000002"
 
 
-def test_eval_of_rl_repeats_the_final_eval(proj: Path) -> None:
+def test_eval_of_rl_repeats_the_final_eval(proj: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (proj / "r.toml").write_text(RL)
     assert main(["run", "r.toml#r"]) == 0
     final = read_jsonl(proj / "runs" / "r" / "metrics.jsonl")[-1]
+    capsys.readouterr()
     assert main(["eval", "r.toml#r"]) == 0
     [row] = read_jsonl(proj / "runs" / "r" / "evals.jsonl")
     assert row["test/env/all/reward/total"] == final["test/env/all/reward/total"]
+    # The recipe's main metric first (of many: the env's counters, token counts), then the rest alphabetically.
+    keys = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]]
+    assert keys[0] == "test/env/all/reward/total" and len(keys) > 5
+    assert keys[1:] == sorted(keys[1:])
 
 
 def test_chat_through_a_pipe(sft_run: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -365,13 +366,39 @@ def test_unreachable_service_at_start(mock, monkeypatch):
 
 def test_missing_or_malformed_key_fails_before_any_request(mock, monkeypatch):
     monkeypatch.delenv("TINKER_API_KEY")
-    with pytest.raises(UserError, match="set TINKER_API_KEY"):
-        TinkerBackend(Tinker(), MODEL, "tiny")
+    with pytest.raises(UserError, match="set TINKER_API_KEY"):  # a remote service (a local one: the next test)
+        TinkerBackend(Tinker(base_url="https://tinker.example.com"), MODEL, "tiny")
     monkeypatch.setenv("TINKER_API_KEY", "sk-not-a-tinker-key")
     with pytest.raises(UserError, match="must start with 'tml-'") as err:
         TinkerBackend(Tinker(), MODEL, "tiny")
     assert "sk-not-a-tinker-key" not in str(err.value)
     assert mock.records == []
+
+
+def test_a_server_on_this_machine_needs_no_key(mock, monkeypatch, caplog):
+    """A loopback base_url (runner serve) gets the placeholder key, said once; a remote one still needs the key."""
+    from backends.tinker import backend as tb
+
+    assert [tb.is_loopback(u) for u in ("http://127.0.0.1:8000", "http://127.3.4.5", "http://localhost:1",
+                                        "http://[::1]:8000", "http://10.0.0.1", "http://tinker.invalid",
+                                        "http://localhost.evil.com", "not a url")] == [
+        True, True, True, True, False, False, False, False]
+    monkeypatch.delenv("TINKER_API_KEY")
+    monkeypatch.setattr(tb, "_told_local", set())
+    assert tb.is_loopback(mock.url), mock.url
+    caplog.set_level(logging.WARNING, logger=tb.__name__)
+    for _ in range(2):
+        be = TinkerBackend(Tinker(base_url=mock.url), MODEL, "tiny")
+        try:
+            be.create_training_client(SPEC).result(WAIT)
+        finally:
+            be.close()
+    assert mock.api_keys == {tb.LOCAL_KEY}
+    told = [r.getMessage() for r in caplog.records if "placeholder key" in r.getMessage()]
+    assert told == [f"TINKER_API_KEY is not set: sending the placeholder key tml-local to {mock.url} "
+                    "(a server on this machine)"]
+    with pytest.raises(UserError, match=r"set TINKER_API_KEY .*\(http://tinker.invalid is not on this machine\)"):
+        TinkerBackend(Tinker(base_url="http://tinker.invalid"), MODEL, "tiny")
 
 
 def test_key_never_in_error_text(backend, mock):

@@ -87,8 +87,9 @@ class LocalBackend:
     def __init__(self, cfg: LocalOptions, model: str, tokenizer: str | None, storage_dir: Path, seed: int = 0):
         self.cfg = cfg
         self.model_name = model
-        self.model_dir = M.resolve_model_dir(model)  # UserError now, not at the first request
-        self.tokenizer_dir = M.resolve_tokenizer_dir(tokenizer) if tokenizer else self.model_dir
+        # UserError now, not at the first request; a hub id downloads here on first use (backends/hub.py).
+        self.model_dir = M.resolve_model_dir(model, cfg.local_files_only)
+        self.tokenizer_dir = M.resolve_tokenizer_dir(tokenizer, cfg.local_files_only) if tokenizer else self.model_dir
         self.storage_dir = Path(storage_dir).resolve()
         self.seed = seed
         # Device and dtypes of every tensor the clients create: decided once, in backends/local/device.py.

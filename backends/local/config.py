@@ -36,6 +36,8 @@ class Local(BackendConfig):
     # "auto": merged on the CPU in float32 for a base under 1 GiB, else lora (a GPU's memory, a large model's, or
     # bfloat16, where merging rounds away most of a small update).
     sampler_weights: Literal["auto", "merged", "lora"] = "auto"
+    # A hub id not in the Hugging Face cache is downloaded on first use (backends/hub.py); true keeps to the cache.
+    local_files_only: bool = False
 
     def make(self, model: str, tokenizer: str | None, storage_dir: Path, seed: int) -> Backend:
         from backends.local.backend import LocalBackend  # torch loads here, not when a recipe is validated

@@ -38,9 +38,9 @@ def vocab_size(model: HFModel) -> int:
     return int(model.get_input_embeddings().num_embeddings)
 
 
-def resolve_model_dir(model: str) -> Path:
-    """"tiny" -> the embedded model; an existing folder; else a hub id looked up in the local HF cache only
-    (as with HF_HUB_OFFLINE=1: the local backend never downloads)."""
+def resolve_model_dir(model: str, local_files_only: bool = False) -> Path:
+    """"tiny" -> the embedded model; an existing folder; else a hub id: its folder in the Hugging Face cache,
+    downloaded there on first use unless HF_HUB_OFFLINE=1 (backends/hub.py)."""
     if model == "tiny":
         from backends.local.tiny import TINY_DIR
 
@@ -52,10 +52,10 @@ def resolve_model_dir(model: str) -> Path:
         return path.resolve()
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise UserError(f"model folder {model!r} does not exist")
-    return _cached_snapshot(model, "model", "config.json")
+    return _cached_snapshot(model, "model", "config.json", local_files_only)
 
 
-def resolve_tokenizer_dir(tokenizer: str) -> Path:
+def resolve_tokenizer_dir(tokenizer: str, local_files_only: bool = False) -> Path:
     if tokenizer == "tiny":
         return resolve_model_dir("tiny")
     path = Path(tokenizer).expanduser()
@@ -63,19 +63,14 @@ def resolve_tokenizer_dir(tokenizer: str) -> Path:
         return path.resolve()
     if tokenizer.startswith((".", "/", "~")) or tokenizer.count("/") > 1:
         raise UserError(f"tokenizer folder {tokenizer!r} does not exist")
-    return _cached_snapshot(tokenizer, "tokenizer", "tokenizer_config.json")
+    return _cached_snapshot(tokenizer, "tokenizer", "tokenizer_config.json", local_files_only)
 
 
-def _cached_snapshot(repo_id: str, what: str, must_have: str) -> Path:
-    from huggingface_hub import snapshot_download
+def _cached_snapshot(repo_id: str, what: str, must_have: str, local_files_only: bool = False) -> Path:
+    """A hub id's folder in the Hugging Face cache, downloaded there on first use (backends/hub.py)."""
+    from backends.hub import snapshot
 
-    try:
-        path = Path(snapshot_download(repo_id, local_files_only=True))
-    except Exception as exc:  # every failure here means "not usable offline"
-        raise UserError(
-            f"{what} {repo_id!r} is neither a local folder nor in the Hugging Face cache "
-            f"(the local backend works offline; download it first: huggingface-cli download {repo_id})"
-        ) from exc
+    path = snapshot(repo_id, what, local_files_only)
     if not (path / must_have).is_file():
         raise UserError(f"{what} {repo_id!r} in the Hugging Face cache has no {must_have}")
     return path

@@ -31,3 +31,7 @@ class LocalOptions(Protocol):
     @property
     def sampler_weights(self) -> str:  # "auto" | "merged" | "lora"
         ...
+
+    @property
+    def local_files_only(self) -> bool:  # a hub id not in the cache: an error instead of a download
+        ...

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import tokenizers
     import transformers
 
 TINY_DIR: Path = Path(__file__).parent / "assets" / "tiny"
@@ -36,10 +37,8 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """Byte-level tokenizer: ids 0..255 are the bytes (in GPT-2's printable byte alphabet), 256..258 the
-    specials. A BPE model with no merges, so any UTF-8 text round-trips exactly, one token per byte."""
-    import transformers
+def build_core_tokenizer() -> tokenizers.Tokenizer:
+    """The `tokenizers` core of build_tokenizer (no transformers: `runner check` looks at it, backends/tokenizer.py)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -50,8 +49,16 @@ def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
     core.add_special_tokens(list(SPECIALS))  # in this order: ids 256, 257, 258
+    return core
+
+
+def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """Byte-level tokenizer: ids 0..255 are the bytes (in GPT-2's printable byte alphabet), 256..258 the
+    specials. A BPE model with no merges, so any UTF-8 text round-trips exactly, one token per byte."""
+    import transformers
+
     tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=core,
+        tokenizer_object=build_core_tokenizer(),
         pad_token=PAD,
         eos_token=IM_END,
         additional_special_tokens=[IM_START],

@@ -21,11 +21,13 @@ is already one of our types. Things the SDK does that shape this file:
 from __future__ import annotations
 
 import concurrent.futures
+import ipaddress
 import logging
 import os
 import re
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
@@ -67,11 +69,41 @@ CloseStatus = Literal["success", "errored", "interrupted"]
 # ---------------------------------------------------------------- key, errors, futures
 
 
-def api_key_from_env() -> str:
-    """The key, checked the way the SDK checks it, so a bad one fails before any network work."""
+# The key sent to a server on this machine when $TINKER_API_KEY is unset (`runner serve` takes any tml- key unless
+# it was started with --api-key-env; docs/tinker-offline.md).
+LOCAL_KEY = "tml-local"
+_told_local: set[str] = set()
+
+
+def is_loopback(url: str | None) -> bool:
+    """A base URL on this machine: localhost, 127.0.0.0/8 or ::1."""
+    try:
+        host = urllib.parse.urlsplit(url).hostname if url else None
+    except ValueError:
+        return False
+    if host is None:
+        return False
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def api_key_from_env(base_url: str | None = None) -> str:
+    """The key, checked the way the SDK checks it, so a bad one fails before any network work. A server on this
+    machine (`base_url` loopback) needs none: unset, the placeholder LOCAL_KEY is sent, said once per URL."""
     key = os.environ.get(API_KEY_ENV, "").strip()
+    if not key and base_url is not None and is_loopback(base_url):
+        if base_url not in _told_local:
+            _told_local.add(base_url)
+            log.warning("%s is not set: sending the placeholder key %s to %s (a server on this machine)",
+                        API_KEY_ENV, LOCAL_KEY, base_url)
+        return LOCAL_KEY
     if not key:
-        raise UserError(f"set {API_KEY_ENV} to your Tinker API key (it is read from the environment only)")
+        remote = f" ({base_url} is not on this machine)" if base_url else ""
+        raise UserError(f"set {API_KEY_ENV} to your Tinker API key (it is read from the environment only){remote}")
     if not key.startswith(("tml-", "eyJ")):  # an API key, or a JWT
         raise UserError(f"set {API_KEY_ENV} to a Tinker API key: it must start with 'tml-'")
     return key
@@ -435,11 +467,11 @@ class TinkerBackend:
     asked for starts the session (bounded by `connect_timeout_s`) and the watchdog (`lost_after_s`)."""
 
     def __init__(self, cfg: TinkerOptions, model: str, tokenizer: str | None = None):
-        self._key = api_key_from_env()
+        base_url = cfg.base_url or os.environ.get("TINKER_BASE_URL") or None
+        self._key = api_key_from_env(base_url)
         self.model = model
         self._tokenizer_name = tokenizer
         self._tokenizer: Any = None
-        base_url = cfg.base_url or os.environ.get("TINKER_BASE_URL") or None
         # The key is passed explicitly so the SDK's other credential sources (files, commands) are not used.
         self._service = tinker.ServiceClient(base_url=base_url, api_key=self._key)
         self._link = _Link(self._key, base_url or "the hosted service")

@@ -27,6 +27,7 @@ import numpy as np
 
 from backends.errors import UserError
 from runner.data.conversations import Conversation, describe, mapped_rows, messages_of
+from runner.data.position import check_resume
 from runner.recipe.schema import DataSource
 from runner.renderers.chat_template import encode, prefix_len, template
 
@@ -54,6 +55,9 @@ class Pairs:
     dropped: int = 0
 
 
+_NOTED: set[str] = set()
+
+
 def load_pairs(source: DataSource) -> Pairs:
     """Every row of `source` as a Pair (ties dropped and counted); UserError on the first bad row."""
     rows, where, dropped = mapped_rows(source, "comparison")
@@ -68,9 +72,11 @@ def load_pairs(source: DataSource) -> Pairs:
     if not pairs:
         raise UserError(f"data source {name} has no comparisons with a winner ({len(rows)} rows, {ties} ties, "
                         f"{dropped} dropped)")
-    if ties:
-        print(f"note: {name}: {ties} of {len(rows)} rows are ties (label \"Tie\"), dropped: a tie says nothing "
-              "about which completion is better", file=sys.stderr)
+    note = f"note: {name}: {ties} of {len(rows)} rows are ties (label \"Tie\"), dropped: a tie says nothing " \
+           "about which completion is better"
+    if ties and note not in _NOTED:  # once per process: a chain's dry run reads the same file in two stages
+        _NOTED.add(note)
+        print(note, file=sys.stderr)
     return Pairs(pairs, ties, len(rows) + dropped, name, dropped)
 
 
@@ -204,11 +210,7 @@ class Batches:
         return {"epoch": epoch, "batch": batch, "train_rows": len(self.train)}
 
     def check_state(self, state: dict[str, Any]) -> None:
-        if state.get("train_rows") != len(self.train):
-            raise UserError(
-                f"the training data changed since the checkpoint ({state.get('train_rows')} -> "
-                f"{len(self.train)} rows), so its data position means nothing; use if_exists = \"overwrite\""
-            )
+        check_resume(state, "train_rows", len(self.train), "the training data", " rows")
 
 
 def preferred_conversations(path: str) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import stat
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -136,12 +137,25 @@ def _open(path: Path) -> Any:
         raise UserError(f"data file {path} not found (relative paths start at the working directory)")
     if path.is_dir():
         raise UserError(f"data file {path} is a folder, not a file")
+    if (kind := _not_regular(path)) is not None:  # a FIFO would block the read, /dev/zero never end it
+        raise UserError(f"data file {path} is {kind}, not a regular file")
     try:
         return open(path, "rb")  # noqa: SIM115 - the caller closes it
     except PermissionError:
         raise UserError(f"data file {path}: cannot read it (permission denied)") from None
     except OSError as e:
         raise UserError(f"data file {path}: cannot read it ({e.strerror or type(e).__name__})") from None
+
+
+def _not_regular(path: Path) -> str | None:
+    """What `path` is when it is not a regular file (following links): "a FIFO (named pipe)", ...; else None."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None  # open() says what is wrong
+    kinds = [(stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder")]
+    return None if stat.S_ISREG(mode) else next((what for test, what in kinds if test(mode)), "not a file")
 
 
 def _utf8(raw: bytes, path: Path, line: int) -> str:

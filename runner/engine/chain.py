@@ -18,7 +18,7 @@ from typing import Any
 
 from backends.errors import UserError
 from runner.engine.context import InitWeights
-from runner.engine.rundir import CONFIG, load_config, read_checkpoints, run_dir_path
+from runner.engine.rundir import CONFIG, claim, load_config, read_checkpoints, run_dir_path
 from runner.recipe.explain import dotted, info, is_ref
 from runner.recipe.load import check_recipe, load_recipe, structs
 from runner.recipe.schema import Generate, Recipe, RunOutput, Teacher
@@ -96,21 +96,29 @@ def dependencies(recipe: Recipe, where: str, seen: tuple[str, ...] = ()) -> list
     return out
 
 
-def check_all(recipe: Recipe, where: str, keep_rows: bool = False) -> None:
+def check_all(recipe: Recipe, where: str, keep_rows: bool = False, name: str | None = None) -> None:
     """`runner check` of one recipe: what decoding cannot see (runner.recipe.load.check_recipe, the data's rows:
-    runner.data.check.check_data, a custom algorithm's args) for it and every recipe it runs first (its init_from chain, teachers, judges), and that every model it scores with shares its tokenizer."""
+    runner.data.check.check_data, a custom algorithm's args) for it and every recipe it runs first (its init_from chain, teachers, judges), and that every model it scores with shares its tokenizer.
+    `name` (the recipe's): also that its run dir, and those of the recipes it runs first, are new or run dirs of
+    ours (rundir.claim, which only looks)."""
     from runner.data.check import check_data
     from runner.engine.inspect_eval import check_inspect_evals
     from runner.engine.spec import check_algo
+    from runner.renderers.registry import renderer_mismatch
 
     first = [s for s in [*upstreams(recipe, where), *dependencies(recipe, where)] if s.runnable]
     for r, at in [(recipe, where), *((s.recipe, s.ref) for s in first)]:
         check_recipe(r, at)
+        if (problem := renderer_mismatch(r.renderer, r.model, r.tokenizer)) is not None:
+            raise UserError(f"{at}: {problem}")
         # keep_rows (`runner run`): a recipe that runs alone keeps its data's rows for its loader (read once); in a
         # chain they would wait in memory while the stages before it train, so those are read again instead.
         check_data(r, at, keep=keep_rows and not first)
         check_algo(r.algo, at)
         check_inspect_evals(r.evals, at)
+    if name is not None:
+        for run_dir in [run_dir_path(recipe, name), *(s.run_dir for s in first)]:
+            claim(run_dir)
     for path, model in base_models(recipe):
         if (problem := tokenizer_mismatch(model, recipe.tokenizer or recipe.model)) is not None:
             raise UserError(f"{where}: {path} {model!r}: {problem}")

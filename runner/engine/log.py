@@ -48,13 +48,22 @@ def disk_error(exc: BaseException, path: Path | str) -> UserError | None:
 
 @contextlib.contextmanager
 def disk_errors(path: Path | str) -> Iterator[None]:
-    """Turn a disk error raised inside into one UserError line naming `path`."""
+    """Turn a disk error raised inside into one UserError line naming `path`, and so a refused link (ELOOP: the
+    writers below open with O_NOFOLLOW, docs/reliability.md)."""
     try:
         yield
     except OSError as e:
         if (err := disk_error(e, path)) is not None:
             raise err from None
+        if e.errno == errno.ELOOP:
+            raise UserError(f"{e.filename or path} is a symbolic link; runner does not write through links in a run "
+                            "dir: replace it with a file") from None
         raise
+
+
+def _open_nofollow(path: Path, flags: int) -> int:
+    """os.open that never follows a link at `path` (ELOOP instead), nor blocks on a FIFO there."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
 
 
 def append_jsonl(path: Path, row: dict[str, Any]) -> None:
@@ -63,7 +72,7 @@ def append_jsonl(path: Path, row: dict[str, Any]) -> None:
     <path>"."""
     data = (json.dumps(row, allow_nan=True) + "\n").encode("utf-8")
     with disk_errors(path):
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = _open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:
             size = os.fstat(fd).st_size
             try:
@@ -95,12 +104,20 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             if i < len(lines) - 1:
                 raise UserError(f"{path}:{i + 1}: corrupt line (not JSON); fix or remove the file") from None
-            with open(path, "r+", encoding="utf-8") as f:  # torn tail: cut it off
-                f.truncate(len("\n".join(lines[:i]).encode()) + (1 if i else 0))
+            with disk_errors(path):  # torn tail: cut it off
+                fd = _open_nofollow(path, os.O_WRONLY)
+                try:
+                    os.ftruncate(fd, len("\n".join(lines[:i]).encode()) + (1 if i else 0))
+                finally:
+                    os.close(fd)
             return rows
     if text and not text.endswith("\n"):  # whole row, newline lost: end the line
-        with open(path, "a", encoding="utf-8") as f:
-            f.write("\n")
+        with disk_errors(path):
+            fd = _open_nofollow(path, os.O_WRONLY | os.O_APPEND)
+            try:
+                os.write(fd, b"\n")
+            finally:
+                os.close(fd)
     return rows
 
 
@@ -114,7 +131,7 @@ def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with disk_errors(path):
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
+            with os.fdopen(_open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w", encoding="utf-8") as f:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())

@@ -7,7 +7,8 @@ Per step k:
                right behind them in the same FIFO, so the saved state is exactly "after step k";
   3. finish:   step k - depth: await its futures, log its metrics row, then its checkpoint row.
 depth 0 is fully synchronous; depth d keeps d steps queued on the backend while the next batch is
-prepared, so the backend never idles waiting for the client (cookbook `submit_ahead`, tinker-sdk §1.3).
+prepared, so the backend never idles waiting for the client (cookbook `submit_ahead`; the service runs one
+forward_backward + optim_step per model per clock cycle, and a request that arrives before a tick joins it).
 After the last step, algo.final runs on the final checkpoint's weights (RL: one eval of the test set, as
 the cookbook's "after the loop") and its metrics are one more row at step = total_steps (the cookbook's
 end_batch). A run killed between its last step and that row resumes for final() alone; a run that has
@@ -23,7 +24,6 @@ import asyncio
 import contextlib
 import math
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -32,7 +32,6 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from backends.base import Backend, BackendError, Future, TrainingClient
@@ -45,9 +44,10 @@ from runner.engine.cost import BudgetReached, Ledger
 from runner.engine.evals import names as eval_names
 from runner.engine.evals import pinned_metrics
 from runner.engine.log import Progress, disk_error
-from runner.engine.rundir import RunDir, open_run_dir
+from runner.engine.rundir import RunDir, open_run_dir, remove_own_state
 from runner.engine.schedule import adam_at
 from runner.engine.spec import make_algo, spec_of
+from runner.engine.watchdog import Watchdog
 from runner.recipe.schema import Recipe
 
 
@@ -212,12 +212,17 @@ class StopFlag:
     saves a checkpoint), the second exits at once (130).
 
     Signals are read on a thread of their own (signal.set_wakeup_fd: the C-level handler writes each signal's
-    number to a socket), so Ctrl-C is seen even while the event loop's thread is stuck in a synchronous call (an
-    env's time.sleep inside its async step). After the first Ctrl-C a watchdog checks that the event loop still
-    runs: when it does not answer within `grace_s`, nothing graceful can happen, so the process says so and exits
-    130 at once; the run dir then resumes from its last checkpoint, as after a kill -9. Main thread only."""
+    number to a pipe), so Ctrl-C is seen even while the event loop's thread is stuck in a synchronous call (an
+    env's time.sleep inside its async step). After the first Ctrl-C a watcher thread checks that the event loop
+    still runs: when it does not answer within `grace_s`, nothing graceful can happen, so the process says so and
+    exits 130 at once; the run dir then resumes from its last checkpoint, as after a kill -9.
 
-    STOP = b"\xff"  # written by __exit__: the reader thread ends
+    Neither thread runs while C code holds the GIL (an env's sum(range(10**12))), so the pipe leads to a watchdog
+    process (runner/engine/watchdog.py) that relays each SIGINT to the reader thread and kills the run when no
+    heartbeat of the event loop came within grace_s + 1 s of the first Ctrl-C, or 1 s after the second. Where no
+    such process starts, the pipe is a socketpair read in-process (as before). Main thread only."""
+
+    STOP = b"\xff"  # written by __exit__ to the in-process socketpair: the reader thread ends
 
     def __init__(self, progress: Progress, grace_s: float = 3.0):
         self.set = False
@@ -229,20 +234,28 @@ class StopFlag:
         self.grace_s = grace_s
         self.installed = False
         self._closed = threading.Event()
+        self._guard: Watchdog | None = None
+        self._count = 0  # SIGINTs seen
+        self._relay_lost = False  # the watchdog ended early: count signals in the Python handler instead
 
     def __enter__(self) -> StopFlag:
         if threading.current_thread() is not threading.main_thread():
             return self
         self._loop = asyncio.get_running_loop()
         self.event = asyncio.Event()
-        self._r, self._w = socket.socketpair()
-        self._w.setblocking(False)
-        self._old_fd = signal.set_wakeup_fd(self._w.fileno(), warn_on_full_buffer=False)
-        # A Python-level no-op handler: the C handler still writes the wakeup byte, and no KeyboardInterrupt
-        # is raised into whatever the main thread runs.
-        self._previous = signal.signal(signal.SIGINT, _no_op)
+        self._guard = Watchdog.start(first_s=self.grace_s + 1.0, second_s=1.0)
+        if self._guard is not None:
+            wake_fd, read_fd = self._guard.wake_fd, self._guard.relay_fd
+        else:
+            self._r, self._w = socket.socketpair()
+            self._w.setblocking(False)
+            wake_fd, read_fd = self._w.fileno(), self._r.detach()
+        self._old_fd = signal.set_wakeup_fd(wake_fd, warn_on_full_buffer=False)
+        # A Python-level handler that does nothing while the relay works: the C handler still writes the wakeup
+        # byte, and no KeyboardInterrupt is raised into whatever the main thread runs.
+        self._previous = signal.signal(signal.SIGINT, self._on_sigint)
         self.installed = True
-        threading.Thread(target=self._read_signals, name="runner-sigint", daemon=True).start()
+        threading.Thread(target=self._read_signals, args=(read_fd,), name="runner-sigint", daemon=True).start()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -252,30 +265,44 @@ class StopFlag:
         signal.signal(signal.SIGINT, self._previous)
         signal.set_wakeup_fd(self._old_fd)
         self._closed.set()
+        if self._guard is not None:
+            self._guard.stop()  # the watchdog ends: the reader thread reads EOF
+            return
         try:
             self._w.send(self.STOP)
         except OSError:
             pass
         self._w.close()
 
-    def _read_signals(self) -> None:
-        count = 0
-        with self._r:
+    def _read_signals(self, fd: int) -> None:
+        try:
             while True:
                 try:
-                    data = self._r.recv(64)
+                    data = os.read(fd, 64)
                 except OSError:
-                    return
+                    data = b""
                 if not data or self.STOP[0] in data:
+                    # The watchdog gone while the run goes on (killed by someone): signals are then counted by the
+                    # Python handler, on the main thread, as long as C code lets it run.
+                    self._relay_lost = self._guard is not None and not self._closed.is_set()
                     return
                 for b in data:
-                    if b != signal.SIGINT:
-                        continue
-                    count += 1
-                    if count == 1:
-                        self._first()
-                    else:
-                        self._second()
+                    if b == signal.SIGINT:
+                        self._signal()
+        finally:
+            os.close(fd)
+
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        if self._relay_lost:
+            signal.set_wakeup_fd(self._old_fd)  # nothing reads the pipe any more
+            self._signal()
+
+    def _signal(self) -> None:
+        self._count += 1
+        if self._count == 1:
+            self._first()
+        else:
+            self._second()
 
     def _first(self) -> None:
         self.set = True
@@ -289,7 +316,8 @@ class StopFlag:
         threading.Thread(target=self._watch, name="runner-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
-        """The event loop must keep running for the graceful stop to happen: quit when it is blocked."""
+        """The event loop must keep running for the graceful stop to happen: quit when it is blocked; while it
+        runs, tell the watchdog process so."""
         while not self._closed.is_set():
             beat = threading.Event()
             try:
@@ -302,16 +330,14 @@ class StopFlag:
                                  "last checkpoint\n")
                 sys.stderr.flush()
                 os._exit(130)
+            if self._guard is not None:
+                self._guard.beat()
             self._closed.wait(0.2)
 
     def _second(self) -> None:
         sys.stderr.write("\ninterrupted again: quitting now, without a checkpoint of the last steps\n")
         sys.stderr.flush()
         os._exit(130)
-
-
-def _no_op(signum: int, frame: object) -> None:
-    return None
 
 
 async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm, final: bool,
@@ -564,7 +590,7 @@ def check_finite(p: Pending, metrics: Mapping[str, Any], run: RunDir) -> None:
 
 async def discard_non_finite(run: RunDir, e: NonFinite) -> None:
     """Delete the saved states with non-finite weights (the dropped rows' and the saves queued after them), when
-    they are files in the run dir's checkpoints/ (a service's checkpoints expire on their own)."""
+    they are runner's own files in the run dir's checkpoints/ (a service's checkpoints expire on their own)."""
     paths: list[str] = [str(r[k]) for r in e.dropped for k in ("state_path", "sampler_path") if r.get(k)]
     for _, *futures in e.saves:
         for f in futures:
@@ -572,18 +598,8 @@ async def discard_non_finite(run: RunDir, e: NonFinite) -> None:
                 paths.append(await f)
             except BackendError:
                 continue
-    root = (run.path / "checkpoints").resolve()
-    for p in paths:
-        if "://" in p:
-            continue
-        path = Path(p).resolve()
-        if root not in path.parents or not path.exists():
-            continue
-        with contextlib.suppress(OSError):
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+    for p in paths:  # only states runner wrote there, by name, never through a link (rundir.own_state)
+        remove_own_state(run.path, p)
 
 
 def checkpoint_due(recipe: Recipe, step: int, total: int) -> bool:

@@ -4,12 +4,18 @@ walks the references; runner/engine/loop.py trains one run)."""
 
 from __future__ import annotations
 
+import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import Any
 
 from backends.errors import UserError
 from runner.engine.chain import Upstream, _status, dependencies, resolved_inputs, upstreams
 from runner.engine.context import InitWeights
+from runner.engine.rundir import LOCK, MARKER
+from runner.recipe.refs import run_dir_path
 from runner.recipe.schema import Recipe
 
 
@@ -40,14 +46,50 @@ def run_chain(recipe: Recipe, name: str, where: str, *, dry_run: bool = False, f
         if stage.runnable:  # a finished one is a no-op (and a changed one is reported, never silently reused)
             print(f"chain: {stage.label} ({_status(stage)}) in {stage.run_dir}", file=sys.stderr)
             run_stage(stage)
-    run(recipe, name, force=force, **resolved_inputs(recipe, where))
+    with naming(where), no_empty_run_dir(run_dir_path(recipe, name)):
+        run(recipe, name, force=force, **resolved_inputs(recipe, where))
 
 
 def run_stage(stage: Upstream) -> None:
     """One upstream run, itself after its own init_from chain (already run: dependencies come in order)."""
     from runner.engine.loop import run
 
-    run(stage.recipe, stage.name, **resolved_inputs(stage.recipe, stage.ref))
+    with naming(stage.ref), no_empty_run_dir(run_dir_path(stage.recipe, stage.name)):
+        run(stage.recipe, stage.name, **resolved_inputs(stage.recipe, stage.ref))
+
+
+@contextmanager
+def no_empty_run_dir(path: Path) -> Iterator[None]:
+    """A run that fails before writing anything (a model folder that is not there, a tokenizer its renderer cannot
+    write for) leaves no run dir behind: one this run made that holds only its lock file and marker is removed. (One that is
+    left anyway, say by kill -9, is reused silently by the next run: runner/engine/rundir.py.)"""
+    existed = path.exists() or path.is_symlink()
+    made = [p for p in [path, *path.parents] if not (p.exists() or p.is_symlink())]  # runs/ too, if it is new
+    try:
+        yield
+    except BaseException:
+        if not existed and path.is_dir() and not path.is_symlink() and {e.name for e in path.iterdir()} <= {LOCK, MARKER}:
+            with suppress(OSError):  # best effort: what is left is an empty run dir, which a rerun reuses
+                for name in (LOCK, MARKER):
+                    (path / name).unlink(missing_ok=True)
+                for folder in made:  # innermost first; stops at one that is not empty
+                    folder.rmdir()
+        raise
+
+
+# A message that already names a recipe ('FILE#name: ...', a sweep point's 'FILE#name [lr=...]: ...').
+_NAMED = re.compile(r"^\S+#[A-Za-z0-9_-]+[:\s\[]")
+
+
+@contextmanager
+def naming(where: str) -> Iterator[None]:
+    """A UserError raised while recipe `where` ('FILE#name') runs names it, as `runner check`'s errors do."""
+    try:
+        yield
+    except UserError as e:
+        if not _NAMED.match(str(e)):
+            e.args = (f"{where}: {e}", *e.args[1:])  # the same error (a subclass keeps what it carries)
+        raise
 
 
 def print_costs(recipe: Recipe, name: str, where: str, stages: list[Upstream]) -> None:

@@ -16,7 +16,13 @@ saved state may include later pipelined steps).
 A crash can leave a save that finished without its row; backends never overwrite a checkpoint, so
 each session after the first names its checkpoints with a suffix (000040-s2, final-s2).
 
-Safety (docs/reliability.md):
+Safety (docs/reliability.md, docs/rundir.md):
+  .runner-run         the marker: a folder is a run dir of ours only when it holds it (written when we create the
+                      dir or adopt an empty one, or one an older runner made: claim()). Any other existing folder
+                      is refused before anything is written, deleted or locked there (run, --dry-run, check), and
+                      "overwrite" moves aside only a run dir of ours. No link inside a run dir is followed when
+                      deleting, locking or writing, except a linked checkpoints/ (written into, and cleaned only of
+                      the temp folders of our own saves, by name)
   .lock               one writer per run dir: an fcntl.flock held from open_run_dir to end(); a second
                       process exits 2 naming the holder's pid (the file holds it)
   fingerprint.json    sha256 of the data files and of the `pkg.mod:fn` targets' source files the recipe names;
@@ -25,12 +31,13 @@ Safety (docs/reliability.md):
                       run dir resumes from its own files (older absolute rows are mapped onto this dir's
                       checkpoints/ when the file is there)
 A checkpoint that no longer loads is skipped for the newest one before it (loop.py says so), and hidden temp
-dirs of an interrupted atomic save (checkpoints/*/.name.XXXX) are removed when the run dir is opened.
+dirs of an interrupted atomic save (checkpoints/<kind>/.<name>.XXXXXXXX) are removed when the run dir is opened.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import importlib.util
@@ -38,12 +45,13 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -63,12 +71,37 @@ CONFIG, METRICS, CHECKPOINTS, SESSIONS = "config.toml", "metrics.jsonl", "checkp
 INIT = "init_from.json"
 # One writer per run dir (RunLock) and the data it trained on (fingerprint()).
 LOCK, FINGERPRINT = ".lock", "fingerprint.json"
+# The marker that makes a folder a run dir of ours (claim()), and the format of what it holds.
+MARKER, MARKER_FORMAT = ".runner-run", 1
 # Files that a run dir holds before anything trained (a failed start): they never make it "a run".
-BOOKKEEPING = (CONFIG, SESSIONS, INIT, LOCK, FINGERPRINT)
+BOOKKEEPING = (CONFIG, SESSIONS, INIT, LOCK, FINGERPRINT, MARKER)
+# Every top-level entry runner writes in a run dir: a folder without the marker (made by an older runner) is adopted
+# only when it holds nothing else. Besides the names above: the tracker's wandb.json (track.py), a sweep point's
+# output.log (tools/sweep.py), `runner chat/eval`'s evals.jsonl (tools/talk.py), `runner plot DIR`'s index.html and
+# plot-*.png (tools/plot.py), generate's generated/ (refs.OUTPUT), RL transcripts in iteration_NNNNNN/ (rl/algo.py),
+# the metrics backups of a resume and the temp files of atomic writes (log.write_text_atomic: <name>.tmp).
+OWN_FILES = (CONFIG, METRICS, CHECKPOINTS, SESSIONS, INIT, LOCK, FINGERPRINT, "wandb.json", "output.log", "evals.jsonl",
+             "index.html")
+OWN_DIRS = ("checkpoints", OUTPUT)
+_OWN_FILE = re.compile(rf"{re.escape(METRICS)}\.pre_resume_\d{{6}}(-s\d+)?|plot-[^/]*\.png|"
+                       rf"({'|'.join(re.escape(f) for f in (*OWN_FILES, MARKER))})\.tmp")
+_OWN_DIR = re.compile(r"iteration_\d{6}")
+# What the local backend saves under checkpoints/ (backends/local/backend.py: checkpoints/<kind>/<name>, written into
+# a temp folder .<name>.XXXXXXXX, tempfile.mkdtemp's 8 random characters, then renamed) and the fake backend
+# (checkpoints/<...>_<name>.npz); <name> is the loop's RunDir.checkpoint_name.
+CHECKPOINT_KINDS = ("weights", "sampler_weights")
+CHECKPOINT_NAME = r"(\d{6}|final)(-s\d+)?"
+_SAVE_TEMP = re.compile(rf"\.{CHECKPOINT_NAME}\.[a-z0-9_]{{8}}")
+_OWN_STATE = re.compile(CHECKPOINT_NAME)
+_OWN_NPZ = re.compile(rf"[^/]*_{CHECKPOINT_NAME}\.npz")
+# What claim() found: nothing there (new), our marker (ours), an empty folder, or an older runner's run dir (legacy).
+Claim = Literal["new", "ours", "empty", "legacy"]
 # Keys that may change between a run and its resumption: extending a run is a new max_steps, the
 # directory itself is the run's identity, and where metrics are also sent (log) and the `--smoke` stand-ins (smoke) are
 # not part of the training; nor are the cost settings (a rerun with a larger budget continues, docs/cost.md).
 RESUMABLE_CHANGES = ("max_steps", "if_exists", "log_dir", "log", "smoke", "budget", "price", "price_file")
+# Dotted keys that say where the model's files come from, not what trains (backends/hub.py).
+RESUMABLE_KEYS = ("backend.local_files_only",)
 
 
 @dataclass
@@ -120,10 +153,12 @@ class RunDir:
         kept = [r for r in rows if r.get("step", -1) < self.start_step]
         if len(kept) < len(rows):
             backup = metrics.with_name(f"{METRICS}.pre_resume_{self.start_step:06d}")
-            if backup.exists():  # resumed from the same step before: keep both
+            if os.path.lexists(backup):  # resumed from the same step before: keep both
                 backup = backup.with_name(f"{backup.name}-s{self.session}")
-            with disk_errors(backup):
-                shutil.copyfile(metrics, backup)
+            with disk_errors(backup):  # a new file, never written through a link
+                with os.fdopen(os.open(backup, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644),
+                               "wb") as f:
+                    f.write(metrics.read_bytes())
             write_jsonl_atomic(metrics, kept)
         self.tracker = start_tracker(recipe, self.path)
         return float(kept[-1].get("time/total", 0.0)) if kept else 0.0
@@ -178,13 +213,15 @@ class RunDir:
 
 def open_run_dir(recipe: Recipe, name: str, *, dry_run: bool = False, init: dict[str, Any] | None = None,
                  force: bool = False) -> RunDir:
-    """Apply recipe.if_exists to the run directory, holding its lock (released by RunDir.end()). Nothing is
-    written here except the lock file, the removal of a failed save's temp dirs, and that "overwrite" moves an
-    old directory aside (never deletes it); with dry_run nothing at all changes (and nothing is locked).
-    `init`: a chained recipe's starting point, which must be the one recorded when the run dir trained.
-    `force`: resume even though the data's fingerprint changed."""
+    """Apply recipe.if_exists to the run directory, holding its lock (released by RunDir.end()). First claim():
+    a folder that is not a run dir of ours is refused before anything is written, deleted or locked there. Nothing
+    is written here except the dir, its marker and lock file, the removal of a failed save's temp dirs, and that
+    "overwrite" moves an old run dir of ours aside (never deletes it); with dry_run nothing at all changes (and
+    nothing is locked). `init`: a chained recipe's starting point, which must be the one recorded when the run dir
+    trained. `force`: resume even though the data's fingerprint changed."""
     path = run_dir_path(recipe, name)
-    lock = None if dry_run else RunLock(path)
+    claim(path)
+    lock = None if dry_run else RunLock(make_ours(path))
     try:
         run = _open(recipe, name, path, dry_run, init, force)
     except BaseException:
@@ -198,15 +235,140 @@ def open_run_dir(recipe: Recipe, name: str, *, dry_run: bool = False, init: dict
     return run
 
 
+def claim(path: Path) -> Claim:
+    """Whether `path` may be a run dir of ours, only looking (nothing is written, deleted or locked): "new" (nothing
+    there), "ours" (it holds our marker), "empty" (an empty folder, or one holding only a .lock file and a
+    checkpoints/ that is empty or links to a folder: adopted),
+    "legacy" (no marker, but every entry is one runner writes and config.toml holds one recipe: a run dir of an
+    older runner, adopted). Anything else is a one-line UserError, as is a link at the top of the run dir (only
+    checkpoints/ may link to another folder, a folder). `path` itself may be a link (runs/x -> /big/x): the user
+    named it."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        if path.is_symlink():
+            raise UserError(f"log_dir {path} is a symbolic link to nothing; point it at a folder or remove it") from None
+        return "new"
+    except OSError as e:
+        raise UserError(f"log_dir {path}: cannot use it ({e.strerror})") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise UserError(f"log_dir {path} exists and is not a folder; set log_dir to a new or empty folder")
+    try:
+        entries = {e.name: e for e in os.scandir(path)}
+    except OSError as e:
+        raise UserError(f"log_dir {path}: cannot list it ({e.strerror})") from None
+    kind: Claim
+    if MARKER in entries:
+        if not entries[MARKER].is_file(follow_symlinks=False):
+            raise UserError(f"run dir {path}: {MARKER} is not a plain file (a link?); runner refuses to use it")
+        if (version := _marker_format(path / MARKER)) > MARKER_FORMAT:
+            raise UserError(f"run dir {path} was made by a newer runner (run dir format {version}, this one "
+                            f"knows {MARKER_FORMAT}); use that version or another log_dir")
+        kind = "ours"
+    elif _empty(path, entries):
+        return "empty"
+    else:
+        foreign = [n for n in sorted(entries) if not _own_entry(n, entries[n])]
+        if foreign or not _holds_recipe(path / CONFIG):
+            what = f"it holds {foreign[0]!r}" if foreign else f"it holds no {CONFIG} with one recipe"
+            shown = path if path.is_absolute() else f"{path} ({path.resolve()})"  # "..": which one
+            raise UserError(f"{shown} exists and is not a run dir (no {MARKER}; {what}); nothing there was changed. "
+                            "Set log_dir to a new or empty folder")
+        kind = "legacy"
+    links = sorted(n for n, e in entries.items() if e.is_symlink() and n != "checkpoints")
+    if links:
+        raise UserError(f"run dir {path}: {links[0]} is a symbolic link; runner never writes, locks or deletes "
+                        "through a link in a run dir (only checkpoints/ may link to a folder): replace it with a file")
+    if "checkpoints" in entries and not entries["checkpoints"].is_dir():  # a linked one must lead to a folder
+        raise UserError(f"run dir {path}: checkpoints is not a folder (nor a link to one)")
+    odd = sorted(n for n, e in entries.items() if (n in OWN_FILES or _OWN_FILE.fullmatch(n)) and not e.is_file())
+    if odd:  # a FIFO or a device named like our files: reading it would block or never end
+        raise UserError(f"run dir {path}: {odd[0]} is not a plain file; remove it")
+    return kind
+
+
+def _empty(path: Path, entries: dict[str, os.DirEntry[str]]) -> bool:
+    """A folder that holds nothing, or nothing but a .lock file and a checkpoints/ that is empty or a link to a
+    folder (checkpoints put on another disk before the first run)."""
+    if set(entries) - {LOCK, "checkpoints"}:
+        return False
+    if LOCK in entries and not entries[LOCK].is_file(follow_symlinks=False):
+        return False
+    ckpts = entries.get("checkpoints")
+    return ckpts is None or (ckpts.is_symlink() and ckpts.is_dir()) or (ckpts.is_dir() and not _names(path / ckpts.name))
+
+
+def _own_entry(name: str, entry: os.DirEntry[str]) -> bool:
+    """Whether a top-level entry is one runner writes (by name and kind; links are reported by claim())."""
+    if name in OWN_DIRS or _OWN_DIR.fullmatch(name):
+        return entry.is_dir()
+    return (name in OWN_FILES or bool(_OWN_FILE.fullmatch(name))) and entry.is_file()
+
+
+def _holds_recipe(config: Path) -> bool:
+    """Whether `config` is a plain file holding exactly one [recipes.<name>] table (config.toml as runner writes it)."""
+    if not config.is_file() or config.is_symlink():
+        return False
+    try:
+        recipes = tomllib.loads(config.read_text(encoding="utf-8")).get("recipes")
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return False
+    return isinstance(recipes, dict) and len(recipes) == 1
+
+
+def _marker_format(marker: Path) -> int:
+    """The format a marker records (1 when it records none: a marker whose write was cut short)."""
+    try:
+        fd = os.open(marker, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            raw = os.read(fd, 4096)
+        finally:
+            os.close(fd)
+        value = json.loads(raw or b"{}").get("format", 1)
+    except (OSError, ValueError, AttributeError):
+        return 1
+    return value if isinstance(value, int) else 1
+
+
+def make_ours(path: Path) -> Path:
+    """Create the run dir (a claimed one: see claim()) and its marker, when missing. Returns `path`."""
+    with disk_errors(path):
+        path.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path / MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            return path
+        try:
+            os.write(fd, json.dumps({"format": MARKER_FORMAT, "what": "a run dir of runner (docs/rundir.md)"})
+                     .encode() + b"\n")
+        finally:
+            os.close(fd)
+    return path
+
+
 class RunLock:
     """An exclusive fcntl.flock on <run dir>/.lock (creating the dir), or UserError naming the pid that holds
-    it. The OS drops it when the process dies (kill -9 included), so a stale lock file never blocks a resume."""
+    it. The OS drops it when the process dies (kill -9 included), so a stale lock file never blocks a resume.
+    A .lock that is a link, not a plain file, or a hard link to another file is refused, untouched."""
 
     def __init__(self, path: Path):
         self.fd: int | None = None  # set once locked (close() and __del__ run on a half-made lock too)
+        lock = path / LOCK
         with disk_errors(path):
             path.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENXIO):
+                    raise
+                fd = -1
+        st = os.fstat(fd) if fd >= 0 else None
+        if st is None or not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+            if fd >= 0:
+                os.close(fd)
+            what = "a symbolic link" if st is None else "not a plain file" if not stat.S_ISREG(st.st_mode) else \
+                f"a hard link shared with {st.st_nlink - 1} other name(s)"
+            raise UserError(f"run dir {path}: {LOCK} is {what}; runner never writes through it: remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -215,10 +377,10 @@ class RunLock:
             raise UserError(f"run dir {path} is in use by another run (pid {holder}); wait for it to finish, "
                             "stop it, or set another log_dir") from None
         except OSError as e:  # a file system without locks (some network and FUSE mounts): say so, go on
-            print(f"warning: cannot lock {path / LOCK} ({e.strerror}); nothing stops a second run from writing "
+            print(f"warning: cannot lock {lock} ({e.strerror}); nothing stops a second run from writing "
                   "to this run dir at the same time", file=sys.stderr)
         try:
-            with disk_errors(path / LOCK):
+            with disk_errors(lock):
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except BaseException:
@@ -236,7 +398,9 @@ class RunLock:
 
 
 def _is_empty(path: Path) -> bool:
-    return not path.exists() or all(e.name == LOCK for e in path.iterdir())
+    """Nothing there, or nothing but our marker, lock file and an empty or linked checkpoints/ (a run dir whose
+    first run never started)."""
+    return not path.exists() or _empty(path, {e.name: e for e in os.scandir(path) if e.name != MARKER})
 
 
 def _open(recipe: Recipe, name: str, path: Path, dry_run: bool, init: dict[str, Any] | None,
@@ -250,7 +414,7 @@ def _open(recipe: Recipe, name: str, path: Path, dry_run: bool, init: dict[str, 
             print(f"{path}: removed {removed} temp folder(s) left by an interrupted save", file=sys.stderr)
     if recipe.if_exists == "error":
         raise UserError(f"run dir {path} already exists (if_exists = \"error\"); set if_exists or log_dir")
-    if recipe.if_exists == "overwrite":
+    if recipe.if_exists == "overwrite":  # claim() let only a run dir of ours (or an older runner's) get here
         aside = path.with_name(f"{path.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
         n = 1
         while aside.exists() or aside.is_symlink():  # two overwrites within a second: never rename onto one
@@ -259,11 +423,14 @@ def _open(recipe: Recipe, name: str, path: Path, dry_run: bool, init: dict[str, 
         if not dry_run:
             with disk_errors(path):
                 path.rename(aside)
-            run.lock = RunLock(path)
+            run.lock = RunLock(make_ours(path))
         run.note, run.announce = f"old run moved aside to {aside}", True
         return run
     if not (path / CONFIG).exists():
-        raise UserError(f"{path} exists but is not a run dir (no {CONFIG}); set log_dir or if_exists = \"overwrite\"")
+        if _nothing_trained(path):  # a run of ours that stopped before it wrote its recipe
+            return run
+        raise UserError(f"run dir {path} holds no {CONFIG} but trained files; set log_dir or "
+                        "if_exists = \"overwrite\" (moves it aside)")
     old = load_config(path / CONFIG)
     differing = recipe_diff(old, recipe)
     if differing and _nothing_trained(path):
@@ -345,7 +512,8 @@ def recipe_diff(a: Recipe, b: Recipe) -> list[str]:
     """Dotted keys whose values differ, ignoring the keys a resumed run may change."""
     fa, fb = flatten(msgspec.to_builtins(a)), flatten(msgspec.to_builtins(b))
     keys = sorted(set(fa) | set(fb))
-    return [k for k in keys if k.split(".")[0] not in RESUMABLE_CHANGES and fa.get(k) != fb.get(k)]
+    return [k for k in keys if k.split(".")[0] not in RESUMABLE_CHANGES and k not in RESUMABLE_KEYS
+            and fa.get(k) != fb.get(k)]
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -388,17 +556,28 @@ def _is_local(p: object) -> bool:
 def relative_row(row: dict[str, Any], run_path: Path) -> dict[str, Any]:
     """The row as checkpoints.jsonl stores it: local state/sampler paths inside the run dir made relative to it."""
     out = dict(row)
-    base = run_path.resolve()
     for key in ("state_path", "sampler_path"):
         p = out.get(key)
         if not _is_local(p):
             continue
-        try:
-            out[key] = str(Path(str(p)).resolve().relative_to(base))
-        except ValueError:  # outside the run dir (a backend with its own storage): kept as given
-            continue
-        out["paths"] = "run"
+        if (rel := _in_run_dir(str(p), run_path)) is not None:
+            out[key], out["paths"] = rel, "run"
     return out
+
+
+def _in_run_dir(p: str, run_path: Path) -> str | None:
+    """`p` relative to the run dir: as written (a linked checkpoints/ stays checkpoints/...), under checkpoints/'s
+    target (a backend that resolved its storage dir, as the local one does), or with links resolved on both sides;
+    None: outside it (a backend with its own storage)."""
+    ckpts = run_path / "checkpoints"
+    for path, base, prefix in [(Path(os.path.abspath(p)), Path(os.path.abspath(run_path)), ""),
+                               (Path(os.path.abspath(p)), ckpts.resolve(), "checkpoints"),
+                               (Path(p).resolve(), run_path.resolve(), "")]:
+        try:
+            return str(Path(prefix, path.relative_to(base)))
+        except ValueError:
+            continue
+    return None
 
 
 def resolve_row(row: dict[str, Any], run_path: Path) -> dict[str, Any]:
@@ -428,17 +607,73 @@ def read_checkpoints(run_path: Path) -> list[dict[str, Any]]:
 
 
 def remove_stale_temps(path: Path) -> int:
-    """Remove what an interrupted atomic save leaves (hidden temp folders under checkpoints/<kind>/, *.tmp
-    files of the run dir's own atomic writes). Only called holding the lock, so no save is in progress."""
+    """Remove what an interrupted atomic save leaves: the temp folders of the local backend's saves
+    (checkpoints/<kind>/.<name>.XXXXXXXX) and the run dir's own <file>.tmp of an atomic write, matched by name
+    and kind, never through a link (lstat first; shutil.rmtree does not follow links inside). A linked
+    checkpoints/ is entered, its other entries untouched. Only called holding the lock, so no save is in
+    progress."""
     n = 0
-    for tmp in [*(path / "checkpoints").glob("*/.*"), *path.glob("*.tmp")]:
-        with contextlib.suppress(OSError):
-            if tmp.is_dir() and not tmp.is_symlink():
-                shutil.rmtree(tmp)
-            else:
+    for tmp in [path / name for name in _names(path) if name.endswith(".tmp") and _OWN_FILE.fullmatch(name)]:
+        if _plain(tmp, stat.S_ISREG):
+            with contextlib.suppress(OSError):
                 tmp.unlink()
-            n += 1
+                n += 1
+    for kind in CHECKPOINT_KINDS:
+        folder = path / "checkpoints" / kind
+        if not _plain(folder, stat.S_ISDIR):
+            continue
+        for tmp in [folder / name for name in _names(folder) if _SAVE_TEMP.fullmatch(name)]:
+            if _plain(tmp, stat.S_ISDIR):
+                with contextlib.suppress(OSError):
+                    shutil.rmtree(tmp)
+                    n += 1
     return n
+
+
+def own_state(run_path: Path, state: str) -> Path | None:
+    """The saved state `state` when it is one runner wrote in the run dir's checkpoints/ (by name: <kind>/<name> of
+    the local backend, *_<name>.npz of the fake one; <name> a checkpoint name) and no part of it below checkpoints/
+    is a link; else None. Deleting anything else (a row of a copied checkpoints.jsonl naming a linked folder's
+    files) is never ours to do."""
+    if "://" in state or (rel := _in_run_dir(state, run_path)) is None or Path(rel).parts[:1] != ("checkpoints",):
+        return None
+    root = Path(os.path.abspath(run_path / "checkpoints"))
+    parts = Path(rel).parts[1:]
+    ours = ((len(parts) == 2 and parts[0] in CHECKPOINT_KINDS and bool(_OWN_STATE.fullmatch(parts[1])))
+            or (len(parts) == 1 and bool(_OWN_NPZ.fullmatch(parts[0]))))
+    if not ours or not all(_plain(root.joinpath(*parts[: i + 1])) for i in range(len(parts))):
+        return None
+    return root.joinpath(*parts)
+
+
+def remove_own_state(run_path: Path, state: str) -> bool:
+    """Delete a saved state of this run dir (own_state: ours by name, not through a link); whether it went."""
+    path = own_state(run_path, state)
+    if path is None:
+        return False
+    with contextlib.suppress(OSError):
+        if stat.S_ISDIR(path.lstat().st_mode):
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        return True
+    return False
+
+
+def _names(folder: Path) -> list[str]:
+    try:
+        return sorted(os.listdir(folder))
+    except OSError:
+        return []
+
+
+def _plain(path: Path, kind: Any = None) -> bool:
+    """Whether `path` exists and is not a link (and, given `kind`, e.g. stat.S_ISDIR, is of that kind)."""
+    try:
+        mode = path.lstat().st_mode
+    except OSError:
+        return False
+    return not stat.S_ISLNK(mode) and (kind is None or kind(mode))
 
 
 # ---------------------------------------------------------------- data fingerprint

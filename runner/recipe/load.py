@@ -28,6 +28,7 @@ import msgspec
 import tomli_w
 
 from backends.errors import UserError
+from runner.recipe.compose import DEFAULTS, EXTENDS, Layer, layers, merge_layers, origin, resolve_tables
 from runner.recipe.explain import NAME, child, convert, dotted, got, info, is_ref, is_str, is_target
 from runner.recipe.lr import resolve_auto
 from runner.recipe.pinned import task_file
@@ -54,14 +55,20 @@ def load_recipe(ref: str, overrides: Sequence[str] = ()) -> tuple[str, Recipe]:
 def pick(ref: str) -> tuple[str, str, dict[str, Any]]:
     """(file, recipe name, raw table) of 'FILE#name' (or FILE alone when it holds one recipe)."""
     path, name = split_ref(ref)
-    tables = read_tables(path)
+    data = read_data(path)
+    tables = data["recipes"]
     if name is None:
         if len(tables) != 1:
             raise UserError(f"{path}: pick a recipe as {path}#NAME; available: {', '.join(sorted(tables))}")
         name = next(iter(tables))
     if name not in tables:
         raise UserError(f"{path}: no recipe named {name!r}; available: {', '.join(sorted(tables))}")
-    return path, name, tables[name]
+    return path, name, merge_layers(layers(path, name, data, read_data))[0]
+
+
+def recipe_names(path: str) -> list[str]:
+    """The names of a file's recipes, in order (without resolving them: one bad recipe does not hide the others)."""
+    return list(read_data(path)["recipes"])
 
 
 def resolve(path: str, name: str, raw: dict[str, Any], overrides: Sequence[str] = (),
@@ -156,7 +163,21 @@ def split_ref(ref: str) -> tuple[str, str | None]:
 
 
 def read_tables(path: str) -> dict[str, dict[str, Any]]:
-    """The raw `[recipes.<name>]` tables of a file, undecoded."""
+    """The raw `[recipes.<name>]` tables of a file, undecoded, each with its `extends` chain and the file's
+    `[defaults]` merged in (runner/recipe/compose.py)."""
+    return resolve_tables(path, read_data(path), read_data)
+
+
+def read_layers(path: str, name: str) -> list[Layer]:
+    """The tables recipe `name` of `path` is merged from, lowest first, each labelled (`runner show --explain`)."""
+    data = read_data(path)
+    if name not in data["recipes"]:
+        raise UserError(f"{path}: no recipe named {name!r}; available: {', '.join(sorted(data['recipes']))}")
+    return layers(path, name, data, read_data)
+
+
+def read_data(path: str) -> dict[str, Any]:
+    """A recipe file parsed and its shape checked: `[recipes.<name>]` tables and an optional `[defaults]` table."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"{path}: {'not a file' if p.exists() else 'file not found'}")
@@ -173,8 +194,14 @@ def read_tables(path: str) -> dict[str, dict[str, Any]]:
     if "recipes" not in data:
         raise UserError(f"{path}: no [recipes] table; write each recipe as [recipes.<name>]")
     for key in data:
-        if key != "recipes":
+        if key not in ("recipes", DEFAULTS):
             raise UserError(f"{path}: {key}: unknown top-level key; write each recipe as [recipes.<name>]")
+    defaults = data.get(DEFAULTS, {})
+    if not isinstance(defaults, dict):
+        raise UserError(f"{path}: {DEFAULTS}: expected a table [{DEFAULTS}], got {got(defaults)}")
+    for key in (EXTENDS, SWEEP_KEY):
+        if key in defaults:
+            raise UserError(f"{path}: {DEFAULTS}.{key}: not allowed in [{DEFAULTS}]; set it on a recipe")
     tables = data["recipes"]
     if not isinstance(tables, dict):
         raise UserError(f"{path}: recipes: expected a table of [recipes.<name>] tables, got {got(tables)}")
@@ -185,7 +212,7 @@ def read_tables(path: str) -> dict[str, dict[str, Any]]:
             raise UserError(f"{path}: recipe name {name!r}: use only letters, digits, '_' and '-'")
         if not isinstance(raw, dict):
             raise UserError(f"{path}#{name}: expected a table [recipes.{name}], got {got(raw)}")
-    return tables
+    return data
 
 
 _PARSED: dict[bytes, dict[str, Any]] = {}
@@ -306,8 +333,30 @@ def recipe_dict(recipe: Recipe) -> dict[str, Any]:
 
 
 def dump_recipe(name: str, recipe: Recipe) -> str:
-    """The fully resolved recipe as TOML, wrapped as [recipes.<name>]; loads back to an equal Recipe."""
-    return tomli_w.dumps({"recipes": {name: recipe_dict(recipe)}})
+    """The fully resolved recipe as TOML, wrapped as [recipes.<name>]; loads back to an equal Recipe. An empty
+    table (`log`, all of whose fields are None) is left out when the recipe reads back the same without it."""
+    table = recipe_dict(recipe)
+    for keys in _empty_tables(table, ()):
+        trial = copy.deepcopy(table)
+        node = trial
+        for key in keys[:-1]:
+            node = node[key]
+        del node[keys[-1]]
+        try:
+            same = convert(trial, Recipe, name) == recipe
+        except UserError:
+            same = False
+        if same:
+            table = trial
+    return tomli_w.dumps({"recipes": {name: table}})
+
+
+def _empty_tables(v: dict[str, Any], at: tuple[str, ...]) -> list[tuple[str, ...]]:
+    out: list[tuple[str, ...]] = []
+    for key, value in v.items():
+        if isinstance(value, dict):
+            out.extend(_empty_tables(value, (*at, key)) if value else [(*at, key)])
+    return out
 
 
 def _drop_none(v: Any) -> Any:
@@ -333,9 +382,11 @@ def check_recipe(recipe: Recipe, where: str) -> None:
                     fn = import_target(value)
                 except UserError as e:
                     raise UserError(f"{where}: {dotted([*path, field.encode_name])}: {e}") from None
-                # A target called as fn(**args) (python data sources and envs): the args must fit its signature.
+                # A target called as fn(**args) (python data sources and envs; a pinned eval's after its sampler and
+                # tokenizer, TARGET_LEADING): the args must fit its signature.
                 args = getattr(node, "args", None) if field.name == "target" else None
-                problem = args_mismatch(fn, args) if isinstance(args, dict) else None
+                leading = getattr(type(node), "TARGET_LEADING", 0)
+                problem = args_mismatch(fn, args, leading) if isinstance(args, dict) else None
                 if problem and isinstance(args, dict):
                     raise UserError(f"{where}: {dotted([*path, 'args'])}: {value!r} cannot be called with "
                                     f"args {sorted(args)}: {problem}")
@@ -354,3 +405,28 @@ def structs(v: Any, path: tuple[str | int, ...]) -> Iterator[tuple[tuple[str | i
     elif isinstance(v, dict):
         for k, x in v.items():
             yield from structs(x, (*path, k))
+
+
+# ---------------------------------------------------------------- where each value came from (`runner show --explain`)
+
+def explain_recipe(path: str, name: str, recipe: Recipe, overrides: Sequence[str] = ()) -> str:
+    """One `key = value  # source` line per value of the resolved recipe; the source is `default` (the schema),
+    `[defaults] of FILE`, `FILE#base (extends)`, `FILE#name` or `override KEY=VALUE` (runner/recipe/compose.py)."""
+    _, origins = merge_layers(read_layers(path, name))
+    for text in overrides:
+        keys, _ = parse_override(text)
+        at = tuple(keys)
+        for p in [p for p in origins if p[: len(at)] == at]:
+            del origins[p]
+        origins[at] = f"override {text}"
+    rows = list(_leaves(recipe_dict(recipe), ()))
+    width = min(max((len(line) for line, _ in rows), default=0), 72)
+    return "".join(f"{line.ljust(width)}  # {origin(origins, keys) or 'default'}\n" for line, keys in rows)
+
+
+def _leaves(v: dict[str, Any], at: tuple[str, ...]) -> Iterator[tuple[str, tuple[str, ...]]]:
+    for key, value in v.items():
+        if isinstance(value, dict) and value:
+            yield from _leaves(value, (*at, key))
+        else:
+            yield f"{dotted([*at, key])} = {toml_value(value)}", (*at, key)

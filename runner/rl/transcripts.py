@@ -9,11 +9,14 @@ network, so the file opens anywhere.
 
 from __future__ import annotations
 
+import errno
 import html
 import json
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from backends.errors import UserError
 from runner.rl.types import Trajectory, TrajectoryGroup
 
 Decode = Callable[[list[int]], str]
@@ -59,9 +62,7 @@ def write_html(
             parts.append(_trajectory_html(ti, traj, g.final_rewards_G[ti], g.metrics_G[ti], totals[ti], decode))
         parts.append("</section>")
     parts.append("</body></html>\n")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(parts), encoding="utf-8")
+    _write(Path(path), "".join(parts))
 
 
 def _trajectory_html(
@@ -160,8 +161,18 @@ def rollout_summary_rows(
 
 def write_rollout_summaries(path: str | Path, groups: Sequence[TrajectoryGroup], **kwargs) -> None:
     """`rollout_summary_rows` as JSONL (keyword arguments are passed on)."""
-    path = Path(path)
+    _write(Path(path), "".join(json.dumps(row) + "\n" for row in rollout_summary_rows(groups, **kwargs)))
+
+
+def _write(path: Path, text: str) -> None:
+    """Write a transcript file in the run dir, never through a link planted there (docs/reliability.md)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
-        for row in rollout_summary_rows(groups, **kwargs):
-            f.write(json.dumps(row) + "\n")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UserError(f"{path} is a symbolic link; runner does not write through links in a run dir: replace "
+                            "it with a file") from None
+        raise
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)

@@ -6,7 +6,7 @@ numeric key colours the runs along a colour scale in value order. `--smooth K` d
 over K logged points in bold over the raw curve, drawn faint (curves of fewer than 2K points, such as evals
 every N steps, are drawn as they are). The PNG is drawn off screen (Agg), 150 dpi.
 
-matplotlib is an optional dependency (`pip install 'runner[plot]'`): without it `runner plot` is one line
+matplotlib is a base dependency (pyproject.toml); an install without it (`--no-deps`) makes `runner plot` one line
 saying so, and a sweep's index.html has the table without the curves.
 """
 

@@ -40,8 +40,9 @@ from runner.recipe.load import (
     apply_overrides,
     decode_recipe,
     load_recipe,
-    read_tables,
+    pick,
     recipe_dict,
+    recipe_names,
     split_ref,
     structs,
     toml_value,
@@ -407,7 +408,7 @@ def write(smoke: SmokePlan) -> None:
 
 def check_smoke(path: str, name: str, overrides: Sequence[str] = ()) -> None:
     """`runner check`: a recipe with a smoke table must smoke (its data keys name data sources, its overrides fit)."""
-    if "smoke" in read_tables(path)[name]:
+    if "smoke" in pick(f"{path}#{name}")[2]:
         plan(path, [name], overrides)
 
 
@@ -498,15 +499,17 @@ def _steps(recipe: Recipe) -> int:
 
 
 def _empty(run_dir: Path) -> None:
-    """Remove an earlier smoke's run dir (only a dir named *-smoke holding a run, or nothing)."""
-    from runner.engine.rundir import CONFIG
+    """Remove an earlier smoke's run dir (only a dir named *-smoke that is a run dir of ours, or empty: rundir.claim;
+    shutil.rmtree removes links inside, never what they point to)."""
+    from runner.engine.rundir import claim
 
-    if not run_dir.name.endswith("-smoke") or not run_dir.is_dir():
+    if not run_dir.name.endswith("-smoke") or not run_dir.is_dir() or run_dir.is_symlink():
         return
-    if (run_dir / CONFIG).is_file() or not any(run_dir.iterdir()):
-        shutil.rmtree(run_dir)
-    else:
-        raise UserError(f"{run_dir} exists and is not a run dir; --smoke writes its run there: move it away")
+    try:
+        claim(run_dir)
+    except UserError:
+        raise UserError(f"{run_dir} exists and is not a run dir; --smoke writes its run there: move it away") from None
+    shutil.rmtree(run_dir)
 
 
 def table(results: Sequence[Result]) -> str:
@@ -522,7 +525,7 @@ def table(results: Sequence[Result]) -> str:
 
 
 def all_names(path: str) -> list[str]:
-    return list(read_tables(path))
+    return recipe_names(path)
 
 
 def split(ref: str) -> tuple[str, str]:

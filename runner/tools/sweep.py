@@ -51,7 +51,7 @@ import tomli_w
 
 from backends.errors import UserError
 from runner.engine.chain import check_all
-from runner.engine.rundir import CHECKPOINTS, CONFIG, METRICS, dump_config, open_run_dir
+from runner.engine.rundir import CHECKPOINTS, CONFIG, METRICS, claim, dump_config, open_run_dir
 from runner.recipe.explain import NAME, child, got, info
 from runner.recipe.explain import resolve as resolve_type
 from runner.recipe.load import SWEEP_KEY, parse_override, pick, recipe_dict, resolve, show_value, toml_value
@@ -183,6 +183,9 @@ def plan(ref: str, overrides: Sequence[str] = (), zip_: bool = False, *, need_ax
     if (sweep.dir / CONFIG).exists():
         raise UserError(f"{sweep.dir} is a run dir (it has {CONFIG}), not a sweep dir: move it aside, or set "
                         f"log_dir=runs/<another name> for the sweep")
+    if (foreign := _foreign_entry(sweep.dir)) is not None:
+        raise UserError(f"{sweep.dir} exists and is not a sweep dir (it holds {foreign!r}); nothing there was changed. "
+                        "Set log_dir to a new or empty folder for the sweep")
     for p in sweep.points:
         at = f"{where} point {p.name}"
         try:  # the run dir's own checks: if_exists = "error", or a dir that holds a different recipe
@@ -293,6 +296,28 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def _foreign_entry(sweep_dir: Path) -> str | None:
+    """The first entry of an existing sweep dir that a sweep does not write (sweep.json, the report's index.html and
+    plot-*.png, point run dirs that rundir.claim accepts), else None: a sweep never writes into someone's folder."""
+    if not sweep_dir.is_dir():
+        return None if not sweep_dir.exists() else "."
+    for entry in sorted(os.scandir(sweep_dir), key=lambda e: e.name):
+        name = entry.name
+        if entry.is_symlink():
+            return name
+        if name in (SWEEP_FILE, SWEEP_FILE + ".tmp", "index.html") or (name.startswith("plot-") and name.endswith(".png")):
+            if entry.is_file():
+                continue
+            return name
+        if not entry.is_dir():
+            return name
+        try:
+            claim(Path(entry.path))
+        except UserError:
+            return name
+    return None
 
 
 def write_record(sweep: Sweep) -> None:
@@ -484,7 +509,7 @@ def check_line(ref: str, overrides: Sequence[str]) -> str:
     where = f"{path}#{name}"
     if has_sweep(raw):
         return f"ok  {where} (sweep: {len(plan(ref, overrides, inspect_dirs=False).points)} points)"
-    check_all(resolve(path, name, raw, overrides), where)
+    check_all(resolve(path, name, raw, overrides), where, name=name)
     return f"ok  {where}"
 
 

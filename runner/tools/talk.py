@@ -194,6 +194,15 @@ async def _evaluate_all(algo: Any, ctx: Any, recipe: Any) -> dict[str, float]:
     return metrics
 
 
+def eval_order(recipe: Any, metrics: dict[str, float]) -> list[str]:
+    """The keys `runner eval` prints: the algorithm's main metrics first (`runner compare`'s, held-out first), then the
+    rest alphabetically; no time/ keys."""
+    from runner.engine.spec import spec_of
+
+    main = [k for k in spec_of(recipe.algo).compare_keys() if k in metrics]
+    return [*main, *sorted(k for k in metrics if k not in main and not k.startswith("time/"))]
+
+
 def evaluate(target: str, checkpoint: str | None, out: TextIO) -> dict[str, float]:
     """The recipe's evaluators on one checkpoint; printed, and appended to the run dir's evals.jsonl."""
     from runner.engine.chain import resolved_inputs
@@ -220,8 +229,7 @@ def evaluate(target: str, checkpoint: str | None, out: TextIO) -> dict[str, floa
     row = {"checkpoint": t.checkpoint["name"], "step": t.checkpoint.get("next_step"), **metrics, "time": time.time()}
     append_jsonl(t.run_dir / EVALS, row)
     out.write(f"{t.name} checkpoint {t.checkpoint['name']} (after {t.checkpoint.get('next_step')} steps)\n")
-    for k, v in sorted(metrics.items()):
-        if not k.startswith("time/"):
-            out.write(f"  {k} {v:.6g}\n")
+    for k in eval_order(t.recipe, metrics):
+        out.write(f"  {k} {metrics[k]:.6g}\n")
     out.flush()
     return metrics

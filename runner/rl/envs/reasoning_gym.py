@@ -29,7 +29,7 @@ from typing import Any
 from backends.errors import UserError
 from runner.recipe.schema import ReasoningGym
 from runner.renderers.chat import ChatRenderer, Message
-from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, RepeatGroupBuilder, check_train_size
+from runner.rl.envs.common import ChatEnv, EnvContext, EnvKind, ListDataset, RepeatGroupBuilder, check_train_size
 from runner.rl.types import Observation, RLDataset, StepResult, StopCondition
 
 INSTALL = "the reasoning_gym env needs the reasoning-gym package: pip install 'runner[reasoning]'"
@@ -171,3 +171,6 @@ def build(cfg: ReasoningGym, ctx: EnvContext) -> tuple[RLDataset, RLDataset | No
     train_ds = ListDataset(train, functools.partial(builder, ctx.group_size), ctx.groups_per_batch)
     test_ds = ListDataset(test, functools.partial(builder, ctx.test_group_size), ctx.groups_per_batch, drop_last=False)
     return train_ds, (test_ds if test else None)
+
+
+ENV = EnvKind(build, [("env/all/score", "score"), ("env/all/format", "format")])

@@ -35,7 +35,7 @@ from backends.errors import UserError
 from backends.serve.openai_api import ApiError, chat_plan, chat_response, error_body
 from backends.types import SampledSequence, SampleOutput
 from runner.recipe.schema import Verifiers
-from runner.rl.envs.common import EnvContext, ListDataset
+from runner.rl.envs.common import EnvContext, EnvKind, ListDataset
 from runner.rl.types import Env, EnvGroupBuilder, Metrics, Observation, RLDataset, StepResult, StopCondition, Trajectory
 
 if TYPE_CHECKING:  # imported in build(): runner.rl.openai_chat imports an env module (tool_use), hence this package
@@ -245,3 +245,6 @@ def build(cfg: Verifiers, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]
     train_ds = ListDataset(train, functools.partial(builder, ctx.group_size), ctx.groups_per_batch)
     test_ds = ListDataset(test, functools.partial(builder, ctx.test_group_size), ctx.groups_per_batch, drop_last=False)
     return train_ds, (test_ds if test else None)
+
+
+ENV = EnvKind(build, [("env/all/vf_error", "vf_error")])
