@@ -13,10 +13,10 @@ function giving its per-token loss from the learner's logprobs. Readers:
     with the same function.
 Adding a loss: one `register(LossSpec(...))` (here for a built-in, in any module for a user's own).
 
-Formulas (tinker-sdk.md §3), per token, SUMMED over tokens and datums (never averaged). lp = learner logprob of
+Formulas (docs/losses.md "Formulas"), per token, SUMMED over tokens and datums (never averaged). lp = learner logprob of
 the target, q = sampler logprob (`Datum.logprobs`), A = advantage, r = exp(lp - q), sg = stop-gradient. Our Datum
 may carry `mask` (Tinker has none): every per-token loss is multiplied by it (the backends do that, not the
-functions here), which matters for dro, whose quadratic term does not multiply by A (cookbook-algorithms.md §1.6).
+functions here), which matters for dro, whose quadratic term does not multiply by A (docs/losses.md).
 
 Torch is not imported here (validating a recipe must not load it): the functions use tensor methods only.
 """
@@ -210,7 +210,7 @@ class _LiveNames(Sequence[str]):
 LOSS_NAMES: Sequence[str] = _LiveNames()
 
 
-# ---------------------------------------------------------------- Tinker's built-ins (tinker-sdk.md §3)
+# ---------------------------------------------------------------- Tinker's built-ins (docs/losses.md)
 
 
 def _need(x: Tensor | None) -> Tensor:

@@ -1,6 +1,6 @@
 """Clock cycles per step of the training loop under a simulated Tinker clock, and RL async vs sync speed.
 
-Tinker's service runs in clock cycles (tinker-sdk.md §1.3): a worker pool runs one forward_backward +
+Tinker's service runs in clock cycles (its docs' "Clock cycles" page): a worker pool runs one forward_backward +
 optim_step per model per cycle in lock step, and a request that arrives before a tick joins that cycle.
 A client that awaits each call before submitting the next pays a cycle per round trip; the docs call that
 naive pattern about 3 cycles per RL step. `ClockBackend(inner, period_s)` simulates the clock around any

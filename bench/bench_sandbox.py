@@ -10,6 +10,7 @@ then, on the preferred path, one assert test judged by the harness (runner/rewar
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -92,6 +93,7 @@ def run(sb: Sandbox, code: str) -> str:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; no options
     folder = Path(tempfile.mkdtemp(prefix="bench-sandbox-"))
     os.chmod(folder, 0o755)
     sock_path = str(folder / "listener.sock")

@@ -131,3 +131,23 @@ def test_distillation_in_async_mode(proj: Path) -> None:
     assert main(["run", "r.toml#student"]) == 0
     rows = [r for r in read_jsonl(proj / "runs" / "student" / "metrics.jsonl") if "async/staleness_max" in r]
     assert [r["async/staleness_max"] for r in rows] == [0, 1]
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"num_substeps": 5}, "num_substeps must be <= groups_per_batch"),
+    ({"mode": {"kind": "stream", "minibatches": 3}}, "stream mode: groups_per_batch must split evenly"),
+    ({"temperature": 0.5, "numerics": {}}, "agree only at temperature = 1"),
+])
+def test_distill_has_rls_checks(extra: dict[str, object], message: str) -> None:
+    """RL and Distill share one base struct (runner/recipe/schema.py OnPolicy) and its checks: a step of 4 groups
+    (two prompt sets of 2) cannot be split into 5 substeps or 3 stream minibatches."""
+    import msgspec
+
+    from runner.recipe.schema import RL, Distill, OnPolicy
+
+    data = {"kind": "jsonl", "path": "x.jsonl"}
+    cfg = {"datasets": [{"prompts": data, "groups_per_batch": 2}, {"prompts": data, "groups_per_batch": 2}]}
+    assert msgspec.convert(cfg, Distill).groups_per_batch == 4
+    with pytest.raises(msgspec.ValidationError, match=message):
+        msgspec.convert({**cfg, **extra}, Distill)
+    assert issubclass(RL, OnPolicy) and issubclass(Distill, OnPolicy)

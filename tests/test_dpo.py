@@ -23,6 +23,7 @@ from runner.algos.dpo import DPOAlgo, dpo_loss_fn, dpo_stats, sequence_logprobs
 from runner.algos.reward_model import RewardModelAlgo, judge_stats, orders, to_datum
 from runner.data.comparisons import judge_messages, load_pairs, render_completion
 from runner.engine.loop import run
+from runner.engine.spec import Settings
 from runner.recipe.schema import DPO, Jsonl, Recipe, RewardModel
 
 TOK = build_tokenizer()
@@ -111,7 +112,7 @@ def test_gradient_local_one_pass_equals_tinker_sdk_two_passes(tmp_path, mock_tin
 
     pairs = load_pairs(Jsonl(str(COMPARISONS))).pairs[:3]
     cfg = msgspec.convert({"kind": "dpo", "data": {"kind": "jsonl", "path": "x"}}, DPO)
-    algo = DPOAlgo(cfg, load_pairs(Jsonl(str(COMPARISONS))), TOK)
+    algo = DPOAlgo(cfg, load_pairs(Jsonl(str(COMPARISONS))), Settings.make(TOK))
     data = [d for p in pairs for d in algo.datums(p)]
     ref = np.array([float(np.dot(d.weights, np.full(d.length, -3.0) + 0.1 * np.arange(d.length)))
                     for d in data])  # any fixed numbers: the reference is a constant here
@@ -205,7 +206,7 @@ def test_a_prompt_that_fills_max_length_is_an_error_naming_the_row(tmp_path):
     path = write_rows(tmp_path / "p.jsonl", [pair_row(1), long, pair_row(2)])
     cfg = msgspec.convert({"kind": "dpo", "data": {"kind": "jsonl", "path": str(path)}, "max_length": 64,
                            "batch_size": 1}, DPO)
-    algo = DPOAlgo(cfg, load_pairs(cfg.data), TOK)
+    algo = DPOAlgo(cfg, load_pairs(cfg.data), Settings.make(TOK))
     with pytest.raises(UserError, match=rf"{path}:2: the prompt fills algo.max_length = 64 tokens"):
         algo.datums(algo.data.pairs[1])
 
@@ -345,10 +346,10 @@ def test_reference_path_is_used_when_given():
         return await algo.reference(Backend())
 
     pairs = load_pairs(Jsonl(str(COMPARISONS)))
-    assert asyncio.run(go(DPOAlgo(cfg, pairs, TOK, reference_path="/up/sampler"))) == "client"
-    asyncio.run(go(DPOAlgo(cfg, pairs, TOK, base_model="base")))
+    assert asyncio.run(go(DPOAlgo(cfg, pairs, Settings.make(TOK, reference_path="/up/sampler")))) == "client"
+    asyncio.run(go(DPOAlgo(cfg, pairs, Settings.make(TOK, model="base"))))
     assert calls == [{"model_path": "/up/sampler", "base_model": None}, {"model_path": None, "base_model": "base"}]
-    lines = DPOAlgo(cfg, pairs, TOK, reference_path="/up/sampler").describe()
+    lines = DPOAlgo(cfg, pairs, Settings.make(TOK, reference_path="/up/sampler")).describe()
     assert any("reference: the initial weights, sampler weights /up/sampler" in line for line in lines)
 
 
@@ -378,7 +379,7 @@ def test_dpo_learns_the_shipped_comparisons(tmp_path):
 def rm_algo(path: Path, **over: Any) -> RewardModelAlgo:
     cfg = msgspec.convert({"kind": "reward_model", "data": {"kind": "jsonl", "path": str(path)}, "batch_size": 1,
                            **over}, RewardModel)
-    return RewardModelAlgo(cfg, load_pairs(cfg.data), TOK)
+    return RewardModelAlgo(cfg, load_pairs(cfg.data), Settings.make(TOK))
 
 
 def test_reward_model_renders_both_orders(tmp_path):

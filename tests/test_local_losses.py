@@ -1,5 +1,5 @@
 """backends/local/losses.py against independent numpy implementations of Tinker's formulas
-(tinker-sdk.md §3): values and gradients w.r.t. the learner's logprobs, float64, random inputs."""
+(docs/losses.md "Formulas"): values and gradients w.r.t. the learner's logprobs, float64, random inputs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The numerics gate (runner/rl/numerics.py): every RL / distill step logs the sampler-vs-trainer logprob mismatch of
+"""The numerics gate (runner/rl/gate.py): every RL / distill step logs the sampler-vs-trainer logprob mismatch of
 its sampled tokens; `numerics = {action = "warn" | "stop"}` acts on it; `runner numerics` runs the check alone.
 
 A broken sampler is the local backend's, with every sampled logprob multiplied by 1.5 (BrokenBackend below): the
@@ -27,7 +27,7 @@ from runner import cli
 from runner.recipe.load import load_recipe
 from runner.recipe.numerics import Numerics
 from runner.recipe.schema import RL
-from runner.rl.numerics import FRAC_KEY, Gate, dlogprob_metrics, on_policy
+from runner.rl.gate import FRAC_KEY, Gate, dlogprob_metrics, on_policy
 
 SCALE = 1.5
 

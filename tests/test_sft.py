@@ -18,6 +18,7 @@ from backends.local.tiny import build_tokenizer
 from runner.algos.sft import SFTAlgo, to_datum
 from runner.data.conversations import load_conversations
 from runner.engine.loop import run
+from runner.engine.spec import Settings
 from runner.recipe.schema import HF, SFT, Jsonl, Python, Recipe
 from runner.renderers.chat_template import render  # the "hf" renderer: what "auto" gives the tiny model
 
@@ -108,7 +109,7 @@ def test_bad_rows_name_file_and_line(tmp_path):
         load_conversations(Jsonl(path=str(tmp_path / "missing.jsonl")))
     # A row with nothing to train on is caught when it is rendered, with its line.
     convs, where = load_conversations(write(f, [good, json.dumps({"messages": CONV[:2]})]))
-    algo = SFTAlgo(SFT(data=Jsonl(path=str(f)), batch_size=1), convs, where, TOK, seed=0, max_steps=None)
+    algo = SFTAlgo(SFT(data=Jsonl(path=str(f)), batch_size=1), convs, where, Settings.make(TOK))
     with pytest.raises(UserError, match=rf"{f}:2: no message to train on"):
         algo.datums([(convs[1], where[1])])
 
@@ -117,20 +118,21 @@ def test_split_shuffle_epochs():
     convs = [[{"role": "user", "content": str(i)}, {"role": "assistant", "content": "x"}] for i in range(23)]
     where = [f"f:{i + 1}" for i in range(23)]
     cfg = SFT(data=Jsonl(path="f"), batch_size=4, epochs=2, test_size=3)
-    algo = SFTAlgo(cfg, convs, where, TOK, seed=5, max_steps=None)
+    algo = SFTAlgo(cfg, convs, where, Settings.make(TOK, seed=5))
     assert algo.batches_per_epoch == 5 and algo.total_steps == 10  # 20 train rows; none left over here
     test = {w for _, w in algo.test_rows}
     epochs = [[w for s in range(e * 5, e * 5 + 5) for _, w in algo.rows_for(s)] for e in (0, 1)]
     for seen in epochs:
         assert len(seen) == len(set(seen)) == 20 and not test & set(seen)
     assert epochs[0] != epochs[1]  # reshuffled per epoch
-    again = SFTAlgo(cfg, convs, where, TOK, seed=5, max_steps=None)
+    again = SFTAlgo(cfg, convs, where, Settings.make(TOK, seed=5))
     assert [w for _, w in again.rows_for(7)] == [w for _, w in algo.rows_for(7)]  # seeded
-    assert SFTAlgo(cfg, convs, where, TOK, seed=5, max_steps=3).total_steps == 3
+    assert SFTAlgo(cfg, convs, where, Settings.make(TOK, seed=5, max_steps=3)).total_steps == 3
     odd = SFT(data=Jsonl(path="f"), batch_size=6, test_size=3)
-    assert SFTAlgo(odd, convs, where, TOK, seed=0, max_steps=None).total_steps == 3  # 20 // 6: last partial dropped
+    # 20 // 6: last partial dropped
+    assert SFTAlgo(odd, convs, where, Settings.make(TOK)).total_steps == 3
     with pytest.raises(UserError, match="larger than the 20 training rows"):
-        SFTAlgo(SFT(data=Jsonl(path="f"), batch_size=21, test_size=3), convs, where, TOK, seed=0, max_steps=None)
+        SFTAlgo(SFT(data=Jsonl(path="f"), batch_size=21, test_size=3), convs, where, Settings.make(TOK))
 
 
 def test_hf_folder_and_python_sources(tmp_path, monkeypatch):
@@ -169,3 +171,16 @@ def test_sft_nll_falls_on_shipped_data(tmp_path):
     assert np.mean(nll[-3:]) < nll[0] - 0.1, nll
     assert test[2] < test[1] < test[0], test
     assert rows[-1]["step"] == 8
+
+
+def test_resume_guard_names_what_changed():
+    """The one resume guard (runner/data/position.py) every algorithm's load_state uses: a checkpoint's data
+    position over data of another size is a one-line error, the same data resumes."""
+    convs = [[{"role": "user", "content": str(i)}, {"role": "assistant", "content": "x"}] for i in range(23)]
+    where = [f"f:{i + 1}" for i in range(23)]
+    algo = SFTAlgo(SFT(data=Jsonl(path="f"), batch_size=4, test_size=3), convs, where, Settings.make(TOK))
+    algo.load_state(algo.state(), 2)
+    assert algo.next_step == 2
+    with pytest.raises(UserError, match=r"^the training data changed since the checkpoint \(5 -> 20 rows\), so its "
+                                        r"data position means nothing; use if_exists = \"overwrite\"$"):
+        algo.load_state({**algo.state(), "train_rows": 5}, 2)

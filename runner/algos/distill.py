@@ -16,18 +16,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from backends.base import SamplingClient
+from backends.base import Backend, SamplingClient
 from backends.errors import UserError
 from backends.types import Datum
 from runner.algos.rl import EVAL_SEED_OFFSET, RLAlgo
 from runner.data.conversations import load_conversations, prompt_rows
-from runner.engine.spec import AlgoSpec, BuildArgs
+from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import Distill, Recipe, Teacher
 from runner.renderers.chat import ChatRenderer
 from runner.rl.advantages import compute_advantages
@@ -67,9 +67,9 @@ class CompositeDataset(RLDataset):
 
 
 class DistillAlgo(RLAlgo):
-    def __init__(self, cfg: Distill, tokenizer: Any, *, seed: int = 0, base_model: str = "tiny",
-                 max_steps: int | None = None, weights: dict[str, str] | None = None, renderer: str = "auto"):
-        self.weights = weights or {}
+    def __init__(self, cfg: Distill, s: Settings):
+        seed = s.seed
+        self.weights = dict(s.weights)
         self.prompts: list[tuple[list[list[dict[str, str]]], list[list[dict[str, str]]]]] = []
         for i, ds in enumerate(cfg.datasets):
             convs, _ = load_conversations(ds.prompts)
@@ -84,8 +84,7 @@ class DistillAlgo(RLAlgo):
                                 f"{ds.groups_per_batch}")
             self.prompts.append((train, test))
         self.teachers: list[SamplingClient | None] = [None] * len(cfg.datasets)
-        super().__init__(cfg, tokenizer, seed=seed, base_model=base_model, max_steps=max_steps, weights=weights,
-                         renderer=renderer)
+        super().__init__(cfg, s)
 
     # ---------------------------------------------------------------- data
 
@@ -120,14 +119,14 @@ class DistillAlgo(RLAlgo):
                                                            self.base_model, f"algo.datasets[{i}].teacher")
         return client
 
-    async def _datums(self, groups: list[TrajectoryGroup], ctx: Any) -> tuple[list[Datum], dict[str, float]]:
+    async def _datums(self, groups: list[TrajectoryGroup], backend: Backend) -> tuple[list[Datum], dict[str, float]]:
         data_D, sources_D = assemble_datums(groups, compute_advantages(groups))
         if not data_D:
             return data_D, {}
         t = time.monotonic()
         set_D = [_dataset_index(groups[src.group_idx].tags) for src in sources_D]
         sets = sorted(set(set_D))
-        clients = await asyncio.gather(*(self.teacher(i, ctx.backend) for i in sets))
+        clients = await asyncio.gather(*(self.teacher(i, backend) for i in sets))
         teacher_lp: list[np.ndarray | None] = [None] * len(data_D)
         for i, client in zip(sets, clients, strict=True):
             idx = [k for k, s in enumerate(set_D) if s == i]
@@ -147,7 +146,7 @@ class DistillAlgo(RLAlgo):
                                     seed=self.seed + EVAL_SEED_OFFSET, step=step, max_context=self.max_context,
                                     what=f"the test prompts (eval at step {step})")
         assert self._backend is not None  # set by RLAlgo.prepare / final, before any eval starts
-        _, metrics = await self._datums(batch.groups, _Ctx(self._backend))
+        _, metrics = await self._datums(batch.groups, self._backend)
         out = {f"test/{k}": v for k, v in metrics.items() if k.startswith("teacher_kl")}
         out["time/eval"] = time.monotonic() - t
         self._write_transcripts("test", step, batch, None)
@@ -170,11 +169,6 @@ async def open_teacher(teacher: Teacher, weights: dict[str, str], backend: Any, 
                         "`runner run`, which runs the teacher first")
     return await backend.create_sampling_client(model_path=path or None,
                                                 base_model=None if path else (teacher.model or base_model))
-
-
-class _Ctx:
-    def __init__(self, backend: Any):
-        self.backend = backend
 
 
 def _dataset_index(tags: Sequence[str]) -> int:
@@ -235,10 +229,9 @@ def prompts_from_chats(path: str, limit: int | None = None) -> list[dict[str, An
 
 # ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
-def build(cfg: Distill, args: BuildArgs) -> functools.partial[DistillAlgo]:
-    r = args.recipe
-    return functools.partial(DistillAlgo, cfg, seed=r.seed, base_model=r.model, max_steps=r.max_steps,
-                             weights=dict(args.weights), renderer=r.renderer)
+def build(cfg: Distill, args: BuildArgs) -> Callable[[Any], DistillAlgo]:
+    # No reference model: the teachers are what the student is pulled toward.
+    return lambda tokenizer: DistillAlgo(cfg, replace(Settings.of(args, tokenizer), reference_path=None))
 
 
 def show(cfg: Distill, recipe: Recipe, renderer: Any, n: int) -> Iterator[dict[str, Any]]:

@@ -12,7 +12,7 @@ Per step k (the loop calls prepare, submit, finish):
               the reference calls overlap training;
   submit(k)   [forward on the held-out pairs, on eval steps] + forward_backward_custom(the DPO loss) +
               optim_step. The custom loss is one autograd pass on the local backend and the SDK's two passes on
-              Tinker (tinker-sdk.md §3.8), with the same gradient;
+              Tinker (docs/losses.md: forward_backward_custom), with the same gradient;
   finish(k)   the metrics, from the logprobs forward_backward_custom saw (before the update).
 After the last step, as RL, one more eval on the final weights (the final checkpoint's sampler weights, through
 compute_logprobs), logged at step = total steps.
@@ -30,9 +30,8 @@ Departures from the cookbook:
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,9 +42,9 @@ from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
 from runner.algos.sft import PLAN_STEPS, to_datum, weights
 from runner.data.comparisons import Batches, Pair, Pairs, load_pairs, render_completion
-from runner.engine.spec import AlgoSpec, BuildArgs
+from runner.engine.context import AlgorithmBase, Context, FinalContext
+from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import DPO, Recipe
-from runner.renderers import get_renderer
 from runner.rl.kl import reference_logprobs
 
 # ---------------------------------------------------------------- the math
@@ -108,16 +107,15 @@ class Submitted:
     eval: Future[ForwardBackwardOutput] | None
 
 
-class DPOAlgo:
+class DPOAlgo(AlgorithmBase):
     """DPO behind the loop's Algorithm interface (runner/engine/loop.py)."""
 
-    def __init__(self, cfg: DPO, pairs: Pairs, tokenizer: Any, *, seed: int = 0, base_model: str = "tiny",
-                 reference_path: str | None = None, max_steps: int | None = None, renderer: str = "auto"):
-        self.cfg, self.tokenizer, self.data = cfg, tokenizer, pairs
-        self.renderer = get_renderer(renderer, tokenizer, model_name=base_model)
-        self.base_model, self.reference_path = base_model, reference_path
+    def __init__(self, cfg: DPO, pairs: Pairs, s: Settings):
+        self.cfg, self.tokenizer, self.data = cfg, s.tokenizer, pairs
+        self.renderer = s.renderer
+        self.base_model, self.reference_path = s.model, s.reference_path
         self.batches = Batches(pairs.pairs, test_size=cfg.test_size, batch_size=cfg.batch_size, epochs=cfg.epochs,
-                               seed=seed, max_steps=max_steps, what="pairs")
+                               seed=s.seed, max_steps=s.max_steps, what="pairs")
         self.total_steps = self.batches.total_steps
         self.next_step = 0
         self._reference: asyncio.Task[SamplingClient] | None = None
@@ -177,7 +175,7 @@ class DPOAlgo:
 
     # --- one step
 
-    async def prepare(self, step: int, ctx: Any) -> AsyncIterator[Batch]:
+    async def prepare(self, step: int, ctx: Context) -> AsyncIterator[Batch]:
         self.next_step = step + 1
         self._backend = ctx.backend
         idx = self.batches.indices(step)
@@ -227,16 +225,13 @@ class DPOAlgo:
 
     # --- after the last step: the held-out pairs on the final weights
 
-    async def evaluate(self, ctx: Any) -> dict[str, float]:
-        """`runner eval`: the held-out evals on ctx's sampler weights (the same as the final row's)."""
-        return await self.final(ctx, True) if self.final_plan(True) is not None else {}
 
     def final_plan(self, evaluate: bool) -> str | None:
         if not evaluate or not self.batches.test:
             return None
         return f"final eval (the held-out pairs on the final weights), logged at step {self.total_steps}"
 
-    async def final(self, ctx: Any, evaluate: bool) -> dict[str, float]:
+    async def final(self, ctx: FinalContext, evaluate: bool) -> dict[str, float]:
         """test/... on the final checkpoint's sampler weights (ctx: runner.engine.loop.FinalContext)."""
         data = self.test_data()
         policy = await ctx.backend.create_sampling_client(model_path=ctx.sampler_path)
@@ -276,10 +271,9 @@ class DPOAlgo:
 
 # ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
-def build(cfg: DPO, args: BuildArgs) -> functools.partial[DPOAlgo]:
-    r = args.recipe
-    return functools.partial(DPOAlgo, cfg, load_pairs(cfg.data), seed=r.seed, base_model=r.model,
-                             max_steps=r.max_steps, reference_path=args.reference_path, renderer=r.renderer)
+def build(cfg: DPO, args: BuildArgs) -> Callable[[Any], DPOAlgo]:
+    pairs = load_pairs(cfg.data)
+    return lambda tokenizer: DPOAlgo(cfg, pairs, Settings.of(args, tokenizer))
 
 
 def show(cfg: DPO, recipe: Recipe, renderer: Any, n: int) -> Iterator[dict[str, Any]]:

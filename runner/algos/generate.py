@@ -13,9 +13,8 @@ It goes through the same loop as training (checkpoints are its resume points); i
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,24 +22,24 @@ from backends.base import SamplingClient
 from backends.errors import UserError
 from backends.types import SamplingParams
 from runner.data.conversations import Conversation, load_conversations, prompt_rows
+from runner.data.position import check_resume
+from runner.engine.context import AlgorithmBase, Context
 from runner.engine.log import write_text_atomic
 from runner.engine.rundir import OUTPUT
-from runner.engine.spec import AlgoSpec, BuildArgs
+from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import Generate, Recipe
-from runner.renderers import get_renderer
 from runner.renderers.chat import ChatRenderer
 
 
-class GenerateAlgo:
-    def __init__(self, cfg: Generate, prompts: list[Conversation], where: list[str], tokenizer: Any, *,
-                 seed: int = 0, base_model: str = "tiny", max_steps: int | None = None,
-                 weights: dict[str, str] | None = None, renderer: str = "auto"):
+class GenerateAlgo(AlgorithmBase):
+    def __init__(self, cfg: Generate, prompts: list[Conversation], where: list[str], s: Settings):
+        seed, base_model, max_steps = s.seed, s.model, s.max_steps
         for conv, w in zip(prompts, where, strict=True):
             if conv[-1]["role"] != "user":
                 raise UserError(f"{w}: a prompt must end with the user's turn (the teacher replies to it)")
         self.cfg, self.prompts, self.seed, self.base_model = cfg, prompts, seed, base_model
-        self.weights = weights or {}
-        self.renderer = ChatRenderer(get_renderer(renderer, tokenizer, model_name=base_model))
+        self.weights = dict(s.weights)
+        self.renderer = ChatRenderer(s.renderer)
         full = -(-len(prompts) // cfg.batch_size)
         self.total_steps = min(full, max_steps) if max_steps else full
         self.client: SamplingClient | None = None
@@ -54,7 +53,7 @@ class GenerateAlgo:
             self.client = await open_teacher(self.cfg.teacher, self.weights, backend, self.base_model, "algo.teacher")
         return self.client
 
-    async def prepare(self, step: int, ctx: Any):  # AsyncIterator[list[dict]]
+    async def prepare(self, step: int, ctx: Context):  # AsyncIterator[list[dict]]
         self.next_step = step + 1
         self.log_dir = ctx.log_dir
         client = await self.teacher(ctx.backend)
@@ -100,9 +99,7 @@ class GenerateAlgo:
         return {"generate_prompts": len(self.prompts)}
 
     def load_state(self, state: dict[str, Any], next_step: int) -> None:
-        if state.get("generate_prompts") != len(self.prompts):
-            raise UserError(f"the prompts changed since the checkpoint ({state.get('generate_prompts')} -> "
-                            f"{len(self.prompts)}); use if_exists = \"overwrite\"")
+        check_resume(state, "generate_prompts", len(self.prompts), "the prompts")
         self.next_step = next_step
 
     def describe(self) -> list[str]:
@@ -116,24 +113,14 @@ class GenerateAlgo:
             f"writes {OUTPUT}/step_NNNNNN.jsonl (conversations without the system prompt); no training calls",
         ]
 
-    async def evaluate(self, ctx: Any) -> dict[str, float]:
-        """`runner eval`: the held-out evals on ctx's sampler weights (the same as the final row's)."""
-        return await self.final(ctx, True) if self.final_plan(True) is not None else {}
 
-    def final_plan(self, evaluate: bool) -> str | None:
-        return None
-
-    async def final(self, ctx: Any, evaluate: bool) -> dict[str, float]:
-        return {}
 
 
 # ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
-def build(cfg: Generate, args: BuildArgs) -> functools.partial[GenerateAlgo]:
-    r = args.recipe
+def build(cfg: Generate, args: BuildArgs) -> Callable[[Any], GenerateAlgo]:
     prompts, where = load_conversations(cfg.prompts)
-    return functools.partial(GenerateAlgo, cfg, prompts, where, seed=r.seed, base_model=r.model,
-                             max_steps=r.max_steps, weights=dict(args.weights), renderer=r.renderer)
+    return lambda tokenizer: GenerateAlgo(cfg, prompts, where, Settings.of(args, tokenizer))
 
 
 def show(cfg: Generate, recipe: Recipe, renderer: Any, n: int) -> Iterator[dict[str, Any]]:

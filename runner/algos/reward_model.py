@@ -19,8 +19,7 @@ Ties are dropped and counted (runner/data/comparisons.py).
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +30,9 @@ from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
 from runner.algos.sft import PLAN_STEPS
 from runner.data.comparisons import Batches, Pair, Pairs, load_pairs, render_judge
-from runner.engine.spec import AlgoSpec, BuildArgs
+from runner.engine.context import AlgorithmBase, Context, FinalContext
+from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import Recipe, RewardModel
-from runner.renderers import get_renderer
 from runner.rewards.judge import label_logprobs, p_first
 
 
@@ -96,15 +95,14 @@ class Submitted:
     eval: Future[ForwardBackwardOutput] | None
 
 
-class RewardModelAlgo:
+class RewardModelAlgo(AlgorithmBase):
     """The reward model behind the loop's Algorithm interface (runner/engine/loop.py)."""
 
-    def __init__(self, cfg: RewardModel, pairs: Pairs, tokenizer: Any, *, seed: int = 0,
-                 max_steps: int | None = None, renderer: str = "auto", model_name: str | None = None):
-        self.cfg, self.tokenizer, self.data = cfg, tokenizer, pairs
-        self.renderer = get_renderer(renderer, tokenizer, model_name=model_name)
+    def __init__(self, cfg: RewardModel, pairs: Pairs, s: Settings):
+        self.cfg, self.tokenizer, self.data = cfg, s.tokenizer, pairs
+        self.renderer = s.renderer
         self.batches = Batches(pairs.pairs, test_size=cfg.test_size, batch_size=cfg.batch_size, epochs=cfg.epochs,
-                               seed=seed, max_steps=max_steps, what="comparisons")
+                               seed=s.seed, max_steps=s.max_steps, what="comparisons")
         self.total_steps = self.batches.total_steps
         self.next_step = 0
         self._test: list[Judged] | None = None
@@ -126,7 +124,7 @@ class RewardModelAlgo:
 
     # --- one step
 
-    async def prepare(self, step: int, ctx: Any) -> AsyncIterator[list[Datum]]:
+    async def prepare(self, step: int, ctx: Context) -> AsyncIterator[list[Datum]]:
         self.next_step = step + 1
         yield [to_datum(j) for j in self.judged([self.batches.train[i] for i in self.batches.indices(step)])]
 
@@ -160,16 +158,13 @@ class RewardModelAlgo:
 
     # --- after the last step: the held-out comparisons on the final weights
 
-    async def evaluate(self, ctx: Any) -> dict[str, float]:
-        """`runner eval`: the held-out evals on ctx's sampler weights (the same as the final row's)."""
-        return await self.final(ctx, True) if self.final_plan(True) is not None else {}
 
     def final_plan(self, evaluate: bool) -> str | None:
         if not evaluate or not self.batches.test:
             return None
         return f"final eval (the held-out comparisons on the final weights), logged at step {self.total_steps}"
 
-    async def final(self, ctx: Any, evaluate: bool) -> dict[str, float]:
+    async def final(self, ctx: FinalContext, evaluate: bool) -> dict[str, float]:
         client = await ctx.backend.create_sampling_client(model_path=ctx.sampler_path)
         lps = await asyncio.gather(*(label_logprobs(client, j.prefix, j.label, j.other) for j in self.test_judged()))
         return {f"test/{k}": v for k, v in judge_stats(np.array([a for a, _ in lps]), np.array([b for _, b in lps])).items()}
@@ -198,10 +193,9 @@ class RewardModelAlgo:
 
 # ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
-def build(cfg: RewardModel, args: BuildArgs) -> functools.partial[RewardModelAlgo]:
-    return functools.partial(RewardModelAlgo, cfg, load_pairs(cfg.data), seed=args.recipe.seed,
-                             max_steps=args.recipe.max_steps, renderer=args.recipe.renderer,
-                             model_name=args.recipe.model)
+def build(cfg: RewardModel, args: BuildArgs) -> Callable[[Any], RewardModelAlgo]:
+    pairs = load_pairs(cfg.data)
+    return lambda tokenizer: RewardModelAlgo(cfg, pairs, Settings.of(args, tokenizer))
 
 
 def show(cfg: RewardModel, recipe: Recipe, renderer: Any, n: int) -> Iterator[dict[str, Any]]:

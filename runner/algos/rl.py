@@ -9,7 +9,7 @@ Per step k (the loop calls prepare, submit, finish):
               the snapshot "after step k" sits in the FIFO right behind step k's last optim_step;
               on eval steps also starts the test-set rollouts on step k's sampler (a task, awaited in finish);
   finish(k)   awaits it all: optim/kl_sample_train_v1/v2, optim/entropy, numerics/* and the numerics gate
-              (runner/rl/numerics.py), loss, grad norm, test/..., and optionally optim/kl_pre_post_v1/v2 under
+              (runner/rl/gate.py), loss, grad norm, test/..., and optionally optim/kl_pre_post_v1/v2 under
               the new weights.
 After the last step (the loop calls final, when eval_every > 0 and there is a test set) one more eval, as the
 cookbook's "after the loop": the test set on the final weights, loaded from the final checkpoint's sampler
@@ -36,10 +36,9 @@ snapshot of the restored weights, which are exactly those after the previous ste
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -47,21 +46,22 @@ from typing import Any
 import numpy as np
 
 from backends import losses
-from backends.base import BackendError, Future, SamplingClient, TrainingClient
+from backends.base import Backend, BackendError, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, LossFn, OptimStepOutput, SamplingParams
-from runner.engine.spec import AlgoSpec, BuildArgs
+from runner.data.position import check_resume
+from runner.engine.context import AlgorithmBase, Context, FinalContext
+from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import RL, Async, ModelJudge, Preference, PythonLoss, Recipe, ReferenceKL, Stream
 from runner.recipe.targets import import_object
-from runner.renderers import get_renderer
 from runner.renderers.chat import ChatRenderer, context_window
 from runner.rl import transcripts
 from runner.rl.advantages import compute_advantages, remove_constant_reward_groups
 from runner.rl.datums import assemble_datums
 from runner.rl.envs import EnvContext, build_datasets, get_batch, headline_of
+from runner.rl.gate import Gate, dlogprob_metrics, on_policy
 from runner.rl.kl import apply_kl_penalty, kl_sample_train, reference_logprobs
 from runner.rl.metrics import trajectory_metrics
-from runner.rl.numerics import Gate, dlogprob_metrics, on_policy
 from runner.rl.rollouts import RolloutBatch, collect, guarded_group_rollout, rollout_batch
 from runner.rl.types import EnvGroupBuilder, RLDataset, TrajectoryGroup
 
@@ -127,41 +127,40 @@ class Submitted:
     eval: asyncio.Task[dict[str, float]] | None
     # Clock: when the part was submitted, when its last call (optim_step) and the next snapshot completed.
     times: dict[str, float] = field(default_factory=dict)
-    # How many of fwd_bwd were submitted before the first of optims (None: no optim_step; runner/rl/numerics.py).
+    # How many of fwd_bwd were submitted before the first of optims (None: no optim_step; runner/rl/gate.py).
     before_optim: int | None = None
 
 
-class RLAlgo:
+class RLAlgo(AlgorithmBase):
     """`cfg` is an RL table, or one with the same sampling/training fields (runner.algos.distill.DistillAlgo subclasses this
     with its own datasets and KL term)."""
 
-    def __init__(self, cfg: Any, tokenizer: Any, *, seed: int = 0, base_model: str = "tiny",
-                 reference_path: str | None = None,
-                 max_steps: int | None = None, weights: dict[str, str] | None = None, renderer: str = "auto"):
-        self.cfg, self.seed, self.base_model = cfg, seed, base_model
+    def __init__(self, cfg: Any, s: Settings):
+        seed, max_steps = s.seed, s.max_steps
+        self.cfg, self.seed, self.base_model = cfg, seed, s.model
         # A group's rollout time limit (RL's env_timeout_s; a table without the field, as distillation's: none).
         self.env_timeout_s: float | None = getattr(cfg, "env_timeout_s", None)
         # Final sampler weights of the runs the recipe names (a model judge), by reference; opened on demand.
-        self.weights = weights or {}
+        self.weights = dict(s.weights)
         self._opened: dict[str, SamplingClient] = {}
         self._backend: Any = None
         # The KL penalty's reference: the initial weights (a chained recipe's upstream weights, else the base model).
-        self.reference_path = reference_path
-        self.renderer = ChatRenderer(get_renderer(renderer, tokenizer, model_name=base_model))
+        self.reference_path = s.reference_path
+        self.renderer = ChatRenderer(s.renderer)
         env_ctx = EnvContext(self.renderer, cfg.group_size, cfg.eval.group_size, cfg.groups_per_batch, seed,
                              self.open_weights, self.open_model)
         self.train, self.test = self.build_datasets(env_ctx)
         full = len(self.train) * cfg.epochs
         self.total_steps = min(full, max_steps) if max_steps else full
         self.params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
-        self.max_context = context_window(tokenizer)
+        self.max_context = context_window(s.tokenizer)
         loss_fn, self.loss_config = loss_of(cfg)
         self.loss_fn: LossFn = loss_fn
         # Snapshots by sampler step (weights after that many optimizer steps), oldest first.
         self.samplers: dict[int, Future[SamplingClient]] = {}
         self.reference: SamplingClient | None = None
         self.next_step = 0
-        self.gate = Gate(getattr(cfg, "numerics", None))  # the sampler-vs-trainer gate (runner/rl/numerics.py)
+        self.gate = Gate(getattr(cfg, "numerics", None))  # the sampler-vs-trainer gate (runner/rl/gate.py)
         # The run dir, for transcripts (set by prepare from the loop's context; None in a dry run).
         self.log_dir: Path | None = None
 
@@ -196,16 +195,12 @@ class RLAlgo:
         return {"rl_train_batches": len(self.train), "sampler_step": self.next_step}
 
     def load_state(self, state: dict[str, Any], next_step: int) -> None:
-        if state.get("rl_train_batches") != len(self.train):
-            raise UserError(
-                f"the RL training set changed since the checkpoint ({state.get('rl_train_batches')} -> "
-                f"{len(self.train)} batches), so its data position means nothing; use if_exists = \"overwrite\""
-            )
+        check_resume(state, "rl_train_batches", len(self.train), "the RL training set", " batches")
         self.next_step = next_step
 
     # ---------------------------------------------------------------- prepare: sample and build datums
 
-    async def sampler_for(self, step: int, ctx: Any) -> tuple[int, SamplingClient]:
+    async def sampler_for(self, step: int, ctx: Context) -> tuple[int, SamplingClient]:
         if not self.samplers:  # first step of a session: the weights as they are now
             self.samplers[step] = ctx.snapshot()
         if isinstance(self.cfg.mode, Async):
@@ -222,7 +217,7 @@ class RLAlgo:
             del self.samplers[old]  # each local snapshot holds a model copy
         return s, client
 
-    async def prepare(self, step: int, ctx: Any) -> AsyncIterator[Part]:
+    async def prepare(self, step: int, ctx: Context) -> AsyncIterator[Part]:
         self._backend = ctx.backend
         self.next_step = step + 1
         self.log_dir = ctx.log_dir
@@ -237,7 +232,7 @@ class RLAlgo:
         else:
             prepared.batch = await rollout_batch(builders, sampler, self.params, seed=self.seed, step=step,
                                                  max_context=self.max_context, timeout_s=self.env_timeout_s)
-            prepared.data_D, prepared.metrics = await self._datums(prepared.batch.groups, ctx)
+            prepared.data_D, prepared.metrics = await self._datums(prepared.batch.groups, ctx.backend)
         batch = prepared.batch
         m = prepared.metrics
         m.update(trajectory_metrics(batch.groups))
@@ -252,7 +247,7 @@ class RLAlgo:
         if not isinstance(self.cfg.mode, Stream):
             yield Part(prepared, prepared.data_D)
 
-    async def _datums(self, groups: list[TrajectoryGroup], ctx: Any) -> tuple[list[Datum], dict[str, float]]:
+    async def _datums(self, groups: list[TrajectoryGroup], backend: Backend) -> tuple[list[Datum], dict[str, float]]:
         """Advantages, datums and the KL penalty for some groups of one step (a subclass adds its own terms)."""
         metrics: dict[str, float] = {}
         if self.cfg.remove_constant_reward_groups:
@@ -263,7 +258,7 @@ class RLAlgo:
         if isinstance(self.cfg.kl, ReferenceKL) and data_D:
             reference = self.reference
             if reference is None:
-                reference = self.reference = await ctx.backend.create_sampling_client(
+                reference = self.reference = await backend.create_sampling_client(
                     model_path=self.reference_path, base_model=None if self.reference_path else self.base_model)
             t = time.monotonic()
             ref_D = await reference_logprobs(reference, data_D)
@@ -272,7 +267,7 @@ class RLAlgo:
             metrics["time/kl_vs_base"] = time.monotonic() - t
         return data_D, metrics
 
-    async def _stream(self, prepared: Prepared, builders: list[EnvGroupBuilder], ctx: Any) -> AsyncIterator[Part]:
+    async def _stream(self, prepared: Prepared, builders: list[EnvGroupBuilder], ctx: Context) -> AsyncIterator[Part]:
         """Rollouts as tasks; every `per_minibatch` finished groups become a part (a forward_backward, submitted by
         the loop at once), and the last minibatch of each substep carries its optim_step."""
         assert isinstance(self.cfg.mode, Stream)
@@ -312,7 +307,7 @@ class RLAlgo:
                     continue
                 data_D: list[Datum] = []
                 if pending:
-                    data_D, metrics = await self._datums(pending, ctx)
+                    data_D, metrics = await self._datums(pending, ctx.backend)
                     parts.append(metrics)
                     pending = []
                     prepared.data_D += data_D
@@ -381,7 +376,7 @@ class RLAlgo:
     @staticmethod
     async def _parts(subs: list[Submitted]) -> list[tuple[int | None, list[Datum], list[np.ndarray]]]:
         """Per submission: (its datums before its first optim_step, None: all; its datums; their trainer logprobs),
-        for runner/rl/numerics.on_policy."""
+        for runner/rl/gate.on_policy."""
         out = []
         for s in subs:
             outs = [await f for _, f in s.fwd_bwd]
@@ -421,16 +416,13 @@ class RLAlgo:
 
     # ---------------------------------------------------------------- after the last step: the final eval
 
-    async def evaluate(self, ctx: Any) -> dict[str, float]:
-        """`runner eval`: the held-out evals on ctx's sampler weights (the same as the final row's)."""
-        return await self.final(ctx, True) if self.final_plan(True) is not None else {}
 
     def final_plan(self, evaluate: bool) -> str | None:
         if not evaluate or not self.test:
             return None
         return f"final eval (the test set on the final weights), logged at step {self.total_steps}"
 
-    async def final(self, ctx: Any, evaluate: bool) -> dict[str, float]:
+    async def final(self, ctx: FinalContext, evaluate: bool) -> dict[str, float]:
         """The test-set eval on the final weights (ctx: runner.engine.loop.FinalContext)."""
         self.log_dir = ctx.log_dir  # a session resumed for the final eval alone prepared no step
         self._backend = ctx.backend
@@ -527,15 +519,13 @@ def _merge(parts: list[dict[str, float]]) -> dict[str, float]:
 
 # ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
-def build(cfg: RL, args: BuildArgs) -> functools.partial[RLAlgo]:
-    r = args.recipe
+def build(cfg: RL, args: BuildArgs) -> Callable[[Any], RLAlgo]:
     loss_of(cfg)  # a user's loss: imported and registered before any model loads
-    return functools.partial(RLAlgo, cfg, seed=r.seed, base_model=r.model, max_steps=r.max_steps,
-                             reference_path=args.reference_path, weights=dict(args.weights), renderer=r.renderer)
+    return lambda tokenizer: RLAlgo(cfg, Settings.of(args, tokenizer))
 
 
 def env_headline(cfg: RL) -> list[tuple[str, str]]:
-    """The env's own progress-line metrics (runner/rl/envs ENVS registry)."""
+    """The env's own progress-line metrics (its module's `ENV`, runner/rl/envs/__init__.py)."""
     return headline_of(cfg.env)
 
 

@@ -18,8 +18,7 @@ at any checkpoint. No final row when eval_every = 0 (and agreement is off) or th
 
 from __future__ import annotations
 
-import functools
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +28,11 @@ from backends.base import Future, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
 from runner.data.conversations import Conversation, load_conversations
-from runner.engine.context import FinalContext
-from runner.engine.spec import AlgoSpec, BuildArgs
+from runner.data.position import check_resume
+from runner.engine.context import AlgorithmBase, Context, FinalContext
+from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import SFT, Recipe
-from runner.renderers import Renderer, get_renderer, render_row, text_of
+from runner.renderers import Renderer, render_row, text_of
 
 # How many steps the dry-run plan renders to report datums and tokens per step.
 PLAN_STEPS = 20
@@ -73,13 +73,13 @@ class Submitted:
     eval: Future[ForwardBackwardOutput] | None
 
 
-class SFTAlgo:
+class SFTAlgo(AlgorithmBase):
     """SFT behind the loop's Algorithm interface (runner/engine/loop.py)."""
 
-    def __init__(self, cfg: SFT, convs: list[Conversation], where: list[str], tokenizer: Any, *,
-                 seed: int = 0, max_steps: int | None = None, renderer: str = "auto", model_name: str | None = None):
-        self.cfg, self.tokenizer, self.seed = cfg, tokenizer, seed
-        self.renderer: Renderer = get_renderer(renderer, tokenizer, model_name=model_name)
+    def __init__(self, cfg: SFT, convs: list[Conversation], where: list[str], s: Settings):
+        self.cfg, self.tokenizer, self.seed = cfg, s.tokenizer, s.seed
+        self.renderer: Renderer = s.renderer
+        seed, max_steps = s.seed, s.max_steps
         if cfg.test_size >= len(convs):
             raise UserError(f"algo.test_size = {cfg.test_size} leaves no training rows (the data has {len(convs)})")
         order = np.random.default_rng(seed).permutation(len(convs))  # one seeded shuffle, then split
@@ -126,16 +126,12 @@ class SFTAlgo:
         return {"epoch": epoch, "batch": batch, "train_rows": len(self.train_rows)}
 
     def load_state(self, state: dict[str, Any], next_step: int) -> None:
-        if state.get("train_rows") != len(self.train_rows):
-            raise UserError(
-                f"the training data changed since the checkpoint ({state.get('train_rows')} -> "
-                f"{len(self.train_rows)} rows), so its data position means nothing; use if_exists = \"overwrite\""
-            )
+        check_resume(state, "train_rows", len(self.train_rows), "the training data", " rows")
         self.next_step = next_step
 
     # --- one step
 
-    async def prepare(self, step: int, ctx: Any) -> AsyncIterator[list[Datum]]:
+    async def prepare(self, step: int, ctx: Context) -> AsyncIterator[list[Datum]]:
         self.next_step = step + 1
         yield self.datums(self.rows_for(step))
 
@@ -186,8 +182,6 @@ class SFTAlgo:
             metrics.update(await self.agreement(ctx))
         return metrics
 
-    async def evaluate(self, ctx: FinalContext) -> dict[str, float]:
-        return await self.final(ctx, True)
 
     async def test_nll(self, ctx: FinalContext) -> dict[str, float]:
         """test/nll of the held-out rows on ctx's sampler weights (weights as the training loss has them)."""
@@ -246,10 +240,9 @@ class SFTAlgo:
 
 # ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
-def build(cfg: SFT, args: BuildArgs) -> functools.partial[SFTAlgo]:
+def build(cfg: SFT, args: BuildArgs) -> Callable[[Any], SFTAlgo]:
     convs, where = load_conversations(cfg.data)
-    return functools.partial(SFTAlgo, cfg, convs, where, seed=args.recipe.seed, max_steps=args.recipe.max_steps,
-                             renderer=args.recipe.renderer, model_name=args.recipe.model)
+    return lambda tokenizer: SFTAlgo(cfg, convs, where, Settings.of(args, tokenizer))
 
 
 def show(cfg: SFT, recipe: Recipe, renderer: Renderer, n: int) -> Iterator[dict[str, Any]]:

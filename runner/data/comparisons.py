@@ -27,6 +27,7 @@ import numpy as np
 
 from backends.errors import UserError
 from runner.data.conversations import Conversation, describe, mapped_rows, messages_of
+from runner.data.position import check_resume
 from runner.recipe.schema import DataSource
 from runner.renderers.chat_template import encode, prefix_len, template
 
@@ -209,11 +210,7 @@ class Batches:
         return {"epoch": epoch, "batch": batch, "train_rows": len(self.train)}
 
     def check_state(self, state: dict[str, Any]) -> None:
-        if state.get("train_rows") != len(self.train):
-            raise UserError(
-                f"the training data changed since the checkpoint ({state.get('train_rows')} -> "
-                f"{len(self.train)} rows), so its data position means nothing; use if_exists = \"overwrite\""
-            )
+        check_resume(state, "train_rows", len(self.train), "the training data", " rows")
 
 
 def preferred_conversations(path: str) -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from backends.base import Backend, Future, SamplingClient, TrainingClient
 from backends.types import AdamParams
 from runner.recipe.schema import Recipe
+from runner.renderers.base import Tokenizer
 
 
 @dataclass
@@ -18,7 +19,7 @@ class Context:
     """What prepare() may use. There is no training client: calls that train go through submit()."""
 
     backend: Backend
-    tokenizer: Any
+    tokenizer: Tokenizer
     # The run dir, for what an algorithm writes besides metrics (RL transcripts).
     log_dir: Path
     # A sampling client over the weights as of now in the training FIFO (after every step submitted so
@@ -79,6 +80,20 @@ class Algorithm(Protocol):
         """`runner eval`: the held-out evals on ctx's sampler weights, any checkpoint (the same numbers the run
         logs for them); {} when the recipe has none."""
         ...
+
+
+class AlgorithmBase:
+    """What the built-in algorithms (runner/algos/) share: no final step unless `final_plan` names one, and `runner
+    eval` is that final eval on any checkpoint's weights (the same numbers the run logs for them)."""
+
+    def final_plan(self, evaluate: bool, /) -> str | None:
+        return None
+
+    async def final(self, ctx: FinalContext, evaluate: bool, /) -> dict[str, float]:
+        return {}
+
+    async def evaluate(self, ctx: FinalContext, /) -> dict[str, float]:
+        return await self.final(ctx, True) if self.final_plan(True) is not None else {}
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ and, where the model has a price, `cost/step_usd` and `cost/total_usd`. The tota
 ("cost"), so a resumed run continues them.
 
 Prices (USD per million tokens), the first that has the model wins: the recipe's `price = {...}`; its `price_file`;
-the file named by $RUNNER_PRICES; the shipped table (prices.toml, next to this module). A local run costs 0 unless its
+the file named by $RUNNER_PRICES; the shipped table (the `price` column of runner/models.toml). A local run costs 0 unless its
 recipe sets `price` or a `price_file` that lists its model (its tokens are still counted).
 
 `budget = {usd = ..., tokens = ...}`: before each step the loop compares the totals so far (every step submitted,
@@ -40,10 +40,10 @@ from backends.base import Backend, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
 from backends.local.config import Local
 from backends.types import Datum, SampleOutput, SamplingParams
+from runner.models import MODELS
 from runner.recipe.cost import Budget, Price
 from runner.recipe.schema import Recipe
 
-PRICES = Path(__file__).with_name("prices.toml")
 KINDS: tuple[str, ...] = ("prefill", "sample", "train")
 
 
@@ -208,6 +208,12 @@ def read_prices(path: Path, what: str) -> dict[str, Price]:
         raise UserError(f"{what}: {path}: {e}") from None
 
 
+def shipped_price(model: str) -> Price | None:
+    """The model's price in runner/models.toml (exact name, as a price file is read), or None."""
+    row = MODELS.get(model)
+    return msgspec.convert(row.price, Price) if row is not None and row.price is not None else None
+
+
 def price_of(recipe: Recipe, where: Path | None = None) -> tuple[Price | None, str]:
     """The model's price and where it came from; (None, why) when unknown (tokens are counted, USD is not).
     `where`: the directory a relative price_file is read from (default: the working directory)."""
@@ -223,10 +229,11 @@ def price_of(recipe: Recipe, where: Path | None = None) -> tuple[Price | None, s
         return Price(), "local backend: free (set price = {...} to estimate another backend's)"
     if env := os.environ.get("RUNNER_PRICES"):
         tables.append((Path(env).expanduser(), "$RUNNER_PRICES"))
-    tables.append((PRICES, "the shipped table"))
     for path, what in tables:
         if (price := read_prices(path, what).get(recipe.model)) is not None:
-            return price, f"{what} ({path})" if what != "the shipped table" else what
+            return price, f"{what} ({path})"
+    if (shipped := shipped_price(recipe.model)) is not None:
+        return shipped, "the shipped table"
     return None, f"no price for {recipe.model!r} (add price = {{prefill, sample, train}} to the recipe)"
 
 

@@ -23,6 +23,7 @@ from runner.engine.inspect_eval import default_name, inspect_eval
 from runner.recipe.schema import InspectPinned, Jsonl, Math, MathPinned, NLLPinned, PinnedEval, PythonPinned
 from runner.recipe.targets import import_target
 from runner.renderers import Renderer, get_renderer, render_row
+from runner.renderers.base import Tokenizer
 from runner.renderers.chat import ChatRenderer
 from runner.rl.envs.math import MathEnv, load_problems
 from runner.rl.rollouts import describe_error
@@ -43,7 +44,7 @@ def names(evals: list[PinnedEval]) -> list[str]:
     return out
 
 
-async def run_evals(evals: list[PinnedEval], sampler: SamplingClient, tokenizer: Any, renderer: str = "auto",
+async def run_evals(evals: list[PinnedEval], sampler: SamplingClient, tokenizer: Tokenizer, renderer: str = "auto",
                     model_name: str | None = None) -> Metrics:
     """Every pinned eval on `sampler`'s weights, one after another: test/eval/<name>/<metric> (+ time/eval/<name>).
     `math` and `nll` render with the recipe's renderer (runner/renderers/), as its algorithm does."""
@@ -61,6 +62,8 @@ async def run_evals(evals: list[PinnedEval], sampler: SamplingClient, tokenizer:
                 metrics = await python_eval(e, sampler, tokenizer)
             case InspectPinned():
                 metrics = await inspect_eval(e, sampler, chat, model_name)
+            case _:
+                raise TypeError(f"pinned eval {type(e).__name__} has no case here (runner/engine/evals.py run_evals)")
         out.update({f"test/eval/{name}/{k}": v for k, v in metrics.items()})
         out[f"time/eval/{name}"] = loop.time() - t
     return out
@@ -125,7 +128,7 @@ async def _awaited(x: Awaitable[Any]) -> Any:
     return await x
 
 
-async def python_eval(e: PythonPinned, sampler: SamplingClient, tokenizer: Any) -> Metrics:
+async def python_eval(e: PythonPinned, sampler: SamplingClient, tokenizer: Tokenizer) -> Metrics:
     where = f"python eval {e.target!r}"
     fn: Callable[..., Any] = import_target(e.target)
     try:
@@ -145,7 +148,7 @@ async def python_eval(e: PythonPinned, sampler: SamplingClient, tokenizer: Any) 
 
 
 async def pinned_metrics(evals: list[PinnedEval], sampler: Awaitable[SamplingClient] | SamplingClient,
-                         tokenizer: Any, renderer: str = "auto", model_name: str | None = None) -> Metrics:  # fmt: skip
+                         tokenizer: Tokenizer, renderer: str = "auto", model_name: str | None = None) -> Metrics:  # fmt: skip
     """run_evals on a sampler or the future of one; {} (nothing awaited) when there are no pinned evals."""
     if not evals:
         return {}

@@ -7,7 +7,8 @@ Per step k:
                right behind them in the same FIFO, so the saved state is exactly "after step k";
   3. finish:   step k - depth: await its futures, log its metrics row, then its checkpoint row.
 depth 0 is fully synchronous; depth d keeps d steps queued on the backend while the next batch is
-prepared, so the backend never idles waiting for the client (cookbook `submit_ahead`, tinker-sdk §1.3).
+prepared, so the backend never idles waiting for the client (cookbook `submit_ahead`; the service runs one
+forward_backward + optim_step per model per clock cycle, and a request that arrives before a tick joins it).
 After the last step, algo.final runs on the final checkpoint's weights (RL: one eval of the test set, as
 the cookbook's "after the loop") and its metrics are one more row at step = total_steps (the cookbook's
 end_batch). A run killed between its last step and that row resumes for final() alone; a run that has

@@ -14,7 +14,7 @@ from typing import Any
 from backends.errors import UserError
 from runner.engine.chain import Upstream, _status, dependencies, resolved_inputs, upstreams
 from runner.engine.context import InitWeights
-from runner.engine.rundir import LOCK
+from runner.engine.rundir import LOCK, MARKER
 from runner.recipe.refs import run_dir_path
 from runner.recipe.schema import Recipe
 
@@ -61,16 +61,17 @@ def run_stage(stage: Upstream) -> None:
 @contextmanager
 def no_empty_run_dir(path: Path) -> Iterator[None]:
     """A run that fails before writing anything (a model folder that is not there, a tokenizer its renderer cannot
-    write for) leaves no run dir behind: one this run made that holds only its lock file is removed. (One that is
+    write for) leaves no run dir behind: one this run made that holds only its lock file and marker is removed. (One that is
     left anyway, say by kill -9, is reused silently by the next run: runner/engine/rundir.py.)"""
     existed = path.exists() or path.is_symlink()
     made = [p for p in [path, *path.parents] if not (p.exists() or p.is_symlink())]  # runs/ too, if it is new
     try:
         yield
     except BaseException:
-        if not existed and path.is_dir() and not path.is_symlink() and [e.name for e in path.iterdir()] == [LOCK]:
+        if not existed and path.is_dir() and not path.is_symlink() and {e.name for e in path.iterdir()} <= {LOCK, MARKER}:
             with suppress(OSError):  # best effort: what is left is an empty run dir, which a rerun reuses
-                (path / LOCK).unlink()
+                for name in (LOCK, MARKER):
+                    (path / name).unlink(missing_ok=True)
                 for folder in made:  # innermost first; stops at one that is not empty
                     folder.rmdir()
         raise

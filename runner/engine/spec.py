@@ -20,6 +20,8 @@ from typing import Any
 from backends.errors import UserError
 from runner.engine.context import Algorithm, InitWeights
 from runner.recipe.schema import ALGO_VARIANTS, Custom, Recipe
+from runner.renderers import Renderer, get_renderer
+from runner.renderers.base import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,39 @@ class BuildArgs:
     @property
     def reference_path(self) -> str | None:
         return self.init.sampler_path if self.init is not None else None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every algorithm is built from besides its own config and data, resolved once from the recipe: the model
+    name, the tokenizer, the renderer ("auto" picked for the model, runner/renderers/auto.py), the seed and step cap,
+    the reference weights and the other runs' weights. Built-in algorithms take one (`Settings.of`)."""
+
+    model: str
+    tokenizer: Tokenizer
+    renderer: Renderer
+    seed: int = 0
+    max_steps: int | None = None
+    # The reference model's weights (DPO, the RL KL penalty): a chained recipe's starting weights, else None (the
+    # base model).
+    reference_path: str | None = None
+    # The final sampler weights of every other run the recipe names (teachers, judges), by reference.
+    weights: Mapping[str, str] = field(default_factory=dict)
+
+    @staticmethod
+    def of(args: BuildArgs, tokenizer: Tokenizer) -> Settings:
+        """A recipe's settings over the tokenizer the loop loaded."""
+        r = args.recipe
+        return Settings.make(tokenizer, model=r.model, renderer=r.renderer, seed=r.seed, max_steps=r.max_steps,
+                             reference_path=args.reference_path, weights=args.weights)
+
+    @staticmethod
+    def make(tokenizer: Tokenizer, *, model: str = "tiny", renderer: str = "auto", seed: int = 0,
+             max_steps: int | None = None, reference_path: str | None = None,
+             weights: Mapping[str, str] | None = None) -> Settings:
+        """Settings from names (the renderer by its recipe name), as a test or a bench builds an algorithm."""
+        return Settings(model, tokenizer, get_renderer(renderer, tokenizer, model_name=model), seed, max_steps,
+                        reference_path, dict(weights or {}))
 
 
 # (config, args) -> a function of the tokenizer that returns the algorithm. Building reads and validates the data,
@@ -135,4 +170,4 @@ def _custom_spec(target: str, where: str = "") -> AlgoSpec:
     return obj
 
 
-__all__ = ["AlgoSpec", "BuildArgs", "check_algo", "custom_args", "make_algo", "spec_of", "spec_of_kind"]
+__all__ = ["AlgoSpec", "BuildArgs", "Settings", "check_algo", "custom_args", "make_algo", "spec_of", "spec_of_kind"]

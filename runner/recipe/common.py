@@ -3,7 +3,7 @@ recipe references, the struct base, the data sources a table may name, and Train
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from msgspec import Meta
 
@@ -26,6 +26,20 @@ RecipeRef = Annotated[str, Meta(min_length=1, description=REF_DESCRIPTION)]
 
 class Base(ConfigStruct):  # pyright: ignore[reportGeneralTypeIssues] (see ConfigStruct)
     pass
+
+
+B = TypeVar("B", bound=type)
+
+
+def variants(base: B) -> tuple[B, ...]:
+    """The subclasses of a tagged struct base, in the order they are declared: the schema's union of them (msgspec
+    decodes `kind = ...` into the one with that tag). A variant declares itself once, by subclassing the base
+    (algorithms, envs); nothing lists them. A subclass that declares `ABSTRACT = True` (a shared base of several
+    variants) is not one: its own subclasses are, in its place."""
+    out: list[B] = []
+    for sub in base.__subclasses__():
+        out.extend(variants(sub) if sub.__dict__.get("ABSTRACT", False) else [sub])
+    return tuple(out)
 
 
 # ---------------------------------------------------------------- data sources

@@ -1,10 +1,15 @@
-"""The RL environments a recipe's `algo.env` may name (`kind = ...`); each is built by runner/rl/envs/ (the
-registry `ENVS` there). Part of the recipe schema (runner/recipe/schema.py re-exports every name)."""
+"""The RL environments a recipe's `algo.env` may name (`kind = ...`). Part of the recipe schema
+(runner/recipe/schema.py re-exports every name).
+
+A built-in env is its struct here (a subclass of EnvBase: the `Env` union is every subclass, in order) whose
+`implementation` names its module in runner/rl/envs/, which declares `ENV = EnvKind(build, headline)`
+(runner/rl/envs/__init__.py finds it by that name). The config sits here, below the env's code, so `runner check`
+validates a recipe without importing any env (docs/extending.md)."""
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union
 
 import msgspec
 from msgspec import Meta
@@ -19,11 +24,14 @@ from runner.recipe.common import (
     PosInt,
     RecipeRef,
     Target,
+    variants,
 )
 
 # ---------------------------------------------------------------- RL: environments
 
 class EnvBase(Base, tag_field="kind", tag=str.lower):
+    # The module that builds the env: it declares `ENV = EnvKind(...)` (runner/rl/envs/__init__.py). "": user code.
+    implementation: ClassVar[str] = ""
     # Problems in the training split (batches = train_size // groups_per_batch) and held out for evals.
     train_size: PosInt = 10_000
     test_size: NonNegInt = 64
@@ -37,6 +45,7 @@ class Arithmetic(EnvBase):
     max_value: int = 99
     # Prepend one solved example ("What is 4 + 5?" → "9") so a small model sees the answer format.
     few_shot: bool = True
+    implementation: ClassVar[str] = "runner.rl.envs.arithmetic"
 
     def __post_init__(self) -> None:
         if self.max_value < self.min_value:
@@ -50,6 +59,7 @@ class GuessNumber(EnvBase, tag="guess_number"):
     low: int = 0
     high: int = 1023
     max_turns: PosInt = 10
+    implementation: ClassVar[str] = "runner.rl.envs.guess_number"
 
     def __post_init__(self) -> None:
         if self.high < self.low:
@@ -65,6 +75,7 @@ class TwentyQuestions(EnvBase, tag="twenty_questions"):
     max_turns: PosInt = 12
     train_size: PosInt = 2_000
     test_size: NonNegInt = 4
+    implementation: ClassVar[str] = "runner.rl.envs.twenty_questions"
 
 
 class TicTacToe(EnvBase, tag="tictactoe"):
@@ -73,6 +84,7 @@ class TicTacToe(EnvBase, tag="tictactoe"):
 
     opponent: Literal["self", "random", "optimal"] = "self"
     test_opponent: Literal["random", "optimal"] = "random"
+    implementation: ClassVar[str] = "runner.rl.envs.tictactoe"
 
 
 class ModelJudge(Base, tag_field="kind", tag="model"):
@@ -95,6 +107,7 @@ class Preference(EnvBase):
     # "#reward_model_recipe"}: a trained reward model (algo kind reward_model), run first by `runner run`.
     judge: Target | ModelJudge | None = None
     format_coef: NonNegFloat = 0.1
+    implementation: ClassVar[str] = "runner.rl.envs.preference"
 
 
 class Math(EnvBase, kw_only=True):
@@ -119,6 +132,7 @@ class Math(EnvBase, kw_only=True):
     format_coef: NonNegFloat = 0.1
     # "auto": math-verify when installed (the `math` extra), else the built-in normalizer.
     grader: Literal["auto", "builtin", "math_verify"] = "auto"
+    implementation: ClassVar[str] = "runner.rl.envs.math"
 
 
 class Code(EnvBase, kw_only=True):
@@ -136,6 +150,7 @@ class Code(EnvBase, kw_only=True):
     memory_mb: Annotated[int, Meta(ge=64)] = 512
     # Sandboxed programs at once (None: the CPU count).
     max_parallel: PosInt | None = None
+    implementation: ClassVar[str] = "runner.rl.envs.code"
 
 
 BUILTIN_TOOLS = ("calculator", "search")
@@ -164,6 +179,7 @@ class ToolUse(EnvBase, tag="tool_use", kw_only=True):
     # Characters of a tool result shown to the model.
     max_result_chars: PosInt = 1000
     tool_timeout_s: PosFloat = 10.0
+    implementation: ClassVar[str] = "runner.rl.envs.tool_use"
 
     def __post_init__(self) -> None:
         for tool in self.tools:
@@ -205,6 +221,7 @@ class Rubric(EnvBase, kw_only=True):
     test_data: DataSource | None = None
     judge: JudgeModel | PythonGrader = JudgeModel()
     format_coef: NonNegFloat = 0.1
+    implementation: ClassVar[str] = "runner.rl.envs.rubric"
 
 
 class PythonEnv(EnvBase, tag="python", kw_only=True):
@@ -216,4 +233,9 @@ class PythonEnv(EnvBase, tag="python", kw_only=True):
     args: dict[str, Any] = {}
 
 
-Env = Arithmetic | GuessNumber | TwentyQuestions | TicTacToe | Preference | Math | Code | ToolUse | Rubric | PythonEnv
+# Every env, in the order declared above.
+ENV_VARIANTS: tuple[type[EnvBase], ...] = variants(EnvBase)
+if TYPE_CHECKING:
+    Env = EnvBase
+else:
+    Env = Union[ENV_VARIANTS]  # noqa: UP007 - built from the variants at import

@@ -382,9 +382,11 @@ def check_recipe(recipe: Recipe, where: str) -> None:
                     fn = import_target(value)
                 except UserError as e:
                     raise UserError(f"{where}: {dotted([*path, field.encode_name])}: {e}") from None
-                # A target called as fn(**args) (python data sources and envs): the args must fit its signature.
+                # A target called as fn(**args) (python data sources and envs; a pinned eval's after its sampler and
+                # tokenizer, TARGET_LEADING): the args must fit its signature.
                 args = getattr(node, "args", None) if field.name == "target" else None
-                problem = args_mismatch(fn, args) if isinstance(args, dict) else None
+                leading = getattr(type(node), "TARGET_LEADING", 0)
+                problem = args_mismatch(fn, args, leading) if isinstance(args, dict) else None
                 if problem and isinstance(args, dict):
                     raise UserError(f"{where}: {dotted([*path, 'args'])}: {value!r} cannot be called with "
                                     f"args {sorted(args)}: {problem}")

@@ -3,8 +3,8 @@
     lr = 5e-5 × (10 for LoRA, 1 for a full fine-tune) × (2000 / hidden_size) ** exponent
     exponent: 0.781 for the Llama family, 0.0775 for Qwen (by name; a local folder by its config's model_type)
 
-hidden_size comes from HIDDEN_SIZES (the cookbook's table of Tinker's models, by name, a ":peft:..." suffix ignored),
-else from a local model folder's config.json (or its text_config), else from the embedded "tiny" model's config
+hidden_size comes from HIDDEN_SIZES (runner/models.toml: the cookbook's table of Tinker's models, by name, a
+":peft:..." suffix ignored), else from a local model folder's config.json (or its text_config), else from the embedded "tiny" model's config
 (a Qwen3-style model, hidden 128: lr 6.19e-4). Any other model, and the families the cookbook has not calibrated
 (DeepSeek, gpt-oss, Kimi, GLM, Nemotron, ...), is a UserError asking for a number: no network lookup, no guess.
 
@@ -19,23 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from backends.errors import UserError
+from runner.models import MODELS
 
 AUTO = "auto"
 BASE_LR, LORA_MULTIPLIER = 5e-5, 10.0
 EXPONENTS = {"llama": 0.781, "qwen": 0.0775}
-# The cookbook's _KNOWN_HIDDEN_SIZES for the families get_lr calibrates (Llama, Qwen).
-HIDDEN_SIZES: dict[str, int] = {
-    "meta-llama/Llama-3.2-1B": 2048, "meta-llama/Llama-3.2-3B": 3072, "meta-llama/Llama-3.1-8B": 4096,
-    "meta-llama/Llama-3.1-8B-Instruct": 4096, "meta-llama/Llama-3.1-70B": 8192,
-    "meta-llama/Llama-3.3-70B-Instruct": 8192,
-    "Qwen/Qwen3-235B-A22B-Instruct-2507": 4096, "Qwen/Qwen3-30B-A3B-Instruct-2507": 2048,
-    "Qwen/Qwen3-30B-A3B": 2048, "Qwen/Qwen3-30B-A3B-Base": 2048, "Qwen/Qwen3-32B": 5120, "Qwen/Qwen3-8B": 4096,
-    "Qwen/Qwen3-8B-Base": 4096, "Qwen/Qwen3-4B-Instruct-2507": 2560,
-    "Qwen/Qwen3-VL-235B-A22B-Instruct": 4096, "Qwen/Qwen3-VL-30B-A3B-Instruct": 2048,
-    "Qwen/Qwen3.5-397B-A17B": 4096, "Qwen/Qwen3.5-35B-A3B": 2048, "Qwen/Qwen3.5-35B-A3B-Base": 2048,
-    "Qwen/Qwen3.5-27B": 5120, "Qwen/Qwen3.5-9B": 4096, "Qwen/Qwen3.5-9B-Base": 4096, "Qwen/Qwen3.5-4B": 2560,
-    "Qwen/Qwen3.6-27B": 5120, "Qwen/Qwen3.6-35B-A3B": 2048, "Qwen/Qwen3.8-27B": 5120,
-}
+# The cookbook's _KNOWN_HIDDEN_SIZES for the families get_lr calibrates (Llama, Qwen): the `hidden_size` column of
+# runner/models.toml.
+HIDDEN_SIZES: dict[str, int] = {name: m.hidden_size for name, m in MODELS.items() if m.hidden_size is not None}
 
 
 def auto_lr(model: str, full_finetune: bool = False) -> tuple[float, str]:

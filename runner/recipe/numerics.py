@@ -1,4 +1,4 @@
-"""The numerics gate's table, `numerics = {...}` on an RL or distill algo (runner/rl/numerics.py acts on it).
+"""The numerics gate's table, `numerics = {...}` on an RL or distill algo (runner/rl/gate.py acts on it).
 
 It sits on the algorithm, not the recipe: only the algorithms that train on their own samples (rl, distill) have
 sampler logprobs to compare with the trainer's; SFT, DPO and the reward model never sample.

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union
 
 from msgspec import Meta
 
-from runner.recipe.common import Base, DataSource, NonNegFloat, PosInt, Target, TrainOnWhat
+from runner.recipe.common import Base, DataSource, NonNegFloat, PosInt, Target, TrainOnWhat, variants
 
 # ---------------------------------------------------------------- pinned evals ([[recipes.x.evals]])
 
@@ -55,6 +55,8 @@ class PythonPinned(PinnedEvalBase, tag="python"):
 
     target: Target
     args: dict[str, Any] = {}
+    # fn's positional arguments before the args (sampler, tokenizer): what `runner check` binds them after.
+    TARGET_LEADING: ClassVar[int] = 2
 
 
 class InspectPinned(PinnedEvalBase, tag="inspect"):
@@ -83,4 +85,9 @@ def task_file(task: str) -> tuple[str, str] | None:
     return (file, at + name) if file.endswith(".py") else None
 
 
-PinnedEval = MathPinned | NLLPinned | PythonPinned | InspectPinned
+# Every pinned eval, in the order declared above (a new kind: its struct here and its case in runner/engine/evals.py).
+PINNED_VARIANTS: tuple[type[PinnedEvalBase], ...] = variants(PinnedEvalBase)
+if TYPE_CHECKING:
+    PinnedEval = PinnedEvalBase
+else:
+    PinnedEval = Union[PINNED_VARIANTS]  # noqa: UP007 - built from the variants at import

@@ -9,7 +9,8 @@ The backend tables (`backend = {kind = ...}`) are declared by each backend (back
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_args
+import re
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union
 
 import msgspec
 from msgspec import Meta
@@ -32,6 +33,7 @@ from runner.recipe.common import RecipeRef as RecipeRef
 from runner.recipe.common import RunOutput as RunOutput
 from runner.recipe.common import Target as Target
 from runner.recipe.common import TrainOnWhat as TrainOnWhat
+from runner.recipe.common import variants
 from runner.recipe.cost import Budget, Price
 from runner.recipe.envs import BUILTIN_TOOLS as BUILTIN_TOOLS
 from runner.recipe.envs import Arithmetic as Arithmetic
@@ -293,35 +295,23 @@ class RLEval(Base):
     temperature: PosFloat = 1.0
 
 
-class RL(AlgoBase):
-    """Group-relative policy gradient on environments (cookbook rl/train.py): per group, advantage = reward −
-    group mean; datums carry sampler logprobs and per-token advantages; a built-in ratio loss."""
+class OnPolicy(AlgoBase):
+    """What RL and on-policy distillation share: the policy samples groups (max_tokens, temperature), a built-in
+    ratio loss trains on them in any mode, transcripts, evals and the numerics gate; and their checks."""
 
-    implementation: ClassVar[str] = "runner.algos.rl"
+    ABSTRACT: ClassVar[bool] = True  # not a variant itself (variants(), runner/recipe/common.py)
 
-    env: Env
     # ---- Core
-    # Episodes per group (the baseline is their mean reward; 1 would make every advantage 0).
-    group_size: Annotated[int, Meta(ge=2)] = 4
-    groups_per_batch: PosInt = 16
     # Sampled tokens per turn.
     max_tokens: PosInt = 64
     temperature: PosFloat = 1.0
     loss: Loss = ImportanceSampling()
     # ---- Advanced
-    kl: KL = NoKL()
     mode: Mode = Sync()
     # optim_steps per batch (contiguous chunks of the batch; later chunks train slightly off-policy).
     num_substeps: PosInt = 1
-    # Drop groups whose rewards are all equal (they carry no signal, only KL/entropy drift).
-    remove_constant_reward_groups: bool = False
-    # Divide advantages by the group's reward std (off, as in the cookbook: the std couples reward scale and step size).
-    normalize_std: bool = False
     # Passes over the training split.
     epochs: PosInt = 1
-    # Seconds a group's rollout (its envs' steps and their sampling) may take; past it the group is cancelled,
-    # dropped and counted (rollout_errors/EnvTimeout). None: no limit.
-    env_timeout_s: PosFloat | None = None
     # Groups written to each iteration_NNNNNN/train.html (and test.html); 0 = no transcripts.
     groups_to_log: NonNegInt = 4
     # Steps between transcripts (iteration_NNNNNN/train.html + train_rollout_summaries.jsonl): steps 0, N, 2N, ...
@@ -333,16 +323,46 @@ class RL(AlgoBase):
     # The sampler-vs-trainer logprob gate (runner/recipe/numerics.py); None: the numerics/* metrics only.
     numerics: Numerics | None = None
 
+    @property
+    def batch_groups(self) -> int:
+        """Groups per step (RL: groups_per_batch; distillation: the sum over its prompt sets)."""
+        return getattr(self, "groups_per_batch")  # noqa: B009 - a field of RL, a property of Distill
+
     def __post_init__(self) -> None:
         check_temperature(self.numerics, self.temperature)
-        if isinstance(self.env, TicTacToe) and self.env.opponent == "self" and self.group_size % 2:
-            raise ValueError("tictactoe self-play needs an even group_size (two seats per game)")
-        if self.num_substeps > self.groups_per_batch:
+        if self.num_substeps > self.batch_groups:
             raise ValueError("num_substeps must be <= groups_per_batch")
         if isinstance(self.mode, Stream):
-            per_substep, rem = divmod(self.groups_per_batch, self.num_substeps)
+            per_substep, rem = divmod(self.batch_groups, self.num_substeps)
             if rem or per_substep % self.mode.minibatches:
                 raise ValueError("stream mode: groups_per_batch must split evenly into num_substeps × minibatches")
+
+
+class RL(OnPolicy, kw_only=True):
+    """Group-relative policy gradient on environments (cookbook rl/train.py): per group, advantage = reward −
+    group mean; datums carry sampler logprobs and per-token advantages; a built-in ratio loss."""
+
+    implementation: ClassVar[str] = "runner.algos.rl"
+
+    # ---- Core (and OnPolicy's)
+    env: Env
+    # Episodes per group (the baseline is their mean reward; 1 would make every advantage 0).
+    group_size: Annotated[int, Meta(ge=2)] = 4
+    groups_per_batch: PosInt = 16
+    # ---- Advanced (and OnPolicy's)
+    kl: KL = NoKL()
+    # Drop groups whose rewards are all equal (they carry no signal, only KL/entropy drift).
+    remove_constant_reward_groups: bool = False
+    # Divide advantages by the group's reward std (off, as in the cookbook: the std couples reward scale and step size).
+    normalize_std: bool = False
+    # Seconds a group's rollout (its envs' steps and their sampling) may take; past it the group is cancelled,
+    # dropped and counted (rollout_errors/EnvTimeout). None: no limit.
+    env_timeout_s: PosFloat | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.env, TicTacToe) and self.env.opponent == "self" and self.group_size % 2:
+            raise ValueError("tictactoe self-play needs an even group_size (two seats per game)")
+        super().__post_init__()
 
 
 # ---------------------------------------------------------------- on-policy distillation
@@ -374,7 +394,7 @@ class DistillSet(Base):
     test_size: NonNegInt = 0
 
 
-class Distill(AlgoBase):
+class Distill(OnPolicy, kw_only=True):
     """On-policy distillation (cookbook distillation/train_on_policy.py): the student samples, each teacher scores the
     student's own tokens (compute_logprobs), and the per-token reverse KL student_lp − teacher_lp is a penalty on the
     advantages (no centring; optionally discounted). Trained with a built-in ratio loss like RL, in any RL mode."""
@@ -384,23 +404,9 @@ class Distill(AlgoBase):
     datasets: Annotated[list[DistillSet], Meta(min_length=1)]
     # Samples per prompt (their reward is 0: only the KL term carries signal).
     group_size: PosInt = 4
-    max_tokens: PosInt = 64
-    temperature: PosFloat = 1.0
     kl_coef: PosFloat = 1.0
     # 0: each token pays its own KL; γ > 0: a token also pays the discounted KL of the tokens after it.
     kl_discount: Annotated[float, Meta(ge=0, lt=1)] = 0.0
-    loss: Loss = ImportanceSampling()
-    mode: Mode = Sync()
-    num_substeps: PosInt = 1
-    epochs: PosInt = 1
-    groups_to_log: NonNegInt = 4
-    transcript_every: NonNegInt = 10
-    compute_post_kl: bool = False
-    eval: RLEval = RLEval()
-    numerics: Numerics | None = None
-
-    def __post_init__(self) -> None:
-        check_temperature(self.numerics, self.temperature)
 
     @property
     def groups_per_batch(self) -> int:
@@ -446,8 +452,12 @@ class Custom(AlgoBase):
         return self.spec
 
 
-Algo = SFT | DPO | RewardModel | RL | Distill | Generate | Custom
-ALGO_VARIANTS: tuple[type[AlgoBase], ...] = get_args(Algo)
+# Every algorithm, in the order declared above: a new one is its struct here (naming its module) and that module.
+ALGO_VARIANTS: tuple[type[AlgoBase], ...] = variants(AlgoBase)
+if TYPE_CHECKING:
+    Algo = AlgoBase
+else:
+    Algo = Union[ALGO_VARIANTS]  # noqa: UP007 - built from the variants at import
 
 
 # ---------------------------------------------------------------- experiment tracking
@@ -553,7 +563,8 @@ class Recipe(Base):
     def __post_init__(self) -> None:
         from runner.renderers.registry import names as renderer_names
 
-        if self.renderer not in renderer_names():
-            raise ValueError(f"renderer {self.renderer!r} is unknown; choose one of: {', '.join(renderer_names())}")
+        if self.renderer not in renderer_names() and re.fullmatch(TARGET_PATTERN, self.renderer) is None:
+            raise ValueError(f"renderer {self.renderer!r} is unknown; choose one of: {', '.join(renderer_names())}, "
+                             "or your own as 'pkg.mod:NAME'")
         if isinstance(self.algo, RL) and isinstance(self.algo.mode, Async) and self.depth == 0:
             raise ValueError("algo.mode async samples while the previous step trains: it needs depth >= 1")

@@ -35,14 +35,15 @@ def import_object(target: str) -> Any:
     return fn
 
 
-def args_mismatch(fn: Callable[..., Any], args: dict[str, Any]) -> str | None:
-    """Why fn(**args) cannot bind (a missing or unexpected argument), or None when it can or fn has no signature."""
+def args_mismatch(fn: Callable[..., Any], args: dict[str, Any], leading: int = 0) -> str | None:
+    """Why fn(**args) cannot bind (a missing or unexpected argument), or None when it can or fn has no signature.
+    `leading`: positional arguments runner passes before the args (a pinned eval's sampler and tokenizer)."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # some builtins and C callables have none: the call will tell
         return None
     try:
-        sig.bind(**args)
+        sig.bind(*([None] * leading), **args)
     except TypeError as e:
         return str(e)
     return None

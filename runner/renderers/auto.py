@@ -6,31 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-# Exact model names (":checkpoint" suffixes are ignored) -> renderer. Base models get role_colon, as in the
-# cookbook.
-MODEL_RENDERERS: dict[str, str] = {
-    "meta-llama/Llama-3.1-8B-Instruct": "llama3",
-    "meta-llama/Llama-3.3-70B-Instruct": "llama3",
-    "meta-llama/Llama-3.2-1B": "role_colon",
-    "meta-llama/Llama-3.2-3B": "role_colon",
-    "meta-llama/Llama-3.1-8B": "role_colon",
-    "meta-llama/Llama-3.1-70B": "role_colon",
-    "Qwen/Qwen3-8B": "qwen3",
-    "Qwen/Qwen3-32B": "qwen3",
-    "Qwen/Qwen3-30B-A3B": "qwen3",
-    "Qwen/Qwen3-4B-Instruct-2507": "qwen3_instruct",
-    "Qwen/Qwen3-30B-A3B-Instruct-2507": "qwen3_instruct",
-    "Qwen/Qwen3-235B-A22B-Instruct-2507": "qwen3_instruct",
-    "Qwen/Qwen3-8B-Base": "role_colon",
-    "Qwen/Qwen3-30B-A3B-Base": "role_colon",
-    "Qwen/Qwen3.5-9B-Base": "role_colon",
-    "Qwen/Qwen3.5-35B-A3B-Base": "role_colon",
-    "deepseek-ai/DeepSeek-V3.1": "deepseekv3",
-    "deepseek-ai/DeepSeek-V3.1-Base": "role_colon",
-    "openai/gpt-oss-20b": "gpt_oss_no_sysprompt",
-    "openai/gpt-oss-120b": "gpt_oss_no_sysprompt",
-    "moonshotai/Kimi-K2-Thinking": "kimi_k2",
-}
+from runner.models import MODELS
+
+# Exact model names (":checkpoint" suffixes are ignored) -> renderer: the `renderer` column of runner/models.toml.
+MODEL_RENDERERS: dict[str, str] = {name: m.renderer for name, m in MODELS.items() if m.renderer is not None}
 
 
 def pick_renderer(model_name: str, tokenizer: Any) -> str:

@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from backends.errors import UserError
 
@@ -108,7 +108,7 @@ class Renderer(ABC):
     end_text: str | None = None
     end_family: str = ""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self._warned = False
         missing = [t for t in self.required_tokens if len(self.encode(t)) != 1]
@@ -347,6 +347,24 @@ def text_of(message: Message) -> str:
     if isinstance(content, str):
         return content
     return "".join(p["text"] for p in content if p.get("type") == "text")
+
+
+class Tokenizer(Protocol):
+    """What runner uses of a Hugging Face tokenizer (backends/tokenizer.py loads one; tests build a tiny one). The
+    methods take what the Hugging Face ones take."""
+
+    eos_token_id: Any
+    bos_token: Any
+
+    def encode(self, text: str, /, *args: Any, **kwargs: Any) -> list[int]: ...
+
+    def decode(self, ids: Any, /, *args: Any, **kwargs: Any) -> str: ...
+
+    def convert_tokens_to_ids(self, tokens: Any, /) -> Any: ...
+
+    def apply_chat_template(self, conversation: Any, /, *args: Any, **kwargs: Any) -> Any: ...
+
+    def get_vocab(self) -> dict[str, int]: ...
 
 
 def content_tokenizer(tokenizer: Any) -> Any:

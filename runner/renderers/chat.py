@@ -16,6 +16,7 @@ from typing import Any
 
 from backends.errors import UserError
 from runner.renderers import Renderer, Termination, get_renderer, text_of
+from runner.renderers.base import Tokenizer
 from runner.renderers.hf import HFTemplateRenderer
 
 Message = dict[str, Any]  # {"role": ..., "content": ...}
@@ -133,7 +134,7 @@ class ChatRenderer:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
 
-def context_window(tokenizer: Any) -> int | None:
+def context_window(tokenizer: Tokenizer) -> int | None:
     """The model's context length as the tokenizer states it; None when unset (transformers then reports
     a huge sentinel)."""
     n = getattr(tokenizer, "model_max_length", None)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from runner.renderers.base import Tokenizer
+
 Conversation = list[dict[str, Any]]
 
 
-def render(tokenizer: Any, messages: Conversation, train_on_what: str) -> tuple[list[int], list[float]]:
+def render(tokenizer: Tokenizer, messages: Conversation, train_on_what: str) -> tuple[list[int], list[float]]:
     """Tokens of the whole conversation and a 0/1 weight per token (1 = trained).
 
     A message's tokens are those the rendering of messages[:i+1] adds over messages[:i]; for an assistant
@@ -46,16 +48,16 @@ def render(tokenizer: Any, messages: Conversation, train_on_what: str) -> tuple[
     return tokens, weights
 
 
-def template(tokenizer: Any, messages: Conversation, generation_prompt: bool) -> str:
+def template(tokenizer: Tokenizer, messages: Conversation, generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
-def encode(tokenizer: Any, text: str) -> list[int]:
+def encode(tokenizer: Tokenizer, text: str) -> list[int]:
     # The template already wrote any BOS/special tokens as text.
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def prefix_len(tokenizer: Any, prefix: Conversation, tokens: list[int], generation_prompt: bool) -> int:
+def prefix_len(tokenizer: Tokenizer, prefix: Conversation, tokens: list[int], generation_prompt: bool) -> int:
     if not prefix and not generation_prompt:
         return 0
     try:

@@ -14,6 +14,7 @@ from runner.renderers.base import (
     Rendered,
     Renderer,
     Termination,
+    Tokenizer,
     add_renderer,
     ensure_text,
     has_thinking,
@@ -35,7 +36,7 @@ class _DeepSeekV3Base(Renderer):
     end_text = "<｜end▁of▁sentence｜>"
     end_family = "a DeepSeek V3 tokenizer"
 
-    def __init__(self, tokenizer: Any, system_role_as_user: bool = False, strip_thinking_from_history: bool = True):
+    def __init__(self, tokenizer: Tokenizer, system_role_as_user: bool = False, strip_thinking_from_history: bool = True):
         super().__init__(tokenizer)
         self.system_role_as_user = system_role_as_user
         self.strip_thinking_from_history = strip_thinking_from_history

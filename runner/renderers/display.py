@@ -4,12 +4,14 @@ colorize_example), or plain with [[...]] around trained spans when color is off.
 from __future__ import annotations
 
 import sys
-from typing import Any, TextIO
+from typing import TextIO
+
+from runner.renderers.base import Tokenizer
 
 _GREEN, _DIM, _RESET = "\x1b[32m", "\x1b[2m", "\x1b[0m"
 
 
-def colorize(tokens: list[int], weights: list[float], tokenizer: Any, color: bool | None = None,
+def colorize(tokens: list[int], weights: list[float], tokenizer: Tokenizer, color: bool | None = None,
              stream: TextIO | None = None) -> str:
     """Decode runs of equally-weighted tokens; color when `color` (default: when `stream`/stdout is a tty)."""
     if len(tokens) != len(weights):

@@ -17,6 +17,7 @@ from runner.renderers.base import (
     Rendered,
     Renderer,
     Termination,
+    Tokenizer,
     add_renderer,
     ensure_text,
     make_tool_call,
@@ -35,7 +36,7 @@ _END_TOKENS = ("<|end|>", "<|call|>", "<|return|>")
 class GptOssRenderer(Renderer):
     required_tokens = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>")
 
-    def __init__(self, tokenizer: Any, use_system_prompt: bool = False, reasoning_effort: str | None = None,
+    def __init__(self, tokenizer: Tokenizer, use_system_prompt: bool = False, reasoning_effort: str | None = None,
                  current_date: str | None = None):
         super().__init__(tokenizer)
         if use_system_prompt != (reasoning_effort is not None):

@@ -3,8 +3,6 @@ from the template's prefixes (runner/renderers/chat_template.py); stops are the 
 
 from __future__ import annotations
 
-from typing import Any
-
 from backends.errors import UserError
 from runner.renderers import chat_template
 from runner.renderers.base import (
@@ -13,6 +11,7 @@ from runner.renderers.base import (
     Rendered,
     Renderer,
     Termination,
+    Tokenizer,
     parse_train_on_what,
     register,
 )
@@ -24,7 +23,7 @@ TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|end|>")
 
 @register("hf")
 class HFTemplateRenderer(Renderer):
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Tokenizer):
         if not getattr(tokenizer, "chat_template", None):
             raise UserError("the tokenizer has no chat template; set renderer = \"role_colon\" (a base model) or "
                             "the model family's renderer")

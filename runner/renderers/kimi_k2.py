@@ -14,6 +14,7 @@ from runner.renderers.base import (
     Rendered,
     Renderer,
     Termination,
+    Tokenizer,
     ensure_text,
     make_tool_call,
     parse_for_stop_token,
@@ -37,7 +38,7 @@ class KimiK2Renderer(Renderer):
     end_text = "<|im_end|>"
     end_family = "Kimi's"
 
-    def __init__(self, tokenizer: Any, strip_thinking_from_history: bool = True):
+    def __init__(self, tokenizer: Tokenizer, strip_thinking_from_history: bool = True):
         super().__init__(tokenizer)
         self.strip_thinking_from_history = strip_thinking_from_history
 

@@ -4,7 +4,6 @@ qwen3_disable_thinking (the prompt closes an empty think block), qwen3_instruct 
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from backends.errors import UserError
 from runner.renderers.base import (
@@ -14,6 +13,7 @@ from runner.renderers.base import (
     Rendered,
     Renderer,
     Termination,
+    Tokenizer,
     content_tokenizer,
     has_thinking,
     parse_content_blocks,
@@ -58,7 +58,7 @@ class Qwen3Renderer(Renderer):
 
     frames_thinking = True  # the 2507 instruct models use no think tag at all
 
-    def __init__(self, tokenizer: Any, strip_thinking_from_history: bool = True):
+    def __init__(self, tokenizer: Tokenizer, strip_thinking_from_history: bool = True):
         super().__init__(tokenizer)
         self.strip_thinking_from_history = strip_thinking_from_history
         self._content = content_tokenizer(tokenizer)

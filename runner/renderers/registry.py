@@ -1,17 +1,23 @@
 """Renderers by name: `get_renderer(name, tokenizer)` builds one; `names()` lists them (what `runner check` offers).
 
-A renderer is one module with `@register("name")` (runner/renderers/base.py) on its Renderer subclass, plus its
-import line below (importing it registers it).
+A built-in renderer is one module with `@register("name")` (runner/renderers/base.py) on its Renderer subclass,
+plus its import line below (importing it registers it). A user's is `renderer = "pkg.mod:NAME"` in a recipe: NAME
+is a Renderer subclass (or any factory tokenizer -> Renderer) in their module (docs/extending.md).
 """
 
 from __future__ import annotations
 
+import importlib
+import re
 from typing import Any
 
 from backends.errors import UserError
 from runner.renderers import deepseek_v3, gpt_oss, hf, kimi_k2, llama3, qwen3, role_colon  # noqa: F401 - registers
 from runner.renderers.auto import pick_renderer
-from runner.renderers.base import AUTO, REGISTRY, Renderer
+from runner.renderers.base import AUTO, REGISTRY, Renderer, Tokenizer
+
+# A user's renderer: "pkg.mod:NAME" (the recipe's TARGET_PATTERN; the recipe sits above this package).
+USER_RENDERER = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 def names() -> list[str]:
@@ -19,11 +25,11 @@ def names() -> list[str]:
     return [AUTO, *sorted(REGISTRY, key=lambda n: (n != "hf", n))]
 
 
-def get_renderer(name: str, tokenizer: Any, model_name: str | None = None) -> Renderer:
+def get_renderer(name: str, tokenizer: Tokenizer, model_name: str | None = None) -> Renderer:
     """The renderer `name` over `tokenizer`; "auto" picks one for `model_name` (see pick_renderer)."""
     if name == AUTO:
         name = pick_renderer(model_name or getattr(tokenizer, "name_or_path", "") or "", tokenizer)
-    factory = REGISTRY.get(name)
+    factory = _user_factory(name) if USER_RENDERER.match(name) else REGISTRY.get(name)
     if factory is None:
         raise UserError(f"unknown renderer {name!r}; choose one of: {', '.join(names())}")
     try:
@@ -56,6 +62,20 @@ def renderer_mismatch(renderer: str, model: str, tokenizer: str | None) -> str |
         return None
     return (f"renderer {name!r}: the tokenizer ({tokenizer or model}) does not have {', '.join(missing)} as single "
             "tokens, which this format writes: pick the renderer of the model's family (or \"hf\": its chat template)")
+
+
+def _user_factory(target: str) -> Any:
+    """The factory a recipe's `renderer = "pkg.mod:NAME"` names; UserError when it cannot be imported."""
+    module, _, attr = target.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module), attr)
+    except ImportError as e:
+        raise UserError(f"renderer {target!r}: cannot import {module}: {e}") from None
+    except AttributeError:
+        raise UserError(f"renderer {target!r}: {module} has no {attr}") from None
+    if not callable(factory):
+        raise UserError(f"renderer {target!r} is a {type(factory).__name__}, not a Renderer class or factory")
+    return factory
 
 
 def smoke_renderer(renderer: str, model: str, stand_in: str) -> str:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import Any
 
 from backends.base import SamplingClient
 from runner.data.comparisons import render_judge
 from runner.data.conversations import Conversation
+from runner.renderers.base import Tokenizer
 
 
 async def label_logprobs(client: SamplingClient, prefix: list[int], token_a: int, token_b: int) -> tuple[float, float]:
@@ -36,7 +36,7 @@ def _messages(x: str | Conversation) -> Conversation:
     return [{"role": "assistant", "content": x}] if isinstance(x, str) else x
 
 
-async def judge_prob(sampling_client: SamplingClient, tokenizer: Any, prompt_messages: str | Conversation,
+async def judge_prob(sampling_client: SamplingClient, tokenizer: Tokenizer, prompt_messages: str | Conversation,
                      a: str | Conversation, b: str | Conversation) -> float:
     """P(a is better than b) in [0, 1], averaged over both orders. `prompt_messages`: the conversation so far (a
     string is one user message); `a`, `b`: completions (a string is one assistant message)."""

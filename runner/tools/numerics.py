@@ -4,7 +4,7 @@ Samples N prompts (the recipe's env or prompt sets, else GENERIC_PROMPTS) at tem
 client's weights, then scores the sampled tokens three ways: the sampler's own logprobs, the sampling client's
 compute_logprobs, and the training client's forward. The report: KL and |Δ| stats per pair, sampler − trainer by
 position in the sequence, and the worst tokens; exit 1 when sampler − trainer is over the recipe's numerics limits
-(its `numerics` table, else the defaults). The per-step metrics and the gate are runner/rl/numerics.py.
+(its `numerics` table, else the defaults). The per-step metrics and the gate are runner/rl/gate.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 from backends.errors import UserError
 from backends.types import Datum, SamplingParams
 from runner.recipe.numerics import Numerics
-from runner.rl.numerics import BIG_DLOGPROB, diff_stats, failures
+from runner.rl.gate import BIG_DLOGPROB, diff_stats, failures
 
 # When the recipe's algorithm has no prompts of its own (SFT, DPO, ...): generic chat prompts.
 GENERIC_PROMPTS = [

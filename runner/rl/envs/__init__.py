@@ -1,94 +1,51 @@
 """Environment datasets: `build_datasets(cfg, ctx)` is the one place an env config becomes objects.
 
-User environments come through `{kind = "python", target = "pkg.mod:fn", args = {...}}`. The contract:
+A built-in env is its struct in runner/recipe/envs.py, whose `implementation` names its module here; the module
+declares `ENV = EnvKind(build, headline)` (runner/rl/envs/common.py). Nothing lists envs: `kind_of` imports the
+module the struct names. User environments come through `{kind = "python", target = "pkg.mod:fn", args = {...}}`.
+The contract:
 
     def fn(**args) -> builder                      # called once, with the recipe's args
     def builder(ctx: EnvContext) -> (train, test)  # train: RLDataset; test: RLDataset or None
 
 `ctx` carries the renderer (tokenizer + chat template + stop tokens), group_size, test_group_size,
 groups_per_batch and the recipe seed. Datasets hand out `EnvGroupBuilder`s (runner/rl/types.py);
-`envs.common` has `ChatEnv`, `RepeatGroupBuilder` and `ListDataset` to build them from.
+`envs.common` has `ChatEnv`, `RepeatGroupBuilder`, `ListDataset` and `group_datasets` to build them from.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+import importlib
+from collections.abc import Iterable
 from typing import Any, cast
 
 from backends.errors import UserError
-from runner.recipe.schema import (
-    Arithmetic,
-    Code,
-    Env,
-    GuessNumber,
-    Math,
-    Preference,
-    PythonEnv,
-    Rubric,
-    TicTacToe,
-    ToolUse,
-    TwentyQuestions,
-)
+from runner.recipe.schema import Env, PythonEnv
 from runner.recipe.targets import args_mismatch, import_target
-from runner.rl.envs import (
-    arithmetic,
-    code,
-    guess_number,
-    math,
-    preference,
-    rubric,
-    tictactoe,
-    tool_use,
-    twenty_questions,
-)
-from runner.rl.envs.common import EnvContext
+from runner.rl.envs.common import EnvContext, EnvKind
 from runner.rl.rollouts import describe_error
 from runner.rl.types import EnvGroupBuilder, RLDataset
 
-__all__ = ["ENVS", "EnvContext", "EnvKind", "build_datasets", "get_batch", "headline_of"]
-
-Builder = Callable[[Any, EnvContext], tuple[RLDataset, RLDataset | None]]
+__all__ = ["EnvContext", "EnvKind", "build_datasets", "get_batch", "headline_of", "kind_of"]
 
 
-@dataclass(frozen=True)
-class EnvKind:
-    build: Builder
-    # (metric, label) pairs the progress line shows besides the reward: a number that moves where the mean reward
-    # cannot (pairwise judging: the group's win rate is 0.5 by construction; self-play: wins and losses cancel).
-    headline: list[tuple[str, str]] = field(default_factory=list)
-
-
-# The one place an env config type meets its module. A new env is its schema struct (in the Env union) and a
-# module with build(cfg, ctx) -> (train, test), registered here.
-ENVS: dict[type[Any], EnvKind] = {
-    Arithmetic: EnvKind(arithmetic.build, [("env/all/correct", "correct")]),
-    GuessNumber: EnvKind(guess_number.build),
-    TwentyQuestions: EnvKind(twenty_questions.build),
-    TicTacToe: EnvKind(tictactoe.build, [("env/all/illegal", "illegal"), ("env/all/turns_per_episode", "turns")]),
-    Preference: EnvKind(preference.build, [("env/all/ac_tokens_per_turn", "reply_tokens"),
-                                           ("env/all/format", "format")]),
-    Math: EnvKind(math.build, [("env/all/correct", "correct"), ("env/all/format", "format")]),
-    Code: EnvKind(code.build, [("env/all/passed", "passed"), ("env/all/compile", "compile"),
-                               ("env/all/timeout", "timeout")]),
-    ToolUse: EnvKind(tool_use.build, [("env/all/correct", "correct"), ("env/all/tool_calls", "tool_calls"),
-                                      ("env/all/malformed", "malformed")]),
-    Rubric: EnvKind(rubric.build, [("env/all/rubric_score", "rubric"), ("env/all/judge_unparsed", "unparsed")]),
-}
+def kind_of(cfg: Env) -> EnvKind:
+    """The `ENV` its module declares, for a built-in env's config (its struct's `implementation`)."""
+    module = type(cfg).implementation
+    kind = getattr(importlib.import_module(module), "ENV", None) if module else None
+    if not isinstance(kind, EnvKind):
+        raise TypeError(f"env config {type(cfg).__name__}: its implementation {module!r} declares no ENV = EnvKind(...)")
+    return kind
 
 
 def build_datasets(cfg: Env, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:
     if isinstance(cfg, PythonEnv):
         return _user_datasets(cfg, ctx)
-    kind = ENVS.get(type(cfg))
-    if kind is None:
-        raise TypeError(f"unknown env config {type(cfg).__name__}: register it in runner/rl/envs ENVS")
-    return kind.build(cfg, ctx)
+    return kind_of(cfg).build(cfg, ctx)
 
 
 def headline_of(cfg: Env) -> list[tuple[str, str]]:
-    kind = ENVS.get(type(cfg))
-    return list(kind.headline) if kind is not None else []
+    return [] if isinstance(cfg, PythonEnv) else list(kind_of(cfg).headline)
 
 
 def _user_datasets(cfg: PythonEnv, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:

@@ -7,7 +7,15 @@ import re
 
 from runner.recipe.schema import Arithmetic
 from runner.renderers.chat import ChatRenderer, Message
-from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, RepeatGroupBuilder, check_train_size, split_problems
+from runner.rl.envs.common import (
+    ChatEnv,
+    EnvContext,
+    EnvKind,
+    RepeatGroupBuilder,
+    check_train_size,
+    group_datasets,
+    split_problems,
+)
 from runner.rl.types import Observation, RLDataset, StepResult, StopCondition
 
 FORMAT_COEF = 0.1
@@ -55,11 +63,12 @@ def build(cfg: Arithmetic, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None
         "arithmetic",
     )
 
-    def builder(group_size: int, item: object) -> RepeatGroupBuilder:
+    def builder(item: object, group_size: int) -> RepeatGroupBuilder:
         x, y = item  # type: ignore[misc]
         env = functools.partial(ArithmeticEnv, ctx.renderer, x, y, cfg.few_shot)
         return RepeatGroupBuilder(env, group_size, ["arithmetic"])
 
-    train_ds = ListDataset(train, functools.partial(builder, ctx.group_size), ctx.groups_per_batch)
-    test_ds = ListDataset(test, functools.partial(builder, ctx.test_group_size), ctx.groups_per_batch, drop_last=False)
-    return train_ds, (test_ds if test else None)
+    return group_datasets(train, test, ctx, builder, "arithmetic")
+
+
+ENV = EnvKind(build, [("env/all/correct", "correct")])

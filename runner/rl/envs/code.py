@@ -27,8 +27,7 @@ from runner.recipe.schema import Code, DataSource
 from runner.renderers.chat import ChatRenderer
 from runner.rewards import harness
 from runner.rewards.sandbox import Limits, RunResult, Sandbox
-from runner.rl.envs.common import ChatEnv, EnvContext, RepeatGroupBuilder
-from runner.rl.envs.math import datasets, split
+from runner.rl.envs.common import ChatEnv, EnvContext, EnvKind, RepeatGroupBuilder, group_datasets, split
 from runner.rl.types import EnvGroupBuilder, Observation, RLDataset, StepResult, StopCondition
 
 INSTRUCTION = (
@@ -236,4 +235,7 @@ def build(cfg: Code, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:
         env = functools.partial(CodeEnv, ctx.renderer, problem, cfg, sandbox)
         return RepeatGroupBuilder(env, group_size, ["code"])
 
-    return datasets(train, test, ctx, make, "code env")
+    return group_datasets(train, test, ctx, make, "code env")
+
+
+ENV = EnvKind(build, [("env/all/passed", "passed"), ("env/all/compile", "compile"), ("env/all/timeout", "timeout")])

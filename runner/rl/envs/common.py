@@ -1,19 +1,33 @@
-"""Pieces every built-in environment shares: the build context, a message-keeping env base, a group
-builder that repeats one problem, a fixed-list dataset, and a seeded train/test split."""
+"""Pieces every built-in environment shares: what its module declares (`EnvKind`), the build context, a
+message-keeping env base, a group builder that repeats one problem, a fixed-list dataset, seeded train/test splits
+(drawn problems: `split_problems`; a dataset's rows: `split`), and the train/test datasets of groups
+(`group_datasets`)."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Awaitable, Callable, Hashable, Sequence
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from backends.base import SamplingClient
 from backends.errors import UserError
+from runner.recipe.schema import EnvBase
 from runner.renderers.chat import ChatRenderer, Message, ParsedReply, Prompt
 from runner.rl.types import Env, EnvGroupBuilder, Observation, RLDataset, StopCondition
 
 T = TypeVar("T", bound=Hashable)
+P = TypeVar("P")
+
+
+@dataclass(frozen=True)
+class EnvKind:
+    """What an env's module declares (`ENV = EnvKind(build, headline)`): build(cfg, ctx) -> (train, test), and the
+    (metric, label) pairs the progress line shows besides the reward: a number that moves where the mean reward
+    cannot (pairwise judging: the group's win rate is 0.5 by construction; self-play: wins and losses cancel)."""
+
+    build: Callable[[Any, EnvContext], tuple[RLDataset, RLDataset | None]]
+    headline: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -136,3 +150,34 @@ def split_problems(
 def check_train_size(n_train: int, groups_per_batch: int, what: str) -> None:
     if n_train < groups_per_batch:
         raise UserError(f"{what}: train_size {n_train} is smaller than groups_per_batch {groups_per_batch}")
+
+
+def split(problems: list[P], test: list[P] | None, cfg: EnvBase, seed: int, what: str) -> tuple[list[P], list[P]]:
+    """A dataset env's (train, test): `test` when given (capped at test_size), else test_size problems held out of a
+    seeded shuffle; train capped at train_size."""
+    order = list(problems)
+    random.Random(seed).shuffle(order)
+    if test is None:
+        if cfg.test_size >= len(order):
+            raise UserError(f"{what}: test_size {cfg.test_size} leaves no training problems of {len(order)}")
+        test, order = order[: cfg.test_size], order[cfg.test_size :]
+    else:
+        test = test[: cfg.test_size]
+    return order[: cfg.train_size], test
+
+
+def group_datasets(train: Sequence[Any], test: Sequence[Any], ctx: EnvContext,
+                   make: Callable[[Any, int], EnvGroupBuilder], what: str, *,
+                   make_test: Callable[[Any, int], EnvGroupBuilder] | None = None,
+                   test_group_size: int | None = None) -> tuple[RLDataset, RLDataset | None]:  # fmt: skip
+    """Every env's (train, test) datasets: `make(problem, group_size)` is one group; training batches are
+    groups_per_batch groups of ctx.group_size (a partial last batch dropped), the test split's groups of
+    ctx.test_group_size (or `test_group_size`; `make_test` when it differs) all kept; no test split when `test` is
+    empty."""
+    if len(train) < ctx.groups_per_batch:
+        raise UserError(f"{what}: {len(train)} training problems, fewer than groups_per_batch {ctx.groups_per_batch}")
+    make_test = make_test or make
+    size = ctx.test_group_size if test_group_size is None else test_group_size
+    train_ds = ListDataset(train, lambda p: make(p, ctx.group_size), ctx.groups_per_batch)
+    test_ds = ListDataset(test, lambda p: make_test(p, size), ctx.groups_per_batch, drop_last=False)
+    return train_ds, (test_ds if test else None)

@@ -11,7 +11,15 @@ import functools
 from runner.recipe.schema import GuessNumber
 from runner.renderers.chat import ChatRenderer
 from runner.rl.envs.arithmetic import INTEGER
-from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, RepeatGroupBuilder, check_train_size, split_problems
+from runner.rl.envs.common import (
+    ChatEnv,
+    EnvContext,
+    EnvKind,
+    RepeatGroupBuilder,
+    check_train_size,
+    group_datasets,
+    split_problems,
+)
 from runner.rl.types import Observation, RLDataset, StepResult, StopCondition
 
 
@@ -61,11 +69,12 @@ def build(cfg: GuessNumber, ctx: EnvContext) -> tuple[RLDataset, RLDataset | Non
         "guess_number",
     )
 
-    def builder(group_size: int, secret: object) -> RepeatGroupBuilder:
+    def builder(secret: object, group_size: int) -> RepeatGroupBuilder:
         assert isinstance(secret, int)
         env = functools.partial(GuessNumberEnv, ctx.renderer, secret, cfg.low, cfg.high, cfg.max_turns)
         return RepeatGroupBuilder(env, group_size, ["guess_number"])
 
-    train_ds = ListDataset(train, functools.partial(builder, ctx.group_size), ctx.groups_per_batch)
-    test_ds = ListDataset(test, functools.partial(builder, ctx.test_group_size), ctx.groups_per_batch, drop_last=False)
-    return train_ds, (test_ds if test else None)
+    return group_datasets(train, test, ctx, builder, "guess_number")
+
+
+ENV = EnvKind(build)

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from backends.errors import UserError
 from runner.data.conversations import load_rows
-from runner.recipe.schema import DataSource, EnvBase, Math
+from runner.recipe.schema import DataSource, Math
 from runner.renderers.chat import ChatRenderer, Message
 from runner.rewards.math_grading import extract_answer, grade, math_verify_available, reference_answer
-from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, RepeatGroupBuilder
+from runner.rl.envs.common import ChatEnv, EnvContext, EnvKind, RepeatGroupBuilder, group_datasets, split
 from runner.rl.types import EnvGroupBuilder, Observation, RLDataset, StepResult, StopCondition
 
 BOXED_SUFFIX = " Write your answer in \\boxed{} format."
@@ -79,29 +78,6 @@ def load_problems(source: DataSource, question_field: str | None, answer_field: 
     return problems
 
 
-def split(problems: list[P], test: list[P] | None, cfg: EnvBase, seed: int, what: str) -> tuple[list[P], list[P]]:
-    """(train, test): `test` when given (capped at test_size), else test_size problems held out of a seeded
-    shuffle; train capped at train_size."""
-    order = list(problems)
-    random.Random(seed).shuffle(order)
-    if test is None:
-        if cfg.test_size >= len(order):
-            raise UserError(f"{what}: test_size {cfg.test_size} leaves no training problems of {len(order)}")
-        test, order = order[: cfg.test_size], order[cfg.test_size :]
-    else:
-        test = test[: cfg.test_size]
-    return order[: cfg.train_size], test
-
-
-def datasets(train: list[Any], test: list[Any], ctx: EnvContext, make: Callable[[Any, int], EnvGroupBuilder],
-             what: str) -> tuple[RLDataset, RLDataset | None]:  # fmt: skip
-    if len(train) < ctx.groups_per_batch:
-        raise UserError(f"{what}: {len(train)} training problems, fewer than groups_per_batch {ctx.groups_per_batch}")
-    train_ds = ListDataset(train, lambda p: make(p, ctx.group_size), ctx.groups_per_batch)
-    test_ds = ListDataset(test, lambda p: make(p, ctx.test_group_size), ctx.groups_per_batch, drop_last=False)
-    return train_ds, (test_ds if test else None)
-
-
 class MathEnv(ChatEnv):
     def __init__(self, renderer: ChatRenderer, problem: Problem, cfg: Math):
         suffix = cfg.question_suffix if cfg.question_suffix is not None else (
@@ -145,4 +121,7 @@ def build(cfg: Math, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:
     def make(problem: Problem, group_size: int) -> EnvGroupBuilder:
         return RepeatGroupBuilder(functools.partial(MathEnv, ctx.renderer, problem, cfg), group_size, ["math"])
 
-    return datasets(train, test, ctx, make, "math env")
+    return group_datasets(train, test, ctx, make, "math env")
+
+
+ENV = EnvKind(build, [("env/all/correct", "correct"), ("env/all/format", "format")])

@@ -8,7 +8,6 @@ judge(prompt, a, b) -> P(a is better) in [0, 1]; the default prefers the shorter
 from __future__ import annotations
 
 import asyncio
-import functools
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -19,7 +18,7 @@ from backends.types import SamplingParams
 from runner.recipe.schema import ModelJudge, Preference
 from runner.recipe.targets import import_target
 from runner.renderers.chat import ChatRenderer
-from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, check_train_size
+from runner.rl.envs.common import ChatEnv, EnvContext, EnvKind, check_train_size, group_datasets
 from runner.rl.types import (
     Env,
     EnvGroupBuilder,
@@ -165,13 +164,12 @@ def build(cfg: Preference, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None
     rng = random.Random(ctx.seed)
     train = [rng.choice(cfg.prompts) for _ in range(cfg.train_size)]
 
-    def builder(group_size: int, prompt: object) -> EnvGroupBuilder:
+    def builder(prompt: object, group_size: int) -> EnvGroupBuilder:
         return PreferenceGroupBuilder(ctx.renderer, str(prompt), group_size, judge, cfg.format_coef)
 
-    train_ds = ListDataset(train, functools.partial(builder, ctx.group_size), ctx.groups_per_batch)
     # A pairwise reward needs at least two replies, whatever the eval group size says.
-    test_group = max(2, ctx.test_group_size)
-    test_ds = ListDataset(
-        cfg.test_prompts, functools.partial(builder, test_group), ctx.groups_per_batch, drop_last=False
-    )
-    return train_ds, (test_ds if cfg.test_prompts else None)
+    return group_datasets(train, cfg.test_prompts, ctx, builder, "preference",
+                          test_group_size=max(2, ctx.test_group_size))
+
+
+ENV = EnvKind(build, [("env/all/ac_tokens_per_turn", "reply_tokens"), ("env/all/format", "format")])

@@ -25,8 +25,7 @@ from runner.data.conversations import load_rows, messages_of
 from runner.recipe.schema import JudgeModel, PythonGrader, Rubric
 from runner.recipe.targets import import_target
 from runner.renderers.chat import ChatRenderer, Message
-from runner.rl.envs.common import ChatEnv, EnvContext, RepeatGroupBuilder
-from runner.rl.envs.math import datasets, split
+from runner.rl.envs.common import ChatEnv, EnvContext, EnvKind, RepeatGroupBuilder, group_datasets, split
 from runner.rl.rollouts import describe_error
 from runner.rl.types import EnvGroupBuilder, Logs, Observation, RLDataset, StepResult, StopCondition
 
@@ -271,4 +270,7 @@ def build(cfg: Rubric, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:
         env = functools.partial(RubricEnv, ctx.renderer, problem, grader, cfg.format_coef, ctx.seed)
         return RepeatGroupBuilder(env, group_size, ["rubric"])
 
-    return datasets(train, test, ctx, make, "rubric env")
+    return group_datasets(train, test, ctx, make, "rubric env")
+
+
+ENV = EnvKind(build, [("env/all/rubric_score", "rubric"), ("env/all/judge_unparsed", "unparsed")])

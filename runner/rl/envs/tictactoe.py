@@ -14,12 +14,20 @@ import asyncio
 import functools
 import random
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 from runner.recipe.schema import TicTacToe
 from runner.renderers.chat import ChatRenderer
 from runner.rl.envs.arithmetic import INTEGER
-from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, RepeatGroupBuilder, check_train_size, split_problems
+from runner.rl.envs.common import (
+    ChatEnv,
+    EnvContext,
+    EnvKind,
+    RepeatGroupBuilder,
+    check_train_size,
+    group_datasets,
+    split_problems,
+)
 from runner.rl.types import Env, EnvGroupBuilder, Metrics, Observation, RLDataset, StepResult, StopCondition, Trajectory
 
 Seat = Literal["X", "O"]
@@ -238,18 +246,18 @@ def build(cfg: TicTacToe, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]
         "tictactoe",
     )
 
-    def vs(opponent: str, group_size: int, item: object) -> EnvGroupBuilder:
+    def vs(opponent: str, item: object, group_size: int) -> EnvGroupBuilder:
         seat, opp_seed = item  # type: ignore[misc]
         env = functools.partial(OpponentEnv, ctx.renderer, seat, opponent, opp_seed)
         return RepeatGroupBuilder(env, group_size, ["tictactoe", opponent])
 
-    if cfg.opponent == "self":
-        def make_train(item: Any) -> EnvGroupBuilder:
-            return SelfPlayGroupBuilder(ctx.renderer, ctx.group_size)
-    else:
-        make_train = functools.partial(vs, cfg.opponent, ctx.group_size)
-    train_ds = ListDataset(train, make_train, ctx.groups_per_batch)
-    test_ds = ListDataset(
-        test, functools.partial(vs, cfg.test_opponent, ctx.test_group_size), ctx.groups_per_batch, drop_last=False
-    )
-    return train_ds, (test_ds if test else None)
+    def make_train(item: object, group_size: int) -> EnvGroupBuilder:
+        if cfg.opponent == "self":
+            return SelfPlayGroupBuilder(ctx.renderer, group_size)
+        return vs(cfg.opponent, item, group_size)
+
+    return group_datasets(train, test, ctx, make_train, "tictactoe",
+                          make_test=functools.partial(vs, cfg.test_opponent))
+
+
+ENV = EnvKind(build, [("env/all/illegal", "illegal"), ("env/all/turns_per_episode", "turns")])

@@ -36,8 +36,7 @@ from runner.recipe.targets import import_target
 from runner.renderers.chat import ChatRenderer, Message, ParsedReply
 from runner.rewards.math_grading import extract_answer, grade
 from runner.rewards.tools import BM25, Tool, ToolError, builtin_tools, load_docs, search_tool, tool_from_function
-from runner.rl.envs.common import ChatEnv, EnvContext, RepeatGroupBuilder
-from runner.rl.envs.math import datasets, split
+from runner.rl.envs.common import ChatEnv, EnvContext, EnvKind, RepeatGroupBuilder, group_datasets, split
 from runner.rl.types import EnvGroupBuilder, Logs, Observation, RLDataset, StepResult, StopCondition
 
 DEFAULT_SYSTEM_PROMPT = ("Solve the problem. You may call the tools below, one or more times, and read their "
@@ -336,4 +335,8 @@ def build(cfg: ToolUse, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:
         return RepeatGroupBuilder(functools.partial(ToolUseEnv, ctx.renderer, problem, setup), group_size,
                                   ["tool_use"])
 
-    return datasets(train, test, ctx, make, "tool_use env")
+    return group_datasets(train, test, ctx, make, "tool_use env")
+
+
+ENV = EnvKind(build, [("env/all/correct", "correct"), ("env/all/tool_calls", "tool_calls"),
+                  ("env/all/malformed", "malformed")])

@@ -13,7 +13,15 @@ import re
 
 from runner.recipe.schema import TwentyQuestions
 from runner.renderers.chat import ChatRenderer
-from runner.rl.envs.common import ChatEnv, EnvContext, ListDataset, RepeatGroupBuilder, check_train_size, split_problems
+from runner.rl.envs.common import (
+    ChatEnv,
+    EnvContext,
+    EnvKind,
+    RepeatGroupBuilder,
+    check_train_size,
+    group_datasets,
+    split_problems,
+)
 from runner.rl.types import Observation, RLDataset, StepResult, StopCondition
 
 # attribute -> (how the intro names it, words that ask about it)
@@ -124,11 +132,12 @@ def build(cfg: TwentyQuestions, ctx: EnvContext) -> tuple[RLDataset, RLDataset |
         ctx.seed, lambda rng: rng.choice(names), cfg.train_size, cfg.test_size, len(names), "twenty_questions"
     )
 
-    def builder(group_size: int, obj: object) -> RepeatGroupBuilder:
+    def builder(obj: object, group_size: int) -> RepeatGroupBuilder:
         assert isinstance(obj, str)
         env = functools.partial(TwentyQuestionsEnv, ctx.renderer, obj, cfg.max_turns)
         return RepeatGroupBuilder(env, group_size, ["twenty_questions"])
 
-    train_ds = ListDataset(train, functools.partial(builder, ctx.group_size), ctx.groups_per_batch)
-    test_ds = ListDataset(test, functools.partial(builder, ctx.test_group_size), ctx.groups_per_batch, drop_last=False)
-    return train_ds, (test_ds if test else None)
+    return group_datasets(train, test, ctx, builder, "twenty_questions")
+
+
+ENV = EnvKind(build)

@@ -1,4 +1,4 @@
-"""Every built-in loss's `loss:sum` against its documented formula (tinker-sdk.md §3), computed here from the
+"""Every built-in loss's `loss:sum` against its documented formula (docs/losses.md "Formulas"), computed here from the
 learner's logprobs that a cross_entropy forward returns. Each loss is checked through `forward` and through
 `forward_backward` (a server may compute them on different paths); the sampler logprobs q are the learner's
 shifted per token, so ratios r = exp(lp - q) range over ~[0.6, 1.6] and the clips engage."""
