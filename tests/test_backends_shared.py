@@ -95,7 +95,7 @@ def test_sft_learns_and_checkpoints(service, tmp_path):
     kinds = ["forward" if r.forward_only else r.route for r in training]
     assert kinds.count("forward_backward") == kinds.count("optim_step") == STEPS
     # fb and optim of a step go back to back; the periodic save is the final one's TTL'd sibling.
-    assert all(kinds[i + 1] == "optim_step" for i, k in enumerate(kinds) if k == "forward_backward")
+    assert all(kinds[i + 1] == "optim_step" for i, k in enumerate(kinds) if k == "forward_backward"), kinds
     ttls = [r.body.get("ttl_seconds") for r in training if r.route == "save_weights"]
     assert ttls == [7 * 24 * 3600, None]
     assert mock.finished[-1]["reason"] == {"type": "success"}

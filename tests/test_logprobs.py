@@ -154,7 +154,9 @@ T, H, V = 1024, 64, 65536
 h = torch.randn(T, H, requires_grad=True); w = torch.randn(V, H) * 0.1
 rows = np.arange(T); tg = np.random.default_rng(0).integers(0, V, T)
 plan = LP.plan(rows, tg, T, V, torch.device("cpu"), chunk=64)
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+import os
+# The resident size now (not the peak so far: memory freed after an earlier peak would hide part of the growth).
+base = int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE') // 1024
 if sys.argv[1] == "chunked":
     lp = LP.target_logprobs(h, w, plan)
 else:
