@@ -161,8 +161,8 @@ def test_show_prints_no_empty_tables(workdir: Path, capsys: pytest.CaptureFixtur
 def test_cookbook_resolves_to_what_it_did_before_extends() -> None:
     """examples/cookbook.toml uses [defaults] and extends; each recipe is still the one it was as a flat copy."""
     now, before = read_tables(str(REPO / "examples/cookbook.toml")), read_tables(str(REPO / "tests/data/cookbook_flat.toml"))
-    assert list(now) == list(before)
-    for name in now:
+    assert [n for n in now if n in before] == list(before)  # recipes added since (e.g. shorter) have no flat copy
+    for name in before:
         assert decode_recipe(now[name], name) == decode_recipe(before[name], name), name
     text = (REPO / "examples/cookbook.toml").read_text()
     assert "[defaults]" in text and text.count("extends = ") >= 3

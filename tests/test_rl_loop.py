@@ -32,6 +32,8 @@ RL_RECIPES = [
     for name, recipe in load_file(str(path)).items()
     # rlhf_rl's judge is a reward model trained for minutes: tests/test_rlhf.py runs that chain at a small size.
     if type(recipe.algo).__name__ == "RL" and type(getattr(recipe.algo.env, "judge", None)).__name__ != "ModelJudge"
+    # Recipes for hosted Tinker name hub models this machine does not have: their smoke tables run them offline.
+    and type(recipe.backend).__name__ != "Tinker"
 ]
 # Tiny everything: a CI run checks the plumbing, not the learning.
 SMALL = ["max_steps=2", "eval_every=1", "save_every=1", "algo.groups_per_batch=2", "algo.eval.max_groups=2",
