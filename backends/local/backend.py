@@ -371,7 +371,7 @@ class LocalTrainingClient:
     def _run_custom(self, data: list[Datum], loss_fn: CustomLossFn) -> ForwardBackwardOutput:
         """ONE autograd pass: logprobs with grad -> user loss -> backward through the model.
 
-        The SDK (tinker-sdk.md §3.8) runs a forward pass, differentiates the loss w.r.t. the logprobs on
+        The SDK (docs/losses.md, custom losses) runs a forward pass, differentiates the loss w.r.t. the logprobs on
         the client (g = dloss/dlogprobs), then a second forward+backward of the linear surrogate
         sum(g * logprobs) (cross_entropy with weights -g): the same weight gradient, ~1.5x the FLOPs,
         and its logprobs are recomputed. Here the graph of the first pass is kept instead; the price

@@ -6,8 +6,8 @@ process) is served by name through the local backend (service.py: `loss_fn in LO
 registry). These two are not token-wise functions of a Datum: gspo reads the wire-only `sequence_ratio_mask` and
 normalises over the sequence, stable_reinforce reads the sampler's records named by provenance spans.
 
-`gspo` (GSPO-token, Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 7-8), as tinker-sdk.md §3.6
-writes it: with M = {t : sequence_ratio_mask_t != 0},
+`gspo` (GSPO-token, Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 7-8), as the Tinker service
+computes it: with M = {t : sequence_ratio_mask_t != 0},
     s   = exp(mean_{t in M} (sg(lp_t) - q_t))             the length-normalised sequence ratio
     s_t = sg(s) * exp(lp_t - sg(lp_t))                    its value, the token's own gradient
     L   = -sum_t min(s_t A_t, clip(s_t, lo, hi) A_t)

@@ -1,4 +1,4 @@
-"""REST routes (tinker-sdk.md §1.5): training runs, checkpoints (list, get, delete, ttl, download URLs),
+"""REST routes (docs/serve.md): training runs, checkpoints (list, get, delete, ttl, download URLs),
 weights_info and copy_weights. Runs and checkpoints are read from the store, so they outlive the server."""
 
 from __future__ import annotations

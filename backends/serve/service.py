@@ -1,4 +1,4 @@
-"""The Tinker service's HTTP API (tinker-sdk.md §4.3, §1.5) over the local backend: what `runner serve` runs.
+"""The Tinker service's HTTP API (docs/serve.md, docs/tinker-offline.md) over the local backend: what `runner serve` runs.
 
 `Service.handle(method, path, headers, body) -> Reply` is the whole API, independent of the HTTP server
 (backends/serve/http.py). What it promises, as the hosted service does:

@@ -1,4 +1,4 @@
-"""Tinker's binary wire formats (tinker-sdk.md §4.1): forward/backward requests in, forward/backward and
+"""Tinker's binary wire formats (docs/serve.md's layout): forward/backward requests in, forward/backward and
 sample results out, as protobuf (`tinker.proto.tinker_public_pb2`, which ships with the SDK).
 
 Everything else on the wire is JSON. The service (backends/serve/service.py) uses these codecs; the tests' fault

@@ -6,7 +6,7 @@ is already one of our types. Things the SDK does that shape this file:
 - Plain SDK methods return at once with an APIFuture; ordering (seq ids) is reserved on the calling
   thread, so calling them in loop order is all the pipelining needs.
 - We never put a timeout on a training future: a cancelled one leaves a hole in the model's seq ids
-  and stalls every later request (tinker-sdk.md §1.1). Our Future's timeouts only stop waiting.
+  and stalls every later request (docs/tinker-backend.md). Our Future's timeouts only stop waiting.
 - The SDK retries transient failures (5xx, 429, dropped connections) itself; what it gives up on
   reaches us as an exception, which becomes a BackendError naming the request.
 - The API key comes from $TINKER_API_KEY only and is scrubbed from every message we produce.
