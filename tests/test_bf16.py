@@ -265,6 +265,23 @@ def test_dry_run_and_the_run_say_where_they_run(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.slow
+def conformance_results(service):
+    """`runner conformance` against `service` (closed after) on a loopback port, numeric checks at atol = rtol =
+    5e-3 (bfloat16's tolerance: below); the check results. tests/test_gpu.py runs it on cuda."""
+    from backends.serve.http import running
+    from runner.tools.conformance.core import Ctx, run_suite
+
+    try:
+        with running(service) as srv:
+            ctx = Ctx(f"http://127.0.0.1:{srv.server_address[1]}", "tml-test", None, atol=5e-3, rtol=5e-3)
+            try:
+                return run_suite(ctx, ())[1]
+            finally:
+                ctx.close()
+    finally:
+        service.close()
+
+
 def test_conformance_against_serve_in_bf16(tmp_path, monkeypatch, caplog):
     """Every conformance check passes against `runner serve --dtype bfloat16`, with the numeric checks at
     atol = rtol = 5e-3 (their sampler-vs-trainer checks then allow max |dlogprob| 0.05; measured 0.0174 for
@@ -272,22 +289,13 @@ def test_conformance_against_serve_in_bf16(tmp_path, monkeypatch, caplog):
     pytest.importorskip("tinker")
     import logging
 
-    from backends.serve.http import ServeConfig, build_service, running
-    from runner.tools.conformance.core import Ctx, run_suite
+    from backends.serve.http import ServeConfig, build_service
 
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     with caplog.at_level(logging.INFO):
         service = build_service(ServeConfig(storage=tmp_path / "storage", device="cpu", dtype="bfloat16"))
     assert "model tiny: device: cpu bfloat16" in caplog.text
-    try:
-        with running(service) as srv:
-            ctx = Ctx(f"http://127.0.0.1:{srv.server_address[1]}", "tml-test", None, atol=5e-3, rtol=5e-3)
-            try:
-                _, results = run_suite(ctx, ())
-            finally:
-                ctx.close()
-    finally:
-        service.close()
+    results = conformance_results(service)
     assert len(results) >= 42
     assert [(r.check, r.detail) for r in results if r.result != "pass"] == []
 

@@ -10,7 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_bf16 import GRAD_COS, MEAN_VS_FP32, SPEC, TOL_LORA, TOL_OWN, TOL_VS_FP32, _data, _own_logprobs_gap, _worst
+from test_bf16 import (
+    GRAD_COS,
+    MEAN_VS_FP32,
+    SPEC,
+    TOL_LORA,
+    TOL_OWN,
+    TOL_VS_FP32,
+    _data,
+    _own_logprobs_gap,
+    _worst,
+    conformance_results,
+)
 
 from backends.local import model as M
 from backends.local.backend import LocalBackend
@@ -86,19 +97,9 @@ def test_sampler_agrees_with_trainer_on_cuda(tmp_path):
 @pytest.mark.slow
 def test_conformance_against_serve_on_cuda(tmp_path, monkeypatch):
     pytest.importorskip("tinker")
-    from backends.serve.http import ServeConfig, build_service, running
-    from runner.tools.conformance.core import Ctx, run_suite
+    from backends.serve.http import ServeConfig, build_service
 
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    service = build_service(ServeConfig(storage=tmp_path / "storage", device="cuda"))
-    try:
-        with running(service) as srv:
-            ctx = Ctx(f"http://127.0.0.1:{srv.server_address[1]}", "tml-test", None, atol=5e-3, rtol=5e-3)
-            try:
-                _, results = run_suite(ctx, ())
-            finally:
-                ctx.close()
-    finally:
-        service.close()
+    results = conformance_results(build_service(ServeConfig(storage=tmp_path / "storage", device="cuda")))
     assert [(r.check, r.detail) for r in results if r.result != "pass"] == []
 

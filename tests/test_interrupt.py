@@ -22,6 +22,9 @@ from typing import Any
 import msgspec
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from bench_watchdog import GIL_ENV  # an env that holds the GIL in C for hours, as the bench measures it
+
 from backends.fake import FakeBackend
 from backends.local.tiny import build_tokenizer
 from backends.types import SamplingParams
@@ -259,31 +262,6 @@ def test_ctrl_c_while_an_env_awaits_forever_stops_gracefully(tmp_path: Path) -> 
     assert read_jsonl(run_dir / "checkpoints.jsonl")[-1]["next_step"] == len(steps)  # the last submitted step
 
 
-GIL_ENV = """
-from pathlib import Path
-from runner.rl.envs.arithmetic import ArithmeticEnv
-from runner.rl.envs.common import ListDataset, RepeatGroupBuilder
-
-class Hog(ArithmeticEnv):
-    def __init__(self, run_dir, *args):
-        super().__init__(*args)
-        self.run_dir = Path(run_dir)
-
-    async def step(self, action_tokens, stop_reason):
-        ckpts = self.run_dir / "checkpoints.jsonl"
-        # Once a checkpoint is recorded: C code that holds the GIL for hours (no Python signal handler, no other
-        # thread runs until it returns).
-        if ckpts.exists() and ckpts.read_text().strip() and not (self.run_dir.parent / "unblock").exists():
-            (self.run_dir.parent / "blocked").touch()
-            sum(range(10**12))
-        return await super().step(action_tokens, stop_reason)
-
-def make(run_dir):
-    def builder(ctx):
-        group = lambda i: RepeatGroupBuilder(lambda: Hog(run_dir, ctx.renderer, i % 10, 1), ctx.group_size, [])
-        return ListDataset(range(40), group, 2), None
-    return builder
-"""
 
 
 def gil_run(tmp_path: Path) -> tuple[Recipe, Path, subprocess.Popen[bytes]]:

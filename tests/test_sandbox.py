@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from bench_sandbox import WRITERS  # the 16 writers, measured by the bench too
+
 from runner.rewards.sandbox import ISOLATIONS, RUN_UID_BASE, RUN_UID_SPAN, WORK, Limits, RunResult, Sandbox
 
 LIMITS = Limits(cpu_s=1, wall_s=2.5, memory_mb=256, file_mb=1, nproc=16, output_bytes=4096)
@@ -283,27 +286,7 @@ def _holds(path: Path, text: str) -> bool:
 def test_sixteen_writers_fill_only_the_work_tmpfs(isolation: str) -> None:
     """16 processes writing as fast as they can share the work dir's tmpfs: together they write at most work_mb."""
     sb = isolated(isolation, Limits(cpu_s=5, wall_s=10.0, memory_mb=128, file_mb=4, nproc=32, work_mb=16))
-    code = """
-import os
-kids = []
-for i in range(16):
-    pid = os.fork()
-    if pid == 0:
-        n = 0
-        try:
-            while True:
-                with open(f"w{i}-{n}", "wb") as f:
-                    for _ in range(4):
-                        f.write(b"x" * (1 << 20))
-                n += 1
-        except OSError:
-            os._exit(0)
-    kids.append(pid)
-for pid in kids:
-    os.waitpid(pid, 0)
-print(sum(os.path.getsize(f) for f in os.listdir(".") if f.startswith("w")))
-"""
-    r = run(sb, code)
+    r = run(sb, WRITERS)
     assert r.ok, r.stderr
     written = int(r.stdout)
     assert 8 << 20 < written <= 16 << 20  # it did fill the tmpfs, and no more
