@@ -92,6 +92,7 @@ def test_multi_turn_tool_calls_run_through_the_renderer() -> None:
     ({"module": "no_such_env_module"}, "cannot import environment module 'no_such_env_module'"),
     ({"module": MODULE, "args": {"kind": "nope"}}, "raised ValueError: unknown kind 'nope'"),
     ({"module": MODULE, "args": {"bogus": 1}}, "load_environment"),
+    ({"module": MODULE, "args": {"n": 0}}, "its dataset has no rows to train on"),  # was an endless loop
 ])
 def test_bad_settings_are_one_line_errors(cfg: dict[str, Any], says: str) -> None:
     with pytest.raises(UserError) as e:

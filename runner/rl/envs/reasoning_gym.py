@@ -29,7 +29,7 @@ from typing import Any
 from backends.errors import UserError
 from runner.recipe.schema import ReasoningGym
 from runner.renderers.chat import ChatRenderer, Message
-from runner.rl.envs.common import ChatEnv, EnvContext, EnvKind, ListDataset, RepeatGroupBuilder, check_train_size
+from runner.rl.envs.common import ChatEnv, EnvContext, EnvKind, RepeatGroupBuilder, check_train_size, group_datasets
 from runner.rl.types import Observation, RLDataset, StepResult, StopCondition
 
 INSTALL = "the reasoning_gym env needs the reasoning-gym package: pip install 'runner[reasoning]'"
@@ -158,7 +158,7 @@ def build(cfg: ReasoningGym, ctx: EnvContext) -> tuple[RLDataset, RLDataset | No
             shots += [{"role": "user", "content": user_text(cfg.prompt, ex)}, {"role": "assistant", "content": answer}]
         return [*system, *shots, {"role": "user", "content": user_text(cfg.prompt, task.dataset[idx])}]
 
-    def builder(group_size: int, ref: object) -> RepeatGroupBuilder:
+    def builder(ref: object, group_size: int) -> RepeatGroupBuilder:
         t, idx = ref  # type: ignore[misc]
         task = tasks[t]
         make: Callable[[], ReasoningGymEnv] = functools.partial(
@@ -168,9 +168,7 @@ def build(cfg: ReasoningGym, ctx: EnvContext) -> tuple[RLDataset, RLDataset | No
     train = [(t, task.n_test + task.n_shots + i) for t, task in enumerate(tasks) for i in range(n_train[task.name])]
     random.Random(seed).shuffle(train)
     test = [(t, i) for i in range(cfg.test_size) for t in range(len(tasks))]
-    train_ds = ListDataset(train, functools.partial(builder, ctx.group_size), ctx.groups_per_batch)
-    test_ds = ListDataset(test, functools.partial(builder, ctx.test_group_size), ctx.groups_per_batch, drop_last=False)
-    return train_ds, (test_ds if test else None)
+    return group_datasets(train, test, ctx, builder, "reasoning_gym")
 
 
 ENV = EnvKind(build, [("env/all/score", "score"), ("env/all/format", "format")])

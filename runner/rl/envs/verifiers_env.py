@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import importlib
 import json
 import logging
@@ -35,7 +34,7 @@ from backends.errors import UserError
 from backends.serve.openai_api import ApiError, chat_plan, chat_response, error_body
 from backends.types import SampledSequence, SampleOutput
 from runner.recipe.schema import Verifiers
-from runner.rl.envs.common import EnvContext, EnvKind, ListDataset
+from runner.rl.envs.common import EnvContext, EnvKind, check_train_size, group_datasets
 from runner.rl.types import Env, EnvGroupBuilder, Metrics, Observation, RLDataset, StepResult, StopCondition, Trajectory
 
 if TYPE_CHECKING:  # imported in build(): runner.rl.openai_chat imports an env module (tool_use), hence this package
@@ -227,24 +226,22 @@ def build(cfg: Verifiers, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]
             raise UserError(f"verifiers env {cfg.module!r}: test_size {cfg.test_size} leaves none of its "
                             f"{len(rows)} rows to train on (it has no eval dataset)")
         test, rows = rows[: cfg.test_size], rows[cfg.test_size:]
+    check_train_size(cfg.train_size, ctx.groups_per_batch, "verifiers env")
+    if not rows:
+        raise UserError(f"verifiers env {cfg.module!r}: its dataset has no rows to train on")
     train: list[dict[str, Any]] = []
     while len(train) < cfg.train_size:  # repeat the rows, reshuffled, up to train_size
         train += rows[: cfg.train_size - len(train)]
         rng.shuffle(rows)
-    if len(train) < ctx.groups_per_batch:
-        raise UserError(f"verifiers env: train_size {cfg.train_size} is smaller than groups_per_batch "
-                        f"{ctx.groups_per_batch}")
     from runner.rl.openai_chat import RendererChat
 
     fmt = RendererChat(ctx.renderer)
     tag = cfg.module.split("/")[-1].split(".")[-1]
 
-    def builder(group_size: int, row: object) -> VerifiersGroupBuilder:
+    def builder(row: object, group_size: int) -> VerifiersGroupBuilder:
         return VerifiersGroupBuilder(vf_env, row, fmt, cfg.model_name, group_size, tag)  # type: ignore[arg-type]
 
-    train_ds = ListDataset(train, functools.partial(builder, ctx.group_size), ctx.groups_per_batch)
-    test_ds = ListDataset(test, functools.partial(builder, ctx.test_group_size), ctx.groups_per_batch, drop_last=False)
-    return train_ds, (test_ds if test else None)
+    return group_datasets(train, test, ctx, builder, "verifiers env")
 
 
 ENV = EnvKind(build, [("env/all/vf_error", "vf_error")])
