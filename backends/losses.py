@@ -7,8 +7,8 @@ function giving its per-token loss from the learner's logprobs. Readers:
     the entry's `fields`; a user's own loss is `loss = {kind = "python", target = "pkg.mod:NAME", args = {...}}`
     naming a LossSpec in their module (`runner check` imports it and checks `args` against its keys);
   - RL (runner/algos/rl.py): the recipe's variant -> (name, loss_fn_config);
-  - the local backend (backends/local/losses.py), the fake (backends/fake.py) and `runner serve` (through the
-    local backend; backends/serve/losses.py adds the two losses that need the server's own records): the function;
+  - the local backend (backends/local/loss_math.py), the fake (backends/fake.py) and `runner serve` (through the
+    local backend; backends/serve/sequence_losses.py adds the two losses that need the server's own records): the function;
   - the Tinker backend: a loss the hosted service knows goes by name, any other runs through forward_backward_custom
     with the same function.
 Adding a loss: one `register(LossSpec(...))` (here for a built-in, in any module for a user's own).

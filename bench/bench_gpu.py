@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import VARLEN  # noqa: E402  (registers varlen_sdpa with transformers)
 
 from backends.local.backend import LocalBackend  # noqa: E402
-from backends.local.config import Local  # noqa: E402
+from backends.local.local_config import Local  # noqa: E402
 from backends.local.tiny import _save, build_config, build_tokenizer  # noqa: E402
 from backends.types import AdamParams, Datum, LoraSpec, SamplingParams  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""What a LoRA sampling client costs, merged vs unmerged (backends/local/config.py `sampler_weights`).
+"""What a LoRA sampling client costs, merged vs unmerged (backends/local/local_config.py `sampler_weights`).
 
     merged   model.sampling_snapshot(merge=True): its own tensor W + s B A for every adapted layer
     lora     model.sampling_snapshot(merge=False): the base's own tensors plus a copy of the adapters (LoraDelta),

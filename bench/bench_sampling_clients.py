@@ -37,7 +37,7 @@ def _backend(variant: str):
 
     from backends.local import backend as B
     from backends.local import worker as W
-    from backends.local.config import Local
+    from backends.local.local_config import Local
 
     if variant == "old":
         B.SAMPLER_CPU_THREADS = torch.get_num_threads()

@@ -46,7 +46,7 @@ def main() -> None:
     import numpy as np
 
     from backends.local.backend import LocalBackend
-    from backends.local.config import Local
+    from backends.local.local_config import Local
     from backends.serve.samplers import trim_heap
     from backends.types import AdamParams, Datum, LoraSpec, SamplingParams
 

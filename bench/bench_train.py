@@ -71,7 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from backends.local import batching
 from backends.local import model as M
 from backends.local.backend import LocalBackend
-from backends.local.config import Local
+from backends.local.local_config import Local
 from backends.local.tiny import _save, build_config, build_tokenizer
 from backends.types import AdamParams, Datum, LoraSpec
 from runner.algos.sft import to_datum
@@ -435,7 +435,7 @@ class TrlRunner:
 def profile_ours(client, batch: list[Datum], reps: int, clock: Callable[[], float]) -> dict[str, float]:
     """Median seconds of each phase of ours' step (summed over chunks), run inline on this thread, next to
     the same step through the futures: the difference is the per-call overhead (worker thread handoff)."""
-    from backends.local.losses import datum_loss, inputs_from_datum
+    from backends.local.loss_math import datum_loss, inputs_from_datum
 
     device = torch.device("cpu")
     parts: dict[str, list[float]] = {k: [] for k in ("validate", "forward+logprobs", "loss", "backward",

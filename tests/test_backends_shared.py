@@ -23,10 +23,10 @@ from tinker_mock import MockTinker
 
 from backends.base import BackendError, Future
 from backends.errors import UserError
-from backends.local.config import Local
+from backends.local.local_config import Local
 from runner.engine.loop import run
 from runner.recipe.schema import Recipe
-from tools.tiny_build import sft_conversations
+from scripts.tiny_build import sft_conversations
 
 STEPS = 4
 
@@ -175,7 +175,7 @@ def test_user_category_failure_is_a_user_error(tmp_path, mock_tinker):
 def backend_for(service: Service, tmp_path: Path) -> Any:
     from backends.local import LocalBackend
     from backends.tinker import TinkerBackend
-    from backends.tinker.config import Tinker
+    from backends.tinker.tinker_config import Tinker
 
     if service.kind == "local":
         return LocalBackend(Local(device="cpu"), "tiny", None, tmp_path / "direct", seed=0)

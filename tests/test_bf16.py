@@ -33,9 +33,9 @@ import torch
 
 from backends.local import model as M
 from backends.local.backend import LocalBackend
-from backends.local.config import Local
 from backends.local.device import CPU_MAX_PARAMS, model_parameters, place
 from backends.local.llama import LoraDelta, Slots
+from backends.local.local_config import Local
 from backends.local.tiny import TINY_DIR
 from backends.types import AdamParams, Datum, LoraSpec, SamplingParams
 from runner.cli import main

@@ -10,7 +10,7 @@ import pytest
 
 from runner.cli import main
 from runner.engine.log import read_jsonl
-from tools.tiny_build import sft_conversations
+from scripts.tiny_build import sft_conversations
 
 STAGE = """
 [recipes.{name}]

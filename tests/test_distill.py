@@ -13,7 +13,7 @@ from backends.types import Datum
 from runner.algos.distill import apply_teacher_kl, prompts_from_chats
 from runner.cli import main
 from runner.engine.log import read_jsonl
-from tools.tiny_build import sft_conversations
+from scripts.tiny_build import sft_conversations
 
 
 def rl_datum(lps: list[float], mask: list[float], adv: float = 0.0) -> Datum:

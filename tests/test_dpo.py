@@ -105,9 +105,9 @@ def test_gradient_local_one_pass_equals_tinker_sdk_two_passes(tmp_path, mock_tin
     gradient, to 1e-5 of each tensor's scale."""
     from backends.local import LocalBackend
     from backends.local import model as M
-    from backends.local.config import Local
+    from backends.local.local_config import Local
     from backends.tinker.backend import TinkerBackend
-    from backends.tinker.config import Tinker
+    from backends.tinker.tinker_config import Tinker
     from backends.types import AdamParams
 
     pairs = load_pairs(Jsonl(str(COMPARISONS))).pairs[:3]
@@ -413,7 +413,7 @@ def test_reward_model_accuracy_metric():
 
 def test_judge_prob_is_a_symmetric_probability(tmp_path):
     from backends.local import LocalBackend
-    from backends.local.config import Local
+    from backends.local.local_config import Local
     from runner.rewards.judge import judge_prob
 
     backend = LocalBackend(Local(device="cpu"), "tiny", None, tmp_path / "store", seed=0)
@@ -453,7 +453,7 @@ def test_reward_model_runs_on_the_local_backend(tmp_path):
 
 
 def test_shipped_comparisons_are_reproducible_and_small():
-    from tools import tiny_build
+    from scripts import tiny_build
 
     rows = tiny_build.comparison_rows()
     assert COMPARISONS.read_text() == "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)

@@ -23,7 +23,7 @@ from backends.local.tiny import TINY_DIR
 from runner.cli import main
 from runner.engine.loop import run
 from runner.recipe.schema import Recipe
-from tools.tiny_build import sft_conversations
+from scripts.tiny_build import sft_conversations
 
 TOL = 1e-4
 

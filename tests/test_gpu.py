@@ -25,7 +25,7 @@ from test_bf16 import (
 
 from backends.local import model as M
 from backends.local.backend import LocalBackend
-from backends.local.config import Local
+from backends.local.local_config import Local
 from backends.types import AdamParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]

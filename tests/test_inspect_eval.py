@@ -121,7 +121,7 @@ def direct_replies(sampler: Any, tokenizer: Any, inputs: list[str]) -> list[str]
 def with_backend(fn: Any, path: str | None = None) -> Any:
     """fn(sampler, tokenizer) on the tiny model's base weights, or a saved sampler checkpoint."""
     from backends.local import LocalBackend
-    from backends.local.config import Local
+    from backends.local.local_config import Local
 
     backend = LocalBackend(Local(device="cpu"), "tiny", None, Path("store").resolve(), seed=0)
     try:

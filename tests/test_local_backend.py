@@ -17,9 +17,9 @@ from backends.errors import UserError
 from backends.local import batching
 from backends.local import model as M
 from backends.local.backend import LocalBackend
-from backends.local.config import Local
 from backends.local.device import pick_device
 from backends.local.llama import LoraDelta
+from backends.local.local_config import Local
 from backends.local.tiny import TINY_DIR
 from backends.types import AdamParams, Datum, LoraSpec, SamplingParams
 

@@ -1,4 +1,4 @@
-"""backends/local/losses.py against independent numpy implementations of Tinker's formulas
+"""backends/local/loss_math.py against independent numpy implementations of Tinker's formulas
 (docs/losses.md "Formulas"): values and gradients w.r.t. the learner's logprobs, float64, random inputs."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from backends.local.losses import LossInputs, datum_loss, inputs_from_datum, resolve_config
+from backends.local.loss_math import LossInputs, datum_loss, inputs_from_datum, resolve_config
 from backends.types import Datum
 
 N = 23
@@ -126,7 +126,7 @@ def test_resolve_config():
 @pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"])
 def test_batch_loss_equals_the_sum_of_datum_losses(loss_fn):
     # batch_loss concatenates a chunk's datums; a datum without a mask counts every token, as alone.
-    from backends.local.losses import batch_loss
+    from backends.local.loss_math import batch_loss
 
     rng = np.random.default_rng(0)
     data, lps = [], []

@@ -13,7 +13,7 @@ import torch
 
 from backends.local import batching
 from backends.local import logprobs as LP
-from backends.local.losses import batch_loss, resolve_config, trained_positions
+from backends.local.loss_math import batch_loss, resolve_config, trained_positions
 from backends.local.packed import PackedLM
 from backends.types import Datum
 from tests.test_packed import _data, _group, _lora, _model
@@ -185,7 +185,7 @@ def test_zero_where_holds_for_every_builtin(loss_fn):
     """A loss's zero_where input at 0 gives a zero gradient whatever the logprob (what the skipping relies on);
     a loss without one (dro: its penalty does not multiply by A) has nonzero gradients there."""
     from backends import losses as registry
-    from backends.local.losses import LossInputs, token_losses
+    from backends.local.loss_math import LossInputs, token_losses
 
     spec = registry.get(loss_fn)
     rng = np.random.default_rng(0)

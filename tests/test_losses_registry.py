@@ -17,7 +17,7 @@ import torch
 from backends import losses
 from backends.fake import FakeBackend
 from backends.local.backend import LocalBackend
-from backends.local.config import Local
+from backends.local.local_config import Local
 from backends.types import LOSS_FNS, AdamParams, Datum, LoraSpec
 from runner.recipe.schema import RL, PythonLoss
 

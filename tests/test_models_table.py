@@ -8,8 +8,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from backends.local.config import Local
-from backends.tinker.config import Tinker
+from backends.local.local_config import Local
+from backends.tinker.tinker_config import Tinker
 from runner.engine.cost import price_of
 from runner.models import MODELS, _load, model_info
 from runner.recipe.cost import Price

@@ -21,11 +21,11 @@ import pytest
 
 from backends.base import Future
 from backends.errors import UserError
-from backends.local.config import Local
+from backends.local.local_config import Local
 from backends.types import Datum, SampleOutput
 from runner import cli
 from runner.recipe.load import load_recipe
-from runner.recipe.numerics import Numerics
+from runner.recipe.numerics_table import Numerics
 from runner.recipe.schema import RL
 from runner.rl.gate import FRAC_KEY, Gate, dlogprob_metrics, on_policy
 

@@ -15,8 +15,8 @@ import msgspec.inspect as mi
 import pytest
 
 from backends.errors import UserError
-from backends.local.config import Local
-from backends.tinker.config import Tinker
+from backends.local.local_config import Local
+from backends.tinker.tinker_config import Tinker
 from runner.recipe.explain import convert
 from runner.recipe.load import check_recipe, dump_recipe, load_file, load_recipe, parse_override, recipe_dict
 from runner.recipe.schema import SFT, Cosine, Jsonl, Linear, Python, Recipe

@@ -16,7 +16,7 @@ from runner.cli import main
 from runner.engine.log import read_jsonl
 from runner.renderers import get_renderer
 from runner.tools.render import render_command
-from tools.tiny_build import sft_conversations
+from scripts.tiny_build import sft_conversations
 
 PAIRS = [{"prompt": [{"role": "user", "content": "Say hi"}], "chosen": "hi", "rejected": "no"},
          {"prompt": [{"role": "user", "content": "2+2?"}], "chosen": "4", "rejected": "5"}]

@@ -24,7 +24,7 @@ from runner.engine.log import read_jsonl
 from runner.engine.loop import run
 from runner.recipe.load import dump_recipe, load_recipe
 from runner.recipe.schema import Recipe
-from tools.tiny_build import sft_conversations
+from scripts.tiny_build import sft_conversations
 
 STEPS = 6
 

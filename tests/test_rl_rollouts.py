@@ -345,7 +345,7 @@ class Problems(RepeatGroupBuilder):
 
 def _local_sampler(tmp_path):
     from backends.local.backend import LocalBackend
-    from backends.local.config import Local
+    from backends.local.local_config import Local
 
     be = LocalBackend(Local(), "tiny", None, tmp_path, seed=0)
     return be, be.create_sampling_client(base_model="tiny").result()

@@ -65,7 +65,7 @@ def test_lora_bytes_is_what_a_trained_client_holds(rank, attn, mlp, unembed, tmp
     """The estimate (made from shapes on the meta device) equals the adapters' size, times 4: the adapters,
     gradients and two AdamW moments a client holds in a step."""
     from backends.local.backend import LocalBackend
-    from backends.local.config import Local
+    from backends.local.local_config import Local
     from backends.types import AdamParams, Datum, LoraSpec
 
     backend = LocalBackend(Local(device="cpu"), "tiny", None, tmp_path)

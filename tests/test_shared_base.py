@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from backends.local import LocalBackend
-from backends.local.config import Local
+from backends.local.local_config import Local
 from backends.types import AdamParams, Datum, LoraSpec, SamplingParams
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from runner.cli import main
 from runner.engine.log import read_jsonl
-from tools.tiny_build import sft_conversations
+from scripts.tiny_build import sft_conversations
 
 SFT = """
 [recipes.s]

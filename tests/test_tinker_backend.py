@@ -29,7 +29,7 @@ from tinker.lib import internal_client_holder
 from backends.base import BackendError
 from backends.errors import UserError
 from backends.tinker.backend import TinkerBackend, to_backend_error
-from backends.tinker.config import Tinker
+from backends.tinker.tinker_config import Tinker
 from backends.types import (
     AdamParams,
     Datum,
@@ -585,7 +585,7 @@ def test_slow_request_on_a_live_server_is_not_lost(mock):
 CTRL_C_SCRIPT = """
 import asyncio, sys
 from backends.tinker.backend import TinkerBackend
-from backends.tinker.config import Tinker
+from backends.tinker.tinker_config import Tinker
 from backends.types import LoraSpec
 be = TinkerBackend(Tinker(base_url=sys.argv[1], connect_timeout_s=120), "Qwen/Qwen3-8B", "tiny")
 
@@ -620,7 +620,7 @@ def test_first_ctrl_c_stops_a_run_waiting_to_connect():
 
 
 def test_backend_configs_answer_sweep_parallelism():
-    from backends.local.config import Local
+    from backends.local.local_config import Local
 
     assert Tinker().sweep_parallel(cores=2) == Tinker.SWEEP_PARALLEL == 8
     assert Local(device="cpu").sweep_parallel(cores=16) == 8

@@ -1,5 +1,5 @@
 """The embedded "tiny" model: tokenizer, config, shipped checkpoint (backends/local/tiny.py), and the build tooling
-that made it and the shipped example data (tools/tiny_build.py)."""
+that made it and the shipped example data (scripts/tiny_build.py)."""
 
 import json
 import random
@@ -9,7 +9,7 @@ import pytest
 import transformers
 
 from backends.local import tiny
-from tools import tiny_build
+from scripts import tiny_build
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "data"
 

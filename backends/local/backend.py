@@ -35,7 +35,7 @@ from backends.local import batching
 from backends.local import model as M
 from backends.local.alloc import keep_freed_memory
 from backends.local.device import place
-from backends.local.losses import batch_loss, resolve_config, trained_positions
+from backends.local.loss_math import batch_loss, resolve_config, trained_positions
 from backends.local.options import LocalOptions
 from backends.local.packed import PackedLM
 from backends.local.worker import Job, Worker, fail

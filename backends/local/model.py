@@ -274,7 +274,7 @@ def sampling_snapshot(model: HFModel, base: HFModel, merge: bool = True, private
     merge=False: no merged tensors either: each adapted layer becomes a LoraDelta over the base's own Linear, so
     the snapshot holds the base's tensors plus a copy of the adapters (what an extra sampling client costs; a
     merged one costs every adapted weight again). A decode step then does two thin extra matmuls per adapted
-    layer (backends/local/config.py `sampler_weights` says when which is chosen)."""
+    layer (backends/local/local_config.py `sampler_weights` says when which is chosen)."""
     import peft
     from peft.tuners.lora import LoraLayer
 

@@ -7,10 +7,10 @@ randomly initialised copy for tests), and `task_prompts` (the pre-training tasks
 imports it to check a recipe's targets); the functions that need them import them.
 
 How the checkpoint and the example data in examples/data/ were made (pre-training on synthetic chats, the data
-generators) is build tooling outside the package: tools/tiny_build.py,
+generators) is build tooling outside the package: scripts/tiny_build.py,
 
-    python -m tools.tiny_build build [--out DIR] [--seed S]   # 1600 steps; bit-identical on one machine
-    python -m tools.tiny_build data [--out DIR]
+    python -m scripts.tiny_build build [--out DIR] [--seed S]   # 1600 steps; bit-identical on one machine
+    python -m scripts.tiny_build data [--out DIR]
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def _save(model, tok, path: Path) -> None:
 
 # ---------------------------------------------------------------- the pre-training tasks' prompts
 # Each task returns (user prompt, assistant answer). Strings are random letters so the model learns
-# the operation, not a word list. tools/tiny_build.py pre-trains on them; recipes prompt with them.
+# the operation, not a word list. scripts/tiny_build.py pre-trains on them; recipes prompt with them.
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 

@@ -1,7 +1,7 @@
 """Loss adapters: a forward_backward request's loss_fn and inputs as an op on the training client.
 
 Built-in losses (backends.types.LOSS_FNS) go to the engine as they are; the server-side extras
-(backends/serve/losses.py: gspo, stable_reinforce) run as custom losses over the engine's logprobs, with
+(backends/serve/sequence_losses.py: gspo, stable_reinforce) run as custom losses over the engine's logprobs, with
 stable_reinforce's sampler logprobs taken from the sequences recorded at sampling time (Stability).
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from backends.base import Future
-from backends.serve import losses as extra_losses
+from backends.serve import sequence_losses as extra_losses
 from backends.serve import wire
 from backends.serve.replies import Reply
 from backends.types import LOSS_FNS, Datum, ForwardBackwardOutput

@@ -143,8 +143,8 @@ class ServeConfig:
     models: tuple[str, ...] = ()  # "NAME=PATH" or "PATH" (served under its own name)
     storage: Path = Path("serve-storage")
     device: str = "auto"
-    dtype: str = "auto"  # backends/local/config.py Local.dtype
-    sampler_weights: str = "auto"  # backends/local/config.py Local.sampler_weights
+    dtype: str = "auto"  # backends/local/local_config.py Local.dtype
+    sampler_weights: str = "auto"  # backends/local/local_config.py Local.sampler_weights
     api_key_env: str | None = None
     sampler_idle_s: float | None = None
     max_live_samplers: int | None = None
@@ -170,8 +170,8 @@ def parse_models(specs: tuple[str, ...]) -> dict[str, str]:
 def build_service(cfg: ServeConfig) -> Service:
     from backends.local import model as M
     from backends.local.backend import LocalBackend, _user_error
-    from backends.local.config import Local
     from backends.local.device import pick_device
+    from backends.local.local_config import Local
 
     api_key = None
     if cfg.api_key_env:

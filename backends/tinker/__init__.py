@@ -1,7 +1,7 @@
 """The Tinker backend: the real `tinker` SDK behind our protocol (see backend.py).
 
 `TinkerBackend` is imported lazily so that `runner check` / `runner list` and the recipe schema (which
-imports `backends.tinker.config`) never import the SDK.
+imports `backends.tinker.tinker_config`) never import the SDK.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ import msgspec
 
 from backends.base import Backend, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
-from backends.local.config import Local
+from backends.local.local_config import Local
 from backends.types import Datum, SampleOutput, SamplingParams
 from runner.models import MODELS
 from runner.recipe.cost import Budget, Price

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from msgspec import Meta
 
-from backends.config import ConfigStruct
+from backends.backend_config import ConfigStruct
 from runner.recipe.sources import HF, DataBase, File, Jsonl
 
 PosInt = Annotated[int, Meta(ge=1)]

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from msgspec import Meta
 
-from backends.config import ConfigStruct
+from backends.backend_config import ConfigStruct
 
 NonNegFloat = Annotated[float, Meta(ge=0)]
 

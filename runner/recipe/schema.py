@@ -16,8 +16,8 @@ import msgspec
 from msgspec import Meta
 
 from backends import losses
-from backends.local.config import Local
-from backends.tinker.config import Tinker
+from backends.local.local_config import Local
+from backends.tinker.tinker_config import Tinker
 
 # The schema's parts, re-exported: every recipe type is importable from here.
 from runner.recipe.common import TARGET_PATTERN as TARGET_PATTERN
@@ -53,7 +53,7 @@ from runner.recipe.envs import TicTacToe as TicTacToe
 from runner.recipe.envs import ToolUse as ToolUse
 from runner.recipe.envs import TwentyQuestions as TwentyQuestions
 from runner.recipe.envs import Verifiers as Verifiers
-from runner.recipe.numerics import Numerics, check_temperature
+from runner.recipe.numerics_table import Numerics, check_temperature
 from runner.recipe.pinned import InspectPinned as InspectPinned
 from runner.recipe.pinned import MathPinned as MathPinned
 from runner.recipe.pinned import NLLPinned as NLLPinned
@@ -322,7 +322,7 @@ class OnPolicy(AlgoBase):
     # After each step, the new weights' logprobs of the batch: optim/kl_pre_post_v1/v2 (one more forward).
     compute_post_kl: bool = False
     eval: RLEval = RLEval()
-    # The sampler-vs-trainer logprob gate (runner/recipe/numerics.py); None: the numerics/* metrics only.
+    # The sampler-vs-trainer logprob gate (runner/recipe/numerics_table.py); None: the numerics/* metrics only.
     numerics: Numerics | None = None
 
     @property

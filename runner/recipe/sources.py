@@ -11,7 +11,7 @@ from typing import Annotated
 
 from msgspec import Meta
 
-from backends.config import ConfigStruct
+from backends.backend_config import ConfigStruct
 
 PosInt = Annotated[int, Meta(ge=1)]
 

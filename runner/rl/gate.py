@@ -8,7 +8,7 @@ tokens (mask > 0):
   numerics/frac_dlogprob_gt_0.1, numerics/tokens      over the step's on-policy tokens (`on_policy`: the first
                                                        substep, when its sampler is the current weights)
 With one substep in sync or stream mode the two KL pairs are equal. No extra forward is made. The recipe's
-`numerics = {...}` table (runner/recipe/numerics.py) turns the numerics/* ones into a gate (`Gate`): "warn" prints
+`numerics = {...}` table (runner/recipe/numerics_table.py) turns the numerics/* ones into a gate (`Gate`): "warn" prints
 one line per failing step (rate-limited), "stop" ends the run with a UserError (exit 2) before the failing step's
 metrics row and checkpoint row are written, so the run dir's last checkpoint is the last step that passed.
 
@@ -27,7 +27,7 @@ import numpy as np
 
 from backends.errors import UserError
 from backends.types import Datum
-from runner.recipe.numerics import Numerics
+from runner.recipe.numerics_table import Numerics
 
 BIG_DLOGPROB = 0.1  # numerics/frac_dlogprob_gt_0.1
 FRAC_KEY = f"numerics/frac_dlogprob_gt_{BIG_DLOGPROB:g}"

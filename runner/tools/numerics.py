@@ -21,7 +21,7 @@ import numpy as np
 
 from backends.errors import UserError
 from backends.types import Datum, SamplingParams
-from runner.recipe.numerics import Numerics
+from runner.recipe.numerics_table import Numerics
 from runner.rl.gate import BIG_DLOGPROB, diff_stats, failures
 
 # When the recipe's algorithm has no prompts of its own (SFT, DPO, ...): generic chat prompts.

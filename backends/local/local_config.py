@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from msgspec import Meta
 
-from backends.config import BackendConfig
+from backends.backend_config import BackendConfig
 
 if TYPE_CHECKING:
     from backends.base import Backend

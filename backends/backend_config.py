@@ -1,7 +1,7 @@
 """How a recipe names a backend: `backend = {kind = "local" | "tinker", ...}`.
 
-Each backend declares its own msgspec variant next to its code (backends/local/config.py,
-backends/tinker/config.py); the recipe schema (runner/recipe/schema.py) takes their union. A variant knows how to
+Each backend declares its own msgspec variant next to its code (backends/local/local_config.py,
+backends/tinker/tinker_config.py); the recipe schema (runner/recipe/schema.py) takes their union. A variant knows how to
 make its backend, lazily, so that validating a recipe never imports torch or the tinker SDK.
 """
 

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta
 
-from backends.config import ConfigStruct
+from backends.backend_config import ConfigStruct
 
 # Defaults from tinker-cookbook's rl_numerics_check README: healthy runs log kl_sample_train_v1 of 0.0002 (dense)
 # to 0.002 (MoE); a long-context trainer bug it caught showed 0.02-0.16.

@@ -5,8 +5,8 @@ chats generated here, so that it knows the ChatML format, a few string skills an
 partly right on 2-digit sums (the RL example's task). The example data in examples/data/ (SFT chats about a
 made-up world, DPO preference pairs, labelled comparisons) is generated here too. Regenerate them with:
 
-    python -m tools.tiny_build build [--out DIR] [--seed S]   # 1600 steps; bit-identical on one machine
-    python -m tools.tiny_build data [--out DIR]
+    python -m scripts.tiny_build build [--out DIR] [--seed S]   # 1600 steps; bit-identical on one machine
+    python -m scripts.tiny_build data [--out DIR]
 
 What runs with the package (the tokenizer, config and prompts) is backends/local/tiny.py.
 """
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     import time
 
     repo = Path(__file__).resolve().parents[1]
-    p = argparse.ArgumentParser(prog="python -m tools.tiny_build")
+    p = argparse.ArgumentParser(prog="python -m scripts.tiny_build")
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="pre-train the shipped checkpoint from scratch")
     b.add_argument("--out", type=Path, default=TINY_DIR)
