@@ -1,6 +1,7 @@
 """FlexAttention over a packed chunk (backends/local/attention.py): its mask lets each row see exactly the rows of
-its own sequence up to itself (whatever prefix tree the rows sit in), and the packed model's forward through it
-equals packed.py's own attention. CPU: FlexAttention's forward (its backward is CUDA-only); CUDA: training."""
+its own sequence up to itself (whatever prefix tree the rows sit in), the packed model's forward through it equals
+packed.py's own attention, and a run compiles it once whatever its batches' sizes. CPU: FlexAttention's forward
+(its backward is CUDA-only); CUDA: training."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_the_mask_is_each_sequence_causal_whatever_the_tree():
     (layout,) = plan(data, 16384, MIN_SHARED)
     assert layout.trees and layout.runs  # both kinds of block are in the chunk
     n = len(layout.tokens)
-    padded = flex.bucket(n)
+    padded = flex.padded_rows(n, 16384)
     ends = flex.subtree_ends(layout, padded)
     q, kv = np.arange(padded)[:, None], np.arange(padded)[None, :]
     allowed = (kv <= q) & (q < ends[None, :])
@@ -46,14 +47,18 @@ def test_the_mask_is_each_sequence_causal_whatever_the_tree():
     assert (allowed[:n, :n] == expected[:n, :n]).all()
     assert not allowed[:n, n:].any() and not allowed[n:, :n].any()  # padding and real rows never meet
     assert allowed[n:, n:].diagonal().all()  # a padding row sees itself (no empty softmax)
+    # padding rows see only their own BLOCK: the block mask skips every other padding block
+    blocks = allowed.reshape(padded // flex.BLOCK, flex.BLOCK, padded // flex.BLOCK, flex.BLOCK).any(axis=(1, 3))
+    first_pad = -(-n // flex.BLOCK)
+    assert blocks[first_pad:, first_pad:].sum() == padded // flex.BLOCK - first_pad
 
 
-def test_buckets_repeat_and_waste_little():
-    sizes = {flex.bucket(n) for n in range(1, 20000)}
-    assert all(s % flex.BLOCK == 0 for s in sizes)
-    assert len(sizes) < 60  # 128 .. 20480: at most 8 per power of two
-    for n in (1, 127, 128, 129, 1000, 2049, 17000):
-        assert n <= flex.bucket(n) <= max(n + flex.BLOCK - 1, n * 1.125 + 1)  # a block, or an eighth
+def test_one_padded_size_per_budget():
+    """Every chunk of a run is padded to the budget rounded to BLOCK, the smallest too; a chunk longer than the
+    budget (a lone sequence) to a multiple of it."""
+    assert {flex.padded_rows(n, 16384) for n in range(1, 16385)} == {16384}
+    assert {flex.padded_rows(n, 1000) for n in (1, 500, 1000, 1024)} == {1024}
+    assert flex.padded_rows(1025, 1000) == 2048 and flex.padded_rows(3000, 1000) == 3072
 
 
 def _forward(packed: PackedLM, data: list[Datum], attention: str, compiled: bool = False) -> list[torch.Tensor]:
@@ -70,7 +75,7 @@ def test_flex_forward_matches_the_packed_attention_on_cpu(kind):
     packed, why = PackedLM.build(_lora(_model(kind)))
     assert packed is not None, why
     data = _mixed()
-    ref = _forward(packed, data, "torch")
+    ref = _forward(packed, data, "auto")
     got = _forward(packed, data, "flex")  # FlexAttention's eager forward on the CPU
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
@@ -82,7 +87,7 @@ def test_compiled_flex_forward_matches_on_cpu():
     packed, _ = PackedLM.build(_lora(_model("qwen3")))
     assert packed is not None
     data = _mixed()
-    ref = _forward(packed, data, "torch")
+    ref = _forward(packed, data, "auto")
     got = _forward(packed, data, "flex", compiled=True)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
@@ -91,10 +96,11 @@ def test_compiled_flex_forward_matches_on_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_flex_training_matches_on_cuda():
-    """On CUDA the packed model trains through FlexAttention ("auto"): logprobs and LoRA gradients equal the
+    """On CUDA the packed model trains through FlexAttention ("flex"): logprobs and LoRA gradients equal the
     per-block SDPA path's (float32)."""
     model = _lora(_model("qwen3")).cuda()
     packed, _ = PackedLM.build(model)
+    packed.attention = "flex"
     assert packed is not None and packed.use_flex(torch.device("cuda"))
     data = _mixed()
 
@@ -108,9 +114,62 @@ def test_flex_training_matches_on_cuda():
         model.zero_grad(set_to_none=True)
         return lps, grads
 
-    ref_lp, ref_g = run("torch")
-    lp, g = run("auto")
+    ref_lp, ref_g = run("sdpa")
+    lp, g = run("flex")
     for i in range(len(data)):
         torch.testing.assert_close(lp[i], ref_lp[i], atol=1e-4, rtol=1e-4)
     for name in g:
         assert float((g[name] - ref_g[name]).norm() / ref_g[name].norm()) < 1e-3, name
+
+
+def test_sdpa_matches_the_tree_kernel_on_cpu():
+    """attention "sdpa" (SDPA per block, what "auto" runs on CUDA) computes what "auto" (the C tree kernel) does."""
+    packed, _ = PackedLM.build(_lora(_model("qwen3")))
+    assert packed is not None
+    data = _mixed()
+    for a, b in zip(_forward(packed, data, "sdpa"), _forward(packed, data, "auto")):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+
+
+def _batches() -> list[list[Datum]]:
+    """Five steps' batches of varied sizes and shapes (lone rows, RL groups, a row longer than the budget)."""
+    rng = np.random.default_rng(5)
+    out = []
+    for rows, lo, hi in ((3, 5, 40), (9, 20, 90), (1, 7, 8), (6, 60, 140), (2, 200, 300)):
+        out.append(_data(list(map(int, rng.integers(lo, hi, rows))), seed=rows))
+    out[1] += _group(list(map(int, rng.integers(0, 259, 30))), [4, 9, 2], 0)
+    return out
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def test_a_run_compiles_flex_once_whatever_the_batch_sizes(monkeypatch):
+    """Dynamo's compiles (each one a FlexAttention kernel, or a block-mask builder, that inductor would generate)
+    over five steps of varied sizes and three chunks a step: the kernel and the mask builder once each for the
+    budget's size, once more each for the step with a row longer than the budget. (Per-chunk-size padding compiled
+    once per size: 2 per chunk size, 12 here.) backend "eager": Dynamo's tracing and guards without code
+    generation, in seconds."""
+    import torch._dynamo
+
+    monkeypatch.setattr(flex, "COMPILE_BACKEND", "eager")
+    packed, _ = PackedLM.build(_lora(_model("qwen3")))
+    assert packed is not None
+    packed.attention, packed.flex_compiled = "flex", True
+    budget = 256
+    torch._dynamo.reset()
+    before = _graphs()
+    per_step = []
+    sizes = set()
+    for batch in _batches():
+        with torch.no_grad():
+            for idx, lps in packed.chunk_logprobs(batch, budget, CPU):
+                sizes.add(sum(batch[i].length for i in idx))
+        per_step.append(_graphs() - before)
+    assert len(sizes) >= 6  # the chunks did come in many sizes
+    assert per_step[0] == 2  # the kernel and the mask builder, at the budget's padded size
+    assert per_step[-1] == 4  # + both at twice it (a 200-300 token row alone in a chunk)
+    assert per_step[:-1] == [2] * 4  # nothing recompiles between steps of one size

@@ -34,6 +34,7 @@ from backends.errors import UserError
 from backends.local import batching
 from backends.local import model as M
 from backends.local.alloc import keep_freed_memory
+from backends.local.attention import available as flex_available
 from backends.local.device import place
 from backends.local.loss_math import batch_loss, resolve_config, trained_positions
 from backends.local.options import LocalOptions
@@ -95,6 +96,9 @@ class LocalBackend:
         # Device and dtypes of every tensor the clients create: decided once, in backends/local/device.py.
         self.placement = place(cfg, self.model_dir)
         self.device, self.dtype = self.placement.device, self.placement.dtype
+        if cfg.attention == "flex" and (self.device.type != "cuda" or not flex_available()):
+            raise UserError(f'backend.attention = "flex" needs CUDA and a torch with FlexAttention (device here: '
+                            f'{self.device.type}; FlexAttention has no CPU backward): use "auto" or "sdpa"')
         keep_freed_memory()  # no page faults re-fetching each step's activations (backends/local/alloc.py)
         if not _default_threads:  # before any sampling worker has changed the inherited count
             _default_threads.append(torch.get_num_threads())
@@ -275,6 +279,8 @@ class LocalTrainingClient:
         self._params = M.trainable_params(model)
         # The padding-free path where the model allows it (backends/local/packed.py), else padded chunks.
         self.packed = PackedLM.build(model)[0] if backend.cfg.packed else None
+        if self.packed is not None:
+            self.packed.attention = backend.cfg.attention
         # Hyper-parameters are set from AdamParams at every step; these are placeholders.
         self.optimizer = torch.optim.AdamW([p for _, p in self._params], lr=0.0)
         self.name = name
@@ -355,17 +361,31 @@ class LocalTrainingClient:
             raise _user_error(str(exc)) from None
         self._validate(data, loss_fn)
         device = self._backend.device
-        logprobs: list[np.ndarray] = [np.empty(0)] * len(data)
-        total = 0.0
+        order: list[int] = []  # datum indices in the order their logprobs were computed
+        parts: list[torch.Tensor] = []
+        losses: list[torch.Tensor] = []
         with torch.set_grad_enabled(backward):
             trained = [trained_positions(loss_fn, d, config) for d in data] if backward else None
             for idx, lps in self._logprobs(data, trained):
                 loss = batch_loss(loss_fn, lps, [data[i] for i in idx], device, config)
                 if backward:
                     loss.backward()  # per chunk: grads accumulate in .grad, activations are freed
-                total += float(loss.detach())
-                for i, lp in zip(idx, lps):
-                    logprobs[i] = lp.detach().cpu().numpy()
+                losses.append(loss.detach().reshape(1))
+                order += idx
+                parts += [lp.detach().reshape(-1) for lp in lps]
+        # One copy to the host for the whole batch, after the last chunk: a copy per datum (or a float() per
+        # chunk) waits for the device each time. The chunks' losses are summed on the host in chunk order, as
+        # before (the same float64 sum).
+        flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
+        total = 0.0
+        for x in (torch.cat(losses) if len(losses) > 1 else losses[0]).cpu().tolist():
+            total += x
+        logprobs: list[np.ndarray] = [np.empty(0)] * len(data)
+        start = 0
+        for i in order:
+            shape = data[i].target_tokens.shape
+            logprobs[i] = flat[start:start + data[i].target_tokens.size].reshape(shape)
+            start += data[i].target_tokens.size
         return ForwardBackwardOutput(logprobs, {"loss:sum": total})
 
     def _run_custom(self, data: list[Datum], loss_fn: CustomLossFn) -> ForwardBackwardOutput:

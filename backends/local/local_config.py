@@ -30,6 +30,12 @@ class Local(BackendConfig):
     # (backends/local/packed.py; Llama/Mistral/Qwen2/Qwen3 LoRA models). false, or any other model: each
     # batch runs as padded chunks (backends/local/batching.py). Both compute the same numbers to float rounding.
     packed: bool = True
+    # Attention over a packed chunk (backends/local/packed.py). "auto": the C tree kernel where it is built (float32
+    # on the CPU), else torch's SDPA per block: on CUDA that is the path measured working on an H200, and it stays
+    # "auto"'s until bench/bench_gpu.py measures "flex" faster (docs/gpu.md). "sdpa": SDPA per block everywhere.
+    # "flex": one compiled FlexAttention call per layer over the whole chunk (backends/local/attention.py; CUDA
+    # only: it has no CPU backward).
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
     # What a sampling client holds. "merged": its own copy of every adapted weight with the LoRA merged in (the
     # fastest decode; a copy of most of the model per client). "lora": the base's own tensors plus a copy of the
     # adapters, applied unmerged (two thin extra matmuls per adapted layer; an extra client costs its adapters).

@@ -14,8 +14,9 @@ even when several datums read them (a shared prompt's rows in a prefix tree); th
 rows some target of which can have a gradient (`Plan.grad`: positions whose loss is identically zero, e.g.
 weight 0 under cross_entropy or advantage 0 under the policy-gradient losses, see losses.inert_positions).
 
-Everything index-like is planned on the host (numpy) before the step and moved to the device once; the chunk
-loop has Python-int bounds only, so nothing waits on the device (no host sync) inside forward or backward.
+Everything index-like is planned on the host (numpy) before the step and moved to the device in non-blocking
+copies (backends/local/transfer.py); the chunk loop has Python-int bounds only, so nothing waits on the device (no
+host sync) inside forward or backward.
 tests/test_logprobs.py checks logprobs and gradients against the full-logits path and the peak memory.
 """
 
@@ -27,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from backends.local.transfer import h2d, to_device
 
 # float32 logits per chunk: 2**26 floats (256 MiB; ~440 rows at Qwen3's vocab), at most MAX_CHUNK_ROWS rows.
 CHUNK_FLOATS = 2**26
@@ -73,8 +76,8 @@ def _make_pass(rows: np.ndarray, out_idx: np.ndarray, tok: np.ndarray, n_hidden:
     pstart = np.searchsorted(local, starts)
     pend = np.searchsorted(local, ends)
     whole = len(uniq) == n_hidden  # every row, in order: chunks are slices of hidden, no gather
-    dev = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.long, device=device)  # noqa: E731
-    p = _Pass(None if whole else dev(uniq), len(uniq), dev(out_idx), dev(local), dev(tok),
+    t_uniq, t_out, t_local, t_tok = to_device([uniq, out_idx, local, tok], device, np.int64)
+    p = _Pass(None if whole else t_uniq, len(uniq), t_out, t_local, t_tok,
               [(int(a), int(b), int(c), int(d)) for a, b, c, d in zip(starts, ends, pstart, pend)])
     return p, uniq
 
@@ -95,8 +98,8 @@ def plan(rows: np.ndarray, targets: np.ndarray, n_hidden: int, vocab: int, devic
     # grad's rows are numbered by their place in fwd's unique rows (fwd's lse is indexed that way)
     local_all = np.searchsorted(uniq, rows_k)
     gp, guniq = _make_pass(local_all[g], out_idx[g], t2.reshape(-1)[g], -1, chunk, device)
-    gp.rows = torch.as_tensor(uniq[guniq], dtype=torch.long, device=device) if fwd.rows is not None or len(guniq) != len(uniq) else None
-    index = None if gp.rows is None else torch.as_tensor(guniq, dtype=torch.long, device=device)
+    gp.rows = h2d(uniq[guniq], device, np.int64) if fwd.rows is not None or len(guniq) != len(uniq) else None
+    index = None if gp.rows is None else h2d(guniq, device, np.int64)
     return Plan(len(out_idx), fwd, gp, index)
 
 

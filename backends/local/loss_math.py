@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from backends import losses
+from backends.local.transfer import h2d, to_device
 from backends.losses import LossInputs
 from backends.types import Datum, LossFn
 
@@ -32,6 +33,20 @@ def inputs_from_datum(datum: Datum, device: torch.device) -> LossInputs:
     return LossInputs(t(datum.weights), t(datum.logprobs), t(datum.advantages), t(datum.mask))
 
 
+_FIELDS = ("weights", "logprobs", "advantages", "mask")
+
+
+def inputs_from_data(data: list[Datum], device: torch.device) -> list[LossInputs]:
+    """inputs_from_datum of each datum, every array moved in one non-blocking copy (transfer.py: no host sync
+    per datum inside a step; on the CPU the same tensors as inputs_from_datum's)."""
+    arrays = [getattr(d, f) for d in data for f in _FIELDS]
+    present = [a for a in arrays if a is not None]
+    moved = iter(to_device(present, device, np.float32))
+    values = [None if a is None else next(moved) for a in arrays]
+    n = len(_FIELDS)
+    return [LossInputs(*values[i * n:(i + 1) * n]) for i in range(len(data))]
+
+
 def token_losses(loss_fn: LossFn, lp: torch.Tensor, inp: LossInputs, config: Mapping[str, float]) -> torch.Tensor:
     """Per-token loss, shaped like lp ((N,) or (N, K) for cross_entropy), before the mask."""
     return losses.get(loss_fn).token_loss(lp, inp, config)
@@ -48,7 +63,7 @@ def batch_loss(loss_fn: LossFn, lps: list[torch.Tensor], data: list[Datum], devi
     and the loss runs once over all their tokens: the same per-token terms (so the same gradients), a handful
     of ops for a chunk instead of a handful per datum (an RL batch has 64 and more)."""
     if len(lps) == 1 or any(lp.ndim != 1 for lp in lps):
-        total = sum(datum_loss(loss_fn, lp, inputs_from_datum(d, device), config) for lp, d in zip(lps, data))
+        total = sum(datum_loss(loss_fn, lp, inp, config) for lp, inp in zip(lps, inputs_from_data(data, device)))
         assert isinstance(total, torch.Tensor)
         return total
 
@@ -57,7 +72,7 @@ def batch_loss(loss_fn: LossFn, lps: list[torch.Tensor], data: list[Datum], devi
         if all(v is None for v in values):
             return None
         parts = [np.full(d.length, fill, np.float32) if v is None else v for v, d in zip(values, data)]
-        return torch.as_tensor(np.concatenate(parts), device=device)
+        return h2d(np.concatenate(parts), device)
 
     inputs = LossInputs(joined("weights", 0.0), joined("logprobs", 0.0), joined("advantages", 0.0), joined("mask", 1.0))
     return datum_loss(loss_fn, torch.cat(lps), inputs, config)

@@ -29,6 +29,10 @@ class LocalOptions(Protocol):
     def packed(self) -> bool: ...
 
     @property
+    def attention(self) -> str:  # "auto" | "sdpa" | "flex"
+        ...
+
+    @property
     def sampler_weights(self) -> str:  # "auto" | "merged" | "lora"
         ...
 

@@ -27,9 +27,11 @@ only the arithmetic is ours, so peft keeps owning adapters, checkpoints and expo
 
 Anything else (another architecture, DoRA, sliding-window layers, a full fine-tune, ...) makes
 `PackedLM.build` return None with the reason, and the backend uses the padded path (backends/local/batching.py).
-On CUDA attention over the chunk is one FlexAttention call per layer (backends/local/attention.py); on every device
-the target logprobs come from a chunked unembedding (backends/local/logprobs.py). docs/local-backend.md says what
-runs where; the GPU figures are bench/bench_gpu.py's (owed: no GPU was at hand when this was written).
+Attention over the chunk is the C tree kernel (float32 on the CPU) or torch's SDPA per block, or with
+`attention = "flex"` one FlexAttention call per layer (backends/local/attention.py); on every device the target
+logprobs come from a chunked unembedding (backends/local/logprobs.py). Index arrays reach the device without a
+host sync (backends/local/transfer.py). docs/local-backend.md says what runs where; docs/gpu.md has the GPU
+figures (bench/bench_gpu.py).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from backends.local.kernels import MAX_HEAD_DIM as kernels_max_head_dim
 from backends.local.kernels import load as load_kernels
 from backends.local.llama import llama_family_problem, rms_norm, rope
 from backends.local.model import lora_linear_parts
+from backends.local.transfer import h2d, to_device
 from backends.local.tree import MIN_SHARED, Layout, ancestors, plan
 from backends.types import Datum
 
@@ -347,8 +350,10 @@ class PackedLM:
         # Target logprobs by the chunked unembedding (backends/local/logprobs.py); False: full logits per chunk
         # (the reference path, kept for tests and bench comparisons).
         self.chunked_head = True
-        # Attention over a chunk: "auto" (FlexAttention on CUDA, else the C tree kernel or SDPA per block), "flex",
-        # "torch" (never flex). flex_compiled=False runs FlexAttention's eager reference (CPU tests).
+        # Attention over a chunk (the Local backend option `attention`, backends/local/local_config.py): "auto"
+        # the C tree kernel where it is built (float32 on the CPU), else SDPA per block; "sdpa" SDPA per block
+        # always; "flex" FlexAttention (attention.py; forward only on the CPU). flex_compiled=False runs
+        # FlexAttention's eager reference (CPU tests).
         self.attention = "auto"
         self.flex_compiled = True
         if self.head_w.requires_grad:
@@ -378,12 +383,13 @@ class PackedLM:
 
     # ---------------------------------------------------------------- forward
 
-    def hidden(self, ids: torch.Tensor, layout: Layout) -> torch.Tensor:
-        """Final-norm hidden states (T x hidden) of the packed tokens `ids` (T,) laid out by `layout`."""
+    def hidden(self, ids: torch.Tensor, layout: Layout, budget: int | None = None) -> torch.Tensor:
+        """Final-norm hidden states (T x hidden) of the packed tokens `ids` (T,) laid out by `layout`; budget: the
+        chunk token limit the layout was planned under (FlexAttention pads every chunk to it: attention.py)."""
         if self.use_flex(ids.device):
-            return self._hidden_flex(ids, layout)
+            return self._hidden_flex(ids, layout, budget or len(layout.tokens))
         x = self.embed(ids)
-        pos = torch.as_tensor(layout.positions, device=ids.device)
+        pos = h2d(layout.positions, ids.device, np.int64)
         cos, sin = self.rotary(x[None], pos[None])
         T, H, K, D = ids.shape[0], self.n_heads, self.n_kv, self.head_dim
         kern = self.kernels if self.kernels is not None and Kernels.usable(x, cos, sin) and cos.shape[-1] == D else None
@@ -392,7 +398,7 @@ class PackedLM:
             return self._hidden_eager(x, cos[0, :, None, :], sin[0, :, None, :],
                                       lambda q, k, v: _attention(q, k, v, blocks, self.scaling))
         cos, sin, eps = cos[0].contiguous(), sin[0].contiguous(), self.eps
-        plan = attention_plan(layout) if D in ATTN_HEAD_DIMS else None
+        plan = attention_plan(layout) if D in ATTN_HEAD_DIMS and self.attention != "sdpa" else None
         blocks = attention_blocks(layout, ids.device) if plan is None else []
         h = _FusedNorm.apply(x, None, self.layers[0].ln1, eps, kern)
         for i, layer in enumerate(self.layers):
@@ -413,23 +419,23 @@ class PackedLM:
 
     def use_flex(self, device: torch.device) -> bool:
         """Whether hidden() runs attention as one FlexAttention call per layer (backends/local/attention.py):
-        `attention` "flex" always (forward only on the CPU), "auto" on CUDA when torch has it."""
-        if self.attention == "flex":
-            return True
-        return self.attention == "auto" and device.type == "cuda" and flex.available()
+        `attention` "flex" only. "auto" does not choose it yet: on an H200 its compiles per chunk size kept
+        Qwen3-0.6B's first step from finishing (issue #29); it becomes "auto"'s CUDA path once bench/bench_gpu.py
+        measures ours-flex faster than ours-sdpa with the one padded size per run (docs/gpu.md)."""
+        return self.attention == "flex"
 
-    def _hidden_flex(self, ids: torch.Tensor, layout: Layout) -> torch.Tensor:
-        """hidden() with FlexAttention: the chunk padded to a bucketed size (flex.bucket; padding rows are token 0
-        at position 0 in a segment of their own), one block mask for every layer, the padding cut off at the end."""
+    def _hidden_flex(self, ids: torch.Tensor, layout: Layout, budget: int) -> torch.Tensor:
+        """hidden() with FlexAttention: one block mask for every layer; only the attention call sees padding
+        (attention.py: every chunk of a run at one padded size, so it compiles once). The eager reference
+        (flex_compiled False, CPU tests) pads to the next BLOCK only: it materialises padded^2 scores."""
         n = ids.shape[0]
-        mask = flex.flex_mask(layout, ids.device)
-        pad = mask.padded - n
-        pos = torch.as_tensor(np.concatenate([layout.positions, np.zeros(pad, np.int64)]), device=ids.device)
-        x = self.embed(torch.cat([ids, ids.new_zeros(pad)]) if pad else ids)
-        cos, sin = self.rotary(x[None], pos[None])
-        h = self._hidden_eager(x, cos[0, :, None, :], sin[0, :, None, :],
-                               lambda q, k, v: flex.flex_attend(q, k, v, mask, self.scaling, self.flex_compiled))
-        return h[:n]
+        padded = flex.padded_rows(n, budget if self.flex_compiled else n)
+        ends = h2d(flex.subtree_ends(layout, padded), ids.device)
+        mask = flex.flex_mask(layout, ends, self.flex_compiled)
+        x = self.embed(ids)
+        cos, sin = self.rotary(x[None], h2d(layout.positions, ids.device, np.int64)[None])
+        return self._hidden_eager(x, cos[0, :, None, :], sin[0, :, None, :],
+                                  lambda q, k, v: flex.flex_attend(q, k, v, mask, self.scaling, self.flex_compiled))
 
     def _hidden_eager(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -486,8 +492,8 @@ class PackedLM:
         chunked unembedding (backends/local/logprobs.py) recomputes only those rows in backward."""
         for layout in plan(data, budget, self.min_shared()):
             idx = layout.datums
-            ids = torch.as_tensor(layout.tokens, dtype=torch.long, device=device)
-            h = self.hidden(ids, layout)
+            ids = h2d(layout.tokens, device, np.int64)
+            h = self.hidden(ids, layout, budget)
             if self.chunked_head:
                 rows = np.concatenate([layout.rows[i] for i in idx])
                 targets = np.concatenate([data[i].target_tokens.reshape(data[i].length, -1) for i in idx])
@@ -506,17 +512,17 @@ class PackedLM:
                 continue
             logits = self.logits(h).float()
             lse = torch.logsumexp(logits, dim=-1)
-            rows_t = [torch.as_tensor(layout.rows[i], device=device) for i in idx]
             if all(data[i].target_tokens.ndim == 1 for i in idx):
                 # One gather for the chunk (a datum's rows may include a shared prefix's).
-                flat_rows = torch.cat(rows_t)
-                targets_t = torch.as_tensor(np.concatenate([data[i].target_tokens for i in idx]), device=device)
+                flat_rows, targets_t = to_device([np.concatenate([layout.rows[i] for i in idx]),
+                                                  np.concatenate([data[i].target_tokens for i in idx])], device, np.int64)
                 lp_all = logits[flat_rows, targets_t] - lse[flat_rows]
                 out = list(lp_all.split([data[i].length for i in idx]))
             else:
                 out = []
-                for i, r in zip(idx, rows_t):
-                    t = torch.as_tensor(data[i].target_tokens, device=device).view(len(r), -1)
+                moved = to_device([layout.rows[i] for i in idx] + [data[i].target_tokens for i in idx], device, np.int64)
+                for i, r, t in zip(idx, moved[:len(idx)], moved[len(idx):]):
+                    t = t.view(len(r), -1)
                     out.append((logits[r].gather(-1, t) - lse[r, None]).view(data[i].target_tokens.shape))
             yield idx, out
 
@@ -561,7 +567,7 @@ def attention_blocks(layout: Layout, device: torch.device) -> list[_Block]:
             for i, anc in enumerate(chains):
                 visible[i, [*anc, i]] = True
             owner = np.repeat(np.arange(len(nodes)), [length for _, length, _ in nodes])
-            mask = torch.as_tensor(visible[owner[:, None], owner[None, :]], device=device)
+            mask = h2d(visible[owner[:, None], owner[None, :]], device)
             blocks.append(_Block(start, n, mask=mask & torch.ones(n, n, dtype=torch.bool, device=device).tril()))
         else:
             plan_nodes = []
