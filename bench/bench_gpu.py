@@ -6,29 +6,37 @@ LoRA rank 32 (alpha 32) on all 7 linear modules of every layer, AdamW lr 1e-4. B
 tokens, lengths uniform in [--min-len, --max-len], the first 30% of each row weight 0 (a prompt), the rest 1.
 
 Training contenders (a step = forward + backward + AdamW step on one batch; tokens = the batch's input tokens):
-  ours          LocalBackend: forward_backward("cross_entropy") + optim_step (packed rows, FlexAttention on CUDA,
-                chunked unembedding: backends/local/packed.py, attention.py, logprobs.py)
-  ours-before   the same with the packed path as before issue #29 (full logits per chunk of 2^27 / vocab tokens,
-                attention per block): PackedLM.chunked_head = False, attention = "torch"
+  ours-sdpa     LocalBackend(attention="sdpa", what "auto" runs on CUDA): forward_backward("cross_entropy") +
+                optim_step (packed rows, SDPA per block of the chunk, chunked unembedding: backends/local/packed.py,
+                logprobs.py); the reference every first loss is checked against
+  ours-flex     the same with attention="flex": one compiled FlexAttention call per layer over each chunk, padded
+                to one size per run (backends/local/attention.py; CUDA only: no CPU backward)
+  ours-before   ours-sdpa with the packed path as before issue #29 (full logits per chunk of 2^27 / vocab tokens):
+                PackedLM.chunked_head = False
   hf-padded     HF + peft: right-padded batch with attention mask, full [rows x width x vocab] logits, weighted CE
   hf-packed     HF + peft: the batch as one packed row (position ids restart per sequence), causal SDPA per
                 sequence (bench_train.varlen_sdpa), logits only at trained positions
-  hf-flex       hf-packed with compiled FlexAttention and a document block mask (CUDA only: no CPU backward)
+  hf-flex       hf-packed with compiled FlexAttention and a document block mask, q/k/v padded to the largest
+                possible batch so it compiles once (CUDA only)
   liger         hf-packed with Liger-Kernel's fused linear cross entropy on the trained positions' hidden
                 states (when liger_kernel is installed; CUDA only)
 TRL's padding-free SFTTrainer is measured by bench/bench_train.py (CPU); it is not repeated here.
 
-Every contender's first loss (weighted CE summed, before any update; LoRA B = 0, so the base model's) must agree
-with ours to 2e-2 relative in bf16 (1e-4 in fp32) or the bench stops. Contenders run in interleaved rounds
-(ours, hf-padded, ..., ours, ...), each round --steps distinct batches, after one warm-up step each; medians.
-A contender that runs out of memory is reported as such. MFU = tokens/s x (4 N_base + 6 N_LoRA) / peak, N_base
+Each training contender runs in a child process of its own, one after another, under --contender-timeout
+seconds (its process group is killed at the limit and reported as "timed out after S s (first step not
+finished)", or with its first step's time if that had finished): a contender whose compiles stall cannot eat the
+device call, and the others still run. A child builds its model, runs one step (the first loss and the time to
+the first step, compiles included: "first step (s)"), then --rounds rounds of --steps distinct batches; tokens/s
+is the steady state (medians of the rounds). Every contender's first loss (weighted CE summed, before any update;
+LoRA B = 0, so the base model's) must agree with ours-sdpa's to 2e-2 relative in bf16 (1e-4 in fp32) or the
+bench exits non-zero after its table. A contender that runs out of memory is reported as such. MFU = tokens/s x (4 N_base + 6 N_LoRA) / peak, N_base
 counting the tied embedding once (as the lm_head matmul), attention scores not counted, peak = the median of
 measured bf16 (CUDA) / fp32 (CPU) torch.mm throughput on 8192^3 (CUDA) / 1024^3 (CPU). Memory: the largest
 torch.cuda.max_memory_allocated during a contender's steps, less what was allocated before them (every
 contender's weights and optimizer state stay resident; they are the same for all).
 
 RL: rl_basic-shaped batches (8 groups x 8 samples of a 69-token prompt, 2-8 answer tokens), importance_sampling:
-training steps/s of ours against ours-before (the sampling half of an RL step is measured separately below).
+training steps/s of ours (attention "auto") against ours-before, in this process, interleaved (the sampling half of an RL step is measured separately below).
 
 Sampling: --prompts prompts of --prompt-len random tokens, --new-tokens tokens each at temperature 1 with no stop
 (ours: stop=[]; generate: min_new_tokens = max_new_tokens), against HF `generate` (dynamic cache) and, on CUDA,
@@ -36,6 +44,7 @@ Sampling: --prompts prompts of --prompt-len random tokens, --new-tokens tokens e
 
     python bench/bench_gpu.py                      # CUDA: 0.6b and 1.7b, writes bench/results/gpu_speed.md
     python bench/bench_gpu.py --shape tiny --quick # CPU smoke
+    python bench/bench_gpu.py --shape 0.6b --only ours-flex --no-rl --no-sampling   # one contender against ours-sdpa
 """
 
 from __future__ import annotations
@@ -43,9 +52,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
+import os
+import queue
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -80,6 +95,12 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 Step = Callable[[list[Datum]], float]
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_speed.md"
+# Seconds per training contender (its child process: start-up, model, first step, timed rounds). On an H100/H200
+# a contender without compiles needs about 20-30 s on the 0.6b shape, one with compiles (ours-flex, hf-flex) about
+# a minute if its compiles happen once: seven contenders stay under ~6 minutes even with two of them timing out.
+CONTENDER_TIMEOUT = 100.0
+REFERENCE = "ours-sdpa"  # the contender every first loss is checked against; always run
+CHILD_MARK = "@@bench-gpu "  # a child's result lines on stdout
 
 
 # ---------------------------------------------------------------- setup
@@ -148,16 +169,21 @@ def hf_step(model, loss_of: Callable[[Any, list[Datum]], torch.Tensor]) -> Step:
 # ---------------------------------------------------------------- contenders
 
 
-def make_ours(model_dir: Path, device: torch.device, storage: Path, before: bool = False, loss_fn: str = "cross_entropy"
-              ) -> Step:
-    """before: the packed path as it was before issue #29 (full [tokens x vocab] logits per chunk, chunks of
-    2^27 / vocab tokens, attention per block): PackedLM.chunked_head off, attention "torch"."""
-    backend = LocalBackend(Local(device=device.type, lora_alpha=ALPHA, packed=True), str(model_dir), None, storage, seed=0)
+def make_ours(model_dir: Path, device: torch.device, storage: Path, before: bool = False, loss_fn: str = "cross_entropy",
+              attention: str = "auto") -> Step:
+    """attention: the Local option ("auto", "sdpa", "flex"). before: the packed path as it was before issue #29
+    (full [tokens x vocab] logits per chunk, chunks of 2^27 / vocab tokens, attention per block: the C tree
+    kernel on the CPU, SDPA per block on CUDA): PackedLM.chunked_head off, attention "auto" on the CPU, "sdpa"
+    on CUDA."""
+    if before:
+        attention = "sdpa" if device.type == "cuda" else "auto"
+    cfg = Local(device=device.type, lora_alpha=ALPHA, packed=True, attention=attention)  # type: ignore[arg-type]
+    backend = LocalBackend(cfg, str(model_dir), None, storage, seed=0)
     client = backend.create_training_client(LoraSpec(base_model=str(model_dir), rank=RANK, seed=0,
                                                      train_unembed=False)).result()
     if before:
         assert client.packed is not None
-        client.packed.chunked_head, client.packed.attention = False, "torch"
+        client.packed.chunked_head = False
 
     def step(batch: list[Datum]) -> float:
         fb = client.forward_backward(batch, loss_fn)
@@ -233,29 +259,32 @@ def packed_loss(model, batch: list[Datum]) -> torch.Tensor:
 
 FLEX = "bench_flex_doc"
 _FLEX_MASKS: dict[tuple[int, ...], Any] = {}
+FLEX_PAD = [0]  # hf-flex pads q/k/v to this many rows (the largest batch, rounded to 128): one compiled shape
 
 
 def flex_doc(module, query, key, value, attention_mask, dropout=0.0, scaling=None, cu_seq_lens_q=None, **kwargs):
     """Compiled FlexAttention over a packed row with a document-causal block mask (built once per batch, cached
-    by the boundaries). query (1, H, T, D); returns (1, T, H, D)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    by the boundaries), q/k/v padded to FLEX_PAD rows (a document of their own). query (1, H, T, D); returns
+    (1, T, H, D)."""
+    from backends.local.attention import _compiled, _mask_builder
 
-    from backends.local.attention import _compiled
-
+    T = query.shape[2]
+    P = max(FLEX_PAD[0], -(-T // 128) * 128)
     bounds = tuple(cu_seq_lens_q.tolist())
     mask = _FLEX_MASKS.get(bounds)
     if mask is None:
-        T = query.shape[2]
-        doc = torch.repeat_interleave(torch.arange(len(bounds) - 1, device=query.device),
-                                      torch.tensor(np.diff(bounds), device=query.device))
+        lengths = torch.tensor([*np.diff(bounds), P - T], device=query.device)
+        doc = torch.repeat_interleave(torch.arange(len(bounds), device=query.device), lengths)
 
         def mm(b, h, q, kv):
             return (kv <= q) & (doc[q] == doc[kv])
 
         _FLEX_MASKS.clear()
-        mask = _FLEX_MASKS[bounds] = create_block_mask(mm, None, None, T, T, device=str(query.device))
-    o = _compiled()(query, key, value, block_mask=mask, scale=scaling, enable_gqa=True)
-    return o.transpose(1, 2).contiguous(), None
+        mask = _FLEX_MASKS[bounds] = _mask_builder("inductor")(mm, None, None, P, P, device=str(query.device))
+    pad = (0, 0, 0, P - T)
+    q, k, v = (torch.nn.functional.pad(t, pad) for t in (query, key, value))
+    o = _compiled()(q, k, v, block_mask=mask, scale=scaling, enable_gqa=True)
+    return o[:, :, :T].transpose(1, 2).contiguous(), None
 
 
 transformers.AttentionInterface.register(FLEX, flex_doc)
@@ -318,91 +347,157 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def bench_training(shape: str, model_dir: Path, cfg: Any, device: torch.device, dtype: torch.dtype, args: Any,
-                   storage: Path, lines: list[str]) -> Any:
-    batches = make_batches(args.steps + 1, args.rows, args.min_len, args.max_len, cfg.vocab_size)
-    tokens = sum(d.length for b in batches[1:] for d in b)
+def contender_makers(model_dir: Path, device: torch.device, dtype: torch.dtype, storage: Path
+                     ) -> dict[str, Callable[[], Step]]:
     makers: dict[str, Callable[[], Step]] = {
-        "ours": lambda: make_ours(model_dir, device, storage),
+        "ours-sdpa": lambda: make_ours(model_dir, device, storage, attention="sdpa"),
+    }
+    if device.type == "cuda":
+        makers["ours-flex"] = lambda: make_ours(model_dir, device, storage / "flex", attention="flex")
+    makers.update({
         "ours-before": lambda: make_ours(model_dir, device, storage / "before", before=True),
         "hf-padded": lambda: hf_step(peft_model(model_dir, device, dtype), padded_loss),
         "hf-packed": lambda: hf_step(peft_model(model_dir, device, dtype, VARLEN), packed_loss),
-    }
+    })
     if device.type == "cuda":
         makers["hf-flex"] = lambda: hf_step(peft_model(model_dir, device, dtype, FLEX), packed_loss)
         liger = liger_loss_fn()
         if liger is not None:
             makers["liger"] = lambda: hf_step(peft_model(model_dir, device, dtype, VARLEN), liger)
-    if args.only:
-        keep = {"ours", *args.only.split(",")}
-        makers = {k: v for k, v in makers.items() if k in keep}
-    steps: dict[str, Step] = {}
-    failed: dict[str, str] = {}
-    first: dict[str, float] = {}
-    for name, make in makers.items():
-        try:
-            steps[name] = make()
-            t0 = time.perf_counter()
-            first[name] = steps[name](batches[0])  # the first loss (before any update) and the warm-up step
-            progress(f"{shape}: {name} ready, first loss {first[name]:.4f} ({time.perf_counter() - t0:.1f} s)")
-            if name == "hf-flex":  # compiled per sequence length (no bucketing in a hand loop): compile them all now
-                for b in batches[1:]:
-                    steps[name](b)
-        except Exception as exc:  # noqa: BLE001 (an out-of-memory contender is a result, anything else is not)
-            if not is_oom(exc):
-                raise
-            failed[name] = "out of memory"
-            steps.pop(name, None)
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    ref = first["ours"]
-    print(f"{shape}: first loss " + ", ".join(f"{k} {v:.4f}" for k, v in first.items()))
-    for name, value in first.items():
-        if abs(value - ref) > tol * abs(ref):
-            raise SystemExit(f"{shape}: {name}'s first loss {value} differs from ours' {ref} by more than {tol:.0e}")
-    times: dict[str, list[float]] = {n: [] for n in steps}
-    mem: dict[str, float] = dict.fromkeys(steps, 0.0)
-    for _ in range(args.rounds):
-        for name, step in list(steps.items()):
+    return makers
+
+
+def child_main(args: Any) -> None:
+    """One training contender in this process (`--child NAME`): its results as CHILD_MARK + JSON lines on stdout
+    (setup_s and first_s with the first loss, then times and mem), or {"error": "out of memory"}."""
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model_dir = Path(args.model_dir)
+    cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    batches = make_batches(args.steps + 1, args.rows, args.min_len, args.max_len, cfg.vocab_size)
+    FLEX_PAD[0] = -(-args.rows * args.max_len // 128) * 128
+
+    def say(**kw: Any) -> None:
+        print(CHILD_MARK + json.dumps(kw), flush=True)
+
+    try:
+        t0 = time.perf_counter()
+        step = contender_makers(model_dir, device, dtype, Path(args.storage))[args.child]()
+        sync(device)
+        t1 = time.perf_counter()
+        say(setup_s=t1 - t0)
+        first = step(batches[0])  # the first loss (before any update), compiles included
+        sync(device)
+        say(first=first, first_s=time.perf_counter() - t1)
+        times: list[float] = []
+        mem = 0.0
+        for _ in range(args.rounds):
             sync(device)
             if device.type == "cuda":
                 base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
             t = time.perf_counter()
-            try:
-                for b in batches[1:]:
-                    step(b)
-                sync(device)
-            except Exception as exc:  # noqa: BLE001
-                if not is_oom(exc):
-                    raise
-                failed[name] = "out of memory"
-                del steps[name]
-                continue
-            times[name].append(time.perf_counter() - t)
+            for b in batches[1:]:
+                step(b)
+            sync(device)
+            times.append(time.perf_counter() - t)
             if device.type == "cuda":
-                mem[name] = max(mem[name], (torch.cuda.max_memory_allocated() - base) / 2**30)
+                mem = max(mem, (torch.cuda.max_memory_allocated() - base) / 2**30)
+        say(times=times, mem=mem)
+    except Exception as exc:  # noqa: BLE001 (an out-of-memory contender is a result, anything else is not)
+        if not is_oom(exc):
+            raise
+        say(error="out of memory")
+
+
+def run_child(cmd: list[str], timeout: float) -> tuple[dict[str, Any], str | None]:
+    """Run one contender's child under `timeout` seconds: (what it reported, None) or (..., why it did not finish).
+    The child leads a process group of its own (inductor's compile workers join it), killed whole at the limit."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    info: dict[str, Any] = {}
+    while True:
+        left = timeout - (time.perf_counter() - t0)
+        try:
+            line = lines.get(timeout=max(0.0, left))
+        except queue.Empty:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            done = "first step not finished" if "first_s" not in info else f"first step {info['first_s']:.1f} s, timing not finished"
+            return info, f"timed out after {timeout:g} s ({done})"
+        if line is None:
+            break
+        if line.startswith(CHILD_MARK):
+            info.update(json.loads(line[len(CHILD_MARK):]))
+    rc = proc.wait()
+    if rc != 0:
+        return info, f"failed (exit {rc}; its traceback is on stderr)"
+    return info, info.get("error")
+
+
+def bench_training(shape: str, model_dir: Path, cfg: Any, device: torch.device, dtype: torch.dtype, args: Any,
+                   storage: Path, lines: list[str]) -> bool:
+    """The training table; False when a contender crashed or a first loss disagreed (the bench then exits 1)."""
+    batches = make_batches(args.steps + 1, args.rows, args.min_len, args.max_len, cfg.vocab_size)
+    tokens = sum(d.length for b in batches[1:] for d in b)
+    names = list(contender_makers(model_dir, device, dtype, storage))
+    if args.only:
+        keep = {REFERENCE, *args.only.split(",")}
+        names = [n for n in names if n in keep]
+    results: dict[str, dict[str, Any]] = {}
+    failed: dict[str, str] = {}
+    for name in names:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--model-dir", str(model_dir),
+               "--storage", str(storage / name), "--device", device.type, "--rows", str(args.rows),
+               "--min-len", str(args.min_len), "--max-len", str(args.max_len), "--steps", str(args.steps),
+               "--rounds", str(args.rounds)]
+        info, why = run_child(cmd, args.contender_timeout)
+        results[name] = info
+        if why is not None:
+            failed[name] = why
+        first = f"first loss {info['first']:.4f}, first step {info['first_s']:.1f} s" if "first_s" in info else "no first step"
+        progress(f"{shape}: {name}: {why or 'done'} ({first}; setup {info.get('setup_s', float('nan')):.1f} s)")
+    ok = not any(w.startswith("failed") for w in failed.values())
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    firsts = {n: r["first"] for n, r in results.items() if "first" in r}
+    print(f"{shape}: first loss " + ", ".join(f"{k} {v:.4f}" for k, v in firsts.items()))
+    ref = firsts.get(REFERENCE)
+    for name, value in firsts.items():
+        if ref is not None and abs(value - ref) > tol * abs(ref):
+            print(f"{shape}: {name}'s first loss {value} differs from {REFERENCE}'s {ref} by more than {tol:.0e}")
+            ok = False
     fpt, n_base, n_lora = flops_per_token(cfg)
     peak = matmul_peak(device)
     lines.append(f"\n### {shape} training: N_base {n_base / 1e6:.1f}M, N_LoRA {n_lora / 1e6:.2f}M, "
                  f"{args.rows} rows x {args.min_len}-{args.max_len} tokens, {tokens / args.steps:.0f} tokens/batch; "
                  f"MFU = tokens/s x (4 N_base + 6 N_LoRA = {fpt / 1e6:.1f} MFLOP/token) / {peak / 1e9:,.0f} GFLOP/s "
-                 f"(measured {'bf16' if device.type == 'cuda' else 'fp32'} torch.mm)\n")
-    lines.append("| contender | tokens/s | vs best hand loop | MFU | step peak above resident (GiB) |")
-    lines.append("|---|---:|---:|---:|---:|")
-    tps = {n: tokens / statistics.median(t) for n, t in times.items() if t and n in steps}
+                 f"(measured {'bf16' if device.type == 'cuda' else 'fp32'} torch.mm); first step = the first "
+                 f"forward_backward + optim_step after the model is built, compiles included; tokens/s = steady "
+                 f"state, each contender in a process of its own, --contender-timeout {args.contender_timeout:.0f} s\n")
+    lines.append("| contender | tokens/s | vs best hand loop | MFU | first step (s) | step peak above resident (GiB) |")
+    lines.append("|---|---:|---:|---:|---:|---:|")
+    tps = {n: tokens / statistics.median(r["times"]) for n, r in results.items() if r.get("times") and n not in failed}
     hand = [v for n, v in tps.items() if not n.startswith("ours")]
     best = max(hand) if hand else float("nan")
-    for name in makers:
+    for name in names:
+        first_s = f"{results[name]['first_s']:.1f}" if "first_s" in results[name] else ""
         if name in tps:
+            mem = f"{results[name]['mem']:.2f}" if device.type == "cuda" else "n/a (CPU)"
             lines.append(f"| {name} | {tps[name]:,.0f} | {tps[name] / best:.2f}x | {100 * tps[name] * fpt / peak:.1f}% "
-                         f"| {mem[name]:.2f} |" if device.type == "cuda" else
-                         f"| {name} | {tps[name]:,.0f} | {tps[name] / best:.2f}x | {100 * tps[name] * fpt / peak:.1f}% | n/a (CPU) |")
+                         f"| {first_s} | {mem} |")
         else:
-            lines.append(f"| {name} | {failed.get(name, 'failed')} | | | |")
-    return steps.get("ours")
+            lines.append(f"| {name} | {failed.get(name, 'failed')} | | | {first_s} | |")
+    return ok
 
 
 def bench_rl(shape: str, model_dir: Path, cfg: Any, device: torch.device, args: Any, storage: Path,
@@ -494,8 +589,16 @@ def main() -> None:
     ap.add_argument("--no-sampling", action="store_true")
     ap.add_argument("--no-rl", action="store_true", help="skip the RL-shaped steps")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    ap.add_argument("--only", default=None, help="comma list of training contenders to run (ours is always run)")
+    ap.add_argument("--only", default=None, help=f"comma list of training contenders to run ({REFERENCE} is always run)")
+    ap.add_argument("--contender-timeout", type=float, default=CONTENDER_TIMEOUT, metavar="S",
+                    help=f"seconds per training contender, start-up and compiles included (default {CONTENDER_TIMEOUT:.0f})")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one contender (child_main)
+    ap.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--storage", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        child_main(args)
+        return
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shapes = (args.shape or ("0.6b,1.7b" if device.type == "cuda" else "tiny")).split(",")
     small = device.type == "cpu"
@@ -512,18 +615,20 @@ def main() -> None:
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines = [f"Device: {card}; torch {torch.__version__}, transformers {transformers.__version__}; "
              f"{'bf16' if dtype == torch.bfloat16 else 'fp32'}; LoRA rank {RANK} on {', '.join(TARGETS)}; "
-             f"{args.rounds} interleaved rounds of {args.steps} batch(es), medians (bench/bench_gpu.py)"]
+             f"{args.rounds} rounds of {args.steps} batch(es), medians (bench/bench_gpu.py)"]
+    ok = True
     for shape in shapes:
         with tempfile.TemporaryDirectory() as tmp:
             model_dir, cfg = write_model(shape, Path(tmp) / "model", dtype)
             done = len(lines)
-            ours = bench_training(shape, model_dir, cfg, device, dtype, args, Path(tmp) / "storage", lines)
+            ok = bench_training(shape, model_dir, cfg, device, dtype, args, Path(tmp) / "storage", lines) and ok
             progress("\n".join(lines[done:]))  # each section as soon as it is measured (a run cut short keeps it)
             if not args.no_rl:
                 done = len(lines)
                 bench_rl(shape, model_dir, cfg, device, args, Path(tmp) / "storage", lines)
                 progress("\n".join(lines[done:]))
-            if not args.no_sampling and ours is not None:
+            if not args.no_sampling:
+                ours = make_ours(model_dir, device, Path(tmp) / "storage" / "sampling")
                 done = len(lines)
                 bench_sampling(shape, model_dir, cfg, device, dtype, args, ours, lines)
                 progress("\n".join(lines[done:]))
@@ -536,6 +641,8 @@ def main() -> None:
         RESULTS.parent.mkdir(exist_ok=True)
         RESULTS.write_text("# bench/bench_gpu.py results\n\n" + text)
         print(f"wrote {RESULTS}")
+    if not ok:
+        raise SystemExit("a training contender failed or its first loss disagreed (above)")
 
 
 if __name__ == "__main__":

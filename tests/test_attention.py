@@ -173,3 +173,30 @@ def test_a_run_compiles_flex_once_whatever_the_batch_sizes(monkeypatch):
     assert per_step[0] == 2  # the kernel and the mask builder, at the budget's padded size
     assert per_step[-1] == 4  # + both at twice it (a 200-300 token row alone in a chunk)
     assert per_step[:-1] == [2] * 4  # nothing recompiles between steps of one size
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flex_training_compiles_once_on_cuda():
+    """Five training steps of varied sizes through compiled FlexAttention (inductor, forward and backward) on CUDA:
+    the kernel and the mask builder compile at the first step, once more each for a row longer than the budget,
+    never again (issue #29: per-size compiles kept the first step of Qwen3-0.6B's shape from finishing)."""
+    import time
+
+    import torch._dynamo
+
+    model = _lora(_model("qwen3")).cuda()
+    packed, _ = PackedLM.build(model)
+    assert packed is not None
+    packed.attention = "flex"
+    torch._dynamo.reset()
+    before = _graphs()
+    per_step, seconds = [], []
+    for batch in _batches():
+        t = time.perf_counter()
+        for idx, lp in packed.chunk_logprobs(batch, 256, torch.device("cuda")):
+            sum((x * torch.as_tensor(batch[i].weights, device="cuda")).sum() for i, x in zip(idx, lp)).backward()
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - t)
+        per_step.append(_graphs() - before)
+    assert per_step == [2, 2, 2, 2, 4], (per_step, seconds)

@@ -21,9 +21,21 @@ def test_bench_gpu_smokes_on_cpu():
                          capture_output=True, text=True, env=_env(), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {line.split("|")[1].strip() for line in out.stdout.splitlines() if line.startswith("| ")}
-    assert {"ours", "hf-padded", "hf-packed", "generate"} <= rows, out.stdout
-    assert "tiny: first loss ours" in out.stdout
+    assert {"ours-sdpa", "ours-before", "hf-padded", "hf-packed", "ours", "generate"} <= rows, out.stdout
+    assert "tiny: first loss ours-sdpa" in out.stdout
+    assert "| first step (s) |" in out.stdout  # time to the first step, apart from the steady tokens/s
     assert not (ROOT / "bench" / "results" / "gpu_speed.md").exists() or "CPU" not in (ROOT / "bench" / "results" / "gpu_speed.md").read_text()
+
+
+def test_a_contender_past_its_time_limit_is_reported_and_the_rest_run():
+    """--contender-timeout: each contender's process group is killed at the limit (here before a child can even
+    import torch) and reported as timed out; the bench goes on to the next and exits 0."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_gpu.py"), "--shape", "tiny", "--quick", "--rows", "2",
+                          "--rounds", "1", "--no-rl", "--no-sampling", "--only", "hf-packed", "--contender-timeout", "0.5"],
+                         capture_output=True, text=True, env=_env(), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ours-sdpa") or line.startswith("| hf-packed")]
+    assert len(rows) == 2 and all("timed out after 0.5 s (first step not finished)" in r for r in rows), out.stdout
 
 
 def test_bench_train_imports():
