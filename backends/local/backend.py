@@ -39,6 +39,7 @@ from backends.local.device import place
 from backends.local.loss_math import batch_loss, resolve_config, trained_positions
 from backends.local.options import LocalOptions
 from backends.local.packed import PackedLM
+from backends.local.transfer import to_device
 from backends.local.worker import Job, Worker, fail
 from backends.types import (
     AdamParams,
@@ -404,8 +405,11 @@ class LocalTrainingClient:
             for idx, lps in self._logprobs(data):
                 for i, lp in zip(idx, lps):
                     model_lps[i] = lp
-            # The user's function sees float32 CPU leaves, as with the SDK (so SDK-written losses run as is).
-            leaves = [lp.detach().cpu().requires_grad_(True) for lp in model_lps]
+            # The user's function sees float32 CPU leaves, as with the SDK (so SDK-written losses run as is). One
+            # copy to the host for the batch, not one (and a wait for the device) per datum.
+            flat = torch.cat([lp.detach().reshape(-1) for lp in model_lps]).cpu()
+            leaves = [x.view(lp.shape).clone().requires_grad_(True)
+                      for x, lp in zip(flat.split([lp.numel() for lp in model_lps]), model_lps)]
             loss, metrics = loss_fn(data, leaves)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise _user_error("the custom loss must return (scalar torch tensor, metrics dict)")
@@ -413,7 +417,7 @@ class LocalTrainingClient:
             for i, g in enumerate(grads):
                 if g is None:  # the SDK fails the same way ("No gradient computed for logprob tensor")
                     raise _user_error(f"the custom loss does not depend on the logprobs of datum {i}")
-            torch.autograd.backward(model_lps, grad_tensors=[g.to(device) for g in grads])
+            torch.autograd.backward(model_lps, grad_tensors=to_device([g.numpy() for g in grads], device))
         surrogate = sum(float((g.double() * lp.detach().double()).sum()) for g, lp in zip(grads, leaves))
         out_metrics = {**{k: float(v) for k, v in metrics.items()}, "loss:sum": float(loss.detach().sum())}
         out_metrics["surrogate_loss:sum"] = surrogate
