@@ -200,3 +200,21 @@ def test_flex_training_compiles_once_on_cuda():
         seconds.append(time.perf_counter() - t)
         per_step.append(_graphs() - before)
     assert per_step == [2, 2, 2, 2, 4], (per_step, seconds)
+
+
+def test_flex_off_cuda_is_one_line_user_error(tmp_path):
+    """attention = "flex" without CUDA: the backend refuses at start (FlexAttention has no CPU backward), naming
+    the options that work."""
+    from backends.errors import UserError
+    from backends.local.backend import LocalBackend
+    from backends.local.local_config import Local
+
+    with pytest.raises(UserError, match='attention = "flex" needs CUDA') as err:
+        LocalBackend(Local(device="cpu", attention="flex"), "tiny", None, tmp_path)
+    assert "\n" not in str(err.value) and '"sdpa"' in str(err.value)
+    backend = LocalBackend(Local(device="cpu", attention="sdpa"), "tiny", None, tmp_path)
+    from backends.types import LoraSpec
+
+    client = backend.create_training_client(LoraSpec(base_model="tiny", rank=4)).result()
+    assert client.packed is not None and client.packed.attention == "sdpa"  # the option reaches the packed model
+    backend.close()
