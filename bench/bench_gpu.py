@@ -264,7 +264,7 @@ FLEX_PAD = [0]  # hf-flex pads q/k/v to this many rows (the largest batch, round
 
 def flex_doc(module, query, key, value, attention_mask, dropout=0.0, scaling=None, cu_seq_lens_q=None, **kwargs):
     """Compiled FlexAttention over a packed row with a document-causal block mask (built once per batch, cached
-    by the boundaries), q/k/v padded to FLEX_PAD rows (a document of their own). query (1, H, T, D); returns
+    by the boundaries), q/k/v padded to FLEX_PAD rows (one compiled shape). query (1, H, T, D); returns
     (1, T, H, D)."""
     from backends.local.attention import _compiled, _mask_builder
 
@@ -273,8 +273,10 @@ def flex_doc(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
     bounds = tuple(cu_seq_lens_q.tolist())
     mask = _FLEX_MASKS.get(bounds)
     if mask is None:
-        lengths = torch.tensor([*np.diff(bounds), P - T], device=query.device)
-        doc = torch.repeat_interleave(torch.arange(len(bounds), device=query.device), lengths)
+        lengths = torch.tensor(np.diff(bounds), device=query.device)
+        n = len(bounds) - 1  # padding rows: a document each (the block mask skips all but their diagonal blocks)
+        doc = torch.cat([torch.repeat_interleave(torch.arange(n, device=query.device), lengths),
+                         torch.arange(n, n + P - T, device=query.device)])
 
         def mm(b, h, q, kv):
             return (kv <= q) & (doc[q] == doc[kv])
@@ -283,7 +285,7 @@ def flex_doc(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
         mask = _FLEX_MASKS[bounds] = _mask_builder("inductor")(mm, None, None, P, P, device=str(query.device))
     pad = (0, 0, 0, P - T)
     q, k, v = (torch.nn.functional.pad(t, pad) for t in (query, key, value))
-    o = _compiled()(q, k, v, block_mask=mask, scale=scaling, enable_gqa=True)
+    o = _compiled("inductor")(q, k, v, block_mask=mask, scale=scaling, enable_gqa=True)
     return o[:, :, :T].transpose(1, 2).contiguous(), None
 
 
