@@ -34,7 +34,7 @@ class BackendConfig(ConfigStruct, tag_field="kind", tag=str.lower):  # pyright: 
         backends/local/device.py), printed by --dry-run and as a run's first line; None: nothing to say."""
         return None
 
-    def sweep_parallel(self, cores: int) -> int:
-        """How many runs on this backend a sweep starts at once on a machine with `cores` usable cores
+    def sweep_parallel(self, cores: int, model: str | None = None) -> int:
+        """How many runs of `model` on this backend a sweep starts at once on a machine with `cores` usable cores
         (runner/tools/sweep.py takes the smallest answer among its points). Default: one per core."""
         return max(1, cores)

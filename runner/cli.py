@@ -190,8 +190,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="live training runs held at once (default 32); one more is refused with a 400")
     serve.add_argument("--max-bytes", default=None, metavar="SIZE",
                        help="memory live sessions may hold: base models, training runs' adapters + gradients + "
-                            "optimizer state, in-flight sampling (e.g. 24G; default: half the machine's memory, 90%% of the "
-                            "GPU's on CUDA)")
+                            "optimizer state, in-flight sampling (e.g. 24G; default: half the machine's memory, or 90%% "
+                            "of the GPU's when a served model is placed on cuda)")
     serve.add_argument("-v", "--verbose", action="store_true", help="log every request")
     serve.set_defaults(command=cmd_serve)
 
