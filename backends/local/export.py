@@ -35,7 +35,6 @@ from torch import nn
 from backends.errors import UserError
 from backends.local import model as M
 
-
 # `runner export --dtype`: what the base is loaded in, so what merged weights (and a tied lm_head's full weight) are
 # rounded to and stored in. "auto": the dtype the base's files store (a real chat model's: bfloat16).
 DTYPES = ("auto", "float32", "bfloat16")
