@@ -119,3 +119,13 @@ def test_every_tiny_recipe_runs_on_the_cpu_in_float32_on_a_gpu_box(gpu_box, big,
         if backend.device == "auto" and backend.dtype == "auto":
             p = place(backend, big)
             assert (p.device.type, p.dtype) == ("cuda", torch.bfloat16), ref
+
+
+def test_serve_device_cuda_without_cuda_fails_before_serving(tmp_path, monkeypatch):
+    from backends.errors import UserError
+    from backends.serve.http import ServeConfig, build_service
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="--device cuda: torch sees no CUDA device; use --device auto or cpu"):
+        build_service(ServeConfig(storage=tmp_path / "storage", device="cuda"))
+    assert not (tmp_path / "storage").exists()
