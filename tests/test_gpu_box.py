@@ -1,4 +1,4 @@
-"""A GPU box faked on the CPU (torch.cuda.is_available and /dev/nvidia0 monkeypatched, model sizes from safetensors
+"""A GPU box faked on the CPU (torch.cuda.is_available and the /dev/nvidia<N> check monkeypatched, model sizes from safetensors
 headers): every default that depends on the device follows backends/local/device.py's `place`, so on such a box the
 embedded `tiny` model, and every recipe and example built on it, still runs on the CPU in float32 (the numbers
 the tests and bench/results/recipes.md assert), a sweep of tiny runs still parallelises as on a CPU box, and
@@ -6,13 +6,13 @@ the tests and bench/results/recipes.md assert), a sweep of tiny runs still paral
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from backends.local import local_config
 from backends.local.device import CPU_MAX_PARAMS, place
 from backends.local.local_config import Local
 from backends.local.tiny import TINY_DIR
@@ -24,9 +24,8 @@ GPU_BYTES = 80 << 30  # the faked card's memory
 
 @pytest.fixture
 def gpu_box(monkeypatch):
-    """torch sees a CUDA device of GPU_BYTES and /dev/nvidia0 exists; RUNNER_LOCAL_DEVICE is unset."""
-    real_exists = os.path.exists
-    monkeypatch.setattr(os.path, "exists", lambda p: p == "/dev/nvidia0" or real_exists(p))
+    """torch sees a CUDA device of GPU_BYTES and /dev/nvidia<N> exists; RUNNER_LOCAL_DEVICE is unset."""
+    monkeypatch.setattr(local_config, "nvidia_present", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(total_memory=GPU_BYTES))
     monkeypatch.delenv("RUNNER_LOCAL_DEVICE", raising=False)
@@ -51,8 +50,7 @@ def test_a_sweep_of_tiny_runs_parallelises_on_a_gpu_box(gpu_box, big):
 
 
 def test_a_sweep_on_a_cpu_box_ignores_the_model(monkeypatch, big):
-    real_exists = os.path.exists
-    monkeypatch.setattr(os.path, "exists", lambda p: p != "/dev/nvidia0" and real_exists(p))
+    monkeypatch.setattr(local_config, "nvidia_present", lambda: False)
     assert Local().sweep_parallel(16, str(big)) == 8
     assert Local(device="cuda").sweep_parallel(4, "tiny") == 2  # the run itself fails, saying why
 

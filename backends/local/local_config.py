@@ -14,6 +14,15 @@ if TYPE_CHECKING:
     from backends.base import Backend
 
 
+def nvidia_present() -> bool:
+    """Whether this machine has an NVIDIA GPU, asked without importing torch: a /dev/nvidia<N> device node (what a
+    CUDA process opens; a container given a GPU has one too)."""
+    try:
+        return any(n.startswith("nvidia") and n[6:].isdigit() for n in os.listdir("/dev"))
+    except OSError:
+        return False
+
+
 class Local(BackendConfig):
     """In-process torch trainer and sampler (backends/local)."""
 
@@ -56,13 +65,13 @@ class Local(BackendConfig):
         return f"device: {place(self, model_dir).describe()}"
 
     def sweep_parallel(self, cores: int, model: str | None = None) -> int:
-        """1 when the runs would land on one NVIDIA GPU and share it: where /dev/nvidia0 exists, what `place`
+        """1 when the runs would land on one NVIDIA GPU and share it: where one exists, what `place`
         (backends/local/device.py) decides for `model`, the run's own placement. Else (a CPU box, device = "cpu",
         or device = "auto" keeping a model under 50M parameters such as `tiny` on the CPU): half the cores, so each
         run trains on 2 threads, but at least 2 on a machine with 2 or 3 cores (bench/bench_sweep.py, 2 cores: 4
         tiny runs take 0.57x the time 2 at a time, 1 thread each, that they take one at a time on 2)."""
         on_cpu = max(min(2, cores), cores // 2)
-        if self.device == "cpu" or not os.path.exists("/dev/nvidia0"):
+        if self.device == "cpu" or not nvidia_present():
             return on_cpu  # no torch import on a CPU box
         return 1 if self.runs_on_cuda(model) else on_cpu
 
