@@ -212,7 +212,6 @@ def test_merged_export_of_a_bf16_base_rounds_unless_float32(tmp, capsys):
         assert ("rounded to bfloat16: max |dlogprob|" in said) == (stored == "bfloat16"), said
         model = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype="auto").eval()
         drift[dtype] = float((logprobs(model.float(), ids) - want).abs().max())
-    print("\n" + "\n".join(lines) + f"\nmerged vs the float32 adapter model, max |dlogprob|: {drift}")
     assert drift["float32"] <= FP32_MERGE_TOL
     assert drift["auto"] == drift["bfloat16"] > BF16_MERGE_MIN
     # An adapter export: --dtype is the full lm_head's (the tied lm_head LoRA merged into it); LoRA A/B stay float32.
@@ -221,10 +220,14 @@ def test_merged_export_of_a_bf16_base_rounds_unless_float32(tmp, capsys):
     for dtype, stored in (("auto", torch.bfloat16), ("float32", torch.float32)):
         out = tmp / f"bf16-adapter-{dtype}"
         assert main(["export", str(run_dir), str(out), "--dtype", dtype]) == 0
+        said = capsys.readouterr().out
+        assert ("that lm_head is rounded to bfloat16: max |dlogprob|" in said) == (stored == torch.bfloat16), said
+        lines.append(said.strip())
         with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
             dtypes = {k: f.get_tensor(k).dtype for k in f.keys()}
         assert {d for k, d in dtypes.items() if "lm_head" in k} == {stored}
         assert {d for k, d in dtypes.items() if "lora_" in k} == {torch.float32}
+    print("\n" + "\n".join(lines) + f"\nmerged vs the float32 adapter model, max |dlogprob|: {drift}")
 
 
 def test_full_finetune_exports_a_model_folder(tmp, capsys):

@@ -82,23 +82,27 @@ def export(sampler_dir: Path, out: Path, model: str, tokenizer: str | None = Non
         adapted = peft.PeftModel.from_pretrained(base, sampler_dir)
     adapted.eval()
     lm_head = _tied_lm_head_lora(adapted)
+    ids = tok(PROBE)["input_ids"]
+    rounds = stored != torch.float32 and (merged or lm_head is not None)  # a merge into weights below float32
+    want = _logprobs(adapted, ids) if rounds else None  # taken before a merge consumes `adapted`
+    drift: list[float] = []
     if merged:
-        ids = tok(PROBE)["input_ids"]
-        want = _logprobs(adapted, ids) if stored != torch.float32 else None  # before the merge consumes it
-        drift: list[float] = []
         _write_new(out, lambda tmp: drift.extend(_save_merged(adapted, lm_head is not None, tok, tmp, ids, want)))
         line = f"wrote a merged Hugging Face model folder to {out} ({_dtype_name(stored)})"
-        if drift:
-            line += (f"\nthe merged weights are rounded to {_dtype_name(stored)}: max |dlogprob| {drift[0]:.3g} vs the "
-                     f"adapter on the {_dtype_name(stored)} base, on a probe text; --dtype float32 merges exactly "
-                     "(~1e-5, files twice the size; docs/export.md)")
-        return line
-    if lm_head is None:
+        what = "the merged weights are"
+    elif lm_head is None:
         _write_new(out, copy_as_is)
         return f"wrote a PEFT adapter to {out} (copied as is: it merges exactly)"
-    _write_new(out, lambda tmp: _save_untied_adapter(adapted, lm_head, tok, tmp))
-    return (f"wrote a PEFT adapter to {out} (the tied lm_head's LoRA stored as a full lm_head in "
-            "modules_to_save, so merge_and_unload leaves the input embeddings alone)")
+    else:
+        _write_new(out, lambda tmp: drift.extend(_save_untied_adapter(adapted, lm_head, tok, tmp, ids, want)))
+        line = (f"wrote a PEFT adapter to {out} (the tied lm_head's LoRA stored as a full lm_head in "
+                "modules_to_save, so merge_and_unload leaves the input embeddings alone)")
+        what = "that lm_head is"
+    if drift:
+        line += (f"\n{what} rounded to {_dtype_name(stored)}: max |dlogprob| {drift[0]:.3g} vs the adapter on the "
+                 f"{_dtype_name(stored)} base, on a probe text; --dtype float32 keeps it exact (~1e-5, files larger; "
+                 "docs/export.md)")
+    return line
 
 
 # ---------------------------------------------------------------- helpers
@@ -161,8 +165,10 @@ def _tied_lm_head_lora(adapted: Any) -> tuple[str, Any] | None:
     return name, out_emb
 
 
-def _save_untied_adapter(adapted: Any, lm_head: tuple[str, Any], tok: Any, path: Path) -> None:
-    """Save `adapted` with its tied lm_head LoRA turned into a full modules_to_save lm_head (module doc)."""
+def _save_untied_adapter(adapted: Any, lm_head: tuple[str, Any], tok: Any, path: Path, ids: list[int] | None = None,
+                         want: torch.Tensor | None = None) -> list[float]:
+    """Save `adapted` with its tied lm_head LoRA turned into a full modules_to_save lm_head (module doc). want: the
+    adapter model's logprobs of ids; given, the saved adapter's max |dlogprob| from them is returned ([] otherwise)."""
     import peft
 
     name, layer = lm_head
@@ -198,8 +204,10 @@ def _save_untied_adapter(adapted: Any, lm_head: tuple[str, Any], tok: Any, path:
         with torch.no_grad():
             for p in (*layer.lora_A.parameters(), *layer.lora_B.parameters()):
                 p.zero_()
+    drift = [] if want is None or ids is None else [float((_logprobs(new.eval(), ids) - want).abs().max())]
     new.save_pretrained(str(path))
     tok.save_pretrained(path)
+    return drift
 
 
 def _save_merged(adapted: Any, tied_lora: bool, tok: Any, path: Path, ids: list[int] | None = None,
