@@ -218,3 +218,20 @@ def test_flex_off_cuda_is_one_line_user_error(tmp_path):
     client = backend.create_training_client(LoraSpec(base_model="tiny", rank=4)).result()
     assert client.packed is not None and client.packed.attention == "sdpa"  # the option reaches the packed model
     backend.close()
+
+
+def test_the_mask_builder_compiles_once_whatever_the_grad_mode(monkeypatch):
+    """Training chunks and forward-only ones (forward(), reference logprobs) in one run share the compiled block-mask
+    builder: it always runs without gradients (Dynamo guards on grad mode; the kernel compiles once per mode)."""
+    import torch._dynamo
+
+    monkeypatch.setattr(flex, "COMPILE_BACKEND", "eager")
+    torch._dynamo.reset()
+    before = _graphs()
+    for i, batch in enumerate(_batches()):
+        for layout in plan(batch, 256, MIN_SHARED):
+            padded = flex.padded_rows(len(layout.tokens), 256)
+            with torch.set_grad_enabled(i % 2 == 0):
+                mask = flex.flex_mask(layout, torch.as_tensor(flex.subtree_ends(layout, padded)))
+            assert mask.padded == padded
+    assert _graphs() - before == 2  # 256 rows and 512 (the long row's chunk)

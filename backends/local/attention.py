@@ -16,7 +16,8 @@ One compiled shape per run. Only the attention call is padded (q, k, v get zero 
 layer runs on the chunk's real rows): to `padded_rows(n, budget)`, the chunk token budget rounded up to BLOCK,
 the same for every chunk of a run, the last and smaller ones too (a lone sequence longer than the budget: a
 multiple of it). So the compiled kernel (forward and backward) and the compiled block-mask builder each compile
-once per run, not once per chunk size: a run whose chunks took a new size at every step recompiled at every step
+once per run, not once per chunk size (a forward without gradients, forward() or reference logprobs, compiles the
+kernel once more: Dynamo guards on grad mode): a run whose chunks took a new size at every step recompiled at every step
 (issue #29: on an H200 the first training step of Qwen3-0.6B's shape had not finished after 210 s). Padding rows
 sit in segments of one BLOCK each, so the block mask skips all but their diagonal blocks and the kernel does
 almost no work for them. tests/test_attention.py counts the compiles of a multi-step run with varied batches.
@@ -103,7 +104,8 @@ def flex_mask(layout: Layout, ends: torch.Tensor, compiled: bool = True) -> Flex
         return (kv <= q) & (q < ends[kv])
 
     build = _mask_builder(COMPILE_BACKEND) if compiled else create_block_mask
-    block = build(mask_mod, None, None, padded, padded, device=str(ends.device), BLOCK_SIZE=BLOCK)
+    with torch.no_grad():  # Dynamo guards on grad mode: forward-only and training calls share one compiled builder
+        block = build(mask_mod, None, None, padded, padded, device=str(ends.device), BLOCK_SIZE=BLOCK)
     return FlexMask(block, len(layout.tokens), padded)
 
 
