@@ -147,32 +147,44 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def test_a_run_compiles_flex_once_whatever_the_batch_sizes(monkeypatch):
-    """Dynamo's compiles (each one a FlexAttention kernel, or a block-mask builder, that inductor would generate)
-    over five steps of varied sizes and three chunks a step: the kernel and the mask builder once each for the
-    budget's size, once more each for the step with a row longer than the budget. (Per-chunk-size padding compiled
-    once per size: 2 per chunk size, 12 here.) backend "eager": Dynamo's tracing and guards without code
-    generation, in seconds."""
+def _compiles_per_step(monkeypatch, budget: int) -> tuple[list[int], set[int]]:
+    """Dynamo's compiles (each a FlexAttention kernel or a block-mask builder that inductor would generate), counted
+    after each of _batches()' steps of a forward-only flex run; and the chunk sizes seen. Backend "eager": Dynamo's
+    tracing and guards without code generation, in seconds."""
     import torch._dynamo
 
     monkeypatch.setattr(flex, "COMPILE_BACKEND", "eager")
     packed, _ = PackedLM.build(_lora(_model("qwen3")))
     assert packed is not None
     packed.attention, packed.flex_compiled = "flex", True
-    budget = 256
     torch._dynamo.reset()
     before = _graphs()
     per_step = []
     sizes = set()
     for batch in _batches():
         with torch.no_grad():
-            for idx, lps in packed.chunk_logprobs(batch, budget, CPU):
+            for idx, _ in packed.chunk_logprobs(batch, budget, CPU):
                 sizes.add(sum(batch[i].length for i in idx))
         per_step.append(_graphs() - before)
+    return per_step, sizes
+
+
+def test_a_run_compiles_flex_once_whatever_the_batch_sizes(monkeypatch):
+    """Five steps of varied sizes, several chunks a step: the kernel and the mask builder compile once each for the
+    budget's padded size, once more each for the step with a row longer than the budget, and never again."""
+    per_step, sizes = _compiles_per_step(monkeypatch, 256)
     assert len(sizes) >= 6  # the chunks did come in many sizes
     assert per_step[0] == 2  # the kernel and the mask builder, at the budget's padded size
     assert per_step[-1] == 4  # + both at twice it (a 200-300 token row alone in a chunk)
     assert per_step[:-1] == [2] * 4  # nothing recompiles between steps of one size
+
+
+def test_padding_each_chunk_to_its_own_size_recompiles(monkeypatch):
+    """The counter sees what issue #29 hit: the same run with each chunk padded only to the next 128 rows (the
+    per-size padding of before, one shape per size class) compiles again at later steps."""
+    monkeypatch.setattr(flex, "padded_rows", lambda n, budget: -(-n // flex.BLOCK) * flex.BLOCK)
+    per_step, _ = _compiles_per_step(monkeypatch, 1024)
+    assert per_step[-1] > per_step[0] >= 2 and per_step[-1] >= 6, per_step
 
 
 @pytest.mark.gpu
