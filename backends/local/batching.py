@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from backends.local.device import LOGITS_DTYPE
+from backends.local.transfer import to_device
 from backends.types import Datum
 
 # Upper bound on padded tokens per chunk, and on the chunk's float32 logits (2**27 floats = 512 MiB).
@@ -70,13 +71,14 @@ def chunk_logprobs(
         ids = torch.zeros((len(idx), width), dtype=torch.long)  # pad id 0: any valid id works (see above)
         for row, i in enumerate(idx):
             ids[row, : data[i].length] = torch.as_tensor(data[i].model_input, dtype=torch.long)
-        logits = model(input_ids=ids.to(device), use_cache=False).logits.to(LOGITS_DTYPE)
+        ids_d, *targets_d = to_device([ids.numpy()] + [data[i].target_tokens for i in idx], device, np.int64)
+        logits = model(input_ids=ids_d, use_cache=False).logits.to(LOGITS_DTYPE)
         # log p(target) = logit[target] - logsumexp(logits): no full log_softmax tensor is built.
         lse = torch.logsumexp(logits, dim=-1)
         out = []
         for row, i in enumerate(idx):
             n = data[i].length
-            targets = torch.as_tensor(data[i].target_tokens, device=device).view(n, -1)
+            targets = targets_d[row].view(n, -1)  # moved with the ids in one copy: no host sync per datum
             lp = logits[row, :n].gather(-1, targets) - lse[row, :n, None]
             out.append(lp.view(data[i].target_tokens.shape))
         yield idx, out
