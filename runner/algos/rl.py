@@ -153,7 +153,7 @@ class RLAlgo(AlgorithmBase):
         full = len(self.train) * cfg.epochs
         self.total_steps = min(full, max_steps) if max_steps else full
         self.params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
-        self.max_context = context_window(s.tokenizer)
+        self.max_context = context_window(s.tokenizer, s.model)
         loss_fn, self.loss_config = loss_of(cfg)
         self.loss_fn: LossFn = loss_fn
         # Snapshots by sampler step (weights after that many optimizer steps), oldest first.
