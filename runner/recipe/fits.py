@@ -40,7 +40,7 @@ def check_context(recipe: Recipe, where: str) -> None:
         context = model_context(model)
         if context is None:
             continue
-        of = f"{model!r}'s context of {context} tokens ({key}, runner/models.toml)"
+        of = f"the {context}-token context of {model!r} ({key}, runner/models.toml)"
         if isinstance(max_length, int) and max_length > context:
             raise UserError(f"{where}: algo.max_length = {max_length} exceeds {of}: set it to at most {context}")
         if isinstance(max_tokens, int) and max_tokens >= context:
