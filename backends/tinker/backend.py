@@ -38,7 +38,7 @@ from tinker.types import RequestErrorCategory
 from backends import losses
 from backends.base import BackendError, CustomLossFn, Future
 from backends.errors import UserError
-from backends.tokenizer import load_tokenizer
+from backends.tokenizer import Tokenizer, load_tokenizer
 from backends.types import (
     AdamParams,
     Datum,
@@ -484,7 +484,7 @@ class TinkerBackend:
     def checkpoint_ttl_seconds(self) -> int | None:
         return self._ttl
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self._tokenizer_name or self.model)
         return self._tokenizer
