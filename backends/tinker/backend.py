@@ -446,8 +446,8 @@ class TinkerTrainingClient:
 
 
 class TinkerOptions(Protocol):
-    """What the backend reads of its recipe table (config.Tinker, which makes the backend): a Protocol rather
-    than an import of config.py, so the two modules form no circle."""
+    """What the backend reads of its recipe table (tinker_config.Tinker, which makes the backend): a Protocol
+    rather than an import of tinker_config.py, so the two modules form no circle."""
 
     @property
     def base_url(self) -> str | None: ...

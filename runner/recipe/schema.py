@@ -4,7 +4,8 @@ A recipe file holds named recipes under `[recipes.<name>]`; `FILE#name` selects 
 with msgspec into `Recipe` (unknown keys forbidden, tagged unions with `kind` for every choice, limits in
 the types). This module is only the schema: reading files, overrides and `runner show` are runner/recipe/load.py,
 turning msgspec's errors into one line is runner/recipe/explain.py, importing `pkg.mod:fn` targets runner/recipe/targets.py.
-The backend tables (`backend = {kind = ...}`) are declared by each backend (backends/*/config.py).
+The backend tables (`backend = {kind = ...}`) are declared by each backend (backends/local/local_config.py,
+backends/tinker/tinker_config.py).
 """
 
 from __future__ import annotations
