@@ -135,7 +135,8 @@ async def prompts_of(recipe: Any, tokenizer: Tokenizer, n: int) -> list[tuple[li
         assert isinstance(algo, RLAlgo)
         for k in range(len(algo.train)):
             for builder in algo.builders(k):
-                first = await (await builder.make_envs())[0].initial_observation()
+                envs = await builder.make_envs()
+                first = await envs[0].initial_observation() if envs else None  # a builder may make none
                 if first is not None:
                     out.append((list(first[0]), first[1]))
                 if len(out) >= n:
