@@ -28,7 +28,7 @@ class RendererChat:
         self.native = chat.renderer.name in TOOL_FORMATS
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         return self.chat.tokenizer
 
     @property
