@@ -77,7 +77,7 @@ def local_core_tokenizer(name: str) -> Any:
     """The `tokenizers.Tokenizer` of tokenizer `name` when it is on this machine: "tiny" (built in code), a folder
     with a tokenizer.json, or a hub id whose tokenizer.json is in the Hugging Face cache; None otherwise (never a
     download). Light: no transformers, so `runner check` can look at it (runner/renderers/registry.py)."""
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer as CoreTokenizer
 
     if name == "tiny":
         from backends.local.tiny import build_core_tokenizer
@@ -96,7 +96,7 @@ def local_core_tokenizer(name: str) -> Any:
     if file is None or not Path(file).is_file():
         return None
     try:
-        return Tokenizer.from_file(str(file))
+        return CoreTokenizer.from_file(str(file))
     except Exception:  # noqa: BLE001 - a file tokenizers cannot read: loading it for real says why, later
         return None
 

@@ -19,7 +19,7 @@ from runner.models import MODELS, _load, model_context, model_info
 from runner.recipe.cost import Price
 from runner.recipe.fits import check_context
 from runner.recipe.lr import auto_lr
-from runner.recipe.schema import RL, SFT, Distill, DistillSet, Jsonl, Recipe, Teacher
+from runner.recipe.schema import RL, SFT, Distill, DistillSet, Generate, Jsonl, Recipe, Teacher
 from runner.recipe.schema import TicTacToe as TicTacToeEnv
 from runner.renderers import names
 from runner.renderers.auto import pick_renderer
@@ -94,6 +94,21 @@ def test_check_refuses_lengths_beyond_the_context() -> None:
                                          r"\(algo.datasets\[1\].teacher.model, "):
         check_context(_recipe("Qwen/Qwen3-8B", distill), "f#d")
     check_context(_recipe("/some/local/folder", SFT(data=data, max_length=10**9)), "f#a")  # not in the table
+
+
+def test_check_counts_the_prompt_the_recipe_holds() -> None:
+    """generate's `system` is in every prompt: its tokens (the tiny tokenizer: one per byte) count against the
+    context with max_tokens, when the tokenizer is on this machine."""
+    data = Jsonl(path="x.jsonl")
+    check_context(_recipe("tiny", Generate(prompts=data, system="s" * 100, max_tokens=1948)), "f#g")  # 2048: fits
+    with pytest.raises(UserError) as e:
+        check_context(_recipe("tiny", Generate(prompts=data, system="s" * 100, max_tokens=1949)), "f#g")
+    assert str(e.value) == ("f#g: algo.max_tokens = 1949 and the 100 tokens of algo.system exceed the 2048-token "
+                            "context of 'tiny' (model, runner/models.toml): shorten one (at most 1948 tokens to sample)")
+    with pytest.raises(UserError, match=r"^f#g: algo.system alone \(3000 tokens\) fills the 2048-token context"):
+        check_context(_recipe("tiny", Generate(prompts=data, system="s" * 3000, max_tokens=8)), "f#g")
+    # A tokenizer that is not on this machine (a hub id never downloaded): only the 1-token floor is checked.
+    check_context(_recipe("Qwen/Qwen3-8B", Generate(prompts=data, system="s" * 50000, max_tokens=8)), "f#g")
 
 
 def test_runner_check_and_run_refuse_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
