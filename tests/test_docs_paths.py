@@ -25,7 +25,8 @@ REPO_PATH = re.compile(rf"(?<![\w./~$-])((?:{'|'.join(FOLDERS)})/[\w.-][\w./-]*)
 MODULE = re.compile(r"python -m ([\w.]+)")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 BARE = re.compile(r"`([\w-]+\.(?:py|c|sh))`")
-PLACEHOLDER = re.compile(r"\b[A-Z]{3,}\b|N{3,}|\.\.\.")
+# A placeholder a page stands in a path (`NAME_config.py`, `step_NNNNNN.json`), not a name of the repo (README.md).
+PLACEHOLDER = re.compile(r"(?<![A-Za-z])(?:NAME|FILE|DIR|PATH|KEY)(?![A-Za-z])|N{3,}|\.\.\.")
 PACKAGE = re.compile(r"`((?:runner|backends)/[\w/]*/)`")
 
 
@@ -83,7 +84,7 @@ def test_the_check_sees_each_kind_of_stale_path() -> None:
     page = ROOT / "docs" / "probe.md"  # not written: its text is given
     text = (
         "Fine: runner/models.py, `backends/local/` and [a page](serve.md), [web](https://x.org/a.md),\n"
-        "`runner/renderers/NAME.py`, data/chats.jsonl, `python -m scripts.tiny_build data`, examples/rl_{a,b}.toml.\n"
+        "`runner/renderers/NAME.py`, `backends/NAME/NAME_config.py`, bench/README.md, data/chats.jsonl, `python -m scripts.tiny_build data`, examples/rl_{a,b}.toml.\n"
         "Stale: tools/tiny_build.py, see [gone](nowhere.md), `python -m runner.nothing_here`,\n"
         "`backends/config.py`, `losses_gone.py`.\n"
         "## Layout (`backends/serve/`)\n"
