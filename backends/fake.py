@@ -50,7 +50,7 @@ OPS = {
 
 
 class FakeBackend:
-    def __init__(self, tokenizer: Any = None, *, vocab: int | None = None, delay: float = 0.0,
+    def __init__(self, tokenizer: Tokenizer | None = None, *, vocab: int | None = None, delay: float = 0.0,
                  fail: str | None = None, storage_dir: Path | None = None):
         self.delay, self.fail = delay, fail
         # Any: a transformers tokenizer meets the Tokenizer protocol by duck typing, not by its declared signatures.
