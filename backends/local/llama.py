@@ -403,7 +403,10 @@ class LlamaDecoder:
             x = x + layer.o(a)
             x = self._mlp(layer, x)
         cache.filled = max(cache.filled, t)
-        return self._logits(x[last])
+        # The unembedding too runs a multiple of `row_quantum` rows (repeats of the last prompt's), however
+        # few prompts there are: a group's one shared prompt gets the logits it would get among others.
+        last = torch.cat((last, last[-1:].expand(-(-p // row_quantum) * row_quantum - p)))
+        return self._logits(x[last])[:p]
 
     def step(self, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
         """One new token per row: tok and pos (rows,), written at cache slot pos of its row; mask (rows, 1, 1,

@@ -152,6 +152,9 @@ class Sampler:
         # The plain-tensor decode path for Llama-family models (None: HF's modules decode). Its transposed
         # weights pay off on the CPU (MKL); elsewhere it is not used.
         self.fast: LlamaDecoder | None = LlamaDecoder.of(model) if self.device.type == "cpu" else None
+        # Prefill each distinct prompt once and copy its KV to every row sampling it (False: one prefill per
+        # row, the reference the shared prefill is tested and benched against; same bits on the CPU).
+        self.share_prefill = True
 
     # ------------------------------------------------------------------ public
 
@@ -326,16 +329,22 @@ class Sampler:
         # Already-finished filler rows make every forward's row count a multiple of _ROW_QUANTUM.
         rows = rows + [_filler(rows[0].prompt) for _ in range(_round_up(len(rows), _ROW_QUANTUM) - len(rows))]
         n = len(rows)
+        fast = self.fast if self.attn_impl in ("sdpa", "eager") else None
         # Each distinct prompt is prefilled once (RL asks for many samples of one prompt); its cache rows
-        # are then copied to every sample of it.
-        distinct: dict[tuple[int, ...], int] = {}
-        source = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in rows]
-        prompts = [list(p) for p in distinct]
-        prompts += [prompts[0]] * (_round_up(len(prompts), _ROW_QUANTUM) - len(prompts))
+        # are then copied to every sample of it. A row's KV is the same bits either way (see _ROW_QUANTUM).
+        if self.share_prefill:
+            distinct: dict[tuple[int, ...], int] = {}
+            source = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in rows]
+            prompts = [list(p) for p in distinct]
+        else:
+            source, prompts = list(range(n)), [r.prompt for r in rows]
+        if fast is None:
+            # HF's modules run one padded row per prompt: a multiple of _ROW_QUANTUM rows. The fast path
+            # packs the prompts' tokens and rounds that count itself, so a lone prompt is prefilled once.
+            prompts += [prompts[0]] * (_round_up(len(prompts), _ROW_QUANTUM) - len(prompts))
         longest = max(len(p) for p in prompts)
         capacity = _round_up(longest + steps)
         # slots: the batch-invariant layout (see _ROW_QUANTUM), or None for HF's own cache, left-padded.
-        fast = self.fast if self.attn_impl in ("sdpa", "eager") else None
         cache: DynamicCache | DecodeCache
         if fast is not None:
             slots = Slots()
