@@ -192,9 +192,10 @@ class LoraDelta(nn.Module):
 
 class FastLinear:
     """y = x @ W.T (+ b): oneDNN's prepacked matmul for large fp32 weights, else x @ wt with wt the contiguous
-    (in, out) matrix (see _ONEDNN_MIN_BYTES and _transposed)."""
+    (in, out) matrix (see _ONEDNN_MIN_BYTES and _transposed). Off the CPU, F.linear on the weight as stored
+    (cuBLAS takes either layout; a copy would double the weights' memory)."""
 
-    __slots__ = ("a_t", "b", "b_t", "packed", "scale", "wt")
+    __slots__ = ("a_t", "b", "b_t", "packed", "scale", "w", "wt")
 
     def __init__(self, linear: nn.Linear | LoraDelta):
         # An unmerged adapter: the base layer's fast matmul plus scale * (x @ A^T) @ B^T (LoraDelta's math).
@@ -207,7 +208,10 @@ class FastLinear:
         w, self.b = linear.weight, _bias(linear)
         self.packed: torch.Tensor | None = None
         self.wt: torch.Tensor | None = None
-        if packs_for_onednn(w):
+        self.w: torch.Tensor | None = None
+        if w.device.type != "cpu":
+            self.w = w.detach()
+        elif packs_for_onednn(w):
             # The batch-size hint (8) only picks the packed layout; any row count runs (and is batch-invariant).
             d = w.detach()
             self.packed = _derived(w, "onednn", lambda: torch.ops.mkldnn._reorder_linear_weight(d.contiguous(), 8))
@@ -217,7 +221,9 @@ class FastLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # torch.ops.mkldnn's linear ops are the ones inductor's CPU weight prepacking emits; were they ever
         # missing (or failing), FastLinear's constructor raises and LlamaDecoder.of falls back to HF's modules.
-        if self.packed is not None:
+        if self.w is not None:
+            y = F.linear(x, self.w, self.b)
+        elif self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
         else:
             assert self.wt is not None
@@ -433,3 +439,32 @@ class LlamaDecoder:
             x = self._mlp(layer, x)
         cache.filled = max(cache.filled, view)
         return self._logits(x)
+
+    def step_static(self, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: DecodeCache
+                    ) -> torch.Tensor:
+        """`step` with every shape fixed by the cache and no host synchronisation, so that a CUDA graph can
+        capture it (backends/local/static_decode.py): each row writes at its slot `pos` by a scatter, attention
+        reads every slot of the cache's capacity under mask (rows, 1, 1, capacity), and the rotary table must
+        already cover the capacity (`table`). On the CPU it computes what `step` does, bit for bit: the same
+        operations, and sdpa gives a query the same output for any key length that is a multiple of 16 with
+        the rest masked (sampler._KV_QUANTUM)."""
+        n = tok.shape[0]
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
+        x = self.embed_tokens(tok)
+        group = self.heads // self.kv_heads
+        where = pos.view(n, 1, 1, 1).expand(n, self.kv_heads, 1, self.head_dim)
+        for layer, kbuf, vbuf in zip(self.layers, cache.keys, cache.values):
+            q, k, v = self._qkv(layer, rms_norm_eval(x, layer.ln1, self.eps), (n,))
+            kbuf.scatter_(2, where, rope(k, cos, sin)[:, :, None])
+            vbuf.scatter_(2, where, v[:, :, None])
+            a = F.scaled_dot_product_attention(
+                rope(q, cos, sin).view(n, self.kv_heads, group, self.head_dim), kbuf, vbuf, attn_mask=mask,
+                scale=self.scaling,
+            )
+            x = x + layer.o(a.reshape(n, -1))
+            x = self._mlp(layer, x)
+        return self._logits(x)
+
+    def table(self, n: int) -> None:
+        """Grows the rotary table to cover positions 0..n-1 (step_static reads it as it is)."""
+        self._table(n)

@@ -29,6 +29,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from backends.local.device import LOGITS_DTYPE
 from backends.local.llama import DecodeCache, LlamaDecoder, Slots
+from backends.local.static_decode import StaticBatch, StaticDecoder, capacity_bucket, row_bucket
 from backends.types import SampledSequence, SampleOutput, SamplingParams, StopReason
 
 # Logit entries (rows x length x vocab) one compute_logprobs_batch forward may produce.
@@ -149,9 +150,14 @@ class Sampler:
         # KV cache bytes one decode batch may hold; rows beyond it run in further batches. None: 2 GiB on
         # CPU, half the free memory on CUDA (measured per call).
         self.cache_budget: int | None = None
-        # The plain-tensor decode path for Llama-family models (None: HF's modules decode). Its transposed
-        # weights pay off on the CPU (MKL); elsewhere it is not used.
-        self.fast: LlamaDecoder | None = LlamaDecoder.of(model) if self.device.type == "cpu" else None
+        # The plain-tensor decode path for Llama-family models (None: HF's modules decode). On the CPU its
+        # transposed weights pay off (MKL); on CUDA it decodes through static_decode.py's CUDA graphs.
+        self.fast: LlamaDecoder | None = LlamaDecoder.of(model) if self.device.type in ("cpu", "cuda") else None
+        # Decode the fast path's steps at static shapes (static_decode.py): None = where they replay as CUDA
+        # graphs (CUDA); True forces it (on the CPU it runs eagerly: what the tests compare), False never.
+        self.static_decode: bool | None = None
+        self.cuda_graphs = True  # capture the static steps on CUDA (False: the same shapes, eagerly)
+        self._static: StaticDecoder | None = None
         # Prefill each distinct prompt once and copy its KV to every row sampling it (False: one prefill per
         # row, the reference the shared prefill is tested and benched against; same bits on the CPU).
         self.share_prefill = True
@@ -330,6 +336,10 @@ class Sampler:
         rows = rows + [_filler(rows[0].prompt) for _ in range(_round_up(len(rows), _ROW_QUANTUM) - len(rows))]
         n = len(rows)
         fast = self.fast if self.attn_impl in ("sdpa", "eager") else None
+        static = self._static_decoder() if fast is not None else None
+        if static is not None:  # rows padded to a bucket instead: one captured graph per bucket
+            rows = rows + [_filler(rows[0].prompt) for _ in range(row_bucket(len(rows)) - len(rows))]
+            n = len(rows)
         # Each distinct prompt is prefilled once (RL asks for many samples of one prompt); its cache rows
         # are then copied to every sample of it. A row's KV is the same bits either way (see _ROW_QUANTUM).
         if self.share_prefill:
@@ -343,17 +353,25 @@ class Sampler:
             # packs the prompts' tokens and rounds that count itself, so a lone prompt is prefilled once.
             prompts += [prompts[0]] * (_round_up(len(prompts), _ROW_QUANTUM) - len(prompts))
         longest = max(len(p) for p in prompts)
-        capacity = _round_up(longest + steps)
+        capacity = _round_up(longest + steps) if static is None else capacity_bucket(longest + steps)
         # slots: the batch-invariant layout (see _ROW_QUANTUM), or None for HF's own cache, left-padded.
         cache: DynamicCache | DecodeCache
+        batch: StaticBatch | None = None
         if fast is not None:
             slots = Slots()
-            cache = fast.new_cache(len(prompts), capacity, slots)
+            # A static batch's prefill needs only the prompts' slots; they are then copied into its cache.
+            cache = fast.new_cache(len(prompts), capacity if static is None else _round_up(longest), slots)
             logits = self._fast_prefill(fast, prompts, cache)
         else:
             cache, slots = self._new_cache(capacity)
             logits = self._prefill(prompts, slots, cache)
-        if source != list(range(len(prompts))):
+        if static is not None:
+            index = torch.tensor(source, device=dev)
+            batch = static.batch(n, capacity)
+            batch.load(cast(DecodeCache, cache), index)
+            cache, logits = batch.cache, logits[index]
+            slots = cache.slots
+        elif source != list(range(len(prompts))):
             index = torch.tensor(source, device=dev)
             cache.batch_select_indices(index)
             logits = logits[index]
@@ -394,15 +412,20 @@ class Sampler:
                     r.reason, dead = "length", dead + 1
             if dead == len(live):
                 break
-            # Dropping finished rows copies the cache once; worth it once a quarter of the batch is idle.
-            if 4 * dead >= len(live) and _round_up(len(live) - dead, _ROW_QUANTUM) < len(live):
+            # Dropping finished rows copies the cache once; worth it once a quarter of the batch is idle (a
+            # static batch: once the live rows fit a smaller bucket, whose batch they move to).
+            target = _round_up(len(live) - dead, _ROW_QUANTUM) if batch is None else row_bucket(len(live) - dead)
+            if (4 * dead >= len(live) or batch is not None) and target < len(live):
                 keep = [s for s, i in enumerate(live) if rows[i].reason is None]
-                keep += [s for s, i in enumerate(live) if rows[i].reason is not None][
-                    : _round_up(len(keep), _ROW_QUANTUM) - len(keep)
-                ]
+                keep += [s for s, i in enumerate(live) if rows[i].reason is not None][: target - len(keep)]
                 keep.sort()
                 index = torch.tensor(keep, device=dev)
-                cache.batch_select_indices(index)
+                if batch is not None and static is not None:
+                    smaller = static.batch(target, capacity)
+                    smaller.load(batch.cache, index)
+                    batch, cache = smaller, smaller.cache
+                else:
+                    cache.batch_select_indices(index)
                 keys_ok, tok, next_pos = keys_ok[index], tok[index], next_pos[index]
                 live = [live[s] for s in keep]
                 plan = _Plan(rows, live, logits.shape[-1], dev)
@@ -412,12 +435,15 @@ class Sampler:
                 write = next_pos[:, 0]
                 slots.write = write
                 keys_ok[slots.rows, write] = valid
-                slots.view = min(capacity, _round_up(int(write.max()) + 1))
-                attn = keys_ok[:, None, None, : slots.view]
+                if batch is None:  # a static batch attends over its whole capacity (no host sync for the view)
+                    slots.view = min(capacity, _round_up(int(write.max()) + 1))
+                    attn = keys_ok[:, None, None, : slots.view]
             else:
                 keys_ok[:, longest + t] = True
                 attn = keys_ok[:, : longest + t + 1].long()
-            if fast is not None:
+            if batch is not None:
+                logits = batch.step(tok, next_pos[:, 0], keys_ok[:, None, None])
+            elif fast is not None:
                 logits = fast.step(tok, next_pos[:, 0], attn, cast(DecodeCache, cache))
             else:
                 logits = self.model(
@@ -432,6 +458,15 @@ class Sampler:
         for i, r in enumerate(rows):
             r.logprobs = lps[i][: len(r.tokens)]
             r.reason = r.reason or "length"
+
+    def _static_decoder(self) -> StaticDecoder | None:
+        on = self.static_decode if self.static_decode is not None else self.device.type == "cuda"
+        if not on or self.fast is None:
+            return None
+        if self._static is None or self._static.fast is not self.fast:
+            self._static = StaticDecoder(self.fast, graphs=self.cuda_graphs)
+        self._static.graphs = self._static.graphs and self.cuda_graphs
+        return self._static
 
     def _hit_stop_string(self, r: _Row) -> bool:
         # Decoding only a trailing window keeps this O(1) per step; the window covers the longest stop string
