@@ -56,9 +56,9 @@ def make_model(name: str, device: torch.device, dtype: torch.dtype):
     return model, tok
 
 
-def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
+def make_prompts(n: int, seed: int = 0, length: int | None = None) -> list[list[int]]:
     rng = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(8, 64, (n,), generator=rng).tolist()
+    lengths = [length] * n if length else torch.randint(8, 64, (n,), generator=rng).tolist()
     return [torch.randint(0, 256, (k,), generator=rng).tolist() for k in lengths]
 
 
@@ -129,6 +129,8 @@ def main() -> None:
     # Also time the Sampler prefilling every row on its own (the shared prefill's reference).
     ap.add_argument("--per-row", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--new", type=int, default=64)
+    # Every prompt this many tokens (default: 8-63, mixed); long prompts and few new tokens weigh the prefill.
+    ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -160,7 +162,7 @@ def main() -> None:
         shapes += [(f"{b // args.group}x{args.group}", b, args.group, False) for b in batches if 1 < args.group <= b]
         shapes += [(f"{b}ragged", b, 1, True) for b in batches if args.ragged and b > 1]
         for label, batch, group, ragged in shapes:
-            prompts = make_prompts(batch // group)
+            prompts = make_prompts(batch // group, length=args.prompt_len)
             # ragged: budgets spread over [new/8, new], as when rows stop at EOS at different times
             budgets = [max(1, args.new * (1 + 7 * i // max(1, len(prompts) - 1)) // 8) for i in range(len(prompts))]
             budgets = budgets if ragged else [args.new] * len(prompts)

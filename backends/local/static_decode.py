@@ -84,9 +84,10 @@ class StaticBatch:
             self.graph.replay()
             assert self.out is not None
             return self.out
-        if not self.owner.graphs or self.tok.device.type != "cuda":
-            return self._forward()
-        return self._capture()
+        return self._capture() if self._wants_capture() else self._forward()
+
+    def _wants_capture(self) -> bool:
+        return self.owner.graphs and self.tok.device.type == "cuda"
 
     def _forward(self) -> torch.Tensor:
         return self.owner.fast.step_static(self.tok, self.pos, self.mask, self.cache)
