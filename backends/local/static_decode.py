@@ -101,12 +101,12 @@ class StaticBatch:
         torch.cuda.current_stream(self.tok.device).wait_stream(side)
         try:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.owner.pool):
+            # Each graph its own memory pool: sharing one is safe only for graphs replayed in capture order.
+            with torch.cuda.graph(graph):
                 out = self._forward()
         except Exception as exc:  # noqa: BLE001 - any failure: decode eagerly from now on, said once
             self.owner.give_up(exc)
             return logits
-        self.owner.pool = graph.pool()
         self.graph, self.out = graph, out
         # The capture only recorded; the warm-up's logits are this step's (the step is idempotent).
         return logits
@@ -119,7 +119,6 @@ class StaticDecoder:
     def __init__(self, fast: LlamaDecoder, graphs: bool):
         self.fast = fast
         self.graphs = graphs  # capture CUDA graphs (on CUDA tensors only; False after a failed capture)
-        self.pool: object | None = None  # the graphs' shared memory pool
         self.batches: dict[tuple[int, int], StaticBatch] = {}
         self.table_seen: torch.Tensor | None = None
 
@@ -132,7 +131,7 @@ class StaticDecoder:
             self.table_seen = self.fast.cos
         if key not in self.batches:
             if any(c != capacity for _, c in self.batches):
-                self.batches.clear()  # their caches and graphs go; the pool is reused by the next captures
+                self.batches.clear()  # their caches and graphs go
             self.batches[key] = StaticBatch(self, rows, capacity)
         return self.batches[key]
 
