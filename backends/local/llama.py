@@ -267,6 +267,22 @@ class DecodeCache:
                 new[:, :, :end] = old[:, :, :end].index_select(0, indices)
                 bufs[i] = new
 
+    def grow(self, extra: int) -> None:
+        """`extra` more rows, zeroed (a request joining a running batch: the sampler's continuous batching)."""
+        for bufs in (self.keys, self.values):
+            for i, old in enumerate(bufs):
+                bufs[i] = torch.cat((old, old.new_zeros((extra, *old.shape[1:]))))
+
+    def put(self, rows: torch.Tensor, src: DecodeCache, index: torch.Tensor) -> None:
+        """Row rows[j] := row index[j] of `src` (a joining request's prefill), in place; its slots past what
+        `src` holds are zeroed (masked slots are read, so they must be finite)."""
+        width = src.keys[0].shape[2]
+        for dst, part in zip(self.keys + self.values, src.keys + src.values, strict=True):
+            fresh = dst.new_zeros((len(rows), *dst.shape[1:]))
+            fresh[:, :, :width] = part.index_select(0, index)
+            dst[rows] = fresh
+        self.filled = max(self.filled, width)
+
 
 class LlamaDecoder:
     """The forward of a Llama-family decoder (`model.LLAMA_FAMILY`) on plain tensors, for decoding: what HF's

@@ -20,6 +20,7 @@ does. bench/bench_sampling.py measures both against `model.generate`; the ratios
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -125,6 +126,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     reason: StopReason | None = None  # set once the row finishes
+    start: int = 0  # the decode step of its first token (a row that joined a running batch: later than 0)
 
 
 class Sampler:
@@ -173,6 +175,67 @@ class Sampler:
         for r in rows:
             out[r.req].append(SampledSequence(r.tokens, r.logprobs, r.reason or "length"))
         return [SampleOutput(sequences=s) for s in out]
+
+    def sample_stream(
+        self,
+        requests: list[tuple[list[int], int, SamplingParams]],
+        more: Callable[[], list[tuple[list[int], int, SamplingParams]]],
+        done: Callable[[int, SampleOutput | ValueError], None],
+    ) -> None:
+        """sample_batch with continuous batching, for a worker whose requests keep arriving. Requests are numbered
+        in arrival order: `requests`, then each list `more()` returns (it is called at every decode step and
+        must not block). On the fast path a request that arrives while a batch decodes joins it at the next step
+        boundary when its rows fit the batch's KV capacity and cache budget (it takes finished rows' slots
+        first); otherwise it runs in the next batch. `done(i, result)` is called once per request as soon as all
+        its samples are finished: its SampleOutput, or the ValueError that makes it invalid. A request's tokens
+        and logprobs are those sample_batch gives it (bit for bit on the CPU, seeded: batch invariance)."""
+        pending: list[_Row] = []
+        left: dict[int, list[_Row]] = {}  # request -> its rows, until all have finished
+        count = 0
+
+        def admit(reqs: list[tuple[list[int], int, SamplingParams]]) -> None:
+            nonlocal count
+            for req in reqs:
+                i, count = count, count + 1
+                try:
+                    rows = self._rows(i, *req)
+                except ValueError as exc:
+                    done(i, exc)
+                    continue
+                left[i] = rows
+                pending.extend(rows)
+
+        def take(capacity: int, room: int) -> list[_Row]:
+            """Whole pending requests, in arrival order, whose rows fit `capacity` slots and `room` rows."""
+            admit(more())
+            out: list[_Row] = []
+            for i in dict.fromkeys(r.req for r in pending):
+                rows = [r for r in pending if r.req == i]
+                if len(out) + len(rows) <= room and all(len(r.prompt) + r.limit <= capacity for r in rows):
+                    out += rows
+            taken = {id(r) for r in out}
+            pending[:] = [r for r in pending if id(r) not in taken]
+            return out
+
+        def finished(r: _Row) -> None:
+            rows = left.get(r.req)
+            if rows is None or any(x.reason is None for x in rows):
+                return
+            del left[r.req]
+            done(r.req, SampleOutput(sequences=[SampledSequence(x.tokens, x.logprobs, x.reason or "length")
+                                                for x in rows]))
+
+        admit(requests)
+        join = _Join(take, finished)
+        with torch.inference_mode():
+            while True:
+                if not pending:
+                    admit(more())
+                    if not pending:
+                        return
+                chunk = self._chunks(pending)[0]
+                del pending[: len(chunk)]
+                self._generate(chunk, join)
 
     def compute_logprobs_batch(self, seqs: list[list[int]]) -> list[list[float | None]]:
         for s in seqs:
@@ -259,15 +322,19 @@ class Sampler:
 
     # ------------------------------------------------------------------ the decode loop
 
-    def _chunks(self, rows: list[_Row]) -> list[list[_Row]]:
-        """Consecutive runs of rows whose KV cache (rows x (longest prompt + most steps)) fits the budget."""
+    def _budget_slots(self) -> int:
+        """KV cache slots (rows x positions) one decode batch may hold: cache_budget's bytes."""
         budget = self.cache_budget
         if budget is None:
             budget = torch.cuda.mem_get_info(self.device)[0] // 2 if self.device.type == "cuda" else 2 << 30
         cfg = self.config
         heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        slots = max(1, budget // (cfg.num_hidden_layers * 2 * heads * head_dim * self.dtype.itemsize))
+        return max(1, budget // (cfg.num_hidden_layers * 2 * heads * head_dim * self.dtype.itemsize))
+
+    def _chunks(self, rows: list[_Row]) -> list[list[_Row]]:
+        """Consecutive runs of rows whose KV cache (rows x (longest prompt + most steps)) fits the budget."""
+        slots = self._budget_slots()
         chunks: list[list[_Row]] = []
         width = steps = 0
         for r in rows:
@@ -329,7 +396,9 @@ class Sampler:
         cache.slots.view = width
         return fast.prefill(prompts, width, self.pad_id, cache, _ROW_QUANTUM)
 
-    def _generate(self, rows: list[_Row]) -> None:
+    def _generate(self, rows: list[_Row], join: _Join | None = None) -> None:
+        """Decodes `rows` to their ends. With `join` (sample_stream), each row is reported as it finishes, and
+        on the fast path requests that arrive meanwhile join the batch at a step boundary (continuous batching)."""
         dev = self.device
         steps = max(r.limit for r in rows)
         # Already-finished filler rows make every forward's row count a multiple of _ROW_QUANTUM.
@@ -396,10 +465,16 @@ class Sampler:
         plan = _Plan(rows, live, logits.shape[-1], dev)
         if slots is not None:
             slots.rows = torch.arange(n, device=dev)
-        for t in range(steps):
+        # Requests may join only where each row's cache row is its own (the fast path), within the cache budget.
+        joins = join is not None and fast is not None
+        max_rows = max(n, self._budget_slots() // capacity) if joins else n
+        t = -1
+        while t + 1 < steps:  # `steps` grows when a request joins
+            t += 1
             tok, lp = plan.choose(logits.to(LOGITS_DTYPE), self.gen)
             lp_buf[plan.row_ids, t] = lp
             dead = 0
+            ended: list[int] = []
             for i, tk in zip(live, tok.tolist()):
                 r = rows[i]
                 if r.reason is not None:
@@ -410,6 +485,13 @@ class Sampler:
                     r.reason, dead = "stop", dead + 1
                 elif len(r.tokens) >= r.limit:
                     r.reason, dead = "length", dead + 1
+                if r.reason is not None:
+                    ended.append(i)
+            if join is not None and ended:  # reported now: their callers need not wait for the whole batch
+                for i, lps_i in zip(ended, lp_buf[torch.tensor(ended, device=dev)].tolist()):
+                    rows[i].logprobs = lps_i[rows[i].start : rows[i].start + len(rows[i].tokens)]
+                for i in ended:  # after all their logprobs: siblings may end at the same step
+                    join.finished(rows[i])
             if dead == len(live):
                 break
             # Dropping finished rows copies the cache once; worth it once a quarter of the batch is idle (a
@@ -454,10 +536,66 @@ class Sampler:
                     **{self.cache_kw: cache},
                 ).logits[:, -1]
             next_pos += 1
+            if not joins:
+                continue
+            # A finished row kept in the batch still writes each step; past the capacity it writes its last
+            # slot again (its own row, never read for a live row). Live rows never get there.
+            next_pos.clamp_(max=capacity - 1)
+            assert join is not None and fast is not None
+            free = [s for s, i in enumerate(live) if rows[i].reason is not None]
+            new = join.take(capacity, max_rows - len(live) + len(free))
+            if not new:
+                continue
+            # The joining rows' prefill (each distinct prompt once), then their slots: finished rows' first, then
+            # new ones (a multiple of _ROW_QUANTUM, or the next bucket, topped up with finished fillers).
+            distinct_new: dict[tuple[int, ...], int] = {}
+            src = [distinct_new.setdefault(tuple(r.prompt), len(distinct_new)) for r in new]
+            pre = fast.new_cache(len(distinct_new), _round_up(max(len(r.prompt) for r in new)), Slots())
+            pre_logits = self._fast_prefill(fast, [list(p) for p in distinct_new], pre)
+            targets = free[: len(new)]
+            if len(new) > len(free):
+                size = len(live) + len(new) - len(free)
+                size = _round_up(size, _ROW_QUANTUM) if batch is None else row_bucket(size)
+                add = size - len(live)
+                new += [_filler(new[0].prompt) for _ in range(add - (len(new) - len(free)))]
+                src += [src[0]] * (len(new) - len(src))
+                if batch is not None and static is not None:
+                    bigger = static.batch(size, capacity)
+                    bigger.load(batch.cache, torch.arange(len(live), device=dev))
+                    batch, cache = bigger, bigger.cache
+                else:
+                    cast(DecodeCache, cache).grow(add)
+                keys_ok = torch.cat((keys_ok, keys_ok.new_zeros((add, capacity))))
+                next_pos = torch.cat((next_pos, next_pos.new_zeros((add, 1))))
+                logits = torch.cat((logits, logits.new_zeros((add, logits.shape[-1]))))
+                targets += list(range(len(live), size))
+                live = live + [-1] * add
+            else:
+                logits = logits.clone()  # a graph's output buffer is rewritten by its next replay anyway
+            where = torch.tensor(targets, device=dev)
+            cast(DecodeCache, cache).put(where, pre, torch.tensor(src, device=dev))
+            ok = torch.zeros((len(new), capacity), dtype=torch.bool)
+            for j, r in enumerate(new):
+                ok[j, : len(r.prompt)] = True
+                r.start = t + 1
+                live[targets[j]] = len(rows)
+                rows.append(r)
+            keys_ok[where] = ok.to(dev)
+            next_pos[where] = torch.tensor([[len(r.prompt)] for r in new], device=dev)
+            logits[where] = pre_logits[torch.tensor(src, device=dev)]
+            steps = max(steps, t + 1 + max(r.limit for r in new))
+            grown = torch.zeros((len(rows), steps), dtype=torch.float32, device=dev)
+            grown[: lp_buf.shape[0], : lp_buf.shape[1]] = lp_buf
+            lp_buf = grown
+            plan = _Plan(rows, live, logits.shape[-1], dev)
+            slots.rows = torch.arange(len(live), device=dev)
         lps = lp_buf.tolist()
         for i, r in enumerate(rows):
-            r.logprobs = lps[i][: len(r.tokens)]
+            r.logprobs = lps[i][r.start : r.start + len(r.tokens)]
             r.reason = r.reason or "length"
+        if join is not None:  # every row ends inside the loop; this only makes sure none goes unreported
+            for r in rows:
+                join.finished(r)
 
     def _static_decoder(self) -> StaticDecoder | None:
         on = self.static_decode if self.static_decode is not None else self.device.type == "cuda"
@@ -474,6 +612,15 @@ class Sampler:
         # string completed by an earlier token would have been caught at that step, so any hit is new.
         text = self.tokenizer.decode(r.tokens[-r.window :], skip_special_tokens=False)
         return any(s in text for s in r.stop_strs)
+
+
+@dataclass
+class _Join:
+    """sample_stream's side of a decode batch: `take(capacity, rows)` hands over arrived requests' rows that fit;
+    `finished(row)` is told of each row as it finishes (its logprobs set)."""
+
+    take: Callable[[int, int], list[_Row]]
+    finished: Callable[[_Row], None]
 
 
 class _Plan:

@@ -66,12 +66,14 @@ class StaticBatch:
         self.out: torch.Tensor | None = None  # the graph's logits buffer
 
     def load(self, cache: DecodeCache, index: torch.Tensor) -> None:
-        """Row i of this batch's cache := row index[i] of `cache` (a prefill's, or a larger batch's when rows
-        finish); slots past what `cache` holds are zeroed (masked slots are read, so they must be finite)."""
-        width = min(cache.keys[0].shape[2], self.capacity)
+        """Row i of this batch's cache := row index[i] of `cache` (a prefill's, or another batch's when rows
+        finish or join), for the first len(index) rows; the rest, and slots past what `cache` holds, are zeroed
+        (masked slots are read, so they must be finite)."""
+        width, k = min(cache.keys[0].shape[2], self.capacity), len(index)
         for dst, src in zip(self.cache.keys + self.cache.values, cache.keys + cache.values, strict=True):
-            dst[:, :, :width].copy_(src[:, :, :width].index_select(0, index))
-            dst[:, :, width:].zero_()
+            dst[:k, :, :width].copy_(src[:, :, :width].index_select(0, index))
+            dst[:k, :, width:].zero_()
+            dst[k:].zero_()
         self.cache.filled = width
 
     def step(self, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
