@@ -513,6 +513,7 @@ class Sampler:
                 plan = _Plan(rows, live, logits.shape[-1], dev)
                 if slots is not None:
                     slots.rows = torch.arange(len(live), device=dev)
+            attn: torch.Tensor | None = None  # the decode step's mask (a static batch reads keys_ok whole)
             if slots is not None:
                 write = next_pos[:, 0]
                 slots.write = write
@@ -526,6 +527,7 @@ class Sampler:
             if batch is not None:
                 logits = batch.step(tok, next_pos[:, 0], keys_ok[:, None, None])
             elif fast is not None:
+                assert attn is not None
                 logits = fast.step(tok, next_pos[:, 0], attn, cast(DecodeCache, cache))
             else:
                 logits = self.model(
@@ -588,6 +590,7 @@ class Sampler:
             grown[: lp_buf.shape[0], : lp_buf.shape[1]] = lp_buf
             lp_buf = grown
             plan = _Plan(rows, live, logits.shape[-1], dev)
+            assert slots is not None  # the fast path's
             slots.rows = torch.arange(len(live), device=dev)
         lps = lp_buf.tolist()
         for i, r in enumerate(rows):
