@@ -99,6 +99,25 @@ def test_static_path_follows_a_new_capacity(tok, one_thread):
         assert {c for _, c in static._static.batches} == {capacity_bucket(len(tok.encode("grow")) + budget)}
 
 
+def test_static_batches_count_their_buckets_against_the_cache_budget(tok, one_thread):
+    """A static batch of k rows over n slots holds 2 x row_bucket(k) x capacity_bucket(n) slots in the budget
+    (its bucket's cache and the smaller ones kept): a budget for 16 such slots takes rows one batch each, and
+    the results stay the eager path's."""
+    model = _model(tok)
+    cfg = model.config
+    per_slot = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+    req = [(tok.encode("b"), 3, SamplingParams(max_tokens=5, seed=1, stop=[]))]  # 1 + 5 slots per row
+    eager, static = Sampler(model, tok, CPU, seed=2), Sampler(model, tok, CPU, seed=2)
+    static.static_decode = True
+    assert [len(c) for c in static._chunks(static._rows(0, *req[0]))] == [3]
+    static.cache_budget = eager.cache_budget = 2 * 4 * 64 * per_slot  # one bucket of 4 rows x 64 slots
+    assert [len(c) for c in static._chunks(static._rows(0, *req[0]))] == [3]
+    static.cache_budget = 2 * 4 * 64 * per_slot - 1
+    assert [len(c) for c in static._chunks(static._rows(0, *req[0]))] == [1, 1, 1]
+    assert [len(c) for c in eager._chunks(eager._rows(0, *req[0]))] == [3]  # 3 x 6 slots fit
+    assert _flat(static.sample_batch(req)) == _flat(eager.sample_batch(req))
+
+
 def test_shared_prefill_equals_one_prefill_per_row(tok, one_thread):
     """share_prefill (one prefill per distinct prompt, its KV copied into the group's rows) against one prefill
     per row: the same bits on the CPU, on the eager and the static path, and the prefill runs once."""

@@ -335,11 +335,20 @@ class Sampler:
     def _chunks(self, rows: list[_Row]) -> list[list[_Row]]:
         """Consecutive runs of rows whose KV cache (rows x (longest prompt + most steps)) fits the budget."""
         slots = self._budget_slots()
+        static = self.fast is not None and self.attn_impl in ("sdpa", "eager") and self._static_decoder() is not None
+
+        def size(k: int, length: int) -> int:
+            if not static:
+                return k * length
+            # A static batch's rows and capacity are rounded up to buckets, and the smaller buckets' batches
+            # it moves to as rows finish are kept too (at most as much again).
+            return 2 * row_bucket(k) * capacity_bucket(length)
+
         chunks: list[list[_Row]] = []
         width = steps = 0
         for r in rows:
             width, steps = max(width, len(r.prompt)), max(steps, r.limit)
-            if chunks and chunks[-1] and (len(chunks[-1]) + 1) * (width + steps) <= slots:
+            if chunks and chunks[-1] and size(len(chunks[-1]) + 1, width + steps) <= slots:
                 chunks[-1].append(r)
             else:  # a single row always runs, whatever its size
                 chunks.append([r])
@@ -467,7 +476,8 @@ class Sampler:
             slots.rows = torch.arange(n, device=dev)
         # Requests may join only where each row's cache row is its own (the fast path), within the cache budget.
         joins = join is not None and fast is not None
-        max_rows = max(n, self._budget_slots() // capacity) if joins else n
+        # (A static batch counts twice: the smaller buckets' batches are kept too; see _chunks.)
+        max_rows = max(n, self._budget_slots() // (capacity * (1 if batch is None else 2))) if joins else n
         t = -1
         while t + 1 < steps:  # `steps` grows when a request joins
             t += 1
