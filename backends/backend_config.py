@@ -1,12 +1,18 @@
-"""How a recipe names a backend: `backend = {kind = "local" | "tinker", ...}`.
+"""How a recipe names a backend: `backend = {kind = "local" | "tinker" | "python", ...}`.
 
-Each backend declares its own msgspec variant next to its code (backends/local/local_config.py,
-backends/tinker/tinker_config.py); the recipe schema (runner/recipe/schema.py) takes their union. A variant knows how to
-make its backend, lazily, so that validating a recipe never imports torch or the tinker SDK.
+Each backend declares its own msgspec variant next to its code, in a file named for its package:
+backends/NAME/NAME_config.py (backends/local/local_config.py, backends/tinker/tinker_config.py). `builtin_configs`
+finds and imports those files; the recipe schema (runner/recipe/schema.py) takes the union of every BackendConfig
+subclass, so a new backend is its package and that file, with no list to edit. A variant knows how to make its
+backend, lazily, so that validating a recipe never imports torch or the tinker SDK (a NAME_config.py imports
+neither at module level). A user's own backend comes from a recipe, `kind = "python"` (runner/recipe/python_backend.py).
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,7 +40,23 @@ class BackendConfig(ConfigStruct, tag_field="kind", tag=str.lower):  # pyright: 
         backends/local/device.py), printed by --dry-run and as a run's first line; None: nothing to say."""
         return None
 
-    def sweep_parallel(self, cores: int) -> int:
-        """How many runs on this backend a sweep starts at once on a machine with `cores` usable cores
+    def sweep_parallel(self, cores: int, model: str | None = None) -> int:
+        """How many runs of `model` on this backend a sweep starts at once on a machine with `cores` usable cores
         (runner/tools/sweep.py takes the smallest answer among its points). Default: one per core."""
         return max(1, cores)
+
+
+@cache
+def builtin_configs() -> tuple[type[BackendConfig], ...]:
+    """Every built-in backend's variant: the BackendConfig subclasses of each backends/NAME/NAME_config.py, imported
+    here in package-name order (local, then tinker: the order the schema's union and its messages list them in).
+    The files are found by listing the folders, so no backend package's __init__ runs but the ones that have one."""
+    here = Path(__file__).parent
+    out: list[type[BackendConfig]] = []
+    for pkg in sorted(m.name for m in pkgutil.iter_modules([str(here)]) if m.ispkg):
+        if not (here / pkg / f"{pkg}_config.py").is_file():
+            continue
+        module = importlib.import_module(f"{__package__}.{pkg}.{pkg}_config")
+        out += [v for v in vars(module).values()
+                if isinstance(v, type) and issubclass(v, BackendConfig) and v.__module__ == module.__name__]
+    return tuple(out)

@@ -1,25 +1,34 @@
-"""The local backend on one GPU in one go (issue #28; docs/gpu.md says how to run it on a box with no network).
+"""The local backend on one GPU in one device call (issue #28; docs/gpu.md says how to run it on a box with no network).
 
-Runs, each in its own process, with a wall-clock cap per step and a budget for the whole (default 470 s):
-1. `pytest -m gpu` (tests/test_gpu.py: bf16 training step vs float32, sampler/trainer agreement, conformance on cuda);
-2. `runner conformance` against `runner serve --device DEV` (numeric checks at --atol/--rtol 5e-3, the bfloat16
-   tolerance of tests/test_bf16.py);
-3. `runner smoke FILE` for recipes.toml and every examples/*.toml, with RUNNER_LOCAL_DEVICE=DEV so the stand-in
-   models run on DEV (device = "auto" would keep them on the CPU: backends/local/device.py);
-4. sl_basic, rl_basic and dpo_basic in full with backend.device = DEV (bfloat16 on cuda), their headline metric's
-   first and last value and wall time next to the CPU figures of bench/results/recipes.md (2 cores).
-and writes a markdown report (default bench/results/gpu.md): card, versions, pass/fail and wall time per step.
-Exit 0 when every step passed.
+Runs what is still owed, in value order, each step in its own processes with its own time limit (--limit STEP=S),
+all inside one budget (--budget-s, default 490 s: one device call of at most 9 minutes with the wheel install):
+1. smoke: `runner smoke` of the example files not yet run on cuda (OWED_SMOKE), each its own process capped at
+   SMOKE_FILE_S, with RUNNER_LOCAL_DEVICE=DEV so their small stand-in models run on DEV (device = "auto" would keep
+   them on the CPU: backends/local/device.py); a file whose optional package is missing there is recorded as such;
+2. full: sl_basic, rl_basic and dpo_basic in full with backend.device = DEV (bfloat16 on cuda): steps reached, the
+   headline metric's first and last value and the wall time next to bench/results/recipes.md's CPU figures;
+3. suite: the whole test suite on that machine, tests/test_gpu.py's `gpu` tests included (they run where CUDA is),
+   with pytest-xdist's -n where it is installed (the device image has it), else plain; its gpu tests and failures
+   are listed, from the log, even when the step is cut at its limit;
+4. conformance: `runner conformance` against `runner serve --device DEV` (numeric checks at --atol/--rtol 5e-3, the
+   bfloat16 tolerance of tests/test_bf16.py).
+Also selectable: `gpu` (`pytest -m gpu` alone) and `allsmoke` (recipes.toml and every examples/*.toml).
+The report (default bench/results/gpu.md) is rewritten after every step and every sub-run, so a call cut short
+still leaves what it measured; a step past its limit is recorded as timed out and the next one runs. What the file
+held before is kept below the new run, under "Earlier runs" (measured data is never dropped). Exit 0 when every
+step passed.
 
-    bench/gpu_check.sh                                  # on the GPU box (installs the carried wheels first)
-    python bench/gpu_check.py --device cpu --quick --out /tmp/gpu.md   # the same steps on the CPU, ~1-2 min
-    bench/gpu_check.sh --steps suite --out bench/results/gpu-suite.md   # the whole suite there (a second call)
---quick: one smoke file (examples/sft_tiny.toml), the full runs cut to 2 steps, conformance's sampling group only.
+    bench/gpu_check.sh                                   # on the GPU box (installs the carried wheels first)
+    python bench/gpu_check.py --dry-run                  # the plan: steps, limits, commands (nothing runs)
+    python bench/gpu_check.py --device cpu --quick --out /tmp/gpu.md   # the same code on the CPU, small
+--quick: one smoke file (examples/sft_tiny.toml), the full runs cut to 2 steps, the suite cut to one test file,
+conformance's sampling group only.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -29,12 +38,27 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 FULL = {"sl_basic": "test/nll", "rl_basic": "test/env/all/reward/total", "dpo_basic": "test/accuracy"}
+# Each full run's own cap, seconds: sl_basic took 1.7-2 s a step on an H200 (60 steps), the others are unmeasured.
+FULL_S = {"sl_basic": 70.0, "rl_basic": 40.0, "dpo_basic": 40.0}
 BF16_TOL = "5e-3"
+# The example files the first H200 session did not reach (bench/results/gpu.md), in the order they run.
+OWED_SMOKE = ["custom_algo", "rl_async", "rl_guess_number", "rl_preference", "rl_stream", "rl_tictactoe",
+              "rl_twenty_questions", "sft_tinker", "sft_tiny", "rl_reasoning_gym", "verifiers_rl"]
+# A file's optional package (pyproject's extras): where it is not installed the file is recorded as not run.
+NEEDS = {"rl_reasoning_gym": "reasoning_gym", "verifiers_rl": "verifiers"}
+SMOKE_FILE_S = 45.0  # one smoke file's cap (a fresh process: CUDA's start is in it)
+# Step -> its time limit, seconds; the default steps in value order. The limits sum to under the default budget.
+LIMITS = {"smoke": 135.0, "full": 150.0, "suite": 140.0, "conformance": 60.0, "gpu": 90.0, "allsmoke": 240.0}
+DEFAULT_STEPS = ["smoke", "full", "suite", "conformance"]
+BUDGET_S = 490.0
+# Between the new run and what the report held before (kept whole below it).
+EARLIER = "# Earlier runs, kept as they were measured (not rerun by the run above)"
 
 
 @dataclass
@@ -43,7 +67,9 @@ class Step:
     ok: bool
     wall_s: float
     detail: str = ""
-    rows: list[list[str]] = field(default_factory=list)  # extra table rows (smoke results, full runs)
+    rows: list[list[str]] = field(default_factory=list)  # extra table rows (smoke results, full runs, failures)
+    columns: list[str] = field(default_factory=list)  # the rows' header
+    limit_s: float = 0.0
 
 
 class Budget:
@@ -52,6 +78,9 @@ class Budget:
 
     def left(self) -> float:
         return self.end - time.monotonic()
+
+
+Emit = Callable[[Step], None]  # called with a step's partial result after each of its sub-runs
 
 
 def _env(device: str | None) -> dict[str, str]:
@@ -89,7 +118,7 @@ def env_info() -> list[str]:
     import torch
 
     lines = [f"python {platform.python_version()}, torch {torch.__version__}"]
-    for pkg in ("transformers", "peft", "tinker"):
+    for pkg in ("transformers", "peft", "tinker", "pytest-xdist"):
         try:
             from importlib.metadata import version
 
@@ -105,90 +134,55 @@ def env_info() -> list[str]:
     return lines
 
 
-def step_pytest(device: str, scratch: Path, budget: Budget, quick: bool) -> Step:
-    rc, wall, tail = _run(_py("-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", str(REPO / "tests")),
-                          REPO, _env(None), min(240.0, budget.left()), scratch / "pytest.log")
-    # Exit 5: nothing collected/selected ran (every gpu test skipped where there is no CUDA device).
-    summary = tail.splitlines()[-1] if tail else ""
-    return Step("pytest -m gpu", rc in (0, 5) if device == "cpu" else rc == 0, wall,
-                "timed out" if rc is None else summary)
+# ---------------------------------------------------------------- the steps
 
 
-def step_suite(device: str, scratch: Path, budget: Budget, quick: bool) -> Step:
-    """The whole suite on this machine (not in the default steps: ~10 min on 2 cores, a few on the GPU box's 16 with
-    pytest-xdist). Device = "auto" keeps its tiny models on the CPU, so it must pass where CUDA exists too."""
-    workers = ["-n", str(max(1, min(14, (os.cpu_count() or 2) - 2)))] if _has_xdist() else []
-    rc, wall, tail = _run(_py("-m", "pytest", "-p", "no:cacheprovider", *workers, str(REPO / "tests")), REPO,
-                          _env(None), budget.left(), scratch / "suite.log")
-    summary = tail.splitlines()[-1] if tail else ""
-    return Step("pytest (the whole suite)", rc == 0, wall, "timed out" if rc is None else summary)
+def smoke_files(quick: bool, every: bool = False) -> list[Path]:
+    if quick:
+        return [REPO / "examples" / "sft_tiny.toml"]
+    if every:
+        return [REPO / "recipes.toml", *sorted((REPO / "examples").glob("*.toml"))]
+    return [REPO / "examples" / f"{name}.toml" for name in OWED_SMOKE]
 
 
-def _has_xdist() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("xdist") is not None
-
-
-def step_conformance(device: str, scratch: Path, budget: Budget, quick: bool) -> Step:
-    env = _env(device)
-    port_file = scratch / "serve.port"
-    log = (scratch / "serve.log").open("w")
-    server = subprocess.Popen(_py("-m", "runner", "serve", "--device", device, "--port", "0", "--port-file",
-                                  str(port_file), "--storage", str(scratch / "serve-storage")),
-                              cwd=scratch, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    t0 = time.monotonic()
-    try:
-        while not port_file.exists():
-            if server.poll() is not None or time.monotonic() - t0 > 90:
-                return Step("conformance", False, time.monotonic() - t0,
-                            "runner serve did not start: " + (scratch / "serve.log").read_text()[-300:])
-            time.sleep(0.2)
-        url = f"http://127.0.0.1:{port_file.read_text().strip()}"
-        only = ["--only", "sampling"] if quick else []
-        rc, wall, _ = _run(_py("-m", "runner", "conformance", "--base-url", url, "--json", "--atol", BF16_TOL,
-                               "--rtol", BF16_TOL, *only), scratch, env, min(300.0, budget.left()),
-                           scratch / "conformance.json")
-        try:
-            text = (scratch / "conformance.json").read_text()
-            results = json.loads(text[text.index("{"):])["results"]
-            passed = sum(r["result"] == "pass" for r in results)
-            bad = [f"{r['check']}: {r['result']} {r.get('detail', '')}"[:160] for r in results if r["result"] != "pass"]
-            detail = f"{passed}/{len(results)} passed" + ("; " + "; ".join(bad) if bad else "")
-        except (ValueError, KeyError):
-            detail = "timed out" if rc is None else "no JSON report (see conformance.json)"
-        return Step(f"conformance vs runner serve --device {device}", rc == 0, wall, detail)
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-        log.close()
-
-
-def step_smoke(device: str, scratch: Path, budget: Budget, quick: bool) -> Step:
-    files = [REPO / "examples" / "sft_tiny.toml"] if quick else [REPO / "recipes.toml",
-                                                                  *sorted((REPO / "examples").glob("*.toml"))]
-    rows, ok, total = [], True, 0.0
+def _smoke(files: list[Path], device: str, scratch: Path, limit: float, emit: Emit, title: str,
+           quick: bool = False) -> Step:
+    step = Step(f"{title} on {device} ({len(files)} files)", True, 0.0, limit_s=limit,
+                columns=["recipe", "stages", "steps", "wall s", "result"])
+    end = time.monotonic() + limit
     for f in files:
-        left = budget.left()
-        if left < 5:
-            rows.append([f.name, "-", "-", "-", "not run (budget spent)"])
-            ok = False
-            continue
-        rc, wall, _ = _run(_py("-m", "runner", "smoke", str(f)), scratch, _env(device), min(240.0, left),
-                           scratch / f"smoke-{f.stem}.log")
-        total += wall
-        table = [ln.split() for ln in (scratch / f"smoke-{f.stem}.log").read_text().splitlines()
-                 if re.match(r"^\S+\s+\d+\s+\d+\s+[\d.]+\s+\S", ln)]
-        rows += [[f"{f.name}#{r[0]}", r[1], r[2], r[3], " ".join(r[4:])] for r in table]
-        if rc != 0:
-            ok = False
-            if not table:
-                rows.append([f.name, "-", "-", f"{wall:.1f}", "timed out" if rc is None else f"exit {rc}"])
-    n_ok = sum(r[-1] == "ok" for r in rows)
-    return Step(f"smoke on {device} ({len(files)} files)", ok, total, f"{n_ok}/{len(rows)} recipes ok", rows)
+        left = end - time.monotonic()
+        need = NEEDS.get(f.stem)
+        if need is not None and importlib.util.find_spec(need) is None:
+            step.rows.append([f.name, "-", "-", "-", f"not run: needs {need}, not installed here"])
+        elif left < 3:
+            step.rows.append([f.name, "-", "-", "-", "not run (step limit spent)"])
+            step.ok = False
+        else:
+            cap = max(1.0, left if quick else min(SMOKE_FILE_S, left))  # --quick on a CPU: the step's limit
+            log = scratch / f"smoke-{f.stem}.log"
+            rc, wall, _ = _run(_py("-m", "runner", "smoke", str(f)), scratch, _env(device), cap, log)
+            step.wall_s += wall
+            table = [ln.split() for ln in log.read_text(errors="replace").splitlines()
+                     if re.match(r"^\S+\s+\d+\s+\d+\s+[\d.]+\s+\S", ln)]
+            step.rows += [[f"{f.name}#{r[0]}", r[1], r[2], r[3], " ".join(r[4:])] for r in table]
+            if rc != 0:
+                step.ok = False
+                if not table or rc is None:
+                    step.rows.append([f.name, "-", "-", f"{wall:.1f}",
+                                      f"timed out (cap {cap:.0f} s)" if rc is None else f"exit {rc}"])
+        ran = [r for r in step.rows if not r[-1].startswith("not run")]
+        step.detail = f"{sum(r[-1] == 'ok' for r in ran)}/{len(ran)} recipes ok"
+        emit(step)
+    return step
+
+
+def step_smoke(device: str, scratch: Path, limit: float, quick: bool, emit: Emit) -> Step:
+    return _smoke(smoke_files(quick), device, scratch, limit, emit, "smoke of the owed files", quick)
+
+
+def step_allsmoke(device: str, scratch: Path, limit: float, quick: bool, emit: Emit) -> Step:
+    return _smoke(smoke_files(quick, every=True), device, scratch, limit, emit, "smoke of every file", quick)
 
 
 def _cpu_figures() -> dict[str, tuple[str, str, str]]:
@@ -202,69 +196,231 @@ def _cpu_figures() -> dict[str, tuple[str, str, str]]:
     return out
 
 
-def step_full(device: str, scratch: Path, budget: Budget, quick: bool) -> Step:
+def full_command(name: str, device: str, run_dir: Path, quick: bool) -> list[str]:
+    extra = ["max_steps=2", "eval_every=1"] if quick else []
+    return _py("-m", "runner", "run", f"{REPO / 'recipes.toml'}#{name}", f"backend.device={device}",
+               f"log_dir={run_dir}", *extra)
+
+
+def step_full(device: str, scratch: Path, limit: float, quick: bool, emit: Emit) -> Step:
     cpu = _cpu_figures()
-    rows, ok, total = [], True, 0.0
+    step = Step(f"sl_basic, rl_basic, dpo_basic in full on {device}" + (" (--quick: 2 steps)" if quick else ""),
+                True, 0.0, limit_s=limit,
+                columns=["recipe", "metric", "steps", "first", "last", f"wall s ({device})", "result", "CPU first",
+                         "CPU last", "CPU wall s"])
+    end = time.monotonic() + limit
     for name, metric in FULL.items():
-        left = budget.left()
-        if left < 5:
-            rows.append([name, metric, "-", "-", "-", "not run (budget spent)", *cpu.get(name, ("", "", ""))])
-            ok = False
+        left = end - time.monotonic()
+        if left < 3:
+            step.rows.append([name, metric, "-", "-", "-", "-", "not run (step limit spent)", *cpu.get(name, ("",) * 3)])
+            step.ok = False
+            emit(step)
             continue
+        cap = max(1.0, left if quick else min(FULL_S.get(name, 60.0), left))
         run_dir = scratch / f"{name}-{device}"
-        extra = ["max_steps=2", "eval_every=1"] if quick else []
-        rc, wall, tail = _run(_py("-m", "runner", "run", f"{REPO / 'recipes.toml'}#{name}", f"backend.device={device}",
-                                  f"log_dir={run_dir}", *extra), REPO, _env(device), min(300.0, left),
+        rc, wall, tail = _run(full_command(name, device, run_dir, quick), REPO, _env(device), cap,
                               scratch / f"{name}.log")
-        total += wall
-        vals = []
+        step.wall_s += wall
+        vals, steps = [], 0
         metrics = run_dir / "metrics.jsonl"
         for line in metrics.read_text().splitlines() if metrics.is_file() else []:
             row = json.loads(line)
+            steps = max(steps, int(row.get("step", 0)))
             if isinstance(row.get(metric), (int, float)):
                 vals.append(row[metric])
         first, last = (f"{vals[0]:.3g}", f"{vals[-1]:.3g}") if vals else ("-", "-")
         where = next((ln for ln in tail.splitlines() if ln.startswith("device: ")), "")
-        result = "ok" if rc == 0 else "timed out" if rc is None else f"exit {rc}"
-        ok = ok and rc == 0
-        rows.append([name, metric, first, last, f"{wall:.1f}", result, *cpu.get(name, ("", "", ""))])
+        result = "ok" if rc == 0 else f"timed out (cap {cap:.0f} s)" if rc is None else f"exit {rc}"
         if where:
-            rows[-1][5] += f" ({where.removeprefix('device: ').split(' (')[0]})"
-    return Step(f"sl_basic, rl_basic, dpo_basic in full on {device}" + (" (--quick: 2 steps)" if quick else ""),
-                ok, total, f"{sum(r[5].startswith('ok') for r in rows)}/{len(rows)} finished", rows)
+            result += f" ({where.removeprefix('device: ').split(' (')[0]})"
+        step.ok = step.ok and rc == 0
+        step.rows.append([name, metric, str(steps), first, last, f"{wall:.1f}", result, *cpu.get(name, ("",) * 3)])
+        step.detail = f"{sum(r[6].startswith('ok') for r in step.rows)}/{len(FULL)} finished"
+        emit(step)
+    return step
 
 
-def report(steps: list[Step], info: list[str], device: str, wall: float, quick: bool) -> str:
+def _has_xdist() -> bool:
+    return importlib.util.find_spec("xdist") is not None
+
+
+def suite_command(quick: bool) -> tuple[list[str], dict[str, str]]:
+    """pytest over tests/ (--quick: one file), -v so that each result is a log line as it happens; with xdist, one
+    worker per 2 cores, each at 2 threads (the suite's numbers come from 2-core machines; 16 threads per worker would
+    oversubscribe the cores)."""
+    cores = os.cpu_count() or 2
+    workers = ["-n", str(max(1, min(8, cores // 2)))] if _has_xdist() and not quick else []
+    target = str(REPO / "tests" / ("test_gpu_box.py" if quick else ""))
+    extra = {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"} if workers else {}
+    return _py("-m", "pytest", "-p", "no:cacheprovider", "-v", "-o", "addopts=", *workers, target), extra
+
+
+def parse_pytest_log(text: str) -> tuple[dict[str, int], list[str], list[str]]:
+    """(outcome -> count, failed/errored test ids, the gpu tests' "id outcome") from a -v log, whole or cut."""
+    counts: dict[str, int] = {}
+    bad, gpu = [], []
+    seen = set()
+    for m in re.finditer(r"(tests/\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)|"
+                         r"(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (tests/\S+::\S+)", text):
+        test, outcome = (m.group(1), m.group(2)) if m.group(1) else (m.group(4), m.group(3))
+        if (test, outcome) in seen:
+            continue
+        seen.add((test, outcome))
+        counts[outcome] = counts.get(outcome, 0) + 1
+        if outcome in ("FAILED", "ERROR"):
+            bad.append(test)
+        if test.startswith("tests/test_gpu.py::") or "cuda" in test:
+            gpu.append(f"{test} {outcome}")
+    return counts, bad, gpu
+
+
+def step_suite(device: str, scratch: Path, limit: float, quick: bool, emit: Emit) -> Step:
+    cmd, extra = suite_command(quick)
+    rc, wall, tail = _run(cmd, REPO, {**_env(None), **extra}, limit, scratch / "suite.log")
+    counts, bad, gpu = parse_pytest_log((scratch / "suite.log").read_text(errors="replace"))
+    got = ", ".join(f"{n} {k.lower()}" for k, n in sorted(counts.items())) or "no results"
+    workers = f"-n {cmd[cmd.index('-n') + 1]}" if "-n" in cmd else "no xdist"
+    detail = f"{got} ({workers})" + (f"; timed out at {limit:.0f} s" if rc is None else "")
+    if rc not in (0, None) and not counts:
+        detail += "; " + tail.splitlines()[-1][:200] if tail else ""
+    step = Step("pytest, the whole suite (gpu tests included)", rc == 0, wall, detail, limit_s=limit,
+                columns=["test", "outcome"])
+    step.rows = [[t, "FAILED/ERROR"] for t in bad[:40]] + [t.rsplit(" ", 1) for t in gpu]
+    return step
+
+
+def step_gpu(device: str, scratch: Path, limit: float, quick: bool, emit: Emit) -> Step:
+    rc, wall, tail = _run(_py("-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-v", str(REPO / "tests")),
+                          REPO, _env(None), limit, scratch / "pytest-gpu.log")
+    counts, bad, gpu = parse_pytest_log((scratch / "pytest-gpu.log").read_text(errors="replace"))
+    # Exit 5: nothing selected ran (every gpu test skipped where there is no CUDA device).
+    ok = rc in (0, 5) if device == "cpu" else rc == 0
+    got = ", ".join(f"{n} {k.lower()}" for k, n in sorted(counts.items())) or "no results"
+    return Step("pytest -m gpu", ok, wall, "timed out" if rc is None else got, limit_s=limit)
+
+
+def step_conformance(device: str, scratch: Path, limit: float, quick: bool, emit: Emit) -> Step:
+    env = _env(device)
+    port_file = scratch / "serve.port"
+    log = (scratch / "serve.log").open("w")
+    server = subprocess.Popen(_py("-m", "runner", "serve", "--device", device, "--port", "0", "--port-file",
+                                  str(port_file), "--storage", str(scratch / "serve-storage")),
+                              cwd=scratch, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    t0 = time.monotonic()
+    name = f"conformance vs runner serve --device {device}"
+    try:
+        while not port_file.exists():
+            if server.poll() is not None or time.monotonic() - t0 > min(60.0, limit):
+                return Step(name, False, time.monotonic() - t0,
+                            "runner serve did not start: " + (scratch / "serve.log").read_text()[-300:], limit_s=limit)
+            time.sleep(0.2)
+        url = f"http://127.0.0.1:{port_file.read_text().strip()}"
+        only = ["--only", "sampling"] if quick else []
+        rc, wall, _ = _run(_py("-m", "runner", "conformance", "--base-url", url, "--json", "--atol", BF16_TOL,
+                               "--rtol", BF16_TOL, *only), scratch, env, limit - (time.monotonic() - t0),
+                           scratch / "conformance.json")
+        try:
+            text = (scratch / "conformance.json").read_text()
+            results = json.loads(text[text.index("{"):])["results"]
+            passed = sum(r["result"] == "pass" for r in results)
+            bad = [f"{r['check']}: {r['result']} {r.get('detail', '')}"[:160] for r in results if r["result"] != "pass"]
+            detail = f"{passed}/{len(results)} passed" + ("; " + "; ".join(bad) if bad else "")
+        except (ValueError, KeyError):
+            detail = "timed out" if rc is None else "no JSON report (see conformance.json)"
+        return Step(name, rc == 0, time.monotonic() - t0, detail, limit_s=limit)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        log.close()
+
+
+STEPS: dict[str, Callable[[str, Path, float, bool, Emit], Step]] = {
+    "smoke": step_smoke, "full": step_full, "suite": step_suite, "conformance": step_conformance, "gpu": step_gpu,
+    "allsmoke": step_allsmoke}
+
+
+# ---------------------------------------------------------------- plan and report
+
+
+def plan(steps: list[str], device: str, quick: bool, budget_s: float, limits: dict[str, float]) -> list[str]:
+    """What a call would run, one line per step (--dry-run prints it; tests/test_gpu_check.py checks it)."""
+    lines = [f"budget {budget_s:.0f} s, device {device}{' (--quick)' if quick else ''}; steps in this order, each "
+             "capped at its limit or what is left of the budget:"]
+    for key in steps:
+        lines.append(f"{key}: limit {limits[key]:.0f} s")
+        if key in ("smoke", "allsmoke"):
+            lines += [f"  runner smoke {f.relative_to(REPO)}  (cap {SMOKE_FILE_S:.0f} s"
+                      + (f"; needs {NEEDS[f.stem]})" if f.stem in NEEDS else ")")
+                      for f in smoke_files(quick, every=key == "allsmoke")]
+        elif key == "full":
+            lines += [f"  runner run recipes.toml#{n} backend.device={device}  (cap {FULL_S.get(n, 60.0):.0f} s)" for n in FULL]
+        elif key == "suite":
+            cmd, extra = suite_command(quick)
+            lines.append("  " + " ".join([*(f"{k}={v}" for k, v in extra.items()), "pytest", *cmd[3:]])
+                         + ("" if "-n" in cmd else "  (no pytest-xdist here: one process; the device image has it)"))
+        elif key == "gpu":
+            lines.append("  pytest -m gpu tests")
+        elif key == "conformance":
+            lines.append(f"  runner serve --device {device} + runner conformance --atol {BF16_TOL} --rtol {BF16_TOL}")
+    return lines
+
+
+def report(steps: list[Step], info: list[str], device: str, wall: float, quick: bool, todo: list[str]) -> str:
     lines = [f"<!-- bench/gpu_check.py --device {device}{' --quick' if quick else ''}, "
-             f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC -->", "# The local backend on a GPU", "",
-             *[f"- {x}" for x in info], f"- total wall time: {wall:.0f} s", "",
-             "| step | result | wall s | detail |", "|---|---|---|---|"]
+             f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC -->",
+             "# The local backend on a GPU: the latest run (new)", "",
+             *[f"- {x}" for x in info], f"- wall time so far: {wall:.0f} s", "",
+             "| step | result | wall s | limit s | detail |", "|---|---|---|---|---|"]
     for s in steps:
-        lines.append(f"| {s.name} | {'pass' if s.ok else 'FAIL'} | {s.wall_s:.1f} | {s.detail.replace('|', '/')} |")
+        lines.append(f"| {s.name} | {'pass' if s.ok else 'FAIL'} | {s.wall_s:.1f} | {s.limit_s:.0f} | "
+                     f"{s.detail.replace('|', '/')} |")
+    lines += [f"| {key} | not run yet | - | - | (this call had not reached it when the report was written) |"
+              for key in todo]
     for s in steps:
-        if s.rows and s.name.startswith("smoke"):
-            lines += ["", f"## {s.name}", "", "| recipe | stages | steps | wall s | result |", "|---|---|---|---|---|"]
-            lines += ["| " + " | ".join(r) + " |" for r in s.rows]
-        elif s.rows:
-            lines += ["", f"## {s.name}", "", "Next to bench/results/recipes.md's CPU figures (2 cores, float32).", "",
-                      f"| recipe | metric | first | last | wall s ({device}) | result | CPU first | CPU last "
-                      "| CPU wall s |", "|---|---|---|---|---|---|---|---|---|"]
-            lines += ["| " + " | ".join(r) + " |" for r in s.rows]
+        if s.rows:
+            lines += ["", f"## {s.name}", ""]
+            if s.name.startswith("sl_basic"):
+                lines += ["Next to bench/results/recipes.md's CPU figures (2 cores, float32).", ""]
+            lines += ["| " + " | ".join(s.columns) + " |", "|" + "---|" * len(s.columns)]
+            lines += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in s.rows]
     return "\n".join(lines) + "\n"
+
+
+def with_earlier(new: str, previous: str) -> str:
+    """The new report, then every earlier run the file held (their own text, unchanged) under EARLIER."""
+    earlier = [p.strip() for p in previous.split(EARLIER) if p.strip()]
+    return new if not earlier else new + "\n---\n\n" + EARLIER + "\n\n" + "\n\n".join(earlier) + "\n"
+
+
+def _limits(pairs: list[str]) -> dict[str, float]:
+    out = dict(LIMITS)
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in LIMITS:
+            raise SystemExit(f"error: --limit {pair!r}: expected STEP=SECONDS with STEP one of {', '.join(LIMITS)}")
+        out[key] = float(value)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--quick", action="store_true", help="a small version of every step (a check of this script)")
-    p.add_argument("--budget-s", type=float, default=470.0, help="wall-clock budget of all steps (default 470)")
+    p.add_argument("--budget-s", type=float, default=BUDGET_S, help=f"wall-clock budget of all steps ({BUDGET_S:.0f})")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gpu.md")
-    p.add_argument("--steps", nargs="+", default=["pytest", "conformance", "smoke", "full"],
-                   choices=["pytest", "conformance", "smoke", "full", "suite"],
-                   help="default: pytest (-m gpu) conformance smoke full; suite: the whole test suite (a call of its own)")
+    p.add_argument("--steps", nargs="+", default=DEFAULT_STEPS, choices=list(STEPS),
+                   help=f"in this order (default: {' '.join(DEFAULT_STEPS)})")
+    p.add_argument("--limit", nargs="*", default=[], metavar="STEP=S", help="a step's own time limit, seconds")
+    p.add_argument("--fresh", action="store_true", help="do not keep what --out held before")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and run nothing")
     args = p.parse_args(argv)
-    import importlib.util
-
+    limits = _limits(args.limit)
+    if args.dry_run:
+        print("\n".join(plan(args.steps, args.device, args.quick, args.budget_s, limits)))
+        return 0
     missing = [m for m in ("msgspec", "tomli_w", "zstandard", "datasets", "tinker") if importlib.util.find_spec(m) is None]
     if missing:
         print(f"error: {', '.join(missing)} not installed: run bench/gpu_wheels.sh where PyPI is reachable and carry "
@@ -274,22 +430,35 @@ def main(argv: list[str] | None = None) -> int:
     budget = Budget(args.budget_s)
     info = env_info()
     print("\n".join(info), flush=True)
-    funcs = {"pytest": step_pytest, "conformance": step_conformance, "smoke": step_smoke, "full": step_full,
-             "suite": step_suite}
-    steps = []
+    previous = "" if args.fresh or not args.out.is_file() else args.out.read_text()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    steps: list[Step] = []
+
+    def write(partial: Step | None = None, todo: list[str] | None = None) -> None:
+        done = steps + ([partial] if partial is not None else [])
+        text = report(done, info, args.device, time.monotonic() - t0, args.quick, todo or [])
+        tmp = args.out.with_name(f".{args.out.name}.tmp")
+        tmp.write_text(with_earlier(text, previous))
+        os.replace(tmp, args.out)  # a reader (or a call cut mid-write) never sees half a report
+
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         scratch = Path(tmp)
         (scratch / "examples").symlink_to(REPO / "examples")  # recipes name their data as examples/data/...
-        for key in args.steps:
-            if budget.left() < 5:
-                steps.append(Step(key, False, 0.0, "not run (budget spent)"))
+        for i, key in enumerate(args.steps):
+            todo = args.steps[i + 1:]
+            limit = min(limits[key], budget.left())
+            if limit < 5:
+                steps.append(Step(key, False, 0.0, "not run (budget spent)", limit_s=0))
+                write(todo=todo)
                 continue
-            step = funcs[key](args.device, scratch, budget, args.quick)
+            write(todo=args.steps[i:])
+            try:
+                step = STEPS[key](args.device, scratch, limit, args.quick, lambda s: write(s, todo))
+            except Exception as exc:  # noqa: BLE001 - one step's crash is recorded; the next one still runs
+                step = Step(key, False, 0.0, f"crashed: {type(exc).__name__}: {exc}"[:300], limit_s=limit)
             print(f"{'pass' if step.ok else 'FAIL'}  {step.name}  {step.wall_s:.1f} s  {step.detail}", flush=True)
             steps.append(step)
-        text = report(steps, info, args.device, time.monotonic() - t0, args.quick)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+            write(todo=todo)
     print(f"wrote {args.out}")
     return 0 if all(s.ok for s in steps) else 1
 

@@ -190,8 +190,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="live training runs held at once (default 32); one more is refused with a 400")
     serve.add_argument("--max-bytes", default=None, metavar="SIZE",
                        help="memory live sessions may hold: base models, training runs' adapters + gradients + "
-                            "optimizer state, in-flight sampling (e.g. 24G; default: half the machine's memory, 90%% of the "
-                            "GPU's on CUDA)")
+                            "optimizer state, in-flight sampling (e.g. 24G; default: half the machine's memory, or 90%% "
+                            "of the GPU's when a served model is placed on cuda)")
     serve.add_argument("-v", "--verbose", action="store_true", help="log every request")
     serve.set_defaults(command=cmd_serve)
 
@@ -211,6 +211,9 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--checkpoint", metavar="NAME",
                         help="a checkpoint by name (checkpoints.jsonl); default: the last one with sampler weights")
     export.add_argument("--merged", action="store_true", help="merge the adapter into the weights")
+    export.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="the dtype the base is loaded, merged and saved in (auto: the base's own, bfloat16 for "
+                             "most chat models, where merging rounds the update; float32 keeps it exact)")
     export.set_defaults(command=cmd_export)
     _science_commands(sub)
     _talk_commands(sub)
@@ -594,7 +597,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     prefer_passive_openmp()  # before torch loads (runner/threads.py)
     from backends.local.export import export  # torch loads here
 
-    print(export(sampler_dir, out, recipe.model, recipe.tokenizer, merged=args.merged))
+    print(export(sampler_dir, out, recipe.model, recipe.tokenizer, merged=args.merged, dtype=args.dtype))
     return 0
 
 

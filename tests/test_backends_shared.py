@@ -94,8 +94,10 @@ def test_sft_learns_and_checkpoints(service, tmp_path):
     assert [r.seq_id for r in training] == list(range(1, len(training) + 1))
     kinds = ["forward" if r.forward_only else r.route for r in training]
     assert kinds.count("forward_backward") == kinds.count("optim_step") == STEPS
-    # fb and optim of a step go back to back; the periodic save is the final one's TTL'd sibling.
-    assert all(kinds[i + 1] == "optim_step" for i, k in enumerate(kinds) if k == "forward_backward"), kinds
+    # fb and optim of a step alternate strictly. An eval's forward (or a save) may land between a step's fb and its
+    # optim when the loop's tasks interleave under load: harmless, only optim_step changes the weights (and
+    # test_tinker_matches_local checks the numbers). The periodic save is the final one's TTL'd sibling.
+    assert [k for k in kinds if k in ("forward_backward", "optim_step")] == ["forward_backward", "optim_step"] * STEPS, kinds
     ttls = [r.body.get("ttl_seconds") for r in training if r.route == "save_weights"]
     assert ttls == [7 * 24 * 3600, None]
     assert mock.finished[-1]["reason"] == {"type": "success"}

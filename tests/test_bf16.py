@@ -264,7 +264,6 @@ def test_dry_run_and_the_run_say_where_they_run(tmp_path, monkeypatch, capsys):
 # ---------------------------------------------------------------- runner serve --dtype bfloat16
 
 
-@pytest.mark.slow
 def conformance_results(service):
     """`runner conformance` against `service` (closed after) on a loopback port, numeric checks at atol = rtol =
     5e-3 (bfloat16's tolerance: below); the check results. tests/test_gpu.py runs it on cuda."""
@@ -282,6 +281,7 @@ def conformance_results(service):
         service.close()
 
 
+@pytest.mark.slow  # back from conformance_results (a helper: no effect there), where b6b20d4 left it
 def test_conformance_against_serve_in_bf16(tmp_path, monkeypatch, caplog):
     """Every conformance check passes against `runner serve --dtype bfloat16`, with the numeric checks at
     atol = rtol = 5e-3 (their sampler-vs-trainer checks then allow max |dlogprob| 0.05; measured 0.0174 for

@@ -1,18 +1,30 @@
 """One of each extension kind from a temporary package, the way a user adds them (docs/extending.md): a renderer
-(`renderer = "pkg.mod:NAME"`), an RL env, a loss and a pinned eval (`kind = "python"`), a data source for SFT, and an
-algorithm (`kind = "custom"`); `runner check` accepts them all, and short local runs use every one of them."""
+(`renderer = "pkg.mod:NAME"`), an RL env, a loss, a pinned eval and a backend (`kind = "python"`), a data source for
+SFT, and an algorithm (`kind = "custom"`); `runner check` accepts them all, and short local runs use every one of them.
+And the built-in idiom, with no list to edit: a renderer module added to runner/renderers is found, a pinned eval
+kind is its struct naming its module, and the schema's backend union is every BackendConfig subclass."""
 
 from __future__ import annotations
 
+import ast
+import importlib
+import pkgutil
 import shutil
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
+from backends import losses
+from backends.backend_config import BackendConfig
 from backends.tokenizer import load_tokenizer
 from runner.cli import main
+from runner.engine.evals import EvalKind, kind_of
 from runner.engine.log import read_jsonl
+from runner.recipe.common import variants
+from runner.recipe.pinned import PINNED_VARIANTS
+from runner.recipe.schema import BACKEND_VARIANTS, Backend, Jsonl, MathPinned, PythonBackend
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,6 +71,22 @@ def tokens_of_hi(sampler, tokenizer, word="hi"):
     return {"tokens": len(tokenizer.encode(word))}
 
 
+MADE = []
+
+
+def fake_backend(model, tokenizer, storage_dir, seed, label="x"):
+    """A backend of my own: the deterministic fake (backends/fake.py), saving its checkpoints in the run dir."""
+    from backends.fake import FakeBackend
+    from backends.tokenizer import load_tokenizer
+
+    MADE.append((model, seed, label, storage_dir.name))
+    return FakeBackend(load_tokenizer(tokenizer or model), storage_dir=storage_dir)
+
+
+def not_a_backend(model, tokenizer, storage_dir, seed):
+    return "a string"
+
+
 def rows(n=8):
     return [{"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": str(i)}]}
             for i in range(n)]
@@ -82,6 +110,15 @@ algo = {{kind = "sft", data = {{kind = "python", target = "myext.parts:rows", ar
 {LOCAL}max_steps = 2
 eval_every = 0
 algo = {{kind = "custom", spec = "myext.custom_algo:SPEC", args = {{path = "completions.jsonl", batch_size = 2}}}}
+
+[recipes.mine]
+backend = {{kind = "python", target = "myext.parts:fake_backend", args = {{label = "mine"}}}}
+seed = 3
+max_steps = 3
+eval_every = 0
+save_every = 0
+evals = [{{kind = "python", target = "myext.parts:tokens_of_hi"}}]
+algo = {{kind = "sft", data = {{kind = "python", target = "myext.parts:rows", args = {{n = 8}}}}, batch_size = 2, test_size = 2}}
 '''
 
 
@@ -98,6 +135,7 @@ def proj(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     yield tmp_path
     for name in [m for m in sys.modules if m == "myext" or m.startswith("myext.")]:
         sys.modules.pop(name)
+    losses._REGISTRY.pop("myext_pg", None)  # the next test's fresh import registers its own (a different function)
 
 
 def test_one_of_each_kind_from_a_user_package(proj: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -122,3 +160,106 @@ def test_one_of_each_kind_from_a_user_package(proj: Path, capsys: pytest.Capture
     capsys.readouterr()
     assert main(["check", "r.toml", "algo.args.batch_sise=3"]) == 2  # the user's config struct checks its args
     assert "did you mean `batch_size`?" in capsys.readouterr().err
+
+
+def test_a_backend_of_my_own_runs_a_recipe(proj: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "r.toml#mine"]) == 0
+    import myext.parts as parts
+
+    assert parts.MADE == []  # checked (imported, args bound), not called
+    assert main(["run", "r.toml#mine"]) == 0
+    assert parts.MADE == [("tiny", 3, "mine", "checkpoints")]  # the recipe's model, seed and args; the run dir's
+    rows = list(read_jsonl(proj / "runs" / "mine" / "metrics.jsonl"))
+    train = [r["train_mean_nll"] for r in rows if "train_mean_nll" in r]
+    assert len(train) == 3 and all(x > 0 for x in train)  # three steps on the user's backend
+    assert rows[-1]["test/eval/python/tokens"] == len(load_tokenizer("tiny").encode("hi"))  # evals sample on it too
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(("override", "command", "message"), [
+    ("backend.args.lable=1", "check", "backend.args: 'myext.parts:fake_backend' cannot be called with args ['label', 'lable']: got an unexpected keyword argument 'lable'"),
+    ("backend.args.seed=1", "check", "backend: args may not set seed: runner passes them"),
+    ("backend.target=myext.parts:nothing", "check", "backend.target: cannot import 'myext.parts:nothing'"),
+    ("backend={kind=\"python\", target=\"myext.parts:not_a_backend\"}", "run",
+     "backend target 'myext.parts:not_a_backend' returned str, not a backends.base.Backend"),
+])
+def test_a_bad_backend_of_my_own_is_one_line(proj: Path, capsys: pytest.CaptureFixture[str], override: str,
+                                             command: str, message: str) -> None:
+    capsys.readouterr()
+    assert main([command, "r.toml#mine", override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_the_backend_union_is_every_backend_config() -> None:
+    """Nothing lists backends: each backends/NAME/NAME_config.py declares its variant and the union takes them all,
+    built-in ones first (local: the default, the first a message offers), then a user's python backend."""
+    assert BACKEND_VARIANTS == (*(v for v in BACKEND_VARIANTS if v.__module__.startswith("backends.")), PythonBackend)
+    assert [v.__struct_config__.tag for v in BACKEND_VARIANTS] == ["local", "tinker", "python"]
+    assert set(BACKEND_VARIANTS) == set(variants(BackendConfig))
+    files = sorted(p.parent.name for p in (ROOT / "backends").glob("*/*_config.py") if p.stem == f"{p.parent.name}_config")
+    assert [v.__module__.split(".")[1] for v in BACKEND_VARIANTS[:-1]] == files
+    decoded = msgspec.convert({"kind": "python", "target": "a.b:c"}, Backend)  # type: ignore[arg-type]
+    assert isinstance(decoded, PythonBackend) and decoded.args == {}
+
+
+def test_a_pinned_eval_kind_is_its_struct_and_module() -> None:
+    """Every pinned eval struct names a module that declares EVAL = EvalKind(...): run_evals has no list of kinds."""
+    assert [v.__struct_config__.tag for v in PINNED_VARIANTS] == ["math", "nll", "python", "inspect"]
+    for variant in PINNED_VARIANTS:
+        kind = getattr(importlib.import_module(variant.implementation), "EVAL", None)
+        assert isinstance(kind, EvalKind), variant
+    engine = (ROOT / "runner" / "engine" / "evals.py").read_text()
+    assert not any(v.__name__ in engine for v in PINNED_VARIANTS)  # no per-kind branch left
+
+
+def test_an_eval_module_without_its_declaration_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(MathPinned, "implementation", "runner.engine.evals")
+    with pytest.raises(TypeError, match="MathPinned: its implementation 'runner.engine.evals' declares no EVAL"):
+        kind_of(MathPinned(data=Jsonl(path="x.jsonl")))
+
+
+SHOUT = '''
+from runner.renderers.base import register
+from runner.renderers.role_colon import RoleColonRenderer
+
+
+@register("zz_shout")
+class Shout(RoleColonRenderer):
+    def render_message(self, message, ctx):
+        return super().render_message({**message, "content": str(message["content"]).upper()}, ctx)
+'''
+
+
+def test_a_renderer_module_registers_itself(tmp_path: Path) -> None:
+    """A renderer module dropped into the package (here: a folder added to its __path__, as a new file in
+    runner/renderers/ would be) is found at the next lookup; registry.py names no renderer module."""
+    import runner.renderers as package
+    from runner.renderers import registry
+    from runner.renderers.base import REGISTRY
+
+    (tmp_path / "zz_shout.py").write_text(SHOUT)
+    path = list(package.__path__)
+    package.__path__[:] = [*path, str(tmp_path)]
+    registry.builtin_modules.cache_clear()
+    try:
+        assert "zz_shout" in registry.names()
+        assert "runner.renderers.zz_shout" in sys.modules
+        r = registry.get_renderer("zz_shout", load_tokenizer("tiny"))
+        tokens, _ = r.build_supervised_example([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}])
+        assert "OK" in load_tokenizer("tiny").decode(tokens)
+    finally:
+        package.__path__[:] = path
+        REGISTRY.pop("zz_shout", None)
+        sys.modules.pop("runner.renderers.zz_shout", None)
+        registry.builtin_modules.cache_clear()
+    assert "zz_shout" not in registry.names()
+    # Every module of the package is imported by the first lookup, and nothing in registry.py names one of them.
+    modules = sorted(m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_"))
+    assert list(registry.builtin_modules()) == modules
+    tree = ast.parse((ROOT / "runner" / "renderers" / "registry.py").read_text())
+    imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    names_ = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "runner.renderers"
+              for a in n.names}
+    assert {m for m in imported if m.startswith("runner.renderers")} <= {"runner.renderers.auto", "runner.renderers.base"}
+    assert not names_ & set(modules)

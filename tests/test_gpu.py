@@ -47,6 +47,23 @@ def test_auto_puts_tiny_on_the_cpu_and_cuda_takes_bf16(tmp_path):
         cuda.close()
 
 
+def test_a_real_gpu_box_keeps_tinys_defaults_of_a_cpu_box(tmp_path, monkeypatch):
+    """What tests/test_gpu_box.py fakes, on the real device: tiny's sweeps parallelise and `runner serve` of tiny
+    caps its memory at half the machine's; --device cuda sizes it by the GPU's."""
+    from backends.serve.http import ServeConfig, build_service
+    from backends.serve.memory import physical_memory
+
+    monkeypatch.delenv("RUNNER_LOCAL_DEVICE", raising=False)
+    assert Local().sweep_parallel(16, "tiny") == 8 and Local(device="cuda").sweep_parallel(16, "tiny") == 1
+    gpu = int(torch.cuda.get_device_properties(0).total_memory * 0.9)
+    for device, want in (("auto", physical_memory() // 2), ("cuda", gpu)):
+        service = build_service(ServeConfig(storage=tmp_path / device, device=device))
+        try:
+            assert service.memory.max_bytes == want, device
+        finally:
+            service.close()
+
+
 def test_bf16_training_step_tracks_float32_on_cuda(tmp_path):
     """A forward_backward + optim_step in bf16 on cuda vs float32 on cuda and on the CPU: logprobs before the step
     within the bf16 tolerance, the LoRA B gradients pointing the same way (cosine; 0.996 measured on the CPU), and

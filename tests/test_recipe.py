@@ -74,20 +74,20 @@ BAD_RECIPES = [
     ),
     (
         f'algo = {{kind = "sft", {DATA}}}\nbackend = {{kind = "tinkr"}}',
-        "recipes.toml#sl_basic: backend.kind: invalid choice 'tinkr'; expected one of: local, tinker",
+        "recipes.toml#sl_basic: backend.kind: invalid choice 'tinkr'; expected one of: local, python, tinker",
     ),
     (
         f'algo = {{kind = "sft", {DATA}}}\nbackend = {{kind = 3}}',
-        "recipes.toml#sl_basic: backend.kind: invalid choice 3; expected one of: local, tinker",
+        "recipes.toml#sl_basic: backend.kind: invalid choice 3; expected one of: local, python, tinker",
     ),
     (
         f'algo = {{kind = "sft", {DATA}}}\nbackend = {{device = "cpu"}}',
-        "recipes.toml#sl_basic: backend.kind: missing key; expected one of: local, tinker",
+        "recipes.toml#sl_basic: backend.kind: missing key; expected one of: local, python, tinker",
     ),
     (
         f'algo = {{kind = "sft", {DATA}}}\nbackend = "tinker"',
         ("recipes.toml#sl_basic: backend: expected a table, got str 'tinker'; "
-        'write e.g. backend = {kind = "tinker"} (kind one of: local, tinker)'),
+        'write e.g. backend = {kind = "tinker"} (kind one of: local, python, tinker)'),
     ),
     (
         # A field of the other variant is unknown here: each variant carries only its own fields.
@@ -361,7 +361,7 @@ def test_override_errors_match_file_errors(workdir: Path) -> None:
         "recipes.toml#sl_basic: algo.batch_size: expected int >= 1, got 0"
     )
     assert error_of(load_recipe, ref, ["backend.kind=tinkr"]) == (
-        "recipes.toml#sl_basic: backend.kind: invalid choice 'tinkr'; expected one of: local, tinker"
+        "recipes.toml#sl_basic: backend.kind: invalid choice 'tinkr'; expected one of: local, python, tinker"
     )
     # Switching the tag keeps the other keys, which the new variant may not have.
     assert error_of(load_recipe, ref, ["backend.device=cpu", "backend.kind=tinker"]) == (

@@ -1,6 +1,7 @@
 """Export a local-backend sampler checkpoint (`runner export`): a PEFT adapter folder that stays exact under
 `PeftModel.merge_and_unload()`, or a plain merged Hugging Face model folder. Runs on the CPU, in the base
-model's own dtype.
+model's own dtype unless --dtype says otherwise: merging into bfloat16 weights rounds the update (W + s B A) to
+bfloat16, and export then prints what that costs in logprobs (docs/export.md gives the measured figures).
 
 The problem (issue #9): with tied embeddings (the tiny model; most small Qwen / Llama models) lm_head and the
 input embedding are ONE tensor. The sampler checkpoints hold a LoRA on lm_head (train_unembed = true), and
@@ -34,12 +35,22 @@ from torch import nn
 from backends.errors import UserError
 from backends.local import model as M
 
+# `runner export --dtype`: what the base is loaded in, so what merged weights (and a tied lm_head's full weight) are
+# rounded to and stored in. "auto": the dtype the base's files store (a real chat model's: bfloat16).
+DTYPES = ("auto", "float32", "bfloat16")
+# The probe a rounding merge is measured on (merged model vs the adapter model, max |dlogprob| of its tokens).
+PROBE = "The quick brown fox jumps over the lazy dog. 12 + 30 = 42, and the answer is yes."
 
-def export(sampler_dir: Path, out: Path, model: str, tokenizer: str | None = None, merged: bool = False) -> str:
+
+def export(sampler_dir: Path, out: Path, model: str, tokenizer: str | None = None, merged: bool = False,
+           dtype: str = "auto") -> str:
     """Write the sampler checkpoint `sampler_dir` of a run on base `model` (its recipe's model / tokenizer)
     to the new folder `out`, with the run's tokenizer (and chat template) alongside. merged=False: a PEFT
-    adapter folder; merged=True, or a full fine-tune's checkpoint: a Hugging Face model folder.
-    Returns one line saying what was written. Nothing is written on error."""
+    adapter folder; merged=True, or a full fine-tune's checkpoint: a Hugging Face model folder. dtype (DTYPES):
+    the base is loaded, merged into and saved in it. Returns what was written (a merge that rounds to bfloat16:
+    a second line with its measured cost). Nothing is written on error."""
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     sampler_dir = Path(sampler_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} exists and is not an empty folder; export never overwrites")
@@ -60,34 +71,60 @@ def export(sampler_dir: Path, out: Path, model: str, tokenizer: str | None = Non
         # A full fine-tune: its sampler folder is already a model folder (model.save_pretrained, which keeps
         # a tied model tied: training updated the one shared tensor), only the tokenizer is missing.
         _write_new(out, copy_as_is)
-        return f"wrote a Hugging Face model folder to {out} (a full fine-tune: there is no adapter)"
+        note = f"; --dtype {dtype} ignored: its weights are copied as trained" if dtype != "auto" else ""
+        return f"wrote a Hugging Face model folder to {out} (a full fine-tune: there is no adapter{note})"
 
     import peft
 
-    base = _load_base(model_dir)
+    base = _load_base(model_dir, dtype)
+    stored = next(base.parameters()).dtype
     with M._quiet_peft():
         adapted = peft.PeftModel.from_pretrained(base, sampler_dir)
     adapted.eval()
     lm_head = _tied_lm_head_lora(adapted)
+    ids = tok(PROBE)["input_ids"]
+    rounds = stored != torch.float32 and (merged or lm_head is not None)  # a merge into weights below float32
+    want = _logprobs(adapted, ids) if rounds else None  # taken before a merge consumes `adapted`
+    drift: list[float] = []
     if merged:
-        _write_new(out, lambda tmp: _save_merged(adapted, lm_head is not None, tok, tmp))
-        return f"wrote a merged Hugging Face model folder to {out}"
-    if lm_head is None:
+        _write_new(out, lambda tmp: drift.extend(_save_merged(adapted, lm_head is not None, tok, tmp, ids, want)))
+        line = f"wrote a merged Hugging Face model folder to {out} ({_dtype_name(stored)})"
+        what = "the merged weights are"
+    elif lm_head is None:
         _write_new(out, copy_as_is)
         return f"wrote a PEFT adapter to {out} (copied as is: it merges exactly)"
-    _write_new(out, lambda tmp: _save_untied_adapter(adapted, lm_head, tok, tmp))
-    return (f"wrote a PEFT adapter to {out} (the tied lm_head's LoRA stored as a full lm_head in "
-            "modules_to_save, so merge_and_unload leaves the input embeddings alone)")
+    else:
+        _write_new(out, lambda tmp: drift.extend(_save_untied_adapter(adapted, lm_head, tok, tmp, ids, want)))
+        line = (f"wrote a PEFT adapter to {out} (the tied lm_head's LoRA stored as a full lm_head in "
+                "modules_to_save, so merge_and_unload leaves the input embeddings alone)")
+        what = "that lm_head is"
+    if drift:
+        line += (f"\n{what} rounded to {_dtype_name(stored)}: max |dlogprob| {drift[0]:.3g} vs the adapter on the "
+                 f"{_dtype_name(stored)} base, on a probe text; --dtype float32 keeps it exact (~1e-5, files larger; "
+                 "docs/export.md)")
+    return line
 
 
 # ---------------------------------------------------------------- helpers
 
 
-def _load_base(model_dir: Path) -> M.HFModel:
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _logprobs(model: Any, ids: list[int]) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) for t >= 1, in float32."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def _load_base(model_dir: Path, dtype: str = "auto") -> M.HFModel:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    base: Any = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
+    want: Any = "auto" if dtype == "auto" else getattr(torch, dtype)
+    base: Any = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=want)
     base.eval()
     base.requires_grad_(False)
     return base
@@ -128,8 +165,10 @@ def _tied_lm_head_lora(adapted: Any) -> tuple[str, Any] | None:
     return name, out_emb
 
 
-def _save_untied_adapter(adapted: Any, lm_head: tuple[str, Any], tok: Any, path: Path) -> None:
-    """Save `adapted` with its tied lm_head LoRA turned into a full modules_to_save lm_head (module doc)."""
+def _save_untied_adapter(adapted: Any, lm_head: tuple[str, Any], tok: Any, path: Path, ids: list[int] | None = None,
+                         want: torch.Tensor | None = None) -> list[float]:
+    """Save `adapted` with its tied lm_head LoRA turned into a full modules_to_save lm_head (module doc). want: the
+    adapter model's logprobs of ids; given, the saved adapter's max |dlogprob| from them is returned ([] otherwise)."""
     import peft
 
     name, layer = lm_head
@@ -165,18 +204,24 @@ def _save_untied_adapter(adapted: Any, lm_head: tuple[str, Any], tok: Any, path:
         with torch.no_grad():
             for p in (*layer.lora_A.parameters(), *layer.lora_B.parameters()):
                 p.zero_()
+    drift = [] if want is None or ids is None else [float((_logprobs(new.eval(), ids) - want).abs().max())]
     new.save_pretrained(str(path))
     tok.save_pretrained(path)
+    return drift
 
 
-def _save_merged(adapted: Any, tied_lora: bool, tok: Any, path: Path) -> None:
+def _save_merged(adapted: Any, tied_lora: bool, tok: Any, path: Path, ids: list[int] | None = None,
+                 want: torch.Tensor | None = None) -> list[float]:
     """LoRA merged into the weights. model.sampling_copy unties a tied lm_head that has a LoRA (tied_lora)
     before merging, and marks the config untied; if lm_head came out equal to the input embeddings anyway
-    (an untrained LoRA, B = 0), it is tied again, as in the base."""
+    (an untrained LoRA, B = 0), it is tied again, as in the base. want: the adapter model's logprobs of ids;
+    given, the merged model's max |dlogprob| from them is returned ([] otherwise)."""
     merged = M.sampling_copy(adapted, private=True)
+    drift = [] if want is None or ids is None else [float((_logprobs(merged, ids) - want).abs().max())]
     emb_in, emb_out = merged.get_input_embeddings(), merged.get_output_embeddings()
     if tied_lora and torch.equal(emb_out.weight, emb_in.weight):
         emb_out.weight = emb_in.weight
         merged.config.tie_word_embeddings = True
     merged.save_pretrained(path)
     tok.save_pretrained(path)
+    return drift

@@ -167,10 +167,17 @@ def parse_models(specs: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+def serve_device(devices: list[Any]) -> Any:
+    """The device whose memory --max-bytes defaults to: cuda when any served model is placed there (its memory is
+    what the big models fill; the ledger cannot tell the devices apart), else the CPU (every model small, or no
+    CUDA): half the machine's memory, not 90% of a GPU that holds nothing."""
+    return next((d for d in devices if getattr(d, "type", None) == "cuda"), None)
+
+
 def build_service(cfg: ServeConfig) -> Service:
     from backends.local import model as M
     from backends.local.backend import LocalBackend, _user_error
-    from backends.local.device import pick_device
+    from backends.local.device import place
     from backends.local.local_config import Local
 
     api_key = None
@@ -179,16 +186,17 @@ def build_service(cfg: ServeConfig) -> Service:
         if not api_key:
             raise UserError(f"--api-key-env {cfg.api_key_env}: that environment variable is empty or unset")
     served = parse_models(cfg.models)
-    for path in served.values():
-        M.resolve_model_dir(path)  # UserError now for a missing folder, before anything is written
+    model_dirs = [M.resolve_model_dir(path) for path in served.values()]  # a missing folder fails now
     local = Local(device=cfg.device, dtype=cfg.dtype, sampler_weights=cfg.sampler_weights)  # type: ignore[arg-type]
     try:
-        device, _ = pick_device(local)  # --device cuda without CUDA fails here, not at the first request
+        # Where each served model's runs and samplers will live: the placement LocalBackend itself takes (with
+        # --device auto, `tiny` stays on the CPU of a GPU box). --device cuda without CUDA fails here.
+        devices = [place(local, d).device for d in model_dirs]
     except UserError:
         raise UserError(f"--device {cfg.device}: torch sees no CUDA device; use --device auto or cpu") from None
     limits = cfg.limits
     if limits.max_bytes is None:  # what the device holds (backends/serve/memory.py)
-        limits = dataclasses.replace(limits, max_bytes=default_max_bytes(device))
+        limits = dataclasses.replace(limits, max_bytes=default_max_bytes(serve_device(devices)))
     store = Store(cfg.storage)
 
     class ServeBackend(LocalBackend):

@@ -38,5 +38,5 @@ class Tinker(BackendConfig):
 
         return TinkerBackend(self, model, tokenizer)
 
-    def sweep_parallel(self, cores: int) -> int:
+    def sweep_parallel(self, cores: int, model: str | None = None) -> int:
         return self.SWEEP_PARALLEL

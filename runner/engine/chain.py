@@ -102,7 +102,7 @@ def check_all(recipe: Recipe, where: str, keep_rows: bool = False, name: str | N
     `name` (the recipe's): also that its run dir, and those of the recipes it runs first, are new or run dirs of
     ours (rundir.claim, which only looks)."""
     from runner.data.check import check_data
-    from runner.engine.inspect_eval import check_inspect_evals
+    from runner.engine.evals import check_evals
     from runner.engine.spec import check_algo
     from runner.renderers.registry import renderer_mismatch
 
@@ -115,7 +115,7 @@ def check_all(recipe: Recipe, where: str, keep_rows: bool = False, name: str | N
         # chain they would wait in memory while the stages before it train, so those are read again instead.
         check_data(r, at, keep=keep_rows and not first)
         check_algo(r.algo, at)
-        check_inspect_evals(r.evals, at)
+        check_evals(r.evals, at)
     if name is not None:
         for run_dir in [run_dir_path(recipe, name), *(s.run_dir for s in first)]:
             claim(run_dir)

@@ -24,9 +24,9 @@ from typing import Any
 
 from backends.base import SamplingClient
 from backends.errors import UserError
+from runner.engine.evals import EvalContext, EvalKind
 from runner.recipe.common import TARGET_PATTERN
-from runner.recipe.explain import dotted
-from runner.recipe.pinned import InspectPinned, PinnedEval, task_file
+from runner.recipe.pinned import InspectPinned, task_file
 from runner.recipe.targets import args_mismatch, import_target
 from runner.renderers import Renderer
 
@@ -46,13 +46,6 @@ def available(package: str = "inspect_ai") -> bool:
 def require() -> None:
     if not available():
         raise UserError(MISSING)
-
-
-def default_name(task: str) -> str:
-    """The metric prefix of an unnamed inspect eval: the task's own name ("inspect_evals/gsm8k" -> "gsm8k",
-    "pkg.mod:fn" -> "fn", "dir/tasks.py@qa" -> "qa", "dir/tasks.py" -> "tasks")."""
-    tail = re.split(r"[/:@]", task.rstrip("/"))[-1].removesuffix(".py")
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", tail) or "inspect"
 
 
 def task_function(task: str) -> Callable[..., Any] | None:
@@ -122,14 +115,12 @@ def check_task(e: InspectPinned) -> None:
         raise UserError(f"inspect task {e.task!r} cannot be called with task_args {sorted(e.task_args)}: {problem}")
 
 
-def check_inspect_evals(evals: list[PinnedEval], where: str) -> None:
-    """check_task of every inspect eval of a recipe, errors prefixed with `where` and the eval's key path."""
-    for i, e in enumerate(evals):
-        if isinstance(e, InspectPinned):
-            try:
-                check_task(e)
-            except UserError as ex:
-                raise UserError(f"{where}: {dotted(['evals', i, 'task'])}: {ex}") from None
+def _check(e: InspectPinned, where: str) -> None:
+    """check_task, its errors prefixed with `where` (the eval's key path) and the field they are about."""
+    try:
+        check_task(e)
+    except UserError as ex:
+        raise UserError(f"{where}.task: {ex}") from None
 
 
 def load_task(e: InspectPinned) -> Any:
@@ -214,3 +205,10 @@ def metrics_of(task: str, log: Any) -> Metrics:
                 out[name if len(scores) == 1 else f"{scorer}/{name}"] = float(value)
     out["samples"] = float(log.results.completed_samples if log.results is not None else 0)
     return out
+
+
+async def _run(e: InspectPinned, ctx: EvalContext) -> Metrics:
+    return await inspect_eval(e, ctx.sampler, ctx.renderer, ctx.model_name)
+
+
+EVAL = EvalKind(_run, _check)

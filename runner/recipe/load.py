@@ -383,10 +383,12 @@ def check_recipe(recipe: Recipe, where: str) -> None:
                 except UserError as e:
                     raise UserError(f"{where}: {dotted([*path, field.encode_name])}: {e}") from None
                 # A target called as fn(**args) (python data sources and envs; a pinned eval's after its sampler and
-                # tokenizer, TARGET_LEADING): the args must fit its signature.
+                # tokenizer, TARGET_LEADING; a python backend's with the model, tokenizer, storage_dir and seed,
+                # TARGET_KEYWORDS): the args must fit its signature.
                 args = getattr(node, "args", None) if field.name == "target" else None
                 leading = getattr(type(node), "TARGET_LEADING", 0)
-                problem = args_mismatch(fn, args, leading) if isinstance(args, dict) else None
+                keywords = getattr(type(node), "TARGET_KEYWORDS", ())
+                problem = args_mismatch(fn, args, leading, keywords) if isinstance(args, dict) else None
                 if problem and isinstance(args, dict):
                     raise UserError(f"{where}: {dotted([*path, 'args'])}: {value!r} cannot be called with "
                                     f"args {sorted(args)}: {problem}")

@@ -4,7 +4,8 @@ A recipe file holds named recipes under `[recipes.<name>]`; `FILE#name` selects 
 with msgspec into `Recipe` (unknown keys forbidden, tagged unions with `kind` for every choice, limits in
 the types). This module is only the schema: reading files, overrides and `runner show` are runner/recipe/load.py,
 turning msgspec's errors into one line is runner/recipe/explain.py, importing `pkg.mod:fn` targets runner/recipe/targets.py.
-The backend tables (`backend = {kind = ...}`) are declared by each backend (backends/*/config.py).
+The backend tables (`backend = {kind = ...}`) are declared by each backend (backends/NAME/NAME_config.py), a user's
+own by runner/recipe/python_backend.py.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import msgspec
 from msgspec import Meta
 
 from backends import losses
+from backends.backend_config import BackendConfig, builtin_configs
 from backends.local.local_config import Local
-from backends.tinker.tinker_config import Tinker
 
 # The schema's parts, re-exported: every recipe type is importable from here.
 from runner.recipe.common import TARGET_PATTERN as TARGET_PATTERN
@@ -60,14 +61,22 @@ from runner.recipe.pinned import NLLPinned as NLLPinned
 from runner.recipe.pinned import PinnedEval as PinnedEval
 from runner.recipe.pinned import PinnedEvalBase as PinnedEvalBase
 from runner.recipe.pinned import PythonPinned as PythonPinned
+from runner.recipe.python_backend import PythonBackend as PythonBackend
 from runner.recipe.sources import HF as HF  # the file/hub data sources, re-exported
 from runner.recipe.sources import DataBase as DataBase
 from runner.recipe.sources import File as File
 from runner.recipe.sources import Jsonl as Jsonl
 from runner.recipe.sources import Mapped as Mapped
 
-# The backend variants (declared by the backends themselves).
-Backend = Local | Tinker
+# The backend variants: every BackendConfig subclass, declared by the backends themselves (found by their file,
+# backends/NAME/NAME_config.py, in name order: local first, the default) and a user's (`kind = "python"`).
+BUILTIN_BACKENDS = builtin_configs()
+BACKEND_VARIANTS: tuple[type[BackendConfig], ...] = (
+    *BUILTIN_BACKENDS, *(v for v in variants(BackendConfig) if v not in BUILTIN_BACKENDS))
+if TYPE_CHECKING:
+    Backend = BackendConfig
+else:
+    Backend = Union[BACKEND_VARIANTS]  # noqa: UP007 - built from the variants at import
 
 # ---------------------------------------------------------------- model, LoRA, optimizer, schedule
 

@@ -35,15 +35,17 @@ def import_object(target: str) -> Any:
     return fn
 
 
-def args_mismatch(fn: Callable[..., Any], args: dict[str, Any], leading: int = 0) -> str | None:
+def args_mismatch(fn: Callable[..., Any], args: dict[str, Any], leading: int = 0,
+                  keywords: tuple[str, ...] = ()) -> str | None:
     """Why fn(**args) cannot bind (a missing or unexpected argument), or None when it can or fn has no signature.
-    `leading`: positional arguments runner passes before the args (a pinned eval's sampler and tokenizer)."""
+    `leading`: positional arguments runner passes before the args (a pinned eval's sampler and tokenizer);
+    `keywords`: keyword arguments runner passes with them (a python backend's model, tokenizer, storage_dir, seed)."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # some builtins and C callables have none: the call will tell
         return None
     try:
-        sig.bind(*([None] * leading), **args)
+        sig.bind(*([None] * leading), **dict.fromkeys(keywords), **args)
     except TypeError as e:
         return str(e)
     return None

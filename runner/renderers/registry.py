@@ -1,18 +1,21 @@
 """Renderers by name: `get_renderer(name, tokenizer)` builds one; `names()` lists them (what `runner check` offers).
 
-A built-in renderer is one module with `@register("name")` (runner/renderers/base.py) on its Renderer subclass,
-plus its import line below (importing it registers it). A user's is `renderer = "pkg.mod:NAME"` in a recipe: NAME
+A built-in renderer is one module of this package with `@register("name")` (runner/renderers/base.py) on its
+Renderer subclass, and nothing else: the first lookup imports every module of the package (`builtin_modules`, in
+name order), which registers them; no list names them. A user's is `renderer = "pkg.mod:NAME"` in a recipe: NAME
 is a Renderer subclass (or any factory tokenizer -> Renderer) in their module (docs/extending.md).
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 import re
+import sys
+from functools import cache
 from typing import Any
 
 from backends.errors import UserError
-from runner.renderers import deepseek_v3, gpt_oss, hf, kimi_k2, llama3, qwen3, role_colon  # noqa: F401 - registers
 from runner.renderers.auto import pick_renderer
 from runner.renderers.base import AUTO, REGISTRY, Renderer, Tokenizer
 
@@ -20,16 +23,34 @@ from runner.renderers.base import AUTO, REGISTRY, Renderer, Tokenizer
 USER_RENDERER = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
+@cache
+def builtin_modules() -> tuple[str, ...]:
+    """Import every module of this package, once, at the first lookup: a built-in renderer's module registers itself
+    when imported, so adding the file is all it takes. Cheap (the package's modules import nothing heavy: no torch,
+    no tokenizer), deterministic (name order), and lazy: importing runner.renderers alone registers nothing more."""
+    package = sys.modules[__package__ or "runner.renderers"]  # loaded before this module (not imported: a circle)
+    found = sorted(m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_"))
+    for name in found:
+        importlib.import_module(f"{package.__name__}.{name}")
+    return tuple(found)
+
+
+def registered() -> dict[str, Any]:
+    """The table of renderers by name (runner/renderers/base.py REGISTRY), every built-in one in it."""
+    builtin_modules()
+    return REGISTRY
+
+
 def names() -> list[str]:
     """Every renderer name: "auto", "hf", then the rest alphabetically."""
-    return [AUTO, *sorted(REGISTRY, key=lambda n: (n != "hf", n))]
+    return [AUTO, *sorted(registered(), key=lambda n: (n != "hf", n))]
 
 
 def get_renderer(name: str, tokenizer: Tokenizer, model_name: str | None = None) -> Renderer:
     """The renderer `name` over `tokenizer`; "auto" picks one for `model_name` (see pick_renderer)."""
     if name == AUTO:
         name = pick_renderer(model_name or getattr(tokenizer, "name_or_path", "") or "", tokenizer)
-    factory = _user_factory(name) if USER_RENDERER.match(name) else REGISTRY.get(name)
+    factory = _user_factory(name) if USER_RENDERER.match(name) else registered().get(name)
     if factory is None:
         raise UserError(f"unknown renderer {name!r}; choose one of: {', '.join(names())}")
     try:
@@ -51,7 +72,7 @@ def renderer_mismatch(renderer: str, model: str, tokenizer: str | None) -> str |
     if name == "hf" and local_has_chat_template(tokenizer or model) is False:
         return (f"renderer 'hf': the tokenizer ({tokenizer or model}) has no chat template; set renderer = "
                 "\"role_colon\" (a base model) or the model family's renderer")
-    required: tuple[str, ...] = getattr(REGISTRY.get(name or ""), "required_tokens", None) or ()
+    required: tuple[str, ...] = getattr(registered().get(name or ""), "required_tokens", None) or ()
     if not required:
         return None
     tok = local_core_tokenizer(tokenizer or model)

@@ -286,9 +286,10 @@ def point_status(run_dir: Path, recipe: Recipe, note: str) -> tuple[str, bool]:
 
 def default_parallel(points: Sequence[Point]) -> int:
     """What each point's backend says it can run at once here (BackendConfig.sweep_parallel: Tinker 8, the local
-    backend half the cores or 1 on a GPU), the smallest of them; points on different backends share the machine."""
+    backend half the cores, or 1 where its runs share a GPU), the smallest of them; points on different backends share
+    the machine."""
     cores = usable_cores()
-    return min((p.recipe.backend.sweep_parallel(cores) for p in points), default=max(1, cores))
+    return min((p.recipe.backend.sweep_parallel(cores, p.recipe.model) for p in points), default=max(1, cores))
 
 
 def usable_cores() -> int:

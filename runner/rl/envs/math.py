@@ -17,7 +17,7 @@ from backends.errors import UserError
 from runner.data.conversations import load_rows
 from runner.recipe.schema import DataSource, Math
 from runner.renderers.chat import ChatRenderer, Message
-from runner.rewards.math_grading import extract_answer, grade, math_verify_available, reference_answer
+from runner.rewards.math_grading import extract_answer, grade, math_verify_available, reference_answer, warm_up
 from runner.rl.envs.common import ChatEnv, EnvContext, EnvKind, RepeatGroupBuilder, group_datasets, split
 from runner.rl.types import EnvGroupBuilder, Observation, RLDataset, StepResult, StopCondition
 
@@ -85,6 +85,7 @@ class MathEnv(ChatEnv):
         prefix = FEW_SHOT[cfg.answer_format] if cfg.few_shot else []
         super().__init__(renderer, [*prefix, {"role": "user", "content": problem.question + suffix}])
         self.problem, self.cfg = problem, cfg
+        warm_up(cfg.grader)  # once per process (build did it already in a run): not under GRADE_TIMEOUT_S
 
     async def initial_observation(self) -> tuple[Observation, StopCondition]:
         return self.observe()
@@ -114,6 +115,7 @@ class MathEnv(ChatEnv):
 def build(cfg: Math, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:
     if cfg.grader == "math_verify" and not math_verify_available():
         raise UserError("math env: grader = \"math_verify\" needs the math-verify package (pip install 'runner[math]')")
+    warm_up(cfg.grader)
     problems = load_problems(cfg.data, cfg.question_field, cfg.answer_field)
     held = load_problems(cfg.test_data, cfg.question_field, cfg.answer_field) if cfg.test_data else None
     train, test = split(problems, held, cfg, ctx.seed, "math env")

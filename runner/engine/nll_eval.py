@@ -1,0 +1,39 @@
+"""The `nll` pinned eval (runner/recipe/pinned.py NLLPinned): the mean per-token NLL of conversations under the
+weights, through the sampler's compute_logprobs, rendered with the recipe's renderer."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable
+from typing import Any
+
+from backends.errors import UserError
+from runner.data.conversations import load_conversations
+from runner.engine.evals import EvalContext, EvalKind, Metrics
+from runner.recipe.schema import Jsonl, NLLPinned
+from runner.renderers import render_row
+
+
+async def nll_eval(e: NLLPinned, ctx: EvalContext) -> Metrics:
+    convs, where = load_conversations(e.data)
+    convs, where = convs[: e.max_rows], where[: e.max_rows]
+    rendered = [render_row(ctx.renderer, c, e.train_on_what, w) for c, w in zip(convs, where, strict=True)]
+    logprobs = await asyncio.gather(*(_awaited(ctx.sampler.compute_logprobs(tokens)) for tokens, _ in rendered))
+    total, weight = 0.0, 0.0
+    for (_, w), lps in zip(rendered, logprobs, strict=True):
+        for wi, lp in zip(w[1:], lps[1:], strict=True):  # the first token has no logprob
+            if wi and lp is not None:
+                total -= wi * lp
+                weight += wi
+    if weight == 0:
+        src = e.data.path if isinstance(e.data, Jsonl) else where[0] if where else "the data"
+        raise UserError(f"nll eval: no weighted tokens in {src} (train_on_what = {e.train_on_what!r})")
+    return {"nll": total / weight, "ppl": math.exp(min(total / weight, 50.0)), "tokens": weight}
+
+
+async def _awaited(x: Awaitable[Any]) -> Any:
+    return await x
+
+
+EVAL = EvalKind(nll_eval)

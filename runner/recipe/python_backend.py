@@ -1,0 +1,53 @@
+"""A user's own backend from a recipe: `backend = {kind = "python", target = "pkg.mod:fn", args = {...}}`.
+
+fn(model=..., tokenizer=..., storage_dir=..., seed=..., **args) returns a backends.base.Backend (the protocol: a
+training client, sampling clients, a tokenizer). It is called when the run starts, where a built-in backend's
+`make` is; `runner check` imports it and binds its args first (runner/recipe/load.py check_recipe: a `Target`
+field, with TARGET_KEYWORDS), so a bad target or a misspelt arg is one line before any model loads. The variant is a
+BackendConfig subclass like the built-in ones (backends/backend_config.py): the schema's `Backend` union takes it
+the same way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from backends.backend_config import BackendConfig
+from backends.errors import UserError
+from runner.recipe.common import Target
+from runner.recipe.targets import import_target
+
+if TYPE_CHECKING:
+    from backends.base import Backend
+
+
+class PythonBackend(BackendConfig, tag="python"):  # pyright: ignore[reportGeneralTypeIssues] (see ConfigStruct)
+    """Your own backend: `target` names fn(model=, tokenizer=, storage_dir=, seed=, **args) -> a Backend."""
+
+    target: Target
+    args: dict[str, Any] = {}
+    # What runner passes fn besides the args (the recipe's model and tokenizer override, the run dir's
+    # checkpoints/ folder, the seed): `runner check` binds these with the args; the args may not set them.
+    TARGET_KEYWORDS: ClassVar[tuple[str, ...]] = ("model", "tokenizer", "storage_dir", "seed")
+
+    def __post_init__(self) -> None:
+        if clash := sorted(set(self.args) & set(self.TARGET_KEYWORDS)):
+            raise ValueError(f"args may not set {', '.join(clash)}: runner passes them (from the recipe and run dir)")
+
+    def make(self, model: str, tokenizer: str | None, storage_dir: Path, seed: int) -> Backend:
+        from backends.base import Backend
+
+        where = f"backend target {self.target!r}"
+        fn = import_target(self.target)
+        try:
+            out = fn(model=model, tokenizer=tokenizer, storage_dir=storage_dir, seed=seed, **self.args)
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - user code: one line naming it, not a traceback
+            reason = " ".join(f"{type(e).__name__}: {e}".split())
+            raise UserError(f"{where}: calling it with args {sorted(self.args)} raised {reason}") from None
+        if not isinstance(out, Backend):
+            raise UserError(f"{where} returned {type(out).__name__}, not a backends.base.Backend (get_tokenizer, "
+                            "create_training_client, create_sampling_client, ...: backends/base.py)")
+        return out
