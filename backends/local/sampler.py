@@ -208,13 +208,18 @@ class Sampler:
         def take(capacity: int, room: int) -> list[_Row]:
             """Whole pending requests, in arrival order, whose rows fit `capacity` slots and `room` rows."""
             admit(more())
+            if room <= 0 or not pending:
+                return []
+            groups: dict[int, list[_Row]] = {}
+            for r in pending:
+                groups.setdefault(r.req, []).append(r)
             out: list[_Row] = []
-            for i in dict.fromkeys(r.req for r in pending):
-                rows = [r for r in pending if r.req == i]
+            for rows in groups.values():
                 if len(out) + len(rows) <= room and all(len(r.prompt) + r.limit <= capacity for r in rows):
                     out += rows
-            taken = {id(r) for r in out}
-            pending[:] = [r for r in pending if id(r) not in taken]
+            if out:
+                taken = {id(r) for r in out}
+                pending[:] = [r for r in pending if id(r) not in taken]
             return out
 
         def finished(r: _Row) -> None:
