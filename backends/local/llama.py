@@ -6,7 +6,8 @@ RMSNorm, act(gate) * up, down, residual. This module holds those pieces once:
 - which models qualify (`llama_family_problem`), for packed.py (training) and the sampler (decoding);
 - `rope` (HF's apply_rotary_pos_emb for one tensor) and the RMSNorms: `rms_norm` with a hand-written backward
   (training: two saved tensors instead of five) and `rms_norm_eval` (decoding: torch's fused op in float32);
-- `LlamaDecoder`, the forward the sampler decodes with on the CPU: the same layers on plain tensors instead of
+- `LlamaDecoder`, the forward the sampler decodes with (CPU, and CUDA at static shapes: `step_static`, which
+  backends/local/static_decode.py captures as CUDA graphs): the same layers on plain tensors instead of
   HF's modules, with matmul weights in the layouts MKL and oneDNN run fastest (`packs_for_onednn`, which
   model.sampling_snapshot also reads), prompt tokens packed without padding for the prefill, and no per-step
   module or cache machinery. bench/bench_sampling.py measures it against `model.generate`.

@@ -10,11 +10,17 @@ place (no torch.cat per layer per step), the decode-step attention mask is a sli
 buffer (HF passes 4-D masks through untouched), top-k/top-p touch only the rows that ask for them,
 and a sampling step is one cumsum + searchsorted over the batch.
 
-Llama, Mistral, Qwen2 and Qwen3 decoders on the CPU take a faster path (llama.LlamaDecoder): the
-same layers on plain tensors instead of HF's modules, with their matmul weights in the layouts MKL and oneDNN
-run fastest, prompt tokens packed without padding for the prefill, and no per-step module or cache
-machinery. Every other model (or attention variant) decodes through HF's modules, as the rest of this file
-does. bench/bench_sampling.py measures both against `model.generate`; the ratios are in bench/README.md.
+Llama, Mistral, Qwen2 and Qwen3 decoders take a faster path (llama.LlamaDecoder): the same layers on plain
+tensors instead of HF's modules, with (on the CPU) their matmul weights in the layouts MKL and oneDNN run
+fastest, prompt tokens packed without padding for the prefill, and no per-step module or cache machinery. On
+CUDA its decode steps run at static shapes and replay as CUDA graphs (static_decode.py). Every other model (or
+attention variant) decodes through HF's modules, as the rest of this file does. bench/bench_sampling.py
+measures them against `model.generate`; the ratios are in bench/README.md.
+
+A request with num_samples = n prefills its prompt once (each distinct prompt of a batch once) and copies its
+KV to its n rows. `sample_stream` (what the local sampling client calls) adds continuous batching: requests
+that arrive while a batch decodes join it at a step boundary, and each is delivered as soon as it finishes.
+docs/local-backend.md has the whole picture.
 """
 
 from __future__ import annotations
