@@ -204,3 +204,25 @@ def test_cuda_graph_replay_equals_eager(tok, dtype):
     # A second call replays the kept graphs (both samplers' own generators have advanced alike).
     got, want = graph.sample_batch(_requests(tok)), eager.sample_batch(_requests(tok))
     assert [s[0] for s in _flat(got)] == [s[0] for s in _flat(want)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_graphs_with_joining_requests(tok):
+    """On CUDA (bf16): requests joining a graph-replayed batch (a finished row's slot, then a bigger bucket) get
+    the tokens the same stream gets with the graphs off (the same shapes step by step: CUDA promises no batch
+    invariance, so "alone" is not the reference here), logprobs within 2e-2."""
+    from tests.test_continuous_batching import _stream
+
+    dev = torch.device("cuda")
+    model = _model(tok, torch.bfloat16, dev)
+    reqs = [r for r in _requests(tok) if r[2].seed is not None or r[2].temperature == 0]  # seeded or greedy
+    graph, eager = Sampler(model, tok, dev, seed=1), Sampler(model, tok, dev, seed=1)
+    eager.cuda_graphs = False
+    want, _, _ = _stream(eager, reqs[:1], {2: [reqs[1]], 4: reqs[2:]})
+    got, _, _ = _stream(graph, reqs[:1], {2: [reqs[1]], 4: reqs[2:]})
+    assert any(b.graph is not None for b in graph._static.batches.values())
+    assert sorted(got) == sorted(want) == list(range(len(reqs)))
+    for i in want:
+        for a, b in zip(got[i].sequences, want[i].sequences, strict=True):
+            assert a.tokens == b.tokens and a.logprobs == pytest.approx(b.logprobs, abs=2e-2)
