@@ -174,6 +174,65 @@ def test_a_failed_capture_falls_back_to_eager_once(tok, one_thread, monkeypatch,
     ]
 
 
+def test_replayed_steps_read_the_batch_buffers(tok, one_thread, monkeypatch):
+    """The capture-and-replay plumbing on the CPU, with a stand-in for CUDA's graph whose replay reruns the
+    captured step on the batch's buffers (what a real replay does) and writes the captured output tensor: the
+    samples equal the eager path's, and all steps but each batch's first are replays."""
+    model = _model(tok)
+    eager, static = Sampler(model, tok, CPU, seed=3), Sampler(model, tok, CPU, seed=3)
+    static.static_decode = True
+    capturing: list[_FakeGraph] = []
+    forward = static_decode.StaticBatch._forward
+    replays: list[int] = []
+
+    class _FakeGraph:
+        def __init__(self):
+            self.batch = self.out = None
+
+        def replay(self):
+            replays.append(1)
+            self.out.copy_(forward(self.batch))
+
+    def recording_forward(self):
+        out = forward(self)
+        if capturing:
+            capturing[-1].batch, capturing[-1].out = self, out
+        return out
+
+    class _Capture:
+        def __init__(self, graph):
+            self.graph = graph
+
+        def __enter__(self):
+            capturing.append(self.graph)
+
+        def __exit__(self, *_exc):
+            capturing.pop()
+            return False
+
+    class _Stream:
+        def __init__(self, *_a):
+            pass
+
+        def wait_stream(self, _s):
+            pass
+
+    monkeypatch.setattr(static_decode.torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(static_decode.torch.cuda, "current_stream", lambda *_a: _Stream())
+    monkeypatch.setattr(static_decode.torch.cuda, "stream", lambda _s: _NullContext())
+    monkeypatch.setattr(static_decode.torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(static_decode.torch.cuda, "graph", _Capture)
+    monkeypatch.setattr(static_decode.StaticBatch, "_forward", recording_forward)
+    monkeypatch.setattr(static_decode.StaticBatch, "_wants_capture", lambda self: self.owner.graphs)
+    assert _flat(static.sample_batch(_requests(tok))) == _flat(eager.sample_batch(_requests(tok)))
+    graphs = [b.graph for b in static._static.batches.values()]
+    assert len(graphs) == 3 and all(isinstance(g, _FakeGraph) for g in graphs) and len(replays) > 30
+    before = len(replays)
+    assert _flat(static.sample_batch(_requests(tok))) == _flat(eager.sample_batch(_requests(tok)))
+    assert [b.graph for b in static._static.batches.values()] == graphs  # kept: no new capture
+    assert len(replays) > before
+
+
 class _NullContext:
     def __enter__(self):
         return self
