@@ -200,7 +200,8 @@ def test_replayed_steps_read_the_batch_buffers(tok, one_thread, monkeypatch):
         return out
 
     class _Capture:
-        def __init__(self, graph):
+        def __init__(self, graph, capture_error_mode="global"):
+            assert capture_error_mode == "thread_local"  # a training thread may share the GPU
             self.graph = graph
 
         def __enter__(self):

@@ -106,7 +106,9 @@ class StaticBatch:
         try:
             graph = torch.cuda.CUDAGraph()
             # Each graph its own memory pool: sharing one is safe only for graphs replayed in capture order.
-            with torch.cuda.graph(graph):
+            # thread_local: the training worker may use the same GPU from its own thread meanwhile; in the
+            # default (global) mode its syncs and mallocs would be errors during this capture.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 out = self._forward()
         except Exception as exc:  # noqa: BLE001 - any failure: decode eagerly from now on, said once
             self.owner.give_up(exc)
