@@ -39,6 +39,7 @@ from backends.local.loss_math import batch_loss, resolve_config, trained_positio
 from backends.local.options import LocalOptions
 from backends.local.packed import PackedLM
 from backends.local.worker import Job, Worker, fail
+from backends.tokenizer import Tokenizer
 from backends.types import (
     AdamParams,
     Datum,
@@ -116,7 +117,7 @@ class LocalBackend:
 
     # ---------------------------------------------------------------- service API
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> Tokenizer:
         with self._lock:
             if self._tokenizer is None:
                 import transformers
@@ -447,7 +448,7 @@ class LocalSamplingClient:
     def __init__(
         self,
         model: torch.nn.Module,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         device: torch.device,
         name: str,
         seed: int,
