@@ -18,6 +18,7 @@ import concurrent.futures
 from collections.abc import Callable, Generator
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
+from backends.tokenizer import Tokenizer
 from backends.types import (
     AdamParams,
     Datum,
@@ -139,7 +140,7 @@ class TrainingClient(Protocol):
 class Backend(Protocol):
     """The service: makes clients, owns the tokenizer, and is closed at the end of a run."""
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> Tokenizer:
         """A transformers tokenizer for the base model (with a chat template)."""
         ...
 

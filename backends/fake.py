@@ -25,6 +25,7 @@ import numpy as np
 
 from backends import losses
 from backends.base import BackendError, CustomLossFn, Future
+from backends.tokenizer import Tokenizer
 from backends.types import (
     AdamParams,
     Datum,
@@ -49,9 +50,11 @@ OPS = {
 
 
 class FakeBackend:
-    def __init__(self, tokenizer: Any = None, *, vocab: int | None = None, delay: float = 0.0,
+    def __init__(self, tokenizer: Tokenizer | None = None, *, vocab: int | None = None, delay: float = 0.0,
                  fail: str | None = None, storage_dir: Path | None = None):
-        self.tokenizer, self.delay, self.fail = tokenizer, delay, fail
+        self.delay, self.fail = delay, fail
+        # Any: a transformers tokenizer meets the Tokenizer protocol by duck typing, not by its declared signatures.
+        self.tokenizer: Any = tokenizer
         # One logit per token the tokenizer knows, so samples always decode.
         self.vocab = vocab or (len(tokenizer) if tokenizer is not None else 512)
         # Saved states live in memory, or as .npz files (so a second process can resume from them).
@@ -67,7 +70,7 @@ class FakeBackend:
         with self._lock:
             self.calls.append(event)
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             from backends.local.tiny import build_tokenizer
 

@@ -13,12 +13,33 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlparse
 
 from backends.errors import UserError
 
 HUB_CHECK_TIMEOUT_S = 3.0
+
+
+class Tokenizer(Protocol):
+    """What runner and backends/ use of a Hugging Face tokenizer (load_tokenizer loads one; tests build a tiny one).
+    The methods take what the Hugging Face ones take. Here, beside the loader, at the bottom of the import order
+    (tests/test_import_graph.py: backends/ never imports runner/; runner/renderers/base.py re-exports it)."""
+
+    eos_token_id: Any
+    bos_token: Any
+
+    def encode(self, text: str, /, *args: Any, **kwargs: Any) -> list[int]: ...
+
+    def decode(self, ids: Any, /, *args: Any, **kwargs: Any) -> str: ...
+
+    def convert_tokens_to_ids(self, tokens: Any, /) -> Any: ...
+
+    def apply_chat_template(self, conversation: Any, /, *args: Any, **kwargs: Any) -> Any: ...
+
+    def get_vocab(self) -> dict[str, int]: ...
+
+    def __len__(self) -> int: ...  # the vocabulary with added tokens
 
 
 def load_tokenizer(name: str) -> Any:
@@ -56,7 +77,7 @@ def local_core_tokenizer(name: str) -> Any:
     """The `tokenizers.Tokenizer` of tokenizer `name` when it is on this machine: "tiny" (built in code), a folder
     with a tokenizer.json, or a hub id whose tokenizer.json is in the Hugging Face cache; None otherwise (never a
     download). Light: no transformers, so `runner check` can look at it (runner/renderers/registry.py)."""
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer as CoreTokenizer
 
     if name == "tiny":
         from backends.local.tiny import build_core_tokenizer
@@ -75,7 +96,7 @@ def local_core_tokenizer(name: str) -> Any:
     if file is None or not Path(file).is_file():
         return None
     try:
-        return Tokenizer.from_file(str(file))
+        return CoreTokenizer.from_file(str(file))
     except Exception:  # noqa: BLE001 - a file tokenizers cannot read: loading it for real says why, later
         return None
 

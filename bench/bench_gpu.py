@@ -41,6 +41,11 @@ training steps/s of ours (attention "auto") against ours-before, in this process
 Sampling: --prompts prompts of --prompt-len random tokens, --new-tokens tokens each at temperature 1 with no stop
 (ours: stop=[]; generate: min_new_tokens = max_new_tokens), against HF `generate` (dynamic cache) and, on CUDA,
 `generate` with a static cache and a torch.compile'd forward; tokens/s = new tokens / wall time, medians.
+  ours          the sampling client (one batch): on CUDA the Llama fast path at static shapes, its decode steps
+                replayed from CUDA graphs (backends/local/static_decode.py); on the CPU the eager fast path
+  ours-eager    (CUDA) the same Sampler engine with the graphs off: the static shapes run eagerly
+  ours-before   the Sampler engine decoding through HF's modules (its path before issue #29, and for any model
+                outside the Llama family)
 
     python bench/bench_gpu.py                      # CUDA: 0.6b and 1.7b, writes bench/results/gpu_speed.md
     python bench/bench_gpu.py --shape tiny --quick # CPU smoke
@@ -552,7 +557,27 @@ def bench_sampling(shape: str, model_dir: Path, cfg: Any, device: torch.device, 
             out = m.generate(ids, **gen_kw, **extra)
         return int(out.shape[0] * (out.shape[1] - ids.shape[1]))
 
-    contenders: dict[str, Callable[[], int]] = {"ours": run_ours, "generate": lambda: run_generate(model)}
+    # The engine behind the client, for its variants (run on this thread while the client's worker is idle).
+    engine = sampler._sampler  # noqa: SLF001 - a bench reaching into the client it measures
+
+    def variant(**attrs: Any) -> Callable[[], int]:
+        from backends.local.sampler import Sampler
+
+        other = Sampler(engine.model, engine.tokenizer, device, seed=0)
+        for k, v in attrs.items():
+            setattr(other, k, v)
+        params = SamplingParams(max_tokens=new, temperature=1.0, stop=[], seed=0)
+
+        def run() -> int:
+            return sum(len(s.tokens) for o in other.sample_batch([(p, 1, params) for p in prompts])
+                       for s in o.sequences)
+        return run
+
+    contenders: dict[str, Callable[[], int]] = {"ours": run_ours}
+    if device.type == "cuda":
+        contenders["ours-eager"] = variant(cuda_graphs=False)
+    contenders["ours-before"] = variant(fast=None)
+    contenders["generate"] = lambda: run_generate(model)
     if device.type == "cuda":
         static = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         static.forward = torch.compile(static.forward, mode="reduce-overhead", fullgraph=True)

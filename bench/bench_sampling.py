@@ -5,7 +5,8 @@ temperature 1 with no top-k/top-p, exactly the budgeted tokens per row (stop=[] 
 min_new_tokens for generate). Median of `--runs` interleaved timed runs after one warm-up each.
 Batch shapes: B distinct prompts; PxG (P prompts, G samples each: num_return_sequences for generate);
 Bragged (per-row budgets from new/8 to new, counted as delivered tokens for both). --modules adds the
-Sampler with its Llama-family fast path off (HF's modules decode, as for any other architecture).
+Sampler with its Llama-family fast path off (HF's modules decode, as for any other architecture);
+--per-row adds it with one prefill per row instead of one per distinct prompt (Sampler.share_prefill = False).
 
     OMP_NUM_THREADS=1 python bench/bench_sampling.py                 # tiny + 512x8, batch 8 and 32
     python bench/bench_sampling.py --models big --batches 32 --device cuda --dtype bfloat16
@@ -55,9 +56,9 @@ def make_model(name: str, device: torch.device, dtype: torch.dtype):
     return model, tok
 
 
-def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
+def make_prompts(n: int, seed: int = 0, length: int | None = None) -> list[list[int]]:
     rng = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(8, 64, (n,), generator=rng).tolist()
+    lengths = [length] * n if length else torch.randint(8, 64, (n,), generator=rng).tolist()
     return [torch.randint(0, 256, (k,), generator=rng).tolist() for k in lengths]
 
 
@@ -125,7 +126,11 @@ def main() -> None:
     ap.add_argument("--ragged", action=argparse.BooleanOptionalAction, default=True)
     # Also time the Sampler with its Llama-family fast path off (HF's modules decode: its path for other models).
     ap.add_argument("--modules", action=argparse.BooleanOptionalAction, default=False)
+    # Also time the Sampler prefilling every row on its own (the shared prefill's reference).
+    ap.add_argument("--per-row", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--new", type=int, default=64)
+    # Every prompt this many tokens (default: 8-63, mixed); long prompts and few new tokens weigh the prefill.
+    ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -142,19 +147,22 @@ def main() -> None:
         f"threads {torch.get_num_threads()}, {args.new} new tokens/row, median of {args.runs}, {clock_name} clock"
     )
     extra = f" {'modules tok/s':>14} {'ratio':>6}" if args.modules else ""
+    extra += f" {'per-row tok/s':>14} {'ours/it':>7}" if args.per_row else ""
     print(f"{'model':6} {'batch':>9} {'sampler tok/s':>14} {'generate tok/s':>15} {'ratio':>6}{extra}")
     for name in args.models.split(","):
         model, tok = make_model(name, device, dtype)
         sampler = Sampler(model, tok, device, seed=0)
         plain = Sampler(model, tok, device, seed=0)
         plain.fast = None
+        per_row = Sampler(model, tok, device, seed=0)
+        per_row.share_prefill = False
         batches = [int(b) for b in args.batches.split(",")]
         # (label, rows, samples per prompt, ragged budgets)
         shapes = [(str(b), b, 1, False) for b in batches]
-        shapes += [(f"{b // args.group}x{args.group}", b, args.group, False) for b in batches if 1 < args.group < b]
+        shapes += [(f"{b // args.group}x{args.group}", b, args.group, False) for b in batches if 1 < args.group <= b]
         shapes += [(f"{b}ragged", b, 1, True) for b in batches if args.ragged and b > 1]
         for label, batch, group, ragged in shapes:
-            prompts = make_prompts(batch // group)
+            prompts = make_prompts(batch // group, length=args.prompt_len)
             # ragged: budgets spread over [new/8, new], as when rows stop at EOS at different times
             budgets = [max(1, args.new * (1 + 7 * i // max(1, len(prompts) - 1)) // 8) for i in range(len(prompts))]
             budgets = budgets if ragged else [args.new] * len(prompts)
@@ -163,6 +171,8 @@ def main() -> None:
             fns = [ours, hf]
             if args.modules:
                 fns.append(functools.partial(run_sampler, plain, prompts, budgets, group))
+            if args.per_row:
+                fns.append(functools.partial(run_sampler, per_row, prompts, budgets, group))
             results = measure(fns, args.runs, sync, clock)
             (t_ours, n_ours), (t_hf, n_hf) = results[:2]
             assert n_ours == n_hf == sum(budgets) * group, (n_ours, n_hf)
@@ -171,6 +181,9 @@ def main() -> None:
             if args.modules:
                 r_mod = results[2][1] / results[2][0]
                 line += f" {r_mod:14.0f} {r_mod / r_hf:6.2f}"
+            if args.per_row:
+                r_row = results[-1][1] / results[-1][0]
+                line += f" {r_row:14.0f} {r_ours / r_row:7.2f}"
             print(line, flush=True)
 
 

@@ -1,9 +1,11 @@
 """Wall time of the local backend's sampling CLIENTS (worker threads, batching), not the engine.
 
-Three variants, each in a fresh subprocess (torch's OpenMP state is per process), interleaved over rounds:
+Four variants, each in a fresh subprocess (torch's OpenMP state is per process), interleaved over rounds:
   old      sampling workers use torch's default thread count and run whatever is queued at once
   threads  + sampling workers run torch single-threaded on the CPU (backend.SAMPLER_CPU_THREADS)
   new      + the worker coalesces requests that arrive a few ms apart (worker.Worker._gather)
+  stream   + continuous batching: requests arriving while a batch decodes join it, and each is delivered as
+           soon as it finishes (Sampler.sample_stream; the other variants run Sampler.sample_batch)
 Scenarios (tiny model, CPU):
   lone      the base-model client used alone (the KL/DPO reference case): one 16-token sample, then 32
             concurrent ones; then the same on a snapshot client
@@ -28,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-VARIANTS = ("old", "threads", "new")
+VARIANTS = ("old", "threads", "new", "stream")
 SCENARIOS = ("lone", "episodes", "twentyq")
 
 
@@ -43,6 +45,12 @@ def _backend(variant: str):
         B.SAMPLER_CPU_THREADS = torch.get_num_threads()
     if variant in ("old", "threads"):  # no waiting: the batch starts with what is queued (the old drain)
         W.COLD_GAP_S = W.WAIT_FRACTION = 0.0
+    if variant != "stream":  # one sample_batch per drained batch, results when the whole batch is done
+
+        def whole_batch(self, samples, jobs):
+            self._run(samples, self._sampler.sample_batch, lambda j: (j.payload[1], j.payload[2], j.payload[3]))
+
+        B.LocalSamplingClient._stream = whole_batch
     return B.LocalBackend(Local(), "tiny", None, Path(tempfile.mkdtemp()), seed=0)
 
 
@@ -54,14 +62,26 @@ def _snapshot(be):
 
 
 def _count_batches(sc) -> list[int]:
+    """Requests per decode run: a sample_batch call's, or a sample_stream's (those it started with plus those
+    that joined it)."""
     sizes: list[int] = []
-    inner = sc._sampler.sample_batch
+    batch, stream = sc._sampler.sample_batch, sc._sampler.sample_stream
 
     def counted(reqs):
         sizes.append(len(reqs))
-        return inner(reqs)
+        return batch(reqs)
+
+    def counted_stream(reqs, more, done):
+        sizes.append(len(reqs))
+
+        def joined():
+            got = more()
+            sizes[-1] += len(got)
+            return got
+        return stream(reqs, joined, done)
 
     sc._sampler.sample_batch = counted
+    sc._sampler.sample_stream = counted_stream
     return sizes
 
 

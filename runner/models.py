@@ -1,6 +1,8 @@
 """The one table of what runner knows about a model by name (runner/models.toml): the renderer `auto` picks, the
-hidden size `lr = "auto"` uses, the Tinker price per million tokens. Readers: runner/renderers/auto.py,
-runner/recipe/lr.py, runner/engine/cost.py. A new model is one `[models."NAME"]` table there.
+hidden size `lr = "auto"` uses, the Tinker price per million tokens, the context length (prompt + completion).
+Readers: runner/renderers/auto.py, runner/recipe/lr.py, runner/engine/cost.py, runner/recipe/fits.py (`runner
+check`), runner/renderers/chat.py (context_window: RL's per-turn cap). A new model is one `[models."NAME"]` table
+there.
 
 At the bottom of the package order (tests/test_import_graph.py): it imports nothing of runner/.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 
@@ -20,6 +23,8 @@ class Model(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     hidden_size: int | None = None
     # {prefill, sample, train}: USD per million tokens (checked as a recipe's `price`, runner/recipe/cost.py).
     price: dict[str, float] | None = None
+    # Max tokens of prompt + completion (the published config's max_position_embeddings).
+    context: Annotated[int, msgspec.Meta(gt=0)] | None = None
 
 
 def _load(path: Path = TABLE) -> dict[str, Model]:
@@ -33,3 +38,9 @@ MODELS: dict[str, Model] = _load()
 def model_info(name: str) -> Model | None:
     """The table's row for a model name (a ":..." checkpoint suffix ignored), or None."""
     return MODELS.get(name.split(":", 1)[0])
+
+
+def model_context(name: str) -> int | None:
+    """The table's context length for a model name (a ":..." suffix ignored), or None when it has none."""
+    row = model_info(name)
+    return None if row is None else row.context

@@ -149,14 +149,16 @@ def test_a_server_that_reuses_the_seed_per_row_fails(url, monkeypatch):
     from backends.local.sampler import Sampler
     from backends.types import SampleOutput
 
-    real = Sampler.sample_batch
+    real = Sampler.sample_stream  # the local sampling client's path (continuous batching)
 
-    def copies(self, requests):
-        return [SampleOutput(sequences=[o.sequences[0]] * len(o.sequences)) for o in real(self, requests)]
+    def copies(self, requests, more, done):
+        def first_only(i, out):
+            done(i, out if isinstance(out, ValueError) else SampleOutput(sequences=[out.sequences[0]] * len(out.sequences)))
+        return real(self, requests, more, first_only)
 
     _, results = _run(url, ("seeded_rows_differ",))
     assert [r.result for r in results] == ["pass"] and "distinct rows of 4" in results[0].detail
-    monkeypatch.setattr(Sampler, "sample_batch", copies)
+    monkeypatch.setattr(Sampler, "sample_stream", copies)
     _, results = _run(url, ("seeded_rows_differ",))
     assert [r.result for r in results] == ["FAIL"], results
     assert "the seed is reused for every row" in results[0].detail

@@ -28,9 +28,9 @@ def test_backends_import_alone() -> None:
 
 
 def test_schema_is_only_the_schema() -> None:
-    """runner/recipe/schema.py and its parts (common, sources, envs, pinned, cost, numerics) declare tables; reading,
+    """runner/recipe/schema.py and its parts (common, sources, envs, pinned, cost, numerics_table) declare tables; reading,
     overrides, error text and imports of user code live elsewhere."""
-    for part in ("schema", "common", "sources", "envs", "pinned", "cost", "numerics"):
+    for part in ("schema", "common", "sources", "envs", "pinned", "cost", "numerics_table"):
         text = (REPO / "runner" / "recipe" / f"{part}.py").read_text()
         for word in ("tomllib", "importlib", "def load_", "def apply_overrides", "def explain", "def import_target"):
             assert word not in text, (part, word)

@@ -635,9 +635,21 @@ def test_seeded_samples_do_not_depend_on_the_batch(backend, data):
     sc = backend.create_sampling_client(base_model="tiny").result()
     prompts = [d.model_input[: 3 + i] for i, d in enumerate(data)]
     params = [SamplingParams(max_tokens=8, temperature=1.0, seed=100 + i, stop=[]) for i in range(len(data))]
-    alone = [sc.sample(p, 2, q).result() for p, q in zip(prompts, params)]
-    inner, sizes = sc._sampler.sample_batch, []
-    sc._sampler.sample_batch = lambda reqs: (sizes.append(len(reqs)), inner(reqs))[1]
+    # Alone: on the engine directly. Through the client, the last of them would still be decoding when its
+    # result is delivered, and the requests below could join its batch (continuous batching) before the spy.
+    alone = [sc._sampler.sample_batch([(p, 2, q)])[0] for p, q in zip(prompts, params)]
+    inner, sizes = sc._sampler.sample_stream, []
+
+    def spy(reqs, more, done):  # one decode run: those coalesced at its start, plus those that joined it
+        sizes.append(len(reqs))
+
+        def joined():
+            got = more()
+            sizes[-1] += len(got)
+            return got
+        return inner(reqs, joined, done)
+
+    sc._sampler.sample_stream = spy
 
     async def together():
         return await asyncio.gather(*(sc.sample(p, 2, q) for p, q in zip(prompts, params)))

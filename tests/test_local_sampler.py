@@ -399,9 +399,9 @@ def test_finished_rows_leave_the_batch(rand, tok, one_thread):
     # Prefill (the 8 prompts' 3 tokens each, packed into one matrix), step 2, then the two long rows and two
     # finished ones: no forward has fewer than 4 rows (batch invariance, see sampler._ROW_QUANTUM).
     assert sizes == [8 * 3, 8] + [4] * 10
-    # Samples of one prompt share a single prefill row (padded to 4 rows).
+    # Samples of one prompt share a single prefill (its 3 tokens, packed rows rounded up to 4).
     outs, sizes = _batch_sizes(rand, lambda: sampler.sample_batch([([5, 6, 7], 6, _greedy(4, stop=[]))]))
-    assert sizes[0] == 4 * 3 and sizes[1:] == [8] * 3  # 6 rows and 2 fillers
+    assert sizes[0] == 4 and sizes[1:] == [8] * 3  # 6 rows and 2 fillers
     assert all(s == outs[0].sequences[0] for s in outs[0].sequences)
     (alone,) = _one(sampler, [5, 6, 7], _greedy(4, stop=[]))
     assert outs[0].sequences[0].tokens == alone.tokens
@@ -414,8 +414,9 @@ def test_rows_over_the_cache_budget_run_in_turn(rand, tok, one_thread):
     sampler = Sampler(rand, tok, CPU)
     sampler.cache_budget = 1  # one row per decode batch
     split, sizes = _batch_sizes(rand, lambda: sampler.sample_batch(requests))
-    # Per batch, one real row and three fillers: a prefill of 4 x 7 packed prompt tokens, then 5 steps of 4 rows.
-    assert sizes == ([4 * 7] + [4] * 5) * 10
+    # Per batch, one real row and three fillers sharing its prompt: a prefill of its 7 tokens (packed rows
+    # rounded up to 8), then 5 steps of 4 rows.
+    assert sizes == ([8] + [4] * 5) * 10
     assert [s.tokens for o in split for s in o.sequences] == [s.tokens for o in whole for s in o.sequences]
     assert [s.logprobs for o in split for s in o.sequences] == [s.logprobs for o in whole for s in o.sequences]
 

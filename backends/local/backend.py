@@ -41,6 +41,7 @@ from backends.local.options import LocalOptions
 from backends.local.packed import PackedLM
 from backends.local.transfer import to_device
 from backends.local.worker import Job, Worker, fail
+from backends.tokenizer import Tokenizer
 from backends.types import (
     AdamParams,
     Datum,
@@ -121,7 +122,7 @@ class LocalBackend:
 
     # ---------------------------------------------------------------- service API
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> Tokenizer:
         with self._lock:
             if self._tokenizer is None:
                 import transformers
@@ -471,7 +472,7 @@ class LocalSamplingClient:
     def __init__(
         self,
         model: torch.nn.Module,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         device: torch.device,
         name: str,
         seed: int,
@@ -497,8 +498,40 @@ class LocalSamplingClient:
         # Logprobs first: one forward pass, so its callers go on while the samples decode.
         self._run([j for j in valid if j.payload[0] == "logprobs"], self._sampler.compute_logprobs_batch,
                   lambda j: j.payload[1])
-        self._run([j for j in valid if j.payload[0] == "sample"], self._sampler.sample_batch,
-                  lambda j: (j.payload[1], j.payload[2], j.payload[3]))
+        self._stream([j for j in valid if j.payload[0] == "sample"], jobs)
+
+    def _stream(self, samples: list[Job], jobs: list[Job]) -> None:
+        """The sample jobs through Sampler.sample_stream: jobs submitted while they decode join the running
+        batch (continuous batching; logprob jobs among them run at once), and each job's future is set as soon
+        as its samples finish. On a failure that is no one request's (ValueError: that request's alone), the
+        unfinished jobs are retried one by one, as a failed batch is."""
+        if not samples:
+            return
+        order = list(samples)  # sample_stream's request numbers -> jobs
+
+        def request(j: Job) -> Any:
+            return j.payload[1], j.payload[2], j.payload[3]
+
+        def more() -> list[Any]:
+            fresh = [j for j in self._worker.poll(jobs) if self._check(j)]
+            self._run([j for j in fresh if j.payload[0] == "logprobs"], self._sampler.compute_logprobs_batch,
+                      lambda j: j.payload[1])
+            got = [j for j in fresh if j.payload[0] == "sample"]
+            order.extend(got)
+            return [request(j) for j in got]
+
+        def done(i: int, out: Any) -> None:
+            if isinstance(out, ValueError):
+                fail(order[i], _user_error(str(out)))
+            else:
+                order[i].future.set_result(out)
+
+        try:
+            self._sampler.sample_stream([request(j) for j in samples], more, done)
+        except Exception:  # noqa: BLE001 - retried below, one request at a time
+            for j in order:
+                if not j.future.done():
+                    self._run([j], self._sampler.sample_batch, request)
 
     def _check(self, job: Job) -> bool:
         tokens = job.payload[1]

@@ -6,7 +6,8 @@ RMSNorm, act(gate) * up, down, residual. This module holds those pieces once:
 - which models qualify (`llama_family_problem`), for packed.py (training) and the sampler (decoding);
 - `rope` (HF's apply_rotary_pos_emb for one tensor) and the RMSNorms: `rms_norm` with a hand-written backward
   (training: two saved tensors instead of five) and `rms_norm_eval` (decoding: torch's fused op in float32);
-- `LlamaDecoder`, the forward the sampler decodes with on the CPU: the same layers on plain tensors instead of
+- `LlamaDecoder`, the forward the sampler decodes with (CPU, and CUDA at static shapes: `step_static`, which
+  backends/local/static_decode.py captures as CUDA graphs): the same layers on plain tensors instead of
   HF's modules, with matmul weights in the layouts MKL and oneDNN run fastest (`packs_for_onednn`, which
   model.sampling_snapshot also reads), prompt tokens packed without padding for the prefill, and no per-step
   module or cache machinery. bench/bench_sampling.py measures it against `model.generate`.
@@ -192,9 +193,10 @@ class LoraDelta(nn.Module):
 
 class FastLinear:
     """y = x @ W.T (+ b): oneDNN's prepacked matmul for large fp32 weights, else x @ wt with wt the contiguous
-    (in, out) matrix (see _ONEDNN_MIN_BYTES and _transposed)."""
+    (in, out) matrix (see _ONEDNN_MIN_BYTES and _transposed). Off the CPU, F.linear on the weight as stored
+    (cuBLAS takes either layout; a copy would double the weights' memory)."""
 
-    __slots__ = ("a_t", "b", "b_t", "packed", "scale", "wt")
+    __slots__ = ("a_t", "b", "b_t", "packed", "scale", "w", "wt")
 
     def __init__(self, linear: nn.Linear | LoraDelta):
         # An unmerged adapter: the base layer's fast matmul plus scale * (x @ A^T) @ B^T (LoraDelta's math).
@@ -207,7 +209,10 @@ class FastLinear:
         w, self.b = linear.weight, _bias(linear)
         self.packed: torch.Tensor | None = None
         self.wt: torch.Tensor | None = None
-        if packs_for_onednn(w):
+        self.w: torch.Tensor | None = None
+        if w.device.type != "cpu":
+            self.w = w.detach()
+        elif packs_for_onednn(w):
             # The batch-size hint (8) only picks the packed layout; any row count runs (and is batch-invariant).
             d = w.detach()
             self.packed = _derived(w, "onednn", lambda: torch.ops.mkldnn._reorder_linear_weight(d.contiguous(), 8))
@@ -217,7 +222,9 @@ class FastLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # torch.ops.mkldnn's linear ops are the ones inductor's CPU weight prepacking emits; were they ever
         # missing (or failing), FastLinear's constructor raises and LlamaDecoder.of falls back to HF's modules.
-        if self.packed is not None:
+        if self.w is not None:
+            y = F.linear(x, self.w, self.b)
+        elif self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
         else:
             assert self.wt is not None
@@ -260,6 +267,22 @@ class DecodeCache:
                 new = old.new_zeros((len(indices), *old.shape[1:]))
                 new[:, :, :end] = old[:, :, :end].index_select(0, indices)
                 bufs[i] = new
+
+    def grow(self, extra: int) -> None:
+        """`extra` more rows, zeroed (a request joining a running batch: the sampler's continuous batching)."""
+        for bufs in (self.keys, self.values):
+            for i, old in enumerate(bufs):
+                bufs[i] = torch.cat((old, old.new_zeros((extra, *old.shape[1:]))))
+
+    def put(self, rows: torch.Tensor, src: DecodeCache, index: torch.Tensor) -> None:
+        """Row rows[j] := row index[j] of `src` (a joining request's prefill), in place; its slots past what
+        `src` holds are zeroed (masked slots are read, so they must be finite)."""
+        width = src.keys[0].shape[2]
+        for dst, part in zip(self.keys + self.values, src.keys + src.values, strict=True):
+            fresh = dst.new_zeros((len(rows), *dst.shape[1:]))
+            fresh[:, :, :width] = part.index_select(0, index)
+            dst[rows] = fresh
+        self.filled = max(self.filled, width)
 
 
 class LlamaDecoder:
@@ -403,7 +426,10 @@ class LlamaDecoder:
             x = x + layer.o(a)
             x = self._mlp(layer, x)
         cache.filled = max(cache.filled, t)
-        return self._logits(x[last])
+        # The unembedding too runs a multiple of `row_quantum` rows (repeats of the last prompt's), however
+        # few prompts there are: a group's one shared prompt gets the logits it would get among others.
+        last = torch.cat((last, last[-1:].expand(-(-p // row_quantum) * row_quantum - p)))
+        return self._logits(x[last])[:p]
 
     def step(self, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
         """One new token per row: tok and pos (rows,), written at cache slot pos of its row; mask (rows, 1, 1,
@@ -430,3 +456,32 @@ class LlamaDecoder:
             x = self._mlp(layer, x)
         cache.filled = max(cache.filled, view)
         return self._logits(x)
+
+    def step_static(self, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: DecodeCache
+                    ) -> torch.Tensor:
+        """`step` with every shape fixed by the cache and no host synchronisation, so that a CUDA graph can
+        capture it (backends/local/static_decode.py): each row writes at its slot `pos` by a scatter, attention
+        reads every slot of the cache's capacity under mask (rows, 1, 1, capacity), and the rotary table must
+        already cover the capacity (`table`). On the CPU it computes what `step` does, bit for bit: the same
+        operations, and sdpa gives a query the same output for any key length that is a multiple of 16 with
+        the rest masked (sampler._KV_QUANTUM)."""
+        n = tok.shape[0]
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
+        x = self.embed_tokens(tok)
+        group = self.heads // self.kv_heads
+        where = pos.view(n, 1, 1, 1).expand(n, self.kv_heads, 1, self.head_dim)
+        for layer, kbuf, vbuf in zip(self.layers, cache.keys, cache.values):
+            q, k, v = self._qkv(layer, rms_norm_eval(x, layer.ln1, self.eps), (n,))
+            kbuf.scatter_(2, where, rope(k, cos, sin)[:, :, None])
+            vbuf.scatter_(2, where, v[:, :, None])
+            a = F.scaled_dot_product_attention(
+                rope(q, cos, sin).view(n, self.kv_heads, group, self.head_dim), kbuf, vbuf, attn_mask=mask,
+                scale=self.scaling,
+            )
+            x = x + layer.o(a.reshape(n, -1))
+            x = self._mlp(layer, x)
+        return self._logits(x)
+
+    def table(self, n: int) -> None:
+        """Grows the rotary table to cover positions 0..n-1 (step_static reads it as it is)."""
+        self._table(n)

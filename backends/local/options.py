@@ -1,7 +1,7 @@
-"""What the local backend reads of its recipe table (config.Local), as a read-only Protocol.
+"""What the local backend reads of its recipe table (local_config.Local), as a read-only Protocol.
 
-config.py makes the backend (`Local.make` imports backend.py lazily); the backend and device.py type their
-settings with this Protocol instead of importing config.py back, so the modules form no circle (tests/
+local_config.py makes the backend (`Local.make` imports backend.py lazily); the backend and device.py type their
+settings with this Protocol instead of importing local_config.py back, so the modules form no circle (tests/
 test_import_graph.py). `Local` satisfies it structurally; pyright checks that where `make` passes itself.
 """
 

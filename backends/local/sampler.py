@@ -10,16 +10,23 @@ place (no torch.cat per layer per step), the decode-step attention mask is a sli
 buffer (HF passes 4-D masks through untouched), top-k/top-p touch only the rows that ask for them,
 and a sampling step is one cumsum + searchsorted over the batch.
 
-Llama, Mistral, Qwen2 and Qwen3 decoders on the CPU take a faster path (llama.LlamaDecoder): the
-same layers on plain tensors instead of HF's modules, with their matmul weights in the layouts MKL and oneDNN
-run fastest, prompt tokens packed without padding for the prefill, and no per-step module or cache
-machinery. Every other model (or attention variant) decodes through HF's modules, as the rest of this file
-does. bench/bench_sampling.py measures both against `model.generate`; the ratios are in bench/README.md.
+Llama, Mistral, Qwen2 and Qwen3 decoders take a faster path (llama.LlamaDecoder): the same layers on plain
+tensors instead of HF's modules, with (on the CPU) their matmul weights in the layouts MKL and oneDNN run
+fastest, prompt tokens packed without padding for the prefill, and no per-step module or cache machinery. On
+CUDA its decode steps run at static shapes and replay as CUDA graphs (static_decode.py). Every other model (or
+attention variant) decodes through HF's modules, as the rest of this file does. bench/bench_sampling.py
+measures them against `model.generate`; the ratios are in bench/README.md.
+
+A request with num_samples = n prefills its prompt once (each distinct prompt of a batch once) and copies its
+KV to its n rows. `sample_stream` (what the local sampling client calls) adds continuous batching: requests
+that arrive while a batch decodes join it at a step boundary, and each is delivered as soon as it finishes.
+docs/local-backend.md has the whole picture.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -29,6 +36,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from backends.local.device import LOGITS_DTYPE
 from backends.local.llama import DecodeCache, LlamaDecoder, Slots
+from backends.local.static_decode import StaticBatch, StaticDecoder, capacity_bucket, row_bucket
 from backends.types import SampledSequence, SampleOutput, SamplingParams, StopReason
 
 # Logit entries (rows x length x vocab) one compute_logprobs_batch forward may produce.
@@ -124,6 +132,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     reason: StopReason | None = None  # set once the row finishes
+    start: int = 0  # the decode step of its first token (a row that joined a running batch: later than 0)
 
 
 class Sampler:
@@ -149,9 +158,17 @@ class Sampler:
         # KV cache bytes one decode batch may hold; rows beyond it run in further batches. None: 2 GiB on
         # CPU, half the free memory on CUDA (measured per call).
         self.cache_budget: int | None = None
-        # The plain-tensor decode path for Llama-family models (None: HF's modules decode). Its transposed
-        # weights pay off on the CPU (MKL); elsewhere it is not used.
-        self.fast: LlamaDecoder | None = LlamaDecoder.of(model) if self.device.type == "cpu" else None
+        # The plain-tensor decode path for Llama-family models (None: HF's modules decode). On the CPU its
+        # transposed weights pay off (MKL); on CUDA it decodes through static_decode.py's CUDA graphs.
+        self.fast: LlamaDecoder | None = LlamaDecoder.of(model) if self.device.type in ("cpu", "cuda") else None
+        # Decode the fast path's steps at static shapes (static_decode.py): None = where they replay as CUDA
+        # graphs (CUDA); True forces it (on the CPU it runs eagerly: what the tests compare), False never.
+        self.static_decode: bool | None = None
+        self.cuda_graphs = True  # capture the static steps on CUDA (False: the same shapes, eagerly)
+        self._static: StaticDecoder | None = None
+        # Prefill each distinct prompt once and copy its KV to every row sampling it (False: one prefill per
+        # row, the reference the shared prefill is tested and benched against; same bits on the CPU).
+        self.share_prefill = True
 
     # ------------------------------------------------------------------ public
 
@@ -164,6 +181,72 @@ class Sampler:
         for r in rows:
             out[r.req].append(SampledSequence(r.tokens, r.logprobs, r.reason or "length"))
         return [SampleOutput(sequences=s) for s in out]
+
+    def sample_stream(
+        self,
+        requests: list[tuple[list[int], int, SamplingParams]],
+        more: Callable[[], list[tuple[list[int], int, SamplingParams]]],
+        done: Callable[[int, SampleOutput | ValueError], None],
+    ) -> None:
+        """sample_batch with continuous batching, for a worker whose requests keep arriving. Requests are numbered
+        in arrival order: `requests`, then each list `more()` returns (it is called at every decode step and
+        must not block). On the fast path a request that arrives while a batch decodes joins it at the next step
+        boundary when its rows fit the batch's KV capacity and cache budget (it takes finished rows' slots
+        first); otherwise it runs in the next batch. `done(i, result)` is called once per request as soon as all
+        its samples are finished: its SampleOutput, or the ValueError that makes it invalid. A request's tokens
+        and logprobs are those sample_batch gives it (bit for bit on the CPU, seeded: batch invariance)."""
+        pending: list[_Row] = []
+        left: dict[int, list[_Row]] = {}  # request -> its rows, until all have finished
+        count = 0
+
+        def admit(reqs: list[tuple[list[int], int, SamplingParams]]) -> None:
+            nonlocal count
+            for req in reqs:
+                i, count = count, count + 1
+                try:
+                    rows = self._rows(i, *req)
+                except ValueError as exc:
+                    done(i, exc)
+                    continue
+                left[i] = rows
+                pending.extend(rows)
+
+        def take(capacity: int, room: int) -> list[_Row]:
+            """Whole pending requests, in arrival order, whose rows fit `capacity` slots and `room` rows."""
+            admit(more())
+            if room <= 0 or not pending:
+                return []
+            groups: dict[int, list[_Row]] = {}
+            for r in pending:
+                groups.setdefault(r.req, []).append(r)
+            out: list[_Row] = []
+            for rows in groups.values():
+                if len(out) + len(rows) <= room and all(len(r.prompt) + r.limit <= capacity for r in rows):
+                    out += rows
+            if out:
+                taken = {id(r) for r in out}
+                pending[:] = [r for r in pending if id(r) not in taken]
+            return out
+
+        def finished(r: _Row) -> None:
+            rows = left.get(r.req)
+            if rows is None or any(x.reason is None for x in rows):
+                return
+            del left[r.req]
+            done(r.req, SampleOutput(sequences=[SampledSequence(x.tokens, x.logprobs, x.reason or "length")
+                                                for x in rows]))
+
+        admit(requests)
+        join = _Join(take, finished)
+        with torch.inference_mode():
+            while True:
+                if not pending:
+                    admit(more())
+                    if not pending:
+                        return
+                chunk = self._chunks(pending)[0]
+                del pending[: len(chunk)]
+                self._generate(chunk, join)
 
     def compute_logprobs_batch(self, seqs: list[list[int]]) -> list[list[float | None]]:
         for s in seqs:
@@ -250,20 +333,33 @@ class Sampler:
 
     # ------------------------------------------------------------------ the decode loop
 
-    def _chunks(self, rows: list[_Row]) -> list[list[_Row]]:
-        """Consecutive runs of rows whose KV cache (rows x (longest prompt + most steps)) fits the budget."""
+    def _budget_slots(self) -> int:
+        """KV cache slots (rows x positions) one decode batch may hold: cache_budget's bytes."""
         budget = self.cache_budget
         if budget is None:
             budget = torch.cuda.mem_get_info(self.device)[0] // 2 if self.device.type == "cuda" else 2 << 30
         cfg = self.config
         heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        slots = max(1, budget // (cfg.num_hidden_layers * 2 * heads * head_dim * self.dtype.itemsize))
+        return max(1, budget // (cfg.num_hidden_layers * 2 * heads * head_dim * self.dtype.itemsize))
+
+    def _chunks(self, rows: list[_Row]) -> list[list[_Row]]:
+        """Consecutive runs of rows whose KV cache (rows x (longest prompt + most steps)) fits the budget."""
+        slots = self._budget_slots()
+        static = self.fast is not None and self.attn_impl in ("sdpa", "eager") and self._static_decoder() is not None
+
+        def size(k: int, length: int) -> int:
+            if not static:
+                return k * length
+            # A static batch's rows and capacity are rounded up to buckets, and the smaller buckets' batches
+            # it moves to as rows finish are kept too (at most as much again).
+            return 2 * row_bucket(k) * capacity_bucket(length)
+
         chunks: list[list[_Row]] = []
         width = steps = 0
         for r in rows:
             width, steps = max(width, len(r.prompt)), max(steps, r.limit)
-            if chunks and chunks[-1] and (len(chunks[-1]) + 1) * (width + steps) <= slots:
+            if chunks and chunks[-1] and size(len(chunks[-1]) + 1, width + steps) <= slots:
                 chunks[-1].append(r)
             else:  # a single row always runs, whatever its size
                 chunks.append([r])
@@ -320,31 +416,51 @@ class Sampler:
         cache.slots.view = width
         return fast.prefill(prompts, width, self.pad_id, cache, _ROW_QUANTUM)
 
-    def _generate(self, rows: list[_Row]) -> None:
+    def _generate(self, rows: list[_Row], join: _Join | None = None) -> None:
+        """Decodes `rows` to their ends. With `join` (sample_stream), each row is reported as it finishes, and
+        on the fast path requests that arrive meanwhile join the batch at a step boundary (continuous batching)."""
         dev = self.device
         steps = max(r.limit for r in rows)
         # Already-finished filler rows make every forward's row count a multiple of _ROW_QUANTUM.
         rows = rows + [_filler(rows[0].prompt) for _ in range(_round_up(len(rows), _ROW_QUANTUM) - len(rows))]
         n = len(rows)
-        # Each distinct prompt is prefilled once (RL asks for many samples of one prompt); its cache rows
-        # are then copied to every sample of it.
-        distinct: dict[tuple[int, ...], int] = {}
-        source = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in rows]
-        prompts = [list(p) for p in distinct]
-        prompts += [prompts[0]] * (_round_up(len(prompts), _ROW_QUANTUM) - len(prompts))
-        longest = max(len(p) for p in prompts)
-        capacity = _round_up(longest + steps)
-        # slots: the batch-invariant layout (see _ROW_QUANTUM), or None for HF's own cache, left-padded.
         fast = self.fast if self.attn_impl in ("sdpa", "eager") else None
+        static = self._static_decoder() if fast is not None else None
+        if static is not None:  # rows padded to a bucket instead: one captured graph per bucket
+            rows = rows + [_filler(rows[0].prompt) for _ in range(row_bucket(len(rows)) - len(rows))]
+            n = len(rows)
+        # Each distinct prompt is prefilled once (RL asks for many samples of one prompt); its cache rows
+        # are then copied to every sample of it. A row's KV is the same bits either way (see _ROW_QUANTUM).
+        if self.share_prefill:
+            distinct: dict[tuple[int, ...], int] = {}
+            source = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in rows]
+            prompts = [list(p) for p in distinct]
+        else:
+            source, prompts = list(range(n)), [r.prompt for r in rows]
+        if fast is None:
+            # HF's modules run one padded row per prompt: a multiple of _ROW_QUANTUM rows. The fast path
+            # packs the prompts' tokens and rounds that count itself, so a lone prompt is prefilled once.
+            prompts += [prompts[0]] * (_round_up(len(prompts), _ROW_QUANTUM) - len(prompts))
+        longest = max(len(p) for p in prompts)
+        capacity = _round_up(longest + steps) if static is None else capacity_bucket(longest + steps)
+        # slots: the batch-invariant layout (see _ROW_QUANTUM), or None for HF's own cache, left-padded.
         cache: DynamicCache | DecodeCache
+        batch: StaticBatch | None = None
         if fast is not None:
             slots = Slots()
-            cache = fast.new_cache(len(prompts), capacity, slots)
+            # A static batch's prefill needs only the prompts' slots; they are then copied into its cache.
+            cache = fast.new_cache(len(prompts), capacity if static is None else _round_up(longest), slots)
             logits = self._fast_prefill(fast, prompts, cache)
         else:
             cache, slots = self._new_cache(capacity)
             logits = self._prefill(prompts, slots, cache)
-        if source != list(range(len(prompts))):
+        if static is not None:
+            index = torch.tensor(source, device=dev)
+            batch = static.batch(n, capacity)
+            batch.load(cast(DecodeCache, cache), index)
+            cache, logits = batch.cache, logits[index]
+            slots = cache.slots
+        elif source != list(range(len(prompts))):
             index = torch.tensor(source, device=dev)
             cache.batch_select_indices(index)
             logits = logits[index]
@@ -369,10 +485,17 @@ class Sampler:
         plan = _Plan(rows, live, logits.shape[-1], dev)
         if slots is not None:
             slots.rows = torch.arange(n, device=dev)
-        for t in range(steps):
+        # Requests may join only where each row's cache row is its own (the fast path), within the cache budget.
+        joins = join is not None and fast is not None
+        # (A static batch counts twice: the smaller buckets' batches are kept too; see _chunks.)
+        max_rows = max(n, self._budget_slots() // (capacity * (1 if batch is None else 2))) if joins else n
+        t = -1
+        while t + 1 < steps:  # `steps` grows when a request joins
+            t += 1
             tok, lp = plan.choose(logits.to(LOGITS_DTYPE), self.gen)
             lp_buf[plan.row_ids, t] = lp
             dead = 0
+            ended: list[int] = []
             for i, tk in zip(live, tok.tolist()):
                 r = rows[i]
                 if r.reason is not None:
@@ -383,32 +506,49 @@ class Sampler:
                     r.reason, dead = "stop", dead + 1
                 elif len(r.tokens) >= r.limit:
                     r.reason, dead = "length", dead + 1
+                if r.reason is not None:
+                    ended.append(i)
+            if join is not None and ended:  # reported now: their callers need not wait for the whole batch
+                for i, lps_i in zip(ended, lp_buf[torch.tensor(ended, device=dev)].tolist()):
+                    rows[i].logprobs = lps_i[rows[i].start : rows[i].start + len(rows[i].tokens)]
+                for i in ended:  # after all their logprobs: siblings may end at the same step
+                    join.finished(rows[i])
             if dead == len(live):
                 break
-            # Dropping finished rows copies the cache once; worth it once a quarter of the batch is idle.
-            if 4 * dead >= len(live) and _round_up(len(live) - dead, _ROW_QUANTUM) < len(live):
+            # Dropping finished rows copies the cache once; worth it once a quarter of the batch is idle (a
+            # static batch: once the live rows fit a smaller bucket, whose batch they move to).
+            target = _round_up(len(live) - dead, _ROW_QUANTUM) if batch is None else row_bucket(len(live) - dead)
+            if (4 * dead >= len(live) or batch is not None) and target < len(live):
                 keep = [s for s, i in enumerate(live) if rows[i].reason is None]
-                keep += [s for s, i in enumerate(live) if rows[i].reason is not None][
-                    : _round_up(len(keep), _ROW_QUANTUM) - len(keep)
-                ]
+                keep += [s for s, i in enumerate(live) if rows[i].reason is not None][: target - len(keep)]
                 keep.sort()
                 index = torch.tensor(keep, device=dev)
-                cache.batch_select_indices(index)
+                if batch is not None and static is not None:
+                    smaller = static.batch(target, capacity)
+                    smaller.load(batch.cache, index)
+                    batch, cache = smaller, smaller.cache
+                else:
+                    cache.batch_select_indices(index)
                 keys_ok, tok, next_pos = keys_ok[index], tok[index], next_pos[index]
                 live = [live[s] for s in keep]
                 plan = _Plan(rows, live, logits.shape[-1], dev)
                 if slots is not None:
                     slots.rows = torch.arange(len(live), device=dev)
+            attn: torch.Tensor | None = None  # the decode step's mask (a static batch reads keys_ok whole)
             if slots is not None:
                 write = next_pos[:, 0]
                 slots.write = write
                 keys_ok[slots.rows, write] = valid
-                slots.view = min(capacity, _round_up(int(write.max()) + 1))
-                attn = keys_ok[:, None, None, : slots.view]
+                if batch is None:  # a static batch attends over its whole capacity (no host sync for the view)
+                    slots.view = min(capacity, _round_up(int(write.max()) + 1))
+                    attn = keys_ok[:, None, None, : slots.view]
             else:
                 keys_ok[:, longest + t] = True
                 attn = keys_ok[:, : longest + t + 1].long()
-            if fast is not None:
+            if batch is not None:
+                logits = batch.step(tok, next_pos[:, 0], keys_ok[:, None, None])
+            elif fast is not None:
+                assert attn is not None
                 logits = fast.step(tok, next_pos[:, 0], attn, cast(DecodeCache, cache))
             else:
                 logits = self.model(
@@ -419,10 +559,76 @@ class Sampler:
                     **{self.cache_kw: cache},
                 ).logits[:, -1]
             next_pos += 1
+            if not joins:
+                continue
+            # A finished row kept in the batch still writes each step; past the capacity it writes its last
+            # slot again (its own row, never read for a live row). Live rows never get there.
+            next_pos.clamp_(max=capacity - 1)
+            assert join is not None and fast is not None
+            free = [s for s, i in enumerate(live) if rows[i].reason is not None]
+            new = join.take(capacity, max_rows - len(live) + len(free))
+            if not new:
+                continue
+            # The joining rows' prefill (each distinct prompt once), then their slots: finished rows' first, then
+            # new ones (a multiple of _ROW_QUANTUM, or the next bucket, topped up with finished fillers).
+            distinct_new: dict[tuple[int, ...], int] = {}
+            src = [distinct_new.setdefault(tuple(r.prompt), len(distinct_new)) for r in new]
+            pre = fast.new_cache(len(distinct_new), _round_up(max(len(r.prompt) for r in new)), Slots())
+            pre_logits = self._fast_prefill(fast, [list(p) for p in distinct_new], pre)
+            targets = free[: len(new)]
+            if len(new) > len(free):
+                size = len(live) + len(new) - len(free)
+                size = _round_up(size, _ROW_QUANTUM) if batch is None else row_bucket(size)
+                add = size - len(live)
+                new += [_filler(new[0].prompt) for _ in range(add - (len(new) - len(free)))]
+                src += [src[0]] * (len(new) - len(src))
+                if batch is not None and static is not None:
+                    bigger = static.batch(size, capacity)
+                    bigger.load(batch.cache, torch.arange(len(live), device=dev))
+                    batch, cache = bigger, bigger.cache
+                else:
+                    cast(DecodeCache, cache).grow(add)
+                keys_ok = torch.cat((keys_ok, keys_ok.new_zeros((add, capacity))))
+                next_pos = torch.cat((next_pos, next_pos.new_zeros((add, 1))))
+                logits = torch.cat((logits, logits.new_zeros((add, logits.shape[-1]))))
+                targets += list(range(len(live), size))
+                live = live + [-1] * add
+            else:
+                logits = logits.clone()  # a graph's output buffer is rewritten by its next replay anyway
+            where = torch.tensor(targets, device=dev)
+            cast(DecodeCache, cache).put(where, pre, torch.tensor(src, device=dev))
+            ok = torch.zeros((len(new), capacity), dtype=torch.bool)
+            for j, r in enumerate(new):
+                ok[j, : len(r.prompt)] = True
+                r.start = t + 1
+                live[targets[j]] = len(rows)
+                rows.append(r)
+            keys_ok[where] = ok.to(dev)
+            next_pos[where] = torch.tensor([[len(r.prompt)] for r in new], device=dev)
+            logits[where] = pre_logits[torch.tensor(src, device=dev)]
+            steps = max(steps, t + 1 + max(r.limit for r in new))
+            grown = torch.zeros((len(rows), steps), dtype=torch.float32, device=dev)
+            grown[: lp_buf.shape[0], : lp_buf.shape[1]] = lp_buf
+            lp_buf = grown
+            plan = _Plan(rows, live, logits.shape[-1], dev)
+            assert slots is not None  # the fast path's
+            slots.rows = torch.arange(len(live), device=dev)
         lps = lp_buf.tolist()
         for i, r in enumerate(rows):
-            r.logprobs = lps[i][: len(r.tokens)]
+            r.logprobs = lps[i][r.start : r.start + len(r.tokens)]
             r.reason = r.reason or "length"
+        if join is not None:  # every row ends inside the loop; this only makes sure none goes unreported
+            for r in rows:
+                join.finished(r)
+
+    def _static_decoder(self) -> StaticDecoder | None:
+        on = self.static_decode if self.static_decode is not None else self.device.type == "cuda"
+        if not on or self.fast is None:
+            return None
+        if self._static is None or self._static.fast is not self.fast:
+            self._static = StaticDecoder(self.fast, graphs=self.cuda_graphs)
+        self._static.graphs = self._static.graphs and self.cuda_graphs
+        return self._static
 
     def _hit_stop_string(self, r: _Row) -> bool:
         # Decoding only a trailing window keeps this O(1) per step; the window covers the longest stop string
@@ -430,6 +636,15 @@ class Sampler:
         # string completed by an earlier token would have been caught at that step, so any hit is new.
         text = self.tokenizer.decode(r.tokens[-r.window :], skip_special_tokens=False)
         return any(s in text for s in r.stop_strs)
+
+
+@dataclass
+class _Join:
+    """sample_stream's side of a decode batch: `take(capacity, rows)` hands over arrived requests' rows that fit;
+    `finished(row)` is told of each row as it finishes (its logprobs set)."""
+
+    take: Callable[[int, int], list[_Row]]
+    finished: Callable[[_Row], None]
 
 
 class _Plan:

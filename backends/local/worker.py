@@ -143,6 +143,14 @@ class Worker:
                 return False
         return True
 
+    def poll(self, jobs: list[Job]) -> list[Job]:
+        """For a drain handler that admits work while it runs (the sampler's continuous batching): the jobs
+        queued now, without waiting, appended to `jobs` (the list the handler was given, so that a handler
+        failure fails them too and the next coalescing wait counts them) and returned."""
+        start = len(jobs)
+        self._take_queued(jobs)  # a close() seen here: _step sees _closed once the handler returns
+        return jobs[start:]
+
     def _take_queued(self, jobs: list[Job]) -> bool:
         """Move everything queued now into `jobs`; False if close() was seen (stop waiting for more)."""
         while True:

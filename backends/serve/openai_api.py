@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from backends.errors import UserError
 from backends.serve.limits import Fields, Limits, json_depth_ok, to_int
 from backends.serve.replies import ApiError, Reply
+from backends.tokenizer import Tokenizer
 from backends.types import SampledSequence, SampleOutput, SamplingParams
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ class ChatFormat(Protocol):
     """Chat messages <-> tokens for one model (runner/rl/openai_chat.py: the model's renderer)."""
 
     @property
-    def tokenizer(self) -> Any: ...
+    def tokenizer(self) -> Tokenizer: ...
 
     @property
     def stop(self) -> list[str] | list[int]:
@@ -140,7 +141,7 @@ def _stream(f: Fields) -> tuple[bool, bool]:
     return stream, stream and opts.bool("include_usage", False)
 
 
-def _with_user_stops(stop: list[str] | list[int], user: list[str], tokenizer: Any) -> list[str] | list[int]:
+def _with_user_stops(stop: list[str] | list[int], user: list[str], tokenizer: Tokenizer) -> list[str] | list[int]:
     """The sampler's stop list: the format's own stops, plus the request's strings (stop token ids then stop as
     their text, as a stop list holds strings or ids, not both). The text is cut at the user's strings afterwards."""
     if not user:
@@ -204,7 +205,7 @@ def _tool_spec(tool: dict[str, Any]) -> dict[str, Any]:
             "parameters": fn.get("parameters", {"type": "object", "properties": {}})}
 
 
-def completion_plan(req: dict[str, Any], tokenizer: Any, limits: Limits | None = None) -> Plan:
+def completion_plan(req: dict[str, Any], tokenizer: Tokenizer, limits: Limits | None = None) -> Plan:
     """An OpenAI (legacy) completion request: prompt text (or token ids, one prompt or a list)."""
     f = Fields(req, limits or Limits())
     model = f.str("model")
@@ -250,11 +251,11 @@ def _cut(text: str, stops: list[str]) -> int | None:
     return min(hits) if hits else None
 
 
-def _token_texts(tokenizer: Any, tokens: Sequence[int]) -> list[str]:
+def _token_texts(tokenizer: Tokenizer, tokens: Sequence[int]) -> list[str]:
     return [tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
 
 
-def _kept_tokens(tokenizer: Any, tokens: list[int], text_len: int) -> int:
+def _kept_tokens(tokenizer: Tokenizer, tokens: list[int], text_len: int) -> int:
     """How many leading tokens make up the first `text_len` characters of their decoded text."""
     for k in range(len(tokens) + 1):
         if len(tokenizer.decode(tokens[:k], skip_special_tokens=True)) >= text_len:
@@ -309,7 +310,7 @@ def chat_response(plan: Plan, out: SampleOutput, fmt: ChatFormat, topk: TopK | N
     return resp
 
 
-def _chat_logprobs(tok: Any, prompt: list[int], seq: SampledSequence, keep: int, plan: Plan, topk: TopK | None
+def _chat_logprobs(tok: Tokenizer, prompt: list[int], seq: SampledSequence, keep: int, plan: Plan, topk: TopK | None
                    ) -> list[dict[str, Any]]:
     tokens = list(seq.tokens[:keep])
     texts = _token_texts(tok, tokens)
@@ -327,7 +328,7 @@ def _chat_logprobs(tok: Any, prompt: list[int], seq: SampledSequence, keep: int,
             for t, lp, top in zip(texts, seq.logprobs[:keep], tops, strict=True)]
 
 
-def completion_response(plan: Plan, outs: list[SampleOutput | None], tokenizer: Any, topk: TopK | None = None,
+def completion_response(plan: Plan, outs: list[SampleOutput | None], tokenizer: Tokenizer, topk: TopK | None = None,
                         prompt_logprobs: list[list[float | None]] | None = None) -> dict[str, Any]:
     """The text_completion object: plan.prompts[p] sampled n times is outs[p] (None when nothing was sampled);
     choice index p * n + k. With echo, the prompt's text (and its logprobs: prompt_logprobs) come first."""
@@ -362,7 +363,7 @@ def completion_response(plan: Plan, outs: list[SampleOutput | None], tokenizer: 
             "choices": choices, "usage": _usage(plan.prompts, plan.n, completion_tokens), "system_fingerprint": None}
 
 
-def _completion_logprobs(tok: Any, prompt: list[int], seq: SampledSequence, keep: int, plan: Plan, topk: TopK | None,
+def _completion_logprobs(tok: Tokenizer, prompt: list[int], seq: SampledSequence, keep: int, plan: Plan, topk: TopK | None,
                          prompt_lps: list[float | None] | None) -> dict[str, Any]:
     tokens = list(seq.tokens[:keep])
     lps: list[float | None] = [float(x) for x in seq.logprobs[:keep]]
@@ -511,7 +512,7 @@ class OpenAIRoutes:
             return Reply(200, sse(result, plan.include_usage), {"content-type": "text/event-stream"})
         return Reply.json(result)
 
-    def _format(self, name: str, tokenizer: Any, renderer: str | None) -> ChatFormat:
+    def _format(self, name: str, tokenizer: Tokenizer, renderer: str | None) -> ChatFormat:
         if self.hooks is None:
             raise ApiError(400, "this server was started without chat formats: use /v1/completions")
         key = (name, renderer)
@@ -523,7 +524,7 @@ class OpenAIRoutes:
                 self._formats[key] = fmt
         return fmt
 
-    def _run(self, sess: SamplerSession, plan: Plan, fmt: ChatFormat | None, tokenizer: Any) -> dict[str, Any]:
+    def _run(self, sess: SamplerSession, plan: Plan, fmt: ChatFormat | None, tokenizer: Tokenizer) -> dict[str, Any]:
         svc = self.service
         gen = plan.params.max_tokens if plan.params is not None else 0
         # The request's memory (backends/serve/memory.py), as the Tinker API's sample requests reserve it: over

@@ -38,7 +38,7 @@ from tinker.types import RequestErrorCategory
 from backends import losses
 from backends.base import BackendError, CustomLossFn, Future
 from backends.errors import UserError
-from backends.tokenizer import load_tokenizer
+from backends.tokenizer import Tokenizer, load_tokenizer
 from backends.types import (
     AdamParams,
     Datum,
@@ -446,8 +446,8 @@ class TinkerTrainingClient:
 
 
 class TinkerOptions(Protocol):
-    """What the backend reads of its recipe table (config.Tinker, which makes the backend): a Protocol rather
-    than an import of config.py, so the two modules form no circle."""
+    """What the backend reads of its recipe table (tinker_config.Tinker, which makes the backend): a Protocol
+    rather than an import of tinker_config.py, so the two modules form no circle."""
 
     @property
     def base_url(self) -> str | None: ...
@@ -484,7 +484,7 @@ class TinkerBackend:
     def checkpoint_ttl_seconds(self) -> int | None:
         return self._ttl
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self._tokenizer_name or self.model)
         return self._tokenizer

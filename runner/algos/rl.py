@@ -153,7 +153,7 @@ class RLAlgo(AlgorithmBase):
         full = len(self.train) * cfg.epochs
         self.total_steps = min(full, max_steps) if max_steps else full
         self.params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
-        self.max_context = context_window(s.tokenizer)
+        self.max_context = context_window(s.tokenizer, s.model)
         loss_fn, self.loss_config = loss_of(cfg)
         self.loss_fn: LossFn = loss_fn
         # Snapshots by sampler step (weights after that many optimizer steps), oldest first.
@@ -530,9 +530,10 @@ def env_headline(cfg: RL) -> list[tuple[str, str]]:
 
 
 def show(cfg: RL, recipe: Recipe, renderer: Any, n: int) -> list[dict[str, Any]]:
-    """`runner render`: the first prompt of each of the first `n` training groups, built by the env itself (one env
-    per group)."""
-    ctx = EnvContext(ChatRenderer(renderer), 1, 1, cfg.groups_per_batch, recipe.seed)
+    """`runner render`: the first prompt of each of the first `n` training groups, built by the env itself (the
+    group's first env). The groups are built at the recipe's group sizes: a builder may need them (tictactoe
+    self-play makes group_size/2 games, none at a size of 1)."""
+    ctx = EnvContext(ChatRenderer(renderer), cfg.group_size, cfg.eval.group_size, cfg.groups_per_batch, recipe.seed)
     train, _ = build_datasets(cfg.env, ctx)
 
     async def first() -> list[dict[str, Any]]:
@@ -541,7 +542,10 @@ def show(cfg: RL, recipe: Recipe, renderer: Any, n: int) -> list[dict[str, Any]]
             for group, builder in enumerate(get_batch(train, batch, "train")):
                 if len(out) >= n:
                     return out
-                ob = await (await builder.make_envs())[0].initial_observation()
+                envs = await builder.make_envs()
+                if not envs:  # a user's builder that makes none: nothing of it to show
+                    continue
+                ob = await envs[0].initial_observation()
                 if ob is not None:
                     tokens = list(ob[0])
                     out.append({"where": f"env {type(cfg.env).__struct_config__.tag} batch {batch} group {group}",

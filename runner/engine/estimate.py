@@ -22,7 +22,7 @@ from typing import Any
 from backends.base import Future
 from backends.errors import UserError
 from backends.fake import FakeBackend
-from backends.tokenizer import load_tokenizer
+from backends.tokenizer import Tokenizer, load_tokenizer
 from backends.types import LoraSpec, SampledSequence, SampleOutput, SamplingParams
 from runner.engine.context import Algorithm, Context
 from runner.engine.cost import Counter, CountingBackend, Usage, price_of
@@ -69,7 +69,7 @@ class _ProbeTraining:
 
 
 class _ProbeBackend(FakeBackend):
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Tokenizer):
         super().__init__(tokenizer)
         ids = tokenizer.encode("a", add_special_tokens=False) or [0]
         self.sampler = _ProbeSampler(int(ids[0]))
@@ -81,7 +81,7 @@ class _ProbeBackend(FakeBackend):
         return Future.completed(self.sampler)
 
 
-async def _probe(recipe: Recipe, algo: Algorithm, tokenizer: Any, evals: bool) -> tuple[Usage, Usage]:
+async def _probe(recipe: Recipe, algo: Algorithm, tokenizer: Tokenizer, evals: bool) -> tuple[Usage, Usage]:
     """(tokens per training step, what an eval step adds)."""
     counter = Counter()
     fake = _ProbeBackend(tokenizer)
@@ -112,7 +112,7 @@ async def _probe(recipe: Recipe, algo: Algorithm, tokenizer: Any, evals: bool) -
     return per_step, extra
 
 
-def estimate(recipe: Recipe, algo: Algorithm, tokenizer: Any, start: int, final: bool) -> Estimate:
+def estimate(recipe: Recipe, algo: Algorithm, tokenizer: Tokenizer, start: int, final: bool) -> Estimate:
     """The tokens and cost of steps start .. total - 1 (and the final row when `final`)."""
     total = algo.total_steps
     todo = range(start, total)

@@ -7,7 +7,8 @@ the raw table before decoding, so they get the same checks. Precedence: CLI > re
 Reading: load_recipe("FILE#name", overrides) -> (name, Recipe); load_file(FILE) -> {name: Recipe}; both go
 through `resolve`, which also finds data files and user modules next to the recipe file.
 Writing: dump_recipe(name, recipe) -> TOML that loads back to an equal Recipe (`runner show`).
-Checking what decoding cannot see: check_recipe (data files exist, Python targets import and fit their args).
+Checking what decoding cannot see: check_recipe (data files exist, Python targets import and fit their args, lengths
+fit the model's context).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import tomli_w
 from backends.errors import UserError
 from runner.recipe.compose import DEFAULTS, EXTENDS, Layer, layers, merge_layers, origin, resolve_tables
 from runner.recipe.explain import NAME, child, convert, dotted, got, info, is_ref, is_str, is_target
+from runner.recipe.fits import check_context
 from runner.recipe.lr import resolve_auto
 from runner.recipe.pinned import task_file
 from runner.recipe.refs import absolute_ref
@@ -370,7 +372,9 @@ def _drop_none(v: Any) -> Any:
 def check_recipe(recipe: Recipe, where: str) -> None:
     """What decoding cannot see: data files exist (relative to the working directory) and every
     `Target` field imports and is callable. Raises UserError prefixed with `where` ('FILE#name'). The rows themselves
-    are read and checked by runner/data/check.py:check_data (runner check calls both: runner/engine/chain.py)."""
+    are read and checked by runner/data/check.py:check_data (runner check calls both: runner/engine/chain.py).
+    Also that its max_length / max_tokens fit its models' context (runner/recipe/fits.py)."""
+    check_context(recipe, where)
     for path, node in structs(recipe, ()):
         if isinstance(node, (Jsonl, File)) and not Path(node.path).exists():
             looked = "" if Path(node.path).is_absolute() else f" (looked in {os.getcwd()} and next to the recipe file)"

@@ -144,8 +144,8 @@ class SFT(AlgoBase):
     # Conversations per step.
     batch_size: PosInt = 16
     epochs: PosInt = 1
-    # Truncate rendered conversations (tokens) from the right. Always set (TOML has no null): use a
-    # large value to keep whole conversations.
+    # Truncate rendered conversations (tokens) from the right. Always set (TOML has no null): use a large
+    # value to keep whole conversations, at most the model's context (runner/models.toml; `runner check`).
     max_length: PosInt = 1024
     # Which tokens carry loss (the cookbook's TrainOnWhat): "last_assistant_turn" = the assistant messages after
     # the last user one; "all_messages" = every message's content, not its role header ("hf": every token);

@@ -4,15 +4,14 @@ as of 0.6.1, restricted to the renderers this project has), else the tokenizer's
 
 from __future__ import annotations
 
-from typing import Any
-
+from backends.tokenizer import Tokenizer
 from runner.models import MODELS
 
 # Exact model names (":checkpoint" suffixes are ignored) -> renderer: the `renderer` column of runner/models.toml.
 MODEL_RENDERERS: dict[str, str] = {name: m.renderer for name, m in MODELS.items() if m.renderer is not None}
 
 
-def pick_renderer(model_name: str, tokenizer: Any) -> str:
+def pick_renderer(model_name: str, tokenizer: Tokenizer | None) -> str:
     """The renderer name `auto` resolves to for `model_name` with `tokenizer`."""
     name = MODEL_RENDERERS.get(model_name.split(":", 1)[0])
     if name is not None:

@@ -22,9 +22,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from backends.errors import UserError
+from backends.tokenizer import Tokenizer  # the protocol sits with the loader, so backends/ may name it too
 
 logger = logging.getLogger(__name__)
 
@@ -349,25 +350,7 @@ def text_of(message: Message) -> str:
     return "".join(p["text"] for p in content if p.get("type") == "text")
 
 
-class Tokenizer(Protocol):
-    """What runner uses of a Hugging Face tokenizer (backends/tokenizer.py loads one; tests build a tiny one). The
-    methods take what the Hugging Face ones take."""
-
-    eos_token_id: Any
-    bos_token: Any
-
-    def encode(self, text: str, /, *args: Any, **kwargs: Any) -> list[int]: ...
-
-    def decode(self, ids: Any, /, *args: Any, **kwargs: Any) -> str: ...
-
-    def convert_tokens_to_ids(self, tokens: Any, /) -> Any: ...
-
-    def apply_chat_template(self, conversation: Any, /, *args: Any, **kwargs: Any) -> Any: ...
-
-    def get_vocab(self) -> dict[str, int]: ...
-
-
-def content_tokenizer(tokenizer: Any) -> Any:
+def content_tokenizer(tokenizer: Tokenizer) -> Any:
     """A private copy of the tokenizer's backend that encodes special-token text inside content literally (as
     the chat templates of Qwen's family do); None for a tokenizer without a `tokenizers` backend."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -398,7 +381,7 @@ def make_tool_call(name: str, arguments: str, call_id: str | None = None) -> dic
     return {"type": "function", "id": call_id, "function": {"name": name, "arguments": arguments}}
 
 
-def parse_for_stop_token(response: list[int], tokenizer: Any, stop_token: int) -> tuple[Message, Termination]:
+def parse_for_stop_token(response: list[int], tokenizer: Tokenizer, stop_token: int) -> tuple[Message, Termination]:
     """Split a reply on its single stop token: none = truncated (malformed), two or more = a sampler that was not
     told the stop token."""
     count = response.count(stop_token)

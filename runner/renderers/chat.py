@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.errors import UserError
+from runner.models import model_context
 from runner.renderers import Renderer, Termination, get_renderer, text_of
 from runner.renderers.base import Tokenizer
 from runner.renderers.hf import HFTemplateRenderer
@@ -134,8 +135,12 @@ class ChatRenderer:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
 
-def context_window(tokenizer: Tokenizer) -> int | None:
-    """The model's context length as the tokenizer states it; None when unset (transformers then reports
-    a huge sentinel)."""
+def context_window(tokenizer: Tokenizer, model: str | None = None) -> int | None:
+    """The model's context length: the shorter of what the tokenizer states (unset: transformers reports a huge
+    sentinel) and the model table's `context` for `model` (runner/models.toml), so a model folder whose tokenizer
+    states none still gets its overflow check; None when neither knows. The shorter, because a tokenizer may claim
+    more than the model has (Qwen3-8B's 131072 against its 40960 positions), and a served stand-in less."""
     n = getattr(tokenizer, "model_max_length", None)
-    return int(n) if isinstance(n, int) and 0 < n < 10**8 else None
+    stated = int(n) if isinstance(n, int) and 0 < n < 10**8 else None
+    known = [c for c in (stated, model_context(model) if model else None) if c is not None]
+    return min(known) if known else None

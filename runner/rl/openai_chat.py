@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from backends.tokenizer import Tokenizer
 from runner.renderers import get_renderer
 from runner.renderers.base import make_tool_call
 from runner.renderers.chat import ChatRenderer
@@ -27,7 +28,7 @@ class RendererChat:
         self.native = chat.renderer.name in TOOL_FORMATS
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         return self.chat.tokenizer
 
     @property
@@ -74,5 +75,5 @@ class RendererChat:
         return msg, r.ended_on_stop
 
 
-def chat_format(model_name: str, tokenizer: Any, renderer: str = "auto") -> RendererChat:
+def chat_format(model_name: str, tokenizer: Tokenizer, renderer: str = "auto") -> RendererChat:
     return RendererChat(ChatRenderer(get_renderer(renderer, tokenizer, model_name=model_name)))

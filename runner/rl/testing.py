@@ -9,9 +9,9 @@ token and its position, so tests can check where they land.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from backends.base import Future
+from backends.tokenizer import Tokenizer
 from backends.types import SampledSequence, SampleOutput, SamplingParams
 
 Policy = Callable[[str, SamplingParams], "str | list[int]"]
@@ -22,7 +22,7 @@ def fake_logprob(token: int, position: int) -> float:
 
 
 class ScriptedSampler:
-    def __init__(self, tokenizer: Any, policy: Policy):
+    def __init__(self, tokenizer: Tokenizer, policy: Policy):
         self.tokenizer = tokenizer
         self.policy = policy
         # (prompt tokens, params) of every sample call, in call order.

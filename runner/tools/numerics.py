@@ -20,6 +20,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from backends.errors import UserError
+from backends.tokenizer import Tokenizer
 from backends.types import Datum, SamplingParams
 from runner.recipe.numerics_table import Numerics
 from runner.rl.gate import BIG_DLOGPROB, diff_stats, failures
@@ -122,7 +123,7 @@ def render(report: Report, out: TextIO) -> None:
     w(f"\n{'FAILED: ' + '; '.join(report.failed) if report.failed else 'ok'} ({lim})\n")
 
 
-async def prompts_of(recipe: Any, tokenizer: Any, n: int) -> list[tuple[list[int], Any]]:
+async def prompts_of(recipe: Any, tokenizer: Tokenizer, n: int) -> list[tuple[list[int], Any]]:
     """n (prompt tokens, stop) from the recipe's env / prompt sets (RL, distill), else generic chat prompts."""
     from runner.algos.rl import RLAlgo
     from runner.engine.spec import make_algo
@@ -134,7 +135,8 @@ async def prompts_of(recipe: Any, tokenizer: Any, n: int) -> list[tuple[list[int
         assert isinstance(algo, RLAlgo)
         for k in range(len(algo.train)):
             for builder in algo.builders(k):
-                first = await (await builder.make_envs())[0].initial_observation()
+                envs = await builder.make_envs()
+                first = await envs[0].initial_observation() if envs else None  # a builder may make none
                 if first is not None:
                     out.append((list(first[0]), first[1]))
                 if len(out) >= n:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from backends.errors import UserError
 from backends.serve.openai_api import LocalModel, OpenAIHooks
+from backends.tokenizer import Tokenizer
 from runner.rl.openai_chat import RendererChat, chat_format
 
 
@@ -62,7 +62,7 @@ def serve_hooks(renderer: str | None = None) -> OpenAIHooks:
     """`runner serve`'s OpenAI hooks: each model's renderer is `renderer` when given, else a checkpoint's run's,
     else "auto" (the cookbook's for a model it knows, else the tokenizer's chat template)."""
 
-    def chat(model_name: str, tokenizer: Any, run_renderer: str | None) -> RendererChat:
+    def chat(model_name: str, tokenizer: Tokenizer, run_renderer: str | None) -> RendererChat:
         return chat_format(model_name, tokenizer, renderer or run_renderer or "auto")
 
     return OpenAIHooks(chat=chat, local_model=local_model)

@@ -39,7 +39,9 @@ def render_command(ref: str, overrides: list[str], n: int, as_json: bool, out: T
         raise UserError(f"--n must be >= 1, got {n}")
     color = not as_json and out.isatty()
     tokenizer = None
+    shown = 0
     for row in rendered_rows(ref, overrides, n):
+        shown += 1
         if not color:
             out.write(json.dumps(row) + "\n")
             continue
@@ -51,3 +53,5 @@ def render_command(ref: str, overrides: list[str], n: int, as_json: bool, out: T
         out.write(f"── {row['where']}{side}: {len(row['tokens'])} tokens, {trained} trained\n")
         out.write(colorize(row["tokens"], row["weights"], tokenizer, color=True) + "\n\n")
     out.flush()
+    if not shown:  # silence would read as success
+        raise UserError(f"runner render: {ref} has nothing to show (its data or env gave no rows or prompts)")

@@ -15,10 +15,13 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from backends.errors import UserError
 from runner.recipe.schema import Recipe
+
+if TYPE_CHECKING:
+    from runner.engine.context import FinalContext
 
 EVALS = "evals.jsonl"
 
@@ -182,7 +185,7 @@ def chat(target: str, checkpoint: str | None, temperature: float, max_tokens: in
         backend.close()
 
 
-async def _evaluate_all(algo: Any, ctx: Any, recipe: Any) -> dict[str, float]:
+async def _evaluate_all(algo: Any, ctx: FinalContext, recipe: Any) -> dict[str, float]:
     """The algorithm's held-out evals, then the recipe's pinned ones (runner/engine/evals.py), on ctx's weights."""
     from runner.engine.evals import pinned_metrics
 

@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from backends.tokenizer import Tokenizer
+
 # Checks known to fail on a server, by the server's name (--server-name, else get_server_capabilities'
 # `server_name` when it sends one): check -> why. A key "CHECK@sdk<X.Y.Z" applies only to SDKs older than X.Y.Z.
 # Reported as "known gap", which does not fail the run.
@@ -174,7 +176,7 @@ class Ctx:
                     self.service.create_lora_training_client(self.model, rank=rank, seed=0), timeout=120)
             return self._clients[purpose]
 
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer | None:
         with self._lock:
             if self._tokenizer is None and self._tokenizer_error is None:
                 try:

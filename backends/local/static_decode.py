@@ -1,0 +1,149 @@
+"""Decode steps of fixed shapes, replayed from CUDA graphs on CUDA: the Sampler's GPU decode path (issue #29).
+
+On a GPU a small model's decode step launches several hundred kernels (about 20 per layer, 28 layers for
+Qwen3-0.6B), each doing little work at 64 rows: the step is most likely bound by Python and the launches, not
+by arithmetic (our eager sampler measured 0.89x HF's `generate` on an H200, issue #29). A CUDA graph
+records a step's kernels once and replays them with one launch, but it wants every tensor at a fixed address
+and shape and no host synchronisation inside. So here a decode batch is a `StaticBatch`:
+
+- its rows are padded to a bucket (`row_bucket`: 4, 8, 16, ... rows; fillers are finished rows), and its KV
+  cache has a fixed capacity per layer (`capacity_bucket`: a power of two, at least 64 slots), allocated once;
+- a step reads its inputs from fixed buffers (tokens, positions, the (rows, 1, 1, capacity) mask), writes each
+  row's new key and value at its own slot by a scatter and attends over the whole capacity under the mask
+  (llama.LlamaDecoder.step_static); the rotary table is grown to the capacity beforehand;
+- on CUDA, the first step of a batch runs eagerly (on a side stream: the warm-up a capture needs) and is then
+  captured; later steps copy their inputs into the buffers and replay. A step is idempotent (it rewrites the
+  same slot), so the capture's own recording changes nothing. When rows finish, the Sampler moves the live
+  ones into a smaller bucket's batch, and when requests join (sample_stream) into a bigger one once the
+  finished rows' slots are taken (each bucket keeps its buffers and graph for the next call).
+
+The prefill stays eager (llama.LlamaDecoder.prefill: one per distinct prompt) and is copied into the batch's
+cache. Sampling (temperature, top-k/p, the generators) stays eager too: it is a few kernels per step, and the
+stop rules need the tokens on the host anyway.
+
+Everything but the capture runs on the CPU too (Sampler.static_decode = True): tests/test_static_decode.py
+checks it gives the eager fast path's tokens and logprobs, runs the capture-and-replay plumbing with a
+stand-in graph, and `gpu`-marked tests compare graph and eager on CUDA. Should a capture fail (an op that cannot be captured, too little memory), the decoder logs one warning
+and runs every later step eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from backends.local.llama import DecodeCache, LlamaDecoder, Slots
+
+log = logging.getLogger(__name__)
+
+# Smallest row bucket: the sampler's row quantum (4 rows keep the CPU's matmuls batch-invariant).
+MIN_ROWS = 4
+# Smallest KV capacity; capacities are powers of two (multiples of the CPU's 16-slot key quantum).
+MIN_CAPACITY = 64
+
+
+def row_bucket(n: int) -> int:
+    """Rows a batch of n live rows is padded to: the next power of two, at least MIN_ROWS."""
+    return max(MIN_ROWS, 1 << max(0, n - 1).bit_length())
+
+
+def capacity_bucket(n: int) -> int:
+    """KV slots for a batch whose rows need at most n: the next power of two, at least MIN_CAPACITY."""
+    return max(MIN_CAPACITY, 1 << max(0, n - 1).bit_length())
+
+
+class StaticBatch:
+    """One (rows, capacity) decode batch: its KV cache, input buffers and (on CUDA) captured step."""
+
+    def __init__(self, owner: StaticDecoder, rows: int, capacity: int):
+        fast = owner.fast
+        self.owner, self.rows, self.capacity = owner, rows, capacity
+        self.cache = fast.new_cache(rows, capacity, Slots())
+        dev = fast.embed.device
+        self.tok = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.mask = torch.zeros((rows, 1, 1, capacity), dtype=torch.bool, device=dev)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None  # the graph's logits buffer
+
+    def load(self, cache: DecodeCache, index: torch.Tensor) -> None:
+        """Row i of this batch's cache := row index[i] of `cache` (a prefill's, or another batch's when rows
+        finish or join), for the first len(index) rows; the rest, and slots past what `cache` holds, are zeroed
+        (masked slots are read, so they must be finite)."""
+        width, k = min(cache.keys[0].shape[2], self.capacity), len(index)
+        for dst, src in zip(self.cache.keys + self.cache.values, cache.keys + cache.values, strict=True):
+            dst[:k, :, :width].copy_(src[:, :, :width].index_select(0, index))
+            dst[:k, :, width:].zero_()
+            dst[k:].zero_()
+        self.cache.filled = width
+
+    def step(self, tok: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The next-token logits of each row after feeding tok (rows,) at slot pos (rows,), attending to the
+        slots mask (rows, 1, 1, capacity) allows."""
+        self.tok.copy_(tok)
+        self.pos.copy_(pos)
+        self.mask.copy_(mask)
+        if self.graph is not None:
+            self.graph.replay()
+            assert self.out is not None
+            return self.out
+        return self._capture() if self._wants_capture() else self._forward()
+
+    def _wants_capture(self) -> bool:
+        return self.owner.graphs and self.tok.device.type == "cuda"
+
+    def _forward(self) -> torch.Tensor:
+        return self.owner.fast.step_static(self.tok, self.pos, self.mask, self.cache)
+
+    def _capture(self) -> torch.Tensor:
+        # Warm-up on a side stream (what torch.cuda.graphs asks before a capture): this step, run for real.
+        side = torch.cuda.Stream(self.tok.device)
+        side.wait_stream(torch.cuda.current_stream(self.tok.device))
+        with torch.cuda.stream(side):
+            logits = self._forward()
+        torch.cuda.current_stream(self.tok.device).wait_stream(side)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            # Each graph its own memory pool: sharing one is safe only for graphs replayed in capture order.
+            # thread_local: the training worker may use the same GPU from its own thread meanwhile; in the
+            # default (global) mode its syncs and mallocs would be errors during this capture.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                out = self._forward()
+        except Exception as exc:  # noqa: BLE001 - any failure: decode eagerly from now on, said once
+            self.owner.give_up(exc)
+            return logits
+        self.graph, self.out = graph, out
+        # The capture only recorded; the warm-up's logits are this step's (the step is idempotent).
+        return logits
+
+
+class StaticDecoder:
+    """The static-shape decode path of one LlamaDecoder: StaticBatch per (rows, capacity), kept for reuse
+    across sample_batch calls (only the latest capacity's: a new capacity drops the others)."""
+
+    def __init__(self, fast: LlamaDecoder, graphs: bool):
+        self.fast = fast
+        self.graphs = graphs  # capture CUDA graphs (on CUDA tensors only; False after a failed capture)
+        self.batches: dict[tuple[int, int], StaticBatch] = {}
+        self.table_seen: torch.Tensor | None = None
+
+    def batch(self, rows: int, capacity: int) -> StaticBatch:
+        key = (rows, capacity)
+        self.fast.table(capacity)  # before any capture: step_static reads the table as it is
+        if self.fast.cos is not self.table_seen:
+            # A graph holds the addresses of the table it was captured with; a grown table is a new tensor.
+            self.batches.clear()
+            self.table_seen = self.fast.cos
+        if key not in self.batches:
+            if any(c != capacity for _, c in self.batches):
+                self.batches.clear()  # their caches and graphs go
+            self.batches[key] = StaticBatch(self, rows, capacity)
+        return self.batches[key]
+
+    def give_up(self, exc: BaseException) -> None:
+        log.warning("CUDA graph capture of the decode step failed (%s: %s); decoding eagerly from now on",
+                    type(exc).__name__, exc)
+        self.graphs = False
+        for b in self.batches.values():
+            b.graph = b.out = None

@@ -1,0 +1,72 @@
+"""`runner check` (and so `runner run`): a recipe's lengths fit its models' context (runner/models.toml `context`).
+
+A sequence is prompt + completion, so:
+- max_length (SFT, DPO, reward_model: the longest datum a row renders to) must be at most the context;
+- max_tokens (RL, distillation, generate: sampled tokens per turn) must leave room for a prompt, which has at least
+  one token, or, where part of it is in the recipe (generate's `system`) and the tokenizer is on this machine, at
+  least that part's tokens. The rest of a prompt is the data's, known only once rendered (RL then drops a group
+  whose prompt leaves no room: runner/rl/rollouts.py ContextOverflow).
+The models: the recipe's, and each teacher's base model (it scores the same sequences). A model the table does not
+know (a local folder, a hub id) is not checked here; the local sampler refuses an over-long request at run time.
+"""
+
+from __future__ import annotations
+
+from backends.errors import UserError
+from runner.models import model_context
+from runner.recipe.schema import Recipe, Teacher
+
+
+def models_of(recipe: Recipe) -> list[tuple[str, str]]:
+    """(key path, model name) of every model whose context the recipe's sequences must fit: the recipe's, and a
+    teacher's base model (generate's `teacher`, each distillation set's)."""
+    out = [("model", recipe.model)]
+    algo = recipe.algo
+    teachers: list[tuple[str, object]] = [("algo.teacher", getattr(algo, "teacher", None))]
+    teachers += [(f"algo.datasets[{i}].teacher", getattr(d, "teacher", None))
+                 for i, d in enumerate(getattr(algo, "datasets", None) or ())]
+    for key, teacher in teachers:
+        if isinstance(teacher, Teacher) and teacher.model is not None:
+            out.append((f"{key}.model", teacher.model))
+    return out
+
+
+def static_prompt(recipe: Recipe) -> tuple[str, int] | None:
+    """(key, tokens) of the part of every prompt the recipe itself holds (generate's `system`), when the tokenizer is
+    on this machine to count it (backends/tokenizer.py local_core_tokenizer: no download, no transformers)."""
+    from backends.tokenizer import local_core_tokenizer  # imports `tokenizers`: only for a recipe with a system
+
+    system = getattr(recipe.algo, "system", None)
+    if not isinstance(system, str) or not system:
+        return None
+    tok = local_core_tokenizer(recipe.tokenizer or recipe.model)
+    return None if tok is None else ("algo.system", len(tok.encode(system, add_special_tokens=False).ids))
+
+
+def check_context(recipe: Recipe, where: str) -> None:
+    """UserError (one line, naming the recipe key) when the recipe's max_length / max_tokens cannot fit a model's
+    context."""
+    algo = recipe.algo
+    max_length = getattr(algo, "max_length", None)
+    max_tokens = getattr(algo, "max_tokens", None)
+    prompt: tuple[str, int] | None = None
+    counted = False  # the static prompt is counted once, when a model with a context first needs it
+    for key, model in models_of(recipe):
+        context = model_context(model)
+        if context is None:
+            continue
+        of = f"the {context}-token context of {model!r} ({key}, runner/models.toml)"
+        if isinstance(max_length, int) and max_length > context:
+            raise UserError(f"{where}: algo.max_length = {max_length} exceeds {of}: set it to at most {context}")
+        if not isinstance(max_tokens, int):
+            continue
+        if max_tokens >= context:
+            raise UserError(f"{where}: algo.max_tokens = {max_tokens} leaves no room for a prompt in {of}: set it "
+                            f"below {context}")
+        if not counted:
+            prompt, counted = static_prompt(recipe), True
+        if prompt is not None and prompt[1] >= context:
+            raise UserError(f"{where}: {prompt[0]} alone ({prompt[1]} tokens) fills {of}: shorten it")
+        if prompt is not None and prompt[1] + max_tokens > context:
+            raise UserError(f"{where}: algo.max_tokens = {max_tokens} and the {prompt[1]} tokens of {prompt[0]} "
+                            f"exceed {of}: shorten one (at most {context - prompt[1]} tokens to sample)")

@@ -1,0 +1,288 @@
+"""The sampler's static-shape decode path (backends/local/static_decode.py) and its shared prefill, on the tiny
+Qwen3 model.
+
+On the CPU the static path runs eagerly and must give the eager fast path's tokens and logprobs bit for bit
+(fp32 and bf16, greedy, seeded and unseeded rows): its row buckets are multiples of 4 and its KV capacity a
+multiple of 16, which the CPU's batch invariance covers (sampler._ROW_QUANTUM). The CUDA graph capture is
+checked against the eager static path on CUDA only (`gpu` mark).
+
+    OMP_NUM_THREADS=1 python -m pytest tests/test_static_decode.py
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import transformers
+
+from backends.local import static_decode
+from backends.local.sampler import Sampler
+from backends.local.static_decode import capacity_bucket, row_bucket
+from backends.local.tiny import build_config, build_tokenizer
+from backends.types import SamplingParams
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def _model(tok, dtype=torch.float32, device=CPU):
+    cfg = build_config(tok)
+    cfg.initializer_range = 0.2  # peaky: greedy choices have clear margins
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval().to(device, dtype)
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _requests(tok):
+    """Mixed prompts, groups, budgets and sampling modes: greedy, seeded (with a stop token that ends some rows
+    early, so rows move to smaller buckets), unseeded."""
+    return [
+        (tok.encode("hello there"), 3, SamplingParams(max_tokens=20, temperature=1.0, seed=7, stop=[])),
+        (tok.encode("a much longer prompt than the other ones"), 2, SamplingParams(max_tokens=9, temperature=0.0, stop=[])),
+        (tok.encode("x"), 1, SamplingParams(max_tokens=30, temperature=0.7, seed=3, stop=[5, 101])),
+        (tok.encode("unseeded"), 2, SamplingParams(max_tokens=12, temperature=1.0, top_k=20, stop=[])),
+        (tok.encode("topp"), 4, SamplingParams(max_tokens=40, temperature=1.3, top_p=0.9, seed=11, stop=[7, 9])),
+    ]
+
+
+def _flat(outs):
+    return [(s.tokens, s.logprobs, s.stop_reason) for o in outs for s in o.sequences]
+
+
+def test_buckets():
+    assert [row_bucket(n) for n in (1, 3, 4, 5, 8, 9, 64, 65)] == [4, 4, 4, 8, 8, 16, 64, 128]
+    assert [capacity_bucket(n) for n in (1, 64, 65, 192, 257)] == [64, 64, 128, 256, 512]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_static_path_equals_the_eager_fast_path(tok, one_thread, dtype):
+    """Same tokens and the same logprobs, bit for bit (tolerance 0), on the CPU; and the static path really ran:
+    its steps are bucketed (4, 8, 16 rows), never the eager path's multiples of 4 in between."""
+    model = _model(tok, dtype)
+    eager = Sampler(model, tok, CPU, seed=1)
+    static = Sampler(model, tok, CPU, seed=1)
+    static.static_decode = True
+    sizes: list[int] = []
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda _m, a: sizes.append(a[0].shape[0]))
+    try:
+        got = static.sample_batch(_requests(tok))
+    finally:
+        hook.remove()
+    want = eager.sample_batch(_requests(tok))
+    assert _flat(got) == _flat(want)
+    assert sizes[1] == 16 and set(sizes[1:]) <= {4, 8, 16}  # 12 rows -> the 16-row bucket, then smaller ones
+    assert sorted(static._static.batches) == [(4, 128), (8, 128), (16, 128)]  # kept for the next call
+    # A second call reuses those batches (buffers zeroed and reloaded): still the eager path's results.
+    assert _flat(static.sample_batch(_requests(tok))) == _flat(eager.sample_batch(_requests(tok)))
+
+
+def test_static_path_follows_a_new_capacity(tok, one_thread):
+    model = _model(tok)
+    eager, static = Sampler(model, tok, CPU, seed=2), Sampler(model, tok, CPU, seed=2)
+    static.static_decode = True
+    for budget in (5, 100, 7):  # capacity 64, then 128 (the 64 batches dropped), then 64 again
+        req = [(tok.encode("grow"), 2, SamplingParams(max_tokens=budget, seed=1, stop=[]))]
+        assert _flat(static.sample_batch(req)) == _flat(eager.sample_batch(req))
+        assert {c for _, c in static._static.batches} == {capacity_bucket(len(tok.encode("grow")) + budget)}
+
+
+def test_static_batches_count_their_buckets_against_the_cache_budget(tok, one_thread):
+    """A static batch of k rows over n slots holds 2 x row_bucket(k) x capacity_bucket(n) slots in the budget
+    (its bucket's cache and the smaller ones kept): a budget for 16 such slots takes rows one batch each, and
+    the results stay the eager path's."""
+    model = _model(tok)
+    cfg = model.config
+    per_slot = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+    req = [(tok.encode("b"), 3, SamplingParams(max_tokens=5, seed=1, stop=[]))]  # 1 + 5 slots per row
+    eager, static = Sampler(model, tok, CPU, seed=2), Sampler(model, tok, CPU, seed=2)
+    static.static_decode = True
+    assert [len(c) for c in static._chunks(static._rows(0, *req[0]))] == [3]
+    static.cache_budget = eager.cache_budget = 2 * 4 * 64 * per_slot  # one bucket of 4 rows x 64 slots
+    assert [len(c) for c in static._chunks(static._rows(0, *req[0]))] == [3]
+    static.cache_budget = 2 * 4 * 64 * per_slot - 1
+    assert [len(c) for c in static._chunks(static._rows(0, *req[0]))] == [1, 1, 1]
+    assert [len(c) for c in eager._chunks(eager._rows(0, *req[0]))] == [3]  # 3 x 6 slots fit
+    assert _flat(static.sample_batch(req)) == _flat(eager.sample_batch(req))
+
+
+def test_shared_prefill_equals_one_prefill_per_row(tok, one_thread):
+    """share_prefill (one prefill per distinct prompt, its KV copied into the group's rows) against one prefill
+    per row: the same bits on the CPU, on the eager and the static path, and the prefill runs once."""
+    model = _model(tok)
+    per_row = Sampler(model, tok, CPU, seed=4)
+    per_row.share_prefill = False
+    want = _flat(per_row.sample_batch(_requests(tok)))
+    for static in (False, True):
+        shared = Sampler(model, tok, CPU, seed=4)
+        shared.static_decode = static
+        sizes: list[int] = []
+        hook = model.get_input_embeddings().register_forward_pre_hook(lambda _m, a: sizes.append(a[0].shape[0]))
+        try:
+            assert _flat(shared.sample_batch(_requests(tok))) == want
+        finally:
+            hook.remove()
+        # The prefill's packed tokens: each distinct prompt once, rounded up to 4 rows.
+        distinct = sum(len(p) for p, _, _ in _requests(tok))
+        assert sizes[0] == -(-distinct // 4) * 4
+
+
+def test_a_failed_capture_falls_back_to_eager_once(tok, one_thread, monkeypatch, caplog):
+    """The capture path on the CPU, with CUDA's stream calls stubbed and the capture failing: one warning, the
+    step's eager result returned, and no further capture attempts."""
+    model = _model(tok)
+    eager, static = Sampler(model, tok, CPU, seed=3), Sampler(model, tok, CPU, seed=3)
+    static.static_decode = True
+    tries: list[int] = []
+
+    class _Stream:
+        def __init__(self, *_a):
+            pass
+
+        def wait_stream(self, _s):
+            pass
+
+    def boom():
+        tries.append(1)
+        raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(static_decode.torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(static_decode.torch.cuda, "current_stream", lambda *_a: _Stream())
+    monkeypatch.setattr(static_decode.torch.cuda, "stream", lambda _s: _NullContext())
+    monkeypatch.setattr(static_decode.torch.cuda, "CUDAGraph", boom)
+    monkeypatch.setattr(static_decode.StaticBatch, "_wants_capture", lambda self: self.owner.graphs)
+    req = [(tok.encode("fallback"), 3, SamplingParams(max_tokens=12, seed=5, stop=[]))]
+    with caplog.at_level(logging.WARNING, logger="backends.local.static_decode"):
+        got = static.sample_batch(req)
+        again = static.sample_batch(req)
+    assert _flat(got) == _flat(eager.sample_batch(req)) and _flat(again) == _flat(got)
+    assert len(tries) == 1 and not static._static.graphs
+    assert [r.message for r in caplog.records if "CUDA graph" in r.message] == [
+        "CUDA graph capture of the decode step failed (RuntimeError: capture refused); decoding eagerly from now on"
+    ]
+
+
+def test_replayed_steps_read_the_batch_buffers(tok, one_thread, monkeypatch):
+    """The capture-and-replay plumbing on the CPU, with a stand-in for CUDA's graph whose replay reruns the
+    captured step on the batch's buffers (what a real replay does) and writes the captured output tensor: the
+    samples equal the eager path's, and all steps but each batch's first are replays."""
+    model = _model(tok)
+    eager, static = Sampler(model, tok, CPU, seed=3), Sampler(model, tok, CPU, seed=3)
+    static.static_decode = True
+    capturing: list[_FakeGraph] = []
+    forward = static_decode.StaticBatch._forward
+    replays: list[int] = []
+
+    class _FakeGraph:
+        def __init__(self):
+            self.batch = self.out = None
+
+        def replay(self):
+            replays.append(1)
+            self.out.copy_(forward(self.batch))
+
+    def recording_forward(self):
+        out = forward(self)
+        if capturing:
+            capturing[-1].batch, capturing[-1].out = self, out
+        return out
+
+    class _Capture:
+        def __init__(self, graph, capture_error_mode="global"):
+            assert capture_error_mode == "thread_local"  # a training thread may share the GPU
+            self.graph = graph
+
+        def __enter__(self):
+            capturing.append(self.graph)
+
+        def __exit__(self, *_exc):
+            capturing.pop()
+            return False
+
+    class _Stream:
+        def __init__(self, *_a):
+            pass
+
+        def wait_stream(self, _s):
+            pass
+
+    monkeypatch.setattr(static_decode.torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(static_decode.torch.cuda, "current_stream", lambda *_a: _Stream())
+    monkeypatch.setattr(static_decode.torch.cuda, "stream", lambda _s: _NullContext())
+    monkeypatch.setattr(static_decode.torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(static_decode.torch.cuda, "graph", _Capture)
+    monkeypatch.setattr(static_decode.StaticBatch, "_forward", recording_forward)
+    monkeypatch.setattr(static_decode.StaticBatch, "_wants_capture", lambda self: self.owner.graphs)
+    assert _flat(static.sample_batch(_requests(tok))) == _flat(eager.sample_batch(_requests(tok)))
+    graphs = [b.graph for b in static._static.batches.values()]
+    assert len(graphs) == 3 and all(isinstance(g, _FakeGraph) for g in graphs) and len(replays) > 30
+    before = len(replays)
+    assert _flat(static.sample_batch(_requests(tok))) == _flat(eager.sample_batch(_requests(tok)))
+    assert [b.graph for b in static._static.batches.values()] == graphs  # kept: no new capture
+    assert len(replays) > before
+
+
+class _NullContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_exc):
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_replay_equals_eager(tok, dtype):
+    """On CUDA: the captured steps against the same static shapes run eagerly. Greedy tokens equal; logprobs
+    within 1e-5 (fp32) / 2e-2 (bf16) (a replay runs the same kernels, so they are normally equal too), and
+    seeded samples equal."""
+    dev = torch.device("cuda")
+    model = _model(tok, dtype, dev)
+    graph, eager = Sampler(model, tok, dev, seed=1), Sampler(model, tok, dev, seed=1)
+    eager.cuda_graphs = False
+    assert graph.fast is not None
+    got, want = graph.sample_batch(_requests(tok)), eager.sample_batch(_requests(tok))
+    assert any(b.graph is not None for b in graph._static.batches.values())
+    assert all(b.graph is None for b in eager._static.batches.values())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for (ta, la, ra), (tb, lb, rb) in zip(_flat(got), _flat(want), strict=True):
+        assert ta == tb and ra == rb
+        assert la == pytest.approx(lb, abs=tol)
+    # A second call replays the kept graphs (both samplers' own generators have advanced alike).
+    got, want = graph.sample_batch(_requests(tok)), eager.sample_batch(_requests(tok))
+    assert [s[0] for s in _flat(got)] == [s[0] for s in _flat(want)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_graphs_with_joining_requests(tok):
+    """On CUDA (bf16): requests joining a graph-replayed batch (a finished row's slot, then a bigger bucket) get
+    the tokens the same stream gets with the graphs off (the same shapes step by step: CUDA promises no batch
+    invariance, so "alone" is not the reference here), logprobs within 2e-2."""
+    from tests.test_continuous_batching import _stream
+
+    dev = torch.device("cuda")
+    model = _model(tok, torch.bfloat16, dev)
+    reqs = [r for r in _requests(tok) if r[2].seed is not None or r[2].temperature == 0]  # seeded or greedy
+    graph, eager = Sampler(model, tok, dev, seed=1), Sampler(model, tok, dev, seed=1)
+    eager.cuda_graphs = False
+    want, _, _ = _stream(eager, reqs[:1], {2: [reqs[1]], 4: reqs[2:]})
+    got, _, _ = _stream(graph, reqs[:1], {2: [reqs[1]], 4: reqs[2:]})
+    assert any(b.graph is not None for b in graph._static.batches.values())
+    assert sorted(got) == sorted(want) == list(range(len(reqs)))
+    for i in want:
+        for a, b in zip(got[i].sequences, want[i].sequences, strict=True):
+            assert a.tokens == b.tokens and a.logprobs == pytest.approx(b.logprobs, abs=2e-2)
