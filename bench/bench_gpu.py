@@ -504,7 +504,23 @@ def bench_training(shape: str, model_dir: Path, cfg: Any, device: torch.device, 
                          f"| {first_s} | {mem} |")
         else:
             lines.append(f"| {name} | {failed.get(name, 'failed')} | | | {first_s} | |")
+    lines.extend(verdict(tps, results, best))
     return ok
+
+
+def verdict(tps: dict[str, float], results: dict[str, dict[str, Any]], best_hand: float) -> list[str]:
+    """The lines a device session decides on: flex against SDPA per block (what "auto" should run on CUDA), and
+    the faster of ours against the best hand loop (issue #29's target: >= 2x)."""
+    out = []
+    if "ours-sdpa" in tps and "ours-flex" in tps:
+        a, b = results["ours-sdpa"], results["ours-flex"]
+        out.append(f"\nours-flex / ours-sdpa: {tps['ours-flex'] / tps['ours-sdpa']:.2f}x tokens/s; first step "
+                   f"{b['first_s']:.1f} s vs {a['first_s']:.1f} s")
+    mine = {n: v for n, v in tps.items() if n in ("ours-sdpa", "ours-flex")}
+    if mine and best_hand == best_hand:  # not NaN: some hand loop finished
+        name = max(mine, key=lambda n: mine[n])
+        out.append(f"\n{name} / best hand loop: {mine[name] / best_hand:.2f}x (issue #29's target: >= 2x)")
+    return out
 
 
 def bench_rl(shape: str, model_dir: Path, cfg: Any, device: torch.device, args: Any, storage: Path,
