@@ -24,6 +24,7 @@ def test_bench_gpu_smokes_on_cpu():
     assert {"ours-sdpa", "ours-before", "hf-padded", "hf-packed", "ours", "generate"} <= rows, out.stdout
     assert "tiny: first loss ours-sdpa" in out.stdout
     assert "| first step (s) |" in out.stdout  # time to the first step, apart from the steady tokens/s
+    assert "ours-sdpa / best hand loop: " in out.stdout  # the verdict line a device session decides on
     assert not (ROOT / "bench" / "results" / "gpu_speed.md").exists() or "CPU" not in (ROOT / "bench" / "results" / "gpu_speed.md").read_text()
 
 
