@@ -162,10 +162,16 @@ def _compiles_per_step(monkeypatch, budget: int) -> tuple[list[int], set[int]]:
     per_step = []
     sizes = set()
     for batch in _batches():
+        got: dict[int, torch.Tensor] = {}
         with torch.no_grad():
-            for idx, _ in packed.chunk_logprobs(batch, budget, CPU):
+            for idx, lps in packed.chunk_logprobs(batch, budget, CPU):
                 sizes.add(sum(batch[i].length for i in idx))
+                got.update(zip(idx, lps))
         per_step.append(_graphs() - before)
+        # every chunk's own mask reached the compiled kernel (nothing of the first chunk's baked in)
+        for i, ref in enumerate(_forward(packed, batch, "auto")):
+            torch.testing.assert_close(got[i], ref, atol=2e-5, rtol=1e-5)
+        packed.attention, packed.flex_compiled = "flex", True
     return per_step, sizes
 
 
@@ -243,7 +249,11 @@ def test_the_mask_builder_compiles_once_whatever_the_grad_mode(monkeypatch):
     for i, batch in enumerate(_batches()):
         for layout in plan(batch, 256, MIN_SHARED):
             padded = flex.padded_rows(len(layout.tokens), 256)
+            ends = torch.as_tensor(flex.subtree_ends(layout, padded))
             with torch.set_grad_enabled(i % 2 == 0):
-                mask = flex.flex_mask(layout, torch.as_tensor(flex.subtree_ends(layout, padded)))
+                mask = flex.flex_mask(layout, ends)
             assert mask.padded == padded
+            # each chunk's own mask (its `ends` is an input of the compiled builder, not a constant baked in)
+            eager = flex.flex_mask(layout, ends, compiled=False)
+            assert torch.equal(mask.block_mask.to_dense(), eager.block_mask.to_dense())
     assert _graphs() - before == 2  # 256 rows and 512 (the long row's chunk)
