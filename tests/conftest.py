@@ -37,3 +37,16 @@ def mock_tinker(tinker_service: Any, monkeypatch: pytest.MonkeyPatch) -> Iterato
 @pytest.fixture
 def mocked_tinker(mock_tinker: Any) -> None:
     """The real tinker SDK against the emulated service, for tests that need only the env."""
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Torch at one intra-op thread, as the local backend runs its samplers on the CPU: what the sampler's
+    bit-exact batch invariance is promised (and measured) for. At 2 threads it held with transformers 5.23
+    but not with 4.56-5.21, whose attention code takes other kernels."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

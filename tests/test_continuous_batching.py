@@ -35,14 +35,6 @@ def model(tok):
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _req(tok, text, n, max_tokens, seed, **kw):
     return tok.encode(text), n, SamplingParams(max_tokens=max_tokens, temperature=kw.pop("temperature", 1.0),
                                                seed=seed, stop=kw.pop("stop", []), **kw)

@@ -380,17 +380,6 @@ def _batch_sizes(model, fn):
         handle.remove()
 
 
-@pytest.fixture
-def one_thread():
-    """Torch at one intra-op thread, as the local backend runs its samplers on the CPU: what the sampler's
-    bit-exact batch invariance is promised (and measured) for. At 2 threads it held with transformers 5.23
-    but not with 4.56-5.21, whose attention code takes other kernels."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_finished_rows_leave_the_batch(rand, tok, one_thread):
     sampler = Sampler(rand, tok, CPU)
     requests = [([i + 1, 2, 3], 1, _greedy(2 if i < 6 else 12, stop=[])) for i in range(8)]

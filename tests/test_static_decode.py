@@ -38,14 +38,6 @@ def _model(tok, dtype=torch.float32, device=CPU):
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval().to(device, dtype)
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _requests(tok):
     """Mixed prompts, groups, budgets and sampling modes: greedy, seeded (with a stop token that ends some rows
     early, so rows move to smaller buckets), unseeded."""

@@ -13,7 +13,6 @@ every algorithm gets them. Metrics: test/eval/<name>/<metric> (held-out numbers,
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from backends.base import SamplingClient
 from backends.errors import UserError
 from runner.recipe.explain import dotted
 from runner.recipe.schema import PinnedEval
+from runner.recipe.targets import declared
 from runner.renderers import Renderer, get_renderer
 from runner.renderers.base import Tokenizer
 
@@ -52,11 +52,7 @@ class EvalKind:
 
 def kind_of(e: PinnedEval) -> EvalKind:
     """The `EVAL` its module declares, for a pinned eval's config (its struct's `implementation`)."""
-    module = type(e).implementation
-    kind = getattr(importlib.import_module(module), "EVAL", None) if module else None
-    if not isinstance(kind, EvalKind):
-        raise TypeError(f"pinned eval {type(e).__name__}: its implementation {module!r} declares no EVAL = EvalKind(...)")
-    return kind
+    return declared(type(e).implementation, "EVAL", EvalKind, f"pinned eval {type(e).__name__}")
 
 
 def names(evals: list[PinnedEval]) -> list[str]:

@@ -12,7 +12,6 @@ algorithm needs no edit here at all:
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 from backends.errors import UserError
 from runner.engine.context import Algorithm, InitWeights
 from runner.recipe.schema import ALGO_VARIANTS, Custom, Recipe
+from runner.recipe.targets import declared
 from runner.renderers import Renderer, get_renderer
 from runner.renderers.base import Tokenizer
 
@@ -151,10 +151,7 @@ def custom_args(spec: AlgoSpec, cfg: Custom, where: str = "") -> Any:
 
 
 def _module_spec(module: str) -> AlgoSpec:
-    spec = getattr(importlib.import_module(module), "SPEC", None)
-    if not isinstance(spec, AlgoSpec):
-        raise TypeError(f"{module} declares no SPEC = AlgoSpec(...)")
-    return spec
+    return declared(module, "SPEC", AlgoSpec, "algorithm")
 
 
 def _custom_spec(target: str, where: str = "") -> AlgoSpec:

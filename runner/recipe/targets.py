@@ -7,9 +7,20 @@ import inspect
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from backends.errors import UserError
+
+K = TypeVar("K")
+
+
+def declared(module: str, name: str, kind: type[K], what: str) -> K:
+    """What a built-in extension's module declares, the one registration idiom (docs/extending.md): a recipe
+    struct's `implementation` names the module, the module sets `name = kind(...)` (ENV, EVAL, SPEC)."""
+    found = getattr(importlib.import_module(module), name, None) if module else None
+    if not isinstance(found, kind):
+        raise TypeError(f"{what}: its implementation {module!r} declares no {name} = {kind.__name__}(...)")
+    return found
 
 
 def import_target(target: str) -> Callable[..., Any]:

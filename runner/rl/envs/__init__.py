@@ -15,13 +15,12 @@ groups_per_batch and the recipe seed. Datasets hand out `EnvGroupBuilder`s (runn
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable
 from typing import Any, cast
 
 from backends.errors import UserError
 from runner.recipe.schema import Env, PythonEnv
-from runner.recipe.targets import args_mismatch, import_target
+from runner.recipe.targets import args_mismatch, declared, import_target
 from runner.rl.envs.common import EnvContext, EnvKind
 from runner.rl.rollouts import describe_error
 from runner.rl.types import EnvGroupBuilder, RLDataset
@@ -31,11 +30,7 @@ __all__ = ["EnvContext", "EnvKind", "build_datasets", "get_batch", "headline_of"
 
 def kind_of(cfg: Env) -> EnvKind:
     """The `ENV` its module declares, for a built-in env's config (its struct's `implementation`)."""
-    module = type(cfg).implementation
-    kind = getattr(importlib.import_module(module), "ENV", None) if module else None
-    if not isinstance(kind, EnvKind):
-        raise TypeError(f"env config {type(cfg).__name__}: its implementation {module!r} declares no ENV = EnvKind(...)")
-    return kind
+    return declared(type(cfg).implementation, "ENV", EnvKind, f"env config {type(cfg).__name__}")
 
 
 def build_datasets(cfg: Env, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]:
