@@ -123,6 +123,8 @@ class DecodeBatch:
         # slots: the batch-invariant layout (see ROW_QUANTUM), or None for HF's own cache, left-padded.
         self.cache: DynamicCache | DecodeCache
         self.slots: Slots | None
+        self.longest: int  # the longest prompt: where a left-padded batch's prompts end
+        self.capacity: int  # cache slots per row
         self.logits = self._prefill()
         self.keys_ok, self.next_pos, self.valid = self._prompt_masks()
         self.lp_buf = torch.zeros((size, self.steps), dtype=torch.float32, device=self.dev)

@@ -14,12 +14,15 @@ Llama, Mistral, Qwen2 and Qwen3 decoders take a faster path (llama.LlamaDecoder)
 tensors instead of HF's modules, with (on the CPU) their matmul weights in the layouts MKL and oneDNN run
 fastest, prompt tokens packed without padding for the prefill, and no per-step module or cache machinery. On
 CUDA its decode steps run at static shapes and replay as CUDA graphs (static_decode.py). Every other model (or
-attention variant) decodes through HF's modules, as the rest of this file does. bench/bench_sampling.py
-measures them against `model.generate`; the ratios are in bench/README.md.
+attention variant) decodes through HF's modules. bench/bench_sampling.py measures them against
+`model.generate`; the ratios are in bench/README.md.
 
 A request with num_samples = n prefills its prompt once (each distinct prompt of a batch once) and copies its
 KV to its n rows. `sample_stream` (what the local sampling client calls) adds continuous batching: requests
 that arrive while a batch decodes join it at a step boundary, and each is delivered as soon as it finishes.
+
+This file turns requests into rows (one per sample, validated) and rows into batches that fit the cache budget;
+decoding.py decodes one batch (prefill, the decode steps, sampling, stop rules, batch invariance).
 docs/local-backend.md has the whole picture.
 """
 
@@ -167,7 +170,7 @@ class Sampler:
             while order:
                 n = max(1, _LOGPROB_BUDGET // (len(seqs[order[0]]) * self.vocab))
                 chunk, order = order[:n], order[n:]
-                width = round_up(len(seqs[chunk[0]]))  # batch-invariant, see ROW_QUANTUM
+                width = round_up(len(seqs[chunk[0]]))  # batch-invariant, see decoding.ROW_QUANTUM
                 ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
                 for j, i in enumerate(chunk):
                     ids[j, : len(seqs[i])] = torch.tensor(seqs[i])
@@ -237,7 +240,7 @@ class Sampler:
             return frozenset(ids), ()
         raise ValueError("stop must be a list of strings or a list of token ids, not a mix")
 
-    # ------------------------------------------------------------------ the decode loop
+    # ------------------------------------------------------------------ rows -> decode batches
 
     def budget_slots(self) -> int:
         """KV cache slots (rows x positions) one decode batch may hold: cache_budget's bytes."""
@@ -291,7 +294,6 @@ class Sampler:
             self._static = StaticDecoder(self.fast, graphs=self.cuda_graphs)
         self._static.graphs = self._static.graphs and self.cuda_graphs
         return self._static
-
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:
