@@ -132,8 +132,8 @@ class DecodeBatch:
         # Requests may join only where each row's cache row is its own (the fast path), within the cache budget.
         self.joins = join is not None and fast is not None
         # (A static batch counts twice: the smaller buckets' batches are kept too; see Sampler._chunks.)
-        per_row = self.capacity * (1 if self.batch is None else 2)
-        self.max_rows = max(size, sampler.budget_slots() // per_row) if self.joins else size
+        slots_per_row = self.capacity * (1 if self.batch is None else 2)
+        self.max_rows = max(size, sampler.budget_slots() // slots_per_row) if self.joins else size
 
     # ------------------------------------------------------------------ setup
 
@@ -253,6 +253,8 @@ class DecodeBatch:
     # ------------------------------------------------------------------ the steps
 
     def run(self) -> None:
+        """Decodes until every row has finished (or the longest budget is spent); each row's tokens, logprobs and
+        stop reason are then set."""
         t = 0
         while t < self.steps:  # `steps` grows when a request joins
             tok = self._choose(t)
