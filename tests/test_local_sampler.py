@@ -266,7 +266,7 @@ def _family_model(kind: str, **extra):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "qwen3"])
 def test_fast_path_of_each_family_matches_hf(tok, kind, one_thread):
-    """The plain-tensor path (sampler._Llama) of every family it takes gives HF's greedy tokens, with
+    """The plain-tensor path (llama.LlamaDecoder) of every family it takes gives HF's greedy tokens, with
     logprobs within 1e-5 of a plain HF forward of the whole sequence and of HF's modules decoding."""
     model = _family_model(kind)
     sampler = Sampler(model, tok, CPU)
