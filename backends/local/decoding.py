@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -31,8 +31,23 @@ from backends.local.llama import DecodeCache, LlamaDecoder, Slots
 from backends.local.static_decode import StaticBatch, StaticDecoder, capacity_bucket, row_bucket
 from backends.types import SamplingParams, StopReason
 
-if TYPE_CHECKING:
-    from backends.local.sampler import Sampler
+
+class Sampler(Protocol):
+    """What a batch reads of the Sampler that runs it (backends/local/sampler.py; a protocol, so that module imports
+    this one and not the other way round)."""
+
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    gen: torch.Generator
+    pad_id: int
+    attn_impl: str | None
+    share_prefill: bool
+    keep_arg: bool
+    cache_kw: str
+
+    def budget_slots(self) -> int: ...
 
 # Batch invariance: a request's samples and logprobs are bit-identical whatever else shares its batch, so a
 # seeded run repeats exactly however the worker happened to coalesce requests (an RL run resumed after a
