@@ -87,6 +87,12 @@ def not_a_backend(model, tokenizer, storage_dir, seed):
     return "a string"
 
 
+def a_backend_class(model, tokenizer, storage_dir, seed):
+    from backends.fake import FakeBackend
+
+    return FakeBackend  # the class, not one: it has every method the Backend protocol's isinstance looks for
+
+
 def rows(n=8):
     return [{"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": str(i)}]}
             for i in range(n)]
@@ -182,6 +188,8 @@ def test_a_backend_of_my_own_runs_a_recipe(proj: Path, capsys: pytest.CaptureFix
     ("backend.target=myext.parts:nothing", "check", "backend.target: cannot import 'myext.parts:nothing'"),
     ("backend={kind=\"python\", target=\"myext.parts:not_a_backend\"}", "run",
      "backend target 'myext.parts:not_a_backend' returned str, not a backends.base.Backend"),
+    ("backend={kind=\"python\", target=\"myext.parts:a_backend_class\"}", "run",
+     "backend target 'myext.parts:a_backend_class' returned the class FakeBackend (call it), not a backends.base"),
 ])
 def test_a_bad_backend_of_my_own_is_one_line(proj: Path, capsys: pytest.CaptureFixture[str], override: str,
                                              command: str, message: str) -> None:
