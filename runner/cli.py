@@ -10,6 +10,7 @@ backends, is imported inside `run` only (and the local backend's export inside `
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -561,6 +562,18 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_writable_parent(out: Path) -> None:
+    """UserError unless OUT's folder is one export can create its temporary sibling in: checked before torch loads
+    and the base is merged, not found out after (a file on the way, or a folder this user cannot write)."""
+    ancestor = out.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UserError(f"{out}: {ancestor} is a file, not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UserError(f"{out}: cannot write in {ancestor}")
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from runner.engine.rundir import CHECKPOINTS, CONFIG, load_config, read_checkpoints
 
@@ -569,6 +582,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UserError(f"{run_dir} is not a run dir (no {CONFIG})")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} exists and is not an empty folder; export never overwrites")
+    _check_writable_parent(out)
     recipe = load_config(run_dir / CONFIG)
     rows = read_checkpoints(run_dir)
     if args.checkpoint is None:

@@ -141,8 +141,11 @@ def _load_tokenizer(tokenizer_dir: Path) -> Any:
 
 def _write_new(out: Path, write: Callable[[Path], None]) -> None:
     """Write into a temporary sibling folder, then rename it to `out`: a failure leaves nothing behind."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:  # runner export checks the folder first (runner/cli.py); what only trying finds (/proc, a full disk) is here
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as e:
+        raise UserError(f"{out}: cannot create a folder there ({e.strerror or e})") from None
     try:
         write(tmp)
         if out.is_dir():  # empty (checked by export)
