@@ -93,6 +93,18 @@ def a_backend_class(model, tokenizer, storage_dir, seed):
     return FakeBackend  # the class, not one: it has every method the Backend protocol's isinstance looks for
 
 
+def renderer_raises(tokenizer):
+    raise RuntimeError("no such format")
+
+
+def renderer_not_one(tokenizer):
+    return 5
+
+
+def renderer_without_tokenizer():
+    return None
+
+
 def rows(n=8):
     return [{"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": str(i)}]}
             for i in range(n)]
@@ -195,6 +207,27 @@ def test_a_bad_backend_of_my_own_is_one_line(proj: Path, capsys: pytest.CaptureF
                                              command: str, message: str) -> None:
     capsys.readouterr()
     assert main([command, "r.toml#mine", override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(("override", "command", "message"), [
+    ("renderer=myext.parts:renderer_raises", "render",
+     "renderer 'myext.parts:renderer_raises': calling it with the tokenizer raised RuntimeError: no such format"),
+    ("renderer=myext.parts:renderer_not_one", "render",
+     "renderer 'myext.parts:renderer_not_one' returned int, not a Renderer"),
+    ("renderer=myext.parts:renderer_without_tokenizer", "check",
+     "renderer 'myext.parts:renderer_without_tokenizer' cannot be called with a tokenizer: too many positional"),
+    ("renderer=myext.parts:nothing", "check", "renderer 'myext.parts:nothing': myext.parts has no nothing"),
+    ("renderer=myext.nowhere:Plain", "check",
+     "renderer 'myext.nowhere:Plain': cannot import myext.nowhere: ModuleNotFoundError: No module named 'myext.nowhere'"),
+])
+def test_a_bad_renderer_of_my_own_is_one_line(proj: Path, capsys: pytest.CaptureFixture[str], override: str,
+                                              command: str, message: str) -> None:
+    """`runner check` imports a user's renderer and binds a tokenizer to it (it passed any "pkg.mod:NAME" unread);
+    building one that raises or returns something else is one line, not a traceback."""
+    capsys.readouterr()
+    assert main([command, "r.toml#sft", override]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
 
