@@ -87,6 +87,12 @@ def not_a_backend(model, tokenizer, storage_dir, seed):
     return "a string"
 
 
+def a_backend_that_exits(model, tokenizer, storage_dir, seed):
+    import sys
+
+    sys.exit(3)
+
+
 def a_backend_class(model, tokenizer, storage_dir, seed):
     from backends.fake import FakeBackend
 
@@ -200,6 +206,8 @@ def test_a_backend_of_my_own_runs_a_recipe(proj: Path, capsys: pytest.CaptureFix
     ("backend.target=myext.parts:nothing", "check", "backend.target: cannot import 'myext.parts:nothing'"),
     ("backend={kind=\"python\", target=\"myext.parts:not_a_backend\"}", "run",
      "backend target 'myext.parts:not_a_backend' returned str, not a backends.base.Backend"),
+    ("backend={kind=\"python\", target=\"myext.parts:a_backend_that_exits\"}", "run",
+     "backend target 'myext.parts:a_backend_that_exits': calling it with args [] raised SystemExit: 3"),
     ("backend={kind=\"python\", target=\"myext.parts:a_backend_class\"}", "run",
      "backend target 'myext.parts:a_backend_class' returned the class FakeBackend (call it), not a backends.base"),
 ])

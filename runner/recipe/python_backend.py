@@ -44,7 +44,9 @@ class PythonBackend(BackendConfig, tag="python"):  # pyright: ignore[reportGener
             out = fn(model=model, tokenizer=tokenizer, storage_dir=storage_dir, seed=seed, **self.args)
         except UserError:
             raise
-        except Exception as e:  # noqa: BLE001 - user code: one line naming it, not a traceback
+        # SystemExit too: user code that exits (an argparse inside it, a sys.exit) would end the run with its code
+        # and no word of why.
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - user code: one line naming it, not a traceback
             reason = " ".join(f"{type(e).__name__}: {e}".split())
             raise UserError(f"{where}: calling it with args {sorted(self.args)} raised {reason}") from None
         # Backend is a runtime-checkable Protocol: a class (not an instance of it) has the same attributes and passes
