@@ -56,7 +56,13 @@ def test_the_readers_read_the_table() -> None:
 def test_a_typo_in_the_table_is_caught(tmp_path: Path) -> None:
     bad = tmp_path / "models.toml"
     bad.write_text('[models."a/b"]\nrenderer = "qwen3"\nhiden_size = 4096\n')
-    with pytest.raises(msgspec.ValidationError, match="hiden_size"):
+    with pytest.raises(UserError, match=r'^.*models\.toml: \[models\."a/b"\]: Object contains unknown field `hiden_size`$'):
+        _load(bad)  # the model is named (msgspec alone said "at `$[...]`")
+    bad.write_text('[models."a/b"]\ncontext = 0\n')
+    with pytest.raises(UserError, match=r'\[models\."a/b"\]: Expected `int` >= 1 - at `\$.context`'):
+        _load(bad)
+    bad.write_text('[models."a/b"\n')
+    with pytest.raises(UserError, match="not valid TOML"):
         _load(bad)
 
 
