@@ -266,7 +266,7 @@ def _family_model(kind: str, **extra):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "qwen3"])
 def test_fast_path_of_each_family_matches_hf(tok, kind, one_thread):
-    """The plain-tensor path (sampler._Llama) of every family it takes gives HF's greedy tokens, with
+    """The plain-tensor path (llama.LlamaDecoder) of every family it takes gives HF's greedy tokens, with
     logprobs within 1e-5 of a plain HF forward of the whole sequence and of HF's modules decoding."""
     model = _family_model(kind)
     sampler = Sampler(model, tok, CPU)
@@ -386,7 +386,7 @@ def test_finished_rows_leave_the_batch(rand, tok, one_thread):
     outs, sizes = _batch_sizes(rand, lambda: sampler.sample_batch(requests))
     assert [len(o.sequences[0].tokens) for o in outs] == [2] * 6 + [12] * 2
     # Prefill (the 8 prompts' 3 tokens each, packed into one matrix), step 2, then the two long rows and two
-    # finished ones: no forward has fewer than 4 rows (batch invariance, see sampler._ROW_QUANTUM).
+    # finished ones: no forward has fewer than 4 rows (batch invariance, see decoding.ROW_QUANTUM).
     assert sizes == [8 * 3, 8] + [4] * 10
     # Samples of one prompt share a single prefill (its 3 tokens, packed rows rounded up to 4).
     outs, sizes = _batch_sizes(rand, lambda: sampler.sample_batch([([5, 6, 7], 6, _greedy(4, stop=[]))]))

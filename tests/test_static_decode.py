@@ -3,7 +3,7 @@ Qwen3 model.
 
 On the CPU the static path runs eagerly and must give the eager fast path's tokens and logprobs bit for bit
 (fp32 and bf16, greedy, seeded and unseeded rows): its row buckets are multiples of 4 and its KV capacity a
-multiple of 16, which the CPU's batch invariance covers (sampler._ROW_QUANTUM). The CUDA graph capture is
+multiple of 16, which the CPU's batch invariance covers (decoding.ROW_QUANTUM). The CUDA graph capture is
 checked against the eager static path on CUDA only (`gpu` mark).
 
     OMP_NUM_THREADS=1 python -m pytest tests/test_static_decode.py

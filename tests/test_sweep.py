@@ -102,11 +102,11 @@ def test_a_key_that_takes_an_array_is_swept_by_an_array_of_arrays(workdir: Path)
     inner = plan("recipes.toml#sl", ["backend.lora_alpha=[16.0,32.0]", 'backend={kind="local", device="cpu"}'])
     assert [msgspec.to_builtins(p.recipe.backend) for p in inner.points] == [
         {"kind": "local", "device": "cpu", "dtype": "auto", "lora_alpha": a, "full_finetune": False, "packed": True,
-        "sampler_weights": "auto", "local_files_only": False}
+         "attention": "auto", "sampler_weights": "auto", "local_files_only": False}
         for a in (16, 32)]
     outer = plan("recipes.toml#sl", ["backend.device=cpu", 'backend=[{kind="local", lora_alpha=8.0}]'])
     assert msgspec.to_builtins(outer.points[0].recipe.backend) == {
-        "kind": "local", "device": "cpu", "dtype": "auto", "lora_alpha": 8.0, "full_finetune": False, "packed": True,
+        "kind": "local", "device": "cpu", "dtype": "auto", "lora_alpha": 8.0, "full_finetune": False, "packed": True, "attention": "auto",
         "sampler_weights": "auto", "local_files_only": False}
     # A table value names its keys.
     three = plan("recipes.toml#sl", ['backend=[{kind="local", device="cpu"}, {kind="tinker"}]'])

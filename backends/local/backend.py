@@ -464,7 +464,7 @@ class LocalSamplingClient:
 
     Determinism: a request with a seed gets the same tokens and logprobs, bit for bit, whatever it is batched
     with (the engine seeds sample k of a request from seed + k, and on the CPU its forwards are batch-invariant:
-    see sampler._ROW_QUANTUM; on CUDA only float noise from the batch's shapes can differ). Unseeded
+    see decoding.ROW_QUANTUM; on CUDA only float noise from the batch's shapes can differ). Unseeded
     requests draw from this client's one generator in batch order, so which numbers they get depends on how
     requests happened to be coalesced, i.e. on timing: seed every request that must repeat.
     """

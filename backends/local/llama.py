@@ -464,7 +464,7 @@ class LlamaDecoder:
         reads every slot of the cache's capacity under mask (rows, 1, 1, capacity), and the rotary table must
         already cover the capacity (`table`). On the CPU it computes what `step` does, bit for bit: the same
         operations, and sdpa gives a query the same output for any key length that is a multiple of 16 with
-        the rest masked (sampler._KV_QUANTUM)."""
+        the rest masked (decoding.KV_QUANTUM)."""
         n = tok.shape[0]
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
         x = self.embed_tokens(tok)
