@@ -437,6 +437,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from backends.serve.limits import Limits
     from backends.serve.memory import parse_bytes
 
+    # Each flag is checked here, before any model loads: a port out of range was an OverflowError at bind, a storage
+    # path through a file a NotADirectoryError, and 0 live samplers or a negative idle time were taken as given.
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port {args.port}: expected 0 (a free port) to 65535")
+    if args.max_live_samplers is not None and args.max_live_samplers < 1:
+        raise UserError(f"--max-live-samplers {args.max_live_samplers}: must be at least 1")
+    if args.sampler_idle_s is not None and not args.sampler_idle_s >= 0:  # `not >=`: NaN too
+        raise UserError(f"--sampler-idle-s {args.sampler_idle_s}: must be a number of seconds >= 0")
+    on_the_way = next((p for p in (args.storage, *args.storage.parents) if p.exists() and not p.is_dir()), None)
+    if on_the_way is not None:
+        raise UserError(f"--storage {args.storage}: {on_the_way} is a file, not a folder")
     caps: dict[str, int] = {}
     if args.max_models is not None:
         if args.max_models < 1:

@@ -201,7 +201,13 @@ def test_max_bytes_sizes(text, n):
 
 @pytest.mark.parametrize("args, error", [(["--max-bytes", "lots"], "--max-bytes 'lots' is not a size"),
                                          (["--max-bytes", "0"], "at least 1 byte"),
-                                         (["--max-models", "0"], "--max-models 0: must be at least 1")])
+                                         (["--max-models", "0"], "--max-models 0: must be at least 1"),
+                                         # These four were tracebacks after the model loaded (or taken as given):
+                                         (["--port", "99999"], "--port 99999: expected 0 (a free port) to 65535"),
+                                         (["--port", "-1"], "--port -1: expected 0"),
+                                         (["--storage", f"{__file__}/store"], f"{__file__} is a file, not a folder"),
+                                         (["--max-live-samplers", "0"], "--max-live-samplers 0: must be at least 1"),
+                                         (["--sampler-idle-s", "-1"], "--sampler-idle-s -1.0: must be a number")])
 def test_bad_cap_flags_are_one_line_exit_2(args, error, capsys):
     from runner.cli import main
 
