@@ -591,6 +591,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     run_dir, out = Path(args.run_dir), Path(args.out)
     if not (run_dir / CONFIG).is_file():
         raise UserError(f"{run_dir} is not a run dir (no {CONFIG})")
+    if out.is_symlink():  # the write is a rename onto OUT, which a link (even to an empty folder) refuses
+        raise UserError(f"{out} is a symbolic link; export writes a new folder: name the folder itself")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} exists and is not an empty folder; export never overwrites")
     _check_writable_parent(out)

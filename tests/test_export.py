@@ -316,3 +316,18 @@ def test_an_out_that_cannot_be_created_is_one_line(tmp):
 
     with pytest.raises(UserError, match=r"^/proc/no-such/out: cannot create a folder there"):
         _write_new(Path("/proc/no-such/out"), lambda tmp: None)
+
+
+def test_an_out_that_is_a_link_is_one_line_before_torch(tmp):
+    """OUT a symbolic link (to an empty folder, or dangling) was a NotADirectoryError traceback after the merge."""
+    (tmp / "config.toml").write_text("")
+    (tmp / "empty").mkdir()
+    (tmp / "to-empty").symlink_to(tmp / "empty")
+    (tmp / "dangling").symlink_to(tmp / "nowhere")
+    for link in ("to-empty", "dangling"):
+        code = ("import sys\nfrom runner.cli import main\n"
+                f"rc = main(['export', {str(tmp)!r}, {str(tmp / link)!r}])\nprint(rc, 'torch' in sys.modules)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        assert out.stdout.split() == ["2", "False"]
+        assert out.stderr.strip() == f"error: {tmp / link} is a symbolic link; export writes a new folder: name the folder itself"
+    assert not list((tmp / "empty").iterdir()) and not (tmp / "nowhere").exists()

@@ -52,6 +52,8 @@ def export(sampler_dir: Path, out: Path, model: str, tokenizer: str | None = Non
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     sampler_dir = Path(sampler_dir)
+    if out.is_symlink():  # the write is a rename onto OUT, which a link (even to an empty folder) refuses
+        raise UserError(f"{out} is a symbolic link; export writes a new folder: name the folder itself")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} exists and is not an empty folder; export never overwrites")
     is_adapter = (sampler_dir / "adapter_config.json").is_file()
