@@ -433,7 +433,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from runner.tools.openai_serve import serve_hooks
 
     if args.renderer is not None and args.renderer not in renderer_names():
-        raise UserError(f"--renderer {args.renderer!r} is unknown; choose one of: {', '.join(renderer_names())}")
+        from runner.renderers.registry import USER_RENDERER, user_factory
+
+        if not USER_RENDERER.match(args.renderer):
+            raise UserError(f"--renderer {args.renderer!r} is unknown; choose one of: {', '.join(renderer_names())}, "
+                            "or your own as 'pkg.mod:NAME'")
+        try:  # your own, as a recipe's `renderer` may be: imported now, not at the first chat request
+            user_factory(args.renderer)
+        except UserError as e:
+            raise UserError(f"--renderer: {e}") from None
     from backends.serve.limits import Limits
     from backends.serve.memory import parse_bytes
 

@@ -207,7 +207,9 @@ def test_max_bytes_sizes(text, n):
                                          (["--port", "-1"], "--port -1: expected 0"),
                                          (["--storage", f"{__file__}/store"], f"{__file__} is a file, not a folder"),
                                          (["--max-live-samplers", "0"], "--max-live-samplers 0: must be at least 1"),
-                                         (["--sampler-idle-s", "-1"], "--sampler-idle-s -1.0: must be a number")])
+                                         (["--sampler-idle-s", "-1"], "--sampler-idle-s -1.0: must be a number"),
+                                         # a user's renderer is taken, as in a recipe (it was "unknown"), and imported
+                                         (["--renderer", "nomod:X"], "--renderer: renderer 'nomod:X': cannot import")])
 def test_bad_cap_flags_are_one_line_exit_2(args, error, capsys):
     from runner.cli import main
 
