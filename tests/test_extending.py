@@ -240,6 +240,19 @@ def test_a_bad_renderer_of_my_own_is_one_line(proj: Path, capsys: pytest.Capture
     assert message in err and len(err.splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("override", ["backend={kind=\"python\", target=\"myext.exits:fn\"}", "renderer=myext.exits:fn",
+                                      "algo.data={kind=\"python\", target=\"myext.exits:fn\"}"])
+def test_a_module_that_exits_on_import_fails_check(proj: Path, capsys: pytest.CaptureFixture[str],
+                                                   override: str) -> None:
+    """A user module that exits as it is imported (sys.exit(0) at top level) ended `runner check` with exit code 0
+    and no line: it looked like a pass."""
+    (proj / "myext" / "exits.py").write_text("import sys\n\nsys.exit(0)\n\n\ndef fn(**kw):\n    return []\n")
+    capsys.readouterr()
+    assert main(["check", "r.toml#sft", override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot import" in err and err.endswith("SystemExit: 0") and len(err.splitlines()) == 1, err
+
+
 def test_the_backend_union_is_every_backend_config() -> None:
     """Nothing lists backends: each backends/NAME/NAME_config.py declares its variant and the union takes them all,
     built-in ones first (local: the default, the first a message offers), then a user's python backend."""

@@ -105,7 +105,7 @@ def user_factory(target: str) -> Any:
         sys.path.insert(0, os.getcwd())
     try:
         mod = importlib.import_module(module)
-    except Exception as e:  # noqa: BLE001 - user code
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - user code (one that exits on import too: targets.py)
         reason = " ".join(f"{type(e).__name__}: {e}".split())
         raise UserError(f"renderer {target!r}: cannot import {module}: {reason}") from None
     factory = getattr(mod, attr, None)
