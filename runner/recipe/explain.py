@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
+import json
 import re
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -123,6 +124,14 @@ def explain(message: str, raw: Any, root: Any) -> str:
         ) else []
         close = difflib.get_close_matches(str(key), valid, n=1)
         hint = f"; did you mean `{close[0]}`?" if close else ""
+        # A key of another kind of this table: most often an override switched `kind` (backend.kind=python) and the
+        # file's keys for the old kind stayed. Say so, and how to replace the table whole.
+        owners = [v for v in _variants(t) if v is not s and key in {f.encode_name for f in v.fields}]
+        if not close and owners and isinstance(s, mi.StructType) and s.tag_field:
+            table = dotted(parts) or "the table"
+            kinds = "kind" if len(owners) == 1 else "kinds"
+            hint = (f"; it is a key of {kinds} {_tags(owners)}, and this {table} is kind {s.tag!r}: to change the kind, "
+                    f"give the table whole ({table}={{{s.tag_field} = {json.dumps(s.tag)}, ...}})")
         return f"{dotted([*parts, key])}: unknown key{hint} (valid: {', '.join(valid)})"
 
     if m := re.fullmatch(r"Object missing required field `(.+)`", text):
