@@ -613,3 +613,31 @@ def test_check_binds_target_args(workdir: Path, isolated_imports: None) -> None:
         "w: algo.data.args: 'my_env2:build' cannot be called with args ['n']: "
     )
     assert sys.modules["my_env2"].CALLS == []  # checked, never called
+
+
+CONCURRENT_LOADS = """
+import sys, threading
+from runner.recipe.load import load_recipe
+barrier = threading.Barrier(32)
+def load():
+    barrier.wait()
+    load_recipe(sys.argv[1])
+threads = [threading.Thread(target=load) for _ in range(32)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print("loaded")
+"""
+
+
+def test_recipes_load_on_many_threads_at_once() -> None:
+    """`runner serve` loads run dirs' recipes on its request threads. msgspec builds a type's decoding info on first
+    use and a second thread could read it half-built: a segfault (3 fresh processes in 4, 32 threads loading one
+    recipe), which took the server down. Each try is a fresh process, so the first use is under the threads."""
+    import subprocess
+
+    ref = str(Path(__file__).resolve().parents[1] / "recipes.toml") + "#rl_basic"
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", CONCURRENT_LOADS, ref], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.strip() == "loaded", (out.returncode, out.stderr[-500:])

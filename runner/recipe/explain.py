@@ -13,6 +13,7 @@ import difflib
 import functools
 import json
 import re
+import threading
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -28,10 +29,18 @@ NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 MISSING: Any = object()
 
 
+# msgspec (0.22) builds a type's decoding info on its first use, calling back into Python (the class annotations)
+# part-way; a second thread converting to the same type meanwhile reads the half-built info and segfaults. `runner
+# serve` loads run dirs' recipes on request threads (measured: 32 threads loading one config.toml at once crashed 3
+# runs in 4), so every conversion here runs under one lock: a recipe converts in about a millisecond.
+_CONVERT_LOCK = threading.RLock()  # re-entrant: a struct's __post_init__ may convert a part of it
+
+
 def convert(raw: Any, type_: type[T], where: str) -> T:
     """msgspec.convert, with a failure turned into a one-line UserError (works for any struct type)."""
     try:
-        return msgspec.convert(raw, type_)
+        with _CONVERT_LOCK:
+            return msgspec.convert(raw, type_)
     except msgspec.ValidationError as e:
         raise UserError(f"{where}: {explain(str(e), raw, type_)}") from None
 
