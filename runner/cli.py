@@ -10,6 +10,7 @@ backends, is imported inside `run` only (and the local backend's export inside `
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -432,10 +433,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from runner.tools.openai_serve import serve_hooks
 
     if args.renderer is not None and args.renderer not in renderer_names():
-        raise UserError(f"--renderer {args.renderer!r} is unknown; choose one of: {', '.join(renderer_names())}")
+        from runner.renderers.registry import USER_RENDERER, user_factory
+
+        if not USER_RENDERER.match(args.renderer):
+            raise UserError(f"--renderer {args.renderer!r} is unknown; choose one of: {', '.join(renderer_names())}, "
+                            "or your own as 'pkg.mod:NAME'")
+        try:  # your own, as a recipe's `renderer` may be: imported now, not at the first chat request
+            user_factory(args.renderer)
+        except UserError as e:
+            raise UserError(f"--renderer: {e}") from None
     from backends.serve.limits import Limits
     from backends.serve.memory import parse_bytes
 
+    # Each flag is checked here, before any model loads: a port out of range was an OverflowError at bind, a storage
+    # path through a file a NotADirectoryError, and 0 live samplers or a negative idle time were taken as given.
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port {args.port}: expected 0 (a free port) to 65535")
+    if args.max_live_samplers is not None and args.max_live_samplers < 1:
+        raise UserError(f"--max-live-samplers {args.max_live_samplers}: must be at least 1")
+    if args.sampler_idle_s is not None and not args.sampler_idle_s >= 0:  # `not >=`: NaN too
+        raise UserError(f"--sampler-idle-s {args.sampler_idle_s}: must be a number of seconds >= 0")
+    on_the_way = next((p for p in (args.storage, *args.storage.parents) if p.exists() and not p.is_dir()), None)
+    if on_the_way is not None:
+        raise UserError(f"--storage {args.storage}: {on_the_way} is a file, not a folder")
     caps: dict[str, int] = {}
     if args.max_models is not None:
         if args.max_models < 1:
@@ -561,14 +581,29 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_writable_parent(out: Path) -> None:
+    """UserError unless OUT's folder is one export can create its temporary sibling in: checked before torch loads
+    and the base is merged, not found out after (a file on the way, or a folder this user cannot write)."""
+    ancestor = out.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UserError(f"{out}: {ancestor} is a file, not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UserError(f"{out}: cannot write in {ancestor}")
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from runner.engine.rundir import CHECKPOINTS, CONFIG, load_config, read_checkpoints
 
     run_dir, out = Path(args.run_dir), Path(args.out)
     if not (run_dir / CONFIG).is_file():
         raise UserError(f"{run_dir} is not a run dir (no {CONFIG})")
+    if out.is_symlink():  # the write is a rename onto OUT, which a link (even to an empty folder) refuses
+        raise UserError(f"{out} is a symbolic link; export writes a new folder: name the folder itself")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} exists and is not an empty folder; export never overwrites")
+    _check_writable_parent(out)
     recipe = load_config(run_dir / CONFIG)
     rows = read_checkpoints(run_dir)
     if args.checkpoint is None:

@@ -4,16 +4,20 @@ Readers: runner/renderers/auto.py, runner/recipe/lr.py, runner/engine/cost.py, r
 check`), runner/renderers/chat.py (context_window: RL's per-turn cap). A new model is one `[models."NAME"]` table
 there.
 
-At the bottom of the package order (tests/test_import_graph.py): it imports nothing of runner/.
+At the bottom of the package order (tests/test_import_graph.py): it imports nothing of runner/ (backends/errors.py's
+UserError only).
 """
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import Annotated
 
 import msgspec
+
+from backends.errors import UserError
 
 TABLE = Path(__file__).with_name("models.toml")
 
@@ -28,8 +32,22 @@ class Model(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 def _load(path: Path = TABLE) -> dict[str, Model]:
-    raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    return msgspec.convert(raw["models"], dict[str, Model])
+    """The table; a UserError naming the model and the field when an edit of it is wrong (a typo'd key, a context of
+    0): the table is loaded when runner reads a recipe, so a traceback there would stop every command."""
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{path}: not valid TOML: {e}") from None
+    models = raw.get("models")
+    if not isinstance(models, dict):
+        raise UserError(f"{path}: expected [models.\"NAME\"] tables")
+    out: dict[str, Model] = {}
+    for name, row in models.items():
+        try:
+            out[name] = msgspec.convert(row, Model)
+        except msgspec.ValidationError as e:
+            raise UserError(f"{path}: [models.{json.dumps(name)}]: {e}") from None
+    return out
 
 
 MODELS: dict[str, Model] = _load()

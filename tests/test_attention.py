@@ -238,6 +238,21 @@ def test_flex_off_cuda_is_one_line_user_error(tmp_path):
     backend.close()
 
 
+def test_flex_without_the_packed_path_is_refused_at_check(tmp_path, capsys):
+    """attention = "flex" with packed = false was accepted and silently ignored (the padded chunks never call
+    FlexAttention); `runner check` names the conflict, on any machine."""
+    from runner.cli import main
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[recipes.r]\nalgo = {kind = "sft", data = {kind = "jsonl", path = "x.jsonl"}}\n')
+    capsys.readouterr()
+    assert main(["check", str(recipe), "backend.attention=flex", "backend.packed=false"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and 'backend: attention = "flex" runs on the packed path' in err, err
+    assert main(["check", str(recipe), "backend.attention=sdpa", "backend.packed=false"]) == 2  # only the data
+    assert "data file not found" in capsys.readouterr().err
+
+
 def test_the_mask_builder_compiles_once_whatever_the_grad_mode(monkeypatch):
     """Training chunks and forward-only ones (forward(), reference logprobs) in one run share the compiled block-mask
     builder: it always runs without gradients (Dynamo guards on grad mode; the kernel compiles once per mode)."""

@@ -295,3 +295,39 @@ def test_export_errors_come_before_torch(tmp):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["2", "False"]
 
+
+
+def test_an_out_under_a_file_is_one_line_before_torch(tmp):
+    """OUT whose folder cannot exist (a file on the way) was a FileExistsError traceback after the merge."""
+    (tmp / "config.toml").write_text("")
+    (tmp / "a-file").write_text("mine")
+    code = ("import sys\nfrom runner.cli import main\n"
+            f"rc = main(['export', {str(tmp)!r}, {str(tmp / 'a-file' / 'out')!r}])\nprint(rc, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["2", "False"]
+    assert out.stderr.strip() == f"error: {tmp / 'a-file' / 'out'}: {tmp / 'a-file'} is a file, not a folder"
+    assert (tmp / "a-file").read_text() == "mine"
+
+
+def test_an_out_that_cannot_be_created_is_one_line(tmp):
+    """What only trying finds (here a folder under /proc, where mkdir fails) is a UserError, not an OSError."""
+    from backends.errors import UserError
+    from backends.local.export import _write_new
+
+    with pytest.raises(UserError, match=r"^/proc/no-such/out: cannot create a folder there"):
+        _write_new(Path("/proc/no-such/out"), lambda tmp: None)
+
+
+def test_an_out_that_is_a_link_is_one_line_before_torch(tmp):
+    """OUT a symbolic link (to an empty folder, or dangling) was a NotADirectoryError traceback after the merge."""
+    (tmp / "config.toml").write_text("")
+    (tmp / "empty").mkdir()
+    (tmp / "to-empty").symlink_to(tmp / "empty")
+    (tmp / "dangling").symlink_to(tmp / "nowhere")
+    for link in ("to-empty", "dangling"):
+        code = ("import sys\nfrom runner.cli import main\n"
+                f"rc = main(['export', {str(tmp)!r}, {str(tmp / link)!r}])\nprint(rc, 'torch' in sys.modules)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        assert out.stdout.split() == ["2", "False"]
+        assert out.stderr.strip() == f"error: {tmp / link} is a symbolic link; export writes a new folder: name the folder itself"
+    assert not list((tmp / "empty").iterdir()) and not (tmp / "nowhere").exists()

@@ -87,6 +87,30 @@ def not_a_backend(model, tokenizer, storage_dir, seed):
     return "a string"
 
 
+def a_backend_that_exits(model, tokenizer, storage_dir, seed):
+    import sys
+
+    sys.exit(3)
+
+
+def a_backend_class(model, tokenizer, storage_dir, seed):
+    from backends.fake import FakeBackend
+
+    return FakeBackend  # the class, not one: it has every method the Backend protocol's isinstance looks for
+
+
+def renderer_raises(tokenizer):
+    raise RuntimeError("no such format")
+
+
+def renderer_not_one(tokenizer):
+    return 5
+
+
+def renderer_without_tokenizer():
+    return None
+
+
 def rows(n=8):
     return [{"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": str(i)}]}
             for i in range(n)]
@@ -182,6 +206,10 @@ def test_a_backend_of_my_own_runs_a_recipe(proj: Path, capsys: pytest.CaptureFix
     ("backend.target=myext.parts:nothing", "check", "backend.target: cannot import 'myext.parts:nothing'"),
     ("backend={kind=\"python\", target=\"myext.parts:not_a_backend\"}", "run",
      "backend target 'myext.parts:not_a_backend' returned str, not a backends.base.Backend"),
+    ("backend={kind=\"python\", target=\"myext.parts:a_backend_that_exits\"}", "run",
+     "backend target 'myext.parts:a_backend_that_exits': calling it with args [] raised SystemExit: 3"),
+    ("backend={kind=\"python\", target=\"myext.parts:a_backend_class\"}", "run",
+     "backend target 'myext.parts:a_backend_class' returned the class FakeBackend (call it), not a backends.base"),
 ])
 def test_a_bad_backend_of_my_own_is_one_line(proj: Path, capsys: pytest.CaptureFixture[str], override: str,
                                              command: str, message: str) -> None:
@@ -189,6 +217,40 @@ def test_a_bad_backend_of_my_own_is_one_line(proj: Path, capsys: pytest.CaptureF
     assert main([command, "r.toml#mine", override]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(("override", "command", "message"), [
+    ("renderer=myext.parts:renderer_raises", "render",
+     "renderer 'myext.parts:renderer_raises': calling it with the tokenizer raised RuntimeError: no such format"),
+    ("renderer=myext.parts:renderer_not_one", "render",
+     "renderer 'myext.parts:renderer_not_one' returned int, not a Renderer"),
+    ("renderer=myext.parts:renderer_without_tokenizer", "check",
+     "renderer 'myext.parts:renderer_without_tokenizer' cannot be called with a tokenizer: too many positional"),
+    ("renderer=myext.parts:nothing", "check", "renderer 'myext.parts:nothing': myext.parts has no nothing"),
+    ("renderer=myext.nowhere:Plain", "check",
+     "renderer 'myext.nowhere:Plain': cannot import myext.nowhere: ModuleNotFoundError: No module named 'myext.nowhere'"),
+])
+def test_a_bad_renderer_of_my_own_is_one_line(proj: Path, capsys: pytest.CaptureFixture[str], override: str,
+                                              command: str, message: str) -> None:
+    """`runner check` imports a user's renderer and binds a tokenizer to it (it passed any "pkg.mod:NAME" unread);
+    building one that raises or returns something else is one line, not a traceback."""
+    capsys.readouterr()
+    assert main([command, "r.toml#sft", override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("override", ["backend={kind=\"python\", target=\"myext.exits:fn\"}", "renderer=myext.exits:fn",
+                                      "algo.data={kind=\"python\", target=\"myext.exits:fn\"}"])
+def test_a_module_that_exits_on_import_fails_check(proj: Path, capsys: pytest.CaptureFixture[str],
+                                                   override: str) -> None:
+    """A user module that exits as it is imported (sys.exit(0) at top level) ended `runner check` with exit code 0
+    and no line: it looked like a pass."""
+    (proj / "myext" / "exits.py").write_text("import sys\n\nsys.exit(0)\n\n\ndef fn(**kw):\n    return []\n")
+    capsys.readouterr()
+    assert main(["check", "r.toml#sft", override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot import" in err and err.endswith("SystemExit: 0") and len(err.splitlines()) == 1, err
 
 
 def test_the_backend_union_is_every_backend_config() -> None:

@@ -19,7 +19,7 @@ from runner.models import MODELS, _load, model_context, model_info
 from runner.recipe.cost import Price
 from runner.recipe.fits import check_context
 from runner.recipe.lr import auto_lr
-from runner.recipe.schema import RL, SFT, Distill, DistillSet, Generate, Jsonl, Recipe, Teacher
+from runner.recipe.schema import RL, SFT, Distill, DistillSet, Generate, Jsonl, MathPinned, Recipe, Teacher
 from runner.recipe.schema import TicTacToe as TicTacToeEnv
 from runner.renderers import names
 from runner.renderers.auto import pick_renderer
@@ -56,7 +56,13 @@ def test_the_readers_read_the_table() -> None:
 def test_a_typo_in_the_table_is_caught(tmp_path: Path) -> None:
     bad = tmp_path / "models.toml"
     bad.write_text('[models."a/b"]\nrenderer = "qwen3"\nhiden_size = 4096\n')
-    with pytest.raises(msgspec.ValidationError, match="hiden_size"):
+    with pytest.raises(UserError, match=r'^.*models\.toml: \[models\."a/b"\]: Object contains unknown field `hiden_size`$'):
+        _load(bad)  # the model is named (msgspec alone said "at `$[...]`")
+    bad.write_text('[models."a/b"]\ncontext = 0\n')
+    with pytest.raises(UserError, match=r'\[models\."a/b"\]: Expected `int` >= 1 - at `\$.context`'):
+        _load(bad)
+    bad.write_text('[models."a/b"\n')
+    with pytest.raises(UserError, match="not valid TOML"):
         _load(bad)
 
 
@@ -94,6 +100,11 @@ def test_check_refuses_lengths_beyond_the_context() -> None:
                                          r"\(algo.datasets\[1\].teacher.model, "):
         check_context(_recipe("Qwen/Qwen3-8B", distill), "f#d")
     check_context(_recipe("/some/local/folder", SFT(data=data, max_length=10**9)), "f#a")  # not in the table
+    # A pinned eval samples the recipe's model: its max_tokens was not checked (the local sampler caps it silently).
+    evals = [MathPinned(data=data), MathPinned(data=data, max_tokens=2048)]
+    with pytest.raises(UserError, match=r"^f#e: evals\[1\].max_tokens = 2048 leaves no room for a prompt in the "
+                                         r"2048-token context of 'tiny' \(model, "):
+        check_context(Recipe(model="tiny", backend=Tinker(), algo=SFT(data=data), evals=evals), "f#e")  # type: ignore[arg-type]
 
 
 def test_check_counts_the_prompt_the_recipe_holds() -> None:

@@ -230,11 +230,32 @@ def test_bad_bodies_and_routes(served):
     assert httpx.get(f"{url}/v1/chat/completions").status_code == 405
     assert httpx.post(f"{url}/v1/embeddings", json={}).json()["error"]["type"] == "not_found_error"
     bad = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [10**9]})
-    assert bad.status_code == 413 and "prompt token" in bad.json()["error"]["message"]
+    assert bad.status_code == 400 and "outside the model's vocabulary" in bad.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError):
         served["client"].completions.create(model="tiny", prompt="x", max_tokens=0)  # 0 only with echo
     # The server still samples after all that, and logged no traceback.
     assert _greedy(served["client"], "tiny")
+    assert "Traceback" not in served["log"].read_text()
+
+
+def test_a_prompt_over_the_context_fails_alone(served):
+    """A prompt that fills the model's context is the request's own fault: a 400 (was a 500 and a logged traceback),
+    and the requests sent beside it get their own answers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = served["url"]
+    good = [{"model": "tiny", "prompt": p, "max_tokens": 6, "temperature": 0} for p in ("Hello", "2+3=", "Name a")]
+    long = {"model": "tiny", "prompt": [65] * 3000, "max_tokens": 4}
+    alone = [httpx.post(f"{url}/v1/completions", json=b, timeout=60).json()["choices"][0]["text"] for b in good]
+    with ThreadPoolExecutor(6) as ex:
+        futs = [ex.submit(httpx.post, f"{url}/v1/completions", json=b, timeout=60) for b in [*good[:2], long, good[2]]]
+        replies = [f.result() for f in futs]
+    bad = replies.pop(2)
+    assert bad.status_code == 400 and "fills the model's context of 2048" in bad.json()["error"]["message"]
+    assert [r.json()["choices"][0]["text"] for r in replies] == alone
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": [
+        {"role": "user", "content": "word " * 3000}]}, timeout=60)
+    assert chat.status_code == 400 and "context" in chat.json()["error"]["message"]
     assert "Traceback" not in served["log"].read_text()
 
 

@@ -160,6 +160,51 @@ def test_eval_names() -> None:
         names([PythonPinned(target="a:b", name="x"), NLLPinned(data=data, name="x")])
 
 
+def test_check_finds_two_evals_named_the_same(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`runner check` passed two evals with one name; the run stopped at its first eval, after the model loaded."""
+    path = tmp_path / "r.toml"
+    path.write_text(recipe_text(tmp_path, f"""
+        [[recipes.p.evals]]
+        kind = "nll"
+        name = "x"
+        data = {{ kind = "jsonl", path = "{CHAT}" }}
+
+        [[recipes.p.evals]]
+        kind = "python"
+        name = "x"
+        target = "pinned_helpers:async_one"
+        """))
+    capsys.readouterr()
+    assert main(["check", f"{path}#p"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {path}#p: evals: two pinned evals are named the same (x, x); set distinct `name`s", err
+
+
+@pytest.mark.parametrize(("evals", "says"), [
+    (f"""
+        [[recipes.p.evals]]
+        kind = "math"
+        data = {{ kind = "jsonl", path = "{WORDS}" }}
+        question_field = "nope"
+        """, f"evals[0]: {WORDS}:1: expected a non-empty question in field 'nope'"),
+    (f"""
+        [[recipes.p.evals]]
+        kind = "nll"
+        data = {{ kind = "jsonl", path = "{WORDS}" }}
+        """, f'evals[0]: {WORDS}:1: expected an object with a "messages" list'),
+])
+def test_check_reads_a_math_or_nll_evals_file(tmp_path: Path, capsys: pytest.CaptureFixture[str], evals: str,
+                                              says: str) -> None:
+    """The math and nll evals' rows are checked by `runner check` (their EvalKind's check), not found wrong by the
+    run's first eval after the model loaded."""
+    path = tmp_path / "r.toml"
+    path.write_text(recipe_text(tmp_path, evals))
+    capsys.readouterr()
+    assert main(["check", f"{path}#p"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {path}#p: {says}") and "\n" not in err, err
+
+
 def test_sft_killed_before_its_pinned_final_row_resumes_for_it_alone(tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "r.toml"

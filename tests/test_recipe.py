@@ -92,7 +92,9 @@ BAD_RECIPES = [
     (
         # A field of the other variant is unknown here: each variant carries only its own fields.
         f'algo = {{kind = "sft", {DATA}}}\nbackend = {{kind = "tinker", device = "cpu"}}',
-        "recipes.toml#sl_basic: backend.device: unknown key (valid: base_url, connect_timeout_s, kind, lost_after_s, ttl_seconds)",
+        "recipes.toml#sl_basic: backend.device: unknown key; it is a key of kind local, and this backend is kind "
+        "'tinker': to change the kind, give the table whole (backend={kind = \"tinker\", ...}) "
+        "(valid: base_url, connect_timeout_s, kind, lost_after_s, ttl_seconds)",
     ),
     (
         f'algo = {{kind = "sft", {DATA}}}\nbackend = {{kind = "local", device = "tpu"}}',
@@ -152,7 +154,9 @@ BAD_RECIPES = [
     ),
     (
         f'algo = {{kind = "sft", {DATA}}}\nschedule = {{kind = "constant", final_frac = 0.1}}',
-        "recipes.toml#sl_basic: schedule.final_frac: unknown key (valid: kind, warmup_steps)",
+        "recipes.toml#sl_basic: schedule.final_frac: unknown key; it is a key of kinds cosine, linear, and this "
+        "schedule is kind 'constant': to change the kind, give the table whole (schedule={kind = \"constant\", "
+        "...}) (valid: kind, warmup_steps)",
     ),
     (
         f'algo = {{kind = "sft", {DATA}}}\nschedule = {{kind = "Cosine"}}',
@@ -280,7 +284,8 @@ class Noise(msgspec.Struct, forbid_unknown_fields=True):
     "raw,expected",
     [
         ({"source": {"kind": "gaus"}}, "n: source.kind: invalid choice 'gaus'; expected one of: coin, gauss"),
-        ({"source": {"kind": "coin", "sigma": 1.0}}, "n: source.sigma: unknown key (valid: kind, p)"),
+        ({"source": {"kind": "coin", "sigma": 1.0}}, ("n: source.sigma: unknown key; it is a key of kind gauss, and this source is kind 'coin': to change "
+                                                          "the kind, give the table whole (source={kind = \"coin\", ...}) (valid: kind, p)")),
         ({"source": {"kind": "gauss", "sigmaa": 1.0}}, ("n: source.sigmaa: unknown key; did you mean `sigma`? "
          "(valid: kind, sigma)")),
         ({"source": {"kind": "coin", "p": 2}}, "n: source.p: expected float <= 1.0, got 2"),
@@ -363,9 +368,11 @@ def test_override_errors_match_file_errors(workdir: Path) -> None:
     assert error_of(load_recipe, ref, ["backend.kind=tinkr"]) == (
         "recipes.toml#sl_basic: backend.kind: invalid choice 'tinkr'; expected one of: local, python, tinker"
     )
-    # Switching the tag keeps the other keys, which the new variant may not have.
+    # Switching the tag keeps the other keys, which the new variant may not have: the error says whose they are.
     assert error_of(load_recipe, ref, ["backend.device=cpu", "backend.kind=tinker"]) == (
-        "recipes.toml#sl_basic: backend.device: unknown key (valid: base_url, connect_timeout_s, kind, lost_after_s, ttl_seconds)"
+        "recipes.toml#sl_basic: backend.device: unknown key; it is a key of kind local, and this backend is kind "
+        "'tinker': to change the kind, give the table whole (backend={kind = \"tinker\", ...}) "
+        "(valid: base_url, connect_timeout_s, kind, lost_after_s, ttl_seconds)"
     )
     assert error_of(load_recipe, ref, ["lr.x=1"]) == (
         "recipes.toml#sl_basic: lr: is float 0.002, not a table, so 'lr.x=1' cannot set it"
@@ -606,3 +613,31 @@ def test_check_binds_target_args(workdir: Path, isolated_imports: None) -> None:
         "w: algo.data.args: 'my_env2:build' cannot be called with args ['n']: "
     )
     assert sys.modules["my_env2"].CALLS == []  # checked, never called
+
+
+CONCURRENT_LOADS = """
+import sys, threading
+from runner.recipe.load import load_recipe
+barrier = threading.Barrier(32)
+def load():
+    barrier.wait()
+    load_recipe(sys.argv[1])
+threads = [threading.Thread(target=load) for _ in range(32)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print("loaded")
+"""
+
+
+def test_recipes_load_on_many_threads_at_once() -> None:
+    """`runner serve` loads run dirs' recipes on its request threads. msgspec builds a type's decoding info on first
+    use and a second thread could read it half-built: a segfault (3 fresh processes in 4, 32 threads loading one
+    recipe), which took the server down. Each try is a fresh process, so the first use is under the threads."""
+    import subprocess
+
+    ref = str(Path(__file__).resolve().parents[1] / "recipes.toml") + "#rl_basic"
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", CONCURRENT_LOADS, ref], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.strip() == "loaded", (out.returncode, out.stderr[-500:])

@@ -52,6 +52,8 @@ def export(sampler_dir: Path, out: Path, model: str, tokenizer: str | None = Non
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     sampler_dir = Path(sampler_dir)
+    if out.is_symlink():  # the write is a rename onto OUT, which a link (even to an empty folder) refuses
+        raise UserError(f"{out} is a symbolic link; export writes a new folder: name the folder itself")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} exists and is not an empty folder; export never overwrites")
     is_adapter = (sampler_dir / "adapter_config.json").is_file()
@@ -141,8 +143,11 @@ def _load_tokenizer(tokenizer_dir: Path) -> Any:
 
 def _write_new(out: Path, write: Callable[[Path], None]) -> None:
     """Write into a temporary sibling folder, then rename it to `out`: a failure leaves nothing behind."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:  # runner export checks the folder first (runner/cli.py); what only trying finds (/proc, a full disk) is here
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as e:
+        raise UserError(f"{out}: cannot create a folder there ({e.strerror or e})") from None
     try:
         write(tmp)
         if out.is_dir():  # empty (checked by export)

@@ -54,6 +54,13 @@ class Local(BackendConfig):
     # A hub id not in the Hugging Face cache is downloaded on first use (backends/hub.py); true keeps to the cache.
     local_files_only: bool = False
 
+    def __post_init__(self) -> None:
+        # FlexAttention is the packed path's (packed.py); the padded chunks never call it, so the option would be
+        # silently ignored: say so at `runner check` instead.
+        if self.attention == "flex" and not self.packed:
+            raise ValueError('attention = "flex" runs on the packed path (backends/local/packed.py) and packed = '
+                             'false turns it off: set packed = true, or attention = "auto"')
+
     def make(self, model: str, tokenizer: str | None, storage_dir: Path, seed: int) -> Backend:
         from backends.local.backend import LocalBackend  # torch loads here, not when a recipe is validated
 

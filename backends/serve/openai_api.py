@@ -219,7 +219,9 @@ def completion_plan(req: dict[str, Any], tokenizer: Tokenizer, limits: Limits | 
         if isinstance(p, str):
             toks = list(tokenizer.encode(p))
         elif isinstance(p, list) and all(type(t) is int for t in p):
-            toks = [to_int("prompt token", t, lo=0, hi=len(tokenizer) - 1) for t in p]
+            toks = [to_int("prompt token", t, lo=0) for t in p]
+            if bad := [t for t in toks if t >= len(tokenizer)]:  # not a size over a cap (to_int's 413): a wrong id
+                raise ApiError(400, f"prompt token {bad[0]} is outside the model's vocabulary [0, {len(tokenizer)})")
         else:
             raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of such lists")
         if not toks:
@@ -551,13 +553,14 @@ class OpenAIRoutes:
                 outs: list[SampleOutput | None] = [None] * len(plan.prompts)
             else:
                 futs = [sc.sample(p, plan.n, plan.params) for p in plan.prompts]
-                outs = [f.result() for f in futs]
+                outs = [_user_result(f) for f in futs]
             try:
                 if fmt is not None:
                     out = outs[0]
                     assert out is not None
                     return chat_response(plan, out, fmt, topk)
-                prompt_lps = [sc.compute_logprobs(p).result() for p in plan.prompts] if plan.echo and plan.logprobs else None
+                prompt_lps = ([_user_result(sc.compute_logprobs(p)) for p in plan.prompts]
+                              if plan.echo and plan.logprobs else None)
                 return completion_response(plan, outs, tokenizer, topk, prompt_lps)
             finally:
                 sess.last_used = time.monotonic()
@@ -630,6 +633,22 @@ def _same_dir(a: str, b: str) -> bool:
         return pa.is_dir() and pb.is_dir() and pa.resolve() == pb.resolve()
     except OSError:
         return False
+
+
+def _user_result(fut: Any) -> Any:
+    """A sampling future's result; a refusal that is the request's own (a prompt that fills the model's context:
+    BackendError.user_error, as the Tinker API's futures fail with category `user`) is a 400, not a 500."""
+    from backends.base import BackendError
+
+    try:
+        return fut.result()
+    except BackendError as exc:
+        if not exc.user_error:
+            raise
+        msg = str(exc)
+        if exc.request and msg.startswith(exc.request + ": "):
+            msg = msg[len(exc.request) + 2:]
+        raise ApiError(400, msg) from None
 
 
 def _topk_of(sc: Any) -> TopK | None:

@@ -68,7 +68,12 @@ def names(evals: list[PinnedEval]) -> list[str]:
 
 
 def check_evals(evals: list[PinnedEval], where: str) -> None:
-    """`runner check`: each pinned eval's own check (its kind's), errors prefixed with `where` and its key path."""
+    """`runner check`: the evals' metric names are distinct (else the run stops at its first eval, the model
+    loaded), and each pinned eval's own check (its kind's), errors prefixed with `where` and its key path."""
+    try:
+        names(evals)
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
     for i, e in enumerate(evals):
         check = kind_of(e).check
         if check is not None:

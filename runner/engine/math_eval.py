@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
+from backends.errors import UserError
 from backends.types import SamplingParams
 from runner.engine.evals import EvalContext, EvalKind, Metrics
-from runner.recipe.schema import Math, MathPinned
+from runner.recipe.schema import File, Jsonl, Math, MathPinned
 from runner.renderers.chat import ChatRenderer
 from runner.rl.envs.math import MathEnv, load_problems
 
@@ -50,4 +51,15 @@ async def math_eval(e: MathPinned, ctx: EvalContext) -> Metrics:
     return metrics
 
 
-EVAL = EvalKind(math_eval)
+def check_math(e: MathPinned, where: str) -> None:
+    """`runner check`: a local file's rows are problems with the fields the eval reads (question_field /
+    answer_field), as the run's first eval would find them after the model loads. Other sources (a hub dataset, user
+    code) are read when the eval runs."""
+    if isinstance(e.data, (Jsonl, File)):
+        try:
+            load_problems(e.data, e.question_field, e.answer_field)
+        except UserError as err:
+            raise UserError(f"{where}: {err}") from None
+
+
+EVAL = EvalKind(math_eval, check_math)

@@ -11,7 +11,7 @@ from typing import Any
 from backends.errors import UserError
 from runner.data.conversations import load_conversations
 from runner.engine.evals import EvalContext, EvalKind, Metrics
-from runner.recipe.schema import Jsonl, NLLPinned
+from runner.recipe.schema import File, Jsonl, NLLPinned
 from runner.renderers import render_row
 
 
@@ -36,4 +36,14 @@ async def _awaited(x: Awaitable[Any]) -> Any:
     return await x
 
 
-EVAL = EvalKind(nll_eval)
+def check_nll(e: NLLPinned, where: str) -> None:
+    """`runner check`: a local file's rows are conversations (or map to them through its `format`), as the run's
+    first eval would find them after the model loads. Other sources are read when the eval runs."""
+    if isinstance(e.data, (Jsonl, File)):
+        try:
+            load_conversations(e.data)
+        except UserError as err:
+            raise UserError(f"{where}: {err}") from None
+
+
+EVAL = EvalKind(nll_eval, check_nll)

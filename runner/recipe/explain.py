@@ -11,7 +11,9 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
+import json
 import re
+import threading
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -27,10 +29,18 @@ NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 MISSING: Any = object()
 
 
+# msgspec (0.22) builds a type's decoding info on its first use, calling back into Python (the class annotations)
+# part-way; a second thread converting to the same type meanwhile reads the half-built info and segfaults. `runner
+# serve` loads run dirs' recipes on request threads (measured: 32 threads loading one config.toml at once crashed 3
+# runs in 4), so every conversion here runs under one lock: a recipe converts in about a millisecond.
+_CONVERT_LOCK = threading.RLock()  # re-entrant: a struct's __post_init__ may convert a part of it
+
+
 def convert(raw: Any, type_: type[T], where: str) -> T:
     """msgspec.convert, with a failure turned into a one-line UserError (works for any struct type)."""
     try:
-        return msgspec.convert(raw, type_)
+        with _CONVERT_LOCK:
+            return msgspec.convert(raw, type_)
     except msgspec.ValidationError as e:
         raise UserError(f"{where}: {explain(str(e), raw, type_)}") from None
 
@@ -123,6 +133,14 @@ def explain(message: str, raw: Any, root: Any) -> str:
         ) else []
         close = difflib.get_close_matches(str(key), valid, n=1)
         hint = f"; did you mean `{close[0]}`?" if close else ""
+        # A key of another kind of this table: most often an override switched `kind` (backend.kind=python) and the
+        # file's keys for the old kind stayed. Say so, and how to replace the table whole.
+        owners = [v for v in _variants(t) if v is not s and key in {f.encode_name for f in v.fields}]
+        if not close and owners and isinstance(s, mi.StructType) and s.tag_field:
+            table = dotted(parts) or "the table"
+            kinds = "kind" if len(owners) == 1 else "kinds"
+            hint = (f"; it is a key of {kinds} {_tags(owners)}, and this {table} is kind {s.tag!r}: to change the kind, "
+                    f"give the table whole ({table}={{{s.tag_field} = {json.dumps(s.tag)}, ...}})")
         return f"{dotted([*parts, key])}: unknown key{hint} (valid: {', '.join(valid)})"
 
     if m := re.fullmatch(r"Object missing required field `(.+)`", text):

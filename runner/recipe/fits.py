@@ -6,7 +6,8 @@ A sequence is prompt + completion, so:
   one token, or, where part of it is in the recipe (generate's `system`) and the tokenizer is on this machine, at
   least that part's tokens. The rest of a prompt is the data's, known only once rendered (RL then drops a group
   whose prompt leaves no room: runner/rl/rollouts.py ContextOverflow).
-The models: the recipe's, and each teacher's base model (it scores the same sequences). A model the table does not
+The models: the recipe's, and each teacher's base model (it scores the same sequences); a pinned eval's
+max_tokens against the recipe's model. A model the table does not
 know (a local folder, a hub id) is not checked here; the local sampler refuses an over-long request at run time.
 """
 
@@ -46,6 +47,7 @@ def static_prompt(recipe: Recipe) -> tuple[str, int] | None:
 def check_context(recipe: Recipe, where: str) -> None:
     """UserError (one line, naming the recipe key) when the recipe's max_length / max_tokens cannot fit a model's
     context."""
+    check_evals_context(recipe, where)
     algo = recipe.algo
     max_length = getattr(algo, "max_length", None)
     max_tokens = getattr(algo, "max_tokens", None)
@@ -70,3 +72,17 @@ def check_context(recipe: Recipe, where: str) -> None:
         if prompt is not None and prompt[1] + max_tokens > context:
             raise UserError(f"{where}: algo.max_tokens = {max_tokens} and the {prompt[1]} tokens of {prompt[0]} "
                             f"exceed {of}: shorten one (at most {context - prompt[1]} tokens to sample)")
+
+
+def check_evals_context(recipe: Recipe, where: str) -> None:
+    """A pinned eval's max_tokens (math, inspect) against the recipe's model, which the evals sample: at least a
+    1-token prompt must fit (the local sampler caps a longer request at the context; Tinker may refuse it mid-run)."""
+    context = model_context(recipe.model)
+    if context is None:
+        return
+    for i, e in enumerate(recipe.evals):
+        max_tokens = getattr(e, "max_tokens", None)
+        if isinstance(max_tokens, int) and max_tokens >= context:
+            raise UserError(f"{where}: evals[{i}].max_tokens = {max_tokens} leaves no room for a prompt in the "
+                            f"{context}-token context of {recipe.model!r} (model, runner/models.toml): set it below "
+                            f"{context}")

@@ -375,6 +375,15 @@ def check_recipe(recipe: Recipe, where: str) -> None:
     are read and checked by runner/data/check.py:check_data (runner check calls both: runner/engine/chain.py).
     Also that its max_length / max_tokens fit its models' context (runner/recipe/fits.py)."""
     check_context(recipe, where)
+    from runner.renderers.registry import USER_RENDERER, user_factory  # as the schema does: lazily
+
+    if USER_RENDERER.match(recipe.renderer):  # "pkg.mod:NAME": imported here like a Target (it is not one: a str)
+        try:
+            factory = user_factory(recipe.renderer)
+        except UserError as e:
+            raise UserError(f"{where}: {e}") from None
+        if problem := args_mismatch(factory, {}, leading=1):  # called as factory(tokenizer)
+            raise UserError(f"{where}: renderer {recipe.renderer!r} cannot be called with a tokenizer: {problem}")
     for path, node in structs(recipe, ()):
         if isinstance(node, (Jsonl, File)) and not Path(node.path).exists():
             looked = "" if Path(node.path).is_absolute() else f" (looked in {os.getcwd()} and next to the recipe file)"

@@ -44,10 +44,15 @@ class PythonBackend(BackendConfig, tag="python"):  # pyright: ignore[reportGener
             out = fn(model=model, tokenizer=tokenizer, storage_dir=storage_dir, seed=seed, **self.args)
         except UserError:
             raise
-        except Exception as e:  # noqa: BLE001 - user code: one line naming it, not a traceback
+        # SystemExit too: user code that exits (an argparse inside it, a sys.exit) would end the run with its code
+        # and no word of why.
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - user code: one line naming it, not a traceback
             reason = " ".join(f"{type(e).__name__}: {e}".split())
             raise UserError(f"{where}: calling it with args {sorted(self.args)} raised {reason}") from None
-        if not isinstance(out, Backend):
-            raise UserError(f"{where} returned {type(out).__name__}, not a backends.base.Backend (get_tokenizer, "
+        # Backend is a runtime-checkable Protocol: a class (not an instance of it) has the same attributes and passes
+        # isinstance, then fails at its first unbound call; so a type is refused here by name.
+        if isinstance(out, type) or not isinstance(out, Backend):
+            got = f"the class {out.__name__} (call it)" if isinstance(out, type) else type(out).__name__
+            raise UserError(f"{where} returned {got}, not a backends.base.Backend (get_tokenizer, "
                             "create_training_client, create_sampling_client, ...: backends/base.py)")
         return out

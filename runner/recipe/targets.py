@@ -40,7 +40,9 @@ def import_object(target: str) -> Any:
         sys.path.insert(0, os.getcwd())
     try:
         fn = getattr(importlib.import_module(module), attr)
-    except Exception as e:  # noqa: BLE001 - any failure inside user code is the user's to fix
+    # SystemExit too: a module that exits as it is imported (a script's sys.exit, argparse at top level) ended
+    # `runner check` with its code and no word, 0 looking like a pass.
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - any failure inside user code is the user's to fix
         reason = " ".join(f"{type(e).__name__}: {e}".split())
         raise UserError(f"cannot import {target!r}: {reason}") from None
     return fn

@@ -9,6 +9,7 @@ is a Renderer subclass (or any factory tokenizer -> Renderer) in their module (d
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 import re
 import sys
@@ -50,13 +51,22 @@ def get_renderer(name: str, tokenizer: Tokenizer, model_name: str | None = None)
     """The renderer `name` over `tokenizer`; "auto" picks one for `model_name` (see pick_renderer)."""
     if name == AUTO:
         name = pick_renderer(model_name or getattr(tokenizer, "name_or_path", "") or "", tokenizer)
-    factory = _user_factory(name) if USER_RENDERER.match(name) else registered().get(name)
+    user = USER_RENDERER.match(name) is not None
+    factory = user_factory(name) if user else registered().get(name)
     if factory is None:
         raise UserError(f"unknown renderer {name!r}; choose one of: {', '.join(names())}")
     try:
         renderer = factory(tokenizer)
     except UserError as e:
         raise UserError(f"renderer {name!r}: {e}") from None
+    except Exception as e:  # a user's factory: its error in one line naming it (a built-in's bug keeps its traceback)
+        if not user:
+            raise
+        reason = " ".join(f"{type(e).__name__}: {e}".split())
+        raise UserError(f"renderer {name!r}: calling it with the tokenizer raised {reason}") from None
+    if not isinstance(renderer, Renderer):
+        raise UserError(f"renderer {name!r} returned {type(renderer).__name__}, not a Renderer "
+                        "(runner/renderers/base.py)")
     renderer.name = name
     return renderer
 
@@ -85,17 +95,24 @@ def renderer_mismatch(renderer: str, model: str, tokenizer: str | None) -> str |
             "tokens, which this format writes: pick the renderer of the model's family (or \"hf\": its chat template)")
 
 
-def _user_factory(target: str) -> Any:
-    """The factory a recipe's `renderer = "pkg.mod:NAME"` names; UserError when it cannot be imported."""
+def user_factory(target: str) -> Any:
+    """The factory a recipe's `renderer = "pkg.mod:NAME"` names; UserError when it cannot be imported (whatever its
+    module raises: a SyntaxError is as much the user's as a missing module) or is not callable. `runner check` calls
+    it too (runner/recipe/load.py check_recipe), so a bad one is found before a run."""
     module, _, attr = target.partition(":")
+    # As runner/recipe/targets.py import_target: the console script does not put the working directory on sys.path.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
-        factory = getattr(importlib.import_module(module), attr)
-    except ImportError as e:
-        raise UserError(f"renderer {target!r}: cannot import {module}: {e}") from None
-    except AttributeError:
-        raise UserError(f"renderer {target!r}: {module} has no {attr}") from None
+        mod = importlib.import_module(module)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - user code (one that exits on import too: targets.py)
+        reason = " ".join(f"{type(e).__name__}: {e}".split())
+        raise UserError(f"renderer {target!r}: cannot import {module}: {reason}") from None
+    factory = getattr(mod, attr, None)
+    if factory is None:
+        raise UserError(f"renderer {target!r}: {module} has no {attr}")
     if not callable(factory):
-        raise UserError(f"renderer {target!r} is a {type(factory).__name__}, not a Renderer class or factory")
+        raise UserError(f"renderer {target!r} is {type(factory).__name__}, not a Renderer class or factory")
     return factory
 
 
