@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from bench_sandbox import WRITERS  # the 16 writers, measured by the bench too
+from bench_sandbox import HOGS, WRITERS  # the 16 writers and 8 memory hogs, measured by the bench too
 
 from runner.rewards.sandbox import ISOLATIONS, RUN_UID_BASE, RUN_UID_SPAN, WORK, Limits, RunResult, Sandbox
 
@@ -299,29 +299,7 @@ def test_memory_of_eight_forked_hogs() -> None:
     sb = Sandbox(Limits(cpu_s=5, wall_s=10.0, memory_mb=128, nproc=32), max_parallel=1)
     if not sb.containment.namespaces and not sb.containment.own_uid:
         pytest.skip("RLIMIT_NPROC counts all of this user's processes here: the 8 forks may be refused")
-    code = """
-import os, time
-r, w = os.pipe()
-kids = []
-for i in range(8):
-    pid = os.fork()
-    if pid == 0:
-        block = bytearray(48 << 20)
-        for j in range(0, len(block), 4096):
-            block[j] = 1
-        os.write(w, b"x")
-        time.sleep(3)
-        os._exit(0)
-    kids.append(pid)
-os.close(w)
-held = 0
-for pid in kids:
-    os.waitpid(pid, 0)
-while os.read(r, 1):
-    held += 48
-print(held)
-"""
-    r = run(sb, code)
+    r = run(sb, HOGS)
     assert r.ok, r.stderr
     held = int(r.stdout)
     if sb.containment.cgroup:
