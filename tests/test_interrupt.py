@@ -168,8 +168,9 @@ def python_path() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
-def interrupt_when(proc: subprocess.Popen[bytes], marker: Path) -> tuple[float, str]:
-    """SIGINT `proc` once `marker` exists; (seconds from SIGINT to exit, stderr)."""
+def interrupt_when(proc: subprocess.Popen[bytes], marker: Path, again_after: float | None = None) -> tuple[float, str]:
+    """SIGINT `proc` once `marker` exists (and again `again_after` s later); (seconds from the last SIGINT to exit,
+    stderr)."""
     try:
         deadline = time.monotonic() + 120
         while not marker.exists():
@@ -179,6 +180,10 @@ def interrupt_when(proc: subprocess.Popen[bytes], marker: Path) -> tuple[float, 
         time.sleep(0.3)  # well inside the env's wait
         t = time.monotonic()
         proc.send_signal(signal.SIGINT)
+        if again_after is not None:
+            time.sleep(again_after)
+            t = time.monotonic()
+            proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
         return time.monotonic() - t, err.decode()
     finally:
@@ -277,30 +282,12 @@ def gil_run(tmp_path: Path) -> tuple[Recipe, Path, subprocess.Popen[bytes]]:
     return recipe, run_dir, proc
 
 
-def wait_for(proc: subprocess.Popen[bytes], marker: Path) -> None:
-    deadline = time.monotonic() + 120
-    while not marker.exists():
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
-        assert time.monotonic() < deadline, f"no {marker.name} within 120 s"
-        time.sleep(0.05)
-    time.sleep(0.3)  # well inside the C loop
-
-
 def test_ctrl_c_stops_a_run_whose_env_holds_the_gil_in_c(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Before: an env in `sum(range(10**12))` ignored two Ctrl-C's (kill -9 after 36 s). Now the first Ctrl-C ends
     it within seconds: the watchdog process (runner/engine/watchdog.py) got the signal from the C-level handler,
     saw no heartbeat of the event loop for 4 s and killed the run; the run dir resumes."""
     recipe, run_dir, proc = gil_run(tmp_path)
-    try:
-        wait_for(proc, tmp_path / "blocked")
-        t = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
-        stopped_in, text = time.monotonic() - t, err.decode()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    stopped_in, text = interrupt_when(proc, tmp_path / "blocked")
     assert proc.returncode == -signal.SIGKILL, text[-2000:]
     assert 3.5 < stopped_in < 10, stopped_in
     print(f"GIL-holding env: killed {stopped_in:.2f} s after one SIGINT")
@@ -316,18 +303,7 @@ def test_ctrl_c_stops_a_run_whose_env_holds_the_gil_in_c(tmp_path: Path, monkeyp
 def test_a_second_ctrl_c_ends_a_gil_holding_run_at_once(tmp_path: Path) -> None:
     """The second Ctrl-C does not wait for the first one's 4 s: the watchdog kills the run 1 s after it."""
     _, _, proc = gil_run(tmp_path)
-    try:
-        wait_for(proc, tmp_path / "blocked")
-        proc.send_signal(signal.SIGINT)
-        time.sleep(0.3)
-        t = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
-        stopped_in, text = time.monotonic() - t, err.decode()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    stopped_in, text = interrupt_when(proc, tmp_path / "blocked", again_after=0.3)
     assert proc.returncode == -signal.SIGKILL and stopped_in < 2.5, (stopped_in, text[-2000:])
     print(f"GIL-holding env: killed {stopped_in:.2f} s after the second SIGINT")
     assert "interrupted again: the runner watchdog kills the run now" in text
