@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from backends.backend_config import BackendConfig
-from backends.errors import UserError
+from backends.errors import UserError, one_line
 from runner.recipe.common import Target
 from runner.recipe.targets import import_target
 
@@ -47,8 +47,7 @@ class PythonBackend(BackendConfig, tag="python"):  # pyright: ignore[reportGener
         # SystemExit too: user code that exits (an argparse inside it, a sys.exit) would end the run with its code
         # and no word of why.
         except (Exception, SystemExit) as e:  # noqa: BLE001 - user code: one line naming it, not a traceback
-            reason = " ".join(f"{type(e).__name__}: {e}".split())
-            raise UserError(f"{where}: calling it with args {sorted(self.args)} raised {reason}") from None
+            raise UserError(f"{where}: calling it with args {sorted(self.args)} raised {one_line(e)}") from None
         # Backend is a runtime-checkable Protocol: a class (not an instance of it) has the same attributes and passes
         # isinstance, then fails at its first unbound call; so a type is refused here by name.
         if isinstance(out, type) or not isinstance(out, Backend):

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from backends.errors import UserError
+from backends.errors import UserError, one_line
 
 K = TypeVar("K")
 
@@ -43,8 +43,7 @@ def import_object(target: str) -> Any:
     # SystemExit too: a module that exits as it is imported (a script's sys.exit, argparse at top level) ended
     # `runner check` with its code and no word, 0 looking like a pass.
     except (Exception, SystemExit) as e:  # noqa: BLE001 - any failure inside user code is the user's to fix
-        reason = " ".join(f"{type(e).__name__}: {e}".split())
-        raise UserError(f"cannot import {target!r}: {reason}") from None
+        raise UserError(f"cannot import {target!r}: {one_line(e)}") from None
     return fn
 
 

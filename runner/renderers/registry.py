@@ -16,7 +16,7 @@ import sys
 from functools import cache
 from typing import Any
 
-from backends.errors import UserError
+from backends.errors import UserError, one_line
 from runner.renderers.auto import pick_renderer
 from runner.renderers.base import AUTO, REGISTRY, Renderer, Tokenizer
 
@@ -62,8 +62,7 @@ def get_renderer(name: str, tokenizer: Tokenizer, model_name: str | None = None)
     except Exception as e:  # a user's factory: its error in one line naming it (a built-in's bug keeps its traceback)
         if not user:
             raise
-        reason = " ".join(f"{type(e).__name__}: {e}".split())
-        raise UserError(f"renderer {name!r}: calling it with the tokenizer raised {reason}") from None
+        raise UserError(f"renderer {name!r}: calling it with the tokenizer raised {one_line(e)}") from None
     if not isinstance(renderer, Renderer):
         raise UserError(f"renderer {name!r} returned {type(renderer).__name__}, not a Renderer "
                         "(runner/renderers/base.py)")
@@ -106,8 +105,7 @@ def user_factory(target: str) -> Any:
     try:
         mod = importlib.import_module(module)
     except (Exception, SystemExit) as e:  # noqa: BLE001 - user code (one that exits on import too: targets.py)
-        reason = " ".join(f"{type(e).__name__}: {e}".split())
-        raise UserError(f"renderer {target!r}: cannot import {module}: {reason}") from None
+        raise UserError(f"renderer {target!r}: cannot import {module}: {one_line(e)}") from None
     factory = getattr(mod, attr, None)
     if factory is None:
         raise UserError(f"renderer {target!r}: {module} has no {attr}")
