@@ -494,11 +494,15 @@ class LocalSamplingClient:
         return self._worker.submit(f"compute_logprobs #{next(self._counter)}", ("logprobs", list(tokens)))
 
     def _handle(self, jobs: list[Job]) -> None:
+        self._stream(self._admit(jobs), jobs)
+
+    def _admit(self, jobs: list[Job]) -> list[Job]:
+        """The valid ones of `jobs`: their logprob requests run now (one forward pass, so their callers go on while
+        the samples decode); their sample requests are returned, to decode."""
         valid = [job for job in jobs if self._check(job)]
-        # Logprobs first: one forward pass, so its callers go on while the samples decode.
         self._run([j for j in valid if j.payload[0] == "logprobs"], self._sampler.compute_logprobs_batch,
                   lambda j: j.payload[1])
-        self._stream([j for j in valid if j.payload[0] == "sample"], jobs)
+        return [j for j in valid if j.payload[0] == "sample"]
 
     def _stream(self, samples: list[Job], jobs: list[Job]) -> None:
         """The sample jobs through Sampler.sample_stream: jobs submitted while they decode join the running
@@ -513,10 +517,7 @@ class LocalSamplingClient:
             return j.payload[1], j.payload[2], j.payload[3]
 
         def more() -> list[Any]:
-            fresh = [j for j in self._worker.poll(jobs) if self._check(j)]
-            self._run([j for j in fresh if j.payload[0] == "logprobs"], self._sampler.compute_logprobs_batch,
-                      lambda j: j.payload[1])
-            got = [j for j in fresh if j.payload[0] == "sample"]
+            got = self._admit(self._worker.poll(jobs))
             order.extend(got)
             return [request(j) for j in got]
 
