@@ -6,6 +6,7 @@ bfloat16 kernels round differently from the CPU's, not more coarsely."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -120,3 +121,89 @@ def test_conformance_against_serve_on_cuda(tmp_path, monkeypatch):
     results = conformance_results(build_service(ServeConfig(storage=tmp_path / "storage", device="cuda")))
     assert [(r.check, r.detail) for r in results if r.result != "pass"] == []
 
+
+
+# ---------------------------------------------------------------- CUDA graphs of the sampler's decode steps
+
+
+def _graph_and_eager(dtype: torch.dtype = torch.bfloat16):
+    """A tiny Qwen3 on cuda; a Sampler factory with CUDA graphs (the default) or without; mixed requests."""
+    from test_static_decode import _model, _requests
+
+    from backends.local.sampler import Sampler
+    from backends.local.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    dev = torch.device("cuda")
+    model = _model(tok, dtype, dev)
+
+    def sampler(graphs: bool) -> Sampler:
+        s = Sampler(model, tok, dev, seed=1)
+        s.cuda_graphs = graphs
+        return s
+
+    reqs = [r for r in _requests(tok) if r[2].seed is not None or r[2].temperature == 0]  # seeded or greedy
+    return sampler, reqs
+
+
+def test_a_failed_capture_on_cuda_decodes_eagerly_on_the_threads_own_stream(monkeypatch):
+    """A decode step that cannot be captured (here: a host sync inside it) fails the capture inside
+    torch.cuda.graph; the decoder gives up graphs, the thread is back on its default stream (torch's __exit__ left
+    the capture stream current), later CUDA work runs, and the samples are the eager static path's."""
+    from test_static_decode import _flat
+
+    from backends.local import static_decode
+
+    sampler, reqs = _graph_and_eager()
+    want = _flat(sampler(False).sample_batch(reqs))
+    forward = static_decode.StaticBatch._forward
+
+    def syncing(self):
+        if torch.cuda.is_current_stream_capturing():
+            float(self.tok.sum())  # a device-to-host copy: not capturable
+        return forward(self)
+
+    monkeypatch.setattr(static_decode.StaticBatch, "_forward", syncing)
+    graph = sampler(True)
+    got = _flat(graph.sample_batch(reqs))
+    static = graph._static
+    assert static is not None and not static.graphs and all(b.graph is None for b in static.batches.values())
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    assert float(torch.ones(3, device="cuda").sum()) == 3.0  # no CUDA error left behind
+    for (ta, la, ra), (tb, lb, rb) in zip(got, want, strict=True):
+        assert ta == tb and ra == rb and la == pytest.approx(lb, abs=2e-2)
+
+
+def test_two_sampling_threads_capture_at_once_on_cuda():
+    """Two sampling clients' worker threads capturing their decode steps at the same time (torch allows one
+    capture at a time in a process, and its default capture stream is shared): both keep their graphs, and each
+    gets the tokens it gets alone with the graphs off."""
+    import threading
+
+    from test_static_decode import _flat
+
+    sampler, reqs = _graph_and_eager()
+    want = _flat(sampler(False).sample_batch(reqs))
+    samplers = [sampler(True), sampler(True)]
+    start = threading.Barrier(2)
+    got: dict[int, Any] = {}
+
+    def run(i: int) -> None:
+        start.wait()
+        try:
+            got[i] = _flat(samplers[i].sample_batch(reqs))
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            got[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i, s in enumerate(samplers):
+        static = s._static
+        assert static is not None and static.graphs, i  # no capture failed
+        assert all(b.graph is not None for b in static.batches.values()), i
+        assert isinstance(got[i], list), got[i]
+        for (ta, la, ra), (tb, lb, rb) in zip(got[i], want, strict=True):
+            assert ta == tb and ra == rb and la == pytest.approx(lb, abs=2e-2)

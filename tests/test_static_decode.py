@@ -11,6 +11,7 @@ checked against the eager static path on CUDA only (`gpu` mark).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -131,6 +132,67 @@ def test_shared_prefill_equals_one_prefill_per_row(tok, one_thread):
         assert sizes[0] == -(-distinct // 4) * 4
 
 
+class _Stream:
+    def wait_stream(self, _s):
+        pass
+
+
+class _FakeStreams:
+    """torch.cuda's stream calls on the CPU: one current stream (the default at first), new side streams,
+    torch.cuda.stream's context and torch.cuda.set_stream; `graph` stands for torch.cuda.graph as torch writes
+    it: its capture stream (the one passed, else one default capture stream for the process) is current inside,
+    and its __exit__ restores the stream only after the graph's capture_end, which raises when a capture failed."""
+
+    def __init__(self, monkeypatch):
+        self.default = self.current = _Stream()
+        self.default_capture = _Stream()
+        self.made: list[_Stream] = []
+        self.captured_on: list[_Stream] = []
+        self.locked: list[bool] = []
+        cuda = static_decode.torch.cuda
+        monkeypatch.setattr(cuda, "Stream", self._new)
+        monkeypatch.setattr(cuda, "current_stream", lambda *_a: self.current)
+        monkeypatch.setattr(cuda, "stream", self._ctx)
+        monkeypatch.setattr(cuda, "set_stream", self._set)
+        monkeypatch.setattr(cuda, "graph", self._graph)
+        monkeypatch.setattr(static_decode.StaticBatch, "_wants_capture", lambda self: self.owner.graphs)
+
+    def _new(self, *_a):
+        self.made.append(_Stream())
+        return self.made[-1]
+
+    def _set(self, s):
+        self.current = s
+
+    @contextlib.contextmanager
+    def _ctx(self, s):
+        prev, self.current = self.current, s
+        try:
+            yield
+        finally:
+            self.current = prev
+
+    def _graph(self, graph, pool=None, stream=None, capture_error_mode="global"):
+        fake = self
+
+        class _Capture:
+            def __enter__(self):
+                assert capture_error_mode == "thread_local"  # a training thread may share the GPU
+                lock = getattr(static_decode, "_CAPTURE_LOCK", None)
+                fake.locked.append(lock is not None and lock.locked())  # one capture at a time in the process
+                self.ctx = fake._ctx(stream or fake.default_capture)
+                self.ctx.__enter__()
+                fake.captured_on.append(fake.current)
+                getattr(graph, "capture_begin", lambda: None)()
+
+            def __exit__(self, *exc):
+                getattr(graph, "capture_end", lambda: None)()
+                self.ctx.__exit__(*exc)
+                return False
+
+        return _Capture()
+
+
 def test_a_failed_capture_falls_back_to_eager_once(tok, one_thread, monkeypatch, caplog):
     """The capture path on the CPU, with CUDA's stream calls stubbed and the capture failing: one warning, the
     step's eager result returned, and no further capture attempts."""
@@ -139,31 +201,53 @@ def test_a_failed_capture_falls_back_to_eager_once(tok, one_thread, monkeypatch,
     static.static_decode = True
     tries: list[int] = []
 
-    class _Stream:
-        def __init__(self, *_a):
-            pass
-
-        def wait_stream(self, _s):
-            pass
-
     def boom():
         tries.append(1)
         raise RuntimeError("capture refused")
 
-    monkeypatch.setattr(static_decode.torch.cuda, "Stream", _Stream)
-    monkeypatch.setattr(static_decode.torch.cuda, "current_stream", lambda *_a: _Stream())
-    monkeypatch.setattr(static_decode.torch.cuda, "stream", lambda _s: _NullContext())
+    streams = _FakeStreams(monkeypatch)
     monkeypatch.setattr(static_decode.torch.cuda, "CUDAGraph", boom)
-    monkeypatch.setattr(static_decode.StaticBatch, "_wants_capture", lambda self: self.owner.graphs)
     req = [(tok.encode("fallback"), 3, SamplingParams(max_tokens=12, seed=5, stop=[]))]
     with caplog.at_level(logging.WARNING, logger="backends.local.static_decode"):
         got = static.sample_batch(req)
         again = static.sample_batch(req)
     assert _flat(got) == _flat(eager.sample_batch(req)) and _flat(again) == _flat(got)
     assert len(tries) == 1 and not static._static.graphs
+    assert streams.current is streams.default
     assert [r.message for r in caplog.records if "CUDA graph" in r.message] == [
         "CUDA graph capture of the decode step failed (RuntimeError: capture refused); decoding eagerly from now on"
     ]
+
+
+def test_a_capture_failing_at_its_end_gives_the_thread_its_stream_back(tok, one_thread, monkeypatch, caplog):
+    """A capture that fails inside torch.cuda.graph (an op that cannot be captured: capture_end raises) left the
+    capture stream current for the thread, since torch's __exit__ restores it only after capture_end: every later
+    eager step then ran on that stream while its tensors belonged to the default one. The decoder restores the
+    thread's stream, captures on the warm-up's own stream (not the process's one default capture stream) and
+    holds the capture lock."""
+    model = _model(tok)
+    eager, static = Sampler(model, tok, CPU, seed=3), Sampler(model, tok, CPU, seed=3)
+    static.static_decode = True
+
+    class _Invalidated:
+        def capture_end(self):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    streams = _FakeStreams(monkeypatch)
+    monkeypatch.setattr(static_decode.torch.cuda, "CUDAGraph", _Invalidated)
+    seen: list[object] = []
+    forward = static_decode.StaticBatch._forward
+    monkeypatch.setattr(static_decode.StaticBatch, "_forward", lambda self: (seen.append(streams.current), forward(self))[1])
+    req = [(tok.encode("fallback"), 3, SamplingParams(max_tokens=12, seed=5, stop=[]))]
+    with caplog.at_level(logging.WARNING, logger="backends.local.static_decode"):
+        got = static.sample_batch(req)
+    assert streams.current is streams.default
+    assert static._static is not None and not static._static.graphs
+    assert _flat(got) == _flat(eager.sample_batch(req))
+    # warm-up and capture on the side stream made for them; every other step on the thread's own stream
+    assert len(streams.made) == 1 and streams.captured_on == streams.made and streams.locked == [True]
+    assert seen[:2] == [streams.made[0]] * 2 and set(map(id, seen[2:])) == {id(streams.default)}
+    assert len([r for r in caplog.records if "CUDA graph" in r.message]) == 1
 
 
 def test_replayed_steps_read_the_batch_buffers(tok, one_thread, monkeypatch):
@@ -181,6 +265,12 @@ def test_replayed_steps_read_the_batch_buffers(tok, one_thread, monkeypatch):
         def __init__(self):
             self.batch = self.out = None
 
+        def capture_begin(self):
+            capturing.append(self)
+
+        def capture_end(self):
+            capturing.pop()
+
         def replay(self):
             replays.append(1)
             self.out.copy_(forward(self.batch))
@@ -191,47 +281,18 @@ def test_replayed_steps_read_the_batch_buffers(tok, one_thread, monkeypatch):
             capturing[-1].batch, capturing[-1].out = self, out
         return out
 
-    class _Capture:
-        def __init__(self, graph, capture_error_mode="global"):
-            assert capture_error_mode == "thread_local"  # a training thread may share the GPU
-            self.graph = graph
-
-        def __enter__(self):
-            capturing.append(self.graph)
-
-        def __exit__(self, *_exc):
-            capturing.pop()
-            return False
-
-    class _Stream:
-        def __init__(self, *_a):
-            pass
-
-        def wait_stream(self, _s):
-            pass
-
-    monkeypatch.setattr(static_decode.torch.cuda, "Stream", _Stream)
-    monkeypatch.setattr(static_decode.torch.cuda, "current_stream", lambda *_a: _Stream())
-    monkeypatch.setattr(static_decode.torch.cuda, "stream", lambda _s: _NullContext())
+    streams = _FakeStreams(monkeypatch)
     monkeypatch.setattr(static_decode.torch.cuda, "CUDAGraph", _FakeGraph)
-    monkeypatch.setattr(static_decode.torch.cuda, "graph", _Capture)
     monkeypatch.setattr(static_decode.StaticBatch, "_forward", recording_forward)
-    monkeypatch.setattr(static_decode.StaticBatch, "_wants_capture", lambda self: self.owner.graphs)
     assert _flat(static.sample_batch(_requests(tok))) == _flat(eager.sample_batch(_requests(tok)))
     graphs = [b.graph for b in static._static.batches.values()]
     assert len(graphs) == 3 and all(isinstance(g, _FakeGraph) for g in graphs) and len(replays) > 30
+    assert streams.captured_on == streams.made and streams.current is streams.default  # each on its warm-up's stream
+    assert streams.locked == [True] * 3
     before = len(replays)
     assert _flat(static.sample_batch(_requests(tok))) == _flat(eager.sample_batch(_requests(tok)))
     assert [b.graph for b in static._static.batches.values()] == graphs  # kept: no new capture
     assert len(replays) > before
-
-
-class _NullContext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *_exc):
-        return False
 
 
 @pytest.mark.gpu

@@ -12,8 +12,9 @@ and shape and no host synchronisation inside. So here a decode batch is a `Stati
   row's new key and value at its own slot by a scatter and attends over the whole capacity under the mask
   (llama.LlamaDecoder.step_static); the rotary table is grown to the capacity beforehand;
 - on CUDA, the first step of a batch runs eagerly (on a side stream: the warm-up a capture needs) and is then
-  captured; later steps copy their inputs into the buffers and replay. A step is idempotent (it rewrites the
-  same slot), so the capture's own recording changes nothing. When rows finish, the Sampler moves the live
+  captured on that stream, one capture at a time in the process (each sampling client's worker thread captures
+  its own batches; torch allows one capture at a time); later steps copy their inputs into the buffers and
+  replay. A step is idempotent (it rewrites the same slot), so the capture's own recording changes nothing. When rows finish, the Sampler moves the live
   ones into a smaller bucket's batch, and when requests join (sample_stream) into a bigger one once the
   finished rows' slots are taken (each bucket keeps its buffers and graph for the next call).
 
@@ -23,19 +24,25 @@ stop rules need the tokens on the host anyway.
 
 Everything but the capture runs on the CPU too (Sampler.static_decode = True): tests/test_static_decode.py
 checks it gives the eager fast path's tokens and logprobs, runs the capture-and-replay plumbing with a
-stand-in graph, and `gpu`-marked tests compare graph and eager on CUDA. Should a capture fail (an op that cannot be captured, too little memory), the decoder logs one warning
-and runs every later step eagerly.
+stand-in graph, and `gpu`-marked tests compare graph and eager on CUDA. Should a capture fail (an op that cannot
+be captured, too little memory), the decoder logs one warning, puts the thread back on the stream it was on
+(torch.cuda.graph leaves its capture stream current when the capture fails) and runs every later step eagerly.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
 from backends.local.llama import DecodeCache, LlamaDecoder, Slots
 
 log = logging.getLogger(__name__)
+
+# Held while a decode step is captured: torch allows one CUDA graph capture at a time in a process, and every
+# sampling client's worker thread captures its own batches.
+_CAPTURE_LOCK = threading.Lock()
 
 # Smallest row bucket: the sampler's row quantum (4 rows keep the CPU's matmuls batch-invariant).
 MIN_ROWS = 4
@@ -97,20 +104,29 @@ class StaticBatch:
         return self.owner.fast.step_static(self.tok, self.pos, self.mask, self.cache)
 
     def _capture(self) -> torch.Tensor:
+        dev = self.tok.device
+        cur = torch.cuda.current_stream(dev)
         # Warm-up on a side stream (what torch.cuda.graphs asks before a capture): this step, run for real.
-        side = torch.cuda.Stream(self.tok.device)
-        side.wait_stream(torch.cuda.current_stream(self.tok.device))
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(cur)
         with torch.cuda.stream(side):
             logits = self._forward()
-        torch.cuda.current_stream(self.tok.device).wait_stream(side)
+        cur.wait_stream(side)
+        if logits.is_cuda:
+            logits.record_stream(cur)  # allocated on `side`, read on `cur`: not reused before cur is done with it
         try:
             graph = torch.cuda.CUDAGraph()
             # Each graph its own memory pool: sharing one is safe only for graphs replayed in capture order.
             # thread_local: the training worker may use the same GPU from its own thread meanwhile; in the
-            # default (global) mode its syncs and mallocs would be errors during this capture.
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            # default (global) mode its syncs and mallocs would be errors during this capture. On the warm-up's
+            # stream, one capture at a time in the process (_CAPTURE_LOCK): each sampling client captures from
+            # its own worker thread, and torch.cuda.graph's default capture stream is one for the process.
+            with _CAPTURE_LOCK, torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
                 out = self._forward()
         except Exception as exc:  # noqa: BLE001 - any failure: decode eagerly from now on, said once
+            # torch.cuda.graph's __exit__ restores the thread's stream only after capture_end, which raises when
+            # the capture failed: without this, every later step of this thread would run on the capture stream.
+            torch.cuda.set_stream(cur)
             self.owner.give_up(exc)
             return logits
         self.graph, self.out = graph, out
