@@ -280,9 +280,13 @@ class LocalTrainingClient:
         self.step = 0
         self._params = M.trainable_params(model)
         # The padding-free path where the model allows it (backends/local/packed.py), else padded chunks.
-        self.packed = PackedLM.build(model)[0] if backend.cfg.packed else None
+        self.packed, why = PackedLM.build(model) if backend.cfg.packed else (None, "")
         if self.packed is not None:
             self.packed.attention = backend.cfg.attention
+        elif backend.cfg.attention == "flex":
+            # FlexAttention is the packed path's only: the padded chunks would silently run SDPA instead.
+            raise _user_error(f'backend.attention = "flex" runs on the packed path, which this model does not take '
+                              f'({why}): use attention = "auto" or "sdpa"')
         # Hyper-parameters are set from AdamParams at every step; these are placeholders.
         self.optimizer = torch.optim.AdamW([p for _, p in self._params], lr=0.0)
         self.name = name
