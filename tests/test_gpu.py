@@ -147,9 +147,9 @@ def _graph_and_eager(dtype: torch.dtype = torch.bfloat16):
 
 
 def test_a_failed_capture_on_cuda_decodes_eagerly_on_the_threads_own_stream(monkeypatch):
-    """A decode step that cannot be captured (here: a host sync inside it) fails the capture inside
-    torch.cuda.graph; the decoder gives up graphs, the thread is back on its default stream (torch's __exit__ left
-    the capture stream current), later CUDA work runs, and the samples are the eager static path's."""
+    """A decode step that cannot be captured (here: a host sync inside it) fails the capture; the decoder gives up
+    graphs, the thread is back on its default stream (torch.cuda.graph's __exit__ left its capture stream current
+    when capture_end raised), later CUDA work runs, and the samples are the eager static path's."""
     from test_static_decode import _flat
 
     from backends.local import static_decode
@@ -172,6 +172,22 @@ def test_a_failed_capture_on_cuda_decodes_eagerly_on_the_threads_own_stream(monk
     assert float(torch.ones(3, device="cuda").sum()) == 3.0  # no CUDA error left behind
     for (ta, la, ra), (tb, lb, rb) in zip(got, want, strict=True):
         assert ta == tb and ra == rb and la == pytest.approx(lb, abs=2e-2)
+
+
+def test_a_capture_leaves_the_allocators_cache_alone():
+    """Capturing decode steps keeps the blocks the caching allocator holds: torch.cuda.graph empties its cache
+    before each capture, and an RL run's training thread would then allocate its next step from the driver again,
+    at every capture of every new sampling client."""
+    sampler, reqs = _graph_and_eager()
+    s = sampler(True)
+    torch.cuda.synchronize()
+    block = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    del block  # freed into the allocator's cache: reserved, not allocated
+    held = torch.cuda.memory_reserved()
+    s.sample_batch(reqs)
+    static = s._static
+    assert static is not None and static.graphs and any(b.graph is not None for b in static.batches.values())
+    assert torch.cuda.memory_reserved() >= held
 
 
 def test_two_sampling_threads_capture_at_once_on_cuda():

@@ -139,16 +139,16 @@ class _Stream:
 
 class _FakeStreams:
     """torch.cuda's stream calls on the CPU: one current stream (the default at first), new side streams,
-    torch.cuda.stream's context and torch.cuda.set_stream; `graph` stands for torch.cuda.graph as torch writes
-    it: its capture stream (the one passed, else one default capture stream for the process) is current inside,
-    and its __exit__ restores the stream only after the graph's capture_end, which raises when a capture failed."""
+    torch.cuda.stream's context and torch.cuda.set_stream. A stand-in graph's capture_begin calls `begin`, which
+    records the stream the capture runs on and whether the capture lock is held. torch.cuda.graph must not be
+    used (it empties the caching allocator before each capture): `graph_ctx` counts its uses."""
 
     def __init__(self, monkeypatch):
         self.default = self.current = _Stream()
-        self.default_capture = _Stream()
         self.made: list[_Stream] = []
         self.captured_on: list[_Stream] = []
         self.locked: list[bool] = []
+        self.graph_ctx = 0
         cuda = static_decode.torch.cuda
         monkeypatch.setattr(cuda, "Stream", self._new)
         monkeypatch.setattr(cuda, "current_stream", lambda *_a: self.current)
@@ -172,25 +172,15 @@ class _FakeStreams:
         finally:
             self.current = prev
 
-    def _graph(self, graph, pool=None, stream=None, capture_error_mode="global"):
-        fake = self
+    def _graph(self, *_a, **_kw):
+        self.graph_ctx += 1
+        raise RuntimeError("torch.cuda.graph used")
 
-        class _Capture:
-            def __enter__(self):
-                assert capture_error_mode == "thread_local"  # a training thread may share the GPU
-                lock = getattr(static_decode, "_CAPTURE_LOCK", None)
-                fake.locked.append(lock is not None and lock.locked())  # one capture at a time in the process
-                self.ctx = fake._ctx(stream or fake.default_capture)
-                self.ctx.__enter__()
-                fake.captured_on.append(fake.current)
-                getattr(graph, "capture_begin", lambda: None)()
-
-            def __exit__(self, *exc):
-                getattr(graph, "capture_end", lambda: None)()
-                self.ctx.__exit__(*exc)
-                return False
-
-        return _Capture()
+    def begin(self, capture_error_mode: str) -> None:
+        assert capture_error_mode == "thread_local"  # a training thread may share the GPU
+        lock = getattr(static_decode, "_CAPTURE_LOCK", None)
+        self.locked.append(lock is not None and lock.locked())  # one capture at a time in the process
+        self.captured_on.append(self.current)
 
 
 def test_a_failed_capture_falls_back_to_eager_once(tok, one_thread, monkeypatch, caplog):
@@ -220,20 +210,24 @@ def test_a_failed_capture_falls_back_to_eager_once(tok, one_thread, monkeypatch,
 
 
 def test_a_capture_failing_at_its_end_gives_the_thread_its_stream_back(tok, one_thread, monkeypatch, caplog):
-    """A capture that fails inside torch.cuda.graph (an op that cannot be captured: capture_end raises) left the
-    capture stream current for the thread, since torch's __exit__ restores it only after capture_end: every later
-    eager step then ran on that stream while its tensors belonged to the default one. The decoder restores the
-    thread's stream, captures on the warm-up's own stream (not the process's one default capture stream) and
-    holds the capture lock."""
+    """A capture that fails (an op that cannot be captured: capture_end raises) used to leave the capture stream
+    current for the thread (torch.cuda.graph's __exit__ restores it only after capture_end), so every later eager
+    step ran on that stream while its tensors belonged to the default one. The thread gets its stream back; the
+    capture ran on the warm-up's own stream (not torch's one default capture stream for the process), under the
+    capture lock, and without torch.cuda.graph (which empties the caching allocator before each capture)."""
     model = _model(tok)
     eager, static = Sampler(model, tok, CPU, seed=3), Sampler(model, tok, CPU, seed=3)
     static.static_decode = True
 
+    streams = _FakeStreams(monkeypatch)
+
     class _Invalidated:
+        def capture_begin(self, capture_error_mode="global"):
+            streams.begin(capture_error_mode)
+
         def capture_end(self):
             raise RuntimeError("operation not permitted when stream is capturing")
 
-    streams = _FakeStreams(monkeypatch)
     monkeypatch.setattr(static_decode.torch.cuda, "CUDAGraph", _Invalidated)
     seen: list[object] = []
     forward = static_decode.StaticBatch._forward
@@ -246,6 +240,7 @@ def test_a_capture_failing_at_its_end_gives_the_thread_its_stream_back(tok, one_
     assert _flat(got) == _flat(eager.sample_batch(req))
     # warm-up and capture on the side stream made for them; every other step on the thread's own stream
     assert len(streams.made) == 1 and streams.captured_on == streams.made and streams.locked == [True]
+    assert streams.graph_ctx == 0
     assert seen[:2] == [streams.made[0]] * 2 and set(map(id, seen[2:])) == {id(streams.default)}
     assert len([r for r in caplog.records if "CUDA graph" in r.message]) == 1
 
@@ -258,6 +253,7 @@ def test_replayed_steps_read_the_batch_buffers(tok, one_thread, monkeypatch):
     eager, static = Sampler(model, tok, CPU, seed=3), Sampler(model, tok, CPU, seed=3)
     static.static_decode = True
     capturing: list[_FakeGraph] = []
+    streams = _FakeStreams(monkeypatch)
     forward = static_decode.StaticBatch._forward
     replays: list[int] = []
 
@@ -265,7 +261,8 @@ def test_replayed_steps_read_the_batch_buffers(tok, one_thread, monkeypatch):
         def __init__(self):
             self.batch = self.out = None
 
-        def capture_begin(self):
+        def capture_begin(self, capture_error_mode="global"):
+            streams.begin(capture_error_mode)
             capturing.append(self)
 
         def capture_end(self):
@@ -281,14 +278,13 @@ def test_replayed_steps_read_the_batch_buffers(tok, one_thread, monkeypatch):
             capturing[-1].batch, capturing[-1].out = self, out
         return out
 
-    streams = _FakeStreams(monkeypatch)
     monkeypatch.setattr(static_decode.torch.cuda, "CUDAGraph", _FakeGraph)
     monkeypatch.setattr(static_decode.StaticBatch, "_forward", recording_forward)
     assert _flat(static.sample_batch(_requests(tok))) == _flat(eager.sample_batch(_requests(tok)))
     graphs = [b.graph for b in static._static.batches.values()]
     assert len(graphs) == 3 and all(isinstance(g, _FakeGraph) for g in graphs) and len(replays) > 30
     assert streams.captured_on == streams.made and streams.current is streams.default  # each on its warm-up's stream
-    assert streams.locked == [True] * 3
+    assert streams.locked == [True] * 3 and streams.graph_ctx == 0
     before = len(replays)
     assert _flat(static.sample_batch(_requests(tok))) == _flat(eager.sample_batch(_requests(tok)))
     assert [b.graph for b in static._static.batches.values()] == graphs  # kept: no new capture

@@ -25,8 +25,8 @@ stop rules need the tokens on the host anyway.
 Everything but the capture runs on the CPU too (Sampler.static_decode = True): tests/test_static_decode.py
 checks it gives the eager fast path's tokens and logprobs, runs the capture-and-replay plumbing with a
 stand-in graph, and `gpu`-marked tests compare graph and eager on CUDA. Should a capture fail (an op that cannot
-be captured, too little memory), the decoder logs one warning, puts the thread back on the stream it was on
-(torch.cuda.graph leaves its capture stream current when the capture fails) and runs every later step eagerly.
+be captured, too little memory), the decoder logs one warning and runs every later step eagerly, on the stream
+the thread was on.
 """
 
 from __future__ import annotations
@@ -116,17 +116,22 @@ class StaticBatch:
             logits.record_stream(cur)  # allocated on `side`, read on `cur`: not reused before cur is done with it
         try:
             graph = torch.cuda.CUDAGraph()
-            # Each graph its own memory pool: sharing one is safe only for graphs replayed in capture order.
-            # thread_local: the training worker may use the same GPU from its own thread meanwhile; in the
-            # default (global) mode its syncs and mallocs would be errors during this capture. On the warm-up's
-            # stream, one capture at a time in the process (_CAPTURE_LOCK): each sampling client captures from
-            # its own worker thread, and torch.cuda.graph's default capture stream is one for the process.
-            with _CAPTURE_LOCK, torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
-                out = self._forward()
+            # On the warm-up's stream, one capture at a time in the process (_CAPTURE_LOCK: torch allows one, and
+            # each sampling client captures from its own worker thread). capture_begin/capture_end, not
+            # torch.cuda.graph: that one synchronizes the device and empties the caching allocator (and the pinned
+            # host cache) before each capture, which an RL run's training thread would pay for at every capture of
+            # every new sampling client (its next step re-allocating from the driver); and its __exit__ leaves its
+            # capture stream current for the thread when capture_end raises. Each graph its own memory pool:
+            # sharing one is safe only for graphs replayed in capture order. thread_local: the training worker may
+            # use the same GPU from its own thread meanwhile; in the default (global) mode its syncs and mallocs
+            # would be errors during this capture.
+            with _CAPTURE_LOCK, torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    out = self._forward()
+                finally:
+                    graph.capture_end()  # raises when the capture failed (then the stream context still exits)
         except Exception as exc:  # noqa: BLE001 - any failure: decode eagerly from now on, said once
-            # torch.cuda.graph's __exit__ restores the thread's stream only after capture_end, which raises when
-            # the capture failed: without this, every later step of this thread would run on the capture stream.
-            torch.cuda.set_stream(cur)
             self.owner.give_up(exc)
             return logits
         self.graph, self.out = graph, out
