@@ -111,6 +111,26 @@ def test_static_batches_count_their_buckets_against_the_cache_budget(tok, one_th
     assert _flat(static.sample_batch(req)) == _flat(eager.sample_batch(req))
 
 
+def test_joins_grow_a_static_batch_within_the_cache_budget(tok, one_thread):
+    """Requests joining a static batch grow it to whole row buckets: with room for 12 rows in the budget (2 x 12 x
+    64 slots), 4 running rows and two requests of 4 joining made 12 rows, a 16-row bucket (twice the budget's
+    slots with the smaller buckets kept). Now the batch grows to 8 rows at most, the last request runs next, and
+    each request still gets its results alone."""
+    from tests.test_continuous_batching import _stream
+
+    model = _model(tok)
+    cfg = model.config
+    per_slot = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+    sampler = Sampler(model, tok, CPU, seed=2)
+    sampler.static_decode = True
+    sampler.cache_budget = 2 * 12 * 64 * per_slot
+    reqs = [(tok.encode(t), 4, SamplingParams(max_tokens=20, seed=i, stop=[])) for i, t in enumerate(["a", "b", "c"])]
+    alone = [sampler.sample_batch([r])[0] for r in reqs]
+    got, _, _ = _stream(sampler, reqs[:1], {2: [reqs[1]], 3: [reqs[2]]})
+    assert sorted(got) == [0, 1, 2] and all(_flat([got[i]]) == _flat([alone[i]]) for i in range(3))
+    assert sampler._static is not None and max(r for r, _ in sampler._static.batches) == 8
+
+
 def test_shared_prefill_equals_one_prefill_per_row(tok, one_thread):
     """share_prefill (one prefill per distinct prompt, its KV copied into the group's rows) against one prefill
     per row: the same bits on the CPU, on the eager and the static path, and the prefill runs once."""
