@@ -223,3 +223,22 @@ def test_two_sampling_threads_capture_at_once_on_cuda():
         assert isinstance(got[i], list), got[i]
         for (ta, la, ra), (tb, lb, rb) in zip(got[i], want, strict=True):
             assert ta == tb and ra == rb and la == pytest.approx(lb, abs=2e-2)
+
+
+def test_to_device_on_cuda_copies_what_the_arrays_held():
+    """backends/local/transfer.py's CUDA branch (pinned memory, non-blocking copies; on the CPU it never runs): the
+    device tensors hold the arrays' values, dtypes and shapes as they were when copied, even when the arrays are
+    overwritten at once and a large copy is still in flight."""
+    from backends.local import transfer
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 9, 5), rng.random((3, 4)).astype(np.float32), np.array([True, False, True]),
+              rng.integers(0, 1 << 40, (1 << 23,)), np.zeros(0, np.int64), rng.random(2).astype(np.float32)]
+    want = [a.copy() for a in arrays]
+    out = transfer.to_device(arrays, torch.device("cuda"))
+    for a in arrays:
+        a[...] = 0  # the sources change before the device has necessarily read them
+    torch.cuda.synchronize()
+    for w, t in zip(want, out, strict=True):
+        assert t.is_cuda and t.shape == w.shape and t.dtype == torch.from_numpy(w).dtype
+        assert np.array_equal(t.cpu().numpy(), w)
