@@ -175,6 +175,14 @@ class _FakeStreams:
         monkeypatch.setattr(cuda, "stream", self._ctx)
         monkeypatch.setattr(cuda, "set_stream", self._set)
         monkeypatch.setattr(cuda, "graph", self._graph)
+        monkeypatch.setattr(cuda, "graph_pool_handle", lambda: (0, len(self.pools) + 1))
+        monkeypatch.setattr(cuda, "current_device", lambda: 0)
+        self.pools: list[tuple[int, int]] = []  # handed to capture_begin
+        self.underway: list[tuple[int, int]] = []  # pools the (stand-in) allocator routes a capture's allocations to
+        self.released: list[tuple[int, int]] = []
+        monkeypatch.setattr(static_decode.torch._C, "_cuda_endAllocateToPool", self._end, raising=False)
+        monkeypatch.setattr(static_decode.torch._C, "_cuda_releasePool", lambda _d, p: self.released.append(p),
+                            raising=False)
         monkeypatch.setattr(static_decode.StaticBatch, "_wants_capture", lambda self: self.owner.graphs)
 
     def _new(self, *_a):
@@ -196,9 +204,17 @@ class _FakeStreams:
         self.graph_ctx += 1
         raise RuntimeError("torch.cuda.graph used")
 
-    def begin(self, capture_error_mode: str) -> None:
+    def _end(self, _device, pool):
+        if pool not in self.underway:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+        self.underway.remove(pool)
+
+    def begin(self, capture_error_mode: str, pool=None) -> None:
         assert capture_error_mode == "thread_local"  # a training thread may share the GPU
-        lock = getattr(static_decode, "_CAPTURE_LOCK", None)
+        assert pool is not None
+        self.pools.append(pool)
+        self.underway.append(pool)
+        lock = getattr(static_decode, "CAPTURE_LOCK", None)
         self.locked.append(lock is not None and lock.locked())  # one capture at a time in the process
         self.captured_on.append(self.current)
 
@@ -234,7 +250,9 @@ def test_a_capture_failing_at_its_end_gives_the_thread_its_stream_back(tok, one_
     current for the thread (torch.cuda.graph's __exit__ restores it only after capture_end), so every later eager
     step ran on that stream while its tensors belonged to the default one. The thread gets its stream back; the
     capture ran on the warm-up's own stream (not torch's one default capture stream for the process), under the
-    capture lock, and without torch.cuda.graph (which empties the caching allocator before each capture)."""
+    capture lock, and without torch.cuda.graph (which empties the caching allocator before each capture). And the
+    allocator is told the capture is over (torch's capture_end skips that when CUDA reports the failure, and the
+    next torch.cuda.empty_cache() then fails an assert), its pool released once."""
     model = _model(tok)
     eager, static = Sampler(model, tok, CPU, seed=3), Sampler(model, tok, CPU, seed=3)
     static.static_decode = True
@@ -242,10 +260,10 @@ def test_a_capture_failing_at_its_end_gives_the_thread_its_stream_back(tok, one_
     streams = _FakeStreams(monkeypatch)
 
     class _Invalidated:
-        def capture_begin(self, capture_error_mode="global"):
-            streams.begin(capture_error_mode)
+        def capture_begin(self, pool=None, capture_error_mode="global"):
+            streams.begin(capture_error_mode, pool)
 
-        def capture_end(self):
+        def capture_end(self):  # as torch's: CUDA's error raised before the allocator is told the capture ended
             raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(static_decode.torch.cuda, "CUDAGraph", _Invalidated)
@@ -261,6 +279,8 @@ def test_a_capture_failing_at_its_end_gives_the_thread_its_stream_back(tok, one_
     # warm-up and capture on the side stream made for them; every other step on the thread's own stream
     assert len(streams.made) == 1 and streams.captured_on == streams.made and streams.locked == [True]
     assert streams.graph_ctx == 0
+    # the allocator no longer routes to the failed capture's pool, and its reference is dropped, once
+    assert streams.underway == [] and streams.released == streams.pools == [(0, 1)]
     assert seen[:2] == [streams.made[0]] * 2 and set(map(id, seen[2:])) == {id(streams.default)}
     assert len([r for r in caplog.records if "CUDA graph" in r.message]) == 1
 
@@ -281,12 +301,13 @@ def test_replayed_steps_read_the_batch_buffers(tok, one_thread, monkeypatch):
         def __init__(self):
             self.batch = self.out = None
 
-        def capture_begin(self, capture_error_mode="global"):
-            streams.begin(capture_error_mode)
+        def capture_begin(self, pool=None, capture_error_mode="global"):
+            streams.begin(capture_error_mode, pool)
             capturing.append(self)
 
         def capture_end(self):
             capturing.pop()
+            streams.underway.remove(streams.pools[-1])
 
         def replay(self):
             replays.append(1)
@@ -305,6 +326,7 @@ def test_replayed_steps_read_the_batch_buffers(tok, one_thread, monkeypatch):
     assert len(graphs) == 3 and all(isinstance(g, _FakeGraph) for g in graphs) and len(replays) > 30
     assert streams.captured_on == streams.made and streams.current is streams.default  # each on its warm-up's stream
     assert streams.locked == [True] * 3 and streams.graph_ctx == 0
+    assert len(streams.pools) == 3 and streams.underway == streams.released == []  # captured graphs own their pools
     before = len(replays)
     assert _flat(static.sample_batch(_requests(tok))) == _flat(eager.sample_batch(_requests(tok)))
     assert [b.graph for b in static._static.batches.values()] == graphs  # kept: no new capture
@@ -355,3 +377,17 @@ def test_cuda_graphs_with_joining_requests(tok):
     for i in want:
         for a, b in zip(got[i].sequences, want[i].sequences, strict=True):
             assert a.tokens == b.tokens and a.logprobs == pytest.approx(b.logprobs, abs=2e-2)
+
+
+def test_out_of_memory_empties_the_cuda_cache_only_between_captures(monkeypatch):
+    """A worker's out-of-memory handling empties CUDA's cache (backends/local/worker.py); torch asserts that no
+    graph capture is underway there, and a sampling client's thread may be capturing a decode step: it waits for
+    the capture lock. (On the CPU, with CUDA's calls stubbed.)"""
+    from backends.local import worker
+
+    held: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: held.append(static_decode.CAPTURE_LOCK.locked()))
+    assert worker.out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")) is not None
+    assert held == [True] and not static_decode.CAPTURE_LOCK.locked()

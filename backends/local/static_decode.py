@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 # Held while a decode step is captured: torch allows one CUDA graph capture at a time in a process, and every
 # sampling client's worker thread captures its own batches.
-_CAPTURE_LOCK = threading.Lock()
+CAPTURE_LOCK = threading.Lock()
 
 # Smallest row bucket: the sampler's row quantum (4 rows keep the CPU's matmuls batch-invariant).
 MIN_ROWS = 4
@@ -114,9 +114,12 @@ class StaticBatch:
         cur.wait_stream(side)
         if logits.is_cuda:
             logits.record_stream(cur)  # allocated on `side`, read on `cur`: not reused before cur is done with it
+        pool = None
+        began = ended = False
         try:
             graph = torch.cuda.CUDAGraph()
-            # On the warm-up's stream, one capture at a time in the process (_CAPTURE_LOCK: torch allows one, and
+            pool = torch.cuda.graph_pool_handle()  # the graph's own memory pool, named so a failed capture can free it
+            # On the warm-up's stream, one capture at a time in the process (CAPTURE_LOCK: torch allows one, and
             # each sampling client captures from its own worker thread). capture_begin/capture_end, not
             # torch.cuda.graph: that one synchronizes the device and empties the caching allocator (and the pinned
             # host cache) before each capture, which an RL run's training thread would pay for at every capture of
@@ -125,18 +128,42 @@ class StaticBatch:
             # sharing one is safe only for graphs replayed in capture order. thread_local: the training worker may
             # use the same GPU from its own thread meanwhile; in the default (global) mode its syncs and mallocs
             # would be errors during this capture.
-            with _CAPTURE_LOCK, torch.cuda.stream(side):
-                graph.capture_begin(capture_error_mode="thread_local")
+            with CAPTURE_LOCK, torch.cuda.stream(side):
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                began = True
                 try:
                     out = self._forward()
                 finally:
                     graph.capture_end()  # raises when the capture failed (then the stream context still exits)
+                    ended = True
         except Exception as exc:  # noqa: BLE001 - any failure: decode eagerly from now on, said once
+            if pool is not None and not ended:
+                _release_pool(dev, pool, began)
             self.owner.give_up(exc)
             return logits
         self.graph, self.out = graph, out
         # The capture only recorded; the warm-up's logits are this step's (the step is idempotent).
         return logits
+
+
+def _release_pool(dev: torch.device, pool: tuple[int, int], began: bool) -> None:
+    """The allocator's side of a capture whose capture_end did not complete. capture_begin sets the allocator to
+    route this capture's allocations to `pool` (and takes a reference on it); capture_end undoes that only after
+    CUDA ended the capture without error, and a graph releases its pool only once captured. Left as is, the
+    allocator counts the capture as still underway: the next torch.cuda.empty_cache() in the process (the
+    workers' out-of-memory handling calls it) fails torch's assert that no capture is underway, and the pool's
+    memory is never returned."""
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(index, pool)
+        underway = True
+    except Exception:  # noqa: BLE001 - not routed to the pool (capture_end got that far, or capture_begin did not)
+        underway = False
+    if underway or began:
+        try:
+            torch._C._cuda_releasePool(index, pool)
+        except Exception as exc:  # noqa: BLE001 - the eager fallback works without it; say so
+            log.warning("could not release a failed capture's memory pool (%s: %s)", type(exc).__name__, exc)
 
 
 class StaticDecoder:

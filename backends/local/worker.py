@@ -68,7 +68,10 @@ def out_of_memory(exc: BaseException) -> str | None:
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+        from backends.local.static_decode import CAPTURE_LOCK
+
+        with CAPTURE_LOCK:  # torch asserts that no CUDA graph capture is underway (a sampler thread may capture)
+            torch.cuda.empty_cache()
     # torch's CUDA message is one long line: what was asked and what is free, then allocator advice.
     first = (text.splitlines()[0] if text else type(exc).__name__).split(" Including non-PyTorch memory")[0]
     return first if len(first) <= 240 else first[:237] + "..."
