@@ -150,7 +150,8 @@ def test_a_failed_capture_on_cuda_decodes_eagerly_on_the_threads_own_stream(monk
     """A decode step that cannot be captured (here: a host sync inside it) fails the capture; the decoder gives up
     graphs, the thread is back on its default stream (torch.cuda.graph's __exit__ left its capture stream current
     when capture_end raised), later CUDA work runs, torch.cuda.empty_cache() too (the allocator counted the failed
-    capture as underway: torch's capture_end stops at CUDA's error), and the samples are the eager static path's."""
+    capture as underway: torch's capture_end stops at CUDA's error), so does a draw from the default CUDA
+    generator (left in capture mode by the same stop), and the samples are the eager static path's."""
     from test_static_decode import _flat
 
     from backends.local import static_decode
@@ -172,6 +173,7 @@ def test_a_failed_capture_on_cuda_decodes_eagerly_on_the_threads_own_stream(monk
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
     assert float(torch.ones(3, device="cuda").sum()) == 3.0  # no CUDA error left behind
     torch.cuda.empty_cache()  # torch asserts no capture is underway: the failed one was ended with the allocator
+    assert torch.rand(2, device="cuda").shape == (2,)  # the default generator is out of capture mode
     for (ta, la, ra), (tb, lb, rb) in zip(got, want, strict=True):
         assert ta == tb and ra == rb and la == pytest.approx(lb, abs=2e-2)
 

@@ -139,6 +139,8 @@ class StaticBatch:
         except Exception as exc:  # noqa: BLE001 - any failure: decode eagerly from now on, said once
             if pool is not None and not ended:
                 _release_pool(dev, pool, began)
+            if began and not ended:
+                _end_generator_capture(dev)
             self.owner.give_up(exc)
             return logits
         self.graph, self.out = graph, out
@@ -164,6 +166,24 @@ def _release_pool(dev: torch.device, pool: tuple[int, int], began: bool) -> None
             torch._C._cuda_releasePool(index, pool)
         except Exception as exc:  # noqa: BLE001 - the eager fallback works without it; say so
             log.warning("could not release a failed capture's memory pool (%s: %s)", type(exc).__name__, exc)
+
+
+def _end_generator_capture(dev: torch.device) -> None:
+    """capture_begin puts the default CUDA generator in capture mode and capture_end takes it out only after CUDA
+    ended the capture without error: after a failed capture every later draw from that generator (torch.rand on
+    cuda without a generator, dropout) fails torch's assert "Offset increment outside graph capture". A capture
+    of one addition, which draws nothing (the generator's offset is unchanged), runs the generator's epilogue."""
+    try:
+        with CAPTURE_LOCK, torch.cuda.stream(torch.cuda.Stream(dev)):
+            graph = torch.cuda.CUDAGraph()
+            one = torch.zeros(1, device=dev)
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                one.add_(1)
+            finally:
+                graph.capture_end()
+    except Exception as exc:  # noqa: BLE001 - the eager fallback works without it; say so
+        log.warning("the default CUDA generator may be left in capture mode (%s: %s)", type(exc).__name__, exc)
 
 
 class StaticDecoder:
