@@ -14,9 +14,10 @@ and shape and no host synchronisation inside. So here a decode batch is a `Stati
 - on CUDA, the first step of a batch runs eagerly (on a side stream: the warm-up a capture needs) and is then
   captured on that stream, one capture at a time in the process (each sampling client's worker thread captures
   its own batches; torch allows one capture at a time); later steps copy their inputs into the buffers and
-  replay. A step is idempotent (it rewrites the same slot), so the capture's own recording changes nothing. When rows finish, the Sampler moves the live
-  ones into a smaller bucket's batch, and when requests join (sample_stream) into a bigger one once the
-  finished rows' slots are taken (each bucket keeps its buffers and graph for the next call).
+  replay. A step is idempotent (it rewrites the same slot), so the capture's own recording changes nothing.
+  When rows finish, the Sampler moves the live ones into a smaller bucket's batch, and when requests join
+  (sample_stream) into a bigger one once the finished rows' slots are taken (each bucket keeps its buffers and
+  graph for the next call).
 
 The prefill stays eager (llama.LlamaDecoder.prefill: one per distinct prompt) and is copied into the batch's
 cache. Sampling (temperature, top-k/p, the generators) stays eager too: it is a few kernels per step, and the
@@ -26,7 +27,8 @@ Everything but the capture runs on the CPU too (Sampler.static_decode = True): t
 checks it gives the eager fast path's tokens and logprobs, runs the capture-and-replay plumbing with a
 stand-in graph, and `gpu`-marked tests compare graph and eager on CUDA. Should a capture fail (an op that cannot
 be captured, too little memory), the decoder logs one warning and runs every later step eagerly, on the stream
-the thread was on.
+the thread was on; what torch's capture_end leaves in capture mode when CUDA reports the failure (the caching
+allocator's routing to the graph's pool, the default CUDA generator) is taken out of it.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from backends.local.llama import DecodeCache, LlamaDecoder, Slots
 log = logging.getLogger(__name__)
 
 # Held while a decode step is captured: torch allows one CUDA graph capture at a time in a process, and every
-# sampling client's worker thread captures its own batches.
+# sampling client's worker thread captures its own batches. torch.cuda.empty_cache() asserts that no capture is
+# underway: the workers' out-of-memory handling holds it too (backends/local/worker.py).
 CAPTURE_LOCK = threading.Lock()
 
 # Smallest row bucket: the sampler's row quantum (4 rows keep the CPU's matmuls batch-invariant).
