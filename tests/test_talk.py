@@ -189,3 +189,26 @@ algo = {{kind = "dpo", data = {{kind = "jsonl", path = "{data}"}}, batch_size = 
     assert main(["eval", "r.toml#d"]) == 0
     [row] = read_jsonl(proj / "runs" / "d" / "evals.jsonl")
     assert 0.0 <= row["test/accuracy"] <= 1.0 and "test/dpo_loss" in row
+
+
+def test_invalid_utf8_is_a_one_line_error(sft_run: Path, proj: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Undecodable bytes in a prompt (argv, a --file, chat's stdin) reached the tokenizer as lone surrogates and
+    ended in a TypeError traceback; now each is a one-line error, exit 2."""
+    capsys.readouterr()
+    (proj / "latin1.jsonl").write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    (proj / "surrogate.jsonl").write_text('{"prompt": "a\\ud800"}\n')
+    cases = [(["sample", str(sft_run), "caf\udce9"], "the prompt: not valid UTF-8"),
+             (["sample", str(sft_run), "hi", "--system", "\udcff"], "--system: not valid UTF-8"),
+             (["sample", str(sft_run), "--file", "latin1.jsonl"], "latin1.jsonl:2: not valid UTF-8"),
+             (["sample", str(sft_run), "--file", "surrogate.jsonl"], "surrogate.jsonl:1: not valid UTF-8"),
+             (["chat", str(sft_run), "--temperature", "-1"], "--temperature must be >= 0")]
+    for argv, message in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, (argv, err)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    out = subprocess.run([sys.executable, "-m", "runner", "chat", str(sft_run), "--max-tokens", "4"],
+                         input=b"Hello!\ncaf\xe9\n", capture_output=True, env=env, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.decode().strip() == "error: stdin: not valid UTF-8 text (at character 3)"
+    assert len(out.stdout.splitlines()) == 1  # the first line was answered
