@@ -702,3 +702,17 @@ def test_seeded_samples_do_not_depend_on_the_batch(backend, data):
         assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
         for sa, sb in zip(a.sequences, b.sequences):
             np.testing.assert_allclose(sa.logprobs, sb.logprobs, atol=1e-4)
+
+
+def test_the_largest_recipe_seed_makes_clients(tmp_path):
+    """A recipe seed up to 2**63 - 1 is valid (runner/recipe/schema.py); the backend seeds its clients from
+    seed * 1000 + index, which overflowed torch's signed 64-bit seed ("Overflow when unpacking long long" at the
+    first training client of a recipe with seed >= 2**53 or so). The derived seeds now wrap modulo 2**63."""
+    be = LocalBackend(Local(device="cpu"), "tiny", None, tmp_path / "store", seed=2**63 - 1)
+    try:
+        tc = be.create_training_client(LoraSpec("tiny", rank=2)).result()
+        sc = tc.save_weights_and_get_sampling_client().result()
+        out = sc.sample([1, 2, 3], 2, SamplingParams(max_tokens=3, stop=[])).result()
+        assert len(out.sequences) == 2 and all(len(s.tokens) == 3 for s in out.sequences)
+    finally:
+        be.close()

@@ -198,7 +198,8 @@ class LocalBackend:
                     f"lora_alpha={setup.lora_alpha}, {len(setup.targets)} layers"
                 )
         # seed=None is a random init on Tinker; here it derives from the backend seed so runs repeat.
-        seed = spec.seed if spec.seed is not None else self.seed * 1000 + index
+        # Modulo 2**63: torch takes a signed 64-bit seed, and any recipe seed up to 2**63 - 1 is valid.
+        seed = spec.seed if spec.seed is not None else (self.seed * 1000 + index) % 2**63
         client = LocalTrainingClient(self, M.make_trainable(self.base(), setup, seed), setup, f"train-{index}")
         if state is not None:
             M.load_weights(state, client.model)
@@ -246,7 +247,7 @@ class LocalBackend:
 
     def sampling_client(self, model: torch.nn.Module, name: str) -> LocalSamplingClient:
         # Unseeded samples draw from a generator seeded per client, so a rerun repeats them too.
-        seed = self.seed * 1000 + next(self._sampler_ids)
+        seed = (self.seed * 1000 + next(self._sampler_ids)) % 2**63
         client = LocalSamplingClient(
             model, self.get_tokenizer(), self.device, name, seed, self.sample_threads
         )
