@@ -366,7 +366,8 @@ class LocalTrainingClient:
         its backward began) leaves the gradients as they were before it: its chunks' backward passes have already
         added to .grad, and the next optim_step would apply that part of a batch (a failed request must not
         change the client: backends/local/worker.py). Free when no gradient is pending (the usual fb, optim_step
-        order: they go back to None); else the pending ones are copied first (LoRA-sized)."""
+        order: they go back to None); else the pending ones are copied first (the adapters' size for LoRA, the
+        whole gradient for a full fine-tune)."""
         pending = [(q, q.grad) for _, q in self._params if q.grad is not None]
         saved = [(q, g.clone()) for q, g in pending]
         try:
