@@ -327,6 +327,9 @@ def test_bad_input_is_a_user_error_naming_the_request(backend, data):
         (tc.forward_backward([rl], "ppo", {"clip_eps": 0.2}), r"takes no config key 'clip_eps'"),
         (tc.forward_backward([], "cross_entropy"), r"no data"),
         (tc.optim_step(AdamParams(learning_rate=-1.0)), r"optim_step #6: invalid AdamParams"),
+        # past the model's 2048 positions (the sampler refuses such a sequence too)
+        (tc.forward_backward([Datum([1] * 2049, np.ones(2049, np.int64), weights=np.ones(2049))], "cross_entropy"),
+         r"forward_backward #7: datum 0: 2049 tokens exceed the model's context of 2048"),
     ]
     ok = tc.forward(data, "cross_entropy")  # queued after all the failures: the client is not poisoned
     for fut, pattern in cases:

@@ -342,12 +342,17 @@ class LocalTrainingClient:
     def _validate(self, data: list[Datum], loss_fn: LossFn | None) -> None:
         if not data:
             raise _user_error("no data")
+        # The model's positions, as the sampler refuses a longer sequence (a datum past them trained a RoPE model
+        # at positions it never saw and crashed one with learned positions).
+        context = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
         for i, d in enumerate(data):
             try:
                 if loss_fn is not None:
                     d.check_for(loss_fn)
             except ValueError as exc:
                 raise _user_error(f"datum {i}: {exc}") from None
+            if isinstance(context, int) and d.length > context:
+                raise _user_error(f"datum {i}: {d.length} tokens exceed the model's context of {context}")
         try:
             batching.check_tokens(data, self._backend.vocab_size())
         except ValueError as exc:
