@@ -26,8 +26,9 @@ from tests.test_serve import REPO, runner_serve, service_client  # noqa: E402
 QUESTION = [{"role": "user", "content": "Name a fruit."}]
 
 
-def _train_run_dir(tmp: Path) -> Path:
-    """A local `runner run` SFT that teaches the tiny model to answer QUESTION with "lime"."""
+def _start_run_dir(tmp: Path) -> tuple[subprocess.Popen, Path]:
+    """A local `runner run` SFT that teaches the tiny model to answer QUESTION with "lime", started (not awaited) so
+    that it trains while the server starts: (the process, its run dir)."""
     data = tmp / "lime.jsonl"
     row = {"messages": [*QUESTION, {"role": "assistant", "content": "lime"}]}
     data.write_text("".join(json.dumps(row) + "\n" for _ in range(16)))
@@ -48,10 +49,10 @@ epochs = 6
 [recipes.lime.lora]
 rank = 8
 """)
-    out = subprocess.run([sys.executable, "-m", "runner", "run", f"{recipe}#lime"], cwd=REPO, capture_output=True,
-                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert out.returncode == 0, out.stderr[-2000:]
-    return run
+    with (tmp / "lime.log").open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "runner", "run", f"{recipe}#lime"], cwd=REPO,
+                                stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return proc, run
 
 
 def _train_plum(url: str) -> str:
@@ -77,15 +78,19 @@ def _train_plum(url: str) -> str:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("openai")
-    run = _train_run_dir(tmp)
+    lime, run = _start_run_dir(tmp)
     mp = pytest.MonkeyPatch()
     mp.setenv("TINKER_TELEMETRY", "0")
     try:
         with runner_serve(tmp / "storage", "--device", "cpu") as (url, _):
             plum = _train_plum(url)
+            assert lime.wait(timeout=300) == 0, (tmp / "lime.log").read_text()[-2000:]
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
             yield {"url": url, "client": client, "plum": plum, "run": run, "log": tmp / "storage.log"}
     finally:
+        if lime.poll() is None:
+            lime.kill()
+            lime.wait()
         mp.undo()
 
 
