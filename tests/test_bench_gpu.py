@@ -1,5 +1,6 @@
 """bench/bench_gpu.py runs end to end on the CPU with the tiny shape (its contenders agree on the first loss, or it
-exits non-zero), and bench/bench_train.py imports (it once failed at import and nothing noticed)."""
+exits non-zero). That bench/bench_train.py imports (it once failed at import and nothing noticed) is checked by
+tests/test_bench_scripts.py, with every other bench script."""
 
 from __future__ import annotations
 
@@ -38,8 +39,3 @@ def test_a_contender_past_its_time_limit_is_reported_and_the_rest_run():
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ours-sdpa") or line.startswith("| hf-packed")]
     assert len(rows) == 2 and all("timed out after 0.5 s (first step not finished)" in r for r in rows), out.stdout
 
-
-def test_bench_train_imports():
-    code = "import sys; sys.argv = ['bench_train.py', '--help']; import runpy; runpy.run_path('bench/bench_train.py', run_name='__main__')"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
-    assert out.returncode == 0 and "--quick" in out.stdout, out.stderr[-3000:]
