@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -254,8 +255,9 @@ def test_a_concurrent_run_cannot_read_another(isolation: str) -> None:
         pytest.skip("no namespaces and no uid per run (a non-root parent): runs share a uid, files cannot part them")
     secret = f"secret-{os.getpid()}-{time.monotonic_ns()}"
 
-    async def both() -> tuple[RunResult, RunResult]:
-        a = asyncio.create_task(sb.run_python(f"# {secret}\nimport time\ntime.sleep(3)", stdin=secret))
+    async def both() -> RunResult:
+        # A runs until B is done (then cancelled: the sandbox kills its process group), not for a fixed sleep.
+        a = asyncio.create_task(sb.run_python(f"# {secret}\nimport time\ntime.sleep(60)", stdin=secret))
         paths: list[Path] = []
         for _ in range(100):
             paths = [p for p in Path(tempfile.gettempdir()).glob("sandbox-*/work/main.py") if _holds(p, secret)]
@@ -267,9 +269,13 @@ def test_a_concurrent_run_cannot_read_another(isolation: str) -> None:
         code = ("import sys\nfor p in sys.argv[1:] or " + repr(targets) + ":\n    try:\n        print(open(p).read())\n"
                 "    except OSError as e:\n        print(type(e).__name__)")  # fmt: skip
         b = await sb.run_python(code)
-        return await a, b
+        assert not a.done(), "run A ended before run B tried its files"
+        a.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await a
+        return b
 
-    _, b = asyncio.run(both())
+    b = asyncio.run(both())
     assert b.ok and secret not in b.stdout
     expected = "FileNotFoundError" if isolation != "none" else "PermissionError"
     assert b.stdout.split() == [expected, expected]
