@@ -7,9 +7,6 @@ OpenAI-shaped 4xx errors."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,14 +18,15 @@ openai = pytest.importorskip("openai")
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from tests.test_serve import REPO, runner_serve, service_client  # noqa: E402
+from runner.cli import main  # noqa: E402
+from tests.test_serve import runner_serve, service_client  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "Name a fruit."}]
 
 
-def _start_run_dir(tmp: Path) -> tuple[subprocess.Popen, Path]:
-    """A local `runner run` SFT that teaches the tiny model to answer QUESTION with "lime", started (not awaited) so
-    that it trains while the server starts: (the process, its run dir)."""
+def _train_run_dir(tmp: Path) -> Path:
+    """A local `runner run` SFT that teaches the tiny model to answer QUESTION with "lime" (in this process: the run
+    dir is what is tested, not the command's process)."""
     data = tmp / "lime.jsonl"
     row = {"messages": [*QUESTION, {"role": "assistant", "content": "lime"}]}
     data.write_text("".join(json.dumps(row) + "\n" for _ in range(16)))
@@ -49,10 +47,8 @@ epochs = 6
 [recipes.lime.lora]
 rank = 8
 """)
-    with (tmp / "lime.log").open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "runner", "run", f"{recipe}#lime"], cwd=REPO,
-                                stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, "PYTHONPATH": str(REPO)})
-    return proc, run
+    assert main(["run", f"{recipe}#lime"]) == 0
+    return run
 
 
 def _train_plum(url: str) -> str:
@@ -78,19 +74,15 @@ def _train_plum(url: str) -> str:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("openai")
-    lime, run = _start_run_dir(tmp)
+    run = _train_run_dir(tmp)
     mp = pytest.MonkeyPatch()
     mp.setenv("TINKER_TELEMETRY", "0")
     try:
         with runner_serve(tmp / "storage", "--device", "cpu") as (url, _):
             plum = _train_plum(url)
-            assert lime.wait(timeout=300) == 0, (tmp / "lime.log").read_text()[-2000:]
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
             yield {"url": url, "client": client, "plum": plum, "run": run, "log": tmp / "storage.log"}
     finally:
-        if lime.poll() is None:
-            lime.kill()
-            lime.wait()
         mp.undo()
 
 
