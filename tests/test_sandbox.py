@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -250,13 +251,13 @@ def test_without_namespaces_the_socket_and_processes_are_reachable() -> None:
 @pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_a_concurrent_run_cannot_read_another(isolation: str) -> None:
     """Run B is given the exact host path of run A's program (and its stdin) while A runs, and reads neither."""
-    sb = isolated(isolation)
+    sb = isolated(isolation, dataclasses.replace(LIMITS, wall_s=30))  # A outlives B however slow B's start
     if not sb.containment.namespaces and not sb.containment.own_uid:
         pytest.skip("no namespaces and no uid per run (a non-root parent): runs share a uid, files cannot part them")
     secret = f"secret-{os.getpid()}-{time.monotonic_ns()}"
 
     async def both() -> RunResult:
-        # A runs until B is done (then cancelled: the sandbox kills its process group), not for a fixed sleep.
+        # A runs until B is done, then is cancelled (the sandbox kills its process group): no fixed sleep.
         a = asyncio.create_task(sb.run_python(f"# {secret}\nimport time\ntime.sleep(60)", stdin=secret))
         paths: list[Path] = []
         for _ in range(100):
