@@ -58,4 +58,3 @@ def test_the_hand_loops_packed_boundaries_stay_on_the_host(monkeypatch):
     inputs = bench_gpu.packed_inputs(batch, torch.device("meta"))
     assert inputs["input_ids"].device.type == "meta" and inputs["position_ids"].device.type == "meta"
     assert inputs["cu_seq_lens_q"].device.type == "cpu" and inputs["cu_seq_lens_q"].tolist() == [0, 3, 8]
-
