@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pty
 import select
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -97,15 +97,17 @@ def test_eval_of_rl_repeats_the_final_eval(proj: Path, capsys: pytest.CaptureFix
     assert keys[1:] == sorted(keys[1:])
 
 
-def test_chat_through_a_pipe(sft_run: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    out = subprocess.run([sys.executable, "-m", "runner", "chat", str(sft_run), "--max-tokens", "8"],
-                         input="Who are you?\n/reset\n\nHello!\n/quit\nnot read\n", capture_output=True, text=True,
-                         env=env, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
+def test_chat_through_a_pipe(sft_run: Path, monkeypatch: pytest.MonkeyPatch,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    """stdin not a terminal (in this process: test_chat_through_a_terminal runs the command's own process)."""
+    stdin = io.StringIO("Who are you?\n/reset\n\nHello!\n/quit\nnot read\n")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert main(["chat", str(sft_run), "--max-tokens", "8"]) == 0
+    out = capsys.readouterr().out
     # One reply per message, each a JSON string on its own line; /reset and the blank line answer nothing.
-    assert len(out.stdout.splitlines()) == 2
-    assert all(isinstance(json.loads(line), str) for line in out.stdout.splitlines())
+    assert len(out.splitlines()) == 2
+    assert all(isinstance(json.loads(line), str) for line in out.splitlines())
+    assert stdin.read() == "not read\n"  # /quit stopped the reading
 
 
 def test_chat_through_a_terminal(sft_run: Path) -> None:
