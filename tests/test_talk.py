@@ -7,6 +7,7 @@ import json
 import os
 import pty
 import select
+import subprocess
 import sys
 import time
 from pathlib import Path
