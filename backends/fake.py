@@ -78,7 +78,7 @@ class FakeBackend:
         return self.tokenizer
 
     def create_training_client(self, spec: LoraSpec) -> Future[FakeTrainingClient]:
-        theta = np.random.default_rng(spec.seed or 0).normal(0.0, 0.1, self.vocab)
+        theta = np.random.default_rng((spec.seed or 0) % 2**63).normal(0.0, 0.1, self.vocab)
         return Future.completed(self._client({"theta": theta}))
 
     def create_training_client_from_state(self, path: str, spec: LoraSpec,
@@ -295,7 +295,7 @@ class FakeSamplingClient:
         seed = params.seed if params.seed is not None else next(self._calls)
         # Seeded: sample k draws from seed + k, as the local sampler's (one request of n samples seeded s is n
         # requests seeded s, s + 1, ...); unseeded: one stream for the call.
-        rng = np.random.default_rng([seed, len(prompt)])
+        rng = np.random.default_rng([seed % 2**63, len(prompt)])  # numpy takes no negative seed; the SDK's may be
         logp = self._logp(params.temperature)
         tok = self.backend.tokenizer
         eos = getattr(tok, "eos_token_id", None)

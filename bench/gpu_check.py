@@ -1,7 +1,7 @@
 """The local backend on one GPU in one device call (issue #28; docs/gpu.md says how to run it on a box with no network).
 
 Runs what is still owed, in value order, each step in its own processes with its own time limit (--limit STEP=S),
-all inside one budget (--budget-s, default 490 s: one device call of at most 9 minutes with the wheel install):
+all inside one budget (--budget-s, default 540 s: one device call of at most 10 minutes with the wheel install):
 1. smoke: `runner smoke` of the example files not yet run on cuda (OWED_SMOKE), each its own process capped at
    SMOKE_FILE_S, with RUNNER_LOCAL_DEVICE=DEV so their small stand-in models run on DEV (device = "auto" would keep
    them on the CPU: backends/local/device.py); a file whose optional package is missing there is recorded as such;
@@ -11,8 +11,15 @@ all inside one budget (--budget-s, default 490 s: one device call of at most 9 m
    with pytest-xdist's -n where it is installed (the device image has it), else plain; its gpu tests and failures
    are listed, from the log, even when the step is cut at its limit;
 4. conformance: `runner conformance` against `runner serve --device DEV` (numeric checks at --atol/--rtol 5e-3, the
-   bfloat16 tolerance of tests/test_bf16.py).
-Also selectable: `gpu` (`pytest -m gpu` alone) and `allsmoke` (recipes.toml and every examples/*.toml).
+   bfloat16 tolerance of tests/test_bf16.py);
+5. gpu: `pytest -m gpu` alone (the CUDA paths: bf16 step vs float32, graph vs eager decode, FlexAttention);
+6. speed: bench/bench_gpu.py's training on the Qwen3-0.6B shape (issue #29): ours-sdpa, ours-flex and the packed
+   hand loop's tokens/s, MFU and memory; 7. sampling: its sampling on that shape, ours against `generate` and
+   `generate` with a static cache + compile. Each section of the bench's tables lands in the report as soon as it is
+   measured, so a bench cut at the step's limit keeps what it measured.
+The default order (one device call, DEFAULT_STEPS) puts the never-measured first: gpu, speed, sampling,
+conformance, full, suite; `smoke` (the owed example files) and `allsmoke` (recipes.toml and every examples/*.toml)
+in a later call.
 The report (default bench/results/gpu.md) is rewritten after every step and every sub-run, so a call cut short
 still leaves what it measured; a step past its limit is recorded as timed out and the next one runs. What the file
 held before is kept below the new run, under "Earlier runs" (measured data is never dropped). Exit 0 when every
@@ -44,8 +51,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 FULL = {"sl_basic": "test/nll", "rl_basic": "test/env/all/reward/total", "dpo_basic": "test/accuracy"}
-# Each full run's own cap, seconds: sl_basic took 1.7-2 s a step on an H200 (60 steps), the others are unmeasured.
-FULL_S = {"sl_basic": 70.0, "rl_basic": 40.0, "dpo_basic": 40.0}
+# Each full run's own cap, seconds: sl_basic took 1.7-2 s a step on an H200 before issue #29 (60 steps), the others
+# are unmeasured; a run cut at its cap still reports the steps it reached and its metric so far.
+FULL_S = {"sl_basic": 30.0, "rl_basic": 25.0, "dpo_basic": 25.0}
 BF16_TOL = "5e-3"
 # The example files the first H200 session did not reach (bench/results/gpu.md), in the order they run.
 OWED_SMOKE = ["custom_algo", "rl_async", "rl_guess_number", "rl_preference", "rl_stream", "rl_tictactoe",
@@ -53,10 +61,23 @@ OWED_SMOKE = ["custom_algo", "rl_async", "rl_guess_number", "rl_preference", "rl
 # A file's optional package (pyproject's extras): where it is not installed the file is recorded as not run.
 NEEDS = {"rl_reasoning_gym": "reasoning_gym", "verifiers_rl": "verifiers"}
 SMOKE_FILE_S = 45.0  # one smoke file's cap (a fresh process: CUDA's start is in it)
-# Step -> its time limit, seconds; the default steps in value order. The limits sum to under the default budget.
-LIMITS = {"smoke": 135.0, "full": 150.0, "suite": 140.0, "conformance": 60.0, "gpu": 90.0, "allsmoke": 240.0}
-DEFAULT_STEPS = ["smoke", "full", "suite", "conformance"]
-BUDGET_S = 490.0
+# Step -> its time limit, seconds; the default steps in value order (what was never measured on a GPU first). The
+# default steps' limits sum to the default budget: one device call of at most 10 minutes with the wheel install.
+LIMITS = {"gpu": 60.0, "speed": 150.0, "sampling": 100.0, "conformance": 60.0, "full": 80.0, "suite": 90.0,
+          "smoke": 135.0, "allsmoke": 240.0}
+DEFAULT_STEPS = ["gpu", "speed", "sampling", "conformance", "full", "suite"]
+BUDGET_S = 540.0
+# bench/bench_gpu.py's arguments (step -> full, --quick): speed, the 0.6B shape's training contenders that decide
+# issue #29's questions (ours-sdpa, the reference, always runs: does flex beat it, and how do both compare with the
+# packed hand loop), 3 rounds of 2 batches; sampling, that shape's sampling (ours, generate, generate with a static
+# cache + compile).
+BENCH_ARGS = {
+    "speed": (["--shape", "0.6b", "--no-rl", "--no-sampling", "--only", "hf-packed,ours-flex",
+               "--contender-timeout", "60", "--rounds", "3", "--steps", "2"],
+              ["--shape", "tiny", "--quick", "--no-rl", "--no-sampling"]),
+    "sampling": (["--shape", "0.6b", "--no-rl", "--no-training", "--rounds", "3"],
+                 ["--shape", "tiny", "--quick", "--no-rl", "--no-training"]),
+}
 # Between the new run and what the report held before (kept whole below it).
 EARLIER = "# Earlier runs, kept as they were measured (not rerun by the run above)"
 
@@ -70,6 +91,7 @@ class Step:
     rows: list[list[str]] = field(default_factory=list)  # extra table rows (smoke results, full runs, failures)
     columns: list[str] = field(default_factory=list)  # the rows' header
     limit_s: float = 0.0
+    text: str = ""  # markdown written under the step's heading as it is (the speed step's tables)
 
 
 class Budget:
@@ -299,6 +321,46 @@ def step_gpu(device: str, scratch: Path, limit: float, quick: bool, emit: Emit) 
     return Step("pytest -m gpu", ok, wall, "timed out" if rc is None else got, limit_s=limit)
 
 
+def bench_command(key: str, device: str, quick: bool) -> list[str]:
+    return _py(str(REPO / "bench" / "bench_gpu.py"), "--device", device, *BENCH_ARGS[key][quick])
+
+
+def bench_tables(log: str) -> str:
+    """The markdown bench_gpu.py printed, from its log, whole or cut at a limit: its final print (from its "Device:"
+    line on) when it got there, else each section it printed on the way as soon as it was measured."""
+    lines = log.splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("Device:")), None)
+    if start is not None:
+        lines = lines[start:]
+    keep = [ln for ln in lines if ln.startswith(("Device:", "###", "|")) or ln.startswith(("first loss", "MFU"))]
+    out: list[str] = []
+    for ln in keep:
+        if ln.startswith("###"):
+            out += ["", ln, ""]
+        else:
+            out.append(ln)
+    return "\n".join(out).strip()
+
+
+def _bench(key: str, device: str, scratch: Path, limit: float, quick: bool) -> Step:
+    log = scratch / f"bench-gpu-{key}.log"
+    rc, wall, tail = _run(bench_command(key, device, quick), REPO, _env(None), limit, log)
+    text = bench_tables(log.read_text(errors="replace"))
+    sections = sum(ln.startswith("###") for ln in text.splitlines())
+    detail = f"{sections} table(s) measured" + (f"; timed out at {limit:.0f} s" if rc is None else "")
+    if rc not in (0, None):
+        detail += f"; exit {rc}: " + (tail.splitlines()[-1][:200] if tail else "")
+    return Step(f"bench_gpu.py {' '.join(BENCH_ARGS[key][quick])}", rc == 0, wall, detail, limit_s=limit, text=text)
+
+
+def step_speed(device: str, scratch: Path, limit: float, quick: bool, emit: Emit) -> Step:
+    return _bench("speed", device, scratch, limit, quick)
+
+
+def step_sampling(device: str, scratch: Path, limit: float, quick: bool, emit: Emit) -> Step:
+    return _bench("sampling", device, scratch, limit, quick)
+
+
 def step_conformance(device: str, scratch: Path, limit: float, quick: bool, emit: Emit) -> Step:
     env = _env(device)
     port_file = scratch / "serve.port"
@@ -339,7 +401,7 @@ def step_conformance(device: str, scratch: Path, limit: float, quick: bool, emit
 
 STEPS: dict[str, Callable[[str, Path, float, bool, Emit], Step]] = {
     "smoke": step_smoke, "full": step_full, "suite": step_suite, "conformance": step_conformance, "gpu": step_gpu,
-    "allsmoke": step_allsmoke}
+    "allsmoke": step_allsmoke, "speed": step_speed, "sampling": step_sampling}
 
 
 # ---------------------------------------------------------------- plan and report
@@ -363,6 +425,8 @@ def plan(steps: list[str], device: str, quick: bool, budget_s: float, limits: di
                          + ("" if "-n" in cmd else "  (no pytest-xdist here: one process; the device image has it)"))
         elif key == "gpu":
             lines.append("  pytest -m gpu tests")
+        elif key in BENCH_ARGS:
+            lines.append("  python " + " ".join(bench_command(key, device, quick)[1:]).replace(str(REPO) + "/", ""))
         elif key == "conformance":
             lines.append(f"  runner serve --device {device} + runner conformance --atol {BF16_TOL} --rtol {BF16_TOL}")
     return lines
@@ -380,6 +444,8 @@ def report(steps: list[Step], info: list[str], device: str, wall: float, quick: 
     lines += [f"| {key} | not run yet | - | - | (this call had not reached it when the report was written) |"
               for key in todo]
     for s in steps:
+        if s.text:
+            lines += ["", f"## {s.name}", "", s.text]
         if s.rows:
             lines += ["", f"## {s.name}", ""]
             if s.name.startswith("sl_basic"):

@@ -10,6 +10,7 @@ UserError only).
 
 from __future__ import annotations
 
+import functools
 import json
 import tomllib
 from pathlib import Path
@@ -50,12 +51,27 @@ def _load(path: Path = TABLE) -> dict[str, Model]:
     return out
 
 
-MODELS: dict[str, Model] = _load()
+@functools.cache
+def models() -> dict[str, Model]:
+    """The table, read at first use (not at import: a broken edit of it is then a one-line error of the command
+    that needed it, exit 2, not a traceback at `import runner.cli`)."""
+    return _load(TABLE)
 
 
 def model_info(name: str) -> Model | None:
     """The table's row for a model name (a ":..." checkpoint suffix ignored), or None."""
-    return MODELS.get(name.split(":", 1)[0])
+    return models().get(name.split(":", 1)[0])
+
+
+def model_renderer(name: str) -> str | None:
+    """The renderer `auto` picks for a model the table names (a ":..." suffix ignored), or None."""
+    row = model_info(name)
+    return None if row is None else row.renderer
+
+
+def hidden_sizes() -> dict[str, int]:
+    """Model name -> hidden size, for the models the table gives one (lr = "auto")."""
+    return {name: m.hidden_size for name, m in models().items() if m.hidden_size is not None}
 
 
 def model_context(name: str) -> int | None:

@@ -253,6 +253,37 @@ def test_flex_without_the_packed_path_is_refused_at_check(tmp_path, capsys):
     assert "data file not found" in capsys.readouterr().err
 
 
+def test_flex_where_the_packed_path_is_not_taken_is_refused(tmp_path, capsys):
+    """attention = "flex" on a training client the packed path does not take (here a full fine-tune: LoRA rank 0)
+    trained through the padded chunks' SDPA without a word; now the client is refused with the packed path's
+    reason, and a recipe asking for a full fine-tune with "flex" is refused at `runner check`."""
+    import msgspec
+
+    from backends.base import BackendError
+    from backends.local.backend import LocalBackend
+    from backends.local.local_config import Local
+    from backends.types import LoraSpec
+    from runner.cli import main
+
+    # The device check refuses "flex" on the CPU first; the option is set after it to reach the client's check.
+    backend = LocalBackend(Local(device="cpu", attention="sdpa"), "tiny", None, tmp_path / "b")
+    try:
+        backend.cfg = msgspec.structs.replace(backend.cfg, attention="flex")
+        assert backend.create_training_client(LoraSpec(base_model="tiny", rank=4)).result().packed is not None
+        with pytest.raises(BackendError, match=r'attention = "flex" runs on the packed path, which this model does '
+                                               r'not take \(trainable embeddings\)') as err:
+            backend.create_training_client(LoraSpec(base_model="tiny", rank=0)).result()
+        assert err.value.user_error and "\n" not in str(err.value)
+    finally:
+        backend.close()
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[recipes.r]\nalgo = {kind = "sft", data = {kind = "jsonl", path = "x.jsonl"}}\n')
+    capsys.readouterr()
+    assert main(["check", str(recipe), "backend.attention=flex", "backend.full_finetune=true"]) == 2
+    err_text = capsys.readouterr().err
+    assert err_text.count("\n") == 1 and "which trains LoRA adapters only" in err_text, err_text
+
+
 def test_the_mask_builder_compiles_once_whatever_the_grad_mode(monkeypatch):
     """Training chunks and forward-only ones (forward(), reference logprobs) in one run share the compiled block-mask
     builder: it always runs without gradients (Dynamo guards on grad mode; the kernel compiles once per mode)."""

@@ -299,3 +299,16 @@ algo = {{ kind = "rl", env = {{ kind = "arithmetic", max_value = 9, test_size = 
         for f in run_dir.rglob("*"):
             if f.is_file():
                 assert KEY not in f.read_bytes().decode("utf-8", "replace"), f
+
+
+def test_fake_backend_takes_a_negative_sampling_seed() -> None:
+    """The SDK's SamplingParams.seed is any int; numpy's generators refuse a negative one (the fake crashed)."""
+    from backends.fake import FakeBackend
+    from backends.types import LoraSpec, SamplingParams
+
+    backend = FakeBackend()
+    sampler = backend.create_training_client(LoraSpec(base_model="tiny", seed=-5)).result() \
+        .save_weights_and_get_sampling_client().result()
+    a = sampler.sample([1, 2, 3], 2, SamplingParams(max_tokens=4, seed=-1)).result()
+    b = sampler.sample([1, 2, 3], 2, SamplingParams(max_tokens=4, seed=-1)).result()
+    assert a == b and len(a.sequences) == 2 and all(len(s.tokens) >= 1 for s in a.sequences)

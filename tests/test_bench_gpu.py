@@ -39,6 +39,26 @@ def test_a_contender_past_its_time_limit_is_reported_and_the_rest_run():
     assert len(rows) == 2 and all("timed out after 0.5 s (first step not finished)" in r for r in rows), out.stdout
 
 
+def test_the_hand_loops_packed_boundaries_stay_on_the_host(monkeypatch):
+    """hf-packed, hf-flex and liger's attention functions read the packed row's boundaries with .tolist() in every
+    layer; on CUDA boundaries on the device made that a host sync per layer. The inputs go to the device (here
+    "meta", the only non-CPU device a CPU box has), the boundaries stay on the CPU. (A structural check: no CPU
+    behaviour shows a host sync.)"""
+    import numpy as np
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT))
+    import bench_gpu
+
+    from backends.types import Datum
+
+    batch = [Datum(list(range(n)), np.arange(1, n + 1), weights=np.ones(n, np.float32)) for n in (3, 5)]
+    inputs = bench_gpu.packed_inputs(batch, torch.device("meta"))
+    assert inputs["input_ids"].device.type == "meta" and inputs["position_ids"].device.type == "meta"
+    assert inputs["cu_seq_lens_q"].device.type == "cpu" and inputs["cu_seq_lens_q"].tolist() == [0, 3, 8]
+
+
 def test_bench_train_imports():
     code = "import sys; sys.argv = ['bench_train.py', '--help']; import runpy; runpy.run_path('bench/bench_train.py', run_name='__main__')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)

@@ -6,6 +6,7 @@ bfloat16 kernels round differently from the CPU's, not more coarsely."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -120,3 +121,128 @@ def test_conformance_against_serve_on_cuda(tmp_path, monkeypatch):
     results = conformance_results(build_service(ServeConfig(storage=tmp_path / "storage", device="cuda")))
     assert [(r.check, r.detail) for r in results if r.result != "pass"] == []
 
+
+
+# ---------------------------------------------------------------- CUDA graphs of the sampler's decode steps
+
+
+def _graph_and_eager(dtype: torch.dtype = torch.bfloat16):
+    """A tiny Qwen3 on cuda; a Sampler factory with CUDA graphs (the default) or without; mixed requests."""
+    from test_static_decode import _model, _requests
+
+    from backends.local.sampler import Sampler
+    from backends.local.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    dev = torch.device("cuda")
+    model = _model(tok, dtype, dev)
+
+    def sampler(graphs: bool) -> Sampler:
+        s = Sampler(model, tok, dev, seed=1)
+        s.cuda_graphs = graphs
+        return s
+
+    reqs = [r for r in _requests(tok) if r[2].seed is not None or r[2].temperature == 0]  # seeded or greedy
+    return sampler, reqs
+
+
+def test_a_failed_capture_on_cuda_decodes_eagerly_on_the_threads_own_stream(monkeypatch):
+    """A decode step that cannot be captured (here: a host sync inside it) fails the capture; the decoder gives up
+    graphs, the thread is back on its default stream (torch.cuda.graph's __exit__ left its capture stream current
+    when capture_end raised), later CUDA work runs, torch.cuda.empty_cache() too (the allocator counted the failed
+    capture as underway: torch's capture_end stops at CUDA's error), so does a draw from the default CUDA
+    generator (left in capture mode by the same stop), and the samples are the eager static path's."""
+    from test_static_decode import _flat
+
+    from backends.local import static_decode
+
+    sampler, reqs = _graph_and_eager()
+    want = _flat(sampler(False).sample_batch(reqs))
+    forward = static_decode.StaticBatch._forward
+
+    def syncing(self):
+        if torch.cuda.is_current_stream_capturing():
+            float(self.tok.sum())  # a device-to-host copy: not capturable
+        return forward(self)
+
+    monkeypatch.setattr(static_decode.StaticBatch, "_forward", syncing)
+    graph = sampler(True)
+    got = _flat(graph.sample_batch(reqs))
+    static = graph._static
+    assert static is not None and not static.graphs and all(b.graph is None for b in static.batches.values())
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    assert float(torch.ones(3, device="cuda").sum()) == 3.0  # no CUDA error left behind
+    torch.cuda.empty_cache()  # torch asserts no capture is underway: the failed one was ended with the allocator
+    assert torch.rand(2, device="cuda").shape == (2,)  # the default generator is out of capture mode
+    for (ta, la, ra), (tb, lb, rb) in zip(got, want, strict=True):
+        assert ta == tb and ra == rb and la == pytest.approx(lb, abs=2e-2)
+
+
+def test_a_capture_leaves_the_allocators_cache_alone():
+    """Capturing decode steps keeps the blocks the caching allocator holds: torch.cuda.graph empties its cache
+    before each capture, and an RL run's training thread would then allocate its next step from the driver again,
+    at every capture of every new sampling client."""
+    sampler, reqs = _graph_and_eager()
+    s = sampler(True)
+    torch.cuda.synchronize()
+    block = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    del block  # freed into the allocator's cache: reserved, not allocated
+    held = torch.cuda.memory_reserved()
+    s.sample_batch(reqs)
+    static = s._static
+    assert static is not None and static.graphs and any(b.graph is not None for b in static.batches.values())
+    assert torch.cuda.memory_reserved() >= held
+
+
+def test_two_sampling_threads_capture_at_once_on_cuda():
+    """Two sampling clients' worker threads capturing their decode steps at the same time (torch allows one
+    capture at a time in a process, and its default capture stream is shared): both keep their graphs, and each
+    gets the tokens it gets alone with the graphs off."""
+    import threading
+
+    from test_static_decode import _flat
+
+    sampler, reqs = _graph_and_eager()
+    want = _flat(sampler(False).sample_batch(reqs))
+    samplers = [sampler(True), sampler(True)]
+    start = threading.Barrier(2)
+    got: dict[int, Any] = {}
+
+    def run(i: int) -> None:
+        start.wait()
+        try:
+            got[i] = _flat(samplers[i].sample_batch(reqs))
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            got[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i, s in enumerate(samplers):
+        static = s._static
+        assert static is not None and static.graphs, i  # no capture failed
+        assert all(b.graph is not None for b in static.batches.values()), i
+        assert isinstance(got[i], list), got[i]
+        for (ta, la, ra), (tb, lb, rb) in zip(got[i], want, strict=True):
+            assert ta == tb and ra == rb and la == pytest.approx(lb, abs=2e-2)
+
+
+def test_to_device_on_cuda_copies_what_the_arrays_held():
+    """backends/local/transfer.py's CUDA branch (pinned memory, non-blocking copies; on the CPU it never runs): the
+    device tensors hold the arrays' values, dtypes and shapes as they were when copied, even when the arrays are
+    overwritten at once and a large copy is still in flight."""
+    from backends.local import transfer
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 9, 5), rng.random((3, 4)).astype(np.float32), np.array([True, False, True]),
+              rng.integers(0, 1 << 40, (1 << 23,)), np.zeros(0, np.int64), rng.random(2).astype(np.float32)]
+    want = [a.copy() for a in arrays]
+    out = transfer.to_device(arrays, torch.device("cuda"))
+    for a in arrays:
+        a[...] = 0  # the sources change before the device has necessarily read them
+    torch.cuda.synchronize()
+    for w, t in zip(want, out, strict=True):
+        assert t.is_cuda and t.shape == w.shape and t.dtype == torch.from_numpy(w).dtype
+        assert np.array_equal(t.cpu().numpy(), w)

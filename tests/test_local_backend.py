@@ -270,6 +270,48 @@ def test_custom_loss_errors_fail_only_their_future(backend, data):
     assert f3.result().metrics["loss:sum"] > 0
 
 
+def test_a_forward_backward_failing_part_way_leaves_the_gradients_as_they_were(backend, data, monkeypatch):
+    """Out of memory at a batch's second chunk: the first chunk's backward had already added to .grad, and the next
+    optim_step applied half a batch. The failed request now leaves the gradients as before it (None, or what an
+    earlier forward_backward accumulated), the error is one line naming the request and what to lower, and the
+    client trains on exactly as one that never saw the request."""
+    monkeypatch.setattr(batching, "chunk_tokens", lambda vocab: 20)  # several chunks per batch (the unpacked path)
+
+    clean = backend.create_training_client(SPEC).result()
+    hit = backend.create_training_client(SPEC).result()
+    if hit.packed is not None:  # the packed path (tiny is a Llama): its own budget, the same for both clients
+        monkeypatch.setattr(type(hit.packed), "token_budget", lambda self, vocab: 20)
+    with torch.no_grad():
+        assert len(list(hit._logprobs(data))) >= 2
+    original = hit._logprobs
+
+    def first_chunk_then_oom(data_, trained=None):
+        it = original(data_, trained)
+        yield next(it)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                                     "of 79.19 GiB of which 1.06 GiB is free. Including non-PyTorch memory, this "
+                                     "process has 78.1 GiB memory in use.\nSee documentation for Memory Management")
+
+    for tc in (clean, hit):
+        tc.forward_backward(data[:2], "cross_entropy").result()  # a pending gradient, kept through the failure
+    monkeypatch.setattr(hit, "_logprobs", first_chunk_then_oom)
+    with pytest.raises(BackendError) as e:
+        hit.forward_backward(data, "cross_entropy").result()
+    msg = str(e.value)
+    assert msg.startswith("forward_backward #2 ran out of memory (CUDA out of memory. Tried to allocate 2.00 GiB.")
+    assert "\n" not in msg and "lower the tokens in flight" in msg and not e.value.user_error
+    assert _close(_grads(hit), _grads(clean), rel=0.0)
+    monkeypatch.setattr(hit, "_logprobs", original)
+    for tc in (clean, hit):
+        tc.optim_step(ADAM).result()
+    assert _close(_weights(hit), _weights(clean), rel=0.0)
+    # No gradient pending: the failed request leaves none.
+    monkeypatch.setattr(hit, "_logprobs", first_chunk_then_oom)
+    with pytest.raises(BackendError, match="forward_backward #4 ran out of memory"):
+        hit.forward_backward(data, "cross_entropy").result()
+    assert all(p.grad is None for _, p in M.trainable_params(hit.model))
+
+
 # ---------------------------------------------------------------- bad input
 
 

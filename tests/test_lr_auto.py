@@ -15,8 +15,9 @@ import pytest
 
 from backends.errors import UserError
 from runner.cli import main
+from runner.models import hidden_sizes
 from runner.recipe.load import load_recipe
-from runner.recipe.lr import HIDDEN_SIZES, auto_lr
+from runner.recipe.lr import auto_lr
 
 RECIPE = """\
 [recipes.x]
@@ -41,8 +42,8 @@ def recipe(extra: str = "") -> str:
 
 def test_matches_the_cookbook_for_every_model_in_the_table() -> None:
     hp = pytest.importorskip("tinker_cookbook.hyperparam_utils")
-    assert len(HIDDEN_SIZES) >= 20
-    for name in HIDDEN_SIZES:
+    assert len(hidden_sizes()) >= 20
+    for name in hidden_sizes():
         assert auto_lr(name)[0] == pytest.approx(hp.get_lr(name), rel=1e-12), name
         assert auto_lr(name, full_finetune=True)[0] == pytest.approx(hp.get_lr(name, is_lora=False), rel=1e-12)
     # Tinker's variant suffix is ignored, as the cookbook does.

@@ -15,7 +15,7 @@ from backends.local.local_config import Local
 from backends.tinker.tinker_config import Tinker
 from runner.cli import main
 from runner.engine.cost import price_of
-from runner.models import MODELS, _load, model_context, model_info
+from runner.models import _load, model_context, model_info, models
 from runner.recipe.cost import Price
 from runner.recipe.fits import check_context
 from runner.recipe.lr import auto_lr
@@ -29,9 +29,9 @@ TINY = Path(__file__).resolve().parent.parent / "backends" / "local" / "assets" 
 
 
 def test_every_row_names_a_renderer_runner_has_and_a_sane_size_and_price() -> None:
-    assert len(MODELS) >= 25
+    assert len(models()) >= 25
     renderers = set(names())
-    for name, row in MODELS.items():
+    for name, row in models().items():
         assert row.renderer is None or row.renderer in renderers, (name, row.renderer)
         assert row.hidden_size is None or 128 <= row.hidden_size <= 65536, (name, row.hidden_size)
         if row.price is not None:
@@ -42,7 +42,7 @@ def test_every_row_names_a_renderer_runner_has_and_a_sane_size_and_price() -> No
 
 
 def test_the_readers_read_the_table() -> None:
-    assert pick_renderer("Qwen/Qwen3-8B:peft:abc", None) == MODELS["Qwen/Qwen3-8B"].renderer == "qwen3"
+    assert pick_renderer("Qwen/Qwen3-8B:peft:abc", None) == models()["Qwen/Qwen3-8B"].renderer == "qwen3"
     lr, how = auto_lr("meta-llama/Llama-3.1-8B")
     assert lr == pytest.approx(5e-5 * 10 * (2000 / 4096) ** 0.781) and "hidden size 4096" in how
     assert model_info("nobody/unknown") is None
@@ -146,3 +146,30 @@ def test_context_window_takes_the_shorter_known_limit() -> None:
     # A served stand-in (the tiny model under a service name) states less than the name's table row.
     assert context_window(SimpleNamespace(model_max_length=2048), "Qwen/Qwen3-8B") == 2048  # type: ignore[arg-type]
     assert context_window(SimpleNamespace(model_max_length=2048), "/a/folder") == 2048  # type: ignore[arg-type]
+
+
+def test_a_broken_table_is_a_one_line_error_of_the_command_that_reads_it(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """The table is read at first use, not at `import runner.cli`: an edit that breaks it was a traceback for every
+    command; now `runner check` of a recipe says which file and exits 2, and a command that does not read it runs."""
+    import runner.models
+
+    bad = tmp_path / "models.toml"
+    bad.write_text('[models."a/b"]\ncontext = "long"\n')
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    (tmp_path / "r.toml").write_text('[recipes.s]\nmodel = "tiny"\n'
+                                     'algo = {kind = "sft", data = {kind = "jsonl", path = "x.jsonl"}}\n')
+    monkeypatch.setattr(runner.models, "TABLE", bad)
+    models.cache_clear()
+    try:
+        assert main(["list", "r.toml"]) == 0
+        capsys.readouterr()
+        assert main(["check", "r.toml#s"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and str(bad) in err and '[models."a/b"]' in err
+    finally:
+        monkeypatch.undo()
+        models.cache_clear()
+    assert model_context("tiny") == 2048  # the shipped table again

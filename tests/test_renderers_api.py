@@ -8,6 +8,7 @@ import pytest
 from renderer_tokenizers import CONVERSATIONS, tokenizer
 
 from backends.errors import UserError
+from runner.models import models
 from runner.renderers import (
     TRAIN_ON_WHAT,
     Message,
@@ -20,7 +21,6 @@ from runner.renderers import (
     pick_renderer,
     register,
 )
-from runner.renderers.auto import MODEL_RENDERERS
 from runner.renderers.base import REGISTRY
 from runner.renderers.role_colon import RoleColonRenderer
 
@@ -63,7 +63,7 @@ def test_auto() -> None:
 
 def test_auto_table_is_the_cookbooks() -> None:
     model_info = pytest.importorskip("tinker_cookbook.model_info")
-    for model, renderer in MODEL_RENDERERS.items():
+    for model, renderer in ((n, m.renderer) for n, m in models().items() if m.renderer is not None):
         assert model_info.get_recommended_renderer_name(model) == renderer, model
 
 

@@ -17,12 +17,13 @@ because torch.set_num_threads also changes the count that threads starting later
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -280,9 +281,13 @@ class LocalTrainingClient:
         self.step = 0
         self._params = M.trainable_params(model)
         # The padding-free path where the model allows it (backends/local/packed.py), else padded chunks.
-        self.packed = PackedLM.build(model)[0] if backend.cfg.packed else None
+        self.packed, why = PackedLM.build(model) if backend.cfg.packed else (None, "")
         if self.packed is not None:
             self.packed.attention = backend.cfg.attention
+        elif backend.cfg.attention == "flex":
+            # FlexAttention is the packed path's only: the padded chunks would silently run SDPA instead.
+            raise _user_error(f'backend.attention = "flex" runs on the packed path, which this model does not take '
+                              f'({why}): use attention = "auto" or "sdpa"')
         # Hyper-parameters are set from AdamParams at every step; these are placeholders.
         self.optimizer = torch.optim.AdamW([p for _, p in self._params], lr=0.0)
         self.name = name
@@ -354,6 +359,23 @@ class LocalTrainingClient:
             return self.packed.chunk_logprobs(data, budget, self._backend.device, trained)
         return batching.chunk_logprobs(self.model, data, self._backend.device, budget)
 
+    @contextlib.contextmanager
+    def _grads_kept_on_failure(self) -> Iterator[None]:
+        """A forward_backward that fails part-way (out of memory at its third chunk, a custom loss raising after
+        its backward began) leaves the gradients as they were before it: its chunks' backward passes have already
+        added to .grad, and the next optim_step would apply that part of a batch (a failed request must not
+        change the client: backends/local/worker.py). Free when no gradient is pending (the usual fb, optim_step
+        order: they go back to None); else the pending ones are copied first (LoRA-sized)."""
+        pending = [(q, q.grad) for _, q in self._params if q.grad is not None]
+        saved = [(q, g.clone()) for q, g in pending]
+        try:
+            yield
+        except BaseException:
+            kept = dict((id(q), g) for q, g in saved)
+            for _, q in self._params:
+                q.grad = kept.get(id(q))
+            raise
+
     def _run_loss(
         self, data: list[Datum], loss_fn: LossFn, loss_config: Mapping[str, float] | None, backward: bool
     ) -> ForwardBackwardOutput:
@@ -366,7 +388,7 @@ class LocalTrainingClient:
         order: list[int] = []  # datum indices in the order their logprobs were computed
         parts: list[torch.Tensor] = []
         losses: list[torch.Tensor] = []
-        with torch.set_grad_enabled(backward):
+        with torch.set_grad_enabled(backward), (self._grads_kept_on_failure() if backward else contextlib.nullcontext()):
             trained = [trained_positions(loss_fn, d, config) for d in data] if backward else None
             for idx, lps in self._logprobs(data, trained):
                 loss = batch_loss(loss_fn, lps, [data[i] for i in idx], device, config)
@@ -402,7 +424,7 @@ class LocalTrainingClient:
         self._validate(data, None)
         device = self._backend.device
         model_lps: list[torch.Tensor] = [torch.empty(0)] * len(data)
-        with torch.enable_grad():
+        with torch.enable_grad(), self._grads_kept_on_failure():
             for idx, lps in self._logprobs(data):
                 for i, lp in zip(idx, lps):
                     model_lps[i] = lp

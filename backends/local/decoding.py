@@ -148,7 +148,12 @@ class DecodeBatch:
         self.joins = join is not None and fast is not None
         # (A static batch counts twice: the smaller buckets' batches are kept too; see Sampler._chunks.)
         slots_per_row = self.capacity * (1 if self.batch is None else 2)
-        self.max_rows = max(size, sampler.budget_slots() // slots_per_row) if self.joins else size
+        room = sampler.budget_slots() // slots_per_row
+        if self.batch is not None and room > 0:
+            # A static batch grows to a whole row bucket (_grow): at most the largest bucket that fits, else 12
+            # rows in a 16-row budget would grow into a 16-row bucket, up to twice the budget's memory.
+            room = 1 << (room.bit_length() - 1)
+        self.max_rows = max(size, room) if self.joins else size
 
     # ------------------------------------------------------------------ setup
 

@@ -60,6 +60,9 @@ class Local(BackendConfig):
         if self.attention == "flex" and not self.packed:
             raise ValueError('attention = "flex" runs on the packed path (backends/local/packed.py) and packed = '
                              'false turns it off: set packed = true, or attention = "auto"')
+        if self.attention == "flex" and self.full_finetune:
+            raise ValueError('attention = "flex" runs on the packed path (backends/local/packed.py), which trains LoRA '
+                             'adapters only: a full fine-tune runs padded chunks; use attention = "auto"')
 
     def make(self, model: str, tokenizer: str | None, storage_dir: Path, seed: int) -> Backend:
         from backends.local.backend import LocalBackend  # torch loads here, not when a recipe is validated

@@ -52,12 +52,40 @@ class Job:
     owner: Any = None  # the Worker: a queued job keeps it alive, so a dropped client still runs what it was sent
 
 
+# What a request that ran out of memory can change (the error's message says so in one line; torch's own is a
+# paragraph).
+OOM_HINT = ("lower the tokens in flight (batch_size, group_size x groups_per_batch, max_length, max_tokens), "
+            "lora.rank, or use a smaller model; the client is as it was before this request")
+
+
+def out_of_memory(exc: BaseException) -> str | None:
+    """The first line of an out-of-memory error's message (torch.OutOfMemoryError on CUDA; the CPU allocator's
+    RuntimeError), else None. The allocator's cached blocks are released, so the next request starts clean."""
+    text = str(exc).strip()
+    if type(exc).__name__ != "OutOfMemoryError" and not (
+            isinstance(exc, RuntimeError) and ("out of memory" in text.lower() or "can't allocate memory" in text)):
+        return None
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        from backends.local.static_decode import CAPTURE_LOCK
+
+        with CAPTURE_LOCK:  # torch asserts that no CUDA graph capture is underway (a sampler thread may capture)
+            torch.cuda.empty_cache()
+    # torch's CUDA message is one long line: what was asked and what is free, then allocator advice.
+    first = (text.splitlines()[0] if text else type(exc).__name__).split(" Including non-PyTorch memory")[0]
+    return first if len(first) <= 240 else first[:237] + "..."
+
+
 def fail(job: Job, exc: BaseException) -> None:
     """Fail one job's future with a BackendError that names its request."""
+    oom = None if isinstance(exc, (BackendError, UserError)) else out_of_memory(exc)
     if isinstance(exc, BackendError):
         err = exc if exc.request else BackendError(f"{job.request}: {exc}", job.request, exc.user_error)
     elif isinstance(exc, UserError):
         err = BackendError(f"{job.request}: {exc}", job.request, user_error=True)
+    elif oom is not None:
+        err = BackendError(f"{job.request} ran out of memory ({oom}): {OOM_HINT}", job.request)
     else:
         err = BackendError(f"{job.request} failed: {type(exc).__name__}: {exc}", job.request)
     if err is not exc:

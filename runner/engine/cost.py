@@ -40,7 +40,7 @@ from backends.base import Backend, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
 from backends.local.local_config import Local
 from backends.types import Datum, SampleOutput, SamplingParams
-from runner.models import MODELS
+from runner.models import models
 from runner.recipe.cost import Budget, Price
 from runner.recipe.schema import Recipe
 
@@ -210,7 +210,7 @@ def read_prices(path: Path, what: str) -> dict[str, Price]:
 
 def shipped_price(model: str) -> Price | None:
     """The model's price in runner/models.toml (exact name, as a price file is read), or None."""
-    row = MODELS.get(model)
+    row = models().get(model)
     return msgspec.convert(row.price, Price) if row is not None and row.price is not None else None
 
 

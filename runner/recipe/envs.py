@@ -235,7 +235,7 @@ class ReasoningGym(EnvBase, tag="reasoning_gym", kw_only=True):
     # The task's generator settings (its *Config dataclass's fields); with several tasks, a table per task name.
     config: dict[str, Any] = {}
     # The generators' seed (None: the recipe's seed).
-    seed: int | None = None
+    seed: NonNegInt | None = None
     # The user message: a format string over the item's `question`, `answer` and metadata fields.
     prompt: str = "{question}"
     # A system message: a reasoning-gym system prompt's name ("default" asks for <answer> tags) or the text itself.
@@ -262,7 +262,7 @@ class Verifiers(EnvBase, tag="verifiers", kw_only=True):
     # Keyword arguments of the module's load_environment.
     args: dict[str, Any] = {}
     # The row order's seed (None: the recipe's).
-    seed: int | None = None
+    seed: NonNegInt | None = None
     # The model name the environment's requests carry (some environments log it).
     model_name: str = "runner"
     implementation: ClassVar[str] = "runner.rl.envs.verifiers_env"

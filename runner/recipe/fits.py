@@ -57,14 +57,12 @@ def check_context(recipe: Recipe, where: str) -> None:
         context = model_context(model)
         if context is None:
             continue
-        of = f"the {context}-token context of {model!r} ({key}, runner/models.toml)"
+        of = _of(context, model, key)
         if isinstance(max_length, int) and max_length > context:
             raise UserError(f"{where}: algo.max_length = {max_length} exceeds {of}: set it to at most {context}")
         if not isinstance(max_tokens, int):
             continue
-        if max_tokens >= context:
-            raise UserError(f"{where}: algo.max_tokens = {max_tokens} leaves no room for a prompt in {of}: set it "
-                            f"below {context}")
+        _room_for_a_prompt(where, "algo.max_tokens", max_tokens, context, of)
         if not counted:
             prompt, counted = static_prompt(recipe), True
         if prompt is not None and prompt[1] >= context:
@@ -82,7 +80,15 @@ def check_evals_context(recipe: Recipe, where: str) -> None:
         return
     for i, e in enumerate(recipe.evals):
         max_tokens = getattr(e, "max_tokens", None)
-        if isinstance(max_tokens, int) and max_tokens >= context:
-            raise UserError(f"{where}: evals[{i}].max_tokens = {max_tokens} leaves no room for a prompt in the "
-                            f"{context}-token context of {recipe.model!r} (model, runner/models.toml): set it below "
-                            f"{context}")
+        if isinstance(max_tokens, int):
+            _room_for_a_prompt(where, f"evals[{i}].max_tokens", max_tokens, context, _of(context, recipe.model, "model"))
+
+
+def _of(context: int, model: str, key: str) -> str:
+    return f"the {context}-token context of {model!r} ({key}, runner/models.toml)"
+
+
+def _room_for_a_prompt(where: str, key: str, max_tokens: int, context: int, of: str) -> None:
+    """A prompt has at least one token: max_tokens must be below the context."""
+    if max_tokens >= context:
+        raise UserError(f"{where}: {key} = {max_tokens} leaves no room for a prompt in {of}: set it below {context}")

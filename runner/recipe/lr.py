@@ -3,7 +3,7 @@
     lr = 5e-5 × (10 for LoRA, 1 for a full fine-tune) × (2000 / hidden_size) ** exponent
     exponent: 0.781 for the Llama family, 0.0775 for Qwen (by name; a local folder by its config's model_type)
 
-hidden_size comes from HIDDEN_SIZES (runner/models.toml: the cookbook's table of Tinker's models, by name, a
+hidden_size comes from hidden_sizes() (runner/models.toml: the cookbook's table of Tinker's models, by name, a
 ":peft:..." suffix ignored), else from a local model folder's config.json (or its text_config), else from the embedded "tiny" model's config
 (a Qwen3-style model, hidden 128: lr 6.19e-4). Any other model, and the families the cookbook has not calibrated
 (DeepSeek, gpt-oss, Kimi, GLM, Nemotron, ...), is a UserError asking for a number: no network lookup, no guess.
@@ -19,22 +19,22 @@ from pathlib import Path
 from typing import Any
 
 from backends.errors import UserError
-from runner.models import MODELS
+from runner.models import hidden_sizes
 
 AUTO = "auto"
 BASE_LR, LORA_MULTIPLIER = 5e-5, 10.0
 EXPONENTS = {"llama": 0.781, "qwen": 0.0775}
-# The cookbook's _KNOWN_HIDDEN_SIZES for the families get_lr calibrates (Llama, Qwen): the `hidden_size` column of
-# runner/models.toml.
-HIDDEN_SIZES: dict[str, int] = {name: m.hidden_size for name, m in MODELS.items() if m.hidden_size is not None}
 
 
 def auto_lr(model: str, full_finetune: bool = False) -> tuple[float, str]:
     """(the learning rate, how it was found) for `model`; UserError when the formula does not cover it."""
     base = model.split(":", 1)[0]
     folder = _folder(model)
-    if base in HIDDEN_SIZES or folder is None:
-        name, hidden, source = base, HIDDEN_SIZES.get(base), "the cookbook's table"
+    # The cookbook's _KNOWN_HIDDEN_SIZES for the families get_lr calibrates (Llama, Qwen): the `hidden_size` column
+    # of runner/models.toml.
+    known = hidden_sizes()
+    if base in known or folder is None:
+        name, hidden, source = base, known.get(base), "the cookbook's table"
     else:
         name, hidden, source = _read_config(folder)
     family = next((f for f in EXPONENTS if f in name.lower()), None)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union
 
 from msgspec import Meta
 
-from runner.recipe.common import Base, DataSource, NonNegFloat, PosInt, Target, TrainOnWhat, variants
+from runner.recipe.common import Base, DataSource, NonNegFloat, NonNegInt, PosInt, Target, TrainOnWhat, variants
 
 # ---------------------------------------------------------------- pinned evals ([[recipes.x.evals]])
 
@@ -52,7 +52,7 @@ class MathPinned(PinnedEvalBase, tag="math"):
     temperature: NonNegFloat = 0.0
     max_tokens: PosInt = 256
     samples: PosInt = 1
-    seed: int = 0
+    seed: NonNegInt = 0
 
 
 class NLLPinned(PinnedEvalBase, tag="nll"):
@@ -95,7 +95,7 @@ class InspectPinned(PinnedEvalBase, tag="inspect"):
     # sample's id and epoch, and the prompt) when temperature > 0.
     temperature: NonNegFloat = 0.0
     max_tokens: PosInt = 256
-    seed: int = 0
+    seed: NonNegInt = 0
     # Samples in flight at once (the sampler batches them).
     max_samples: PosInt = 32
 

@@ -532,7 +532,7 @@ class Recipe(Base):
     # renderer by name ("llama3", "qwen3", "qwen3_disable_thinking", "deepseekv3", "gpt_oss_no_sysprompt", ...).
     renderer: str = "auto"
     backend: Backend = Local()
-    seed: int = 0
+    seed: NonNegInt = 0
     # Peak learning rate, or "auto": the cookbook's get_lr(model) for LoRA, resolved when the recipe loads
     # (runner/recipe/lr.py; `runner show` says so).
     lr: PosFloat = 1e-4

@@ -5,15 +5,14 @@ as of 0.6.1, restricted to the renderers this project has), else the tokenizer's
 from __future__ import annotations
 
 from backends.tokenizer import Tokenizer
-from runner.models import MODELS
+from runner.models import model_renderer
 
 # Exact model names (":checkpoint" suffixes are ignored) -> renderer: the `renderer` column of runner/models.toml.
-MODEL_RENDERERS: dict[str, str] = {name: m.renderer for name, m in MODELS.items() if m.renderer is not None}
 
 
 def pick_renderer(model_name: str, tokenizer: Tokenizer | None) -> str:
     """The renderer name `auto` resolves to for `model_name` with `tokenizer`."""
-    name = MODEL_RENDERERS.get(model_name.split(":", 1)[0])
+    name = model_renderer(model_name)
     if name is not None:
         return name
     return "hf" if getattr(tokenizer, "chat_template", None) else "role_colon"
@@ -22,5 +21,5 @@ def pick_renderer(model_name: str, tokenizer: Tokenizer | None) -> str:
 def auto_note(renderer: str, model: str) -> str:
     """`runner show`'s comment line saying what renderer = "auto" picks for a model the cookbook knows; '' otherwise
     (a named renderer, or a model whose pick depends on its tokenizer having a chat template)."""
-    name = MODEL_RENDERERS.get(model.split(":", 1)[0]) if renderer == "auto" else None
+    name = model_renderer(model) if renderer == "auto" else None
     return f"# renderer = {name}: auto: the cookbook's renderer for {model}\n" if name else ""

@@ -75,9 +75,9 @@ def renderer_mismatch(renderer: str, model: str, tokenizer: str | None) -> str |
     tokens there), or None: it can, it needs none, or the tokenizer is not on this machine to look at (a hub id
     not yet downloaded is taken on trust; the run checks it when it loads it)."""
     from backends.tokenizer import local_core_tokenizer, local_has_chat_template
-    from runner.renderers.auto import MODEL_RENDERERS
+    from runner.models import model_renderer
 
-    name = MODEL_RENDERERS.get(model.split(":", 1)[0]) if renderer == AUTO else renderer
+    name = model_renderer(model) if renderer == AUTO else renderer
     if name == "hf" and local_has_chat_template(tokenizer or model) is False:
         return (f"renderer 'hf': the tokenizer ({tokenizer or model}) has no chat template; set renderer = "
                 "\"role_colon\" (a base model) or the model family's renderer")
@@ -119,9 +119,9 @@ def smoke_renderer(renderer: str, model: str, stand_in: str) -> str:
     `renderer` means for the real model ("auto" resolved by the model's name when the cookbook knows it), kept when
     the stand-in has its special tokens (a stand-in built from the model's own tokenizer has them all), else "auto"
     (on the embedded tiny model: its chat template)."""
-    from runner.renderers.auto import MODEL_RENDERERS
+    from runner.models import model_renderer
 
-    wanted = MODEL_RENDERERS.get(model.split(":", 1)[0], AUTO) if renderer == AUTO else renderer
+    wanted = (model_renderer(model) or AUTO) if renderer == AUTO else renderer
     if wanted == AUTO or stand_in != "tiny":
         return wanted
     from backends.tokenizer import load_tokenizer
