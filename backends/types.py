@@ -61,6 +61,12 @@ class Datum:
             want = tt.shape if name == "weights" else (n,)
             if arr.shape != want:
                 raise ValueError(f"{name} shape {arr.shape} != expected {want}")
+            # A NaN or infinite weight, advantage or logprob makes the loss and every gradient NaN: one step
+            # would leave the adapter NaN for good (an optim_step applies it), so such a datum is refused.
+            finite = np.isfinite(arr)
+            if not finite.all():
+                at = int(np.flatnonzero(~finite.reshape(-1))[0])
+                raise ValueError(f"{name} holds {arr.reshape(-1)[at]} at position {at}: loss inputs must be finite")
 
     @property
     def length(self) -> int:

@@ -50,7 +50,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -417,24 +417,33 @@ def slow_prepare(seconds: float) -> Iterator[None]:
         SFTAlgo.prepare = fast  # type: ignore[method-assign]
 
 
-def cycles_table(steps: int, period: float, rl_period: float) -> list[CycleRow]:
+def cycles_table(steps: int, period: float, rl_period: float, only: Collection[str] | None = None) -> list[CycleRow]:
+    """The rows of the cycles table; `only`: just the rows of these names (tests/test_bench.py's claims)."""
     rows: list[CycleRow] = []
+
+    def wanted(name: str) -> bool:
+        return only is None or name in only
+
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
 
         def loop(name: str, ref: str, overrides: list[str], clock_period: float) -> None:
+            if not wanted(name):
+                return
             recipe = recipe_for(ref, tmp / f"run{len(rows)}", [f"max_steps={steps}", *overrides])
             rows.append(measure(name, steps, clock_period, lambda b: quiet_run(recipe, b)))
 
         sft = recipe_for(SFT_REF, tmp / "naive", [f"max_steps={steps}"])
-        rows.append(measure("SFT naive (await fb, await optim)", steps, period, lambda b: naive_sft(b, sft, steps)))
+        if wanted(name := "SFT naive (await fb, await optim)"):
+            rows.append(measure(name, steps, period, lambda b: naive_sft(b, sft, steps)))
         for depth in (0, 1, 2):
             loop(f"SFT runner.engine.loop depth={depth}", SFT_REF, [f"depth={depth}"], period)
         # A prepare() slower than a cycle (as RL sampling is): depth > 0 hides it behind the queued step.
         for depth in (0, 1):
             with slow_prepare(SLOW_PREPARE * period):
                 loop(f"SFT runner.engine.loop depth={depth}, slow prep", SFT_REF, [f"depth={depth}"], period)
-        rows.append(measure("RL naive (await sample, fb, optim)", steps, rl_period, lambda b: naive_rl(b, steps)))
+        if wanted(name := "RL naive (await sample, fb, optim)"):
+            rows.append(measure(name, steps, rl_period, lambda b: naive_rl(b, steps)))
         ref, note = rl_ref(tmp)
         why = rl_available(ref)
         if why is not None:

@@ -288,7 +288,7 @@ def _at_least_one(value: int, flag: str) -> None:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from runner.tools.talk import read_prompts, sample
+    from runner.tools.talk import check_text, read_prompts, sample
 
     if (args.prompt is None) == (args.file is None):
         raise UserError("give a prompt or --file PROMPTS.jsonl (one of them)")
@@ -296,9 +296,9 @@ def cmd_sample(args: argparse.Namespace) -> int:
     _at_least_one(args.max_tokens, "--max-tokens")
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0, got {args.temperature}")
-    prompts = read_prompts(args.file) if args.file else [[{"role": "user", "content": args.prompt}]]
+    prompts = read_prompts(args.file) if args.file else [[{"role": "user", "content": check_text(args.prompt, "the prompt")}]]
     if args.system:
-        prompts = [[{"role": "system", "content": args.system}, *p] for p in prompts]
+        prompts = [[{"role": "system", "content": check_text(args.system, "--system")}, *p] for p in prompts]
     prefer_passive_openmp()
     sample(args.target, args.checkpoint, prompts, args.n, args.temperature, args.max_tokens, args.seed, args.json,
            sys.stdout)
@@ -309,6 +309,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from runner.tools.talk import chat
 
     _at_least_one(args.max_tokens, "--max-tokens")
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
     prefer_passive_openmp()
     chat(args.target, args.checkpoint, args.temperature, args.max_tokens, args.system, sys.stdin, sys.stdout)
     return 0

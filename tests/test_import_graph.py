@@ -10,7 +10,8 @@ two modules). Relative imports are resolved; `import a.b` is an edge to `a.b`; `
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterable
+import functools
+from collections.abc import Iterable, Mapping, Set
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,7 +78,13 @@ def import_graph(root: Path = ROOT, packages: Iterable[str] = PACKAGES) -> dict[
     return {name: imports_of(name, path, known) for name, path in files.items()}
 
 
-def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+@functools.cache
+def repo_graph() -> dict[str, frozenset[str]]:
+    """import_graph() of runner/ and backends/, parsed once for the tests that only read it."""
+    return {name: frozenset(deps) for name, deps in import_graph().items()}
+
+
+def strongly_connected(graph: Mapping[str, Set[str]]) -> list[list[str]]:
     """Tarjan's algorithm (iterative): the components with more than one module, each sorted."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -126,21 +133,21 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def _describe(comp: list[str], graph: dict[str, set[str]]) -> str:
+def _describe(comp: list[str], graph: Mapping[str, Set[str]]) -> str:
     members = set(comp)
     edges = [f"{a} -> {b}" for a in comp for b in sorted(graph[a] & members)]
     return f"circle of {len(comp)}: " + "; ".join(edges)
 
 
 def test_no_import_circles() -> None:
-    graph = import_graph()
+    graph = repo_graph()
     assert len(graph) > 50, sorted(graph)  # the walk found the packages
     circles = strongly_connected(graph)
     assert not circles, "\n".join(_describe(c, graph) for c in circles)
 
 
 def test_backends_never_import_runner() -> None:
-    graph = import_graph()
+    graph = repo_graph()
     bad = sorted(f"{a} -> {b}" for a, deps in graph.items() if a.startswith("backends")
                  for b in deps if b == "runner" or b.startswith("runner."))
     assert not bad, bad
@@ -155,7 +162,7 @@ def layer_of(module: str, order: Iterable[str] = ORDER) -> int:
     return best
 
 
-def imports_up(graph: dict[str, set[str]], order: Iterable[str] = ORDER) -> list[str]:
+def imports_up(graph: Mapping[str, Set[str]], order: Iterable[str] = ORDER) -> list[str]:
     """Every edge from a module of runner/ to one of a package later in the order ("a -> b")."""
     order = tuple(order)
     return sorted(f"{a} -> {b}" for a, deps in graph.items() if layer_of(a, order) >= 0
@@ -163,12 +170,12 @@ def imports_up(graph: dict[str, set[str]], order: Iterable[str] = ORDER) -> list
 
 
 def test_every_module_has_a_place_in_the_order() -> None:
-    lost = sorted(m for m in import_graph() if m.startswith("runner") and layer_of(m) < 0)
+    lost = sorted(m for m in repo_graph() if m.startswith("runner") and layer_of(m) < 0)
     assert not lost, lost
 
 
 def test_no_import_runs_back_up_the_package_order() -> None:
-    up = imports_up(import_graph())
+    up = imports_up(repo_graph())
     assert not up, "imports up the package order (tests/test_import_graph.py ORDER):\n" + "\n".join(up)
 
 

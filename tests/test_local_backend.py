@@ -327,6 +327,9 @@ def test_bad_input_is_a_user_error_naming_the_request(backend, data):
         (tc.forward_backward([rl], "ppo", {"clip_eps": 0.2}), r"takes no config key 'clip_eps'"),
         (tc.forward_backward([], "cross_entropy"), r"no data"),
         (tc.optim_step(AdamParams(learning_rate=-1.0)), r"optim_step #6: invalid AdamParams"),
+        # past the model's 2048 positions (the sampler refuses such a sequence too)
+        (tc.forward_backward([Datum([1] * 2049, np.ones(2049, np.int64), weights=np.ones(2049))], "cross_entropy"),
+         r"forward_backward #7: datum 0: 2049 tokens exceed the model's context of 2048"),
     ]
     ok = tc.forward(data, "cross_entropy")  # queued after all the failures: the client is not poisoned
     for fut, pattern in cases:
@@ -702,3 +705,17 @@ def test_seeded_samples_do_not_depend_on_the_batch(backend, data):
         assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
         for sa, sb in zip(a.sequences, b.sequences):
             np.testing.assert_allclose(sa.logprobs, sb.logprobs, atol=1e-4)
+
+
+def test_the_largest_recipe_seed_makes_clients(tmp_path):
+    """A recipe seed up to 2**63 - 1 is valid (runner/recipe/schema.py); the backend seeds its clients from
+    seed * 1000 + index, which overflowed torch's signed 64-bit seed ("Overflow when unpacking long long" at the
+    first training client of a recipe with seed >= 2**53 or so). The derived seeds now wrap modulo 2**63."""
+    be = LocalBackend(Local(device="cpu"), "tiny", None, tmp_path / "store", seed=2**63 - 1)
+    try:
+        tc = be.create_training_client(LoraSpec("tiny", rank=2)).result()
+        sc = tc.save_weights_and_get_sampling_client().result()
+        out = sc.sample([1, 2, 3], 2, SamplingParams(max_tokens=3, stop=[])).result()
+        assert len(out.sequences) == 2 and all(len(s.tokens) == 3 for s in out.sequences)
+    finally:
+        be.close()

@@ -146,3 +146,16 @@ def test_batch_loss_equals_the_sum_of_datum_losses(loss_fn):
     assert float(joined) == pytest.approx(float(alone), rel=1e-6, abs=1e-6)
     for g, want in zip(grads, torch.autograd.grad(alone, lps)):
         torch.testing.assert_close(g, want)
+
+
+def test_a_non_finite_loss_input_is_refused() -> None:
+    """A NaN or infinite weight, advantage, mask or sampler logprob made the loss and every gradient NaN, and the
+    next optim_step left the adapter NaN for good; the Datum refuses it, naming the input and the position."""
+    ok = np.zeros(3, dtype=np.float32)
+    for name in ("weights", "logprobs", "advantages", "mask"):
+        for bad in (np.nan, np.inf, -np.inf):
+            values = ok.copy()
+            values[1] = bad
+            with pytest.raises(ValueError, match=f"^{name} holds {bad} at position 1: loss inputs must be finite$"):
+                Datum(model_input=[1, 2, 3], target_tokens=np.array([2, 3, 4]), **{name: values})
+    Datum(model_input=[1, 2, 3], target_tokens=np.array([2, 3, 4]), weights=ok, advantages=ok + 1e30)

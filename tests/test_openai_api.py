@@ -7,9 +7,6 @@ OpenAI-shaped 4xx errors."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,13 +18,15 @@ openai = pytest.importorskip("openai")
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from tests.test_serve import REPO, runner_serve, service_client  # noqa: E402
+from runner.cli import main  # noqa: E402
+from tests.test_serve import runner_serve, service_client  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "Name a fruit."}]
 
 
 def _train_run_dir(tmp: Path) -> Path:
-    """A local `runner run` SFT that teaches the tiny model to answer QUESTION with "lime"."""
+    """A local `runner run` SFT that teaches the tiny model to answer QUESTION with "lime" (in this process: the run
+    dir is what is tested, not the command's process)."""
     data = tmp / "lime.jsonl"
     row = {"messages": [*QUESTION, {"role": "assistant", "content": "lime"}]}
     data.write_text("".join(json.dumps(row) + "\n" for _ in range(16)))
@@ -48,9 +47,7 @@ epochs = 6
 [recipes.lime.lora]
 rank = 8
 """)
-    out = subprocess.run([sys.executable, "-m", "runner", "run", f"{recipe}#lime"], cwd=REPO, capture_output=True,
-                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert out.returncode == 0, out.stderr[-2000:]
+    assert main(["run", f"{recipe}#lime"]) == 0
     return run
 
 

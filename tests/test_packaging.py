@@ -4,10 +4,12 @@ huggingface_hub, tqdm and zstandard were imported but not declared, so a clean i
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import re
 import sys
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,6 +22,7 @@ def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+@functools.cache
 def imported_top_levels(*folders: str) -> dict[str, set[str]]:
     """Top-level module name -> the files importing it (every import statement, at any depth in the file)."""
     found: dict[str, set[str]] = {}
@@ -45,9 +48,15 @@ def declared() -> set[str]:
     return {_norm(re.split(r"[\s<>=!~;\[]", r, maxsplit=1)[0]) for r in reqs}
 
 
+@functools.cache
+def _packages_distributions() -> Mapping[str, list[str]]:
+    """importlib.metadata.packages_distributions(), read once: each call scans every installed distribution."""
+    return importlib.metadata.packages_distributions()
+
+
 def distributions(module: str) -> set[str]:
     """The distributions that provide `module` (installed ones), else the module's own name normalised."""
-    dists = importlib.metadata.packages_distributions().get(module)
+    dists = _packages_distributions().get(module)
     return {_norm(d) for d in dists} if dists else {_norm(module)}
 
 

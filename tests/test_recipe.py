@@ -643,3 +643,13 @@ def test_recipes_load_on_many_threads_at_once() -> None:
     for _ in range(3):
         out = subprocess.run([sys.executable, "-c", CONCURRENT_LOADS, ref], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and out.stdout.strip() == "loaded", (out.returncode, out.stderr[-500:])
+
+
+def test_a_seed_past_64_bits_is_refused_at_check(workdir: Path) -> None:
+    """torch seeds are signed 64-bit: seed = 2**63 passed check and the run failed at its first client with
+    "Overflow when unpacking long long". The largest seed, 2**63 - 1, is accepted (the local backend's derived
+    seeds wrap: tests/test_local_backend.py)."""
+    path = write(f"[recipes.sl_basic]\nseed = {2**63}\nalgo = {{kind = \"sft\", {DATA}}}\n")
+    assert error_of(load_recipe, f"{path}#sl_basic") == f"recipes.toml#sl_basic: seed: expected int <= {2**63 - 1}, got {2**63}"
+    path = write(f"[recipes.sl_basic]\nseed = {2**63 - 1}\nalgo = {{kind = \"sft\", {DATA}}}\n")
+    assert load_recipe(f"{path}#sl_basic")[1].seed == 2**63 - 1

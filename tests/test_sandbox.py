@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -249,13 +251,14 @@ def test_without_namespaces_the_socket_and_processes_are_reachable() -> None:
 @pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_a_concurrent_run_cannot_read_another(isolation: str) -> None:
     """Run B is given the exact host path of run A's program (and its stdin) while A runs, and reads neither."""
-    sb = isolated(isolation)
+    sb = isolated(isolation, dataclasses.replace(LIMITS, wall_s=30))  # A outlives B however slow B's start
     if not sb.containment.namespaces and not sb.containment.own_uid:
         pytest.skip("no namespaces and no uid per run (a non-root parent): runs share a uid, files cannot part them")
     secret = f"secret-{os.getpid()}-{time.monotonic_ns()}"
 
-    async def both() -> tuple[RunResult, RunResult]:
-        a = asyncio.create_task(sb.run_python(f"# {secret}\nimport time\ntime.sleep(3)", stdin=secret))
+    async def both() -> RunResult:
+        # A runs until B is done, then is cancelled (the sandbox kills its process group): no fixed sleep.
+        a = asyncio.create_task(sb.run_python(f"# {secret}\nimport time\ntime.sleep(60)", stdin=secret))
         paths: list[Path] = []
         for _ in range(100):
             paths = [p for p in Path(tempfile.gettempdir()).glob("sandbox-*/work/main.py") if _holds(p, secret)]
@@ -267,9 +270,13 @@ def test_a_concurrent_run_cannot_read_another(isolation: str) -> None:
         code = ("import sys\nfor p in sys.argv[1:] or " + repr(targets) + ":\n    try:\n        print(open(p).read())\n"
                 "    except OSError as e:\n        print(type(e).__name__)")  # fmt: skip
         b = await sb.run_python(code)
-        return await a, b
+        assert not a.done(), "run A ended before run B tried its files"
+        a.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await a
+        return b
 
-    _, b = asyncio.run(both())
+    b = asyncio.run(both())
     assert b.ok and secret not in b.stdout
     expected = "FileNotFoundError" if isolation != "none" else "PermissionError"
     assert b.stdout.split() == [expected, expected]

@@ -1,5 +1,6 @@
 """`runner serve` as a subprocess, driven by the real tinker SDK over real HTTP: SFT steps, sampling,
-checkpoints, a server restart on the same --storage, and resuming from what the first server saved."""
+checkpoints, a server restart on the same --storage, and resuming from what the first server saved (the second server
+requires an API key, which is never logged)."""
 
 from __future__ import annotations
 
@@ -102,9 +103,15 @@ def test_sft_sample_save_restart_resume(tmp_path, monkeypatch):
         next_loss = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
         first_run = tc.model_id
 
-    # A new server process on the same storage: it lists, loads and resumes what the first one saved.
-    with runner_serve(storage) as (url, _), service_client(url) as sc:
-        rc = tinker.RestClient(base_url=url, api_key="tml-test")
+    # A new server process on the same storage: it lists, loads and resumes what the first one saved. This one requires
+    # an API key (--api-key-env): the right key works, a wrong one is refused, and neither is logged.
+    secret = "tml-secret-123"
+    with runner_serve(storage, "--api-key-env", "SERVE_KEY", env={"SERVE_KEY": secret}) as (url, _), \
+            service_client(url, secret) as sc:
+        bad = tinker.ServiceClient(base_url=url, api_key="tml-wrong")
+        with pytest.raises(tinker.AuthenticationError):
+            bad.create_lora_training_client("tiny", rank=4).result()
+        rc = tinker.RestClient(base_url=url, api_key=secret)
         runs = rc.list_training_runs().result().training_runs
         assert first_run in [r.training_run_id for r in runs]
         cps = {c.tinker_path for c in rc.list_checkpoints(first_run).result().checkpoints}
@@ -119,18 +126,5 @@ def test_sft_sample_save_restart_resume(tmp_path, monkeypatch):
         sampler2 = sc.create_sampling_client(model_path=weights).result()
         res2 = sampler2.sample(prompt, 3, types.SamplingParams(max_tokens=6, seed=1, temperature=1.0)).result()
         assert [s.tokens for s in res2.sequences] == [s.tokens for s in res.sequences]
-        log = (storage.parent / "storage.log").read_text()
-    assert "Traceback" not in log and "tml-test" not in log
-
-
-def test_api_key_required_and_never_logged(tmp_path, monkeypatch):
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    storage = tmp_path / "storage"
-    with runner_serve(storage, "--api-key-env", "SERVE_KEY", env={"SERVE_KEY": "tml-secret-123"}) as (url, _):
-        with service_client(url, "tml-secret-123") as sc:
-            tc = sc.create_lora_training_client("tiny", rank=4).result()
-            assert tc.model_id
-        bad = tinker.ServiceClient(base_url=url, api_key="tml-wrong")
-        with pytest.raises(tinker.AuthenticationError):
-            bad.create_lora_training_client("tiny", rank=4).result()
-    assert "tml-secret-123" not in (tmp_path / "storage.log").read_text()
+    log = (storage.parent / "storage.log").read_text()  # both servers', each stopped
+    assert "Traceback" not in log and "tml-test" not in log and secret not in log

@@ -281,3 +281,18 @@ def test_server_still_serves_after_fuzzing(server, world):
     t = time.monotonic()
     _still_serves(Conn(port), world)
     assert time.monotonic() - t < 30
+
+
+def test_a_lora_seed_torch_cannot_take_is_a_4xx(server, world):
+    """lora_config.seed = 2**64 was accepted and its future failed as the server's error (torch: "Overflow when
+    unpacking long long"); torch takes [-2**63, 2**64), and outside that the request is refused (400 under the
+    range, 413 over it, as every capped integer)."""
+    c = Conn(server[1])
+    for seed, refused in [(2**64, True), (-2**63 - 1, True), (2**64 - 1, False), (-5, False)]:
+        status, out = c.call("POST", "create_model", {"session_id": world["session"], "model_seq_id": 700 + (seed % 97),
+                                                      "base_model": "tiny", "lora_config": {"rank": 2, "seed": seed}})
+        if refused:
+            assert status in (400, 413) and "seed must be" in out["detail"], (seed, status, out)
+        else:
+            assert status == 200, (seed, out)
+            assert "model_id" in c.result(out["request_id"]), seed

@@ -207,3 +207,23 @@ def test_gather_dispatches_a_burst_once_it_is_complete():
         assert burst("b", 3) < 0.25  # b's largest burst is 3
     finally:
         g.close()
+
+
+def test_a_nan_metric_reaches_the_sdk_as_nan(sc):
+    """A step whose gradients overflow (here weights of 3e38; on a GPU, a diverged bfloat16 step) has an infinite
+    loss and a NaN grad_norm. json.dumps wrote it as the bare word NaN, which is not JSON: the SDK (orjson) raised
+    JSONDecodeError on the optim_step reply. The server sends non-finite floats as strings the SDK's models read
+    back as floats. A NaN loss input itself is refused (backends/types.py Datum), as a user error."""
+    tc = sc.create_lora_training_client("tiny", rank=2, seed=0).result(timeout=TIMEOUT)
+    tokens = [5, 6, 7, 8]
+
+    def datum(w: float) -> types.Datum:
+        inputs: Any = {"target_tokens": tokens[1:], "weights": [w] * 3}
+        return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
+
+    with pytest.raises(Exception, match="weights holds nan at position 0: loss inputs must be finite"):
+        tc.forward_backward([datum(float("nan"))], "cross_entropy").result(timeout=TIMEOUT)
+    fb = tc.forward_backward([datum(3e38)], "cross_entropy").result(timeout=TIMEOUT)
+    assert np.isinf(fb.metrics["loss:sum"])
+    out = tc.optim_step(types.AdamParams(learning_rate=1e-3, grad_clip_norm=1.0)).result(timeout=TIMEOUT)
+    assert np.isnan(out.metrics["grad_norm:mean"]), out.metrics

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pty
 import select
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -97,15 +97,17 @@ def test_eval_of_rl_repeats_the_final_eval(proj: Path, capsys: pytest.CaptureFix
     assert keys[1:] == sorted(keys[1:])
 
 
-def test_chat_through_a_pipe(sft_run: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    out = subprocess.run([sys.executable, "-m", "runner", "chat", str(sft_run), "--max-tokens", "8"],
-                         input="Who are you?\n/reset\n\nHello!\n/quit\nnot read\n", capture_output=True, text=True,
-                         env=env, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
+def test_chat_through_a_pipe(sft_run: Path, monkeypatch: pytest.MonkeyPatch,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    """stdin not a terminal (in this process: test_chat_through_a_terminal runs the command's own process)."""
+    stdin = io.StringIO("Who are you?\n/reset\n\nHello!\n/quit\nnot read\n")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert main(["chat", str(sft_run), "--max-tokens", "8"]) == 0
+    out = capsys.readouterr().out
     # One reply per message, each a JSON string on its own line; /reset and the blank line answer nothing.
-    assert len(out.stdout.splitlines()) == 2
-    assert all(isinstance(json.loads(line), str) for line in out.stdout.splitlines())
+    assert len(out.splitlines()) == 2
+    assert all(isinstance(json.loads(line), str) for line in out.splitlines())
+    assert stdin.read() == "not read\n"  # /quit stopped the reading
 
 
 def test_chat_through_a_terminal(sft_run: Path) -> None:
@@ -189,3 +191,26 @@ algo = {{kind = "dpo", data = {{kind = "jsonl", path = "{data}"}}, batch_size = 
     assert main(["eval", "r.toml#d"]) == 0
     [row] = read_jsonl(proj / "runs" / "d" / "evals.jsonl")
     assert 0.0 <= row["test/accuracy"] <= 1.0 and "test/dpo_loss" in row
+
+
+def test_invalid_utf8_is_a_one_line_error(sft_run: Path, proj: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Undecodable bytes in a prompt (argv, a --file, chat's stdin) reached the tokenizer as lone surrogates and
+    ended in a TypeError traceback; now each is a one-line error, exit 2."""
+    capsys.readouterr()
+    (proj / "latin1.jsonl").write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    (proj / "surrogate.jsonl").write_text('{"prompt": "a\\ud800"}\n')
+    cases = [(["sample", str(sft_run), "caf\udce9"], "the prompt: not valid UTF-8"),
+             (["sample", str(sft_run), "hi", "--system", "\udcff"], "--system: not valid UTF-8"),
+             (["sample", str(sft_run), "--file", "latin1.jsonl"], "latin1.jsonl:2: not valid UTF-8"),
+             (["sample", str(sft_run), "--file", "surrogate.jsonl"], "surrogate.jsonl:1: not valid UTF-8"),
+             (["chat", str(sft_run), "--temperature", "-1"], "--temperature must be >= 0")]
+    for argv, message in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, (argv, err)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    out = subprocess.run([sys.executable, "-m", "runner", "chat", str(sft_run), "--max-tokens", "4"],
+                         input=b"Hello!\ncaf\xe9\n", capture_output=True, env=env, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.decode().strip() == "error: stdin: not valid UTF-8 text (at character 3)"
+    assert len(out.stdout.splitlines()) == 1  # the first line was answered

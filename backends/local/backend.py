@@ -198,7 +198,8 @@ class LocalBackend:
                     f"lora_alpha={setup.lora_alpha}, {len(setup.targets)} layers"
                 )
         # seed=None is a random init on Tinker; here it derives from the backend seed so runs repeat.
-        seed = spec.seed if spec.seed is not None else self.seed * 1000 + index
+        # Modulo 2**63: torch takes a signed 64-bit seed, and any recipe seed up to 2**63 - 1 is valid.
+        seed = spec.seed if spec.seed is not None else (self.seed * 1000 + index) % 2**63
         client = LocalTrainingClient(self, M.make_trainable(self.base(), setup, seed), setup, f"train-{index}")
         if state is not None:
             M.load_weights(state, client.model)
@@ -246,7 +247,7 @@ class LocalBackend:
 
     def sampling_client(self, model: torch.nn.Module, name: str) -> LocalSamplingClient:
         # Unseeded samples draw from a generator seeded per client, so a rerun repeats them too.
-        seed = self.seed * 1000 + next(self._sampler_ids)
+        seed = (self.seed * 1000 + next(self._sampler_ids)) % 2**63
         client = LocalSamplingClient(
             model, self.get_tokenizer(), self.device, name, seed, self.sample_threads
         )
@@ -341,12 +342,17 @@ class LocalTrainingClient:
     def _validate(self, data: list[Datum], loss_fn: LossFn | None) -> None:
         if not data:
             raise _user_error("no data")
+        # The model's positions, as the sampler refuses a longer sequence (a datum past them trained a RoPE model
+        # at positions it never saw and crashed one with learned positions).
+        context = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
         for i, d in enumerate(data):
             try:
                 if loss_fn is not None:
                     d.check_for(loss_fn)
             except ValueError as exc:
                 raise _user_error(f"datum {i}: {exc}") from None
+            if isinstance(context, int) and d.length > context:
+                raise _user_error(f"datum {i}: {d.length} tokens exceed the model's context of {context}")
         try:
             batching.check_tokens(data, self._backend.vocab_size())
         except ValueError as exc:
@@ -365,7 +371,8 @@ class LocalTrainingClient:
         its backward began) leaves the gradients as they were before it: its chunks' backward passes have already
         added to .grad, and the next optim_step would apply that part of a batch (a failed request must not
         change the client: backends/local/worker.py). Free when no gradient is pending (the usual fb, optim_step
-        order: they go back to None); else the pending ones are copied first (LoRA-sized)."""
+        order: they go back to None); else the pending ones are copied first (the adapters' size for LoRA, the
+        whole gradient for a full fine-tune)."""
         pending = [(q, q.grad) for _, q in self._params if q.grad is not None]
         saved = [(q, g.clone()) for q, g in pending]
         try:

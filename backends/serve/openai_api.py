@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from backends.errors import UserError
 from backends.serve.limits import Fields, Limits, json_depth_ok, to_int
-from backends.serve.replies import ApiError, Reply
+from backends.serve.replies import ApiError, Reply, json_bytes
 from backends.tokenizer import Tokenizer
 from backends.types import SampledSequence, SampleOutput, SamplingParams
 
@@ -413,7 +413,7 @@ def sse(response: dict[str, Any], include_usage: bool) -> bytes:
             events.append({**head, "object": obj, "choices": [c]})
     if include_usage:
         events.append({**head, "object": obj, "choices": [], "usage": response["usage"]})
-    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    return b"".join(b"data: " + json_bytes(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:

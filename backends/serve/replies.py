@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import re
 import secrets
 import threading
@@ -49,11 +50,33 @@ class Reply:
 
     @classmethod
     def json(cls, obj: Any, status: int = 200) -> Reply:
-        return cls(status, json.dumps(obj).encode(), {"content-type": "application/json"})
+        return cls(status, json_bytes(obj), {"content-type": "application/json"})
 
     @classmethod
     def error(cls, status: int, detail: str) -> Reply:
         return cls.json({"detail": detail}, status)
+
+
+def _finite(obj: Any) -> Any:
+    """obj with each non-finite float as the string "NaN", "Infinity" or "-Infinity", which the SDKs' pydantic
+    models read back as that float."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else "NaN" if math.isnan(obj) else "Infinity" if obj > 0 else "-Infinity"
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def json_bytes(obj: Any) -> bytes:
+    """obj as strict JSON. json.dumps writes a NaN or infinite float as the bare word NaN / Infinity, which is not
+    JSON: the tinker SDK (orjson) then fails on the reply (an optim_step whose grad_norm is NaN after a diverged
+    step, say). Such floats are sent as strings instead."""
+    try:
+        return json.dumps(obj, allow_nan=False).encode()
+    except ValueError:
+        return json.dumps(_finite(obj), allow_nan=False).encode()
 
 
 def failed(message: str, category: str = "user") -> Reply:

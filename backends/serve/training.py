@@ -125,7 +125,8 @@ class TrainingRoutes:
         if opt != "adamw":
             raise ApiError(400, f"optimizer {opt[:40]!r} is not offered by runner serve (AdamW only)")
         rank = lora.int("rank", 32, lo=1, hi=4096)
-        spec = LoraSpec(base_model=model.path, rank=rank, seed=lora.int("seed", None),
+        # torch takes seeds in [-2**63, 2**64): a larger one failed the request as the server's error.
+        spec = LoraSpec(base_model=model.path, rank=rank, seed=lora.int("seed", None, lo=-2**63, hi=2**64 - 1),
                         train_attn=lora.bool("train_attn", True), train_mlp=lora.bool("train_mlp", True),
                         train_unembed=lora.bool("train_unembed", True))
         if not (spec.train_attn or spec.train_mlp or spec.train_unembed):

@@ -532,7 +532,8 @@ class Recipe(Base):
     # renderer by name ("llama3", "qwen3", "qwen3_disable_thinking", "deepseekv3", "gpt_oss_no_sysprompt", ...).
     renderer: str = "auto"
     backend: Backend = Local()
-    seed: NonNegInt = 0
+    # At most 2**63 - 1: torch seeds are signed 64-bit (a larger one failed at the first client, after check).
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] = 0
     # Peak learning rate, or "auto": the cookbook's get_lr(model) for LoRA, resolved when the recipe loads
     # (runner/recipe/lr.py; `runner show` says so).
     lr: PosFloat = 1e-4

@@ -128,6 +128,20 @@ def takes_array(raw: dict[str, Any], keys: list[str]) -> bool:
     return t is not None and isinstance(resolve_type(t, None), _ARRAY_TYPES)
 
 
+def sweep_override(text: str) -> tuple[list[str], Any]:
+    """parse_override, and a list of bare words (`backend.dtype=[bfloat16,float32]`, not TOML) as the list of
+    those words, each taken as an override takes a value that is not a TOML literal: a string."""
+    keys, value = parse_override(text)
+    if isinstance(value, str) and value.startswith("[") and value.endswith("]"):
+        inner = value[1:-1]
+        items = [x.strip() for x in inner.split(",")]
+        if items and not items[-1]:
+            items.pop()  # a trailing comma, as TOML allows
+        if items and all(items) and not any(c in inner for c in "[]{}\"'\n="):
+            return keys, [parse_override(f"v={x}")[1] for x in items]
+    return keys, value
+
+
 def plan(ref: str, overrides: Sequence[str] = (), zip_: bool = False, *, need_axes: bool = True,
          inspect_dirs: bool = True) -> Sweep:
     """The sweep `ref` + `overrides` describe, every point decoded and checked (UserError naming the point and
@@ -138,7 +152,7 @@ def plan(ref: str, overrides: Sequence[str] = (), zip_: bool = False, *, need_ax
     axes = sweep_table(raw, where)
     plain: list[str] = []
     for text in overrides:
-        keys, value = parse_override(text)
+        keys, value = sweep_override(text)
         dotted = ".".join(keys)
         if dotted.split(".")[0] == SWEEP_KEY:
             raise UserError(f"{where}: {text!r}: sweep on the command line as KEY=[v1, v2], e.g. lr=[1e-4,3e-4]")
@@ -528,7 +542,7 @@ def show_sweep(ref: str, overrides: Sequence[str]) -> str | None:
     the sweep table as the command line leaves it, itself a sweep recipe that `runner sweep` runs the same way.
     None: no sweep (no sweep table, no array on a key that does not take one)."""
     path, name, raw = pick(ref)
-    lists = any(isinstance(parse_override(o)[1], list) for o in overrides)
+    lists = any(isinstance(sweep_override(o)[1], list) for o in overrides)
     if not has_sweep(raw) and not lists:
         return None
     sweep = plan(ref, overrides, need_axes=False, inspect_dirs=False)

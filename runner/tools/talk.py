@@ -85,6 +85,23 @@ async def _client(backend: Any, t: Target) -> Any:
     return await backend.create_sampling_client(model_path=t.checkpoint["sampler_path"])
 
 
+def check_text(text: str, where: str) -> str:
+    """text, or a UserError when it is not valid UTF-8: Python hands undecodable bytes of the command line or stdin
+    on as lone surrogates, which the tokenizer refuses with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(f"{where}: not valid UTF-8 text (at character {e.start})") from None
+    return text
+
+
+def check_messages(messages: list[dict[str, str]], where: str) -> list[dict[str, str]]:
+    for m in messages:
+        if isinstance(m.get("content"), str):
+            check_text(m["content"], where)
+    return messages
+
+
 def read_prompts(file: str) -> list[list[dict[str, str]]]:
     """Rows {"messages": [...]} (ending with the user's turn) or {"prompt": "..."}; errors name file:line."""
     from runner.data.conversations import conversation
@@ -93,7 +110,12 @@ def read_prompts(file: str) -> list[list[dict[str, str]]]:
     if not p.is_file():
         raise UserError(f"{file}: file not found")
     out = []
-    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line_no = p.read_bytes()[:e.start].count(b"\n") + 1
+        raise UserError(f"{file}:{line_no}: not valid UTF-8") from None
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         where = f"{file}:{i}"
@@ -102,9 +124,9 @@ def read_prompts(file: str) -> list[list[dict[str, str]]]:
         except json.JSONDecodeError as e:
             raise UserError(f"{where}: not JSON ({e.msg})") from None
         if isinstance(row, dict) and isinstance(row.get("prompt"), str):
-            out.append([{"role": "user", "content": row["prompt"]}])
+            out.append(check_messages([{"role": "user", "content": row["prompt"]}], where))
         elif isinstance(row, dict) and "messages" in row:
-            out.append(conversation(row, where))
+            out.append(check_messages(conversation(row, where), where))
         else:
             raise UserError(f'{where}: expected {{"prompt": "..."}} or {{"messages": [...]}}')
     if not out:
@@ -153,7 +175,7 @@ def chat(target: str, checkpoint: str | None, temperature: float, max_tokens: in
     try:
         renderer = _renderer(t, backend)
         client = asyncio.run(_client(backend, t))
-        start = [{"role": "system", "content": system}] if system else []
+        start = [{"role": "system", "content": check_text(system, "--system")}] if system else []
         messages = list(start)
         if tty:
             label = t.checkpoint["name"] if t.checkpoint else "base"
@@ -173,7 +195,7 @@ def chat(target: str, checkpoint: str | None, temperature: float, max_tokens: in
                 continue
             if not text:
                 continue
-            messages.append({"role": "user", "content": text})
+            messages.append({"role": "user", "content": check_text(text, "stdin")})
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=renderer.stop)
             result = client.sample(renderer.build_prompt(messages), 1, params).result()
             reply = renderer.parse(result.sequences[0].tokens).text
