@@ -136,7 +136,9 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexMas
     materialises the scores)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    fn = _compiled(COMPILE_BACKEND) if compiled else flex_attention
+    # Any: torch 2.13 types flex_attention's return by overloads (a Tensor here); 2.11 declares only the union of
+    # Tensor and its (out, lse) tuples, which would make `o[0, ...]` a type error under 2.11.
+    fn: Any = _compiled(COMPILE_BACKEND) if compiled else flex_attention
     n, H, D = q.shape
     pad = mask.padded - n
     if pad:
