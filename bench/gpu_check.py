@@ -63,7 +63,7 @@ NEEDS = {"rl_reasoning_gym": "reasoning_gym", "verifiers_rl": "verifiers"}
 SMOKE_FILE_S = 45.0  # one smoke file's cap (a fresh process: CUDA's start is in it)
 # Step -> its time limit, seconds; the default steps in value order (what was never measured on a GPU first). The
 # default steps' limits sum to the default budget: one device call of at most 10 minutes with the wheel install.
-LIMITS = {"gpu": 60.0, "speed": 150.0, "sampling": 100.0, "conformance": 60.0, "full": 80.0, "suite": 90.0,
+LIMITS = {"gpu": 90.0, "speed": 140.0, "sampling": 90.0, "conformance": 60.0, "full": 80.0, "suite": 80.0,
           "smoke": 135.0, "allsmoke": 240.0}
 DEFAULT_STEPS = ["gpu", "speed", "sampling", "conformance", "full", "suite"]
 BUDGET_S = 540.0
