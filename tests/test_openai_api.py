@@ -202,6 +202,7 @@ def test_stream_matches_the_whole_reply(served):
     ({"model": "tiny", "messages": QUESTION, "n": 0}, 400, "n must be"),
     ({"model": "tiny", "messages": QUESTION, "n": "2"}, 400, "n must be an integer"),
     ({"model": "tiny", "messages": []}, 400, "messages"),
+    ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role 'wizard': expected one of"),
     ({"model": "tiny"}, 400, "messages"),
     ({"messages": QUESTION}, 400, "model is required"),
     ({"model": "gpt-9", "messages": QUESTION}, 404, "neither a served model"),

@@ -150,6 +150,10 @@ def _with_user_stops(stop: list[str] | list[int], user: list[str], tokenizer: To
     return [*dict.fromkeys([*own, *user])]
 
 
+# The roles of OpenAI's chat API; any other was rendered as given (a "wizard" turn the model never saw in training).
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
 def chat_plan(req: dict[str, Any], fmt: ChatFormat, limits: Limits | None = None) -> Plan:
     """An OpenAI chat completion request as prompt tokens and sampling params (ApiError for a bad request)."""
     f = Fields(req, limits or Limits())
@@ -161,6 +165,8 @@ def chat_plan(req: dict[str, Any], fmt: ChatFormat, limits: Limits | None = None
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a role")
+        if m["role"] not in ROLES:
+            raise ApiError(400, f"messages[{i}].role {m['role']!r}: expected one of {', '.join(sorted(ROLES))}")
         content = m.get("content")
         if isinstance(content, list):  # OpenAI's content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
