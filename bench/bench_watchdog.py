@@ -47,29 +47,37 @@ def watchdog_once() -> None:
     w.stop()
 
 
-GIL_ENV = textwrap.dedent("""
-    from pathlib import Path
-    from runner.rl.envs.arithmetic import ArithmeticEnv
-    from runner.rl.envs.common import ListDataset, RepeatGroupBuilder
+def blocking_env(block: str) -> str:
+    """An RL env module (make(run_dir)) whose step, once the run has recorded a checkpoint and until a file "unblock"
+    exists beside the run dir, touches "blocked" there and runs the statement `block` (blocking the event loop's
+    thread; tests/test_interrupt.py uses a sleep, this bench a GIL-holding sum)."""
+    return textwrap.dedent("""
+        import time
+        from pathlib import Path
+        from runner.rl.envs.arithmetic import ArithmeticEnv
+        from runner.rl.envs.common import ListDataset, RepeatGroupBuilder
 
-    class Hog(ArithmeticEnv):
-        def __init__(self, run_dir, *args):
-            super().__init__(*args)
-            self.run_dir = Path(run_dir)
+        class Blocking(ArithmeticEnv):
+            def __init__(self, run_dir, *args):
+                super().__init__(*args)
+                self.run_dir = Path(run_dir)
 
-        async def step(self, action_tokens, stop_reason):
-            ckpts = self.run_dir / "checkpoints.jsonl"
-            if ckpts.exists() and ckpts.read_text().strip() and not (self.run_dir.parent / "unblock").exists():
-                (self.run_dir.parent / "blocked").touch()
-                sum(range(10**12))  # holds the GIL for hours
-            return await super().step(action_tokens, stop_reason)
+            async def step(self, action_tokens, stop_reason):
+                ckpts = self.run_dir / "checkpoints.jsonl"
+                if ckpts.exists() and ckpts.read_text().strip() and not (self.run_dir.parent / "unblock").exists():
+                    (self.run_dir.parent / "blocked").touch()
+                    BLOCK
+                return await super().step(action_tokens, stop_reason)
 
-    def make(run_dir):
-        def builder(ctx):
-            group = lambda i: RepeatGroupBuilder(lambda: Hog(run_dir, ctx.renderer, i % 10, 1), ctx.group_size, [])
-            return ListDataset(range(40), group, 2), None
-        return builder
-""")
+        def make(run_dir):
+            def builder(ctx):
+                group = lambda i: RepeatGroupBuilder(lambda: Blocking(run_dir, ctx.renderer, i % 10, 1), ctx.group_size, [])
+                return ListDataset(range(40), group, 2), None
+            return builder
+    """).replace("BLOCK", block)
+
+
+GIL_ENV = blocking_env("sum(range(10**12))  # holds the GIL for hours")
 
 RECIPE = """[recipes.gil]
 lr = 1e-2

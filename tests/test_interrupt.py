@@ -23,7 +23,7 @@ import msgspec
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from bench_watchdog import GIL_ENV  # an env that holds the GIL in C for hours, as the bench measures it
+from bench_watchdog import GIL_ENV, blocking_env  # GIL_ENV holds the GIL in C for hours, as the bench measures it
 
 from backends.fake import FakeBackend
 from backends.local.tiny import build_tokenizer
@@ -118,31 +118,8 @@ def test_env_timeout_s_in_a_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert [r["rollout_errors/EnvTimeout"] for r in rows] == [1.0, 1.0]
 
 
-BLOCKING_ENV = """
-import time
-from pathlib import Path
-from runner.rl.envs.arithmetic import ArithmeticEnv
-from runner.rl.envs.common import ListDataset, RepeatGroupBuilder
-
-class Blocking(ArithmeticEnv):
-    def __init__(self, run_dir, *args):
-        super().__init__(*args)
-        self.run_dir = Path(run_dir)
-
-    async def step(self, action_tokens, stop_reason):
-        ckpts = self.run_dir / "checkpoints.jsonl"
-        # Once a checkpoint is recorded, block the event loop's thread in a synchronous call (until "unblock").
-        if ckpts.exists() and ckpts.read_text().strip() and not (self.run_dir.parent / "unblock").exists():
-            (self.run_dir.parent / "blocked").touch()
-            time.sleep(1000)
-        return await super().step(action_tokens, stop_reason)
-
-def make(run_dir):
-    def builder(ctx):
-        group = lambda i: RepeatGroupBuilder(lambda: Blocking(run_dir, ctx.renderer, i % 10, 1), ctx.group_size, [])
-        return ListDataset(range(40), group, 2), None
-    return builder
-"""
+# Once a checkpoint is recorded, the env blocks the event loop's thread in a synchronous call (until "unblock").
+BLOCKING_ENV = blocking_env("time.sleep(1000)")
 
 
 def fake_run_script(recipe: Recipe, tmp_path: Path, storage: Path | None = None) -> list[str]:
