@@ -21,7 +21,7 @@ PACKAGES = ("runner", "backends")
 # after it. renderers (messages <-> tokens, over a tokenizer) sit below the recipe, whose schema names them as it
 # names backends/'s losses; the engine holds the algorithm interface (runner/engine/spec.py) and finds an algorithm
 # module by the name its recipe variant gives, so it never imports runner/algos/; the tools and the CLI sit on top.
-ORDER = ("runner.threads", "runner.models", "runner.renderers", "runner.recipe", "runner.data", "runner.rewards", "runner.rl",
+ORDER = ("runner.threads", "runner.user_code", "runner.models", "runner.renderers", "runner.recipe", "runner.data", "runner.rewards", "runner.rl",
          "runner.engine", "runner.algos", "runner.tools", "runner.cli", "runner.__main__", "runner")
 
 

@@ -65,6 +65,7 @@ from runner.recipe.refs import OUTPUT as OUTPUT
 from runner.recipe.refs import output_files as output_files
 from runner.recipe.refs import run_dir_path as run_dir_path
 from runner.recipe.schema import TARGET_PATTERN, Recipe
+from runner.user_code import find_user_modules
 
 CONFIG, METRICS, CHECKPOINTS, SESSIONS = "config.toml", "metrics.jsonl", "checkpoints.jsonl", "sessions.jsonl"
 # A chained run's starting point (runner/engine/chain.py): the upstream's ref, recipe (TOML) and checkpoint.
@@ -718,8 +719,7 @@ def fingerprint_changed(path: Path, recipe: Recipe, new: dict[str, dict[str, str
 
 def _target_file(target: str) -> Path | None:
     module = target.partition(":")[0]
-    if os.getcwd() not in sys.path:  # as targets.import_object finds user modules
-        sys.path.insert(0, os.getcwd())
+    find_user_modules()  # where targets.import_object finds them
     try:
         spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):

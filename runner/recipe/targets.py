@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
-import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from backends.errors import UserError, one_line
+from runner.user_code import import_user_module
 
 K = TypeVar("K")
 
@@ -34,17 +33,11 @@ def import_target(target: str) -> Callable[..., Any]:
 def import_object(target: str) -> Any:
     """Whatever 'pkg.mod:name' names (an AlgoSpec, a loss spec); UserError if it does not import."""
     module, _, attr = target.partition(":")
-    # The console script does not put the working directory on sys.path (`python -m` does); user
-    # modules live next to the recipe, so both entry points must find them.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    mod = import_user_module(module, f"cannot import {target!r}")
     try:
-        fn = getattr(importlib.import_module(module), attr)
-    # SystemExit too: a module that exits as it is imported (a script's sys.exit, argparse at top level) ended
-    # `runner check` with its code and no word, 0 looking like a pass.
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - any failure inside user code is the user's to fix
+        return getattr(mod, attr)
+    except Exception as e:  # noqa: BLE001 - a missing name, or a module __getattr__ of the user's raising
         raise UserError(f"cannot import {target!r}: {one_line(e)}") from None
-    return fn
 
 
 def args_mismatch(fn: Callable[..., Any], args: dict[str, Any], leading: int = 0,

@@ -9,7 +9,6 @@ is a Renderer subclass (or any factory tokenizer -> Renderer) in their module (d
 from __future__ import annotations
 
 import importlib
-import os
 import pkgutil
 import re
 import sys
@@ -19,6 +18,7 @@ from typing import Any
 from backends.errors import UserError, one_line
 from runner.renderers.auto import pick_renderer
 from runner.renderers.base import AUTO, REGISTRY, Renderer, Tokenizer
+from runner.user_code import import_user_module
 
 # A user's renderer: "pkg.mod:NAME" (the recipe's TARGET_PATTERN; the recipe sits above this package).
 USER_RENDERER = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -99,13 +99,7 @@ def user_factory(target: str) -> Any:
     module raises: a SyntaxError is as much the user's as a missing module) or is not callable. `runner check` calls
     it too (runner/recipe/load.py check_recipe), so a bad one is found before a run."""
     module, _, attr = target.partition(":")
-    # As runner/recipe/targets.py import_target: the console script does not put the working directory on sys.path.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        mod = importlib.import_module(module)
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - user code (one that exits on import too: targets.py)
-        raise UserError(f"renderer {target!r}: cannot import {module}: {one_line(e)}") from None
+    mod = import_user_module(module, f"renderer {target!r}: cannot import {module}")
     factory = getattr(mod, attr, None)
     if factory is None:
         raise UserError(f"renderer {target!r}: {module} has no {attr}")
