@@ -317,10 +317,17 @@ def step_suite(device: str, scratch: Path, limit: float, quick: bool, emit: Emit
 GPU_MARKERS = "gpu and not slow"
 
 
+def gpu_files() -> list[Path]:
+    """The test files that mark tests `gpu`: collecting only these takes 2 s instead of the whole tree's 10 s (on
+    the dev box), out of the step's 90."""
+    return sorted(f for f in (REPO / "tests").glob("test_*.py") if "pytest.mark.gpu" in f.read_text())
+
+
 def gpu_command() -> list[str]:
     """pytest of the `gpu` tests; `-o addopts=` drops pyproject's -q, so that -v prints a line per test (what
     parse_pytest_log reads; -q and -v together print dots only)."""
-    return _py("-m", "pytest", "-m", GPU_MARKERS, "-p", "no:cacheprovider", "-v", "-o", "addopts=", str(REPO / "tests"))
+    return _py("-m", "pytest", "-m", GPU_MARKERS, "-p", "no:cacheprovider", "-v", "-o", "addopts=",
+               *map(str, gpu_files()))
 
 
 def step_gpu(device: str, scratch: Path, limit: float, quick: bool, emit: Emit) -> Step:
