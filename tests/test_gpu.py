@@ -32,12 +32,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 # A sample's own logprobs vs compute_logprobs of the same sequence, on cuda in bfloat16. On the CPU the two are the
 # same kernels on the same rows (batch invariance, decoding.ROW_QUANTUM: 5e-7 measured, TOL_OWN = 1e-3). On cuda
-# they are not: the decode step attends under a mask (SDPA's memory-efficient kernel, 4 rows per matmul) and
-# compute_logprobs runs the whole sequence causally (flash, 32 rows), and each rounds its outputs to bfloat16. The
-# logits themselves are bfloat16 (one ulp is 2^-6 = 0.016 at magnitude 2-4), so a single rounding that comes out
-# the other way moves a logprob by about 0.016: on the CPU, compute_logprobs with its attention swapped for another
-# kernel (float32 math, rounded) gave 0.0095-0.0155 on five seeds (tests/test_bf16.py's model and data). The bound
-# is that of two bfloat16 computations of the same math in other op orders, TOL_LORA.
+# they are not: the decode step attends under a boolean mask (an SDPA kernel other than flash, which takes no mask;
+# 4 rows per matmul) and compute_logprobs runs the whole sequence causally (flash; 32 rows per matmul, where cuBLAS
+# may pick other kernels), and each rounds its outputs to bfloat16. The logits themselves are bfloat16 (one ulp is
+# 2^-6 = 0.016 at magnitude 2-4), so a single rounding that comes out the other way moves a logprob by about 0.016:
+# on the CPU, compute_logprobs with its attention swapped for another kernel (float32 math, rounded) gave
+# 0.0095-0.0155 on five seeds (tests/test_bf16.py's model and data). The bound is that of two bfloat16 computations
+# of the same math in other op orders, TOL_LORA.
 OWN_CUDA = TOL_LORA
 
 
