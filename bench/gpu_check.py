@@ -12,7 +12,8 @@ all inside one budget (--budget-s, default 540 s: one device call of at most 10 
    are listed, from the log, even when the step is cut at its limit;
 4. conformance: `runner conformance` against `runner serve --device DEV` (numeric checks at --atol/--rtol 5e-3, the
    bfloat16 tolerance of tests/test_bf16.py);
-5. gpu: `pytest -m gpu` alone (the CUDA paths: bf16 step vs float32, graph vs eager decode, FlexAttention);
+5. gpu: `pytest -m 'gpu and not slow'` alone (the CUDA paths: bf16 step vs float32, graph vs eager decode,
+   FlexAttention; the slow gpu test is the conformance step's check);
 6. speed: bench/bench_gpu.py's training on the Qwen3-0.6B shape (issue #29): ours-sdpa, ours-flex and the packed
    hand loop's tokens/s, MFU and memory; 7. sampling: its sampling on that shape, ours against `generate` and
    `generate` with a static cache + compile. Each section of the bench's tables lands in the report as soon as it is
@@ -311,9 +312,26 @@ def step_suite(device: str, scratch: Path, limit: float, quick: bool, emit: Emit
     return step
 
 
+# The gpu step's marker expression: the `gpu` tests but the slow one (test_gpu.py's conformance against `runner serve
+# --device cuda`: the conformance step runs the same check, 40.2 s on the H200, bench/results/gpu.md).
+GPU_MARKERS = "gpu and not slow"
+
+
+def gpu_files() -> list[Path]:
+    """The test files that mark tests `gpu`: collecting only these takes 2 s instead of the whole tree's 10 s (on
+    the dev box), out of the step's 90."""
+    return sorted(f for f in (REPO / "tests").glob("test_*.py") if "pytest.mark.gpu" in f.read_text())
+
+
+def gpu_command() -> list[str]:
+    """pytest of the `gpu` tests; `-o addopts=` drops pyproject's -q, so that -v prints a line per test (what
+    parse_pytest_log reads; -q and -v together print dots only)."""
+    return _py("-m", "pytest", "-m", GPU_MARKERS, "-p", "no:cacheprovider", "-v", "-o", "addopts=",
+               *map(str, gpu_files()))
+
+
 def step_gpu(device: str, scratch: Path, limit: float, quick: bool, emit: Emit) -> Step:
-    rc, wall, tail = _run(_py("-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-v", str(REPO / "tests")),
-                          REPO, _env(None), limit, scratch / "pytest-gpu.log")
+    rc, wall, tail = _run(gpu_command(), REPO, _env(None), limit, scratch / "pytest-gpu.log")
     counts, bad, gpu = parse_pytest_log((scratch / "pytest-gpu.log").read_text(errors="replace"))
     # Exit 5: nothing selected ran (every gpu test skipped where there is no CUDA device).
     ok = rc in (0, 5) if device == "cpu" else rc == 0
@@ -424,7 +442,7 @@ def plan(steps: list[str], device: str, quick: bool, budget_s: float, limits: di
             lines.append("  " + " ".join([*(f"{k}={v}" for k, v in extra.items()), "pytest", *cmd[3:]])
                          + ("" if "-n" in cmd else "  (no pytest-xdist here: one process; the device image has it)"))
         elif key == "gpu":
-            lines.append("  pytest -m gpu tests")
+            lines.append("  pytest " + " ".join(repr(a) if " " in a else a for a in gpu_command()[3:]).replace(str(REPO) + "/", ""))
         elif key in BENCH_ARGS:
             lines.append("  python " + " ".join(bench_command(key, device, quick)[1:]).replace(str(REPO) + "/", ""))
         elif key == "conformance":

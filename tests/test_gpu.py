@@ -1,7 +1,7 @@
 """The local backend on CUDA (`pytest -m gpu`; every test here skips where torch sees no CUDA device): a bfloat16
 training step against a float32 reference, sampler/trainer agreement, and `runner conformance` against `runner serve
 --device cuda`. The CPU stand-in of the same checks is tests/test_bf16.py, whose tolerances these reuse: CUDA's
-bfloat16 kernels round differently from the CPU's, not more coarsely."""
+bfloat16 kernels round differently from the CPU's, not more coarsely. One exception, OWN_CUDA below."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from test_bf16 import (
     MEAN_VS_FP32,
     SPEC,
     TOL_LORA,
-    TOL_OWN,
     TOL_VS_FP32,
     _data,
     _own_logprobs_gap,
@@ -31,12 +30,24 @@ from backends.types import AdamParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
+# A sample's own logprobs vs compute_logprobs of the same sequence, on cuda in bfloat16. On the CPU the two are the
+# same kernels on the same rows (batch invariance, decoding.ROW_QUANTUM: 5e-7 measured, TOL_OWN = 1e-3). On cuda
+# they are not: the decode step attends under a boolean mask (an SDPA kernel other than flash, which takes no mask;
+# 4 rows per matmul) and compute_logprobs runs the whole sequence causally (flash; 32 rows per matmul, where cuBLAS
+# may pick other kernels), and each rounds its outputs to bfloat16. The logits themselves are bfloat16 (one ulp is
+# 2^-6 = 0.016 at magnitude 2-4), so a single rounding that comes out the other way moves a logprob by about 0.016:
+# on the CPU, compute_logprobs with its attention swapped for another kernel (float32 math, rounded) gave
+# 0.0095-0.0155 on five seeds (tests/test_bf16.py's model and data). The bound is that of two bfloat16 computations
+# of the same math in other op orders, TOL_LORA.
+OWN_CUDA = TOL_LORA
+
 
 def _cuda(tmp: Path, dtype: str = "auto") -> LocalBackend:
     return LocalBackend(Local(device="cuda", dtype=dtype), "tiny", None, tmp, seed=0)  # type: ignore[arg-type]
 
 
-def test_auto_puts_tiny_on_the_cpu_and_cuda_takes_bf16(tmp_path):
+def test_auto_puts_tiny_on_the_cpu_and_cuda_takes_bf16(tmp_path, monkeypatch):
+    monkeypatch.delenv("RUNNER_LOCAL_DEVICE", raising=False)  # (set, it decides what "auto" picks)
     auto = LocalBackend(Local(), "tiny", None, tmp_path / "auto", seed=0)
     cuda = _cuda(tmp_path / "cuda")
     try:
@@ -105,7 +116,7 @@ def test_sampler_agrees_with_trainer_on_cuda(tmp_path):
         lps = tc.forward(data, "cross_entropy").result().logprobs
         snap = tc.save_weights_and_get_sampling_client().result()
         assert _worst(snap, data, lps) <= TOL_LORA
-        assert _own_logprobs_gap(snap, tok) <= TOL_OWN
+        assert _own_logprobs_gap(snap, tok) <= OWN_CUDA
         saved = backend.create_sampling_client(model_path=tc.save_weights_for_sampler("s").result()).result()
         assert _worst(saved, data, lps) <= TOL_LORA
     finally:

@@ -143,3 +143,22 @@ def test_a_bench_cut_at_its_limit_keeps_the_tables_it_printed(tmp_path, monkeypa
     whole = BENCH_LOG + "Device: H200; bf16\n" + BENCH_LOG
     text = gpu_check.bench_tables(whole)
     assert text.startswith("Device: H200; bf16") and text.count("| ours-sdpa | 9,000 |") == 1
+
+
+def test_the_gpu_step_runs_every_gpu_test_but_the_slow_one():
+    """The gpu step's pytest command collects only the files that mark tests `gpu` (collecting the whole tree took
+    10 s of the step's 90): what it selects is everything `-m gpu` selects over all of tests/, less the slow test
+    (test_gpu.py's conformance, which the conformance step runs)."""
+    def selected(args: list[str]) -> set[str]:
+        args = [a for a in args if a != "-v"]  # -o addopts= -q: one node id a line
+        out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-o", "addopts=", "-q", *args],
+                             cwd=REPO, capture_output=True, text=True, timeout=300)
+        return {ln for ln in out.stdout.splitlines() if "::" in ln}
+
+    cmd = gpu_check.gpu_command()
+    assert cmd[cmd.index("-m", 3) + 1] == "gpu and not slow" and "addopts=" in cmd
+    every = selected(["-p", "no:cacheprovider", "-m", "gpu", "tests"])
+    step = selected(cmd[3:])
+    assert step == every - {"tests/test_gpu.py::test_conformance_against_serve_on_cuda"}
+    assert len(step) >= 13 and {s.split("::")[0] for s in step} == {
+        str(f.relative_to(REPO)) for f in gpu_check.gpu_files()}
