@@ -61,7 +61,7 @@ def _snapshot(be):
     return tc.save_weights_and_get_sampling_client().result()
 
 
-def _count_batches(sc) -> list[int]:
+def count_batches(sc) -> list[int]:
     """Requests per decode run: a sample_batch call's, or a sample_stream's (those it started with plus those
     that joined it)."""
     sizes: list[int] = []
@@ -111,7 +111,7 @@ def episodes(variant: str, args) -> dict:
 
     be = _backend(variant)
     sc = _snapshot(be)
-    sizes = _count_batches(sc)
+    sizes = count_batches(sc)
 
     async def episode(i: int) -> None:
         prompt = [10 + i % 50] * 20
@@ -144,7 +144,7 @@ def twentyq(variant: str, args) -> dict:
     ctx = EnvContext(ChatRenderer(be.get_tokenizer()), args.group_size, 1, args.groups, 0)
     train, _ = build_datasets(TwentyQuestions(train_size=40, test_size=0, max_turns=args.max_turns), ctx)
     sc = _snapshot(be)
-    sizes = _count_batches(sc)
+    sizes = count_batches(sc)
     t = time.perf_counter()
     asyncio.run(rollout_batch(train.get_batch(0), sc, SamplingParams(max_tokens=32), max_context=2048))
     wall = time.perf_counter() - t

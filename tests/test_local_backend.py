@@ -4,6 +4,7 @@ custom losses, checkpoints, PEFT export, sampler snapshots, determinism and erro
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +23,9 @@ from backends.local.llama import LoraDelta
 from backends.local.local_config import Local
 from backends.local.tiny import TINY_DIR
 from backends.types import AdamParams, Datum, LoraSpec, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from bench_sampling_clients import count_batches  # noqa: E402 - the bench's decode-run counter
 
 SPEC = LoraSpec("tiny", rank=4, seed=7)
 ADAM = AdamParams(learning_rate=3e-3)
@@ -683,18 +687,7 @@ def test_seeded_samples_do_not_depend_on_the_batch(backend, data):
     # Alone: on the engine directly. Through the client, the last of them would still be decoding when its
     # result is delivered, and the requests below could join its batch (continuous batching) before the spy.
     alone = [sc._sampler.sample_batch([(p, 2, q)])[0] for p, q in zip(prompts, params)]
-    inner, sizes = sc._sampler.sample_stream, []
-
-    def spy(reqs, more, done):  # one decode run: those coalesced at its start, plus those that joined it
-        sizes.append(len(reqs))
-
-        def joined():
-            got = more()
-            sizes[-1] += len(got)
-            return got
-        return inner(reqs, joined, done)
-
-    sc._sampler.sample_stream = spy
+    sizes = count_batches(sc)  # per decode run: those coalesced at its start, plus those that joined it
 
     async def together():
         return await asyncio.gather(*(sc.sample(p, 2, q) for p, q in zip(prompts, params)))
