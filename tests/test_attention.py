@@ -244,19 +244,23 @@ def test_flex_off_cuda_is_one_line_user_error(tmp_path):
     backend.close()
 
 
-def test_flex_without_the_packed_path_is_refused_at_check(tmp_path, capsys):
-    """attention = "flex" with packed = false was accepted and silently ignored (the padded chunks never call
-    FlexAttention); `runner check` names the conflict, on any machine."""
+def _check(tmp_path, capsys, *overrides: str) -> tuple[int, str]:
+    """`runner check` of a one-line SFT recipe (its data file absent) with `overrides`: (exit code, stderr)."""
     from runner.cli import main
 
     recipe = tmp_path / "r.toml"
     recipe.write_text('[recipes.r]\nalgo = {kind = "sft", data = {kind = "jsonl", path = "x.jsonl"}}\n')
     capsys.readouterr()
-    assert main(["check", str(recipe), "backend.attention=flex", "backend.packed=false"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and 'backend: attention = "flex" runs on the packed path' in err, err
-    assert main(["check", str(recipe), "backend.attention=sdpa", "backend.packed=false"]) == 2  # only the data
-    assert "data file not found" in capsys.readouterr().err
+    return main(["check", str(recipe), *overrides]), capsys.readouterr().err
+
+
+def test_flex_without_the_packed_path_is_refused_at_check(tmp_path, capsys):
+    """attention = "flex" with packed = false was accepted and silently ignored (the padded chunks never call
+    FlexAttention); `runner check` names the conflict, on any machine."""
+    rc, err = _check(tmp_path, capsys, "backend.attention=flex", "backend.packed=false")
+    assert rc == 2 and err.count("\n") == 1 and 'backend: attention = "flex" runs on the packed path' in err, err
+    rc, err = _check(tmp_path, capsys, "backend.attention=sdpa", "backend.packed=false")
+    assert rc == 2 and "data file not found" in err  # only the data
 
 
 def test_flex_where_the_packed_path_is_not_taken_is_refused(tmp_path, capsys):
@@ -269,7 +273,6 @@ def test_flex_where_the_packed_path_is_not_taken_is_refused(tmp_path, capsys):
     from backends.local.backend import LocalBackend
     from backends.local.local_config import Local
     from backends.types import LoraSpec
-    from runner.cli import main
 
     # The device check refuses "flex" on the CPU first; the option is set after it to reach the client's check.
     backend = LocalBackend(Local(device="cpu", attention="sdpa"), "tiny", None, tmp_path / "b")
@@ -282,12 +285,8 @@ def test_flex_where_the_packed_path_is_not_taken_is_refused(tmp_path, capsys):
         assert err.value.user_error and "\n" not in str(err.value)
     finally:
         backend.close()
-    recipe = tmp_path / "r.toml"
-    recipe.write_text('[recipes.r]\nalgo = {kind = "sft", data = {kind = "jsonl", path = "x.jsonl"}}\n')
-    capsys.readouterr()
-    assert main(["check", str(recipe), "backend.attention=flex", "backend.full_finetune=true"]) == 2
-    err_text = capsys.readouterr().err
-    assert err_text.count("\n") == 1 and "which trains LoRA adapters only" in err_text, err_text
+    rc, err_text = _check(tmp_path, capsys, "backend.attention=flex", "backend.full_finetune=true")
+    assert rc == 2 and err_text.count("\n") == 1 and "which trains LoRA adapters only" in err_text, err_text
 
 
 def test_the_mask_builder_compiles_once_whatever_the_grad_mode(monkeypatch):
