@@ -54,6 +54,12 @@ class BackendError(RuntimeError):
         self.user_error = user_error
         self.state_lost = state_lost
 
+    @property
+    def detail(self) -> str:
+        """The message without its leading "request: " (a server's reply is already about that request)."""
+        msg = str(self)
+        return msg[len(self.request) + 2:] if self.request and msg.startswith(self.request + ": ") else msg
+
 
 class Future(Generic[T_co]):
     """An awaitable handle on a result, shaped like Tinker's APIFuture.

@@ -651,10 +651,7 @@ def _user_result(fut: Any) -> Any:
     except BackendError as exc:
         if not exc.user_error:
             raise
-        msg = str(exc)
-        if exc.request and msg.startswith(exc.request + ": "):
-            msg = msg[len(exc.request) + 2:]
-        raise ApiError(400, msg) from None
+        raise ApiError(400, exc.detail) from None
 
 
 def _topk_of(sc: Any) -> TopK | None:

@@ -86,10 +86,7 @@ def failed(message: str, category: str = "user") -> Reply:
 def error_reply(exc: BaseException) -> Reply:
     """An engine failure as a failed future: the user's fault when the backend says so."""
     if isinstance(exc, BackendError):
-        msg = str(exc)
-        if exc.request and msg.startswith(exc.request + ": "):
-            msg = msg[len(exc.request) + 2:]
-        return failed(msg, "user" if exc.user_error else "server")
+        return failed(exc.detail, "user" if exc.user_error else "server")
     if isinstance(exc, ApiError):
         return failed(exc.detail, "user")
     if isinstance(exc, (UserError, ValueError, KeyError)):
