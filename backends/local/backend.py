@@ -198,8 +198,7 @@ class LocalBackend:
                     f"lora_alpha={setup.lora_alpha}, {len(setup.targets)} layers"
                 )
         # seed=None is a random init on Tinker; here it derives from the backend seed so runs repeat.
-        # Modulo 2**63: torch takes a signed 64-bit seed, and any recipe seed up to 2**63 - 1 is valid.
-        seed = spec.seed if spec.seed is not None else (self.seed * 1000 + index) % 2**63
+        seed = spec.seed if spec.seed is not None else self._client_seed(index)
         client = LocalTrainingClient(self, M.make_trainable(self.base(), setup, seed), setup, f"train-{index}")
         if state is not None:
             M.load_weights(state, client.model)
@@ -245,9 +244,14 @@ class LocalBackend:
         size = sum(p.numel() * p.element_size() for p in self.base().parameters())
         return self.device.type == "cpu" and self.dtype == torch.float32 and size < (1 << 30)
 
+    def _client_seed(self, index: int) -> int:
+        """The seed of the backend's index-th training (or sampling) client: derived from the backend's seed so runs
+        repeat; modulo 2**63, as torch takes a signed 64-bit seed and any recipe seed up to 2**63 - 1 is valid."""
+        return (self.seed * 1000 + index) % 2**63
+
     def sampling_client(self, model: torch.nn.Module, name: str) -> LocalSamplingClient:
         # Unseeded samples draw from a generator seeded per client, so a rerun repeats them too.
-        seed = (self.seed * 1000 + next(self._sampler_ids)) % 2**63
+        seed = self._client_seed(next(self._sampler_ids))
         client = LocalSamplingClient(
             model, self.get_tokenizer(), self.device, name, seed, self.sample_threads
         )
@@ -373,14 +377,12 @@ class LocalTrainingClient:
         change the client: backends/local/worker.py). Free when no gradient is pending (the usual fb, optim_step
         order: they go back to None); else the pending ones are copied first (the adapters' size for LoRA, the
         whole gradient for a full fine-tune)."""
-        pending = [(q, q.grad) for _, q in self._params if q.grad is not None]
-        saved = [(q, g.clone()) for q, g in pending]
+        saved = {id(q): q.grad.clone() for _, q in self._params if q.grad is not None}
         try:
             yield
         except BaseException:
-            kept = dict((id(q), g) for q, g in saved)
             for _, q in self._params:
-                q.grad = kept.get(id(q))
+                q.grad = saved.get(id(q))
             raise
 
     def _run_loss(
