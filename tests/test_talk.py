@@ -202,7 +202,7 @@ def test_invalid_utf8_is_a_one_line_error(sft_run: Path, proj: Path, capsys: pyt
     (proj / "surrogate.jsonl").write_text('{"prompt": "a\\ud800"}\n')
     cases = [(["sample", str(sft_run), "caf\udce9"], "the prompt: not valid UTF-8"),
              (["sample", str(sft_run), "hi", "--system", "\udcff"], "--system: not valid UTF-8"),
-             (["sample", str(sft_run), "--file", "latin1.jsonl"], "latin1.jsonl:2: not valid UTF-8"),
+             (["sample", str(sft_run), "--file", "latin1.jsonl"], "latin1.jsonl:2: not UTF-8 text (byte 0xe9 at column 16)"),
              (["sample", str(sft_run), "--file", "surrogate.jsonl"], "surrogate.jsonl:1: not valid UTF-8"),
              (["chat", str(sft_run), "--temperature", "-1"], "--temperature must be >= 0")]
     for argv, message in cases:

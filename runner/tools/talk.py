@@ -105,24 +105,12 @@ def check_messages(messages: list[dict[str, str]], where: str) -> list[dict[str,
 def read_prompts(file: str) -> list[list[dict[str, str]]]:
     """Rows {"messages": [...]} (ending with the user's turn) or {"prompt": "..."}; errors name file:line."""
     from runner.data.conversations import conversation
+    from runner.data.files import read_jsonl
 
-    p = Path(file)
-    if not p.is_file():
-        raise UserError(f"{file}: file not found")
     out = []
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        line_no = p.read_bytes()[:e.start].count(b"\n") + 1
-        raise UserError(f"{file}:{line_no}: not valid UTF-8") from None
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{file}:{i}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{where}: not JSON ({e.msg})") from None
+    # The data files' reader: a missing file, a folder or FIFO, bytes that are not UTF-8 or a line that is not JSON
+    # each one line naming file:line.
+    for row, where in read_jsonl(Path(file)):
         if isinstance(row, dict) and isinstance(row.get("prompt"), str):
             out.append(check_messages([{"role": "user", "content": row["prompt"]}], where))
         elif isinstance(row, dict) and "messages" in row:
