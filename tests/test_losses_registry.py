@@ -19,7 +19,7 @@ from backends.fake import FakeBackend
 from backends.local.backend import LocalBackend
 from backends.local.local_config import Local
 from backends.types import LOSS_FNS, AdamParams, Datum, LoraSpec
-from runner.recipe.schema import RL, PythonLoss
+from runner.algos.rl_config import RL, PythonLoss
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
