@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -197,6 +198,23 @@ def test_one_of_each_kind_from_a_user_package(proj: Path, capsys: pytest.Capture
     capsys.readouterr()
     assert main(["check", "r.toml", "algo.args.batch_sise=3"]) == 2  # the user's config struct checks its args
     assert "did you mean `batch_size`?" in capsys.readouterr().err
+
+
+def test_every_example_in_docs_extending_passes_check(proj: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/extending.md's TOML blocks, each checked as written against this file's user package; and the old spelling
+    of a user's algorithm is one line giving the new one."""
+    text = (ROOT / "docs" / "extending.md").read_text()
+    blocks = re.findall(r"```toml\n(.*?)```", text, re.S)
+    assert len(blocks) == 7
+    for block in blocks:
+        (proj / "doc.toml").write_text(block)
+        assert main(["check", "doc.toml"]) == 0, (block, capsys.readouterr().err)
+    capsys.readouterr()
+    (proj / "old.toml").write_text('[recipes.old]\nalgo = {kind = "custom", spec = "myext.custom_algo:SPEC"}\n')
+    assert main(["check", "old.toml"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith('algo: kind "custom" is now spelled {kind = "python", target = "myext.custom_algo:SPEC", '
+                        'args = {...}}') and len(err.splitlines()) == 1, err
 
 
 def test_a_backend_of_my_own_runs_a_recipe(proj: Path, capsys: pytest.CaptureFixture[str]) -> None:

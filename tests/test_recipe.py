@@ -179,7 +179,7 @@ BAD_RECIPES = [
     ),
     (
         'model = "tiny"',
-        'recipes.toml#sl_basic: algo: missing key; write e.g. algo = {kind = "sft"} (kind one of: custom, distill, dpo, generate, reward_model, rl, sft)',
+        'recipes.toml#sl_basic: algo: missing key; write e.g. algo = {kind = "distill"} (kind one of: custom, distill, dpo, generate, python, reward_model, rl, sft)',
     ),
     (
         'algo = {kind = "sft"}',

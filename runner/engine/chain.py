@@ -69,11 +69,6 @@ def ref_fields(recipe: Recipe) -> list[tuple[str, str, bool]]:
             if keys and is_ref(field.type) and isinstance(value := getattr(node, field.name), str)]
 
 
-def resolve_ref(ref: str, prefix: str) -> Upstream:
-    """The run a (loaded, absolute) reference names."""
-    return _stage(ref, prefix, [])
-
-
 def dependencies(recipe: Recipe, where: str, seen: tuple[str, ...] = ()) -> list[Upstream]:
     """The runs the algorithm samples from (ref_fields), each after the runs it depends on itself, in the order
     to run them; every init_from chain checked. UserError on a missing reference or a cycle."""
