@@ -496,3 +496,21 @@ def test_a_builtin_of_each_kind_is_new_files_in_one_folder(tmp_path: Path) -> No
     assert "renderer" in log and "loss 0.25" in log  # the renderer rendered, the loss trained with the recipe's scale
     algo = [r for r in read_jsonl(work / "runs" / "algo" / "metrics.jsonl") if "train_mean_nll" in r]
     assert len(algo) == 2  # the algorithm, on the backend
+
+
+@pytest.mark.parametrize("module", ["runner.algos.rl_config", "runner.algos.generate_config",
+                                    "runner.rl.envs.tictactoe_config", "runner.engine.inspect_eval_config",
+                                    "backends.losses.ppo_config", "backends.local.local_config"])
+def test_the_unions_are_whole_whichever_config_module_is_imported_first(module: str) -> None:
+    """A config module imported before the schema (a fresh interpreter) still ends up in its union, whole: the finder
+    loads config modules by file and none imports the module that finds its own kind (tests/test_import_graph.py)."""
+    counts = ("len(ALGO_VARIANTS), len(ENV_VARIANTS), len(PINNED_VARIANTS), len(Loss.__args__), "
+              "len(BACKEND_VARIANTS)")
+    code = (f"import {module}\nfrom runner.recipe.schema import ALGO_VARIANTS, BACKEND_VARIANTS\n"
+            "from runner.recipe.envs import ENV_VARIANTS\nfrom runner.recipe.pinned import PINNED_VARIANTS\n"
+            f"from runner.algos.rl_config import Loss\nprint({counts})")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(n) for n in (len(ALGO_VARIANTS), len(ENV_VARIANTS), len(PINNED_VARIANTS),
+                                                   len(Loss.__args__), len(BACKEND_VARIANTS))]  # type: ignore[attr-defined]
