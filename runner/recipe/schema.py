@@ -4,8 +4,10 @@ A recipe file holds named recipes under `[recipes.<name>]`; `FILE#name` selects 
 with msgspec into `Recipe` (unknown keys forbidden, tagged unions with `kind` for every choice, limits in
 the types). This module is only the schema: reading files, overrides and `runner show` are runner/recipe/load.py,
 turning msgspec's errors into one line is runner/recipe/explain.py, importing `pkg.mod:fn` targets runner/recipe/targets.py.
-The backend tables (`backend = {kind = ...}`) are declared by each backend (backends/NAME/NAME_config.py), a user's
-own by runner/recipe/python_backend.py.
+The tables an extension kind adds are declared beside its code, each in a `*_config.py` (docs/extending.md), and this
+module builds the unions from them (backends/configs.py `found`): `algo` from runner/algos/NAME_config.py, `backend`
+from backends/NAME/NAME_config.py (a user's: runner/recipe/python_backend.py); `algo.env` and `evals` are the unions of
+runner/recipe/envs.py and runner/recipe/pinned.py, `algo.loss` runner/algos/rl_config.py's.
 """
 
 from __future__ import annotations
