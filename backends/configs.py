@@ -1,4 +1,4 @@
-"""The recipe's config structs and the one finder of them; how a recipe names a backend.
+"""The recipe's config structs and the one finder of them.
 
 Every extension kind declares itself the same way (docs/extending.md): a light msgspec struct, tagged by `kind`, in a
 `*_config.py` beside its implementation (backends/NAME/NAME_config.py, runner/algos/sft_config.py,
@@ -9,8 +9,9 @@ unions are built from it, so a new variant is new files in one folder, with no l
 Its implementation is the module beside it: the config module's name without `_config` (`implementation_of`).
 
 A config file imports neither torch nor the tinker SDK at module level (a backend's `make()` does, when a run starts),
-so validating a recipe imports neither. A user's own backend comes from a recipe, `kind = "python"`
-(runner/recipe/python_backend.py).
+so validating a recipe imports neither; nor the module that builds its own union (it takes its base from
+runner/recipe/common.py), so whichever module a program imports first, each union comes out whole
+(tests/test_import_graph.py and tests/test_extending.py check both).
 """
 
 from __future__ import annotations
