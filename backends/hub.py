@@ -86,6 +86,26 @@ def cached_snapshot(repo_id: str) -> Path | None:
         return None
 
 
+def looks_like_hub_id(name: str) -> bool:
+    """`org/name` that is not a folder here (what backends/local/model.py downloads; "tiny" is built in)."""
+    if name == "tiny" or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        return False
+    return not Path(name).expanduser().exists()
+
+
+def cache_miss(name: str, what: str, local_files_only: bool = False) -> str | None:
+    """For `runner check`: the line a run would stop with because hub id `name` is not in the Hugging Face cache
+    and downloads are off (HF_HUB_OFFLINE=1 or local_files_only); None otherwise. Never a network call; with
+    downloads on, nothing is looked up (the run downloads it)."""
+    if not looks_like_hub_id(name) or not (local_files_only or env_offline() or offline()):
+        return None
+    if cached_snapshot(name) is not None:
+        return None
+    why = "local_files_only = true" if local_files_only else "HF_HUB_OFFLINE=1"
+    return (f"{what} {name!r} is not in the Hugging Face cache and downloads are off ({why}); download it first "
+            f"(hf download {name}) or name a local folder")
+
+
 def snapshot(repo_id: str, what: str = "model", local_files_only: bool = False,
              patterns: list[str] | None = None) -> Path:  # fmt: skip
     """The folder of hub repo `repo_id` in the Hugging Face cache, downloaded on first use (module doc).

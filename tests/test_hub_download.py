@@ -223,3 +223,27 @@ def test_ctrl_c_during_a_stalled_download_exits_within_2_s(tmp_path: Path) -> No
             except OSError:
                 pass
         assert alive == []
+
+
+def test_check_says_when_an_uncached_hub_model_cannot_be_had(tmp_path: Path) -> None:
+    """issue #39: with HF_HUB_OFFLINE=1 `runner check` said ok for a hub model not in the cache, and the run failed
+    seconds later. Now check stops with the run's line (local_files_only too); once cached, ok."""
+    (tmp_path / "r.toml").write_text(f"""\
+[recipes.l]
+model = "{REPO}"
+max_steps = 1
+algo = {{kind = "sft", data = {{kind = "jsonl", path = "d.jsonl"}}, batch_size = 2}}
+""")
+    (tmp_path / "d.jsonl").write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n' * 4)
+    check = ["-m", "runner", "check", "r.toml#l"]
+    offline = python(check, tmp_path, HF_HUB_OFFLINE="1")
+    assert offline.returncode == 2 and offline.stderr.strip() == (
+        f"error: r.toml#l: model {REPO!r} is not in the Hugging Face cache and downloads are off (HF_HUB_OFFLINE=1); "
+        f"{FIX}")
+    pinned = python([*check, "backend.local_files_only=true"], tmp_path)
+    assert pinned.returncode == 2 and "downloads are off (local_files_only = true)" in pinned.stderr
+    with fake_hub({REPO: TINY}) as hub:
+        assert "error" not in download(tmp_path, hub.url)["out"]
+    cached = python(check, tmp_path, HF_HUB_OFFLINE="1")
+    assert cached.returncode == 0 and cached.stdout.strip() == "ok  r.toml#l", cached.stderr
