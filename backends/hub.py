@@ -96,8 +96,9 @@ def looks_like_hub_id(name: str) -> bool:
 def cache_miss(name: str, what: str, local_files_only: bool = False) -> str | None:
     """For `runner check`: the line a run would stop with because hub id `name` is not in the Hugging Face cache
     and downloads are off (HF_HUB_OFFLINE=1 or local_files_only); None otherwise. Never a network call; with
-    downloads on, nothing is looked up (the run downloads it)."""
-    if not looks_like_hub_id(name) or not (local_files_only or env_offline() or offline()):
+    downloads on, nothing is looked up (the run downloads it). The environment as it is now decides (a fresh run
+    reads the same), not what huggingface_hub read when this process imported it."""
+    if not looks_like_hub_id(name) or not (local_files_only or env_offline()):
         return None
     if cached_snapshot(name) is not None:
         return None
