@@ -247,3 +247,15 @@ algo = {{kind = "sft", data = {{kind = "jsonl", path = "d.jsonl"}}, batch_size =
         assert "error" not in download(tmp_path, hub.url)["out"]
     cached = python(check, tmp_path, HF_HUB_OFFLINE="1")
     assert cached.returncode == 0 and cached.stdout.strip() == "ok  r.toml#l", cached.stderr
+
+
+def test_a_tokenizer_by_hub_id_downloads_its_files_only(tmp_path: Path) -> None:
+    """load_tokenizer (the Tinker backend's, dry runs') downloads through the same bounded child, and only the
+    tokenizer's files: no weights."""
+    script = f"from backends.tokenizer import load_tokenizer; print(len(load_tokenizer({REPO!r}).encode('hi')))"
+    with fake_hub({REPO: TINY}) as hub:
+        proc = python(["-c", script], tmp_path, HF_ENDPOINT=hub.url, HF_HUB_DISABLE_PROGRESS_BARS="1")
+        assert proc.returncode == 0 and proc.stdout.strip() == "2", proc.stderr
+        assert f"tokenizer {REPO}: not in the Hugging Face cache, downloading it from {hub.url}" in proc.stderr
+        gets = [r for r in hub.requests if r.startswith("GET /someorg/")]
+        assert any(r.endswith("/tokenizer.json") for r in gets) and not any("safetensors" in r for r in gets), gets
