@@ -4,8 +4,9 @@ The old way appended the asserts to the program and counted exit 0 as a pass, so
 `atexit` hook, or a patched `AssertionError` passed every test. Here two processes share the sandbox run:
 
 - the **harness** (this file, run with `-I -S`, keeping the launcher's uid: root or the namespace's root) reads its
-  job (the check code and a per-run nonce) from stdin, forks the **worker** and runs the check code itself, in a
-  namespace where the program's top-level names are proxies;
+  job (the check code and a per-run nonce) from stdin, forks the **worker** and runs the check code itself, with
+  its own builtins and modules, in a namespace where the program's other top-level names are proxies
+  (check_namespace: a program's `set = ...`, `abs = ...`, fake or patched `math` never reach the check);
 - the **worker** (the same source with `--worker`) drops to the run's fresh uid (or, without one, all capabilities),
   runs the program as `__main__` with stdin on /dev/null and stdout sent to stderr, and then answers the harness's
   calls over two pipes: call, attribute, iterate, length, item. Only exact builtin data (what `marshal` writes:
