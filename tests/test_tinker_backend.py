@@ -503,6 +503,8 @@ def silent_socket(accept: bool) -> Iterator[str]:
 
 @pytest.mark.parametrize("accept", [True, False], ids=["never-answers", "refused"])
 def test_unreachable_service_fails_within_connect_timeout(monkeypatch, accept):
+    """A port that never answers fails after connect_timeout_s; a refused one at once (it waited the whole
+    timeout before, issue #39). Either is the user's to fix (user_error: exit 2, nothing ran)."""
     monkeypatch.delenv("TINKER_BASE_URL")
     with silent_socket(accept) as url:
         be = TinkerBackend(Tinker(base_url=url, connect_timeout_s=1.5), MODEL, "tiny")
@@ -512,15 +514,44 @@ def test_unreachable_service_fails_within_connect_timeout(monkeypatch, accept):
         with pytest.raises(BackendError) as err:
             tc_f.result(WAIT)
         elapsed = time.monotonic() - t0
-        assert f"create_training_client 'Qwen/Qwen3-8B': could not reach the Tinker service at {url} within 1.5 s" \
+        port = url.rsplit(":", 1)[1]
+        why = " within 1.5 s" if accept else f": connection refused on 127.0.0.1:{port}"
+        assert f"create_training_client 'Qwen/Qwen3-8B': could not reach the Tinker service at {url}{why}" \
             in str(err.value)
+        assert str(err.value).endswith("nothing ran") and err.value.user_error
         assert "\n" not in str(err.value) and KEY not in str(err.value)
         with pytest.raises(BackendError, match=r"create_sampling_client 'Qwen/Qwen3-8B': could not reach"):
             sc_f.result(1)
-        assert 1.4 < elapsed < 6
+        assert 1.4 < elapsed < 6 if accept else elapsed < 1.0
         t0 = time.monotonic()
         be.close("errored")  # no session to finish: returns at once
         assert time.monotonic() - t0 < 1
+
+
+def test_runner_run_against_a_closed_port_is_one_line_at_once(tmp_path):
+    """`runner run` on a Tinker base_url where nothing listens: one line, exit 2, in seconds, and no "can be
+    resumed" (nothing ran). Before: connect_timeout_s (here 300 s), then exit 1 saying the run could be resumed."""
+    with silent_socket(accept=False) as url:
+        (tmp_path / "r.toml").write_text(f"""[recipes.t]
+model = "Qwen/Qwen3-8B"
+tokenizer = "tiny"
+backend = {{kind = "tinker", base_url = "{url}", connect_timeout_s = 300}}
+max_steps = 1
+algo = {{kind = "sft", data = {{kind = "jsonl", path = "{ROOT / 'examples/data/chat_sft.jsonl'}"}}, batch_size = 2}}
+""")
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0"}
+        env.pop("TINKER_BASE_URL", None)
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "runner", "run", "r.toml#t"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=240)
+        elapsed = time.monotonic() - t0
+    port = url.rsplit(":", 1)[1]
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: r.toml#t: create_training_client 'Qwen/Qwen3-8B': could not reach the Tinker "
+                           f"service at {url}: connection refused on 127.0.0.1:{port}"), proc.stderr
+    assert "resumed" not in proc.stderr and "Traceback" not in proc.stderr
+    assert elapsed < 150  # imports (torch: 13 s at load 12 on 2 cores) and the tokenizer; not connect_timeout_s
 
 
 def test_session_creation_does_not_block_the_caller(monkeypatch):

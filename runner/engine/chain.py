@@ -107,6 +107,8 @@ def check_all(recipe: Recipe, where: str, keep_rows: bool = False, name: str | N
     first = [s for s in [*upstreams(recipe, where), *dependencies(recipe, where)] if s.runnable]
     for r, at in [(recipe, where), *((s.recipe, s.ref) for s in first)]:
         check_recipe(r, at)
+        if (problem := r.backend.cache_problem(r.model, r.tokenizer)) is not None:  # HF_HUB_OFFLINE=1, uncached
+            raise UserError(f"{at}: {problem}")
         if (problem := renderer_mismatch(r.renderer, r.model, r.tokenizer)) is not None:
             raise UserError(f"{at}: {problem}")
         # keep_rows (`runner run`): a recipe that runs alone keeps its data's rows for its loader (read once); in a
