@@ -222,10 +222,7 @@ def test_mlflow_holds_the_rows_and_the_status_after_a_crash_and_its_resume(tmp_p
     assert {kv for kv in want if kv[1] == 8} <= set(got)
 
 
-def test_mlflow_interrupted_is_killed_and_credentials_stay_out_of_the_recipe(tmp_path: Path) -> None:
-    with pytest.raises(msgspec.ValidationError, match="MLFLOW_TRACKING_USERNAME"):
-        msgspec.convert({"tracking_uri": "https://me:secret@mlflow.example"}, type=__import__(
-            "runner.recipe.schema", fromlist=["MLflow"]).MLflow)
+def test_mlflow_an_interrupted_session_is_killed_and_only_numbers_are_metrics(tmp_path: Path) -> None:
     need("mlflow")
     from runner.engine.track_mlflow import MlflowTracker
     from runner.recipe.schema import MLflow
@@ -265,16 +262,18 @@ def test_trackio_holds_the_rows_after_a_crash_and_its_resume(tmp_path: Path) -> 
 # ---------------------------------------------------------------- sweeps
 
 
+@pytest.mark.slow
 def test_a_sweep_is_grouped_in_each_tool(tmp_path: Path) -> None:
     need("tensorboardX", "tensorboard", "mlflow", "trackio")
     from trackio.sqlite_storage import SQLiteStorage  # pyright: ignore
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     project = f"s-{tmp_path.name}"
-    log = f'log={{tensorboard={{dir="tb"}}, mlflow={{experiment="e", tracking_uri="{uri}"}}, trackio={{project="{project}"}}}}'
-    proc = subprocess.run([sys.executable, "-m", "runner", "sweep", f"{ROOT / 'recipes.toml'}#sl_basic", "lr=[1e-3,4e-3]",
-                           "max_steps=2", log, "--parallel", "2"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    log = (f'log={{tensorboard={{dir="tb"}}, mlflow={{experiment="e", tracking_uri="{uri}"}}, '
+           f'trackio={{project="{project}"}}}}')
+    proc = subprocess.run([sys.executable, "-m", "runner", "sweep", f"{ROOT / 'recipes.toml'}#sl_basic",
+                           "lr=[1e-3,4e-3]", "max_steps=2", log, "--parallel", "2"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     points = ["lr=0.001", "lr=0.004"]
     # TensorBoard: a folder per sweep under `dir`, a run per point.
