@@ -337,27 +337,28 @@ def test_rl_basic_with_all_four_trackers_kill_9_and_resume(tmp_path: Path, monke
            f'trackio={{project="rl-{tmp_path.name}"}}}}')
     small = ["algo.groups_per_batch=2", "algo.group_size=2", "algo.env.test_size=2", "eval_every=3", log]
 
-    def check(run_dir: Path) -> None:
+    def check(run_dir: Path, first_kept_from: int | None = None) -> None:
         same(tensorboard_points(run_dir), jsonl_points(run_dir, tb_key))
-        same(mlflow_points(run_dir), jsonl_points(run_dir, ml_key))
-        same(trackio_points(run_dir), jsonl_points(run_dir))
+        same(mlflow_points(run_dir), jsonl_points(run_dir, ml_key), first_kept_from)
+        same(trackio_points(run_dir), jsonl_points(run_dir), first_kept_from)
+        deadline = time.monotonic() + 30  # wandb's service process may still be writing
+        while set(wandb_points(run_dir)) != set(jsonl_points(run_dir)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        same(wandb_points(run_dir), jsonl_points(run_dir))
 
     from runner.cli import main
 
     # One whole session, in this process.
     assert main(["run", f"{ROOT / 'recipes.toml'}#rl_basic", "max_steps=3", "log_dir=runs/whole", *small]) == 0
-    whole = tmp_path / "runs" / "whole"
-    check(whole)
-    deadline = time.monotonic() + 30  # wandb's service process may still be writing
-    while set(wandb_points(whole)) != set(jsonl_points(whole)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    same(wandb_points(whole), jsonl_points(whole))
+    check(tmp_path / "runs" / "whole")
 
     # kill -9 right after the first checkpoint row, then the same command resumes it.
     killed = tmp_path / "runs" / "killed"
     args = [f"{ROOT / 'recipes.toml'}#rl_basic", "max_steps=12", "save_every=2", "log_dir=runs/killed", *small]
+    # Its own wandb service: wandb keeps this process's in the environment (WANDB_SERVICE), which a child would share.
+    child_env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"} | {"PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "runner", "run", *args], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            stderr=subprocess.PIPE, env=child_env)
     try:
         deadline = time.monotonic() + 180
         while not (killed / "checkpoints.jsonl").exists() or not (killed / "checkpoints.jsonl").read_text():
@@ -370,7 +371,8 @@ def test_rl_basic_with_all_four_trackers_kill_9_and_resume(tmp_path: Path, monke
     assert len(jsonl_points(killed)) and max(s for _, s in jsonl_points(killed)) < 11  # it really was interrupted
     _, r = mlflow_run(killed)
     assert r.info.status == "RUNNING"  # a kill -9 leaves it running until the resume
+    resumed_at = json.loads((killed / "checkpoints.jsonl").read_text().splitlines()[-1])["next_step"]
     assert main(["run", *args]) == 0
-    check(killed)
+    check(killed, first_kept_from=resumed_at)
     _, r = mlflow_run(killed)
     assert r.info.status == "FINISHED"

@@ -77,6 +77,8 @@ class TrackioTracker:
                            "`runner run` of the same recipe resumes it", level=level, step=self.last_step)
         # The run's own finish (trackio.finish() finds the run in a context variable, which the loop's end may not
         # see): waits for its last batch to be written.
+        from trackio.context_vars import current_run  # pyright: ignore[reportMissingImports]
+
         self.run.finish()
-        if self.trackio.context_vars.current_run.get() is self.run:
-            self.trackio.context_vars.current_run.set(None)
+        if current_run.get() is self.run:
+            current_run.set(None)
