@@ -143,9 +143,13 @@ class Trackers:
 
     def _drop(self, name: str, tracker: Tracker, e: Exception, row: dict[str, Any] | None) -> None:
         self.trackers = [(n, t) for n, t in self.trackers if t is not tracker]
-        at = f" at step {row.get('step')}" if row is not None else ""
-        print(f"warning: log.{name}: {EXTRAS[name][0]} failed{at} ({first_line(e)}); the run goes on without it, "
-              "every row is still in metrics.jsonl", file=sys.stderr, flush=True)
+        label = EXTRAS[name][0]
+        if row is None:
+            print(f"warning: log.{name}: {label} failed to close the run ({first_line(e)}); every row is in "
+                  "metrics.jsonl", file=sys.stderr, flush=True)
+            return
+        print(f"warning: log.{name}: {label} failed at step {row.get('step')} ({first_line(e)}); the run goes on "
+              "without it, every row is still in metrics.jsonl", file=sys.stderr, flush=True)
 
     def log(self, row: dict[str, Any]) -> None:
         for name, tracker in list(self.trackers):

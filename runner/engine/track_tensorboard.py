@@ -4,14 +4,15 @@ tensorboardX (the `tensorboard` extra; TensorBoard itself is needed only to look
 - Where: the run dir itself by default, so `tensorboard --logdir runs` names each run by its dir and a sweep's points
   appear as <sweep>/<point>; with `dir`, <dir>/<name> (name: the run dir's path under runs/, a sweep point's
   <sweep>/<point>).
-- Each row's numbers are scalars at the row's `step` (tags as tensorboardX cleans them: characters other than
-  letters, digits and `_-/.` become `_`, tb_tag()); the resolved recipe, flattened, is the run's hparams (the HPARAMS
-  tab compares a sweep's points); every row is flushed as it is logged, so a kill -9 loses none.
-- Resume: every session writes its own event file (names sort by the time they were made), which starts with
-  TensorBoard's own restart marker, SessionLog.START at the first step metrics.jsonl does not hold (tensorboardX's
-  purge_step): TensorBoard's readers drop every earlier point at or after it, so the steps the session logs again
-  replace what a killed session wrote instead of doubling it. A folder that holds no event file yet (the tracker
-  added on a resume) first gets the rows metrics.jsonl kept.
+- Each row's numbers are scalars at the row's `step`, one event per row (tags as tensorboardX cleans them: characters
+  other than letters, digits and `_-/.` become `_`, tb_tag()); the resolved recipe, flattened, is the run's hparams
+  (the HPARAMS tab compares a sweep's points). Every row is flushed as it is logged.
+- Resume: metrics.jsonl is what the run holds, so every session writes a new event file that holds all of it:
+  TensorBoard's restart marker (SessionLog.START at step 0, tensorboardX's purge_step, which makes TensorBoard's
+  readers drop every point of the older files), then the rows metrics.jsonl kept, then the session's own; once
+  that file is written, the older event files of the folder are removed. So a step a killed session logged after
+  its checkpoint, which the resume logs again, is one point, and so is a row a kill -9 cut in half (metrics.jsonl
+  is written first). Rewriting the kept rows costs one event per row at each resume.
 - TensorBoard has no run status: an interrupted or failed session just ends its file.
 """
 
@@ -48,6 +49,7 @@ class TensorBoardTracker:
     def __init__(self, cfg: TensorBoard, path: Path, config: dict[str, Any], rows: list[dict[str, Any]]):
         try:
             from tensorboardX import SummaryWriter  # pyright: ignore[reportMissingImports]
+            from tensorboardX.proto.summary_pb2 import Summary  # pyright: ignore[reportMissingImports, reportAttributeAccessIssue]
             from tensorboardX.summary import hparams  # pyright: ignore[reportMissingImports]
         except ImportError:
             raise UserError(missing("tensorboard")) from None
@@ -56,30 +58,31 @@ class TensorBoardTracker:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise UserError(f"log.tensorboard: cannot write to {folder} ({e.strerror})") from None
-        fresh = not any(folder.glob("*tfevents*"))
-        # The restart marker: every point at or after the first step metrics.jsonl does not hold is dropped.
-        purge = max((int(r["step"]) for r in rows if isinstance(r.get("step"), int)), default=-1) + 1
+        older = sorted(folder.glob("events.out.tfevents.*"))
         # Event files are read in name order, and tensorboardX names them by the second: the suffix orders two made
         # in the same second (and keeps the second from overwriting the first).
-        self.writer = SummaryWriter(logdir=str(folder), purge_step=purge, flush_secs=5,
+        self.writer = SummaryWriter(logdir=str(folder), purge_step=0, flush_secs=5,
                                     filename_suffix=f".{time.time_ns():020d}")
+        self.Summary = Summary
         try:
             _, ssi, _ = hparams({k: hparam(v) for k, v in flatten(config).items()}, {})
-            self.writer._get_file_writer().add_summary(ssi)
-            if fresh:
-                for row in rows:
-                    self._write(row)
+            file_writer = self.writer._get_file_writer()
+            file_writer.add_summary(ssi)
+            for row in rows:
+                self._write(row)
             self.writer.flush()
         except Exception as e:  # noqa: BLE001 - before the first step: one line
             self.writer.close()
             raise UserError(f"log.tensorboard: cannot write event files to {folder}: {first_line(e)}") from None
+        for old in older:  # what they held is in the new file, or was dropped from metrics.jsonl
+            old.unlink(missing_ok=True)
 
     def _write(self, row: dict[str, Any]) -> None:
         step = row.get("step")
-        if not isinstance(step, int):
-            return
-        for key, value in scalars(row).items():
-            self.writer.add_scalar(tb_tag(key), value, global_step=step)
+        values = scalars(row)
+        if isinstance(step, int) and values:
+            summary = self.Summary(value=[self.Summary.Value(tag=tb_tag(k), simple_value=v) for k, v in values.items()])
+            self.writer._get_file_writer().add_summary(summary, global_step=step)
 
     def log(self, row: dict[str, Any]) -> None:
         self._write(row)
