@@ -1,4 +1,4 @@
-"""Experiment tracking: where a run's metrics go besides metrics.jsonl (`[recipes.x.log]` in the recipe, docs/tracking.md).
+"""Experiment tracking: where a run's metrics go besides metrics.jsonl (the recipe's `log` table, docs/tracking.md).
 
 The run dir (runner/engine/rundir.py) starts the trackers when a training session begins, hands them every row it
 writes to metrics.jsonl, and ends them with the session; nothing else knows trackers exist, and nothing here knows
