@@ -1,32 +1,23 @@
 """How a recipe names a backend: `backend = {kind = "local" | "tinker" | "python", ...}`.
 
 Each backend declares its own msgspec variant next to its code, in a file named for its package:
-backends/NAME/NAME_config.py (backends/local/local_config.py, backends/tinker/tinker_config.py). `builtin_configs`
-finds and imports those files; the recipe schema (runner/recipe/schema.py) takes the union of every BackendConfig
-subclass, so a new backend is its package and that file, with no list to edit. A variant knows how to make its
-backend, lazily, so that validating a recipe never imports torch or the tinker SDK (a NAME_config.py imports
-neither at module level). A user's own backend comes from a recipe, `kind = "python"` (runner/recipe/python_backend.py).
+backends/NAME/NAME_config.py (backends/local/local_config.py, backends/tinker/tinker_config.py), found by the finder
+every extension kind shares (backends/configs.py `found`); the recipe schema (runner/recipe/schema.py) takes the union
+of them, so a new backend is its package and that file, with no list to edit. A variant knows how to make its backend,
+lazily, so that validating a recipe never imports torch or the tinker SDK (a NAME_config.py imports neither at module
+level). A user's own backend comes from a recipe, `kind = "python"` (runner/recipe/python_backend.py).
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import msgspec
+from backends.configs import ConfigStruct, found
 
 if TYPE_CHECKING:
     from backends.base import Backend
-
-
-class ConfigStruct(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """A recipe table: unknown keys are errors, values immutable, fields by name.
-
-    Subclasses inherit frozen=True (msgspec). pyright reports "a non-frozen class cannot inherit from a
-    frozen class" for each of them: its dataclass_transform model does not inherit the option."""
 
 
 class BackendConfig(ConfigStruct, tag_field="kind", tag=str.lower):  # pyright: ignore[reportGeneralTypeIssues]
@@ -48,15 +39,6 @@ class BackendConfig(ConfigStruct, tag_field="kind", tag=str.lower):  # pyright: 
 
 @cache
 def builtin_configs() -> tuple[type[BackendConfig], ...]:
-    """Every built-in backend's variant: the BackendConfig subclasses of each backends/NAME/NAME_config.py, imported
-    here in package-name order (local, then tinker: the order the schema's union and its messages list them in).
-    The files are found by listing the folders, so no backend package's __init__ runs but the ones that have one."""
-    here = Path(__file__).parent
-    out: list[type[BackendConfig]] = []
-    for pkg in sorted(m.name for m in pkgutil.iter_modules([str(here)]) if m.ispkg):
-        if not (here / pkg / f"{pkg}_config.py").is_file():
-            continue
-        module = importlib.import_module(f"{__package__}.{pkg}.{pkg}_config")
-        out += [v for v in vars(module).values()
-                if isinstance(v, type) and issubclass(v, BackendConfig) and v.__module__ == module.__name__]
-    return tuple(out)
+    """Every built-in backend's variant: the BackendConfig subclasses of each backends/NAME/NAME_config.py, in package
+    name order (local, then tinker: the order the schema's union and its messages list them in)."""
+    return found(BackendConfig, __package__ or "backends")

@@ -135,9 +135,9 @@ def episodes(variant: str, args) -> dict:
 
 def twentyq(variant: str, args) -> dict:
     from backends.types import SamplingParams
-    from runner.recipe.schema import TwentyQuestions
     from runner.renderers.chat import ChatRenderer
     from runner.rl.envs import EnvContext, build_datasets
+    from runner.rl.envs.twenty_questions_config import TwentyQuestions
     from runner.rl.rollouts import rollout_batch
 
     be = _backend(variant)

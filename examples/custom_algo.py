@@ -1,8 +1,8 @@
 """A user-defined algorithm in one file, run from a recipe with no edit to runner itself (examples/custom_algo.toml):
 
     [recipes.completions.algo]
-    kind = "custom"
-    spec = "custom_algo:SPEC"          # this module (next to the recipe, or anywhere on sys.path)
+    kind = "python"
+    target = "custom_algo:SPEC"        # this module (next to the recipe, or anywhere on sys.path)
     args = {path = "data/completions.jsonl", batch_size = 4}
 
 It trains a base model on raw text completions ({"prompt": ..., "completion": ...} rows, no chat template):

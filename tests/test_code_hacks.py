@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.recipe.schema import Jsonl
+from runner.recipe.sources import Jsonl
 from runner.rewards.sandbox import Limits, RunResult, Sandbox
 from runner.rl.envs.code import CodeProblem, CodeTest, load_code_problems, run_tests
 

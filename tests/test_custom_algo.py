@@ -1,4 +1,5 @@
-"""A user's own algorithm from a recipe (`algo.kind = "custom"`, examples/custom_algo.py): checked, run, compared."""
+"""A user's own algorithm from a recipe (`algo = {kind = "python", target = "pkg.mod:SPEC"}`,
+examples/custom_algo.py): checked, run, compared."""
 
 from __future__ import annotations
 
@@ -38,8 +39,11 @@ def test_custom_algorithm_checks_runs_and_learns(proj: Path, capsys: pytest.Capt
 
 @pytest.mark.parametrize(("override", "expected"), [
     ("algo.args.batch_sise=3", "algo.args: batch_sise: unknown key; did you mean `batch_size`?"),
-    ("algo.spec=custom_algo:NOPE", "algo.spec: cannot import 'custom_algo:NOPE'"),
-    ("algo.spec=custom_algo:Completions", "is a type, not an AlgoSpec"),
+    ("algo.target=custom_algo:NOPE", "algo.target: cannot import 'custom_algo:NOPE'"),
+    ("algo.target=custom_algo:Completions", "is a type, not an AlgoSpec"),
+    # The old spelling, refused with the new one.
+    ('algo={kind="custom", spec="custom_algo:SPEC"}',
+     'algo: kind "custom" is now spelled {kind = "python", target = "custom_algo:SPEC", args = {...}}'),
 ])
 def test_bad_custom_algorithm_is_one_line(proj: Path, capsys: pytest.CaptureFixture[str], override: str,
                                           expected: str) -> None:

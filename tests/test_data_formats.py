@@ -26,7 +26,7 @@ from runner.data.files import iter_rows
 from runner.data.problems import Problem, load_problems
 from runner.recipe.formats import FORMATS, boxed_answer, gsm8k_answer, hh_transcript
 from runner.recipe.load import check_recipe, load_recipe
-from runner.recipe.schema import HF, File, Jsonl
+from runner.recipe.sources import HF, File, Jsonl
 
 NO_ROBOTS = [  # no_robots / tulu3 rows: "messages" plus other columns; one row has a "name" the others lack
     {"prompt": "Say hi", "prompt_id": "a1", "category": "Chat",

@@ -143,7 +143,8 @@ def test_distill_has_rls_checks(extra: dict[str, object], message: str) -> None:
     (two prompt sets of 2) cannot be split into 5 substeps or 3 stream minibatches."""
     import msgspec
 
-    from runner.recipe.schema import RL, Distill, OnPolicy
+    from runner.algos.distill_config import Distill
+    from runner.algos.rl_config import RL, OnPolicy
 
     data = {"kind": "jsonl", "path": "x.jsonl"}
     cfg = {"datasets": [{"prompts": data, "groups_per_batch": 2}, {"prompts": data, "groups_per_batch": 2}]}

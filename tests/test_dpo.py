@@ -20,11 +20,14 @@ from backends.errors import UserError
 from backends.local.tiny import build_tokenizer
 from backends.types import Datum, LoraSpec
 from runner.algos.dpo import DPOAlgo, dpo_loss_fn, dpo_stats, sequence_logprobs
+from runner.algos.dpo_config import DPO
 from runner.algos.reward_model import RewardModelAlgo, judge_stats, orders, to_datum
+from runner.algos.reward_model_config import RewardModel
 from runner.data.comparisons import judge_messages, load_pairs, render_completion
 from runner.engine.loop import run
 from runner.engine.spec import Settings
-from runner.recipe.schema import DPO, Jsonl, Recipe, RewardModel
+from runner.recipe.schema import Recipe
+from runner.recipe.sources import Jsonl
 
 TOK = build_tokenizer()
 REPO = Path(__file__).resolve().parents[1]

@@ -13,10 +13,11 @@ import pytest
 from backends.errors import UserError
 from backends.local.tiny import build_tokenizer
 from backends.types import SamplingParams
-from runner.recipe.schema import Code, Jsonl
+from runner.recipe.sources import Jsonl
 from runner.renderers.chat import ChatRenderer
 from runner.rl.envs import EnvContext, build_datasets, get_batch
 from runner.rl.envs.code import CodeEnv, extract_code, load_code_problems, same_output
+from runner.rl.envs.code_config import Code
 from runner.rl.rollouts import run_episode
 from runner.rl.testing import ScriptedSampler
 

@@ -15,10 +15,11 @@ from backends.local.tiny import build_tokenizer
 from backends.types import SamplingParams
 from runner.engine.loop import run
 from runner.recipe.load import load_recipe
-from runner.recipe.schema import Jsonl, Math
+from runner.recipe.sources import Jsonl
 from runner.renderers.chat import ChatRenderer
 from runner.rl.envs import EnvContext, build_datasets, get_batch
 from runner.rl.envs.math import BOXED_SUFFIX, MathEnv, Problem, load_problems
+from runner.rl.envs.math_config import Math
 from runner.rl.rollouts import run_episode
 from runner.rl.testing import ScriptedSampler
 

@@ -16,9 +16,9 @@ rg = pytest.importorskip("reasoning_gym")
 from backends.errors import UserError  # noqa: E402
 from backends.local.tiny import build_tokenizer  # noqa: E402
 from backends.types import SamplingParams  # noqa: E402
-from runner.recipe.schema import ReasoningGym  # noqa: E402
 from runner.renderers.chat import ChatRenderer  # noqa: E402
 from runner.rl.envs import EnvContext, build_datasets  # noqa: E402
+from runner.rl.envs.reasoning_gym_config import ReasoningGym  # noqa: E402
 from runner.rl.rollouts import run_episode  # noqa: E402
 from runner.rl.testing import ScriptedSampler  # noqa: E402
 

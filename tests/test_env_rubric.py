@@ -17,10 +17,11 @@ from backends.local.tiny import build_tokenizer
 from backends.types import SamplingParams
 from runner.engine.loop import run
 from runner.recipe.load import load_recipe
-from runner.recipe.schema import Jsonl, JudgeModel, PythonGrader, Rubric
+from runner.recipe.sources import Jsonl
 from runner.renderers.chat import ChatRenderer
 from runner.rl.envs import EnvContext, build_datasets, get_batch
 from runner.rl.envs.rubric import ModelGrader, Problem, RubricEnv, keyword_grader, load_problems, parse_score
+from runner.rl.envs.rubric_config import JudgeModel, PythonGrader, Rubric
 from runner.rl.rollouts import run_episode
 from runner.rl.testing import ScriptedSampler
 from runner.rl.types import Transition

@@ -18,12 +18,13 @@ from backends.local.tiny import build_tokenizer
 from backends.types import SamplingParams
 from runner.engine.loop import run
 from runner.recipe.load import load_recipe
-from runner.recipe.schema import Jsonl, ToolUse
+from runner.recipe.sources import Jsonl
 from runner.renderers import get_renderer
 from runner.renderers.chat import ChatRenderer
 from runner.rewards.tools import BM25, ToolError, calculator, load_docs, tool_from_function
 from runner.rl.envs import EnvContext, build_datasets
 from runner.rl.envs.tool_use import Problem, ToolUseEnv, answer_matches, parse_plain_calls, setup_tools
+from runner.rl.envs.tool_use_config import ToolUse
 from runner.rl.rollouts import run_episode
 from runner.rl.testing import ScriptedSampler
 from runner.rl.types import Trajectory

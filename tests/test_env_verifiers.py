@@ -18,9 +18,9 @@ pytest.importorskip("verifiers")
 from backends.errors import UserError  # noqa: E402
 from backends.local.tiny import build_tokenizer  # noqa: E402
 from backends.types import SamplingParams  # noqa: E402
-from runner.recipe.schema import Verifiers  # noqa: E402
 from runner.renderers.chat import ChatRenderer  # noqa: E402
 from runner.rl.envs import EnvContext, build_datasets  # noqa: E402
+from runner.rl.envs.verifiers_env_config import Verifiers  # noqa: E402
 from runner.rl.rollouts import do_group_rollout  # noqa: E402
 from runner.rl.testing import ScriptedSampler  # noqa: E402
 

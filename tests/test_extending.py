@@ -1,16 +1,23 @@
-"""One of each extension kind from a temporary package, the way a user adds them (docs/extending.md): a renderer
-(`renderer = "pkg.mod:NAME"`), an RL env, a loss, a pinned eval and a backend (`kind = "python"`), a data source for
-SFT, and an algorithm (`kind = "custom"`); `runner check` accepts them all, and short local runs use every one of them.
-And the built-in idiom, with no list to edit: a renderer module added to runner/renderers is found, a pinned eval
-kind is its struct naming its module, and the schema's backend union is every BackendConfig subclass."""
+"""One of each extension kind, both ways docs/extending.md gives.
+
+Your own code from a temporary package, spelled one way for every kind (`kind = "python", target = "pkg.mod:NAME"`):
+a renderer, an RL env, a loss, a pinned eval, a backend, a data source for SFT and an algorithm; `runner check` accepts
+them all, and short local runs use every one of them.
+
+A built-in of each kind (algorithm, env, pinned eval, loss, renderer, backend) added to a copy of the repo as new files
+in one folder each: every existing file hashes the same afterwards (0 edits), the new files are exactly the ones added,
+and `runner check` and `runner run` use them all."""
 
 from __future__ import annotations
 
-import ast
+import hashlib
 import importlib
-import pkgutil
+import os
+import re
 import shutil
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import msgspec
@@ -18,13 +25,20 @@ import pytest
 
 from backends import losses
 from backends.backend_config import BackendConfig
+from backends.configs import implementation_of, variants
 from backends.tokenizer import load_tokenizer
+from runner.algos.rl_config import Loss
 from runner.cli import main
 from runner.engine.evals import EvalKind, kind_of
 from runner.engine.log import read_jsonl
-from runner.recipe.common import variants
+from runner.engine.math_eval_config import MathPinned
+from runner.engine.spec import AlgoSpec
+from runner.recipe.envs import ENV_VARIANTS
 from runner.recipe.pinned import PINNED_VARIANTS
-from runner.recipe.schema import BACKEND_VARIANTS, Backend, Jsonl, MathPinned, PythonBackend
+from runner.recipe.python_backend import PythonBackend
+from runner.recipe.schema import ALGO_VARIANTS, BACKEND_VARIANTS, Backend
+from runner.recipe.sources import Jsonl
+from runner.rl.envs.common import EnvKind
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -119,7 +133,7 @@ def rows(n=8):
 LOCAL = 'backend = {kind = "local", device = "cpu"}\nlora = {rank = 4}\nsave_every = 0\n'
 RECIPES = f'''
 [recipes.rl]
-{LOCAL}renderer = "myext.parts:Plain"
+{LOCAL}renderer = {{kind = "python", target = "myext.parts:Plain"}}
 max_steps = 2
 eval_every = 1
 evals = [{{kind = "python", target = "myext.parts:tokens_of_hi", args = {{word = "hello"}}}}]
@@ -133,7 +147,7 @@ algo = {{kind = "sft", data = {{kind = "python", target = "myext.parts:rows", ar
 [recipes.algo]
 {LOCAL}max_steps = 2
 eval_every = 0
-algo = {{kind = "custom", spec = "myext.custom_algo:SPEC", args = {{path = "completions.jsonl", batch_size = 2}}}}
+algo = {{kind = "python", target = "myext.custom_algo:SPEC", args = {{path = "completions.jsonl", batch_size = 2}}}}
 
 [recipes.mine]
 backend = {{kind = "python", target = "myext.parts:fake_backend", args = {{label = "mine"}}}}
@@ -184,6 +198,23 @@ def test_one_of_each_kind_from_a_user_package(proj: Path, capsys: pytest.Capture
     capsys.readouterr()
     assert main(["check", "r.toml", "algo.args.batch_sise=3"]) == 2  # the user's config struct checks its args
     assert "did you mean `batch_size`?" in capsys.readouterr().err
+
+
+def test_every_example_in_docs_extending_passes_check(proj: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/extending.md's TOML blocks, each checked as written against this file's user package; and the old spelling
+    of a user's algorithm is one line giving the new one."""
+    text = (ROOT / "docs" / "extending.md").read_text()
+    blocks = re.findall(r"```toml\n(.*?)```", text, re.S)
+    assert len(blocks) == 7
+    for block in blocks:
+        (proj / "doc.toml").write_text(block)
+        assert main(["check", "doc.toml"]) == 0, (block, capsys.readouterr().err)
+    capsys.readouterr()
+    (proj / "old.toml").write_text('[recipes.old]\nalgo = {kind = "custom", spec = "myext.custom_algo:SPEC"}\n')
+    assert main(["check", "old.toml"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith('algo: kind "custom" is now spelled {kind = "python", target = "myext.custom_algo:SPEC", '
+                        'args = {...}}') and len(err.splitlines()) == 1, err
 
 
 def test_a_backend_of_my_own_runs_a_recipe(proj: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -265,63 +296,221 @@ def test_the_backend_union_is_every_backend_config() -> None:
     assert isinstance(decoded, PythonBackend) and decoded.args == {}
 
 
-def test_a_pinned_eval_kind_is_its_struct_and_module() -> None:
-    """Every pinned eval struct names a module that declares EVAL = EvalKind(...): run_evals has no list of kinds."""
-    assert [v.__struct_config__.tag for v in PINNED_VARIANTS] == ["math", "nll", "python", "inspect"]
-    for variant in PINNED_VARIANTS:
-        kind = getattr(importlib.import_module(variant.implementation), "EVAL", None)
-        assert isinstance(kind, EvalKind), variant
+def test_every_builtin_is_a_config_file_beside_its_implementation() -> None:
+    """Each built-in algorithm, env, pinned eval and loss is a struct in a `*_config.py` of its kind's folder, whose
+    implementation (the module beside it) declares what the engine reads; no struct names its module in a string."""
+    python = {v for v in (*ALGO_VARIANTS, *ENV_VARIANTS, *PINNED_VARIANTS)
+              if v.__struct_config__.tag in ("python", "custom")}
+    for variants_, folder, name, kind in [(ALGO_VARIANTS, "runner.algos", "SPEC", AlgoSpec),
+                                          (ENV_VARIANTS, "runner.rl.envs", "ENV", EnvKind),
+                                          (PINNED_VARIANTS, "runner.engine", "EVAL", EvalKind)]:
+        assert len([v for v in variants_ if v not in python]) >= 3, variants_
+        for variant in variants_:
+            assert variant.__module__.startswith(folder + ".") and variant.__module__.endswith("_config"), variant
+            assert not hasattr(variant, "implementation"), variant
+            if variant not in python or variant in PINNED_VARIANTS or variant in ENV_VARIANTS:
+                declared = getattr(importlib.import_module(implementation_of(variant)), name, None)
+                assert isinstance(declared, kind), variant
+    loss_variants = Loss.__args__  # type: ignore[attr-defined]  # the union built at import
+    assert [v.__struct_config__.tag for v in loss_variants] == ["cispo", "dro", "importance_sampling", "ppo", "python"]
+    for variant in loss_variants[:-1]:
+        assert variant.__module__.startswith("backends.losses.") and variant.__module__.endswith("_config")
+        assert losses.get(variant.__struct_config__.tag) is variant.loss_spec
+    assert [v.__struct_config__.tag for v in PINNED_VARIANTS] == ["inspect", "math", "nll", "python"]
     engine = (ROOT / "runner" / "engine" / "evals.py").read_text()
     assert not any(v.__name__ in engine for v in PINNED_VARIANTS)  # no per-kind branch left
 
 
-def test_an_eval_module_without_its_declaration_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(MathPinned, "implementation", "runner.engine.evals")
-    with pytest.raises(TypeError, match="MathPinned: its implementation 'runner.engine.evals' declares no EVAL"):
+def test_an_implementation_without_its_declaration_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(MathPinned, "__module__", "runner.engine.evals_config")
+    with pytest.raises(TypeError, match=r"MathPinned: its implementation runner.engine.evals declares no EVAL"):
         kind_of(MathPinned(data=Jsonl(path="x.jsonl")))
 
 
-SHOUT = '''
-from runner.renderers.base import register
-from runner.renderers.role_colon import RoleColonRenderer
+# A built-in of each kind, as someone adding one to runner writes it: new files in one folder each (docs/extending.md).
+BUILTINS = {
+    "runner/algos/echo_sft_config.py": '''
+        """The `echo_sft` algorithm's recipe table: SFT under another name."""
+        from runner.recipe.common import AlgoBase, DataSource, PosInt
 
 
-@register("zz_shout")
-class Shout(RoleColonRenderer):
-    def render_message(self, message, ctx):
-        return super().render_message({**message, "content": str(message["content"]).upper()}, ctx)
-'''
+        class EchoSft(AlgoBase, tag="echo_sft"):
+            data: DataSource
+            batch_size: PosInt = 2
+    ''',
+    "runner/algos/echo_sft.py": '''
+        from runner.algos import sft
+        from runner.algos.sft_config import SFT
+        from runner.engine.spec import AlgoSpec
 
 
-def test_a_renderer_module_registers_itself(tmp_path: Path) -> None:
-    """A renderer module dropped into the package (here: a folder added to its __path__, as a new file in
-    runner/renderers/ would be) is found at the next lookup; registry.py names no renderer module."""
-    import runner.renderers as package
-    from runner.renderers import registry
-    from runner.renderers.base import REGISTRY
+        def build(cfg, args):
+            return sft.build(SFT(data=cfg.data, batch_size=cfg.batch_size), args)
 
-    (tmp_path / "zz_shout.py").write_text(SHOUT)
-    path = list(package.__path__)
-    package.__path__[:] = [*path, str(tmp_path)]
-    registry.builtin_modules.cache_clear()
-    try:
-        assert "zz_shout" in registry.names()
-        assert "runner.renderers.zz_shout" in sys.modules
-        r = registry.get_renderer("zz_shout", load_tokenizer("tiny"))
-        tokens, _ = r.build_supervised_example([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}])
-        assert "OK" in load_tokenizer("tiny").decode(tokens)
-    finally:
-        package.__path__[:] = path
-        REGISTRY.pop("zz_shout", None)
-        sys.modules.pop("runner.renderers.zz_shout", None)
-        registry.builtin_modules.cache_clear()
-    assert "zz_shout" not in registry.names()
-    # Every module of the package is imported by the first lookup, and nothing in registry.py names one of them.
-    modules = sorted(m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_"))
-    assert list(registry.builtin_modules()) == modules
-    tree = ast.parse((ROOT / "runner" / "renderers" / "registry.py").read_text())
-    imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    names_ = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "runner.renderers"
-              for a in n.names}
-    assert {m for m in imported if m.startswith("runner.renderers")} <= {"runner.renderers.auto", "runner.renderers.base"}
-    assert not names_ & set(modules)
+
+        SPEC = AlgoSpec(build=build, headline=[("train_mean_nll", "nll")])
+    ''',
+    "runner/rl/envs/countdown_config.py": '''
+        from runner.recipe.common import EnvBase
+
+
+        class Countdown(EnvBase):
+            top: int = 5
+    ''',
+    "runner/rl/envs/countdown.py": '''
+        from runner.rl.envs import arithmetic
+        from runner.rl.envs.arithmetic_config import Arithmetic
+        from runner.rl.envs.common import EnvKind
+
+
+        def build(cfg, ctx):
+            return arithmetic.ENV.build(Arithmetic(max_value=cfg.top, train_size=cfg.train_size,
+                                                   test_size=cfg.test_size), ctx)
+
+
+        ENV = EnvKind(build)
+    ''',
+    "runner/engine/length_eval_config.py": '''
+        from runner.recipe.common import PinnedEvalBase
+
+
+        class LengthPinned(PinnedEvalBase, tag="length"):
+            word: str = "hi"
+    ''',
+    "runner/engine/length_eval.py": '''
+        from runner.engine.evals import EvalKind
+
+
+        async def run(cfg, ctx):
+            return {"tokens": float(len(ctx.tokenizer.encode(cfg.word)))}
+
+
+        EVAL = EvalKind(run)
+    ''',
+    "backends/losses/half_is_config.py": '''
+        import os
+
+        from backends.losses import LossField, LossSpec, loss_config, need, ratio, register
+
+
+        def token_loss(lp, inp, cfg):
+            with open(os.environ["ZZ_LOG"], "a") as f:
+                f.write(f"loss {cfg['scale']}\\n")
+            return -cfg["scale"] * ratio(lp, inp) * need(inp.advantages)
+
+
+        SPEC = register(LossSpec("half_is", token_loss, fields=(LossField("scale", "scale", 0.5, gt=0.0),)))
+        HalfIs = loss_config(SPEC, __name__)
+    ''',
+    "runner/renderers/zz_shout.py": '''
+        import os
+
+        from runner.renderers.base import register
+        from runner.renderers.role_colon import RoleColonRenderer
+
+
+        @register("zz_shout")
+        class Shout(RoleColonRenderer):
+            def __init__(self, tokenizer):
+                super().__init__(tokenizer)
+                with open(os.environ["ZZ_LOG"], "a") as f:
+                    f.write("renderer\\n")
+
+            def render_message(self, message, ctx):
+                return super().render_message({**message, "content": str(message["content"]).upper()}, ctx)
+    ''',
+    "backends/zz_fake/zz_fake_config.py": '''
+        from backends.backend_config import BackendConfig
+
+
+        class ZzFake(BackendConfig, tag="zz_fake"):
+            def make(self, model, tokenizer, storage_dir, seed):
+                from backends.fake import FakeBackend
+                from backends.tokenizer import load_tokenizer
+
+                return FakeBackend(load_tokenizer(tokenizer or model), storage_dir=storage_dir)
+    ''',
+}
+
+BUILTIN_RECIPES = """
+[recipes.rl]
+backend = {kind = "zz_fake"}
+renderer = "zz_shout"
+max_steps = 2
+eval_every = 1
+save_every = 0
+evals = [{kind = "length", word = "hello"}]
+algo = {kind = "rl", env = {kind = "countdown", top = 5, test_size = 4}, group_size = 2, groups_per_batch = 2, max_tokens = 4, loss = {kind = "half_is", scale = 0.25}}
+
+[recipes.algo]
+backend = {kind = "zz_fake"}
+max_steps = 2
+eval_every = 0
+save_every = 0
+algo = {kind = "echo_sft", data = {kind = "jsonl", path = "rows.jsonl"}, batch_size = 2}
+"""
+
+
+def _hashes(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
+            if p.is_file() and "__pycache__" not in p.parts}
+
+
+def test_a_builtin_of_each_kind_is_new_files_in_one_folder(tmp_path: Path) -> None:
+    """Adding a built-in algorithm, env, pinned eval, loss, renderer and backend to a copy of runner: 9 new files in 6
+    folders and not one existing file edited (every file hashes the same), and a recipe check and runs use them all."""
+    repo, work = tmp_path / "repo", tmp_path / "work"
+    for package in ("runner", "backends"):
+        shutil.copytree(ROOT / package, repo / package, ignore=shutil.ignore_patterns("__pycache__"))
+    before = _hashes(repo)
+    for rel, text in BUILTINS.items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(textwrap.dedent(text).lstrip())
+    work.mkdir()
+    (work / "r.toml").write_text(BUILTIN_RECIPES)
+    (work / "rows.jsonl").write_text("".join(
+        f'{{"messages": [{{"role": "user", "content": "say {i}"}}, {{"role": "assistant", "content": "{i}"}}]}}\n'
+        for i in range(6)))
+    env = {**os.environ, "PYTHONPATH": str(repo), "ZZ_LOG": str(work / "log.txt")}
+
+    def runner(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "runner", *args], cwd=work, env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    checked = runner("check", "r.toml")
+    assert checked.returncode == 0, checked.stderr
+    for name in ("rl", "algo"):
+        ran = runner("run", f"r.toml#{name}")
+        assert ran.returncode == 0, ran.stderr
+
+    after = _hashes(repo)
+    assert {k: after[k] for k in before} == before  # 0 existing files edited
+    added = sorted(set(after) - set(before))
+    assert added == sorted(BUILTINS)
+    assert len(added) == 9 and len({str(Path(a).parent) for a in added}) == 6
+    rl = list(read_jsonl(work / "runs" / "rl" / "metrics.jsonl"))
+    assert len([r for r in rl if "env/all/reward/total" in r]) == 2  # the env: two training steps
+    evals = [r["test/eval/length/tokens"] for r in rl if "test/eval/length/tokens" in r]
+    assert evals and set(evals) == {len(load_tokenizer("tiny").encode("hello"))}  # the pinned eval
+    log = (work / "log.txt").read_text().splitlines()
+    assert "renderer" in log and "loss 0.25" in log  # the renderer rendered, the loss trained with the recipe's scale
+    algo = [r for r in read_jsonl(work / "runs" / "algo" / "metrics.jsonl") if "train_mean_nll" in r]
+    assert len(algo) == 2  # the algorithm, on the backend
+
+
+@pytest.mark.parametrize("module", ["runner.algos.rl_config", "runner.algos.generate_config",
+                                    "runner.rl.envs.tictactoe_config", "runner.engine.inspect_eval_config",
+                                    "backends.losses.ppo_config", "backends.local.local_config"])
+def test_the_unions_are_whole_whichever_config_module_is_imported_first(module: str) -> None:
+    """A config module imported before the schema (a fresh interpreter) still ends up in its union, whole: the finder
+    loads config modules by file and none imports the module that finds its own kind (tests/test_import_graph.py)."""
+    counts = ("len(ALGO_VARIANTS), len(ENV_VARIANTS), len(PINNED_VARIANTS), len(Loss.__args__), "
+              "len(BACKEND_VARIANTS)")
+    code = (f"import {module}\nfrom runner.recipe.schema import ALGO_VARIANTS, BACKEND_VARIANTS\n"
+            "from runner.recipe.envs import ENV_VARIANTS\nfrom runner.recipe.pinned import PINNED_VARIANTS\n"
+            f"from runner.algos.rl_config import Loss\nprint({counts})")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(n) for n in (len(ALGO_VARIANTS), len(ENV_VARIANTS), len(PINNED_VARIANTS),
+                                                   len(Loss.__args__), len(BACKEND_VARIANTS))]  # type: ignore[attr-defined]

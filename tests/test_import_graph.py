@@ -21,6 +21,10 @@ PACKAGES = ("runner", "backends")
 # after it. renderers (messages <-> tokens, over a tokenizer) sit below the recipe, whose schema names them as it
 # names backends/'s losses; the engine holds the algorithm interface (runner/engine/spec.py) and finds an algorithm
 # module by the name its recipe variant gives, so it never imports runner/algos/; the tools and the CLI sit on top.
+#
+# A config module (a `*_config.py`: an extension's recipe struct beside its code, backends/configs.py `found`)
+# sits at the recipe's layer wherever its file is: the schema builds its unions from them, and code of any layer above
+# reads them (runner/rl/ a runner/algos/ config), so one imports only what the recipe may (CONFIG_LAYER).
 ORDER = ("runner.threads", "runner.user_code", "runner.models", "runner.renderers", "runner.recipe", "runner.data", "runner.rewards", "runner.rl",
          "runner.engine", "runner.algos", "runner.tools", "runner.cli", "runner.__main__", "runner")
 
@@ -153,8 +157,19 @@ def test_backends_never_import_runner() -> None:
     assert not bad, bad
 
 
+CONFIG_LAYER = "runner.recipe"
+
+
+def is_config(module: str) -> bool:
+    return module.rpartition(".")[2].endswith("_config")
+
+
 def layer_of(module: str, order: Iterable[str] = ORDER) -> int:
-    """The position in `order` of the longest entry that is `module` or a package above it."""
+    """The position in `order` of the longest entry that is `module` or a package above it (a config module of
+    runner/: the recipe's, CONFIG_LAYER)."""
+    order = tuple(order)
+    if module.startswith("runner.") and is_config(module) and CONFIG_LAYER in order:
+        return order.index(CONFIG_LAYER)
     best, found = -1, ""
     for i, entry in enumerate(order):
         if (module == entry or module.startswith(entry + ".")) and len(entry) > len(found):
@@ -218,3 +233,99 @@ def test_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
     assert strongly_connected(graph) == [["p.a", "p.b", "p.sub.leaf"]]
     (pkg / "sub" / "leaf.py").write_text("X = 1\n")
     assert strongly_connected(import_graph(tmp_path, ["p"])) == []
+
+
+# ---------------------------------------------------------------- config modules and the unions built from them
+
+FINDERS = ("found", "config_modules")
+
+
+def _package_arg(call: ast.Call, module: str) -> str | None:
+    """The package a finder call names: a string, `__name__` / `__package__` (the calling module's), or `x or "y"`."""
+    if not call.args:
+        return None
+    arg = call.args[1] if len(call.args) > 1 and call.func and getattr(call.func, "id", "") == "found" else call.args[0]
+    if isinstance(arg, ast.BoolOp):
+        arg = arg.values[-1]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value
+    if isinstance(arg, ast.Name) and arg.id in ("__name__", "__package__"):
+        return module if arg.id == "__name__" else module.rpartition(".")[0]
+    return None
+
+
+def import_time_finders(root: Path = ROOT, packages: Iterable[str] = PACKAGES) -> dict[str, set[str]]:
+    """module -> the packages whose config modules it imports while it is itself imported: a module-level call of a
+    finder (`found`, `config_modules`) or of a function of ours whose body calls one (builtin_configs)."""
+    files = module_files(root, packages)
+    trees = {name: ast.parse(path.read_text(encoding="utf-8")) for name, path in files.items()}
+    wrappers: dict[str, str] = {}  # function name -> the package its body finds
+    for name, tree in trees.items():
+        for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name not in FINDERS):
+            for call in (c for c in ast.walk(fn) if isinstance(c, ast.Call) and getattr(c.func, "id", "") in FINDERS):
+                if (pkg := _package_arg(call, name)) is not None:
+                    wrappers[fn.name] = pkg
+    out: dict[str, set[str]] = {}
+    for name, tree in trees.items():
+        top = [c for stmt in tree.body if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+               for c in ast.walk(stmt) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)]
+        for call in top:
+            pkg = _package_arg(call, name) if call.func.id in FINDERS else wrappers.get(call.func.id)
+            if pkg is not None:
+                out.setdefault(name, set()).add(pkg)
+    return out
+
+
+def half_built_configs(graph: Mapping[str, Set[str]], finders: Mapping[str, Set[str]]) -> list[str]:
+    """Config modules that import, directly or not, a module finding their own package's configs as it is imported
+    (its package's own __init__ aside: Python runs that first). Imported first, such a module would run the finder
+    midway through itself and its union would miss what it declares below that import."""
+    bad: list[str] = []
+    for module in sorted(m for m in graph if is_config(m)):
+        seen, todo = set(), list(graph[module])
+        while todo:
+            dep = todo.pop()
+            if dep in seen:
+                continue
+            seen.add(dep)
+            todo.extend(graph.get(dep, ()))
+            finds = {p for p in finders.get(dep, ()) if module.startswith(p + ".")}
+            if finds and not module.startswith(dep + "."):
+                bad.append(f"{module} -> ... -> {dep} (finds {', '.join(sorted(finds))})")
+    return bad
+
+
+def test_config_modules_sit_at_the_recipe_layer() -> None:
+    """Every union of the schema is built from config modules (algorithms, envs, pinned evals, losses, backends), and
+    every such module imports nothing above the recipe's layer (checked by the order test through layer_of) and never
+    the module that finds its own kind."""
+    graph = repo_graph()
+    finders = import_time_finders()
+    found_packages = {p for ps in finders.values() for p in ps}
+    assert {"runner.algos", "runner.rl.envs", "runner.engine", "backends.losses", "backends"} <= found_packages, finders
+    configs = [m for m in graph if is_config(m) and m.rpartition(".")[0] in found_packages | {"backends.local",
+                                                                                                "backends.tinker"}]
+    assert len(configs) >= 30, configs
+    assert all(layer_of(m) == ORDER.index(CONFIG_LAYER) for m in configs if m.startswith("runner."))
+    bad = half_built_configs(graph, finders)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_half_built_check_sees_a_config_importing_its_finder(tmp_path: Path) -> None:
+    """The checker itself: a config module that imports (through another module) the module finding its package is
+    caught; one whose finder is its own package's __init__ is not."""
+    pkg = tmp_path / "q"
+    (pkg / "kinds").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "kinds" / "__init__.py").write_text("")
+    (pkg / "base.py").write_text("class B: ...\n")
+    (pkg / "union.py").write_text("from q.base import B\nfrom x import found\nU = found(B, 'q.kinds')\n")
+    (pkg / "helper.py").write_text("from q.union import U\n")
+    (pkg / "kinds" / "a_config.py").write_text("from q.helper import U\n")
+    (pkg / "kinds" / "b_config.py").write_text("from q.base import B\n")
+    graph = import_graph(tmp_path, ["q"])
+    finders = import_time_finders(tmp_path, ["q"])
+    assert finders == {"q.union": {"q.kinds"}}
+    assert half_built_configs(graph, finders) == ["q.kinds.a_config -> ... -> q.union (finds q.kinds)"]
+    (pkg / "kinds" / "a_config.py").write_text("from q.base import B\n")
+    assert half_built_configs(import_graph(tmp_path, ["q"]), finders) == []

@@ -18,10 +18,10 @@ from test_pinned_evals import recipe_text  # the same SFT recipe around its eval
 from backends.errors import UserError
 from runner.cli import main
 from runner.engine.evals import names, run_evals
+from runner.engine.inspect_eval_config import InspectPinned
+from runner.engine.inspect_eval_config import task_name as default_name
 from runner.engine.loop import run
 from runner.recipe.load import load_recipe
-from runner.recipe.pinned import task_name as default_name
-from runner.recipe.schema import InspectPinned
 
 INPUTS = ["What is 2+2?", "Say hi", "Name a colour", "Count to three"]
 MAX_TOKENS = 8

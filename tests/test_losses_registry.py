@@ -19,7 +19,7 @@ from backends.fake import FakeBackend
 from backends.local.backend import LocalBackend
 from backends.local.local_config import Local
 from backends.types import LOSS_FNS, AdamParams, Datum, LoraSpec
-from runner.recipe.schema import RL, PythonLoss
+from runner.algos.rl_config import RL, PythonLoss
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -80,10 +80,10 @@ def cases() -> list[tuple[str, dict[str, float] | None]]:
 
 
 def test_registry_entries():
-    assert list(LOSS_FNS)[:5] == ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
+    assert list(LOSS_FNS)[:5] == ["cispo", "cross_entropy", "dro", "importance_sampling", "ppo"]  # file-name order
     assert "test_linear_pg" in LOSS_FNS  # the live view follows registrations
     assert losses.get("ppo").resolve(None) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
-    with pytest.raises(ValueError, match="unknown loss_fn 'grpo'; expected one of: cross_entropy, "):
+    with pytest.raises(ValueError, match="unknown loss_fn 'grpo'; expected one of: cispo, cross_entropy, "):
         losses.get("grpo")
     with pytest.raises(ValueError, match="takes no config key 'clip_hi'"):
         losses.get("ppo").resolve({"clip_hi": 1.3})

@@ -13,17 +13,23 @@ import pytest
 from backends.errors import UserError
 from backends.local.local_config import Local
 from backends.tinker.tinker_config import Tinker
+from runner.algos.distill_config import Distill, DistillSet, Teacher
+from runner.algos.generate_config import Generate
+from runner.algos.rl_config import RL
+from runner.algos.sft_config import SFT
 from runner.cli import main
 from runner.engine.cost import price_of
+from runner.engine.math_eval_config import MathPinned
 from runner.models import _load, model_context, model_info, models
 from runner.recipe.cost import Price
 from runner.recipe.fits import check_context
 from runner.recipe.lr import auto_lr
-from runner.recipe.schema import RL, SFT, Distill, DistillSet, Generate, Jsonl, MathPinned, Recipe, Teacher
-from runner.recipe.schema import TicTacToe as TicTacToeEnv
+from runner.recipe.schema import Recipe
+from runner.recipe.sources import Jsonl
 from runner.renderers import names
 from runner.renderers.auto import pick_renderer
 from runner.renderers.chat import context_window
+from runner.rl.envs.tictactoe_config import TicTacToe as TicTacToeEnv
 
 TINY = Path(__file__).resolve().parent.parent / "backends" / "local" / "assets" / "tiny"
 

@@ -24,9 +24,9 @@ from backends.errors import UserError
 from backends.local.local_config import Local
 from backends.types import Datum, SampleOutput
 from runner import cli
+from runner.algos.rl_config import RL
 from runner.recipe.load import load_recipe
 from runner.recipe.numerics_table import Numerics
-from runner.recipe.schema import RL
 from runner.rl.gate import FRAC_KEY, Gate, dlogprob_metrics, on_policy
 
 SCALE = 1.5

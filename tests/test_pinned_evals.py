@@ -14,8 +14,11 @@ from backends.errors import UserError
 from runner.cli import main
 from runner.engine.evals import names
 from runner.engine.loop import run
+from runner.engine.math_eval_config import MathPinned
+from runner.engine.nll_eval_config import NLLPinned
+from runner.engine.python_eval_config import PythonPinned
 from runner.recipe.load import load_recipe
-from runner.recipe.schema import Jsonl, MathPinned, NLLPinned, PythonPinned
+from runner.recipe.sources import Jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ROOT / "examples/data/word_problems.jsonl"

@@ -17,9 +17,12 @@ import pytest
 from backends.errors import UserError
 from backends.local.local_config import Local
 from backends.tinker.tinker_config import Tinker
+from runner.algos.sft_config import SFT
+from runner.recipe.common import Python
 from runner.recipe.explain import convert
 from runner.recipe.load import check_recipe, dump_recipe, load_file, load_recipe, parse_override, recipe_dict
-from runner.recipe.schema import SFT, Cosine, Jsonl, Linear, Python, Recipe
+from runner.recipe.schema import Cosine, Linear, Recipe
+from runner.recipe.sources import Jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = [REPO / "recipes.toml", *sorted((REPO / "examples").glob("*.toml"))]
@@ -172,11 +175,11 @@ BAD_RECIPES = [
     ),
     (
         'algo = {kind = "ppo"}',
-        "recipes.toml#sl_basic: algo.kind: invalid choice 'ppo'; expected one of: custom, distill, dpo, generate, reward_model, rl, sft",
+        "recipes.toml#sl_basic: algo.kind: invalid choice 'ppo'; expected one of: custom, distill, dpo, generate, python, reward_model, rl, sft",
     ),
     (
         'model = "tiny"',
-        'recipes.toml#sl_basic: algo: missing key; write e.g. algo = {kind = "sft"} (kind one of: custom, distill, dpo, generate, reward_model, rl, sft)',
+        'recipes.toml#sl_basic: algo: missing key; write e.g. algo = {kind = "distill"} (kind one of: custom, distill, dpo, generate, python, reward_model, rl, sft)',
     ),
     (
         'algo = {kind = "sft"}',

@@ -95,8 +95,8 @@ def test_render_asks_the_algorithms_spec(proj: Path, capsys: pytest.CaptureFixtu
     (proj / "user_algo.py").write_text(USER_ALGO)
     monkeypatch.syspath_prepend(str(proj))
     (proj / "r.toml").write_text(
-        '[recipes.u]\nalgo = {kind = "custom", spec = "user_algo:SPEC", args = {words = ["hi", "yo", "ok"]}}\n'
-        '[recipes.q]\nalgo = {kind = "custom", spec = "user_algo:QUIET"}\n'
+        '[recipes.u]\nalgo = {kind = "python", target = "user_algo:SPEC", args = {words = ["hi", "yo", "ok"]}}\n'
+        '[recipes.q]\nalgo = {kind = "python", target = "user_algo:QUIET"}\n'
         '[recipes.m]\nalgo = {kind = "reward_model", data = {kind = "jsonl", path = "pairs.jsonl"}}\n')
     assert main(["render", "r.toml#u", "--n", "2", "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -105,7 +105,7 @@ def test_render_asks_the_algorithms_spec(proj: Path, capsys: pytest.CaptureFixtu
                      "weights": [0.0] * len(rows[i]["tokens"])} for i, w in enumerate(["hi", "yo"])]
     assert main(["render", "r.toml#q"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "the custom algorithm has no data to show" in err and len(err.splitlines()) == 1
+    assert "the python algorithm has no data to show" in err and len(err.splitlines()) == 1
     assert main(["render", "r.toml#m", "--n", "1", "--json"]) == 0
     sides = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [s["side"] for s in sides] == ["chosen first", "rejected first"]

@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 
 from backends.local.tiny import build_tokenizer
+from backends.losses.ppo_config import PPO
 from backends.types import Datum, SampledSequence, SamplingParams
-from runner.recipe.schema import PPO, RL, Arithmetic, ReferenceKL, Stream
+from runner.algos.rl_config import RL, ReferenceKL, Stream
 from runner.renderers.chat import ChatRenderer
 from runner.rl.advantages import compute_advantages
 from runner.rl.datums import assemble_datums, trajectory_to_datums
+from runner.rl.envs.arithmetic_config import Arithmetic
 from runner.rl.envs.common import RepeatGroupBuilder
 from runner.rl.envs.guess_number import GuessNumberEnv
 from runner.rl.kl import apply_kl_penalty, kl_sample_train, reference_logprobs

@@ -13,14 +13,19 @@ import pytest
 from backends.errors import UserError
 from backends.local.tiny import build_tokenizer
 from backends.types import SamplingParams
-from runner.recipe.schema import Arithmetic, GuessNumber, Preference, PythonEnv, TicTacToe, TwentyQuestions
 from runner.renderers.chat import ChatRenderer
 from runner.rl.envs import EnvContext, build_datasets, get_batch
 from runner.rl.envs.arithmetic import ArithmeticEnv
+from runner.rl.envs.arithmetic_config import Arithmetic
 from runner.rl.envs.guess_number import GuessNumberEnv
+from runner.rl.envs.guess_number_config import GuessNumber
 from runner.rl.envs.preference import round_robin, shorter_wins
+from runner.rl.envs.preference_config import Preference
+from runner.rl.envs.python_config import PythonEnv
 from runner.rl.envs.tictactoe import OpponentEnv, optimal_move, winner
+from runner.rl.envs.tictactoe_config import TicTacToe
 from runner.rl.envs.twenty_questions import OBJECTS, TwentyQuestionsEnv
+from runner.rl.envs.twenty_questions_config import TwentyQuestions
 from runner.rl.rollouts import do_group_rollout, rollout_batch, run_episode
 from runner.rl.testing import ScriptedSampler
 

@@ -106,7 +106,7 @@ REPLIES = ["I am not sure.", "Ask me something else."]
 
 def test_hedged_demonstrations_are_seeded_and_hedge_as_asked() -> None:
     from runner.data.comparisons import hedged_demonstrations, load_pairs
-    from runner.recipe.schema import Jsonl
+    from runner.recipe.sources import Jsonl
 
     pairs = load_pairs(Jsonl(path=str(COMPARISONS))).pairs
     rows = hedged_demonstrations(str(COMPARISONS), PREFIXES, REPLIES, prefix_frac=0.3, reply_frac=0.4, seed=3)

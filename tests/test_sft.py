@@ -16,10 +16,13 @@ import pytest
 from backends.errors import UserError
 from backends.local.tiny import build_tokenizer
 from runner.algos.sft import SFTAlgo, to_datum
+from runner.algos.sft_config import SFT
 from runner.data.conversations import load_conversations
 from runner.engine.loop import run
 from runner.engine.spec import Settings
-from runner.recipe.schema import HF, SFT, Jsonl, Python, Recipe
+from runner.recipe.common import Python
+from runner.recipe.schema import Recipe
+from runner.recipe.sources import HF, Jsonl
 from runner.renderers.chat_template import render  # the "hf" renderer: what "auto" gives the tiny model
 
 TOK = build_tokenizer()

@@ -25,10 +25,11 @@ import numpy as np
 from backends.base import Backend, SamplingClient
 from backends.errors import UserError
 from backends.types import Datum
+from runner.algos.distill_config import Distill, Teacher
 from runner.algos.rl import EVAL_SEED_OFFSET, RLAlgo
 from runner.data.conversations import load_conversations, prompt_rows
 from runner.engine.spec import AlgoSpec, BuildArgs, Settings
-from runner.recipe.schema import Distill, Recipe, Teacher
+from runner.recipe.schema import Recipe
 from runner.renderers.chat import ChatRenderer
 from runner.rl.advantages import compute_advantages
 from runner.rl.datums import assemble_datums
@@ -212,7 +213,7 @@ def prompts_from_chats(path: str, limit: int | None = None) -> list[dict[str, An
     from pathlib import Path
 
     from runner.data.conversations import conversation, load_rows
-    from runner.recipe.schema import Jsonl
+    from runner.recipe.sources import Jsonl
 
     if not Path(path).is_file():
         raise UserError(f"prompts_from_chats: file not found: {path}")

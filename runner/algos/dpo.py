@@ -40,11 +40,12 @@ import numpy as np
 from backends.base import CustomLossFn, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
+from runner.algos.dpo_config import DPO
 from runner.algos.sft import PLAN_STEPS, to_datum, weights
 from runner.data.comparisons import Batches, Pair, Pairs, load_pairs, render_completion
 from runner.engine.context import AlgorithmBase, Context, FinalContext
 from runner.engine.spec import AlgoSpec, BuildArgs, Settings
-from runner.recipe.schema import DPO, Recipe
+from runner.recipe.schema import Recipe
 from runner.rl.kl import reference_logprobs
 
 # ---------------------------------------------------------------- the math

@@ -21,13 +21,14 @@ from typing import Any
 from backends.base import SamplingClient
 from backends.errors import UserError
 from backends.types import SamplingParams
+from runner.algos.generate_config import Generate
 from runner.data.conversations import Conversation, load_conversations, prompt_rows
 from runner.data.position import check_resume
 from runner.engine.context import AlgorithmBase, Context
 from runner.engine.log import write_text_atomic
 from runner.engine.rundir import OUTPUT
 from runner.engine.spec import AlgoSpec, BuildArgs, Settings
-from runner.recipe.schema import Generate, Recipe
+from runner.recipe.schema import Recipe
 from runner.renderers.chat import ChatRenderer
 
 

@@ -28,11 +28,12 @@ import numpy as np
 from backends.base import Future, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
+from runner.algos.reward_model_config import RewardModel
 from runner.algos.sft import PLAN_STEPS
 from runner.data.comparisons import Batches, Pair, Pairs, load_pairs, render_judge
 from runner.engine.context import AlgorithmBase, Context, FinalContext
 from runner.engine.spec import AlgoSpec, BuildArgs, Settings
-from runner.recipe.schema import Recipe, RewardModel
+from runner.recipe.schema import Recipe
 from runner.rewards.judge import label_logprobs, p_first
 
 

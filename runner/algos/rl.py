@@ -49,16 +49,18 @@ from backends import losses
 from backends.base import Backend, BackendError, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, LossFn, OptimStepOutput, SamplingParams
+from runner.algos.rl_config import RL, Async, PythonLoss, ReferenceKL, Stream
 from runner.data.position import check_resume
 from runner.engine.context import AlgorithmBase, Context, FinalContext
 from runner.engine.spec import AlgoSpec, BuildArgs, Settings
-from runner.recipe.schema import RL, Async, ModelJudge, Preference, PythonLoss, Recipe, ReferenceKL, Stream
+from runner.recipe.schema import Recipe
 from runner.recipe.targets import import_object
 from runner.renderers.chat import ChatRenderer, context_window
 from runner.rl import transcripts
 from runner.rl.advantages import compute_advantages, remove_constant_reward_groups
 from runner.rl.datums import assemble_datums
 from runner.rl.envs import EnvContext, build_datasets, get_batch, headline_of
+from runner.rl.envs.preference_config import ModelJudge, Preference
 from runner.rl.gate import Gate, dlogprob_metrics, on_policy
 from runner.rl.kl import apply_kl_penalty, kl_sample_train, reference_logprobs
 from runner.rl.metrics import trajectory_metrics

@@ -27,11 +27,12 @@ import numpy as np
 from backends.base import Future, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
+from runner.algos.sft_config import SFT
 from runner.data.conversations import Conversation, load_conversations
 from runner.data.position import check_resume
 from runner.engine.context import AlgorithmBase, Context, FinalContext
 from runner.engine.spec import AlgoSpec, BuildArgs, Settings
-from runner.recipe.schema import SFT, Recipe
+from runner.recipe.schema import Recipe
 from runner.renderers import Renderer, render_row, text_of
 
 # How many steps the dry-run plan renders to report datums and tokens per step.

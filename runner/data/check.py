@@ -18,10 +18,12 @@ from backends.errors import UserError
 from runner.data.conversations import conversation
 from runner.data.files import can_keep, iter_rows, keep_rows
 from runner.data.problems import problem
+from runner.recipe.common import DataSource
 from runner.recipe.explain import dotted
 from runner.recipe.formats import AUTO, FORMATS, FormatError, map_row, resolve_format
 from runner.recipe.load import structs
-from runner.recipe.schema import HF, DataBase, DataSource, File, Jsonl, Recipe
+from runner.recipe.schema import Recipe
+from runner.recipe.sources import HF, DataBase, File, Jsonl
 
 STREAMING_ROWS = 1000
 SHAPES = ("conversation", "comparison", "problem")

@@ -28,7 +28,7 @@ import numpy as np
 from backends.errors import UserError
 from runner.data.conversations import Conversation, describe, mapped_rows, messages_of
 from runner.data.position import check_resume
-from runner.recipe.schema import DataSource
+from runner.recipe.common import DataSource
 from runner.renderers.chat_template import encode, prefix_len, template
 
 LABELS = ("A", "B", "Tie")
@@ -219,7 +219,7 @@ def preferred_conversations(path: str) -> list[dict[str, Any]]:
     `{kind = "python", target = "runner.data.comparisons:preferred_conversations", args = {path = "..."}}`)."""
     from pathlib import Path
 
-    from runner.recipe.schema import Jsonl
+    from runner.recipe.sources import Jsonl
 
     if not Path(path).is_file():
         raise UserError(f"preferred_conversations: file not found: {path}")
@@ -240,7 +240,7 @@ def hedged_demonstrations(path: str, prefixes: list[str] | None = None, replies:
     prefixes = [...], prefix_frac = 0.3, ...}}`."""
     from pathlib import Path
 
-    from runner.recipe.schema import Jsonl
+    from runner.recipe.sources import Jsonl
 
     if not Path(path).is_file():
         raise UserError(f"hedged_demonstrations: file not found: {path}")

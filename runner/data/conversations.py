@@ -21,8 +21,8 @@ from typing import Any
 
 from backends.errors import UserError
 from runner.data.files import MAPPED, describe, iter_rows, load_rows, read_jsonl
+from runner.recipe.common import DataSource
 from runner.recipe.formats import AUTO, FormatError, map_row, resolve_format
-from runner.recipe.schema import DataSource
 
 __all__ = ["ROLES", "Conversation", "Message", "conversation", "describe", "load_conversations", "load_rows",
            "mapped_rows", "messages_of", "read_jsonl"]

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from backends.errors import UserError
+from runner.recipe.common import DataSource, Python, RunOutput
 from runner.recipe.formats import AUTO, columns, resolve_format
-from runner.recipe.schema import HF, DataSource, File, Jsonl, Python, RunOutput
+from runner.recipe.sources import HF, File, Jsonl
 from runner.recipe.targets import import_target
 
 Located = tuple[Any, str]

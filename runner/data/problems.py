@@ -20,7 +20,7 @@ from typing import Any
 
 from backends.errors import UserError
 from runner.data.conversations import describe, mapped_rows
-from runner.recipe.schema import DataSource
+from runner.recipe.common import DataSource
 
 
 @dataclass(frozen=True)

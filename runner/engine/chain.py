@@ -17,11 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from backends.errors import UserError
+from runner.algos.distill_config import Teacher
+from runner.algos.generate_config import Generate
 from runner.engine.context import InitWeights
 from runner.engine.rundir import CONFIG, claim, load_config, read_checkpoints, run_dir_path
+from runner.recipe.common import RunOutput
 from runner.recipe.explain import dotted, info, is_ref
 from runner.recipe.load import check_recipe, load_recipe, structs
-from runner.recipe.schema import Generate, Recipe, RunOutput, Teacher
+from runner.recipe.schema import Recipe
 
 
 @dataclass(frozen=True)
@@ -64,11 +67,6 @@ def ref_fields(recipe: Recipe) -> list[tuple[str, str, bool]]:
     return [(dotted([*keys, field.encode_name]), value, not isinstance(node, RunOutput))
             for keys, node in structs(recipe, ()) for field in info(type(node)).fields
             if keys and is_ref(field.type) and isinstance(value := getattr(node, field.name), str)]
-
-
-def resolve_ref(ref: str, prefix: str) -> Upstream:
-    """The run a (loaded, absolute) reference names."""
-    return _stage(ref, prefix, [])
 
 
 def dependencies(recipe: Recipe, where: str, seen: tuple[str, ...] = ()) -> list[Upstream]:

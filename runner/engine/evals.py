@@ -1,9 +1,9 @@
 """Evals pinned in the recipe (`[[recipes.x.evals]]`): fixed benchmarks run on the sampler weights of the moment, the
 same way at every eval step (eval_every), after the last step (in the final row) and by `runner eval`.
 
-A kind is its struct in runner/recipe/pinned.py, whose `implementation` names its module; the module declares
-`EVAL = EvalKind(run, check)`. Nothing here lists kinds: `kind_of` imports the module the struct names (as
-runner/engine/spec.py does for algorithms). The built-in ones: `math` (runner/engine/math_eval.py: accuracy with the
+A kind is two files here: NAME_eval_config.py, its recipe struct (the `PinnedEval` union is every one:
+runner/recipe/pinned.py), and NAME_eval.py, which declares `EVAL = EvalKind(run, check)`. Nothing here lists kinds:
+`kind_of` imports the module beside the struct's (as runner/engine/spec.py does for algorithms). The built-in ones: `math` (runner/engine/math_eval.py: accuracy with the
 `math` env's loading, prompt and grading, at fixed sampling params), `nll` (nll_eval.py: per-token NLL of
 conversations via compute_logprobs), `python` (python_eval.py: `pkg.mod:fn`), `inspect` (inspect_eval.py: an
 inspect_ai task through a model provider over the sampler). Each needs only a SamplingClient and the tokenizer, so
@@ -21,7 +21,7 @@ from typing import Any
 from backends.base import SamplingClient
 from backends.errors import UserError
 from runner.recipe.explain import dotted
-from runner.recipe.schema import PinnedEval
+from runner.recipe.pinned import PinnedEval
 from runner.recipe.targets import declared
 from runner.renderers import Renderer, get_renderer
 from runner.renderers.base import Tokenizer
@@ -51,8 +51,8 @@ class EvalKind:
 
 
 def kind_of(e: PinnedEval) -> EvalKind:
-    """The `EVAL` its module declares, for a pinned eval's config (its struct's `implementation`)."""
-    return declared(type(e).implementation, "EVAL", EvalKind, f"pinned eval {type(e).__name__}")
+    """The `EVAL` declared by the module beside a pinned eval's config (math_eval_config.py -> math_eval.py)."""
+    return declared(type(e), "EVAL", EvalKind)
 
 
 def names(evals: list[PinnedEval]) -> list[str]:

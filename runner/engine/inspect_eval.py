@@ -25,8 +25,8 @@ from typing import Any
 from backends.base import SamplingClient
 from backends.errors import UserError
 from runner.engine.evals import EvalContext, EvalKind
+from runner.engine.inspect_eval_config import InspectPinned, task_file
 from runner.recipe.common import TARGET_PATTERN
-from runner.recipe.pinned import InspectPinned, task_file
 from runner.recipe.targets import args_mismatch, import_target
 from runner.renderers import Renderer
 

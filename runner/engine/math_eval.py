@@ -8,9 +8,11 @@ import asyncio
 from backends.errors import UserError
 from backends.types import SamplingParams
 from runner.engine.evals import EvalContext, EvalKind, Metrics
-from runner.recipe.schema import File, Jsonl, Math, MathPinned
+from runner.engine.math_eval_config import MathPinned
+from runner.recipe.sources import File, Jsonl
 from runner.renderers.chat import ChatRenderer
 from runner.rl.envs.math import MathEnv, load_problems
+from runner.rl.envs.math_config import Math
 
 
 def as_math_env(e: MathPinned) -> Math:

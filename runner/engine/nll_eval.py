@@ -11,7 +11,8 @@ from typing import Any
 from backends.errors import UserError
 from runner.data.conversations import load_conversations
 from runner.engine.evals import EvalContext, EvalKind, Metrics
-from runner.recipe.schema import File, Jsonl, NLLPinned
+from runner.engine.nll_eval_config import NLLPinned
+from runner.recipe.sources import File, Jsonl
 from runner.renderers import render_row
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from backends.errors import UserError
 from runner.engine.evals import EvalContext, EvalKind, Metrics
-from runner.recipe.schema import PythonPinned
+from runner.engine.python_eval_config import PythonPinned
 from runner.recipe.targets import import_target
 from runner.rl.rollouts import describe_error
 

@@ -58,13 +58,14 @@ import msgspec
 from backends.errors import UserError
 from runner.engine.log import append_jsonl, disk_errors, read_jsonl, write_jsonl_atomic, write_text_atomic
 from runner.engine.track import start_tracker
+from runner.recipe.common import TARGET_PATTERN
 from runner.recipe.load import dump_recipe, load_recipe
 
 # Where runs live and what a generate run writes: defined with the references, re-exported here.
 from runner.recipe.refs import OUTPUT as OUTPUT
 from runner.recipe.refs import output_files as output_files
 from runner.recipe.refs import run_dir_path as run_dir_path
-from runner.recipe.schema import TARGET_PATTERN, Recipe
+from runner.recipe.schema import Recipe
 from runner.user_code import find_user_modules
 
 CONFIG, METRICS, CHECKPOINTS, SESSIONS = "config.toml", "metrics.jsonl", "checkpoints.jsonl", "sessions.jsonl"

@@ -1,12 +1,12 @@
 """The algorithm interface: what an algorithm module declares (`AlgoSpec`) and how a recipe's `algo` finds it.
 
-An algorithm is its recipe struct (runner/recipe/schema.py: a variant of `Algo`, whose `implementation` names the
-module, e.g. runner/algos/sft.py) plus that module, which declares `SPEC = AlgoSpec(...)`: how to build it from a
+An algorithm is two files in runner/algos/: NAME_config.py, its recipe struct (a variant of the schema's `Algo`
+union, found by its file name), and NAME.py beside it, which declares `SPEC = AlgoSpec(...)`: how to build it from a
 recipe, its headline metrics (the progress line, `runner compare`'s default columns), how `runner render` shows its
 data. The loop, progress, compare, render and `runner eval` read the spec; nothing lists algorithms, and the engine
-never imports runner/algos/ (it imports the module a recipe names, by name, as it imports a user's). A user's own
-algorithm needs no edit here at all:
-`algo = {kind = "custom", target = "pkg.mod:SPEC", args = {...}}` names an `AlgoSpec` in their module, and its
+imports no algorithm's code by name (it imports the module beside the recipe struct's, as it imports a user's). A
+user's own algorithm needs no edit here at all:
+`algo = {kind = "python", target = "pkg.mod:SPEC", args = {...}}` names an `AlgoSpec` in their module, and its
 `config` struct (if any) validates `args` at `runner check` (examples/custom_algo.py).
 """
 
@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.errors import UserError
+from runner.algos.python_config import PythonAlgo
 from runner.engine.context import Algorithm, InitWeights
-from runner.recipe.schema import ALGO_VARIANTS, Custom, Recipe
+from runner.recipe.schema import ALGO_VARIANTS, Recipe
 from runner.recipe.targets import declared
 from runner.renderers import Renderer, get_renderer
 from runner.renderers.base import Tokenizer
@@ -89,7 +90,7 @@ class AlgoSpec:
     compare: Sequence[str] | None = None
     # Extra headline metrics that depend on the config (RL: its env's), inserted after the first.
     headline_for: Callable[[Any], Sequence[tuple[str, str]]] | None = None
-    # A user algorithm's `args` struct (algo.kind = "custom"): validated by `runner check`, handed to `build`.
+    # A user algorithm's `args` struct (algo.kind = "python"): validated by `runner check`, handed to `build`.
     config: type | None = None
     # How `runner render` shows the data; None: it has none to show.
     show: Shower | None = None
@@ -108,20 +109,20 @@ class AlgoSpec:
 
 def spec_of(cfg: Any) -> AlgoSpec:
     """The spec of a recipe's `algo` table."""
-    if isinstance(cfg, Custom):
+    if isinstance(cfg, PythonAlgo):
         return _custom_spec(cfg.target)
-    return _module_spec(type(cfg).implementation)
+    return declared(type(cfg), "SPEC", AlgoSpec)
 
 
 def spec_of_kind(kind: str, target: str | None = None) -> AlgoSpec | None:
     """The spec of an algorithm by its `kind` tag (a run dir's flattened config); None when unknown or not
     importable (a run written by another version, a custom algorithm whose module is gone)."""
     try:
-        if kind == "custom":
+        if kind in ("python", "custom"):  # "custom": a run dir written before the one spelling of user code
             return _custom_spec(target) if target else None
         for variant in ALGO_VARIANTS:
             if variant.__struct_config__.tag == kind:
-                return _module_spec(variant.implementation)
+                return declared(variant, "SPEC", AlgoSpec)
     except UserError:
         return None
     return None
@@ -134,24 +135,20 @@ def make_algo(recipe: Recipe, init: InitWeights | None = None,
 
 
 def check_algo(cfg: Any, where: str) -> None:
-    """`runner check`: a custom algorithm's target is an AlgoSpec and its args fit the spec's config."""
-    if not isinstance(cfg, Custom):
+    """`runner check`: a user's algorithm's target is an AlgoSpec and its args fit the spec's config."""
+    if not isinstance(cfg, PythonAlgo):
         return
     spec = _custom_spec(cfg.target, where)
     custom_args(spec, cfg, where)
 
 
-def custom_args(spec: AlgoSpec, cfg: Custom, where: str = "") -> Any:
-    """A custom algorithm's `args`, decoded into its spec's config struct (as given when it has none)."""
+def custom_args(spec: AlgoSpec, cfg: PythonAlgo, where: str = "") -> Any:
+    """A user's algorithm's `args`, decoded into its spec's config struct (as given when it has none)."""
     if spec.config is None:
         return cfg.args
     from runner.recipe.explain import convert
 
     return convert(cfg.args, spec.config, f"{where + ': ' if where else ''}algo.args")
-
-
-def _module_spec(module: str) -> AlgoSpec:
-    return declared(module, "SPEC", AlgoSpec, "algorithm")
 
 
 def _custom_spec(target: str, where: str = "") -> AlgoSpec:
@@ -160,9 +157,9 @@ def _custom_spec(target: str, where: str = "") -> AlgoSpec:
     try:
         obj: Any = import_object(target)
     except UserError as e:
-        raise UserError(f"{where + ': ' if where else ''}algo.spec: {e}") from None
+        raise UserError(f"{where + ': ' if where else ''}algo.target: {e}") from None
     if not isinstance(obj, AlgoSpec):
-        raise UserError(f"{where + ': ' if where else ''}algo.spec {target!r} is a {type(obj).__name__}, not an "
+        raise UserError(f"{where + ': ' if where else ''}algo.target {target!r} is a {type(obj).__name__}, not an "
                         "AlgoSpec (declare `SPEC = AlgoSpec(build=...)` in your module; see examples/custom_algo.py)")
     return obj
 

@@ -1,13 +1,18 @@
-"""The recipe's basic types (shared by runner/recipe/schema.py and its parts): number limits, `pkg.mod:fn` targets,
-recipe references, the struct base, the data sources a table may name, and TrainOnWhat."""
+"""The recipe's basic types (shared by runner/recipe/schema.py and every config module): number limits, `pkg.mod:fn`
+targets, recipe references, the struct base, the bases of the algorithm, env and pinned eval variants, the data
+sources a table may name, and TrainOnWhat.
+
+Nothing here finds config modules (backends/configs.py `found`): a config module imports its base from here,
+never from the module that builds its union (runner/recipe/schema.py, envs.py, pinned.py), so importing a config
+module first cannot leave it half-built inside its own union (tests/test_import_graph.py checks it)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 from msgspec import Meta
 
-from backends.backend_config import ConfigStruct
+from backends.configs import ConfigStruct
 from runner.recipe.sources import HF, DataBase, File, Jsonl
 
 PosInt = Annotated[int, Meta(ge=1)]
@@ -28,18 +33,31 @@ class Base(ConfigStruct):  # pyright: ignore[reportGeneralTypeIssues] (see Confi
     pass
 
 
-B = TypeVar("B", bound=type)
+class AlgoBase(Base, tag_field="kind", tag=str.lower):
+    """An algorithm (`algo = {kind = ...}`): each in runner/algos/NAME_config.py, implemented by runner/algos/NAME.py,
+    which declares `SPEC = AlgoSpec(...)` (runner/engine/spec.py)."""
 
 
-def variants(base: B) -> tuple[B, ...]:
-    """The subclasses of a tagged struct base, in the order they are declared: the schema's union of them (msgspec
-    decodes `kind = ...` into the one with that tag). A variant declares itself once, by subclassing the base
-    (algorithms, envs); nothing lists them. A subclass that declares `ABSTRACT = True` (a shared base of several
-    variants) is not one: its own subclasses are, in its place."""
-    out: list[B] = []
-    for sub in base.__subclasses__():
-        out.extend(variants(sub) if sub.__dict__.get("ABSTRACT", False) else [sub])
-    return tuple(out)
+class EnvBase(Base, tag_field="kind", tag=str.lower):
+    """An RL environment (`algo.env = {kind = ...}`): each in runner/rl/envs/NAME_config.py, implemented by
+    runner/rl/envs/NAME.py, which declares `ENV = EnvKind(...)` (runner/rl/envs/common.py)."""
+
+    # Problems in the training split (batches = train_size // groups_per_batch) and held out for evals.
+    train_size: PosInt = 10_000
+    test_size: NonNegInt = 64
+
+
+class PinnedEvalBase(Base, tag_field="kind", tag=str.lower, kw_only=True):
+    """An eval pinned in the recipe (`[[recipes.x.evals]]`, runner/engine/evals.py): run with eval_every, after the last
+    step and by `runner eval`, on the sampler weights of the moment; logged as test/eval/<name>/<metric>. Each kind is in
+    runner/engine/NAME_eval_config.py, implemented by runner/engine/NAME_eval.py (`EVAL = EvalKind(...)`)."""
+
+    # The metric prefix; default: the kind, with its position when two evals share a kind ("math", "math_1").
+    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]+$")] | None = None
+
+    def default_name(self) -> str:
+        """The metric prefix when `name` is not set: the kind."""
+        return str(type(self).__struct_config__.tag)
 
 
 # ---------------------------------------------------------------- data sources

@@ -14,8 +14,9 @@ know (a local folder, a hub id) is not checked here; the local sampler refuses a
 from __future__ import annotations
 
 from backends.errors import UserError
+from runner.algos.distill_config import Teacher
 from runner.models import model_context
-from runner.recipe.schema import Recipe, Teacher
+from runner.recipe.schema import Recipe
 
 
 def models_of(recipe: Recipe) -> list[tuple[str, str]]:

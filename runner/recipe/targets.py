@@ -7,18 +7,20 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from backends.configs import implementation_of
 from backends.errors import UserError, one_line
 from runner.user_code import import_user_module
 
 K = TypeVar("K")
 
 
-def declared(module: str, name: str, kind: type[K], what: str) -> K:
-    """What a built-in extension's module declares, the one registration idiom (docs/extending.md): a recipe
-    struct's `implementation` names the module, the module sets `name = kind(...)` (ENV, EVAL, SPEC)."""
-    found = getattr(importlib.import_module(module), name, None) if module else None
+def declared(config: type, name: str, kind: type[K]) -> K:
+    """What a built-in extension's implementation declares, `name = kind(...)` (ENV, EVAL, SPEC): the module beside
+    its config struct's (runner/rl/envs/math_config.py -> runner/rl/envs/math.py; docs/extending.md)."""
+    module = implementation_of(config)
+    found = getattr(importlib.import_module(module), name, None)
     if not isinstance(found, kind):
-        raise TypeError(f"{what}: its implementation {module!r} declares no {name} = {kind.__name__}(...)")
+        raise TypeError(f"{config.__name__}: its implementation {module} declares no {name} = {kind.__name__}(...)")
     return found
 
 

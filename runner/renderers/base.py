@@ -66,10 +66,6 @@ class Termination(StrEnum):
     def is_clean(self) -> bool:
         return self != Termination.MALFORMED
 
-    @property
-    def is_stop_sequence(self) -> bool:
-        return self == Termination.STOP_SEQUENCE
-
 
 @dataclass
 class RenderContext:

@@ -1,20 +1,21 @@
 """Renderers by name: `get_renderer(name, tokenizer)` builds one; `names()` lists them (what `runner check` offers).
 
 A built-in renderer is one module of this package with `@register("name")` (runner/renderers/base.py) on its
-Renderer subclass, and nothing else: the first lookup imports every module of the package (`builtin_modules`, in
-name order), which registers them; no list names them. A user's is `renderer = "pkg.mod:NAME"` in a recipe: NAME
-is a Renderer subclass (or any factory tokenizer -> Renderer) in their module (docs/extending.md).
+Renderer subclass, and nothing else: a renderer module is its own config (it imports nothing heavy, and a renderer has
+no recipe fields: a recipe names it, `renderer = "llama3"`), so the first lookup imports every module of the package
+with the finder every kind shares (backends/configs.py `config_modules`, every module rather than `*_config.py`
+ones), which registers them; no list names them. A user's is `renderer = {kind = "python", target = "pkg.mod:NAME"}`
+(or its short spelling `renderer = "pkg.mod:NAME"`): NAME is a Renderer subclass (or any factory tokenizer ->
+Renderer) in their module (docs/extending.md).
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 import re
-import sys
 from functools import cache
 from typing import Any
 
+from backends.configs import config_modules
 from backends.errors import UserError, one_line
 from runner.renderers.auto import pick_renderer
 from runner.renderers.base import AUTO, REGISTRY, Renderer, Tokenizer
@@ -29,11 +30,7 @@ def builtin_modules() -> tuple[str, ...]:
     """Import every module of this package, once, at the first lookup: a built-in renderer's module registers itself
     when imported, so adding the file is all it takes. Cheap (the package's modules import nothing heavy: no torch,
     no tokenizer), deterministic (name order), and lazy: importing runner.renderers alone registers nothing more."""
-    package = sys.modules[__package__ or "runner.renderers"]  # loaded before this module (not imported: a circle)
-    found = sorted(m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_"))
-    for name in found:
-        importlib.import_module(f"{package.__name__}.{name}")
-    return tuple(found)
+    return tuple(m.__name__.rpartition(".")[2] for m in config_modules(__package__ or "runner.renderers", suffix=""))
 
 
 def registered() -> dict[str, Any]:

@@ -23,12 +23,16 @@ from collections.abc import Callable
 from typing import Any
 
 from backends.errors import UserError
-from runner.recipe.schema import Env, GuessNumber, Preference, TicTacToe, TwentyQuestions
+from runner.recipe.envs import Env
 from runner.renderers.chat import ChatRenderer
 from runner.rl.envs import build_datasets, get_batch
 from runner.rl.envs import tictactoe as ttt
 from runner.rl.envs import twenty_questions as tq
 from runner.rl.envs.common import ChatEnv, EnvContext
+from runner.rl.envs.guess_number_config import GuessNumber
+from runner.rl.envs.preference_config import Preference
+from runner.rl.envs.tictactoe_config import TicTacToe
+from runner.rl.envs.twenty_questions_config import TwentyQuestions
 
 Expert = Callable[[ChatEnv, random.Random], str]
 

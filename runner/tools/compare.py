@@ -194,7 +194,7 @@ def choose_metrics(runs: Sequence[Run], specs: Sequence[str] = ()) -> list[Metri
         return metrics
     names: list[str] = []
     for r in runs:
-        names.extend(m for m in main_metrics(r.kind, r.config.get("algo.spec")) if m not in names and m in logged)
+        names.extend(m for m in main_metrics(r.kind, r.config.get("algo.target", r.config.get("algo.spec"))) if m not in names and m in logged)
     # The recipes' pinned evals (runner/engine/evals.py): their headline numbers, whatever the algorithm.
     names.extend(sorted(k for k in logged if k.startswith("test/eval/") and k.endswith(("/accuracy", "/nll", "/mean"))))
     return [parse_metric(n) for n in names]

@@ -35,6 +35,7 @@ import msgspec
 import tomli_w
 
 from backends.errors import UserError
+from runner.algos.distill_config import Teacher
 from runner.recipe.explain import dotted, info, is_ref
 from runner.recipe.load import (
     apply_overrides,
@@ -47,7 +48,8 @@ from runner.recipe.load import (
     structs,
     toml_value,
 )
-from runner.recipe.schema import HF, DataBase, Jsonl, Recipe, Smoke, Teacher
+from runner.recipe.schema import Recipe, Smoke
+from runner.recipe.sources import HF, DataBase, Jsonl
 from runner.renderers.registry import smoke_renderer
 
 SMOKE_DIR = Path("runs") / ".smoke"

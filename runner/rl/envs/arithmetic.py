@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 import re
 
-from runner.recipe.schema import Arithmetic
 from runner.renderers.chat import ChatRenderer, Message
+from runner.rl.envs.arithmetic_config import Arithmetic
 from runner.rl.envs.common import (
     ChatEnv,
     EnvContext,

@@ -23,10 +23,11 @@ from typing import Any
 
 from backends.errors import UserError
 from runner.data.conversations import load_rows
-from runner.recipe.schema import Code, DataSource
+from runner.recipe.common import DataSource
 from runner.renderers.chat import ChatRenderer
 from runner.rewards import harness
 from runner.rewards.sandbox import Limits, RunResult, Sandbox
+from runner.rl.envs.code_config import Code
 from runner.rl.envs.common import ChatEnv, EnvContext, EnvKind, RepeatGroupBuilder, group_datasets, split
 from runner.rl.types import EnvGroupBuilder, Observation, RLDataset, StepResult, StopCondition
 

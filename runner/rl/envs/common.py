@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from backends.base import SamplingClient
 from backends.errors import UserError
-from runner.recipe.schema import EnvBase
+from runner.recipe.common import EnvBase
 from runner.renderers.chat import ChatRenderer, Message, ParsedReply, Prompt
 from runner.rl.types import Env, EnvGroupBuilder, Observation, RLDataset, StopCondition
 

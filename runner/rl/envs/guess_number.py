@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 
-from runner.recipe.schema import GuessNumber
 from runner.renderers.chat import ChatRenderer
 from runner.rl.envs.arithmetic import INTEGER
 from runner.rl.envs.common import (
@@ -20,6 +19,7 @@ from runner.rl.envs.common import (
     group_datasets,
     split_problems,
 )
+from runner.rl.envs.guess_number_config import GuessNumber
 from runner.rl.types import Observation, RLDataset, StepResult, StopCondition
 
 

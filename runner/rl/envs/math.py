@@ -15,10 +15,11 @@ from typing import Any, TypeVar
 
 from backends.errors import UserError
 from runner.data.conversations import load_rows
-from runner.recipe.schema import DataSource, Math
+from runner.recipe.common import DataSource
 from runner.renderers.chat import ChatRenderer, Message
 from runner.rewards.math_grading import extract_answer, grade, math_verify_available, reference_answer, warm_up
 from runner.rl.envs.common import ChatEnv, EnvContext, EnvKind, RepeatGroupBuilder, group_datasets, split
+from runner.rl.envs.math_config import Math
 from runner.rl.types import EnvGroupBuilder, Observation, RLDataset, StepResult, StopCondition
 
 BOXED_SUFFIX = " Write your answer in \\boxed{} format."

@@ -15,10 +15,10 @@ from dataclasses import replace
 from backends.base import SamplingClient
 from backends.errors import UserError
 from backends.types import SamplingParams
-from runner.recipe.schema import ModelJudge, Preference
 from runner.recipe.targets import import_target
 from runner.renderers.chat import ChatRenderer
 from runner.rl.envs.common import ChatEnv, EnvContext, EnvKind, check_train_size, group_datasets
+from runner.rl.envs.preference_config import ModelJudge, Preference
 from runner.rl.types import (
     Env,
     EnvGroupBuilder,

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.errors import UserError
-from runner.recipe.schema import ReasoningGym
 from runner.renderers.chat import ChatRenderer, Message
 from runner.rl.envs.common import ChatEnv, EnvContext, EnvKind, RepeatGroupBuilder, check_train_size, group_datasets
+from runner.rl.envs.reasoning_gym_config import ReasoningGym
 from runner.rl.types import Observation, RLDataset, StepResult, StopCondition
 
 INSTALL = "the reasoning_gym env needs the reasoning-gym package: pip install 'runner[reasoning]'"

@@ -22,10 +22,10 @@ from backends.base import SamplingClient
 from backends.errors import UserError
 from backends.types import SamplingParams
 from runner.data.conversations import load_rows, messages_of
-from runner.recipe.schema import JudgeModel, PythonGrader, Rubric
 from runner.recipe.targets import import_target
 from runner.renderers.chat import ChatRenderer, Message
 from runner.rl.envs.common import ChatEnv, EnvContext, EnvKind, RepeatGroupBuilder, group_datasets, split
+from runner.rl.envs.rubric_config import JudgeModel, PythonGrader, Rubric
 from runner.rl.rollouts import describe_error
 from runner.rl.types import EnvGroupBuilder, Logs, Observation, RLDataset, StepResult, StopCondition
 

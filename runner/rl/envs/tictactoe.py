@@ -16,7 +16,6 @@ import random
 from collections.abc import Sequence
 from typing import Literal
 
-from runner.recipe.schema import TicTacToe
 from runner.renderers.chat import ChatRenderer
 from runner.rl.envs.arithmetic import INTEGER
 from runner.rl.envs.common import (
@@ -28,6 +27,7 @@ from runner.rl.envs.common import (
     group_datasets,
     split_problems,
 )
+from runner.rl.envs.tictactoe_config import TicTacToe
 from runner.rl.types import Env, EnvGroupBuilder, Metrics, Observation, RLDataset, StepResult, StopCondition, Trajectory
 
 Seat = Literal["X", "O"]

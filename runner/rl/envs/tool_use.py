@@ -31,12 +31,12 @@ from typing import Any
 
 from backends.errors import UserError
 from runner.data.conversations import load_rows
-from runner.recipe.schema import ToolUse
 from runner.recipe.targets import import_target
 from runner.renderers.chat import ChatRenderer, Message, ParsedReply
 from runner.rewards.math_grading import extract_answer, grade
 from runner.rewards.tools import BM25, Tool, ToolError, builtin_tools, load_docs, search_tool, tool_from_function
 from runner.rl.envs.common import ChatEnv, EnvContext, EnvKind, RepeatGroupBuilder, group_datasets, split
+from runner.rl.envs.tool_use_config import ToolUse
 from runner.rl.types import EnvGroupBuilder, Logs, Observation, RLDataset, StepResult, StopCondition
 
 DEFAULT_SYSTEM_PROMPT = ("Solve the problem. You may call the tools below, one or more times, and read their "

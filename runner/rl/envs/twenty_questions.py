@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import re
 
-from runner.recipe.schema import TwentyQuestions
 from runner.renderers.chat import ChatRenderer
 from runner.rl.envs.common import (
     ChatEnv,
@@ -22,6 +21,7 @@ from runner.rl.envs.common import (
     group_datasets,
     split_problems,
 )
+from runner.rl.envs.twenty_questions_config import TwentyQuestions
 from runner.rl.types import Observation, RLDataset, StepResult, StopCondition
 
 # attribute -> (how the intro names it, words that ask about it)

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 from backends.errors import UserError
 from backends.serve.openai_api import ApiError, chat_plan, chat_response, error_body
 from backends.types import SampledSequence, SampleOutput
-from runner.recipe.schema import Verifiers
 from runner.rl.envs.common import EnvContext, EnvKind, check_train_size, group_datasets
+from runner.rl.envs.verifiers_env_config import Verifiers
 from runner.rl.types import Env, EnvGroupBuilder, Metrics, Observation, RLDataset, StepResult, StopCondition, Trajectory
 
 if TYPE_CHECKING:  # imported in build(): runner.rl.openai_chat imports an env module (tool_use), hence this package

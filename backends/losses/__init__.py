@@ -11,7 +11,10 @@ function giving its per-token loss from the learner's logprobs. Readers:
     local backend; backends/serve/sequence_losses.py adds the two losses that need the server's own records): the function;
   - the Tinker backend: a loss the hosted service knows goes by name, any other runs through forward_backward_custom
     with the same function.
-Adding a loss: one `register(LossSpec(...))` (here for a built-in, in any module for a user's own).
+Adding a built-in loss: one file, backends/losses/NAME_config.py, that registers its LossSpec and declares its recipe
+variant, `NAME = loss_config(register(LossSpec(...)), __name__)` (docs/extending.md); this package finds the files
+(backends/configs.py `found`) when it is imported, so nothing lists them. A user's own: `register(LossSpec(...))`
+in any module, named by the recipe.
 
 Formulas (docs/losses.md "Formulas"), per token, SUMMED over tokens and datums (never averaged). lp = learner logprob of
 the target, q = sampler logprob (`Datum.logprobs`), A = advantage, r = exp(lp - q), sg = stop-gradient. Our Datum
@@ -27,7 +30,12 @@ import inspect
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
+
+import msgspec
+from msgspec import Meta
+
+from backends.configs import ConfigStruct, config_modules, found
 
 if TYPE_CHECKING:
     import torch
@@ -210,67 +218,61 @@ class _LiveNames(Sequence[str]):
 LOSS_NAMES: Sequence[str] = _LiveNames()
 
 
-# ---------------------------------------------------------------- Tinker's built-ins (docs/losses.md)
+# ---------------------------------------------------------------- the recipe's variants (`algo.loss = {kind = NAME}`)
 
 
-def _need(x: Tensor | None) -> Tensor:
+class LossConfig(ConfigStruct, tag_field="kind", tag=str.lower):  # pyright: ignore[reportGeneralTypeIssues]
+    """A recipe's `algo.loss` table. Each built-in RL loss's variant is generated from its spec (`loss_config`), so its
+    fields are the spec's and it checks what the spec checks; a user's is the recipe schema's `kind = "python"`."""
+
+    loss_spec: ClassVar[LossSpec | None] = None
+
+
+def loss_config(spec: LossSpec, module: str) -> type[LossConfig]:
+    """The recipe table of a loss, declared in `module` (its config file): `{kind = NAME, <its fields>}`."""
+    fields = [(f.recipe, Annotated[float, Meta(**f.constraints())], f.default) for f in spec.fields]
+
+    def __post_init__(self: Any) -> None:
+        if problem := spec.problem({f.key: getattr(self, f.recipe) for f in spec.fields}):
+            raise ValueError(problem)
+
+    namespace = {"__doc__": spec.doc, "__post_init__": __post_init__, "loss_spec": spec}
+    title = spec.title or spec.name.title().replace("_", "")
+    variant = msgspec.defstruct(title, fields, bases=(LossConfig,), tag=spec.name, module=module, namespace=namespace)
+    assert issubclass(variant, LossConfig)
+    return variant
+
+
+# ---------------------------------------------------------------- helpers of the built-ins' token losses
+
+
+def need(x: Tensor | None) -> Tensor:
     assert x is not None  # the backends check the datum's inputs (LossSpec.check_datum) first
     return x
 
 
-def _cross_entropy(lp: Tensor, inp: LossInputs, cfg: Mapping[str, float]) -> Tensor:
-    return -_need(inp.weights) * lp
+def ratio(lp: Tensor, inp: LossInputs) -> Tensor:
+    """r = exp(lp − lp_sampler)."""
+    return (lp - need(inp.logprobs)).exp()
 
 
-def _ratio(lp: Tensor, inp: LossInputs) -> Tensor:
-    return (lp - _need(inp.logprobs)).exp()
-
-
-def _importance_sampling(lp: Tensor, inp: LossInputs, cfg: Mapping[str, float]) -> Tensor:
-    return -_ratio(lp, inp) * _need(inp.advantages)
-
-
-def _ppo(lp: Tensor, inp: LossInputs, cfg: Mapping[str, float]) -> Tensor:
-    ratio, adv = _ratio(lp, inp), _need(inp.advantages)
-    clipped = ratio.clamp(cfg["clip_low_threshold"], cfg["clip_high_threshold"])
-    return -(ratio * adv).minimum(clipped * adv)
-
-
-def _cispo(lp: Tensor, inp: LossInputs, cfg: Mapping[str, float]) -> Tensor:
-    clipped = _ratio(lp, inp).clamp(cfg["clip_low_threshold"], cfg["clip_high_threshold"])
-    return -clipped.detach() * lp * _need(inp.advantages)
-
-
-def _dro(lp: Tensor, inp: LossInputs, cfg: Mapping[str, float]) -> Tensor:
-    return -(lp * _need(inp.advantages) - 0.5 * cfg["beta"] * (lp - _need(inp.logprobs)) ** 2)
-
-
-def _clips_ordered(cfg: Mapping[str, float]) -> str | None:
+def clips_ordered(cfg: Mapping[str, float]) -> str | None:
     lo, hi = cfg["clip_low_threshold"], cfg["clip_high_threshold"]
     return "clip_low must be < clip_high" if lo >= hi else None
 
 
-def _clip_fields(lo: float, hi: float) -> tuple[LossField, ...]:
+def clip_fields(lo: float, hi: float) -> tuple[LossField, ...]:
     return (LossField("clip_low", "clip_low_threshold", lo, ge=0.0, doc="lower bound on the ratio r itself"),
             LossField("clip_high", "clip_high_threshold", hi, gt=0.0, doc="upper bound on the ratio r itself"))
 
 
-CROSS_ENTROPY = register(LossSpec(
-    "cross_entropy", _cross_entropy, inputs=("weights",), multi_target=True, zero_where="weights", in_rl=False, tinker_builtin=True,
-    doc="−Σ w·lp (SFT; (N, K) targets: top-K / soft-target cross entropy)."))
-IMPORTANCE_SAMPLING = register(LossSpec(
-    "importance_sampling", _importance_sampling, tinker_builtin=True, zero_where="advantages", title="ImportanceSampling",
-    doc="−Σ r·A, r = exp(lp − lp_sampler)."))
-PPO = register(LossSpec(
-    "ppo", _ppo, fields=_clip_fields(0.8, 1.2), rule=_clips_ordered, tinker_builtin=True, zero_where="advantages", title="PPO",
-    doc="−Σ min(r·A, clip(r, lo, hi)·A). The bounds are on the ratio itself, not epsilons."))
-CISPO = register(LossSpec(
-    "cispo", _cispo, fields=_clip_fields(0.0, 4.0), rule=_clips_ordered, tinker_builtin=True, zero_where="advantages", title="CISPO",
-    doc="−Σ sg(clip(r, lo, hi))·lp·A. Default one-sided (Tinker's)."))
-# dro's beta follows the docs' example; Tinker states no default.
-DRO = register(LossSpec(
-    "dro", _dro, fields=(LossField("beta", "beta", 0.05, gt=0.0, doc="weight of the quadratic penalty"),),
-    tinker_builtin=True, title="DRO", doc="−Σ (lp·A − ½·β·(lp − lp_sampler)²)."))
+# ---------------------------------------------------------------- Tinker's built-ins (docs/losses.md)
 
-# Tinker's built-ins, as registered above (the recipe schema offers these by name; user losses by target).
+# Each backends/losses/NAME_config.py registers its loss when imported (file-name order); these are the built-ins.
+config_modules(__name__)
 BUILTINS: tuple[LossSpec, ...] = tuple(specs())
+
+
+def rl_variants() -> tuple[type[LossConfig], ...]:
+    """The recipe variants of the built-in RL losses (`algo.loss.kind`), in file-name order."""
+    return found(LossConfig, __name__)
