@@ -102,6 +102,7 @@ def check_all(recipe: Recipe, where: str, keep_rows: bool = False, name: str | N
     from runner.data.check import check_data
     from runner.engine.evals import check_evals
     from runner.engine.spec import check_algo
+    from runner.engine.track import check_trackers
     from runner.renderers.registry import renderer_mismatch
 
     first = [s for s in [*upstreams(recipe, where), *dependencies(recipe, where)] if s.runnable]
@@ -116,6 +117,7 @@ def check_all(recipe: Recipe, where: str, keep_rows: bool = False, name: str | N
         check_data(r, at, keep=keep_rows and not first)
         check_algo(r.algo, at)
         check_evals(r.evals, at)
+        check_trackers(r.log, at)
     if name is not None:
         for run_dir in [run_dir_path(recipe, name), *(s.run_dir for s in first)]:
             claim(run_dir)
