@@ -469,9 +469,10 @@ def test_error_messages(backend, mock, monkeypatch):
 
 
 @contextlib.contextmanager
-def silent_socket(accept: bool) -> Iterator[str]:
+def silent_socket(accept: bool, accepted: threading.Semaphore | None = None) -> Iterator[str]:
     """A base URL on 127.0.0.1 whose port never answers: a listener that never reads (accept=True takes the
-    connection and then says nothing), or, accept=False, a port nobody listens on (connections refused)."""
+    connection and then says nothing), or, accept=False, a port nobody listens on (connections refused).
+    `accepted` is released once per connection taken, so a test can wait for a client to be connected."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -488,6 +489,8 @@ def silent_socket(accept: bool) -> Iterator[str]:
         while not stop.is_set():
             with contextlib.suppress(OSError):
                 held.append(sock.accept()[0])
+                if accepted is not None:
+                    accepted.release()
 
     t = threading.Thread(target=take, daemon=True)
     t.start()
@@ -633,20 +636,25 @@ except KeyboardInterrupt:
 
 
 def test_first_ctrl_c_stops_a_run_waiting_to_connect():
-    with silent_socket(accept=True) as url:
+    accepted = threading.Semaphore(0)
+    with silent_socket(accept=True, accepted=accepted) as url:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0"}
         env.pop("TINKER_BASE_URL", None)
         proc = subprocess.Popen([sys.executable, "-c", CTRL_C_SCRIPT, url], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         try:
             assert proc.stdout is not None and proc.stdout.readline().strip() == "waiting"
-            time.sleep(1.0)  # inside the SDK's session setup
+            # Inside the SDK's session setup: the backend's TCP probe, then the SDK's own connection, both taken
+            # (a fixed sleep here sent the signal before the SDK connected on a loaded machine).
+            for _ in range(2):
+                assert accepted.acquire(timeout=60), "the backend never connected"
             proc.send_signal(signal.SIGINT)  # once
             t0 = time.monotonic()
-            out, err = proc.communicate(timeout=15)
+            out, err = proc.communicate(timeout=100)
         finally:
             proc.kill()
-        assert time.monotonic() - t0 < 15, err  # ~1 s on an idle machine; ignored, it would wait out 120 s
+        # ~1 s on an idle machine; ignored, it would wait out connect_timeout_s = 120 s.
+        assert time.monotonic() - t0 < 60, err
         assert proc.returncode == 130 and "interrupted" in out, (out, err)
 
 
