@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from backends.errors import UserError
-from runner.engine.chain import check_all, upstreams
+from runner.engine.chain import check_all, check_session, upstreams
 from runner.recipe.load import (
     DEFAULT_FILE,
     dump_recipe,
@@ -487,6 +487,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    with check_session():  # each recipe a chain reaches is loaded and checked once (runner/engine/chain.py)
+        return _check(args)
+
+
+def _check(args: argparse.Namespace) -> int:
     path, name = split_ref(args.ref)
     if name is not None:
         print(check_line(args.ref, args.overrides))  # a sweep: every point
