@@ -232,3 +232,21 @@ def test_deep_override_is_one_line(workdir: Path) -> None:
         load_recipe("r.toml#a", ["args=" + "[" * 50_000 + "]" * 50_000])
     with pytest.raises(UserError, match=r"^override lr=\.\.\.: 1,000,001 characters, more than 1,000,000"):
         load_recipe("r.toml#a", ["lr=" + "1" * 1_000_001])
+
+
+def test_show_explain_names_files_normalised(workdir: Path, tmp_path_factory: pytest.TempPathFactory,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A base reached through `../` is named by its path from the working directory ('base.toml', not
+    'a/b/../../base.toml'); one outside it by its absolute path."""
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "far.toml").write_text("[defaults]\nseed = 3\n[recipes.far]\nlr = 1e-3\n")
+    write(f'[defaults]\nmodel = "tiny"\n[recipes.b]\n{DATA}\nextends = "{outside}/far.toml#far"\n', "base.toml")
+    Path("a/b").mkdir(parents=True)
+    write('[recipes.v]\nextends = "../../base.toml#b"\nmax_steps = 2\n', "a/b/r.toml")
+    assert main(["show", "a/b/r.toml#v", "--explain"]) == 0
+    lines = {line.split(" = ")[0]: line.rsplit("# ", 1)[1] for line in capsys.readouterr().out.splitlines()}
+    assert lines["model"] == "[defaults] of base.toml"
+    assert lines["algo.batch_size"] == "base.toml#b (extends)"
+    assert lines["lr"] == f"{outside.resolve()}/far.toml#far (extends)"
+    assert lines["seed"] == f"[defaults] of {outside.resolve()}/far.toml"
+    assert lines["max_steps"] == "a/b/r.toml#v"

@@ -112,18 +112,29 @@ def layers(path: str, name: str, data: dict[str, Any], read: Reader) -> list[Lay
     seen: set[str] = set()
     for link in links:
         defaults = link.data.get(DEFAULTS)
-        label = f"[defaults] of {link.path}"
+        label = f"[defaults] of {shown(link.path)}"
         if defaults and label not in seen:
             seen.add(label)
             out.append(Layer(label, defaults))
     for i in range(len(links) - 1, -1, -1):
         link = links[i]
         own = {k: v for k, v in link.data["recipes"][link.name].items() if k != EXTENDS}
+        where = f"{shown(link.path)}#{link.name}"
         if i:  # a base's own table: its sweep stays with it
-            out.append(Layer(f"{link.where} (extends)", {k: v for k, v in own.items() if k != SWEEP}))
+            out.append(Layer(f"{where} (extends)", {k: v for k, v in own.items() if k != SWEEP}))
         else:
-            out.append(Layer(link.where, own))
+            out.append(Layer(where, own))
     return out
+
+
+def shown(path: str) -> str:
+    """A file as --explain names it: relative to the working directory when under it, else absolute, `..` and links
+    resolved either way (a base two folders up read 'lib/../../x.toml')."""
+    resolved = Path(path).resolve()
+    try:
+        return str(resolved.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(resolved)
 
 
 @dataclass(frozen=True)

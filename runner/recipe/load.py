@@ -14,6 +14,7 @@ fit the model's context).
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import os
 import re
@@ -66,8 +67,15 @@ def pick(ref: str) -> tuple[str, str, dict[str, Any]]:
             raise UserError(f"{path}: pick a recipe as {path}#NAME; available: {', '.join(sorted(tables))}")
         name = next(iter(tables))
     if name not in tables:
-        raise UserError(f"{path}: no recipe named {name!r}; available: {', '.join(sorted(tables))}")
+        raise UserError(no_recipe(path, name, tables))
     return path, name, merged(path, name, data, read_data)
+
+
+def no_recipe(path: str, name: str, tables: dict[str, Any]) -> str:
+    """'FILE: no recipe named 'rl_basc'; did you mean 'rl_basic'? available: ...'."""
+    close = difflib.get_close_matches(name, list(tables), n=1)
+    hint = f" (did you mean {path}#{close[0]}?)" if close else ""
+    return f"{path}: no recipe named {name!r}{hint}; available: {', '.join(sorted(tables))}"
 
 
 def recipe_names(path: str) -> list[str]:
@@ -176,7 +184,7 @@ def read_layers(path: str, name: str) -> list[Layer]:
     """The tables recipe `name` of `path` is merged from, lowest first, each labelled (`runner show --explain`)."""
     data = read_data(path)
     if name not in data["recipes"]:
-        raise UserError(f"{path}: no recipe named {name!r}; available: {', '.join(sorted(data['recipes']))}")
+        raise UserError(no_recipe(path, name, data["recipes"]))
     return layers(path, name, data, read_data)
 
 
@@ -186,7 +194,7 @@ def read_data(path: str) -> dict[str, Any]:
     not change (pick, read_tables and merged hand out copies)."""
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"{path}: {'not a file' if p.exists() else 'file not found'}")
+        raise UserError(f"{path}: {'not a file' if p.exists() else 'file not found'}{_missing_file_hint(path)}")
     try:
         data = _read_cached(p)
     except PermissionError:
@@ -200,6 +208,19 @@ def read_data(path: str) -> dict[str, Any]:
     except _TooDeep as e:
         raise UserError(f"{path}: {e}") from None
     return data
+
+
+def _missing_file_hint(path: str) -> str:
+    """`runner run rl_basic`: a recipe name given where a file goes, when ./recipes.toml holds that recipe (or one
+    close to it)."""
+    if "/" in path or not NAME.match(path) or path == DEFAULT_FILE or not Path(DEFAULT_FILE).is_file():
+        return ""
+    try:
+        names = read_data(DEFAULT_FILE)["recipes"]
+    except UserError:
+        return ""
+    close = [path] if path in names else difflib.get_close_matches(path, list(names), n=1)
+    return f"; did you mean {DEFAULT_FILE}#{close[0]}?" if close else ""
 
 
 def _check_shape(path: str, data: dict[str, Any]) -> None:
