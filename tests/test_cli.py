@@ -88,8 +88,8 @@ def test_check_reports_each_bad_recipe(workdir: Path, capsys: pytest.CaptureFixt
 
 def test_user_errors_exit_2_with_one_line(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cases = {
-        ("show", "recipes.toml#sl_basci"): "error: recipes.toml: no recipe named 'sl_basci'; "
-        "available: remote, sl_basic\n",
+        ("show", "recipes.toml#sl_basci"): "error: recipes.toml: no recipe named 'sl_basci' (did you mean "
+        "recipes.toml#sl_basic?); available: remote, sl_basic\n",
         ("show", "recipes.toml#sl_basic", "lora.rnak=8"): "error: recipes.toml#sl_basic: lora.rnak: unknown key; "
         "did you mean `rank`? (valid: rank, train_attn, train_mlp, train_unembed)\n",
         ("check", "missing.toml"): "error: missing.toml: file not found\n",
