@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from backends.errors import UserError
-from runner.engine.chain import check_all, upstreams
+from runner.engine.chain import check_all, check_session, upstreams
 from runner.recipe.load import (
     DEFAULT_FILE,
     dump_recipe,
@@ -97,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action=_Version, help="print the installed version and exit")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
     run = sub.add_parser("run", help="train one recipe", description="Validate, check and run one recipe.")
@@ -361,7 +362,7 @@ def _science_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
     plot = sub.add_parser(
         "plot",
-        help="learning curves of runs as a PNG (needs matplotlib)",
+        help="learning curves of runs as a PNG",
         description="One line per run, step on x, labelled by the keys that differ; one panel per metric. With one "
         "DIR and no -o, writes DIR/index.html (the compare table and the plots, plot-<metric>.png next to it).",
     )
@@ -375,6 +376,24 @@ def _science_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     from runner.tools.conformance.command import add_parser as add_conformance  # docs/conformance.md
 
     add_conformance(sub)
+
+
+class _Version(argparse.Action):
+    """`runner --version`: the installed package's version (its metadata), looked up only when asked."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=str(kwargs.get("help")))
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            text = version("runner")
+        except PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+            text = "unknown (not installed: pip install -e .)"
+        print(f"runner {text}")
+        parser.exit()
 
 
 def _positive(text: str) -> int:
@@ -408,10 +427,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     prefer_passive_openmp()  # before torch loads (runner/threads.py)
     from runner.engine.cost import BudgetReached
     from runner.engine.loop import Interrupted  # torch and the backends load here, and only here
-    from runner.engine.pipeline import run_chain
+    from runner.engine.pipeline import naming, run_chain
 
     try:
-        run_chain(recipe, name, where, dry_run=args.dry_run, force=args.force)
+        with naming(where):  # a dry run's errors name the recipe as the run's do
+            run_chain(recipe, name, where, dry_run=args.dry_run, force=args.force)
     except Interrupted:  # Ctrl-C: the loop saved a checkpoint and said so
         return 130
     except BudgetReached:  # the recipe's budget: the loop saved a checkpoint and said why (docs/cost.md)
@@ -487,6 +507,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    with check_session():  # each recipe a chain reaches is loaded and checked once (runner/engine/chain.py)
+        return _check(args)
+
+
+def _check(args: argparse.Namespace) -> int:
     path, name = split_ref(args.ref)
     if name is not None:
         print(check_line(args.ref, args.overrides))  # a sweep: every point

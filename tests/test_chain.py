@@ -132,3 +132,38 @@ def test_chain_on_the_tinker_backend(proj: Path, mocked_tinker: None) -> None:
     warm, nxt = nll(proj / "runs" / "warm"), nll(proj / "runs" / "next")
     # The downstream's first step sees the upstream's final weights: below even the upstream's last step.
     assert nxt[0] < warm[-1] < warm[0], (warm, nxt)
+
+
+def test_check_of_a_long_chain_loads_each_recipe_once(proj: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """`runner check` of a file holding an init_from chain of 40 recipes: each recipe is loaded a bounded number of
+    times and its data checked once (the walk was exponential: 4,095 dependency walks for 12 recipes, > 600 s for
+    50), and a chain past MAX_CHAIN is one line."""
+    import runner.engine.chain as chain
+
+    n = 40
+    text = stage("r0", 1) + "".join(stage(f"r{i}", 1, f'init_from = "#r{i - 1}"') for i in range(1, n))
+    (proj / "r.toml").write_text(text)
+    loads = checks = 0
+    real_load, real_check = chain.load_recipe, chain.check_recipe
+
+    def load(*a, **k):  # type: ignore[no-untyped-def]
+        nonlocal loads
+        loads += 1
+        return real_load(*a, **k)
+
+    def check(*a, **k):  # type: ignore[no-untyped-def]
+        nonlocal checks
+        checks += 1
+        return real_check(*a, **k)
+
+    monkeypatch.setattr(chain, "load_recipe", load)
+    monkeypatch.setattr(chain, "check_recipe", check)
+    assert main(["check", "r.toml"]) == 0
+    assert capsys.readouterr().out.count("ok  ") == n
+    assert loads <= n and checks <= 2 * n, (loads, checks)  # a quadratic walk: 780 loads
+
+    monkeypatch.setattr(chain, "MAX_CHAIN", 10)
+    assert main(["check", f"r.toml#r{n - 1}"]) == 2
+    err = capsys.readouterr().err
+    assert "init_from chain longer than 10 runs" in err and err.count("\n") == 1

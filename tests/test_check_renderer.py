@@ -76,3 +76,14 @@ def test_a_run_that_fails_before_it_starts_names_the_recipe_and_leaves_no_run_di
     out, err = capsys.readouterr()
     assert "error" not in err and "exists" not in out + err and "starts over" not in out + err
     assert (workdir / "runs" / "x" / "metrics.jsonl").is_file()
+
+
+@pytest.mark.parametrize("renderer", ["gpt_oss_no_sysprompt", "gpt_oss_low_reasoning", "gpt_oss_high_reasoning"])
+def test_check_refuses_gpt_oss_on_a_tokenizer_without_its_tokens(workdir: Path, capsys: pytest.CaptureFixture[str],
+                                                                 renderer: str) -> None:
+    """gpt_oss_* were registered as lambdas, whose required tokens check could not see: it said ok, run failed."""
+    assert main(["check", "r.toml", f"renderer={renderer}"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: r.toml#x: renderer {renderer!r}: the tokenizer (tiny) does not have <|start|>, <|end|>, "
+        "<|message|>, <|channel|>, <|return|>, <|call|> as single tokens, which this format writes: pick the "
+        'renderer of the model\'s family (or "hf": its chat template)\n')

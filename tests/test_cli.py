@@ -88,8 +88,8 @@ def test_check_reports_each_bad_recipe(workdir: Path, capsys: pytest.CaptureFixt
 
 def test_user_errors_exit_2_with_one_line(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cases = {
-        ("show", "recipes.toml#sl_basci"): "error: recipes.toml: no recipe named 'sl_basci'; "
-        "available: remote, sl_basic\n",
+        ("show", "recipes.toml#sl_basci"): "error: recipes.toml: no recipe named 'sl_basci' (did you mean "
+        "recipes.toml#sl_basic?); available: remote, sl_basic\n",
         ("show", "recipes.toml#sl_basic", "lora.rnak=8"): "error: recipes.toml#sl_basic: lora.rnak: unknown key; "
         "did you mean `rank`? (valid: rank, train_attn, train_mlp, train_unembed)\n",
         ("check", "missing.toml"): "error: missing.toml: file not found\n",
@@ -210,3 +210,77 @@ def test_help_names_only_the_algorithms_that_exist(capsys: pytest.CaptureFixture
     kinds = {t.__struct_config__.tag for t in Algo.__args__}  # type: ignore[attr-defined]
     named_words = re.findall(r"[A-Za-z_]+", named.group(1).split(":")[0])
     assert {w.lower() for w in named_words if w != "and"} == kinds
+
+
+# ---------------------------------------------------------------- papercuts a newcomer hit (issue 39)
+
+def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"runner {version('runner')}\n"
+    with pytest.raises(SystemExit):
+        main(["-h"])
+    plot_line = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("plot "))
+    assert "matplotlib" not in plot_line  # a base dependency: the help said "(needs matplotlib)"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["show", "recipes.toml#sl_basc"],
+     "error: recipes.toml: no recipe named 'sl_basc' (did you mean recipes.toml#sl_basic?); available: remote, "
+     "sl_basic\n"),
+    (["check", "recipes.toml#sl_basic", "renderer=lama3"],
+     "error: recipes.toml#sl_basic: renderer 'lama3' is unknown (did you mean 'llama3'?); choose one of: auto, hf, "),
+    (["run", "sl_basic"], "error: sl_basic: file not found; did you mean recipes.toml#sl_basic?\n"),
+    (["run", "sl_basc", "--dry-run"], "error: sl_basc: file not found; did you mean recipes.toml#sl_basic?\n"),
+    (["run", "nothing_like_it"], "error: nothing_like_it: file not found\n"),
+])
+def test_did_you_mean(workdir: Path, capsys: pytest.CaptureFixture[str], argv: list[str], expected: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(expected) and err.count("\n") == 1, err
+
+
+def test_dry_run_and_render_errors_name_the_recipe_as_run_does(workdir: Path, fake_loop: list[Any],
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """An error raised while planning (the dry run) or rendering starts with FILE#name: as run's do (they did not),
+    and what run checks first (a renderer the tokenizer cannot write) render checks too, in the same words."""
+    fake_loop.append(UserError("algo.data: no rows"))
+    assert main(["run", "recipes.toml#sl_basic", "--dry-run"]) == 2
+    assert capsys.readouterr().err == "error: recipes.toml#sl_basic: algo.data: no rows\n"
+    fake_loop.clear()
+    errors = []
+    for argv in (["run", "recipes.toml#sl_basic", "renderer=llama3"],
+                 ["run", "recipes.toml#sl_basic", "renderer=llama3", "--dry-run"],
+                 ["render", "recipes.toml#sl_basic", "renderer=llama3"]):
+        assert main(argv) == 2
+        errors.append(capsys.readouterr().err)
+    assert errors[0].startswith("error: recipes.toml#sl_basic: renderer 'llama3': the tokenizer (tiny) does not have")
+    assert errors[0] == errors[1] == errors[2]
+    (workdir / "data.jsonl").write_text("")
+    assert main(["render", "recipes.toml#sl_basic"]) == 2
+    assert capsys.readouterr().err.startswith("error: recipes.toml#sl_basic: ")
+
+
+def test_the_progress_bar_is_closed_before_the_ctrl_c_message() -> None:
+    """On a terminal the tqdm bar was redrawn under "interrupted: ..." by the steps still finishing."""
+    import io
+
+    from runner.engine.log import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    term = Terminal()
+    progress = Progress(10, 0, stream=term)
+    progress.update(0, {"train_mean_nll": 1.0})
+    progress.interrupt("interrupted: finishing the submitted steps")
+    assert progress.bar is None
+    progress.update(1, {"train_mean_nll": 0.5})  # a step that was submitted before Ctrl-C finishes
+    text = term.getvalue()
+    assert text.endswith("interrupted: finishing the submitted steps\n"), repr(text[-200:])
+    progress.message("interrupted after 2 of 10 steps")
+    assert term.getvalue().endswith("steps\ninterrupted after 2 of 10 steps\n")

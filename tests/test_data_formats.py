@@ -87,7 +87,7 @@ def test_hh_rlhf_comparisons_split_as_the_cookbook(tmp_path: Path, capsys: pytes
     path = write_jsonl(tmp_path / "hh.jsonl", HH)
     pairs = load_pairs(Jsonl(path=str(path), format="hh_rlhf"))
     assert (pairs.rows, pairs.dropped, len(pairs.pairs)) == (3, 1, 2)
-    assert "1 rows dropped" in capsys.readouterr().err
+    assert "1 row dropped" in capsys.readouterr().err  # one row, singular (it said "1 rows")
     first = pairs.pairs[0]
     assert first.prompt == [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."},
                             {"role": "user", "content": "And 3+3?"}]

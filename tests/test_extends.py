@@ -166,3 +166,87 @@ def test_cookbook_resolves_to_what_it_did_before_extends() -> None:
         assert decode_recipe(now[name], name) == decode_recipe(before[name], name), name
     text = (REPO / "examples/cookbook.toml").read_text()
     assert "[defaults]" in text and text.count("extends = ") >= 3
+
+
+def test_a_long_chain_resolves_and_one_too_long_is_one_line(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A chain of 999 bases (1,000 recipes: MAX_EXTENDS) loads; one more is one line, exit 2 (both were a
+    RecursionError traceback from 990 on)."""
+    from runner.recipe.compose import MAX_EXTENDS
+
+    def chain(n: int) -> str:
+        return f"[recipes.r0]\n{DATA}\n" + "".join(f'[recipes.r{i}]\nextends = "r{i - 1}"\nseed = {i}\n'
+                                                   for i in range(1, n))
+    write(chain(MAX_EXTENDS))
+    _, top = load_recipe(f"r.toml#r{MAX_EXTENDS - 1}")
+    assert top.seed == MAX_EXTENDS - 1 and top.algo.batch_size == 4  # type: ignore[union-attr]
+    write(chain(MAX_EXTENDS + 1))
+    assert error_of(f"r.toml#r{MAX_EXTENDS}").startswith(
+        f"r.toml#r{MAX_EXTENDS}: extends chain longer than {MAX_EXTENDS} recipes")
+    assert main(["show", f"r.toml#r{MAX_EXTENDS}", "--explain"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_whole_chain_resolves_in_linear_time(workdir: Path) -> None:
+    """read_tables of a 600-recipe chain merges each recipe once over its base (it took seconds per hundred,
+    cubic, before): counted in deep_merge calls, which a quadratic walk would multiply."""
+    import runner.recipe.compose as compose
+
+    write(f"[recipes.r0]\n{DATA}\n" + "".join(f'[recipes.r{i}]\nextends = "r{i - 1}"\nseed = {i}\n'
+                                              for i in range(1, 600)))
+    calls = 0
+    real = compose.deep_merge
+
+    def counting(base: dict, over: dict) -> dict:  # type: ignore[type-arg]
+        nonlocal calls
+        calls += 1
+        return real(base, over)
+
+    compose.deep_merge = counting  # type: ignore[assignment]
+    try:
+        tables = read_tables("r.toml")
+    finally:
+        compose.deep_merge = real  # type: ignore[assignment]
+    assert tables["r599"]["seed"] == 599 and tables["r599"]["algo"]["batch_size"] == 4
+    assert calls < 2 * 600, calls  # a fresh merge of each chain: 180,000
+
+
+@pytest.mark.parametrize("text", [
+    "[recipes.a]\nx = " + "[" * 50_000 + "]" * 50_000 + "\n",  # deep arrays: tomllib recurses on them
+    "[recipes.a]\nx = " + "{a = " * 5_000 + "1" + "}" * 5_000 + "\n",  # deep inline tables: the same
+    "[recipes.a." + ".".join(["t"] * 5_000) + "]\nx = 1\n",  # a deep table header: parsed, then walked
+    "[recipes.a]\nargs = " + "[" * 70 + "]" * 70 + "\n",  # just past the bound
+])
+def test_deep_nesting_is_one_line(workdir: Path, capsys: pytest.CaptureFixture[str], text: str) -> None:
+    write(text)
+    message = error_of("r.toml#a")
+    assert message.startswith("r.toml: arrays or tables nested") and "more than 64" in message
+    assert main(["check", "r.toml"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_deep_override_is_one_line(workdir: Path) -> None:
+    write(f"[recipes.a]\n{DATA}\n")
+    with pytest.raises(UserError, match=r"^override args=\.\.\.: arrays or tables nested"):
+        load_recipe("r.toml#a", ["args=" + "[" * 50_000 + "]" * 50_000])
+    with pytest.raises(UserError, match=r"^override lr=\.\.\.: 1,000,001 characters, more than 1,000,000"):
+        load_recipe("r.toml#a", ["lr=" + "1" * 1_000_001])
+
+
+def test_show_explain_names_files_normalised(workdir: Path, tmp_path_factory: pytest.TempPathFactory,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A base reached through `../` is named by its path from the working directory ('base.toml', not
+    'a/b/../../base.toml'); one outside it by its absolute path."""
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "far.toml").write_text("[defaults]\nseed = 3\n[recipes.far]\nlr = 1e-3\n")
+    write(f'[defaults]\nmodel = "tiny"\n[recipes.b]\n{DATA}\nextends = "{outside}/far.toml#far"\n', "base.toml")
+    Path("a/b").mkdir(parents=True)
+    write('[recipes.v]\nextends = "../../base.toml#b"\nmax_steps = 2\n', "a/b/r.toml")
+    assert main(["show", "a/b/r.toml#v", "--explain"]) == 0
+    lines = {line.split(" = ")[0]: line.rsplit("# ", 1)[1] for line in capsys.readouterr().out.splitlines()}
+    assert lines["model"] == "[defaults] of base.toml"
+    assert lines["algo.batch_size"] == "base.toml#b (extends)"
+    assert lines["lr"] == f"{outside.resolve()}/far.toml#far (extends)"
+    assert lines["seed"] == f"[defaults] of {outside.resolve()}/far.toml"
+    assert lines["max_steps"] == "a/b/r.toml#v"

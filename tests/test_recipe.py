@@ -250,7 +250,7 @@ def test_bad_file_message(workdir: Path, text: str, expected: str) -> None:
 def test_file_and_reference_messages(workdir: Path) -> None:
     write(GOOD + '\n[recipes.rl_basic]\nalgo = {kind = "sft", data = {kind = "jsonl", path = "data.jsonl"}}\n')
     assert error_of(load_recipe, "recipes.toml#sl_basci") == (
-        "recipes.toml: no recipe named 'sl_basci'; available: rl_basic, sl_basic"
+        "recipes.toml: no recipe named 'sl_basci' (did you mean recipes.toml#sl_basic?); available: rl_basic, sl_basic"
     )
     assert error_of(load_recipe, "recipes.toml") == (
         "recipes.toml: pick a recipe as recipes.toml#NAME; available: rl_basic, sl_basic"

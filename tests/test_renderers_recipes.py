@@ -35,7 +35,7 @@ def test_check_names_an_unknown_renderer(proj: Path, capsys: pytest.CaptureFixtu
                                  'algo = {kind = "sft", data = {kind = "jsonl", path = "chats.jsonl"}}\n')
     assert main(["check", "r.toml"]) == 2
     err = capsys.readouterr().err
-    assert "renderer 'qwen9' is unknown; choose one of: auto, hf," in err and "role_colon" in err
+    assert "renderer 'qwen9' is unknown (did you mean 'qwen3'?); choose one of: auto, hf," in err and "role_colon" in err
     assert len(err.strip().splitlines()) == 1
 
 

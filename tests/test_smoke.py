@@ -102,9 +102,15 @@ def test_hub_data_without_a_stand_in_is_one_line(workdir: Path, capsys: pytest.C
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: r.toml#x: --smoke: algo.data is the hub dataset")
     assert 'set smoke.data."algo.data" = {kind = "jsonl"' in err
+    (workdir / "r.toml").write_text((workdir / "r.toml").read_text() + (workdir / "r.toml").read_text().replace(
+        "recipes.x", "recipes.y"))
     assert main(["smoke", "r.toml"]) == 1
-    assert "FAILED: r.toml#x: --smoke: algo.data is the hub dataset" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "FAILED: r.toml#x: --smoke: algo.data is the hub dataset" in out
     assert not (workdir / "runs" / "x-smoke").exists()
+    # Each recipe's log starts with a line naming it (it did not: a log streamed with no recipe's name on it).
+    assert [line for line in err.splitlines() if line.startswith("== smoke")] == [
+        "== smoke r.toml#x (1/2)", "== smoke r.toml#y (2/2)"]
 
 
 def test_smoke_table_is_validated(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:

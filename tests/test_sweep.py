@@ -142,6 +142,13 @@ def test_point_names_are_stable_safe_and_unique() -> None:
     (["lr=[1e-3,1e-3]"], "error: recipes.toml#sl: point lr=0.001 appears twice in the grid (a value repeated?)\n"),
     (['log_dir=["a","b"]'], "error: recipes.toml#sl: log_dir: cannot be swept"),
     (["lr=1e-3"], "error: recipes.toml#sl: nothing to sweep: give KEY=[v1, v2, ...]"),
+    # A grid over MAX_POINTS (1,000) is refused before a point is built; a 53 MB argument took > 300 s to parse.
+    (["lr=[" + ",".join(f"{i}e-6" for i in range(1, 101)) + "]", "seed=[" + ",".join(map(str, range(20))) + "]"],
+     "error: recipes.toml#sl: the grid has 2,000 points (100 lr x 20 seed), more than 1,000; sweep fewer values"),
+    (["lr=[" + ",".join(f"{i}e-6" for i in range(1, 1002)) + "]", "--zip"],
+     "error: recipes.toml#sl: --zip makes 1,001 points, more than 1,000"),
+    (["seed=[" + ",".join(map(str, range(200_000))) + "]"],
+     "error: override seed=...: 1,288,891 characters, more than 1,000,000; put a value that large in the recipe"),
     (["lr=[1e-3,2e-3]", "algo.data.path=gone.jsonl"],
      "error: recipes.toml#sl point lr=0.001: algo.data.path: data file not found: gone.jsonl"),
 ])

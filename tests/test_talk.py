@@ -104,9 +104,10 @@ def test_chat_through_a_pipe(sft_run: Path, monkeypatch: pytest.MonkeyPatch,
     stdin = io.StringIO("Who are you?\n/reset\n\nHello!\n/quit\nnot read\n")
     monkeypatch.setattr(sys, "stdin", stdin)
     assert main(["chat", str(sft_run), "--max-tokens", "8"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     # One reply per message, each a JSON string on its own line; /reset and the blank line answer nothing.
     assert len(out.splitlines()) == 2
+    assert err == "(conversation reset: the next message starts a new chat)\n"  # /reset says so (it was silent)
     assert all(isinstance(json.loads(line), str) for line in out.splitlines())
     assert stdin.read() == "not read\n"  # /quit stopped the reading
 
@@ -132,6 +133,8 @@ def test_chat_through_a_terminal(sft_run: Path) -> None:
     read_until(b"you> ")
     os.write(fd, b"Who are you?\n")
     read_until(b"s> ")  # the reply, labelled with the run's name
+    os.write(fd, b"/reset\n")
+    read_until(b"(conversation reset: the next message starts a new chat)")
     os.write(fd, b"/quit\n")
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0

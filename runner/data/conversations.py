@@ -53,7 +53,8 @@ def mapped_rows(source: DataSource, shape: str) -> tuple[list[Any], list[str], i
         rows.append(mapped)
         where.append(w)
     if dropped:
-        print(f"note: {describe(source)}: {dropped} rows dropped as the cookbook drops them (format {name!r}: "
+        rows_text = "1 row" if dropped == 1 else f"{dropped} rows"
+        print(f"note: {describe(source)}: {rows_text} dropped as the cookbook drops them (format {name!r}: "
               "no final answer, or transcripts that differ in more than the last turn)", file=sys.stderr)
     return rows, where, dropped
 

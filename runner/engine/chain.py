@@ -12,9 +12,13 @@ any other recipe change (runner/engine/rundir.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from backends.errors import UserError
 from runner.algos.distill_config import Teacher
@@ -43,21 +47,44 @@ class Upstream:
         return f"#{self.name}" if self.runnable else str(self.run_dir)
 
 
+# The longest chain of runs a recipe may start from (init_from stages, or teachers and judges each trained from
+# another): a bound, so that a chain of any length is one line, not a RecursionError or an hour of checking.
+MAX_CHAIN = 1000
+
+
 def upstreams(recipe: Recipe, where: str) -> list[Upstream]:
     """The init_from chain above `recipe` (named `where`, 'FILE#name'), deepest first; UserError on a missing
-    reference, a cycle, or an upstream whose weights cannot start this recipe."""
+    reference, a cycle, or an upstream whose weights cannot start this recipe. Walked in a loop; inside
+    check_session() a stage's own chain is remembered, so checking every recipe of a chain of N is linear in N."""
     chain: list[Upstream] = []
     seen = [_key(where)]
     current, current_where = recipe, where
+    tail: list[Upstream] = []  # a remembered chain above the last stage walked
     while current.init_from is not None:
         prefix = f"{current_where}: init_from {current.init_from!r}"
         stage = _stage(current.init_from, prefix, seen)
         _check_compatible(stage.recipe, current, prefix)
         chain.append(stage)
+        if len(chain) > MAX_CHAIN:
+            raise UserError(f"{where}: init_from chain longer than {MAX_CHAIN} runs (at {current_where}); make it "
+                            "shorter")
         current, current_where = stage.recipe, stage.ref
         if not stage.runnable:
             break  # a finished run dir's own history is its business: its weights are what they are
-    return chain[::-1]
+        known = _SESSION.upstreams.get(stage.ref) if _SESSION is not None else None
+        if known is not None:
+            # No cycle can pass through it: walking its chain would have met the same cycle, and it is remembered
+            # only once walked without error.
+            if len(chain) + len(known) > MAX_CHAIN:
+                raise UserError(f"{where}: init_from chain longer than {MAX_CHAIN} runs; make it shorter")
+            tail = list(known)
+            break
+    out = tail + chain[::-1]
+    if _SESSION is not None:  # each stage's chain is what lies below it in `out`
+        for i, stage in enumerate(out):
+            if stage.runnable and stage.ref not in _SESSION.upstreams:
+                _SESSION.upstreams[stage.ref] = out[:i]
+    return out
 
 
 def ref_fields(recipe: Recipe) -> list[tuple[str, str, bool]]:
@@ -69,14 +96,51 @@ def ref_fields(recipe: Recipe) -> list[tuple[str, str, bool]]:
             if keys and is_ref(field.type) and isinstance(value := getattr(node, field.name), str)]
 
 
-def dependencies(recipe: Recipe, where: str, seen: tuple[str, ...] = ()) -> list[Upstream]:
+def dependencies(recipe: Recipe, where: str, seen: tuple[str, ...] = (),
+                 memo: dict[str, list[Upstream]] | None = None) -> list[Upstream]:
     """The runs the algorithm samples from (ref_fields), each after the runs it depends on itself, in the order
-    to run them; every init_from chain checked. UserError on a missing reference or a cycle."""
+    to run them; every init_from chain checked. UserError on a missing reference or a cycle. `memo`: the
+    dependencies of each run already walked in this call (a run reached twice is walked once)."""
+    memo = {} if memo is None else memo
     seen = (*seen, _key(where))
+    if len(seen) > MAX_CHAIN:
+        raise UserError(f"{where}: chain of teachers, judges and run outputs deeper than {MAX_CHAIN} runs; make it "
+                        "shorter")
     out: list[Upstream] = []
+    have: set[str] = set()
+
+    def add(stages: list[Upstream]) -> None:
+        for d in stages:
+            if d.ref not in have:
+                have.add(d.ref)
+                out.append(d)
+
+    # The init_from chain's stages are all in upstreams(): each needs what its own references need.
     for stage in upstreams(recipe, where):
-        if stage.runnable:
-            out += [d for d in dependencies(stage.recipe, stage.ref, seen) if d.ref not in {o.ref for o in out}]
+        if not stage.runnable:
+            continue
+        known = _SESSION.ref_dependencies.get(stage.ref) if _SESSION is not None else None
+        if known is None:
+            known = _ref_dependencies(stage.recipe, stage.ref, (*seen, _key(stage.ref)), memo)
+            if _SESSION is not None:
+                _SESSION.ref_dependencies[stage.ref] = known
+        add(known)
+    add(_ref_dependencies(recipe, where, seen, memo))
+    return out
+
+
+def _ref_dependencies(recipe: Recipe, where: str, seen: tuple[str, ...],
+                      memo: dict[str, list[Upstream]]) -> list[Upstream]:
+    """What the references of `recipe` itself (not of its init_from chain) need, in the order to run them."""
+    out: list[Upstream] = []
+    have: set[str] = set()
+
+    def add(stages: list[Upstream]) -> None:
+        for d in stages:
+            if d.ref not in have:
+                have.add(d.ref)
+                out.append(d)
+
     for path, ref, samples in ref_fields(recipe):
         prefix = f"{where}: {path} {ref!r}"
         stage = _stage(ref, prefix, list(seen))
@@ -87,11 +151,41 @@ def dependencies(recipe: Recipe, where: str, seen: tuple[str, ...] = ()) -> list
                                                       recipe.tokenizer or recipe.model)) is not None:
             raise UserError(f"{prefix}: {problem}")
         if stage.runnable:
-            out += [d for d in dependencies(stage.recipe, stage.ref, seen) if d.ref not in {o.ref for o in out}]
-            out += [u for u in upstreams(stage.recipe, stage.ref) if u.ref not in {o.ref for o in out}]
-        if stage.ref not in {o.ref for o in out}:
-            out.append(stage)
+            key = _key(stage.ref)
+            if key not in memo:
+                memo[key] = dependencies(stage.recipe, stage.ref, seen, memo)
+            add(memo[key])
+            add(upstreams(stage.recipe, stage.ref))
+        add([stage])
     return out
+
+
+@dataclass
+class _Session:
+    """What one `runner check` (or sweep plan) has loaded and checked, so that a run reached from many recipes is
+    loaded and checked once: the recipe files do not change while it looks."""
+
+    stages: dict[str, Upstream] = field(default_factory=dict)  # a loaded reference -> its run
+    upstreams: dict[str, list[Upstream]] = field(default_factory=dict)  # a runnable stage's ref -> its chain
+    checked: set[tuple[str, bytes]] = field(default_factory=set)  # (key, recipe as JSON or b"") that passed check_all
+    keys: dict[str, str] = field(default_factory=dict)  # _key's answers
+    claimed: set[Path] = field(default_factory=set)  # run dirs rundir.claim accepted
+    ref_dependencies: dict[str, list[Upstream]] = field(default_factory=dict)  # a stage's _ref_dependencies
+
+
+_SESSION: _Session | None = None
+
+
+@contextmanager
+def check_session() -> Iterator[None]:
+    """Inside it, references are loaded once and each recipe of a chain checked once (check_all, upstreams)."""
+    global _SESSION
+    outer = _SESSION
+    _SESSION = outer or _Session()
+    try:
+        yield
+    finally:
+        _SESSION = outer
 
 
 def check_all(recipe: Recipe, where: str, keep_rows: bool = False, name: str | None = None) -> None:
@@ -106,7 +200,11 @@ def check_all(recipe: Recipe, where: str, keep_rows: bool = False, name: str | N
     from runner.renderers.registry import renderer_mismatch
 
     first = [s for s in [*upstreams(recipe, where), *dependencies(recipe, where)] if s.runnable]
-    for r, at in [(recipe, where), *((s.recipe, s.ref) for s in first)]:
+    for i, (r, at) in enumerate([(recipe, where), *((s.recipe, s.ref) for s in first)]):
+        # A stage is the recipe its reference loads (one per session); the recipe itself may carry overrides.
+        done = None if _SESSION is None else (_key(at), b"" if i else msgspec.json.encode(r))
+        if done is not None and done in _SESSION.checked:  # pyright: ignore[reportOptionalMemberAccess]
+            continue
         check_recipe(r, at)
         if (problem := r.backend.cache_problem(r.model, r.tokenizer)) is not None:  # HF_HUB_OFFLINE=1, uncached
             raise UserError(f"{at}: {problem}")
@@ -118,9 +216,14 @@ def check_all(recipe: Recipe, where: str, keep_rows: bool = False, name: str | N
         check_algo(r.algo, at)
         check_evals(r.evals, at)
         check_trackers(r.log, at)
+        if done is not None and not (keep_rows and not first):
+            _SESSION.checked.add(done)  # pyright: ignore[reportOptionalMemberAccess]
     if name is not None:
         for run_dir in [run_dir_path(recipe, name), *(s.run_dir for s in first)]:
-            claim(run_dir)
+            if _SESSION is None or run_dir not in _SESSION.claimed:
+                claim(run_dir)
+                if _SESSION is not None:
+                    _SESSION.claimed.add(run_dir)
     for path, model in base_models(recipe):
         if (problem := tokenizer_mismatch(model, recipe.tokenizer or recipe.model)) is not None:
             raise UserError(f"{where}: {path} {model!r}: {problem}")
@@ -152,13 +255,25 @@ def tokenizer_mismatch(theirs: str, ours: str) -> str | None:
 
 def _stage(ref: str, prefix: str, seen: list[str]) -> Upstream:
     """The run a reference names; `seen` (keys of the recipes on the way here) detects cycles."""
+    file, sep, _ = ref.rpartition("#")
+    if sep and _key(ref) in seen:
+        cycle = " -> ".join([*(_short(k) for k in seen), _short(_key(ref))])
+        raise UserError(f"{prefix}: the chain is a cycle ({cycle})")
+    if _SESSION is not None and ref in _SESSION.stages:
+        if sep:
+            seen.append(_key(ref))
+        return _SESSION.stages[ref]
+    stage = _load_stage(ref, prefix, seen)
+    if _SESSION is not None:
+        _SESSION.stages[ref] = stage
+    return stage
+
+
+def _load_stage(ref: str, prefix: str, seen: list[str]) -> Upstream:
     file, sep, name = ref.rpartition("#")
     if sep:
         if not Path(file).is_file():
             raise UserError(f"{prefix}: recipe file not found: {file or '(this file)'}")
-        if _key(ref) in seen:
-            cycle = " -> ".join([*(_short(k) for k in seen), _short(_key(ref))])
-            raise UserError(f"{prefix}: the chain is a cycle ({cycle})")
         seen.append(_key(ref))
         try:
             name, up = load_recipe(ref)
@@ -233,8 +348,13 @@ def _status(stage: Upstream) -> str:
 
 
 def _key(ref: str) -> str:
+    if _SESSION is not None and ref in _SESSION.keys:
+        return _SESSION.keys[ref]
     file, _, name = ref.rpartition("#")
-    return f"{Path(file).resolve()}#{name}" if file else ref
+    key = f"{Path(file).resolve()}#{name}" if file else ref
+    if _SESSION is not None:
+        _SESSION.keys[ref] = key
+    return key
 
 
 def _short(key: str) -> str:

@@ -164,6 +164,7 @@ class Progress:
         self.t0 = self.t_first = time.monotonic()
         self.last_print = -math.inf
         self.bar: Any = None
+        self.stopped = False
         if self.tty:
             from tqdm import tqdm
 
@@ -171,6 +172,8 @@ class Progress:
                             bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
 
     def update(self, step: int, metrics: dict[str, Any]) -> None:
+        if self.stopped:  # after Ctrl-C: the steps still finishing are summed up by the final message
+            return
         now = time.monotonic()
         shown = self.shown(metrics, test=False)
         if any(k.startswith("test/") for k in metrics):
@@ -218,6 +221,13 @@ class Progress:
         else:
             self.stream.write(text + "\n")
             self.stream.flush()
+
+    def interrupt(self, text: str) -> None:
+        """Ctrl-C's message: the bar is closed first (left as it stood), so it is not redrawn under the message by
+        the steps still finishing; those print nothing more."""
+        self.close()
+        self.stopped = True
+        self.message(text)
 
     def close(self) -> None:
         if self.bar is not None:

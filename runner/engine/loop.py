@@ -307,7 +307,7 @@ class StopFlag:
     def _first(self) -> None:
         self.set = True
         try:
-            self._loop.call_soon_threadsafe(self.progress.message, "interrupted: finishing the submitted steps "
+            self._loop.call_soon_threadsafe(self.progress.interrupt, "interrupted: finishing the submitted steps "
                                             "and saving a checkpoint (Ctrl-C again to quit now)")
             if self.event is not None:
                 self._loop.call_soon_threadsafe(self.event.set)

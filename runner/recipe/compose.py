@@ -32,6 +32,8 @@ from backends.errors import UserError
 EXTENDS = "extends"
 DEFAULTS = "defaults"
 SWEEP = "sweep"
+# The longest extends chain a recipe may have (itself and its bases): a bound, not a style rule.
+MAX_EXTENDS = 1000
 TAG = "kind"
 
 KeyPath = tuple[str, ...]
@@ -98,44 +100,149 @@ def origin(origins: dict[KeyPath, str], path: KeyPath) -> str | None:
 def resolve_tables(path: str, data: dict[str, Any], read: Reader) -> dict[str, dict[str, Any]]:
     """Every recipe of a parsed file with its extends chain and the file's [defaults] merged in.
     `read(path) -> parsed file` reads another file (`extends = "other.toml#base"`)."""
-    return {name: merge_layers(layers(path, name, data, read))[0] for name in data["recipes"]}
+    return {name: merged(path, name, data, read) for name in data["recipes"]}
 
 
-def layers(path: str, name: str, data: dict[str, Any], read: Reader,
-           stack: tuple[tuple[str, str], ...] = ()) -> list[Layer]:
-    """The tables that make recipe `name` of parsed file `data` (at `path`), lowest first (module doc).
-    `stack` holds the (label, resolved key) of the recipes that extend this one, to name a cycle."""
-    where = f"{path}#{name}"
-    stack = (*stack, (where, f"{Path(path).resolve()}#{name}"))
-    own = data["recipes"][name]
+def layers(path: str, name: str, data: dict[str, Any], read: Reader) -> list[Layer]:
+    """The tables that make recipe `name` of parsed file `data` (at `path`), lowest first (module doc): the
+    [defaults] of each file on the chain (this file's lowest, each once), then the bases' own tables from the root
+    up (each labelled `(extends)`, its sweep left out), then the recipe's own table."""
+    links = _chain(path, name, data, read)
     out: list[Layer] = []
-    defaults = data.get(DEFAULTS)
-    if defaults:
-        out.append(Layer(f"[defaults] of {path}", defaults))
-    base = own.get(EXTENDS)
-    if base is not None:
+    seen: set[str] = set()
+    for link in links:
+        defaults = link.data.get(DEFAULTS)
+        label = f"[defaults] of {shown(link.path)}"
+        if defaults and label not in seen:
+            seen.add(label)
+            out.append(Layer(label, defaults))
+    for i in range(len(links) - 1, -1, -1):
+        link = links[i]
+        own = {k: v for k, v in link.data["recipes"][link.name].items() if k != EXTENDS}
+        where = f"{shown(link.path)}#{link.name}"
+        if i:  # a base's own table: its sweep stays with it
+            out.append(Layer(f"{where} (extends)", {k: v for k, v in own.items() if k != SWEEP}))
+        else:
+            out.append(Layer(where, own))
+    return out
+
+
+def shown(path: str) -> str:
+    """A file as --explain names it: relative to the working directory when under it, else absolute, `..` and links
+    resolved either way (a base two folders up read 'lib/../../x.toml')."""
+    resolved = Path(path).resolve()
+    try:
+        return str(resolved.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(resolved)
+
+
+@dataclass(frozen=True)
+class _Link:
+    """One recipe of an extends chain: where it is written and its file's parsed data."""
+
+    path: str
+    name: str
+    data: dict[str, Any]
+    key: str  # 'FILE#name', FILE resolved
+
+    @property
+    def where(self) -> str:
+        return f"{self.path}#{self.name}"
+
+
+def _chain(path: str, name: str, data: dict[str, Any], read: Reader,
+           known: Callable[[str], bool] | None = None) -> list[_Link]:
+    """Recipe `name` of `path` and the bases it extends, itself first, the root base last: walked in a loop (a chain
+    is as long as the user makes it, the stack is not); a cycle, a missing base or a chain of more than MAX_EXTENDS
+    recipes is one line. `known(key)`: stop at the first base it accepts (merged() has that one already)."""
+    resolved: dict[str, str] = {}
+
+    def key_of(p: str, n: str) -> str:
+        if p not in resolved:
+            resolved[p] = str(Path(p).resolve())
+        return f"{resolved[p]}#{n}"
+
+    links = [_Link(path, name, data, key_of(path, name))]
+    index = {links[0].key: 0}  # resolved 'FILE#name' -> its position, to name a cycle
+    while True:
+        link = links[-1]
+        base = link.data["recipes"][link.name].get(EXTENDS)
+        if base is None or (len(links) > 1 and known is not None and known(link.key)):
+            return links
+        where = link.where
         if not isinstance(base, str) or not base:
             raise UserError(f"{where}: extends: expected a recipe name or 'FILE#name', got {base!r}")
         base_path, _, base_name = base.rpartition("#")
         if base_path:
-            base_path = base_path if Path(base_path).is_absolute() else str(Path(path).parent / base_path)
+            base_path = base_path if Path(base_path).is_absolute() else str(Path(link.path).parent / base_path)
             if not Path(base_path).is_file():
                 raise UserError(f"{where}: extends {base!r}: file not found: {base_path}")
             base_data = read(base_path)
         else:
-            base_path, base_data = path, data
-        base_key = f"{Path(base_path).resolve()}#{base_name}"
-        keys = [k for _, k in stack]
-        if base_key in keys:
-            cycle = " -> ".join([*(label for label, _ in stack[keys.index(base_key):]), f"{base_path}#{base_name}"])
-            raise UserError(f"{stack[0][0]}: extends makes a cycle: {cycle}")
+            base_path, base_data = link.path, link.data
+        key = key_of(base_path, base_name)
+        if key in index:
+            cycle = " -> ".join([*(x.where for x in links[index[key]:]), f"{base_path}#{base_name}"])
+            raise UserError(f"{links[0].where}: extends makes a cycle: {cycle}")
         if base_name not in base_data["recipes"]:
             raise UserError(f"{where}: extends {base!r}: no recipe named {base_name!r} in {base_path}; "
                             f"available: {', '.join(sorted(base_data['recipes']))}")
-        for layer in layers(base_path, base_name, base_data, read, stack):
-            if layer.label == f"{base_path}#{base_name}":  # the base's own table: its sweep stays with it
-                layer = Layer(f"{layer.label} (extends)", {k: v for k, v in layer.table.items() if k != SWEEP})
-            if layer not in out:
-                out.append(layer)
-    out.append(Layer(where, {k: v for k, v in own.items() if k != EXTENDS}))
-    return out
+        if len(links) >= MAX_EXTENDS:
+            raise UserError(f"{links[0].where}: extends chain longer than {MAX_EXTENDS} recipes (at {where}); "
+                            "make it shorter: let several recipes extend one base instead of each the one before")
+        index[key] = len(links)
+        links.append(_Link(base_path, base_name, base_data, key))
+
+
+@dataclass(frozen=True)
+class _Merged:
+    table: dict[str, Any]  # the recipe's merged table (never handed out: merged() returns copies)
+    defaults: tuple[str, ...]  # the labels of the [defaults] tables under it, lowest first
+    files: tuple[tuple[str, dict[str, Any]], ...]  # (path, parsed data) of every file on its chain: still current?
+    depth: int  # recipes on its chain, itself included
+
+
+# Merged tables by resolved 'FILE#name': `runner check` of a file resolves each recipe once, a base extended by
+# many recipes once (a chain of N recipes is N merges, not N^2). An entry holds while every file on its chain reads
+# back as the same parsed object (runner/recipe/load.py's read_data keeps one per unchanged file).
+_MERGED: dict[str, _Merged] = {}
+
+
+def merged(path: str, name: str, data: dict[str, Any], read: Reader) -> dict[str, Any]:
+    """merge_layers(layers(...))[0], remembered per recipe: a recipe whose base is known merges its own table over
+    the base's (linear in the chain's length for a whole file). Returns a copy the caller may change."""
+    def current(key: str) -> bool:
+        entry = _MERGED.get(key)
+        return entry is not None and all((data if p == path else read(p)) is d for p, d in entry.files)
+
+    links = _chain(path, name, data, read, known=current)
+    if current(links[0].key):
+        return copy.deepcopy(_MERGED[links[0].key].table)
+    below = _MERGED.get(links[-1].key) if len(links) > 1 and current(links[-1].key) else None
+    todo = links[:-1] if below is not None else links
+    if below is not None and below.depth + len(todo) > MAX_EXTENDS:
+        raise UserError(f"{links[0].where}: extends chain longer than {MAX_EXTENDS} recipes; make it shorter: let "
+                        "several recipes extend one base instead of each the one before")
+    for link in reversed(todo):
+        own = {k: v for k, v in link.data["recipes"][link.name].items() if k != EXTENDS}
+        defaults = link.data.get(DEFAULTS)
+        label = f"[defaults] of {link.path}"
+        if below is None:
+            table = deep_merge(defaults, own) if defaults else copy.deepcopy(own)
+            labels: tuple[str, ...] = (label,) if defaults else ()
+            files: tuple[tuple[str, dict[str, Any]], ...] = ((link.path, link.data),)
+            depth = 1
+        else:
+            files = below.files if any(p == link.path for p, _ in below.files) else (*below.files, (link.path, link.data))
+            depth = below.depth + 1
+            if not defaults or below.defaults[:1] == (label,):  # this file's [defaults] are under the base already
+                labels = below.defaults
+                table = deep_merge({k: v for k, v in below.table.items() if k != SWEEP}, own)
+            else:  # another file's [defaults] go under the whole chain: merged from the layers
+                labels = (label, *(x for x in below.defaults if x != label))
+                table = merge_layers(layers(link.path, link.name, link.data, read))[0]
+        below = _Merged(table, labels, files, depth)
+        _MERGED[link.key] = below
+    assert below is not None
+    return copy.deepcopy(below.table)

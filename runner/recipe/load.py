@@ -14,12 +14,15 @@ fit the model's context).
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import os
 import re
 import sys
+import time
 import tomllib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from datetime import date, datetime
 from datetime import time as dtime
 from pathlib import Path
@@ -29,7 +32,7 @@ import msgspec
 import tomli_w
 
 from backends.errors import UserError
-from runner.recipe.compose import DEFAULTS, EXTENDS, Layer, layers, merge_layers, origin, resolve_tables
+from runner.recipe.compose import DEFAULTS, EXTENDS, Layer, layers, merge_layers, merged, origin, resolve_tables
 from runner.recipe.explain import NAME, child, convert, dotted, got, info, is_ref, is_str, is_target
 from runner.recipe.fits import check_context
 from runner.recipe.lr import resolve_auto
@@ -64,8 +67,15 @@ def pick(ref: str) -> tuple[str, str, dict[str, Any]]:
             raise UserError(f"{path}: pick a recipe as {path}#NAME; available: {', '.join(sorted(tables))}")
         name = next(iter(tables))
     if name not in tables:
-        raise UserError(f"{path}: no recipe named {name!r}; available: {', '.join(sorted(tables))}")
-    return path, name, merge_layers(layers(path, name, data, read_data))[0]
+        raise UserError(no_recipe(path, name, tables))
+    return path, name, merged(path, name, data, read_data)
+
+
+def no_recipe(path: str, name: str, tables: dict[str, Any]) -> str:
+    """'FILE: no recipe named 'rl_basc'; did you mean 'rl_basic'? available: ...'."""
+    close = difflib.get_close_matches(name, list(tables), n=1)
+    hint = f" (did you mean {path}#{close[0]}?)" if close else ""
+    return f"{path}: no recipe named {name!r}{hint}; available: {', '.join(sorted(tables))}"
 
 
 def recipe_names(path: str) -> list[str]:
@@ -174,17 +184,19 @@ def read_layers(path: str, name: str) -> list[Layer]:
     """The tables recipe `name` of `path` is merged from, lowest first, each labelled (`runner show --explain`)."""
     data = read_data(path)
     if name not in data["recipes"]:
-        raise UserError(f"{path}: no recipe named {name!r}; available: {', '.join(sorted(data['recipes']))}")
+        raise UserError(no_recipe(path, name, data["recipes"]))
     return layers(path, name, data, read_data)
 
 
 def read_data(path: str) -> dict[str, Any]:
-    """A recipe file parsed and its shape checked: `[recipes.<name>]` tables and an optional `[defaults]` table."""
+    """A recipe file parsed and its shape checked: `[recipes.<name>]` tables and an optional `[defaults]` table.
+    Each file is parsed once while it is unchanged (_read_cached): the same object comes back, which callers must
+    not change (pick, read_tables and merged hand out copies)."""
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"{path}: {'not a file' if p.exists() else 'file not found'}")
+        raise UserError(f"{path}: {'not a file' if p.exists() else 'file not found'}{_missing_file_hint(path)}")
     try:
-        data = _parse_toml(p.read_bytes())
+        data = _read_cached(p)
     except PermissionError:
         raise UserError(f"{path}: cannot read it (permission denied)") from None
     except OSError as e:
@@ -193,6 +205,25 @@ def read_data(path: str) -> dict[str, Any]:
         raise UserError(f"{path}: not UTF-8 text") from None
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"{path}: {_toml_error(e)}") from None
+    except _TooDeep as e:
+        raise UserError(f"{path}: {e}") from None
+    return data
+
+
+def _missing_file_hint(path: str) -> str:
+    """`runner run rl_basic`: a recipe name given where a file goes, when ./recipes.toml holds that recipe (or one
+    close to it)."""
+    if "/" in path or not NAME.match(path) or path == DEFAULT_FILE or not Path(DEFAULT_FILE).is_file():
+        return ""
+    try:
+        names = read_data(DEFAULT_FILE)["recipes"]
+    except UserError:
+        return ""
+    close = [path] if path in names else difflib.get_close_matches(path, list(names), n=1)
+    return f"; did you mean {DEFAULT_FILE}#{close[0]}?" if close else ""
+
+
+def _check_shape(path: str, data: dict[str, Any]) -> None:
     if "recipes" not in data:
         raise UserError(f"{path}: no [recipes] table; write each recipe as [recipes.<name>]")
     for key in data:
@@ -214,18 +245,78 @@ def read_data(path: str) -> dict[str, Any]:
             raise UserError(f"{path}: recipe name {name!r}: use only letters, digits, '_' and '-'")
         if not isinstance(raw, dict):
             raise UserError(f"{path}#{name}: expected a table [recipes.{name}], got {got(raw)}")
+
+
+# The deepest nesting of arrays and tables a recipe file (or an override's value) may hold. A recipe needs about 8
+# (recipes.NAME.algo.env.judge.backend...); the bound keeps every walk over a table (merging, --explain, decoding)
+# far from Python's recursion limit, and a file nested 50,000 deep one line instead of a RecursionError.
+MAX_NESTING = 64
+
+
+class _TooDeep(Exception):
+    pass
+
+
+def toml_loads(text: str) -> dict[str, Any]:
+    """tomllib.loads, with nesting deeper than MAX_NESTING refused (_TooDeep; tomllib itself recurses per level of
+    arrays and inline tables, so a deep enough file is a RecursionError inside it, turned into the same)."""
+    try:
+        data = tomllib.loads(text)
+    except RecursionError:
+        raise _TooDeep(f"arrays or tables nested more than {MAX_NESTING} deep; a recipe needs far fewer") from None
+    if (depth := nesting(data)) > MAX_NESTING:
+        raise _TooDeep(f"arrays or tables nested {depth} deep, more than {MAX_NESTING}; a recipe needs far fewer")
     return data
 
 
-_PARSED: dict[bytes, dict[str, Any]] = {}
+def nesting(value: Any) -> int:
+    """How deep arrays and tables nest in a parsed TOML value (a scalar: 0), walked without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if items is None:
+            continue
+        deepest = max(deepest, depth)
+        if depth <= MAX_NESTING:  # past the bound the answer is "too deep" already: stop walking
+            stack.extend((x, depth + 1) for x in items if isinstance(x, (dict, list)))
+    return deepest
 
 
-def _parse_toml(content: bytes) -> dict[str, Any]:
-    """tomllib.loads, remembered by content: one `runner check` reads the same file once per recipe and per
-    reference between recipes (16 times for recipes.toml); a copy each time, so callers may change it."""
-    if content not in _PARSED:
-        _PARSED[content] = tomllib.loads(content.decode("utf-8"))
-    return copy.deepcopy(_PARSED[content])
+@dataclass
+class _Parsed:
+    stat: tuple[int, int, int, int]  # (device, inode, size, mtime ns) when read
+    read_ns: int  # when it was read (time.time_ns)
+    content: bytes
+    data: dict[str, Any]
+
+
+# Parsed recipe files by resolved path: one `runner check` reads a file once per recipe and per reference between
+# recipes (a chain of 2,000 recipes extending a 20,000-recipe file read it 2,000 times). A file whose stat is
+# unchanged and whose mtime is well before the read is taken as unchanged; otherwise its bytes are compared (a
+# file rewritten within the clock's granularity keeps its mtime: git's "racily clean" case).
+_PARSED: dict[str, _Parsed] = {}
+_RACY_NS = 2_000_000_000
+
+
+def _read_cached(p: Path) -> dict[str, Any]:
+    key = os.path.realpath(p)
+    st = os.stat(key)
+    stat = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    hit = _PARSED.get(key)
+    if hit is not None and hit.stat == stat and st.st_mtime_ns + _RACY_NS < hit.read_ns:
+        return hit.data
+    now = time.time_ns()
+    content = p.read_bytes()
+    if hit is not None and hit.content == content:
+        _PARSED[key] = _Parsed(stat, now, content, hit.data)
+        return hit.data
+    data = toml_loads(content.decode("utf-8"))
+    _check_shape(str(p), data)
+    if len(_PARSED) >= 512:  # a long-lived process (serve) reading many files: start over
+        _PARSED.clear()
+    _PARSED[key] = _Parsed(stat, now, content, data)
+    return data
 
 
 def decode_recipe(raw: dict[str, Any], where: str) -> Recipe:
@@ -245,16 +336,26 @@ def _toml_error(e: tomllib.TOMLDecodeError) -> str:
 
 # ---------------------------------------------------------------- overrides
 
+# The longest value an override may carry (a TOML literal on the command line): parsing 35 MB of it took tomllib
+# 93 s here; larger values belong in the recipe file.
+MAX_OVERRIDE = 1_000_000
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """'a.b=value' -> (['a', 'b'], value). The value is a TOML literal, else the plain string."""
     key, sep, value = text.partition("=")
     keys = key.strip().split(".")
     if not sep or not all(NAME.match(k) for k in keys):
         raise UserError(f"bad override {text!r}: expected KEY=VALUE, e.g. lr=3e-4 or lora.rank=8")
+    if len(value) > MAX_OVERRIDE:
+        raise UserError(f"override {key.strip()}=...: {len(value):,} characters, more than {MAX_OVERRIDE:,}; put a "
+                        "value that large in the recipe file")
     try:
-        doc = tomllib.loads(f"v = {value}")
+        doc = toml_loads(f"v = {value}")
     except tomllib.TOMLDecodeError:
         return keys, value.strip()
+    except _TooDeep as e:
+        raise UserError(f"override {key.strip()}=...: {e}") from None
     # "x\nlr = 1" parses as two keys: that is not one literal, so keep the text.
     return keys, doc["v"] if len(doc) == 1 else value.strip()
 

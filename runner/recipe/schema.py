@@ -281,13 +281,14 @@ class Recipe(Base):
     budget: Budget | None = None
 
     def __post_init__(self) -> None:
+        from runner.renderers.registry import did_you_mean
         from runner.renderers.registry import names as renderer_names
 
         if isinstance(self.renderer, PythonRenderer):  # the one spelling of user code, held as its target
             msgspec.structs.force_setattr(self, "renderer", self.renderer.target)
 
         if self.renderer not in renderer_names() and re.fullmatch(TARGET_PATTERN, self.renderer) is None:
-            raise ValueError(f"renderer {self.renderer!r} is unknown; choose one of: {', '.join(renderer_names())}, "
-                             "or your own as 'pkg.mod:NAME'")
+            raise ValueError(f"renderer {self.renderer!r} is unknown{did_you_mean(self.renderer)}; choose one of: "
+                             f"{', '.join(renderer_names())}, or your own as 'pkg.mod:NAME'")
         if isinstance(self.algo, RL) and isinstance(self.algo.mode, Async) and self.depth == 0:
             raise ValueError("algo.mode async samples while the previous step trains: it needs depth >= 1")

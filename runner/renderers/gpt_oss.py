@@ -4,6 +4,7 @@ prepend OpenAI's system prompt with the date and reasoning effort; gpt_oss_no_sy
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from datetime import datetime
@@ -165,7 +166,8 @@ def _harmony_messages(content: str) -> list[dict[str, str | None]]:
     return out
 
 
-add_renderer("gpt_oss_no_sysprompt", lambda tok: GptOssRenderer(tok))
+# Registered as the class (partials of it): `runner check` reads required_tokens off the factory.
+add_renderer("gpt_oss_no_sysprompt", GptOssRenderer)
 for _effort in ("low", "medium", "high"):
     add_renderer(f"gpt_oss_{_effort}_reasoning",
-                 lambda tok, e=_effort: GptOssRenderer(tok, use_system_prompt=True, reasoning_effort=e))
+                 functools.partial(GptOssRenderer, use_system_prompt=True, reasoning_effort=_effort))

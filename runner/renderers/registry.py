@@ -11,8 +11,9 @@ Renderer) in their module (docs/extending.md).
 
 from __future__ import annotations
 
+import difflib
+import functools
 import re
-from functools import cache
 from typing import Any
 
 from backends.configs import config_modules
@@ -25,7 +26,7 @@ from runner.user_code import import_user_module
 USER_RENDERER = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
-@cache
+@functools.cache
 def builtin_modules() -> tuple[str, ...]:
     """Import every module of this package, once, at the first lookup: a built-in renderer's module registers itself
     when imported, so adding the file is all it takes. Cheap (the package's modules import nothing heavy: no torch,
@@ -44,6 +45,12 @@ def names() -> list[str]:
     return [AUTO, *sorted(registered(), key=lambda n: (n != "hf", n))]
 
 
+def did_you_mean(name: str) -> str:
+    """' (did you mean 'llama3'?)' for a renderer name close to a registered one ('lama3'), else ''."""
+    close = difflib.get_close_matches(name, names(), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def get_renderer(name: str, tokenizer: Tokenizer, model_name: str | None = None) -> Renderer:
     """The renderer `name` over `tokenizer`; "auto" picks one for `model_name` (see pick_renderer)."""
     if name == AUTO:
@@ -51,7 +58,7 @@ def get_renderer(name: str, tokenizer: Tokenizer, model_name: str | None = None)
     user = USER_RENDERER.match(name) is not None
     factory = user_factory(name) if user else registered().get(name)
     if factory is None:
-        raise UserError(f"unknown renderer {name!r}; choose one of: {', '.join(names())}")
+        raise UserError(f"unknown renderer {name!r}{did_you_mean(name)}; choose one of: {', '.join(names())}")
     try:
         renderer = factory(tokenizer)
     except UserError as e:
@@ -78,7 +85,7 @@ def renderer_mismatch(renderer: str, model: str, tokenizer: str | None) -> str |
     if name == "hf" and local_has_chat_template(tokenizer or model) is False:
         return (f"renderer 'hf': the tokenizer ({tokenizer or model}) has no chat template; set renderer = "
                 "\"role_colon\" (a base model) or the model family's renderer")
-    required: tuple[str, ...] = getattr(registered().get(name or ""), "required_tokens", None) or ()
+    required = required_tokens(registered().get(name or ""))
     if not required:
         return None
     tok = local_core_tokenizer(tokenizer or model)
@@ -89,6 +96,14 @@ def renderer_mismatch(renderer: str, model: str, tokenizer: str | None) -> str |
         return None
     return (f"renderer {name!r}: the tokenizer ({tokenizer or model}) does not have {', '.join(missing)} as single "
             "tokens, which this format writes: pick the renderer of the model's family (or \"hf\": its chat template)")
+
+
+def required_tokens(factory: Any) -> tuple[str, ...]:
+    """The special tokens a registered renderer writes (its class's `required_tokens`; a functools.partial of the
+    class, a variant with other arguments, is looked through)."""
+    while isinstance(factory, functools.partial):
+        factory = factory.func
+    return tuple(getattr(factory, "required_tokens", None) or ())
 
 
 def user_factory(target: str) -> Any:

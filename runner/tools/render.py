@@ -11,7 +11,10 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 from backends.errors import UserError
+from runner.engine.chain import check_all
+from runner.engine.pipeline import naming
 from runner.engine.spec import spec_of
+from runner.recipe.load import split_ref
 from runner.renderers.display import colorize
 from runner.renderers.registry import get_renderer
 
@@ -22,13 +25,19 @@ def rendered_rows(ref: str, overrides: list[str], n: int) -> Iterator[dict[str, 
     from backends.tokenizer import load_tokenizer
     from runner.recipe.load import load_recipe
 
-    _, recipe = load_recipe(ref, overrides)
+    name, recipe = load_recipe(ref, overrides)
+    where = f"{split_ref(ref)[0]}#{name}"
     spec = spec_of(recipe.algo)
     if spec.show is None:
         kind = type(recipe.algo).__struct_config__.tag
-        raise UserError(f"runner render: the {kind} algorithm has no data to show (its AlgoSpec declares no `show`)")
-    renderer = get_renderer(recipe.renderer, load_tokenizer(recipe.tokenizer or recipe.model), model_name=recipe.model)
-    yield from spec.show(recipe.algo, recipe, renderer, n)
+        raise UserError(f"{where}: runner render: the {kind} algorithm has no data to show (its AlgoSpec declares no "
+                        "`show`)")
+    # What `runner run` checks first is checked here too, and every error names the recipe as run's do.
+    check_all(recipe, where)
+    with naming(where):
+        renderer = get_renderer(recipe.renderer, load_tokenizer(recipe.tokenizer or recipe.model),
+                                model_name=recipe.model)
+        yield from spec.show(recipe.algo, recipe, renderer, n)
 
 
 def render_command(ref: str, overrides: list[str], n: int, as_json: bool, out: TextIO) -> None:
@@ -54,4 +63,6 @@ def render_command(ref: str, overrides: list[str], n: int, as_json: bool, out: T
         out.write(colorize(row["tokens"], row["weights"], tokenizer, color=True) + "\n\n")
     out.flush()
     if not shown:  # silence would read as success
-        raise UserError(f"runner render: {ref} has nothing to show (its data or env gave no rows or prompts)")
+        name, _ = load_recipe(ref, overrides)
+        raise UserError(f"{split_ref(ref)[0]}#{name}: runner render: nothing to show (its data or env gave no rows or "
+                        "prompts)")

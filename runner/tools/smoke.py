@@ -465,7 +465,9 @@ def run_smoke(path: str, names: Sequence[str], overrides: Sequence[str] = (), *,
             assert stage.recipe is not None
             _empty(Path(stage.recipe.log_dir or ""))
     results = []
-    for name in names:
+    for i, name in enumerate(names, 1):
+        if keep_going:  # `runner smoke FILE`: which recipe the log that follows is of
+            print(f"== smoke {path}#{name} ({i}/{len(names)})", file=sys.stderr, flush=True)
         if (problem := planned[name]) is not None:
             results.append(Result(name, 0, 0, 0.0, problem))
             continue

@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import os
 import re
 import signal
@@ -50,7 +51,7 @@ import msgspec.inspect as mi
 import tomli_w
 
 from backends.errors import UserError
-from runner.engine.chain import check_all
+from runner.engine.chain import check_all, check_session
 from runner.engine.rundir import CHECKPOINTS, CONFIG, METRICS, claim, dump_config, open_run_dir
 from runner.engine.track import sweep_log
 from runner.recipe.explain import NAME, child, got, info
@@ -59,6 +60,9 @@ from runner.recipe.load import SWEEP_KEY, parse_override, pick, recipe_dict, res
 from runner.recipe.schema import Recipe
 
 SWEEP_FILE = "sweep.json"
+# The most points one sweep may have: each is a run dir and a process, and every point is decoded and checked
+# before the first starts. A larger grid is refused up front, naming its size (docs/sweeps.md).
+MAX_POINTS = 1000
 OUTPUT_LOG = "output.log"
 _ARRAY_TYPES = (mi.ListType, mi.TupleType, mi.VarTupleType, mi.SetType, mi.FrozenSetType)
 
@@ -175,24 +179,8 @@ def plan(ref: str, overrides: Sequence[str] = (), zip_: bool = False, *, need_ax
             raise UserError(f"{where}: {key}: cannot be swept: each point runs in <sweep dir>/<its values>; set "
                             "log_dir (plain) to choose the sweep dir")
     grid = _grid(axes, zip_, where)
-
-    sweep = Sweep(ref=f"{path}#{name}", name=name, path=path, axes=axes, plain=plain, zip=zip_, dir=Path())
-    seen: dict[str, dict[str, Any]] = {}
-    for values in grid:
-        pname = point_name(values)
-        if pname in seen:
-            raise UserError(f"{where}: point {pname} appears twice in the grid (a value repeated?)")
-        seen[pname] = values
-        at = f"{where} point {pname}"
-        # A table before the keys inside it, whichever is swept: backend={...} then backend.lora_alpha=[16, 32].
-        texts = sorted([f"{k}={toml_value(v)}" for k, v in values.items()] + plain,
-                       key=lambda text: text.partition("=")[0].count("."))
-        recipe = resolve(path, name, raw, texts, where=at)
-        check_all(recipe, at)
-        if not sweep.points:
-            sweep.dir = Path(recipe.log_dir) if recipe.log_dir else Path("runs") / name
-        recipe = _point_recipe(recipe, sweep.dir / pname, sweep.dir.name)
-        sweep.points.append(Point(values, pname, recipe))
+    with check_session():  # what the points share (an upstream, a teacher) is loaded and checked once
+        sweep = _points(path, name, raw, where, axes, plain, zip_, grid)
     if not inspect_dirs:
         return sweep
     if (sweep.dir / CONFIG).exists():
@@ -211,15 +199,46 @@ def plan(ref: str, overrides: Sequence[str] = (), zip_: bool = False, *, need_ax
     return sweep
 
 
+def _points(path: str, name: str, raw: dict[str, Any], where: str, axes: dict[str, list[Any]], plain: list[str],
+            zip_: bool, grid: list[dict[str, Any]]) -> Sweep:
+    """The sweep with every point of `grid` decoded and checked (its run dir not looked at yet)."""
+    sweep = Sweep(ref=f"{path}#{name}", name=name, path=path, axes=axes, plain=plain, zip=zip_, dir=Path())
+    seen: dict[str, dict[str, Any]] = {}
+    for values in grid:
+        pname = point_name(values)
+        if pname in seen:
+            raise UserError(f"{where}: point {pname} appears twice in the grid (a value repeated?)")
+        seen[pname] = values
+        at = f"{where} point {pname}"
+        # A table before the keys inside it, whichever is swept: backend={...} then backend.lora_alpha=[16, 32].
+        texts = sorted([f"{k}={toml_value(v)}" for k, v in values.items()] + plain,
+                       key=lambda text: text.partition("=")[0].count("."))
+        recipe = resolve(path, name, raw, texts, where=at)
+        check_all(recipe, at)
+        if not sweep.points:
+            sweep.dir = Path(recipe.log_dir) if recipe.log_dir else Path("runs") / name
+        recipe = _point_recipe(recipe, sweep.dir / pname, sweep.dir.name)
+        sweep.points.append(Point(values, pname, recipe))
+    return sweep
+
+
 def _grid(axes: dict[str, list[Any]], zip_: bool, where: str) -> list[dict[str, Any]]:
+    """The points' values; a grid of more than MAX_POINTS points is refused before any is built."""
     keys = list(axes)
+    sizes = " x ".join(f"{len(v):,} {k}" for k, v in axes.items())
     if not zip_:
+        if (size := math.prod(len(v) for v in axes.values())) > MAX_POINTS:
+            raise UserError(f"{where}: the grid has {size:,} points ({sizes}), more than {MAX_POINTS:,}; sweep fewer "
+                            "values, or split it into several sweeps")
         return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*axes.values())]
     lengths = {len(v) for v in axes.values() if len(v) != 1}
     if len(lengths) > 1:
         sizes = ", ".join(f"{k} has {len(v)}" for k, v in axes.items())
         raise UserError(f"{where}: --zip pairs the values, so every swept key needs as many ({sizes})")
     n = lengths.pop() if lengths else 1
+    if n > MAX_POINTS:
+        raise UserError(f"{where}: --zip makes {n:,} points, more than {MAX_POINTS:,}; sweep fewer values, or split "
+                        "it into several sweeps")
     return [{k: (v[i] if len(v) > 1 else v[0]) for k, v in axes.items()} for i in range(n)]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,6 +181,10 @@ def chat(target: str, checkpoint: str | None, temperature: float, max_tokens: in
                 break
             if text == "/reset":
                 messages = list(start)
+                # Said on the terminal; piped, stdout holds only replies (one JSON string a line), so on stderr.
+                note = out if tty else sys.stderr
+                note.write("(conversation reset: the next message starts a new chat)\n")
+                note.flush()
                 continue
             if not text:
                 continue
