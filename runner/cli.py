@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="runner",
-        description="Declarative LLM post-training (SFT, DPO, reward_model, RL, distill, generate and custom: your own, "
+        description="Declarative LLM post-training (SFT, DPO, reward_model, RL, distill, generate and python: your own, "
         "examples/custom_algo.py) from TOML recipes, on a local torch backend or Tinker.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
