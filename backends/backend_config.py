@@ -31,10 +31,20 @@ class BackendConfig(ConfigStruct, tag_field="kind", tag=str.lower):  # pyright: 
         backends/local/device.py), printed by --dry-run and as a run's first line; None: nothing to say."""
         return None
 
+    def billed(self) -> bool:
+        """Whether a service bills the tokens a run sends this backend: True, its price comes from the tables
+        (runner/engine/cost.py `price_of`); False (the local backend: this machine), it costs 0 unless the recipe's
+        own `price` or `price_file` names one."""
+        return True
+
     def sweep_parallel(self, cores: int, model: str | None = None) -> int:
         """How many runs of `model` on this backend a sweep starts at once on a machine with `cores` usable cores
         (runner/tools/sweep.py takes the smallest answer among its points). Default: one per core."""
         return max(1, cores)
+
+
+# The backend of a recipe that names none (runner/recipe/schema.py `Recipe.backend`).
+DEFAULT_KIND = "local"
 
 
 @cache
@@ -42,3 +52,12 @@ def builtin_configs() -> tuple[type[BackendConfig], ...]:
     """Every built-in backend's variant: the BackendConfig subclasses of each backends/NAME/NAME_config.py, in package
     name order (local, then tinker: the order the schema's union and its messages list them in)."""
     return found(BackendConfig, __package__ or "backends")
+
+
+def default_backend() -> BackendConfig:
+    """The backend of a recipe that names none: the built-in variant tagged DEFAULT_KIND, with its defaults (found,
+    so the schema names no particular backend)."""
+    for config in builtin_configs():
+        if config.__struct_config__.tag == DEFAULT_KIND:
+            return config()
+    raise LookupError(f"no built-in backend is tagged {DEFAULT_KIND!r}: {[c.__name__ for c in builtin_configs()]}")

@@ -80,6 +80,9 @@ class Local(BackendConfig):
             model_dir = None
         return f"device: {place(self, model_dir).describe()}"
 
+    def billed(self) -> bool:
+        return False  # this machine: free, unless the recipe's own price says otherwise
+
     def sweep_parallel(self, cores: int, model: str | None = None) -> int:
         """1 when the runs would land on one NVIDIA GPU and share it: where one exists, what `place`
         (backends/local/device.py) decides for `model`, the run's own placement. Else (a CPU box, device = "cpu",
