@@ -37,6 +37,11 @@ class BackendConfig(ConfigStruct, tag_field="kind", tag=str.lower):  # pyright: 
         own `price` or `price_file` names one."""
         return True
 
+    def cache_problem(self, model: str, tokenizer: str | None) -> str | None:
+        """For `runner check`: the line a run would stop with because a hub id it loads is not in the Hugging Face
+        cache and downloads are off (backends/hub.py cache_miss); None: nothing to say. Default: loads nothing."""
+        return None
+
     def sweep_parallel(self, cores: int, model: str | None = None) -> int:
         """How many runs of `model` on this backend a sweep starts at once on a machine with `cores` usable cores
         (runner/tools/sweep.py takes the smallest answer among its points). Default: one per core."""

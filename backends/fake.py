@@ -27,6 +27,8 @@ from backends import losses
 from backends.base import BackendError, CustomLossFn, Future
 from backends.tokenizer import Tokenizer
 from backends.types import (
+    TEMPERATURE_FLOOR,
+    TOP_P_FLOOR,
     AdamParams,
     Datum,
     ForwardBackwardOutput,
@@ -297,6 +299,9 @@ class FakeSamplingClient:
         # requests seeded s, s + 1, ...); unseeded: one stream for the call.
         rng = np.random.default_rng([seed % 2**63, len(prompt)])  # numpy takes no negative seed; the SDK's may be
         logp = self._logp(params.temperature)
+        # The floors of backends/types.py, as the local sampler: greedy below TEMPERATURE_FLOOR, and top_p below
+        # TOP_P_FLOOR keeps only the most likely token (top_k and top_p above it are not modelled here).
+        greedy = params.temperature < TEMPERATURE_FLOOR or params.top_p < TOP_P_FLOOR
         tok = self.backend.tokenizer
         eos = getattr(tok, "eos_token_id", None)
         seqs = []
@@ -307,7 +312,7 @@ class FakeSamplingClient:
             logprobs: list[float] = []
             reason = "length"
             for _ in range(params.max_tokens):
-                t = int(rng.choice(len(logp), p=np.exp(logp)))
+                t = int(np.argmax(logp)) if greedy else int(rng.choice(len(logp), p=np.exp(logp)))
                 tokens.append(t)
                 logprobs.append(float(logp[t]))
                 if _stops(tokens, params.stop, eos, tok):

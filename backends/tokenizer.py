@@ -9,16 +9,12 @@ once with one line.
 
 from __future__ import annotations
 
-import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import urlparse
 
 from backends.errors import UserError
-
-HUB_CHECK_TIMEOUT_S = 3.0
+from backends.hub import TOKENIZER_PATTERNS, download, env_offline, first_line, hub_endpoint, hub_reachable
 
 
 class Tokenizer(Protocol):
@@ -53,13 +49,13 @@ def load_tokenizer(name: str) -> Any:
         try:
             return AutoTokenizer.from_pretrained(str(Path(name).expanduser()))
         except Exception as e:  # noqa: BLE001 - a folder without a usable tokenizer is the user's to fix
-            raise UserError(f"cannot load a tokenizer from {name!r}: {_first(e)}") from None
+            raise UserError(f"cannot load a tokenizer from {name!r}: {first_line(e)}") from None
     try:
         return AutoTokenizer.from_pretrained(name, local_files_only=True)
     except Exception:  # noqa: BLE001 - not in the cache (or a bad name): try the hub below, if it is there
         pass
     fix = 'set tokenizer = "<local tokenizer folder>" in the recipe'
-    if _offline():
+    if env_offline():
         raise UserError(f"tokenizer {name!r} is not a local folder nor in the Hugging Face cache, and downloads are "
                         f"off (HF_HUB_OFFLINE=1); {fix}")
     if not hub_reachable():
@@ -67,10 +63,13 @@ def load_tokenizer(name: str) -> Any:
                         f"({hub_endpoint()}) cannot be reached; {fix}")
     print(f"tokenizer {name}: not in the Hugging Face cache, downloading it from {hub_endpoint()}", file=sys.stderr,
           flush=True)
-    try:
-        return AutoTokenizer.from_pretrained(name)
-    except Exception as e:  # noqa: BLE001 - no such repo, gated, bad files: all one fix
-        raise UserError(f"cannot load tokenizer {name!r} ({_first(e)}); {fix}") from None
+    import huggingface_hub.constants
+
+    try:  # bounded in time, stalls and retries, Ctrl-C at once (backends/hub.py); the tokenizer's files only
+        folder = download(name, TOKENIZER_PATTERNS, Path(huggingface_hub.constants.HF_HUB_CACHE))
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # noqa: BLE001 - no such repo, gated, bad files, a stalled hub: all one fix
+        raise UserError(f"cannot load tokenizer {name!r} ({first_line(e)}); {fix}") from None
 
 
 def local_core_tokenizer(name: str) -> Any:
@@ -133,27 +132,3 @@ def local_has_chat_template(name: str) -> bool | None:
     except (OSError, ValueError, AttributeError):
         return None
     return find("chat_template.jinja") is not None or find("chat_template.json") is not None
-
-
-def hub_endpoint() -> str:
-    """The Hugging Face endpoint: $HF_ENDPOINT, else the public hub."""
-    return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
-
-
-def hub_reachable(timeout: float = HUB_CHECK_TIMEOUT_S) -> bool:
-    """Whether a TCP connection to the Hugging Face endpoint opens within `timeout`."""
-    url = urlparse(hub_endpoint())
-    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-def _offline() -> bool:
-    return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-
-
-def _first(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -111,10 +111,18 @@ class AdamParams:
     grad_clip_norm: float = 0.0
 
 
+# Floors every sampler here applies alike (the local one, the fake; docs/local-backend.md): a temperature below
+# TEMPERATURE_FLOOR samples greedily (as 0 does), a top_p below TOP_P_FLOOR keeps only the most likely token (as
+# top_k = 1 does). Below them logits / T overflows and top_p · mass rounds to 0, and no token could be drawn.
+TEMPERATURE_FLOOR = 1e-5
+TOP_P_FLOOR = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """stop=None stops on EOS only; stop=[] never stops before max_tokens; strings or token ids otherwise.
-    top_k=-1 means no limit. A seed makes a sample reproducible."""
+    top_k=-1 means no limit. A seed makes a sample reproducible. temperature < TEMPERATURE_FLOOR is greedy;
+    top_p < TOP_P_FLOOR keeps only the most likely token."""
 
     max_tokens: int = 64
     temperature: float = 1.0

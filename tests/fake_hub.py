@@ -1,13 +1,20 @@
 """A Hugging Face hub on 127.0.0.1 serving folders as model repos: what huggingface_hub's snapshot_download asks
 for (the repo's revision, its file tree, each file's metadata and bytes), so tests download a hub id with the real
 client and never touch the network. `with fake_hub({"org/name": folder}) as hub:` then HF_ENDPOINT=hub.url.
-`hub.requests` lists the paths asked for."""
+`hub.requests` lists the paths asked for, `hub.sent` the file bytes sent.
+
+Misbehaviour, to test the client's bounds (backends/hub.py): `ranges` (serve `Range` requests with 206, as the hub
+does; off: every GET sends the whole file from its start), `drop_after` (close the connection after that many bytes
+of each file response), `stall` (a path prefix whose requests are never answered), `trickle` (send file bytes in
+chunks of that size, 0.1 s apart)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,6 +30,12 @@ class FakeHub:
     repos: dict[str, Path]
     url: str = ""
     requests: list[str] = field(default_factory=list)
+    ranges: bool = True
+    drop_after: int | None = None
+    stall: str | None = None
+    trickle: int | None = None
+    sent: int = 0
+    closing: threading.Event = field(default_factory=threading.Event)
 
     def files(self, repo: str) -> dict[str, Path]:
         root = self.repos[repo]
@@ -47,7 +60,10 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
 
         def _route(self, head: bool) -> None:
             path = unquote(urlsplit(self.path).path)
-            hub.requests.append(f"{self.command} {path}")
+            hub.requests.append(f"{self.command} {path}" + (f" {self.headers['Range']}" if self.headers["Range"] else ""))
+            if hub.stall is not None and path.startswith(hub.stall):
+                hub.closing.wait()  # never answered (until the hub shuts down)
+                return
             for repo in hub.repos:
                 files = hub.files(repo)
                 if path in (f"/api/models/{repo}", f"/api/models/{repo}/revision/main",
@@ -62,10 +78,37 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                     if path.startswith(prefix) and path[len(prefix):] in files:
                         body = files[path[len(prefix):]].read_bytes()
                         etag = hashlib.sha256(body).hexdigest()
-                        return self._send(200, body, {"X-Repo-Commit": SHA, "ETag": f'"{etag}"',
-                                                      "Content-Type": "application/octet-stream"}, head)
+                        headers = {"X-Repo-Commit": SHA, "ETag": f'"{etag}"', "Content-Type": "application/octet-stream"}
+                        if head:
+                            return self._send(200, body, headers, head)
+                        return self._file(body, headers)
             self._send(404, b'{"error": "Repository not found"}',
                        {"Content-Type": "application/json", "X-Error-Code": "RepoNotFound"}, head)
+
+        def _file(self, body: bytes, headers: dict[str, str]) -> None:
+            start = 0
+            m = re.fullmatch(r"bytes=(\d+)-", self.headers["Range"] or "")
+            if hub.ranges and m and int(m[1]) < len(body):
+                start = int(m[1])
+                headers = {**headers, "Content-Range": f"bytes {start}-{len(body) - 1}/{len(body)}"}
+            self.send_response(206 if start else 200)
+            for k, v in {"Content-Length": str(len(body) - start), **headers}.items():
+                self.send_header(k, v)
+            self.end_headers()
+            part = body[start:]
+            if hub.drop_after is not None:
+                part = part[: hub.drop_after]
+            step = hub.trickle or len(part) or 1
+            for i in range(0, len(part), step):
+                if hub.closing.is_set():
+                    break
+                self.wfile.write(part[i : i + step])
+                self.wfile.flush()
+                hub.sent += len(part[i : i + step])
+                if hub.trickle:
+                    time.sleep(0.1)
+            if len(part) < len(body) - start:
+                self.close_connection = True  # dropped: fewer bytes than Content-Length
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             self._route(head=False)
@@ -77,8 +120,8 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
 
 
 @contextmanager
-def fake_hub(repos: dict[str, Path]) -> Iterator[FakeHub]:
-    hub = FakeHub(repos)
+def fake_hub(repos: dict[str, Path], **misbehave: object) -> Iterator[FakeHub]:
+    hub = FakeHub(repos, **misbehave)  # pyright: ignore[reportArgumentType]
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(hub))
     hub.url = f"http://127.0.0.1:{server.server_address[1]}"
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -86,5 +129,6 @@ def fake_hub(repos: dict[str, Path]) -> Iterator[FakeHub]:
     try:
         yield hub
     finally:
+        hub.closing.set()
         server.shutdown()
         server.server_close()

@@ -192,3 +192,109 @@ def test_objects_stay_in_the_worker(sandbox: Sandbox) -> None:
     assert [ok for ok, _ in got] == [True, True, False, False], [r.stderr[-300:] for _, r in got]
     assert "no truth value" in got[2][1].stderr
 
+
+
+# ------------------------------------------------------------------------------------- forged programs (issue #43)
+# MBPP-shaped (`assert f(x) == y` lines, some leaving `math` to the program's import) and HumanEval-shaped
+# (`def check(candidate): ...` then `check(entry_point)`) problems, each with an honest program.
+def _mbpp(*asserts: str) -> CodeProblem:
+    return CodeProblem("q", tuple(CodeTest(check=a) for a in asserts), "forged")
+
+
+def _humaneval(body: str, entry: str) -> CodeProblem:
+    return CodeProblem("q", (CodeTest(check=f"METADATA = {{}}\n\n\ndef check(candidate):\n{body}\n\ncheck({entry})\n"),),
+                       "forged")  # fmt: skip
+
+
+JUDGED = {
+    # MBPP task 2, its own three asserts.
+    "similar": (_mbpp("assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))",
+                      "assert set(similar_elements((1, 2, 3, 4),(5, 4, 3, 7))) == set((3, 4))",
+                      "assert set(similar_elements((11, 12, 14, 13),(17, 15, 14, 13))) == set((13, 14))"),
+                "def similar_elements(a, b):\n    return tuple(set(a) & set(b))"),
+    "area": (_mbpp("assert math.isclose(circle_area(2), 12.566370614359172, rel_tol=0.001)"),
+             "import math\n\ndef circle_area(r):\n    return math.pi * r * r"),
+    "distance": (_mbpp("assert abs(distance(0, 0, 3, 4) - 5.0) < 1e-9"),
+                 "import math\n\ndef distance(x1, y1, x2, y2):\n    return math.hypot(x2 - x1, y2 - y1)"),
+    "binary": (_mbpp("assert str(to_binary(5)) == '101'"), "def to_binary(n):\n    return bin(n)[2:]"),
+    "unique": (_mbpp("assert len(unique([1, 1, 2, 3, 3])) == 3 and sorted(unique([3, 1, 3])) == [1, 3]"),
+               "def unique(xs):\n    return list(set(xs))"),
+    "evens": (_mbpp("assert isinstance(evens(6), list) and sorted(evens(6)) == [0, 2, 4]"),
+              "def evens(n):\n    return list(range(0, n, 2))"),
+    "positive": (_mbpp("try:\n    parse_positive('-1')\nexcept ValueError:\n    pass\nelse:\n"
+                       "    raise AssertionError('no ValueError')", "assert parse_positive('7') == 7"),
+                 "def parse_positive(s):\n    n = int(s)\n    if n < 0:\n        raise ValueError(s)\n    return n"),
+    "doubles": (_mbpp("assert all(map(is_double, [(1, 2), (3, 6)]))"),
+                "def is_double(p):\n    return p[1] == 2 * p[0]"),
+    "square": (_humaneval("    for x in range(10):\n        assert candidate(x) == x * x", "square"),
+               "def square(x):\n    return x * x"),
+    "truncate": (_humaneval("    assert candidate(3.5) == 0.5\n    assert abs(candidate(1.33) - 0.33) < 1e-6\n"
+                            "    assert abs(candidate(123.456) - 0.456) < 1e-6", "truncate_number"),
+                 "def truncate_number(x):\n    return x % 1.0"),
+    "double": (_humaneval("    for a, b in zip([1, 2, 3], [2, 4, 6]):\n        assert candidate(a) == b", "double"),
+               "def double(x):\n    return 2 * x"),
+    "fabs": (CodeProblem("q", (CodeTest(check="import math\n\n\ndef check(candidate):\n"
+                                         "    assert math.fabs(candidate(2.0) - 4.0) < 1e-6\n\ncheck(square_f)\n"),),
+                         "forged"), "def square_f(x):\n    return x * x"),  # fmt: skip
+    "totals": (_humaneval("    assert sum(candidate([1, 2, 3])) == 12\n    assert max(candidate([1, 5])) == 10",
+                          "doubled"), "def doubled(xs):\n    return [2 * x for x in xs]"),
+}
+
+# Each: (problem, program). Every program is wrong (its functions return None or a constant) and tries to make the
+# check see a pass: names that shadow builtins, modules, objects that equal anything, patched interpreters.
+EQ = "class _Eq:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\n"
+FORGED = {
+    "set shadowed": ("similar", "set = lambda *a: 0\n\ndef similar_elements(a, b):\n    return None"),
+    "abs shadowed": ("distance", "abs = lambda x: 0\n\ndef distance(*a):\n    return 1.0"),
+    "abs shadowed (HumanEval)": ("truncate", "abs = lambda x: 0\n\ndef truncate_number(x):\n    return 0.5"),
+    "str shadowed": ("binary", "str = lambda *a: '101'\n\ndef to_binary(n):\n    return None"),
+    "len and sorted shadowed": ("unique", "len = lambda x: 3\nsorted = lambda *a, **k: [1, 3]\n\n"
+                                          "def unique(xs):\n    return None"),
+    "isinstance shadowed": ("evens", "isinstance = lambda *a: True\nsorted = lambda *a, **k: [0, 2, 4]\n\n"
+                                     "def evens(n):\n    return 0"),
+    "ValueError shadowed": ("positive", "ValueError = Exception\n\ndef parse_positive(s):\n    raise TypeError(s)"),
+    "range shadowed": ("square", "range = lambda *a: []\n\ndef square(x):\n    return None"),
+    "zip shadowed": ("double", "zip = lambda *a: []\n\ndef double(x):\n    return None"),
+    "sum and max shadowed": ("totals", "sum = lambda *a: 12\nmax = lambda *a: 10\n\ndef doubled(xs):\n    return None"),
+    "all shadowed": ("doubles", "all = lambda *a: True\n\ndef is_double(p):\n    return False"),
+    "fake math class": ("area", "class math:\n    isclose = staticmethod(lambda *a, **k: True)\n\n"
+                                "def circle_area(r):\n    return 0"),
+    "fake math module": ("area", "import types\nmath = types.ModuleType('math')\nmath.isclose = lambda *a, **k: True\n"
+                                 "\ndef circle_area(r):\n    return 0"),
+    "math patched": ("area", "import math\nmath.isclose = lambda *a, **k: True\n\ndef circle_area(r):\n    return 0"),
+    "cmath as math": ("area", "import cmath as math\n\ndef circle_area(r):\n    return 12.566370614359172 + 1j"),
+    "sys.modules poisoned": ("fabs", "import sys, types\nfake = types.ModuleType('math')\nfake.fabs = lambda x: 0.0\n"
+                                     "sys.modules['math'] = fake\n\ndef square_f(x):\n    return 0.0"),
+    "builtins.set patched": ("similar", "import builtins\nbuiltins.set = lambda *a: 0\n\n"
+                                        "def similar_elements(a, b):\n    return None"),
+    "builtins.abs patched": ("truncate", "import builtins\nbuiltins.abs = lambda x: 0\n\n"
+                                         "def truncate_number(x):\n    return 0.5"),
+    "__builtins__ replaced": ("similar", "__builtins__ = {'set': lambda *a: 0}\n\n"
+                                         "def similar_elements(a, b):\n    return None"),
+    "always-equal object": ("square", EQ + "\ndef square(x):\n    return _Eq()"),
+    "int with __eq__": ("square", "class _I(int):\n    def __eq__(self, o):\n        return True\n    __hash__ = None\n"
+                                  "\ndef square(x):\n    return _I(0)"),
+    "list with __eq__": ("unique", "class _L(list):\n    def __eq__(self, o):\n        return True\n    __hash__ = None\n"
+                                   "    def __len__(self):\n        return 3\n\ndef unique(xs):\n    return _L()"),
+    "__class__ says list": ("evens", EQ + "    __class__ = property(lambda self: list)\n    def __iter__(self):\n"
+                                          "        return iter([0, 2, 4])\n\ndef evens(n):\n    return _Eq()"),
+    "StopIteration ends map": ("doubles", "def is_double(p):\n    raise StopIteration"),
+    "check redefined": ("square", "def check(candidate):\n    pass\n\ndef square(x):\n    return None"),
+    "os._exit(0)": ("square", "import os\n\ndef square(x):\n    return None\n\nos._exit(0)"),
+    "atexit exits 0": ("similar", "import atexit, os\natexit.register(os._exit, 0)\n\n"
+                                  "def similar_elements(a, b):\n    return None"),
+    "exit code 0 from excepthook": ("truncate", "import os, sys\nsys.excepthook = lambda *a: os._exit(0)\n\n"
+                                                "def truncate_number(x):\n    return None"),
+}
+
+
+def test_honest_programs_pass_every_judged_check(sandbox: Sandbox) -> None:
+    got = score(sandbox, [(code, p) for p, code in JUDGED.values()])
+    assert got == [len(p.tests) for p, _ in JUDGED.values()]
+
+
+@pytest.mark.parametrize("name", sorted(FORGED))
+def test_forged_program_scores_zero(sandbox: Sandbox, name: str) -> None:
+    assert len(FORGED) >= 25
+    problem, code = FORGED[name]
+    assert score(sandbox, [(code, JUDGED[problem][0])]) == [0]

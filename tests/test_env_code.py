@@ -159,3 +159,28 @@ def test_deepcoder_and_taco_rows(tmp_path: Path) -> None:
     assert asyncio.run(grade(first, right)).metrics["passed"] == 1.0
     assert asyncio.run(grade(first, wrong)).metrics["passed"] == 0.5  # right only for the empty list
     assert asyncio.run(grade(second, block("print(2 * int(input()))"))).metrics["passed"] == 1.0
+
+
+def test_grade_is_not_fooled_by_shadowed_builtins(tmp_path: Path) -> None:
+    """MBPP task 2 with its own asserts: an empty function plus two lines shadowing `set` and `math` got reward 1.00
+    from grade() (the check ran among the program's names); the harness's builtins and modules win now (#43)."""
+    row = {"question": "Write a function to find the shared elements from the given two lists.",
+           "asserts": ["assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))",
+                       "assert set(similar_elements((1, 2, 3, 4),(5, 4, 3, 7))) == set((3, 4))",
+                       "assert math.isclose(len(similar_elements((1, 2), (2, 3))), 1.0)"]}  # fmt: skip
+    path = tmp_path / "mbpp.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    (problem,) = load_code_problems(Jsonl(str(path)))
+    cfg = Code(data=Jsonl(str(path)), test_size=0, cpu_s=1, wall_s=4.0)
+    train, _ = build_datasets(cfg, EnvContext(renderer=R, group_size=1, test_group_size=1, groups_per_batch=1,
+                                              seed=0))  # fmt: skip
+    sandbox = asyncio.run(get_batch(train, 0, "train")[0].make_envs())[0].sandbox
+
+    async def reward(code: str) -> float:
+        return (await CodeEnv(R, problem, cfg, sandbox).grade(block(code), True)).reward
+
+    forged = ("set = lambda *a: 0\nclass math:\n    isclose = staticmethod(lambda *a, **k: True)\n\n"
+              "def similar_elements(a, b):\n    pass")
+    honest = "import math\n\ndef similar_elements(a, b):\n    return tuple(set(a) & set(b))"
+    assert asyncio.run(reward(forged)) == 0.0
+    assert asyncio.run(reward(honest)) == 1.0

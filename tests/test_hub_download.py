@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 from fake_hub import fake_hub
@@ -119,3 +121,141 @@ def test_local_files_only_is_not_part_of_a_runs_identity() -> None:
 
     assert recipe_diff(recipe(), recipe(local_files_only=True)) == []
     assert recipe_diff(recipe(), recipe(lora_alpha=8.0)) == ["backend.lora_alpha"]
+
+
+# ------------------------------------------------------------------ a hub that misbehaves (issue #43)
+# One download in a fresh process: prints {"out": folder or the UserError's message, "s": seconds it took}.
+ONE = textwrap.dedent("""
+    import json, sys, time
+    from backends.errors import UserError
+    from backends.hub import snapshot
+    start = time.monotonic()
+    try:
+        out = str(snapshot(sys.argv[1], "model"))
+    except UserError as e:
+        out = "error: " + str(e)
+    print(json.dumps({"out": out, "s": time.monotonic() - start}), flush=True)
+""")
+BIG = 1 << 20
+
+
+def big_repo(tmp_path: Path, size: int = BIG) -> Path:
+    """A repo with a weights file of random bytes (the download does not parse it)."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "config.json").write_text('{"model_type": "llama"}')
+    (repo / "model.safetensors").write_bytes(os.urandom(size))
+    return repo
+
+
+def download(tmp_path: Path, hub_url: str, repo: str = REPO, **env: str) -> dict[str, object]:
+    proc = python(["-c", ONE, repo], tmp_path, HF_ENDPOINT=hub_url, HF_HUB_DISABLE_PROGRESS_BARS="1", **env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_a_dropped_download_resumes_where_the_hub_serves_ranges(tmp_path: Path) -> None:
+    """The connection drops after every 12 MiB of a 24 MiB file: the hub client asks for the rest from its last
+    whole 10 MiB chunk (Range) and the file completes, sent about once."""
+    repo = big_repo(tmp_path, 24 * BIG)
+    with fake_hub({REPO: repo}, drop_after=12 * BIG) as hub:
+        got = download(tmp_path, hub.url)
+        assert (Path(str(got["out"])) / "model.safetensors").read_bytes() == (repo / "model.safetensors").read_bytes()
+        assert any(r.endswith(f"/model.safetensors bytes={10 * BIG}-") for r in hub.requests), hub.requests
+        assert hub.sent < 1.5 * 24 * BIG
+
+
+def test_a_hub_that_resends_from_the_start_gives_up_after_the_retries(tmp_path: Path) -> None:
+    """Dropped after 256 KiB and no ranges: the hub client started over forever (the issue: 51 GB in 200 s with
+    no error). Now no new byte for RUNNER_HUB_STALL_S ends a try, and RUNNER_HUB_RETRIES bounds the tries."""
+    with fake_hub({REPO: big_repo(tmp_path)}, drop_after=BIG // 4, ranges=False) as hub:
+        got = download(tmp_path, hub.url, RUNNER_HUB_STALL_S="2", RUNNER_HUB_RETRIES="1")
+        assert got["out"] == (f"error: cannot download model {REPO!r} from {hub.url} (no progress for 2 s, "
+                              f"RUNNER_HUB_STALL_S; gave up after 2 tries, RUNNER_HUB_RETRIES); {FIX}")
+        assert float(str(got["s"])) < 30 and hub.sent < 20 * BIG
+
+
+def test_a_metadata_request_that_never_answers_times_out(tmp_path: Path) -> None:
+    with fake_hub({REPO: big_repo(tmp_path)}, stall="/api/models/") as hub:
+        got = download(tmp_path, hub.url, RUNNER_HUB_STALL_S="1", RUNNER_HUB_RETRIES="0")
+        assert got["out"] == (f"error: cannot download model {REPO!r} from {hub.url} (no progress for 1 s, "
+                              f"RUNNER_HUB_STALL_S; gave up after 1 try, RUNNER_HUB_RETRIES); {FIX}")
+        assert float(str(got["s"])) < 15
+
+
+def test_a_download_past_the_overall_timeout_stops(tmp_path: Path) -> None:
+    """4 KiB every 0.1 s (a 1 MiB file in 25 s): progress all along, stopped by RUNNER_HUB_TIMEOUT_S."""
+    with fake_hub({REPO: big_repo(tmp_path)}, trickle=4096) as hub:
+        got = download(tmp_path, hub.url, RUNNER_HUB_TIMEOUT_S="3", RUNNER_HUB_STALL_S="20")
+        assert got["out"] == (f"error: cannot download model {REPO!r} from {hub.url} (not done after 3 s, "
+                              f"RUNNER_HUB_TIMEOUT_S); {FIX}")
+        assert float(str(got["s"])) < 10
+
+
+def test_bad_bounds_are_one_line(tmp_path: Path) -> None:
+    with fake_hub({REPO: big_repo(tmp_path)}) as hub:
+        got = download(tmp_path, hub.url, RUNNER_HUB_STALL_S="soon")
+    assert got["out"] == "error: RUNNER_HUB_STALL_S must be a number of seconds > 0, got 'soon'"
+
+
+def test_ctrl_c_during_a_stalled_download_exits_within_2_s(tmp_path: Path) -> None:
+    """The issue measured 54 s (the hub client's threads). The child that downloads is gone too."""
+    repo = f"someorg/ctrl-c-{os.getpid()}"
+    with fake_hub({repo: big_repo(tmp_path)}, stall="/api/models/") as hub:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
+        env.update(PYTHONPATH=str(ROOT), HF_HOME=str(tmp_path / "hf-home"), HF_ENDPOINT=hub.url)
+        proc = subprocess.Popen([sys.executable, "-c", ONE, repo], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        assert "downloading it from" in line, line
+        time.sleep(1.0)  # the child is asking for the repo's metadata, which never comes
+        proc.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        proc.communicate(timeout=30)
+        assert time.monotonic() - start < 2.0
+        time.sleep(0.3)
+        alive = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                if repo.encode() in cmdline.read_bytes():
+                    alive.append(cmdline)
+            except OSError:
+                pass
+        assert alive == []
+
+
+def test_check_says_when_an_uncached_hub_model_cannot_be_had(tmp_path: Path) -> None:
+    """issue #39: with HF_HUB_OFFLINE=1 `runner check` said ok for a hub model not in the cache, and the run failed
+    seconds later. Now check stops with the run's line (local_files_only too); once cached, ok."""
+    (tmp_path / "r.toml").write_text(f"""\
+[recipes.l]
+model = "{REPO}"
+max_steps = 1
+algo = {{kind = "sft", data = {{kind = "jsonl", path = "d.jsonl"}}, batch_size = 2}}
+""")
+    (tmp_path / "d.jsonl").write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n' * 4)
+    check = ["-m", "runner", "check", "r.toml#l"]
+    offline = python(check, tmp_path, HF_HUB_OFFLINE="1")
+    assert offline.returncode == 2 and offline.stderr.strip() == (
+        f"error: r.toml#l: model {REPO!r} is not in the Hugging Face cache and downloads are off (HF_HUB_OFFLINE=1); "
+        f"{FIX}")
+    pinned = python([*check, "backend.local_files_only=true"], tmp_path)
+    assert pinned.returncode == 2 and "downloads are off (local_files_only = true)" in pinned.stderr
+    with fake_hub({REPO: TINY}) as hub:
+        assert "error" not in download(tmp_path, hub.url)["out"]
+    cached = python(check, tmp_path, HF_HUB_OFFLINE="1")
+    assert cached.returncode == 0 and cached.stdout.strip() == "ok  r.toml#l", cached.stderr
+
+
+def test_a_tokenizer_by_hub_id_downloads_its_files_only(tmp_path: Path) -> None:
+    """load_tokenizer (the Tinker backend's, dry runs') downloads through the same bounded child, and only the
+    tokenizer's files: no weights."""
+    script = f"from backends.tokenizer import load_tokenizer; print(len(load_tokenizer({REPO!r}).encode('hi')))"
+    with fake_hub({REPO: TINY}) as hub:
+        proc = python(["-c", script], tmp_path, HF_ENDPOINT=hub.url, HF_HUB_DISABLE_PROGRESS_BARS="1")
+        assert proc.returncode == 0 and proc.stdout.strip() == "2", proc.stderr
+        assert f"tokenizer {REPO}: not in the Hugging Face cache, downloading it from {hub.url}" in proc.stderr
+        gets = [r for r in hub.requests if r.startswith("GET /someorg/")]
+        assert any(r.endswith("/tokenizer.json") for r in gets) and not any("safetensors" in r for r in gets), gets

@@ -139,6 +139,8 @@ def test_max_tokens_and_context_limit(rand, tok):
         (([1], 0, SamplingParams()), "num_samples"),
         (([1], 1, SamplingParams(max_tokens=0)), "max_tokens"),
         (([1], 1, SamplingParams(temperature=-1)), "temperature"),
+        (([1], 1, SamplingParams(temperature=math.inf)), "temperature must be finite"),
+        (([1], 1, SamplingParams(temperature=math.nan)), "temperature must be finite"),
         (([1], 1, SamplingParams(top_p=0)), "top_p"),
         (([1], 1, SamplingParams(stop=[1, "x"])), "mix"),
         (([1], 1, SamplingParams(stop=[999])), "stop token id 999"),
@@ -159,6 +161,23 @@ def test_greedy_equals_argmax_decoding(rand, tok):
     for _ in range(24):
         seq.append(int(_logits(rand, seq)[-1].argmax()))
     assert s.tokens == seq[len(prompt) :]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=12, temperature=1e-40, stop=[]),
+                                    SamplingParams(max_tokens=12, temperature=5e-324, seed=3, stop=[]),
+                                    SamplingParams(max_tokens=12, top_p=1e-300, stop=[]),
+                                    SamplingParams(max_tokens=12, temperature=0.7, top_p=1e-9, top_k=5, stop=[])])
+def test_below_the_floors_is_greedy(rand, tok, params):
+    """A temperature below TEMPERATURE_FLOOR samples greedily, a top_p below TOP_P_FLOOR keeps only the top token
+    (backends/types.py). Before: 'index 259 is out of bounds' (logits / 1e-40 overflowed; 1e-300 rounds to 0 in
+    float32 and dropped every token). Mixed in one batch with ordinary rows, which still sample."""
+    prompt = tok.encode("hello there")
+    sampler = Sampler(rand, tok, CPU)
+    (greedy,) = _one(sampler, prompt, _greedy(12, stop=[]))
+    outs = sampler.sample_batch([(prompt, 2, params), (prompt, 2, SamplingParams(max_tokens=12, stop=[], seed=1))])
+    assert [s.tokens for s in outs[0].sequences] == [greedy.tokens] * 2
+    assert all(math.isfinite(lp) for s in outs[0].sequences for lp in s.logprobs)
+    assert all(s.tokens != greedy.tokens for s in outs[1].sequences)  # the seeded T = 1 rows are not greedy
 
 
 def test_sampled_logprobs_match_compute_logprobs(rand, tok):
@@ -459,3 +478,4 @@ def test_bfloat16_model_samples(tok, attn):
     assert [s.tokens for s in crowd[1].sequences] == [s.tokens for s in alone.sequences]
     for s in alone.sequences:
         assert len(s.tokens) == 10 and all(lp <= 0 and not math.isnan(lp) for lp in s.logprobs)
+

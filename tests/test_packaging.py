@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OURS = {"runner", "backends"}
 # Extras a user installs to get a feature (the import sits behind that feature); dev and bench are for us.
-FEATURE_EXTRAS = ("plot", "wandb", "inspect", "reasoning", "verifiers")
+FEATURE_EXTRAS = ("plot", "wandb", "tensorboard", "mlflow", "trackio", "inspect", "reasoning", "verifiers")
 
 
 def _norm(name: str) -> str:

@@ -29,7 +29,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from backends.local.device import LOGITS_DTYPE
 from backends.local.llama import DecodeCache, LlamaDecoder, Slots
 from backends.local.static_decode import StaticBatch, StaticDecoder, capacity_bucket, row_bucket
-from backends.types import SamplingParams, StopReason
+from backends.types import TEMPERATURE_FLOOR, TOP_P_FLOOR, SamplingParams, StopReason
 
 
 class Sampler(Protocol):
@@ -448,20 +448,23 @@ class _Plan:
     def __init__(self, rows: list[Row], live: list[int], vocab: int, dev: torch.device):
         ps = [rows[i].params for i in live]
         self.row_ids = torch.tensor(live, device=dev)
-        temps = [p.temperature if p.temperature > 0 else 1.0 for p in ps]
+        # Below the floors (backends/types.py): greedy, or only the most likely token kept (top_k = 1).
+        hot = [p.temperature >= TEMPERATURE_FLOOR for p in ps]
+        top1 = [p.top_p < TOP_P_FLOOR for p in ps]
+        temps = [p.temperature if h else 1.0 for p, h in zip(ps, hot, strict=True)]
         self.temp = None if all(t == 1.0 for t in temps) else torch.tensor(temps, device=dev)[:, None]
-        greedy = [s for s, p in enumerate(ps) if p.temperature == 0]
+        greedy = [s for s, h in enumerate(hot) if not h]
         self.all_greedy = len(greedy) == len(ps)
         self.greedy = torch.tensor(greedy, device=dev) if greedy and not self.all_greedy else None
-        seeded = [s for s, p in enumerate(ps) if p.temperature > 0 and p.seed is not None]
+        seeded = [s for s, p in enumerate(ps) if hot[s] and p.seed is not None]
         self.seeded = [(s, rows[live[s]].gen) for s in seeded]
-        free = [s for s, p in enumerate(ps) if p.temperature > 0 and p.seed is None]
+        free = [s for s, p in enumerate(ps) if hot[s] and p.seed is None]
         self.free_all = len(free) == len(ps)
         self.free = torch.tensor(free, device=dev) if free and not self.free_all else None
-        topk = [s for s, p in enumerate(ps) if p.temperature > 0 and p.top_k > 0]
-        ks = [min(ps[s].top_k, vocab) for s in topk]
+        topk = [s for s, p in enumerate(ps) if hot[s] and (p.top_k > 0 or top1[s])]
+        ks = [1 if top1[s] else min(ps[s].top_k, vocab) for s in topk]
         self.topk = (torch.tensor(topk, device=dev), torch.tensor(ks, device=dev)[:, None], max(ks)) if topk else None
-        topp = [s for s, p in enumerate(ps) if p.temperature > 0 and p.top_p < 1]
+        topp = [s for s, p in enumerate(ps) if hot[s] and not top1[s] and p.top_p < 1]
         self.topp = (
             (torch.tensor(topp, device=dev), torch.tensor([ps[s].top_p for s in topp], device=dev)) if topp else None
         )

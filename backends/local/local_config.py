@@ -83,6 +83,12 @@ class Local(BackendConfig):
     def billed(self) -> bool:
         return False  # this machine: free, unless the recipe's own price says otherwise
 
+    def cache_problem(self, model: str, tokenizer: str | None) -> str | None:
+        from backends.hub import cache_miss  # the model's files and the tokenizer's, as resolve_model_dir loads them
+
+        return (cache_miss(model, "model", self.local_files_only)
+                or (cache_miss(tokenizer, "tokenizer", self.local_files_only) if tokenizer else None))  # fmt: skip
+
     def sweep_parallel(self, cores: int, model: str | None = None) -> int:
         """1 when the runs would land on one NVIDIA GPU and share it: where one exists, what `place`
         (backends/local/device.py) decides for `model`, the run's own placement. Else (a CPU box, device = "cpu",

@@ -29,6 +29,7 @@ docs/local-backend.md has the whole picture.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -197,8 +198,8 @@ class Sampler:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
         if p.max_tokens is None or p.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {p.max_tokens}")
-        if not p.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {p.temperature}")
+        if not 0 <= p.temperature < math.inf:
+            raise ValueError(f"temperature must be finite and >= 0, got {p.temperature}")
         if not 0 < p.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
         if p.top_k < -1:

@@ -25,6 +25,7 @@ import ipaddress
 import logging
 import os
 import re
+import socket
 import threading
 import time
 import urllib.parse
@@ -62,6 +63,8 @@ LOST_CLOSE_TIMEOUT_S = 2.0
 # waiting up to PING_TIMEOUT_S for its answer (the SDK's own heartbeat waits 10 s).
 PING_PERIOD_S = 5.0
 PING_TIMEOUT_S = 5.0
+# The quick TCP probe before the session: a refused port fails at once instead of after connect_timeout_s.
+PROBE_TIMEOUT_S = 3.0
 
 CloseStatus = Literal["success", "errored", "interrupted"]
 
@@ -474,6 +477,7 @@ class TinkerBackend:
         self._tokenizer: Any = None
         # The key is passed explicitly so the SDK's other credential sources (files, commands) are not used.
         self._service = tinker.ServiceClient(base_url=base_url, api_key=self._key)
+        self._base_url = base_url
         self._link = _Link(self._key, base_url or "the hosted service")
         self._closed = threading.Event()
         self._ttl = cfg.ttl_seconds
@@ -504,6 +508,12 @@ class TinkerBackend:
 
     def _connect(self) -> None:
         assert self._session is not None
+        if (refused := _refused(self._base_url, min(self._connect_timeout_s, PROBE_TIMEOUT_S))) is not None:
+            # The SDK would retry a closed port until connect_timeout_s; nothing listens there: say so now.
+            _settle(self._session, error=BackendError(
+                f"could not reach the Tinker service at {self._link.url}: {refused} (a wrong base_url, or the "
+                "service is not running); nothing ran", user_error=True))
+            return
         try:
             holder = self._service.holder  # fetches the client config, then creates the session (SDK retries)
         except Exception as exc:  # noqa: BLE001 - delivered to every call waiting on the session
@@ -514,9 +524,10 @@ class TinkerBackend:
 
     def _connect_timed_out(self) -> None:
         assert self._session is not None
+        # user_error: the service was never reached, so nothing ran (no "can be resumed"); exit 2.
         _settle(self._session, error=BackendError(
             f"could not reach the Tinker service at {self._link.url} within {self._connect_timeout_s:g} s "
-            "(no network, a wrong base_url, or the service is down)"))
+            "(no network, a wrong base_url, or the service is down); nothing ran", user_error=True))
 
     def _watch(self, holder: Any) -> None:
         """Ping the session; while calls wait and the service has not answered for lost_after_s, lose it."""
@@ -608,6 +619,27 @@ class TinkerBackend:
             self._service.close(st).result(timeout=LOST_CLOSE_TIMEOUT_S if self._link.lost else CLOSE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - closing must not hide the error that ended the run
             log.warning("closing the Tinker session failed: %s", _first_line(_scrub(str(exc), self._key)))
+
+
+def _refused(base_url: str | None, timeout: float) -> str | None:
+    """Why a TCP connection to `base_url` is refused outright ("connection refused on host:port"), else None (it
+    opened, timed out, or the name did not resolve: the SDK's bounded tries decide those). No base_url: None."""
+    if not base_url:
+        return None
+    url = urllib.parse.urlsplit(base_url)
+    try:
+        host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+    except ValueError:  # a port that is not a number: the SDK says so
+        return None
+    if not host:
+        return None
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except ConnectionRefusedError:
+        return f"connection refused on {host}:{port}"
+    except OSError:
+        return None
 
 
 async def _ping(holder: Any, timeout: float) -> None:

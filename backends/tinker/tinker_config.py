@@ -38,5 +38,10 @@ class Tinker(BackendConfig):
 
         return TinkerBackend(self, model, tokenizer)
 
+    def cache_problem(self, model: str, tokenizer: str | None) -> str | None:
+        from backends.hub import cache_miss  # the service runs the model; only its tokenizer is loaded here
+
+        return cache_miss(tokenizer or model, "tokenizer")
+
     def sweep_parallel(self, cores: int, model: str | None = None) -> int:
         return self.SWEEP_PARALLEL

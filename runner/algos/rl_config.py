@@ -5,6 +5,7 @@ The loss variants are the built-in RL losses' (backends/losses/NAME_config.py) a
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Annotated, ClassVar, Union
 
 from msgspec import Meta
@@ -133,6 +134,9 @@ class OnPolicy(AlgoBase):
         return getattr(self, "groups_per_batch")  # noqa: B009 - a field of RL, a property of Distill
 
     def __post_init__(self) -> None:
+        for name, t in (("temperature", self.temperature), ("eval.temperature", self.eval.temperature)):
+            if not math.isfinite(t):  # below TEMPERATURE_FLOOR (backends/types.py) the samplers are greedy
+                raise ValueError(f"{name} must be finite, got {t}")
         check_temperature(self.numerics, self.temperature)
         if self.num_substeps > self.batch_groups:
             raise ValueError("num_substeps must be <= groups_per_batch")

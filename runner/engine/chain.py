@@ -102,11 +102,14 @@ def check_all(recipe: Recipe, where: str, keep_rows: bool = False, name: str | N
     from runner.data.check import check_data
     from runner.engine.evals import check_evals
     from runner.engine.spec import check_algo
+    from runner.engine.track import check_trackers
     from runner.renderers.registry import renderer_mismatch
 
     first = [s for s in [*upstreams(recipe, where), *dependencies(recipe, where)] if s.runnable]
     for r, at in [(recipe, where), *((s.recipe, s.ref) for s in first)]:
         check_recipe(r, at)
+        if (problem := r.backend.cache_problem(r.model, r.tokenizer)) is not None:  # HF_HUB_OFFLINE=1, uncached
+            raise UserError(f"{at}: {problem}")
         if (problem := renderer_mismatch(r.renderer, r.model, r.tokenizer)) is not None:
             raise UserError(f"{at}: {problem}")
         # keep_rows (`runner run`): a recipe that runs alone keeps its data's rows for its loader (read once); in a
@@ -114,6 +117,7 @@ def check_all(recipe: Recipe, where: str, keep_rows: bool = False, name: str | N
         check_data(r, at, keep=keep_rows and not first)
         check_algo(r.algo, at)
         check_evals(r.evals, at)
+        check_trackers(r.log, at)
     if name is not None:
         for run_dir in [run_dir_path(recipe, name), *(s.run_dir for s in first)]:
             claim(run_dir)

@@ -209,9 +209,15 @@ def _expected(t: Any, key: str | int) -> str:
         return "expected a table"
     if isinstance(r, mi.LiteralType):
         return f"expected one of: {', '.join(map(str, r.values))}"
-    limits = [f"{op} {getattr(r, name)}" for name, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+    # A bound reads as the recipe would write it (msgspec hands back `gt=0` as 0 or 0.0 depending on how the type was
+    # first inspected in this process).
+    limits = [f"{op} {_bound(getattr(r, name))}" for name, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
               if getattr(r, name, None) is not None]
     return f"expected {' '.join([_type_name(type(r).__name__.removesuffix('Type').lower()), *limits])}"
+
+
+def _bound(v: float) -> str:
+    return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
 
 
 def _table_hint(t: Any, key: str | int, value: Any) -> str:

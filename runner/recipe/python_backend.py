@@ -5,7 +5,7 @@ training client, sampling clients, a tokenizer). It is called when the run start
 `make` is; `runner check` imports it and binds its args first (runner/recipe/load.py check_recipe: a `Target`
 field, with TARGET_KEYWORDS), so a bad target or a misspelt arg is one line before any model loads. The variant is a
 BackendConfig subclass like the built-in ones (backends/backend_config.py): the schema's `Backend` union takes it
-the same way.
+the same way. What it returns is held to the protocol at every call (runner/recipe/backend_guard.py).
 """
 
 from __future__ import annotations
@@ -54,4 +54,7 @@ class PythonBackend(BackendConfig, tag="python"):  # pyright: ignore[reportGener
             got = f"the class {out.__name__} (call it)" if isinstance(out, type) else type(out).__name__
             raise UserError(f"{where} returned {got}, not a backends.base.Backend (get_tokenizer, "
                             "create_training_client, create_sampling_client, ...: backends/base.py)")
-        return out
+        from runner.recipe.backend_guard import CheckedBackend
+
+        # Held to the protocol at every call: a violation is one line naming the target (runner/recipe/backend_guard.py).
+        return CheckedBackend(out, where)  # pyright: ignore[reportReturnType] - a Backend by its methods

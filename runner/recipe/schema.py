@@ -143,9 +143,61 @@ class WandB(Base):
     tags: list[str] = msgspec.field(default_factory=list)
 
 
+class TensorBoard(Base):
+    """TensorBoard event files (`tensorboard --logdir runs`): every metrics.jsonl row as scalars at its `step`, the
+    resolved recipe as the run's hparams (flattened: `lora.rank`); a resumed session writes a new event file that
+    starts by purging the steps it logs again. Needs the `tensorboardX` package (the `tensorboard` extra)."""
+
+    # Default: the run dir itself, so TensorBoard names each run by its dir (a sweep's points: sweep/point). Set: the
+    # event files go to <dir>/<name>, so `tensorboard --logdir <dir>` shows every run that logs there.
+    dir: str | None = None
+    # The run's folder under `dir` (default: the run dir's path under runs/: sl_basic, or sl_basic/lr=0.001 for a
+    # sweep point); not used without `dir`.
+    name: str | None = None
+
+
+class MLflow(Base):
+    """MLflow: every metrics.jsonl row as metrics at its `step`, the resolved recipe as the run's params (flattened:
+    `lora.rank`), the run's status at the end (FINISHED, KILLED when interrupted, FAILED); a resumed run continues
+    the same MLflow run (its id is kept in the run dir's mlflow.json). Needs the `mlflow` package (the `mlflow`
+    extra); credentials come from the environment (MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD /
+    MLFLOW_TRACKING_TOKEN), never from the recipe."""
+
+    # Default: MLFLOW_EXPERIMENT_NAME, else MLflow's "Default" experiment.
+    experiment: str | None = None
+    # Default: MLFLOW_TRACKING_URI, else MLflow's own default (sqlite:///mlflow.db in the working directory).
+    tracking_uri: str | None = None
+    # Default: the run dir's path under runs/ (sl_basic, or sl_basic/lr=0.001 for a sweep point).
+    name: str | None = None
+    # Default for sweep points: the sweep's name; the points are nested under a parent run of that name.
+    group: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tracking_uri is not None and re.match(r"^[a-z][a-z0-9+.-]*://[^/@]*@", self.tracking_uri, re.I):
+            raise ValueError("tracking_uri must not hold credentials: set MLFLOW_TRACKING_USERNAME and "
+                             "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment instead")
+
+
+class Trackio(Base):
+    """Trackio (Hugging Face's local-first tracker, `trackio show`): every metrics.jsonl row at its `step`, the
+    resolved recipe as the run's config (flattened: `lora.rank`); a resumed run continues the same Trackio run (kept
+    in the run dir's trackio.json). Needs the `trackio` package (the `trackio` extra); a Space or server and its
+    token come from trackio's own environment variables (TRACKIO_SPACE_ID, HF_TOKEN), never from the recipe."""
+
+    project: str
+    # Default: the run dir's path under runs/ (sl_basic, or sl_basic/lr=0.001 for a sweep point).
+    name: str | None = None
+    # Default for sweep points: the sweep's name, so Trackio groups them.
+    group: str | None = None
+
+
 class Log(Base):
-    # Where metrics go besides metrics.jsonl (default: nowhere). Changing this table never stops a resume.
+    # Where metrics go besides metrics.jsonl (default: nowhere), any several at once (docs/tracking.md). Changing
+    # this table never stops a resume.
     wandb: WandB | None = None
+    tensorboard: TensorBoard | None = None
+    mlflow: MLflow | None = None
+    trackio: Trackio | None = None
 
 
 # ---------------------------------------------------------------- smoke stand-ins (runner/tools/smoke.py)
@@ -214,7 +266,7 @@ class Recipe(Base):
     save_every: NonNegInt = 20
     # An existing run dir: resume it (only if it holds this same recipe), move it aside, or stop.
     if_exists: Literal["resume", "overwrite", "error"] = "resume"
-    # Experiment tracking (e.g. log = {wandb = {project = "my-project"}}); off by default.
+    # Experiment tracking (e.g. log = {wandb = {project = "my-project"}}, tensorboard, mlflow, trackio); off by default.
     log: Log = Log()
     # Stand-ins for `--smoke` (offline, seconds): data, env, model, steps. Not used by a real run.
     smoke: Smoke | None = None

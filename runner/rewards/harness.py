@@ -4,8 +4,9 @@ The old way appended the asserts to the program and counted exit 0 as a pass, so
 `atexit` hook, or a patched `AssertionError` passed every test. Here two processes share the sandbox run:
 
 - the **harness** (this file, run with `-I -S`, keeping the launcher's uid: root or the namespace's root) reads its
-  job (the check code and a per-run nonce) from stdin, forks the **worker** and runs the check code itself, in a
-  namespace where the program's top-level names are proxies;
+  job (the check code and a per-run nonce) from stdin, forks the **worker** and runs the check code itself, with
+  its own builtins and modules, in a namespace where the program's other top-level names are proxies
+  (check_namespace: a program's `set = ...`, `abs = ...`, fake or patched `math` never reach the check);
 - the **worker** (the same source with `--worker`) drops to the run's fresh uid (or, without one, all capabilities),
   runs the program as `__main__` with stdin on /dev/null and stdout sent to stderr, and then answers the harness's
   calls over two pipes: call, attribute, iterate, length, item. Only exact builtin data (what `marshal` writes:
@@ -24,13 +25,16 @@ Only the standard library: this runs inside the sandbox's view, which holds the 
 
 from __future__ import annotations
 
+import ast
 import builtins
 import ctypes
+import importlib
 import json
 import marshal
 import os
 import signal
 import sys
+import types
 from typing import Any
 
 REQ_FD, RESP_FD = 3, 4
@@ -88,7 +92,9 @@ def _worker() -> None:
     g: dict[str, Any] = {"__name__": "__main__", "__file__": "main.py", "__builtins__": builtins}
     try:
         exec(compile(source, "main.py", "exec"), g)
-        top = {k: tag(v) for k, v in g.items() if not (k.startswith("__") and k.endswith("__"))}
+        # A module is only named (a claim: the harness binds its own import of that name, never this object).
+        top = {k: ("m", str(getattr(v, "__name__", ""))) if isinstance(v, types.ModuleType) else tag(v)
+               for k, v in g.items() if not (k.startswith("__") and k.endswith("__"))}  # fmt: skip
         reply: tuple[Any, ...] = ("ok", top)
     except BaseException as e:  # SystemExit included: a program that exits while loading defines nothing
         reply = error(e)
@@ -173,8 +179,13 @@ class _Link:
             return ("h", object.__getattribute__(value, "_handle"))
         return ("v", value)
 
-    def untag(self, t: tuple[Any, ...]) -> Any:
-        return Remote(self, t[1], t[2]) if t[0] == "h" else t[1]
+    def untag(self, t: Any) -> Any:
+        """("v", data) or ("h", handle, kind); anything else is refused (the worker's replies are untrusted)."""
+        if type(t) is tuple and len(t) == 2 and t[0] == "v":
+            return t[1]
+        if type(t) is tuple and len(t) == 3 and t[0] == "h" and type(t[1]) is int and type(t[2]) is str:
+            return Remote(self, t[1], t[2])
+        raise RuntimeError("the program answered with something that is neither data nor a handle")
 
     def ask(self, *request: Any) -> Any:
         _send(self.wr, request)
@@ -187,9 +198,78 @@ class _Link:
             return [self.untag(t) for t in reply[1]]
         _, name, message = reply
         kind = getattr(builtins, name, None)
-        if isinstance(kind, type) and issubclass(kind, Exception) and kind.__module__ == "builtins":
+        # Raised as itself (a check may expect a ValueError), but never a StopIteration: `all(map(f, xs))` would take
+        # it for the end of the items and pass.
+        if (isinstance(kind, type) and issubclass(kind, Exception) and kind.__module__ == "builtins"
+                and not issubclass(kind, (StopIteration, StopAsyncIteration))):  # fmt: skip
             raise kind(message)
         raise RemoteError(f"{name}: {message}")
+
+
+# Standard modules the harness never imports for a check (side effects on import: a browser, a window, text).
+_NO_IMPORT = frozenset({"__main__", "antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo"})
+
+
+def _real_module(name: str) -> types.ModuleType | None:
+    """The harness's own import of a standard module (never the program's object of that name), or None."""
+    if not isinstance(name, str) or not name or name.split(".")[0] not in sys.stdlib_module_names:
+        return None
+    if name.split(".")[0] in _NO_IMPORT:
+        return None
+    try:
+        return importlib.import_module(name)
+    except Exception:
+        return None
+
+
+def _module_names(check: str) -> set[str]:
+    """Names the check uses only as `name.attr` that are standard modules (`math.isclose(...)` with math left to the
+    program's import): these are the harness's own modules, whatever the program bound to that name."""
+    uses: dict[str, bool] = {}
+    bases = set()
+    tree = ast.parse(check)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            bases.add(id(node.value))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            uses[node.id] = uses.get(node.id, True) and id(node) in bases
+    return {n for n, only_attr in uses.items() if only_attr and n in sys.stdlib_module_names}
+
+
+def check_namespace(link: _Link, names: Any, check: str) -> dict[str, Any]:
+    """The namespace the check runs in. What the program bound at its top level resolves to the program (data, or a
+    handle to its function or object) except what would change the check's own meaning:
+
+    - builtin names (`set`, `abs`, `str`, `range`, `ValueError`, ...) are always the harness's builtins;
+    - a module the program imported is the harness's own import of that standard module (a fake or patched `math`
+      counts for nothing), and a non-standard one is not bound (the check imports what it needs itself);
+    - a standard module's name the check uses only as `name.attr` is the harness's own module, whatever the program
+      bound to it (`import cmath as math`, `class math: ...`);
+    - dunder names are the harness's.
+
+    The worker's reply is untrusted (the program can write anything to its pipe): everything here is checked again.
+    """
+    ns: dict[str, Any] = {}
+    if not isinstance(names, dict):
+        raise RuntimeError("the program's names did not come back as a dict")
+    for name, tagged in names.items():
+        if not (isinstance(name, str) and name.isidentifier()) or name.startswith("__") or hasattr(builtins, name):
+            continue
+        if not (isinstance(tagged, tuple) and tagged and tagged[0] in ("v", "h", "m")):
+            raise RuntimeError(f"the program's name {name!r} came back malformed")
+        if tagged[0] == "m":
+            module = _real_module(tagged[1] if len(tagged) > 1 else "")
+            if module is not None:
+                ns[name] = module
+            continue
+        ns[name] = link.untag(tagged)
+    for name in _module_names(check):
+        module = _real_module(name)
+        if module is not None:
+            ns[name] = module
+    ns.update(__name__="__check__", __builtins__=builtins)
+    return ns
 
 
 def _no_dump() -> None:
@@ -254,10 +334,10 @@ def _harness() -> None:
         loaded = _recv(resp_r)
         if loaded[0] != "ok":
             link.answer(loaded)
-        ns: dict[str, Any] = {k: link.untag(v) for k, v in loaded[1].items()}
-        ns.update(__name__="__check__", __builtins__=builtins)
+        code = compile(job["check"], "<check>", "exec")
+        ns = check_namespace(link, loaded[1], job["check"])
         sys.stdout = sys.stderr  # the check's own prints: not where the verdict goes
-        exec(compile(job["check"], "<check>", "exec"), ns)
+        exec(code, ns)
     except EOFError:
         _exit_like_worker(pid)
         raise

@@ -52,6 +52,7 @@ import tomli_w
 from backends.errors import UserError
 from runner.engine.chain import check_all
 from runner.engine.rundir import CHECKPOINTS, CONFIG, METRICS, claim, dump_config, open_run_dir
+from runner.engine.track import sweep_log
 from runner.recipe.explain import NAME, child, got, info
 from runner.recipe.explain import resolve as resolve_type
 from runner.recipe.load import SWEEP_KEY, parse_override, pick, recipe_dict, resolve, show_value, toml_value
@@ -224,14 +225,8 @@ def _grid(axes: dict[str, list[Any]], zip_: bool, where: str) -> list[dict[str, 
 
 def _point_recipe(recipe: Recipe, run_dir: Path, sweep_name: str) -> Recipe:
     """A point's recipe as its config.toml records it: its run dir; `resume`, since the sweep itself applies the
-    recipe's if_exists before starting it; W&B grouped by sweep (a name the recipe gave gets the point added)."""
-    out = msgspec.structs.replace(recipe, log_dir=str(run_dir))
-    wandb = recipe.log.wandb
-    if wandb is not None:
-        wandb = msgspec.structs.replace(wandb, group=wandb.group or sweep_name,
-                                        name=f"{wandb.name}/{run_dir.name}" if wandb.name else None)
-        out = msgspec.structs.replace(out, log=msgspec.structs.replace(recipe.log, wandb=wandb))
-    return out
+    recipe's if_exists before starting it; its trackers grouped by sweep (runner/engine/track.py:sweep_log)."""
+    return msgspec.structs.replace(recipe, log_dir=str(run_dir), log=sweep_log(recipe.log, sweep_name, run_dir.name))
 
 
 # ---------------------------------------------------------------- names and values
