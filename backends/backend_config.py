@@ -31,6 +31,12 @@ class BackendConfig(ConfigStruct, tag_field="kind", tag=str.lower):  # pyright: 
         backends/local/device.py), printed by --dry-run and as a run's first line; None: nothing to say."""
         return None
 
+    def billed(self) -> bool:
+        """Whether a service bills the tokens a run sends this backend: True, its price comes from the tables
+        (runner/engine/cost.py `price_of`); False (the local backend: this machine), it costs 0 unless the recipe's
+        own `price` or `price_file` names one."""
+        return True
+
     def cache_problem(self, model: str, tokenizer: str | None) -> str | None:
         """For `runner check`: the line a run would stop with because a hub id it loads is not in the Hugging Face
         cache and downloads are off (backends/hub.py cache_miss); None: nothing to say. Default: loads nothing."""
@@ -42,8 +48,21 @@ class BackendConfig(ConfigStruct, tag_field="kind", tag=str.lower):  # pyright: 
         return max(1, cores)
 
 
+# The backend of a recipe that names none (runner/recipe/schema.py `Recipe.backend`).
+DEFAULT_KIND = "local"
+
+
 @cache
 def builtin_configs() -> tuple[type[BackendConfig], ...]:
     """Every built-in backend's variant: the BackendConfig subclasses of each backends/NAME/NAME_config.py, in package
     name order (local, then tinker: the order the schema's union and its messages list them in)."""
     return found(BackendConfig, __package__ or "backends")
+
+
+def default_backend() -> BackendConfig:
+    """The backend of a recipe that names none: the built-in variant tagged DEFAULT_KIND, with its defaults (found,
+    so the schema names no particular backend)."""
+    for config in builtin_configs():
+        if config.__struct_config__.tag == DEFAULT_KIND:
+            return config()
+    raise LookupError(f"no built-in backend is tagged {DEFAULT_KIND!r}: {[c.__name__ for c in builtin_configs()]}")

@@ -74,7 +74,7 @@ class FakeBackend:
 
     def get_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
-            from backends.local.tiny import build_tokenizer
+            from backends.tiny_tokenizer import build_tokenizer
 
             self.tokenizer = build_tokenizer()
         return self.tokenizer

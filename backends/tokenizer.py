@@ -40,7 +40,7 @@ class Tokenizer(Protocol):
 
 def load_tokenizer(name: str) -> Any:
     if name == "tiny":
-        from backends.local.tiny import build_tokenizer
+        from backends.tiny_tokenizer import build_tokenizer
 
         return build_tokenizer()
     from transformers import AutoTokenizer
@@ -79,7 +79,7 @@ def local_core_tokenizer(name: str) -> Any:
     from tokenizers import Tokenizer as CoreTokenizer
 
     if name == "tiny":
-        from backends.local.tiny import build_core_tokenizer
+        from backends.tiny_tokenizer import build_core_tokenizer
 
         return build_core_tokenizer()
     path = Path(name).expanduser()

@@ -307,8 +307,8 @@ def test_the_watchdog_starts_relays_and_stops() -> None:
 def test_no_watchdog_or_a_lost_one_falls_back_to_the_python_handler(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the watchdog cannot start, StopFlag reads signals in-process as before; where it dies mid-run (killed),
     the Python SIGINT handler counts them: the first Ctrl-C still asks for the clean stop."""
+    from runner.engine.interrupt import StopFlag
     from runner.engine.log import Progress
-    from runner.engine.loop import StopFlag
     from runner.engine.watchdog import Watchdog
 
     monkeypatch.setattr(sys, "executable", "/bin/false")

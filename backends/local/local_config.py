@@ -80,6 +80,9 @@ class Local(BackendConfig):
             model_dir = None
         return f"device: {place(self, model_dir).describe()}"
 
+    def billed(self) -> bool:
+        return False  # this machine: free, unless the recipe's own price says otherwise
+
     def cache_problem(self, model: str, tokenizer: str | None) -> str | None:
         from backends.hub import cache_miss  # the model's files and the tokenizer's, as resolve_model_dir loads them
 

@@ -1,10 +1,11 @@
 """The embedded default model "tiny": a ~0.82M-parameter Qwen3-style chat model with a byte-level tokenizer.
 
 What runs with the package: `TINY_DIR` (the shipped, pre-trained checkpoint in `assets/tiny/`), the tokenizer and
-config built in code (no hub download, so tests and the local backend run offline), `save_random_tiny(dir)` (a
-randomly initialised copy for tests), and `task_prompts` (the pre-training tasks' prompts, which recipes name as
-`backends.local.tiny:task_prompts`). Importing this module loads neither torch nor transformers (`runner check`
-imports it to check a recipe's targets); the functions that need them import them.
+config built in code (no hub download, so tests and the local backend run offline; the tokenizer is
+backends/tiny_tokenizer.py's, re-exported here), `save_random_tiny(dir)` (a randomly initialised copy for tests),
+and `task_prompts` (the pre-training tasks' prompts, which recipes name as `backends.local.tiny:task_prompts`).
+Importing this module loads neither torch nor transformers (`runner check` imports it to check a recipe's targets);
+the functions that need them import them.
 
 How the checkpoint and the example data in examples/data/ were made (pre-training on synthetic chats, the data
 generators) is build tooling outside the package: scripts/tiny_build.py,
@@ -19,68 +20,16 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from backends.tiny_tokenizer import CHAT_TEMPLATE as CHAT_TEMPLATE
+from backends.tiny_tokenizer import IM_END, PAD, build_tokenizer
+from backends.tiny_tokenizer import IM_START as IM_START
+from backends.tiny_tokenizer import SPECIALS as SPECIALS
+from backends.tiny_tokenizer import build_core_tokenizer as build_core_tokenizer
+
 if TYPE_CHECKING:
-    import tokenizers
     import transformers
 
 TINY_DIR: Path = Path(__file__).parent / "assets" / "tiny"
-
-PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
-SPECIALS = (PAD, IM_START, IM_END)
-
-# Qwen's ChatML template, minus tools/thinking: every message is "<|im_start|>{role}\n{content}<|im_end|>\n".
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-
-def build_core_tokenizer() -> tokenizers.Tokenizer:
-    """The `tokenizers` core of build_tokenizer (no transformers: `runner check` looks at it, backends/tokenizer.py)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_chars = [c for _, c in sorted((_byte_of(c), c) for c in alphabet)]
-    vocab = {c: i for i, c in enumerate(byte_chars)}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    # No regex split: with no merges, pre-splitting words would only cost time.
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    core.decoder = decoders.ByteLevel()
-    core.add_special_tokens(list(SPECIALS))  # in this order: ids 256, 257, 258
-    return core
-
-
-def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """Byte-level tokenizer: ids 0..255 are the bytes (in GPT-2's printable byte alphabet), 256..258 the
-    specials. A BPE model with no merges, so any UTF-8 text round-trips exactly, one token per byte."""
-    import transformers
-
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=build_core_tokenizer(),
-        pad_token=PAD,
-        eos_token=IM_END,
-        additional_special_tokens=[IM_START],
-        model_max_length=2048,
-        clean_up_tokenization_spaces=False,
-    )
-    tok.chat_template = CHAT_TEMPLATE
-    ids = [tok.convert_tokens_to_ids(s) for s in SPECIALS]
-    assert ids == [256, 257, 258], ids  # fixed ids keep saved checkpoints and the config in step
-    return tok
-
-
-def _byte_of(char: str) -> int:
-    """Inverse of GPT-2's bytes_to_unicode: printable bytes map to themselves, the rest to 256+n."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1)
-    )
-    code = ord(char)
-    if code in printable:
-        return code
-    others = [b for b in range(256) if b not in printable]
-    return others[code - 256]
 
 
 def build_config(tokenizer: transformers.PreTrainedTokenizerBase) -> transformers.Qwen3Config:

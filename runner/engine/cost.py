@@ -38,7 +38,6 @@ import msgspec
 
 from backends.base import Backend, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
-from backends.local.local_config import Local
 from backends.types import Datum, SampleOutput, SamplingParams
 from runner.models import models
 from runner.recipe.cost import Budget, Price
@@ -223,10 +222,11 @@ def price_of(recipe: Recipe, where: Path | None = None) -> tuple[Price | None, s
     if recipe.price_file:
         path = Path(recipe.price_file).expanduser()
         tables.append((path if path.is_absolute() or where is None else where / path, "price_file"))
-    if isinstance(recipe.backend, Local):  # the recipe's own price file only
+    if not recipe.backend.billed():  # the local backend: the recipe's own price file only
         if tables and (price := read_prices(*tables[0]).get(recipe.model)) is not None:
             return price, f"price_file ({tables[0][0]})"
-        return Price(), "local backend: free (set price = {...} to estimate another backend's)"
+        kind = recipe.backend.__struct_config__.tag
+        return Price(), f"{kind} backend: free (set price = {{...}} to estimate another backend's)"
     if env := os.environ.get("RUNNER_PRICES"):
         tables.append((Path(env).expanduser(), "$RUNNER_PRICES"))
     for path, what in tables:

@@ -1,8 +1,8 @@
 """The dry run's estimate of tokens and cost (docs/cost.md): every stage of a chain that is still to run, and the total.
 
 Nothing is trained and nothing is written: the algorithm prepares and submits its first steps against a stand-in
-backend (backends.fake's unigram trainer, and a sampler whose every reply runs to max_tokens without stopping),
-wrapped in the same counter as a real run (runner/engine/cost.py). So the tokens are those the algorithm really
+backend (runner/engine/probe.py: a uniform model that trains nothing, and a sampler whose every reply runs to
+max_tokens without stopping), wrapped in the same counter as a real run (runner/engine/cost.py). So the tokens are those the algorithm really
 submits for replies of max_tokens: an upper bound on sampling (prompts x group size x max_tokens), and on what is
 trained and scored on the replies (RL datums, KL reference logprobs, teachers). The probe's per-step counts are
 scaled to the steps still to run; an eval step adds what one probed eval step added, and a final() row (RL, DPO, the
@@ -19,13 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backends.base import Future
 from backends.errors import UserError
-from backends.fake import FakeBackend
 from backends.tokenizer import Tokenizer, load_tokenizer
-from backends.types import LoraSpec, SampledSequence, SampleOutput, SamplingParams
+from backends.types import LoraSpec
 from runner.engine.context import Algorithm, Context
 from runner.engine.cost import Counter, CountingBackend, Usage, price_of
+from runner.engine.probe import ProbeBackend
 from runner.engine.schedule import adam_at
 from runner.recipe.schema import Recipe
 
@@ -41,51 +40,11 @@ class Estimate:
     line: str
 
 
-class _ProbeSampler:
-    """Every reply is max_tokens of one ordinary token, cut at the length limit: the longest a sampler returns."""
-
-    def __init__(self, token: int):
-        self.token = token
-
-    def sample(self, prompt: list[int], num_samples: int, params: SamplingParams) -> Future[SampleOutput]:
-        n = params.max_tokens
-        seqs = [SampledSequence(tokens=[self.token] * n, logprobs=[0.0] * n, stop_reason="length")
-                for _ in range(num_samples)]
-        return Future.completed(SampleOutput(sequences=seqs))
-
-    def compute_logprobs(self, tokens: list[int]) -> Future[list[float | None]]:
-        return Future.completed([None] + [0.0] * (len(tokens) - 1))
-
-
-class _ProbeTraining:
-    def __init__(self, inner: Any, sampler: _ProbeSampler):
-        self.inner, self.sampler = inner, sampler
-
-    def save_weights_and_get_sampling_client(self) -> Future[_ProbeSampler]:
-        return Future.completed(self.sampler)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
-class _ProbeBackend(FakeBackend):
-    def __init__(self, tokenizer: Tokenizer):
-        super().__init__(tokenizer)
-        ids = tokenizer.encode("a", add_special_tokens=False) or [0]
-        self.sampler = _ProbeSampler(int(ids[0]))
-
-    def create_training_client(self, spec: LoraSpec) -> Future[Any]:
-        return super().create_training_client(spec).map(lambda tc: _ProbeTraining(tc, self.sampler))
-
-    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> Future[Any]:
-        return Future.completed(self.sampler)
-
-
 async def _probe(recipe: Recipe, algo: Algorithm, tokenizer: Tokenizer, evals: bool) -> tuple[Usage, Usage]:
     """(tokens per training step, what an eval step adds)."""
     counter = Counter()
-    fake = _ProbeBackend(tokenizer)
-    backend = CountingBackend(fake, counter)  # type: ignore[arg-type]  (the Backend protocol)
+    probe = ProbeBackend(tokenizer)
+    backend = CountingBackend(probe, counter)
     total = algo.total_steps
     train_steps = min(total, PROBE_STEPS)
     try:
@@ -102,7 +61,7 @@ async def _probe(recipe: Recipe, algo: Algorithm, tokenizer: Tokenizer, evals: b
                 await algo.finish(step, submitted)
                 used.append(counter.take())
     finally:
-        fake.close()
+        probe.close()
     per_step = sum(used[:train_steps], Usage()) * (1 / max(1, train_steps))
     extra = Usage()
     if len(used) > train_steps:

@@ -29,7 +29,7 @@ Safety (docs/reliability.md, docs/rundir.md):
                       a resume whose data changed is refused, naming what changed (--force: resume anyway)
   checkpoint rows     local paths are stored relative to the run dir ("paths": "run"), so a moved or copied
                       run dir resumes from its own files (older absolute rows are mapped onto this dir's
-                      checkpoints/ when the file is there)
+                      checkpoints/ when the file is there): runner/engine/checkpoints.py
 A checkpoint that no longer loads is skipped for the newest one before it (loop.py says so), and hidden temp
 dirs of an interrupted atomic save (checkpoints/<kind>/.<name>.XXXXXXXX) are removed when the run dir is opened.
 """
@@ -56,6 +56,11 @@ from typing import Any, Literal
 import msgspec
 
 from backends.errors import UserError
+from runner.engine.checkpoints import CHECKPOINT_KINDS, SAVE_TEMP, names_in, plain, relative_row, resolve_row
+from runner.engine.checkpoints import CHECKPOINTS as CHECKPOINTS  # runner/cli.py's, tools/openai_serve.py's
+from runner.engine.checkpoints import own_state as own_state  # the tests'
+from runner.engine.checkpoints import read_checkpoints as read_checkpoints  # chain.py's, cli.py's, tools'
+from runner.engine.checkpoints import remove_own_state as remove_own_state  # loop.py's
 from runner.engine.log import append_jsonl, disk_errors, read_jsonl, write_jsonl_atomic, write_text_atomic
 from runner.engine.track import start_tracker
 from runner.recipe.common import TARGET_PATTERN
@@ -68,7 +73,7 @@ from runner.recipe.refs import run_dir_path as run_dir_path
 from runner.recipe.schema import Recipe
 from runner.user_code import find_user_modules
 
-CONFIG, METRICS, CHECKPOINTS, SESSIONS = "config.toml", "metrics.jsonl", "checkpoints.jsonl", "sessions.jsonl"
+CONFIG, METRICS, SESSIONS = "config.toml", "metrics.jsonl", "sessions.jsonl"
 # A chained run's starting point (runner/engine/chain.py): the upstream's ref, recipe (TOML) and checkpoint.
 INIT = "init_from.json"
 # One writer per run dir (RunLock) and the data it trained on (fingerprint()).
@@ -88,14 +93,6 @@ OWN_DIRS = ("checkpoints", OUTPUT)
 _OWN_FILE = re.compile(rf"{re.escape(METRICS)}\.pre_resume_\d{{6}}(-s\d+)?|plot-[^/]*\.png|"
                        rf"({'|'.join(re.escape(f) for f in (*OWN_FILES, MARKER))})\.tmp")
 _OWN_DIR = re.compile(r"iteration_\d{6}")
-# What the local backend saves under checkpoints/ (backends/local/backend.py: checkpoints/<kind>/<name>, written into
-# a temp folder .<name>.XXXXXXXX, tempfile.mkdtemp's 8 random characters, then renamed) and the fake backend
-# (checkpoints/<...>_<name>.npz); <name> is the loop's RunDir.checkpoint_name.
-CHECKPOINT_KINDS = ("weights", "sampler_weights")
-CHECKPOINT_NAME = r"(\d{6}|final)(-s\d+)?"
-_SAVE_TEMP = re.compile(rf"\.{CHECKPOINT_NAME}\.[a-z0-9_]{{8}}")
-_OWN_STATE = re.compile(CHECKPOINT_NAME)
-_OWN_NPZ = re.compile(rf"[^/]*_{CHECKPOINT_NAME}\.npz")
 # What claim() found: nothing there (new), our marker (ours), an empty folder, or an older runner's run dir (legacy).
 Claim = Literal["new", "ours", "empty", "legacy"]
 # Keys that may change between a run and its resumption: extending a run is a new max_steps, the
@@ -297,7 +294,7 @@ def _empty(path: Path, entries: dict[str, os.DirEntry[str]]) -> bool:
     if LOCK in entries and not entries[LOCK].is_file(follow_symlinks=False):
         return False
     ckpts = entries.get("checkpoints")
-    return ckpts is None or (ckpts.is_symlink() and ckpts.is_dir()) or (ckpts.is_dir() and not _names(path / ckpts.name))
+    return ckpts is None or (ckpts.is_symlink() and ckpts.is_dir()) or (ckpts.is_dir() and not names_in(path / ckpts.name))
 
 
 def _own_entry(name: str, entry: os.DirEntry[str]) -> bool:
@@ -549,64 +546,7 @@ def load_config(path: Path) -> Recipe:
 
 
 
-# ---------------------------------------------------------------- checkpoint paths
-
-def _is_local(p: object) -> bool:
-    return isinstance(p, str) and bool(p) and "://" not in p
-
-
-def relative_row(row: dict[str, Any], run_path: Path) -> dict[str, Any]:
-    """The row as checkpoints.jsonl stores it: local state/sampler paths inside the run dir made relative to it."""
-    out = dict(row)
-    for key in ("state_path", "sampler_path"):
-        p = out.get(key)
-        if not _is_local(p):
-            continue
-        if (rel := _in_run_dir(str(p), run_path)) is not None:
-            out[key], out["paths"] = rel, "run"
-    return out
-
-
-def _in_run_dir(p: str, run_path: Path) -> str | None:
-    """`p` relative to the run dir: as written (a linked checkpoints/ stays checkpoints/...), under checkpoints/'s
-    target (a backend that resolved its storage dir, as the local one does), or with links resolved on both sides;
-    None: outside it (a backend with its own storage)."""
-    ckpts = run_path / "checkpoints"
-    for path, base, prefix in [(Path(os.path.abspath(p)), Path(os.path.abspath(run_path)), ""),
-                               (Path(os.path.abspath(p)), ckpts.resolve(), "checkpoints"),
-                               (Path(p).resolve(), run_path.resolve(), "")]:
-        try:
-            return str(Path(prefix, path.relative_to(base)))
-        except ValueError:
-            continue
-    return None
-
-
-def resolve_row(row: dict[str, Any], run_path: Path) -> dict[str, Any]:
-    """A stored row with usable paths: run-relative ones joined to the run dir; an older row's path (absolute,
-    or relative to where it ran) mapped onto this run dir's own checkpoints/ when that file is here, so a moved
-    or copied run dir uses its own files."""
-    out = dict(row)
-    for key in ("state_path", "sampler_path"):
-        p = out.get(key)
-        if not _is_local(p):
-            continue
-        if row.get("paths") == "run" and not Path(str(p)).is_absolute():
-            out[key] = str(run_path / str(p))
-            continue
-        parts = Path(str(p)).parts
-        if "checkpoints" in parts:
-            i = len(parts) - 1 - parts[::-1].index("checkpoints")
-            own = run_path.joinpath(*parts[i:])
-            if own.exists():
-                out[key] = str(own)
-    return out
-
-
-def read_checkpoints(run_path: Path) -> list[dict[str, Any]]:
-    """checkpoints.jsonl's rows with paths resolved (resolve_row): what every reader of the file should use."""
-    return [resolve_row(r, run_path) for r in read_jsonl(run_path / CHECKPOINTS)]
-
+# ---------------------------------------------------------------- stale temps
 
 def remove_stale_temps(path: Path) -> int:
     """Remove what an interrupted atomic save leaves: the temp folders of the local backend's saves
@@ -615,67 +555,21 @@ def remove_stale_temps(path: Path) -> int:
     checkpoints/ is entered, its other entries untouched. Only called holding the lock, so no save is in
     progress."""
     n = 0
-    for tmp in [path / name for name in _names(path) if name.endswith(".tmp") and _OWN_FILE.fullmatch(name)]:
-        if _plain(tmp, stat.S_ISREG):
+    for tmp in [path / name for name in names_in(path) if name.endswith(".tmp") and _OWN_FILE.fullmatch(name)]:
+        if plain(tmp, stat.S_ISREG):
             with contextlib.suppress(OSError):
                 tmp.unlink()
                 n += 1
     for kind in CHECKPOINT_KINDS:
         folder = path / "checkpoints" / kind
-        if not _plain(folder, stat.S_ISDIR):
+        if not plain(folder, stat.S_ISDIR):
             continue
-        for tmp in [folder / name for name in _names(folder) if _SAVE_TEMP.fullmatch(name)]:
-            if _plain(tmp, stat.S_ISDIR):
+        for tmp in [folder / name for name in names_in(folder) if SAVE_TEMP.fullmatch(name)]:
+            if plain(tmp, stat.S_ISDIR):
                 with contextlib.suppress(OSError):
                     shutil.rmtree(tmp)
                     n += 1
     return n
-
-
-def own_state(run_path: Path, state: str) -> Path | None:
-    """The saved state `state` when it is one runner wrote in the run dir's checkpoints/ (by name: <kind>/<name> of
-    the local backend, *_<name>.npz of the fake one; <name> a checkpoint name) and no part of it below checkpoints/
-    is a link; else None. Deleting anything else (a row of a copied checkpoints.jsonl naming a linked folder's
-    files) is never ours to do."""
-    if "://" in state or (rel := _in_run_dir(state, run_path)) is None or Path(rel).parts[:1] != ("checkpoints",):
-        return None
-    root = Path(os.path.abspath(run_path / "checkpoints"))
-    parts = Path(rel).parts[1:]
-    ours = ((len(parts) == 2 and parts[0] in CHECKPOINT_KINDS and bool(_OWN_STATE.fullmatch(parts[1])))
-            or (len(parts) == 1 and bool(_OWN_NPZ.fullmatch(parts[0]))))
-    if not ours or not all(_plain(root.joinpath(*parts[: i + 1])) for i in range(len(parts))):
-        return None
-    return root.joinpath(*parts)
-
-
-def remove_own_state(run_path: Path, state: str) -> bool:
-    """Delete a saved state of this run dir (own_state: ours by name, not through a link); whether it went."""
-    path = own_state(run_path, state)
-    if path is None:
-        return False
-    with contextlib.suppress(OSError):
-        if stat.S_ISDIR(path.lstat().st_mode):
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-        return True
-    return False
-
-
-def _names(folder: Path) -> list[str]:
-    try:
-        return sorted(os.listdir(folder))
-    except OSError:
-        return []
-
-
-def _plain(path: Path, kind: Any = None) -> bool:
-    """Whether `path` exists and is not a link (and, given `kind`, e.g. stat.S_ISDIR, is of that kind)."""
-    try:
-        mode = path.lstat().st_mode
-    except OSError:
-        return False
-    return not stat.S_ISLNK(mode) and (kind is None or kind(mode))
 
 
 # ---------------------------------------------------------------- data fingerprint

@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 import msgspec
 from msgspec import Meta
 
-from backends.backend_config import BackendConfig, builtin_configs
+from backends.backend_config import BackendConfig, builtin_configs, default_backend
 from backends.configs import found, variants
-from backends.local.local_config import Local
 from runner.algos.rl_config import RL, Async
 from runner.engine.inspect_eval_config import InspectPinned as InspectPinned  # runner/recipe/load.py's import
 from runner.recipe.common import (
@@ -239,7 +238,7 @@ class Recipe(Base):
     # renderer by name ("llama3", "qwen3", "qwen3_disable_thinking", "deepseekv3", "gpt_oss_no_sysprompt", ...).
     # Your own: {kind = "python", target = "pkg.mod:NAME"} (or "pkg.mod:NAME"), kept as "pkg.mod:NAME".
     renderer: RendererName = "auto"
-    backend: Backend = Local()
+    backend: Backend = default_backend()  # the local backend (backends/backend_config.py DEFAULT_KIND)
     # At most 2**63 - 1: torch seeds are signed 64-bit (a larger one failed at the first client, after check).
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] = 0
     # Peak learning rate, or "auto": the cookbook's get_lr(model) for LoRA, resolved when the recipe loads
