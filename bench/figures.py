@@ -62,13 +62,16 @@ TABLE_HEAD = ["| recipe | run | metric | first | last | steps | wall s |", "|---
 # (MKL_CBWR), oneDNN's primitives (ONEDNN_MAX_CPU_ISA). On an AVX2 CPU they change nothing (same bits, same speed).
 PINNED_ISA = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
-# The precision the recipe table states for its checked rows, by metric: the spread (max - min) of the value over
-# seeds 0, 1, 2 on one machine, rounded up (docs/determinism.md has the runs). DPO's first test/accuracy is the
-# step-0 eval, policy == reference: every pair a tie, exactly 0.5.
+# The precision the recipe table states for its checked rows, by metric: at least the move of the value when the
+# same recipe runs with other float rounding (RUNNER_KERNELS=0: torch's ops instead of the C kernels, as another
+# CPU's would differ) and about the spread over seeds 0-2 (docs/determinism.md has the runs). rl_basic, measured:
+# last test reward 0.957 / 0.968 without the kernels, 0.938 and 0.961 on seeds 1, 2; last training reward 0.832 /
+# 0.856, 0.928 and 0.875 on seeds 1, 2. dpo_basic: test/accuracy 0.92 / 0.92, training 0.938 without the kernels.
+# The first values are the step-0 weights, equal with and without the kernels (DPO's: every pair a tie, 0.5).
 PRECISION = {
     "test/nll": 0.05, "train_mean_nll": 0.05,
-    "test/env/all/reward/total": 0.05, "env/all/reward/total": 0.05,
-    "test/accuracy": 0.05, "accuracy": 0.05,
+    "test/env/all/reward/total": 0.03, "env/all/reward/total": 0.1,
+    "test/accuracy": 0.04, "accuracy": 0.05,
 }
 
 
