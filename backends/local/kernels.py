@@ -42,8 +42,8 @@ SOURCE = Path(__file__).with_name("kernels.c")
 # FMA-bound and 1.4x faster with it). Rounding differs from separate ops but is the same every call.
 # The target is a fixed ISA level, not the build machine's: on x86-64, x86-64-v3 (AVX2 + FMA, every x86 server CPU
 # since 2013-2015) where the CPU has it, so one compiler makes the same instructions, hence the same bits, on any
-# such CPU (an AVX-512 machine too); -march=native would pick 512-bit vectors and other reductions there. Measured
-# on the tiny model (docs/kernels.md): the portable build trains as fast as the native one on an AVX2 CPU.
+# such CPU (an AVX-512 machine too); -march=native would pick 512-bit vectors and other reductions there. On an
+# AVX2 CPU the two choose the same vectors; docs/kernels.md has what was measured.
 # RUNNER_KERNELS_NATIVE=1 builds for the machine itself (-march=native), for speed over reproducibility elsewhere.
 # x86-64-v3 as /proc/cpuinfo names its features (abm: LZCNT).
 _X86_V3 = ("avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm", "xsave")
