@@ -5,10 +5,47 @@ from runner.threads import prefer_passive_openmp
 
 prefer_passive_openmp()
 
+import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+# The optional packages some tests need, by the name a test marks itself with (`@pytest.mark.extras("reasoning")`,
+# or `pytestmark = pytest.mark.extras(...)` for a module): the modules that must import and the line that installs
+# them. The README's test command installs `.[dev]` only, so these tests skip there, naming what is missing; `.ci/run`
+# then installs them all and runs `pytest -m extras`.
+EXTRAS = {
+    "reasoning": (("reasoning_gym",), "pip install -e '.[reasoning]'"),
+    "verifiers": (("verifiers",), "pip install -e '.[verifiers]'"),
+    "inspect": (("inspect_ai",), "pip install -e '.[inspect]'"),
+    "math": (("math_verify",), "pip install -e '.[math]'"),
+    # Not an extra of runner: a peer the renderer, lr and serve tests compare against live (.ci/run's install line).
+    "cookbook": (("tinker_cookbook",), "pip install --no-deps tinker-cookbook==0.6.1 chz termcolor"),
+    "pyrage": (("pyrage",), "pip install pyrage"),
+}
+
+
+def missing_extra(name: str) -> str | None:
+    """Why a test marked `extras(name)` cannot run here (the missing module and the install line), or None."""
+    modules, install = EXTRAS[name]
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    return f"needs the `{name}` extra (missing {', '.join(missing)}): {install}" if missing else None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "extras(*names): needs optional packages (tests/conftest.py EXTRAS); skipped, "
+                                       "naming them, where they are not installed; `pytest -m extras` runs these")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("extras"):
+        for name in mark.args:
+            if name not in EXTRAS:
+                raise pytest.UsageError(f"{item.nodeid}: unknown extra {name!r} (tests/conftest.py EXTRAS)")
+            why = missing_extra(name)
+            if why:
+                pytest.skip(why)
 
 
 @pytest.fixture(scope="session")

@@ -97,10 +97,13 @@ def test_hh_rlhf_comparisons_split_as_the_cookbook(tmp_path: Path, capsys: pytes
     # SFT on the same file trains the chosen transcripts.
     convs, _ = load_conversations(Jsonl(path=str(path), format="hh_rlhf"))
     assert convs[1] == [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi there."}]
-    try:
-        from tinker_cookbook.recipes.preference.datasets import _hhh_parse_conversation, hhh_example_to_comparison
-    except ImportError:
-        return
+
+
+@pytest.mark.extras("cookbook")
+def test_hh_rlhf_parsing_is_the_cookbooks(tmp_path: Path) -> None:
+    from tinker_cookbook.recipes.preference.datasets import _hhh_parse_conversation, hhh_example_to_comparison
+
+    pairs = load_pairs(Jsonl(path=str(write_jsonl(tmp_path / "hh.jsonl", HH)), format="hh_rlhf"))
     odd = ["Preamble\n\nHuman: hi\n\nAssistant:", "Human: a Assistant: b Human:", "", "\n\nAssistant: x: y"]
     for text in [*(r["chosen"] for r in HH), *odd]:
         assert hh_transcript(text) == _hhh_parse_conversation(text), text
@@ -123,11 +126,13 @@ def test_gsm8k_and_math_problems(tmp_path: Path) -> None:
     # As conversations: the question and the full worked solution.
     convs, _ = load_conversations(File(path=str(path), format="math"))
     assert convs[0][1] == {"role": "assistant", "content": MATH[0]["solution"]}
-    try:
-        from tinker_cookbook.recipes.math_rl.math_env import extract_gsm8k_final_answer
-        from tinker_cookbook.recipes.math_rl.math_grading import extract_boxed
-    except ImportError:
-        return
+
+
+@pytest.mark.extras("cookbook")
+def test_gsm8k_and_math_answers_are_the_cookbooks() -> None:
+    from tinker_cookbook.recipes.math_rl.math_env import extract_gsm8k_final_answer
+    from tinker_cookbook.recipes.math_rl.math_grading import extract_boxed
+
     texts = [r["answer"] for r in GSM8K[:2]] + ["#### : 12", "a\n#### 5\nmore\n#### 6 \n", "x ####3"]
     for text in texts:
         assert gsm8k_answer(text) == extract_gsm8k_final_answer(text)

@@ -403,6 +403,27 @@ def test_reward_model_renders_both_orders(tmp_path):
     assert list(d.target_tokens[-1]) == [b, a] and list(d.full_sequence) == [*second.prefix, b]
 
 
+def test_dpo_accuracy_counts_a_tie_as_half():
+    """Policy == reference up to rounding (step 0: the trainer's and the sampler's sums of the same weights differ
+    in the last bits) is a tie, counted 1/2, whichever way the noise falls; a real preference still counts 0 or 1."""
+    ref = np.array([-40.0, -55.0, -30.0, -31.0])
+    noise = np.array([3e-6, -2e-6, -1e-6, 4e-6])  # ~1e-7 relative, as measured at dpo_basic's step 0
+    assert dpo_stats(ref + noise, ref, 0.1)["accuracy"] == 0.5
+    assert dpo_stats(ref, ref, 0.1)["accuracy"] == 0.5
+    moved = ref + np.array([0.5, -0.5, -0.2, 0.3])  # pair 1 right, pair 2 wrong
+    assert dpo_stats(moved, ref, 0.1)["accuracy"] == 0.5
+    assert dpo_stats(moved[:2], ref[:2], 0.1)["accuracy"] == 1.0 and dpo_stats(moved[2:], ref[2:], 0.1)["accuracy"] == 0.0
+    # one tie and one right pair: 0.75
+    assert dpo_stats(np.concatenate([moved[:2], ref[2:]]), ref, 0.1)["accuracy"] == 0.75
+
+
+def test_reward_model_accuracy_counts_a_tie_as_half():
+    """A judge that says "A" whatever the order (both orders' P cancel to 0.5) has no preference: 1/2, not 0."""
+    label = np.array([-0.3, -1.5, -0.3, -1.5])
+    other = np.array([-1.5, -0.3, -1.5, -0.3])
+    assert judge_stats(label, other)["accuracy"] == 0.5
+
+
 def test_reward_model_accuracy_metric():
     """Per comparison, P(preferred) averaged over its two orders must exceed 0.5; nll is −lp(preferred label)."""
     # Two comparisons, each as (order 1, order 2): logprobs of the preferred label and of the other label.

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 rg = pytest.importorskip("reasoning_gym")
+pytestmark = pytest.mark.extras("reasoning")
 
 from backends.errors import UserError  # noqa: E402
 from backends.local.tiny import build_tokenizer  # noqa: E402

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 pytest.importorskip("verifiers")
+pytestmark = pytest.mark.extras("verifiers")
 
 from backends.errors import UserError  # noqa: E402
 from backends.local.tiny import build_tokenizer  # noqa: E402

@@ -50,7 +50,7 @@ def _retimed(name: str, doc: str) -> str:
     return doc
 
 
-CHANGED = {"smoke": ("rlhf_rl ", "rlhf_rx "), "sweep": ("train_mean_nll 5.2118", "train_mean_nll 5.2119"),
+CHANGED = {"smoke": ("rlhf_rl ", "rlhf_rx "), "sweep": ("train_mean_nll 5.2118", "train_mean_nll 5.4118"),
            "cost-table": ("$0.0", "$0.1"), "recipes": ("| rl_basic | rl_basic |", "| rl_basic | rl_other |")}
 
 
@@ -74,3 +74,20 @@ def test_the_rlhf_rl_dry_run_figure_is_what_head_prints() -> None:
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
     assert "bench/figures.py: 1 figures in" in proc.stderr
+
+
+def test_check_accepts_a_number_within_the_stated_precision_and_no_further() -> None:
+    """Another CPU of the kind moves a run as another seed does: a recipe-table cell "v ± p" accepts HEAD's value
+    within p of v, and a sweep number within the 0.5% its marker states; a larger move is a difference."""
+    fig = next(f for f in figures.FIGURES if f.name == "recipes" and f.cheap)
+    doc = figures._current(fig.files[0], "recipes")
+    m = figures._STATED.search(doc)
+    assert m is not None, "the checked rows state their precision"
+    value, precision = float(m.group(1)), float(m.group(2))
+    for moved, ok in ((value + precision / 2, True), (value - precision / 2, True), (value + 2 * precision, False)):
+        assert (figures.check(fig, doc.replace(m.group(0), f"{moved:.4g} ± {precision:g}", 1)) == []) is ok, moved
+    sweep = next(f for f in figures.FIGURES if f.name == "sweep")
+    assert "within 0.5%" in (ROOT / "docs/sweeps.md").read_text()
+    text = figures._current(sweep.files[0], "sweep")
+    assert figures.check(sweep, text.replace("train_mean_nll 5.2118", "train_mean_nll 5.2150", 1)) == []
+    assert figures.check(sweep, text.replace("train_mean_nll 5.2118", "train_mean_nll 5.2500", 1)) != []

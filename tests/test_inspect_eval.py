@@ -95,8 +95,7 @@ def offline_inspect(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(var, raising=False)
 
 
-def needs_inspect() -> None:
-    pytest.importorskip("inspect_ai")
+needs_inspect = pytest.mark.extras("inspect")
 
 
 def direct_replies(sampler: Any, tokenizer: Any, inputs: list[str]) -> list[str]:
@@ -135,8 +134,8 @@ def includes_accuracy(replies: list[str], targets: list[str]) -> float:
     return sum(t.lower() in r.lower() for r, t in zip(replies, targets, strict=True)) / len(replies)
 
 
+@needs_inspect
 def test_metrics_are_the_scorers_on_the_sampled_replies(capsys: pytest.CaptureFixture[str]) -> None:
-    needs_inspect()
     hook, level = sys.excepthook, logging.getLogger().level
 
     def check(sampler: Any, tokenizer: Any) -> None:
@@ -163,8 +162,8 @@ def test_metrics_are_the_scorers_on_the_sampled_replies(capsys: pytest.CaptureFi
     assert (sys.excepthook, logging.getLogger().level) == (hook, level)  # and the runner's hook and log level stay
 
 
+@needs_inspect
 def test_sampling_at_temperature_is_seeded_per_sample(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    needs_inspect()
     from inspect_ai.log import list_eval_logs, read_eval_log
 
     def completions(sampler: Any, tokenizer: Any, seed: int, logs: str) -> list[str]:
@@ -194,9 +193,9 @@ def inspect_table(task: str, args: dict[str, Any] | None = None) -> str:
             f"max_tokens = {MAX_TOKENS}\n")
 
 
+@needs_inspect
 def test_logged_at_eval_steps_final_row_and_by_runner_eval(tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    needs_inspect()
     base = with_backend(lambda s, t: direct_replies(s, t, INPUTS))
     targets = [base[0], base[1], NEVER, NEVER]
     path = tmp_path / "r.toml"
@@ -224,10 +223,10 @@ def test_logged_at_eval_steps_final_row_and_by_runner_eval(tmp_path: Path,
     assert "test/eval/echo/accuracy" in capsys.readouterr().out
 
 
+@needs_inspect
 def test_on_the_tinker_backend(tmp_path: Path, mocked_tinker: None, monkeypatch: pytest.MonkeyPatch) -> None:
     # The real tinker SDK against the mocked service: the provider samples through a Tinker sampling client.
     # With $INSPECT_LOG_DIR set, inspect's logs are kept there.
-    needs_inspect()
     monkeypatch.setenv("INSPECT_LOG_DIR", str(tmp_path / "inspect-logs"))
     targets = [NEVER] * len(INPUTS)
     remote = 'model = "Qwen/Qwen3-8B"\ntokenizer = "tiny"\nbackend = {kind = "tinker"}\n'
@@ -258,9 +257,9 @@ def test_on_the_tinker_backend(tmp_path: Path, mocked_tinker: None, monkeypatch:
         ("inspect_tasks:echo", {"inputs": ["a"]}, "cannot be called with task_args ['inputs']: missing a required"),
     ],
 )
+@needs_inspect
 def test_bad_task_is_a_one_line_error_for_check_and_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                         task: str, args: dict[str, Any], message: str) -> None:
-    needs_inspect()
     path = tmp_path / "r.toml"
     path.write_text(recipe_text(tmp_path, inspect_table(task, args), 1))
     for command in (["check", str(path)], ["run", f"{path}#p"]):
@@ -278,8 +277,8 @@ def test_bad_task_is_a_one_line_error_for_check_and_run(tmp_path: Path, capsys: 
         ("inspect_tasks:not_a_task", "inspect task 'inspect_tasks:not_a_task' returned int, not an inspect_ai Task"),
     ],
 )
+@needs_inspect
 def test_task_failures_stop_the_run_with_one_line(tmp_path: Path, task: str, message: str) -> None:
-    needs_inspect()
     path = tmp_path / "r.toml"
     path.write_text(recipe_text(tmp_path, inspect_table(task), 1))
     name, recipe = load_recipe(f"{path}#p")
@@ -287,8 +286,8 @@ def test_task_failures_stop_the_run_with_one_line(tmp_path: Path, task: str, mes
         run(recipe, name)
 
 
+@needs_inspect
 def test_task_file_and_path_args_are_found_next_to_the_recipe(tmp_path: Path) -> None:
-    needs_inspect()
     proj = tmp_path / "proj"
     proj.mkdir()
     (proj / "qa_tasks.py").write_text(TASKS)
@@ -334,9 +333,9 @@ def test_default_names_are_the_tasks() -> None:
     assert names([two[0], InspectPinned(task="x:y", name="mine")]) == ["gsm8k", "mine"]
 
 
+@needs_inspect
 def test_a_task_file_is_checked_for_the_task_it_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`file.py@name`: check reads the file (without running it) for a @task function registered as `name`."""
-    needs_inspect()
     (tmp_path / "tasks_here.py").write_text(
         "from inspect_ai import task\n\n@task\ndef qa():\n    pass\n\n@task(name='renamed')\ndef other():\n    pass\n")
     (tmp_path / "broken.py").write_text("def (:\n")

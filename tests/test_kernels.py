@@ -329,7 +329,7 @@ def test_cache_key_names_the_cpu_model_and_the_compiler_version(tmp_path, monkey
     """Two machines that differ only in CPU model (Apple M1 vs M2 both say "arm") or only in compiler version
     build two libraries, not one that -march=native made for the other."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(kmod, "_FLAG_SETS", (["-O0"],))
+    monkeypatch.setattr(kmod, "_flag_sets", lambda: (["-O0"],))
     versions = iter(["cc 1.0", "cc 1.0", "cc 2.0"])
     cpus = iter(["Apple M1", "Apple M2", "Apple M2"])
     monkeypatch.setattr(kmod, "_compiler_version", lambda cc: next(versions))
@@ -339,6 +339,21 @@ def test_cache_key_names_the_cpu_model_and_the_compiler_version(tmp_path, monkey
     fake.chmod(0o755)
     paths = {kmod._build(str(fake)) for _ in range(3)}
     assert len(paths) == 3
+
+
+def test_the_build_targets_a_fixed_isa_unless_native_is_asked_for(monkeypatch):
+    """Portable by default: one ISA level (x86-64-v3 where the CPU has it), so the same compiler makes the same
+    instructions and the same bits on every CPU of that level; RUNNER_KERNELS_NATIVE=1 builds for this CPU only."""
+    monkeypatch.delenv("RUNNER_KERNELS_NATIVE", raising=False)
+    first = kmod._flag_sets()[0]
+    assert "-march=native" not in first and "-ffp-contract=fast" in first
+    monkeypatch.setattr(kmod.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(kmod, "_has_x86_v3", lambda: True)
+    assert "-march=x86-64-v3" in kmod._flag_sets()[0]
+    monkeypatch.setattr(kmod, "_has_x86_v3", lambda: False)
+    assert not any(f.startswith("-march") for f in kmod._flag_sets()[0])
+    monkeypatch.setenv("RUNNER_KERNELS_NATIVE", "1")
+    assert "-march=native" in kmod._flag_sets()[0] and "-march=native" in kmod._flag_sets()[1]
 
 
 def test_the_cpu_id_names_a_model_where_the_os_tells_it():

@@ -40,6 +40,7 @@ def recipe(extra: str = "") -> str:
     return "r.toml#x"
 
 
+@pytest.mark.extras("cookbook")
 def test_matches_the_cookbook_for_every_model_in_the_table() -> None:
     hp = pytest.importorskip("tinker_cookbook.hyperparam_utils")
     assert len(hidden_sizes()) >= 20

@@ -148,6 +148,7 @@ def test_math_verify_grader_without_the_package(monkeypatch: pytest.MonkeyPatch)
         mg.grade("1", "1", grader="math_verify")
 
 
+@pytest.mark.extras("cookbook")
 def test_agrees_with_cookbook_grader_on_plain_rows() -> None:
     """The cookbook's sympy grader (the peer) agrees on the rows both are meant to handle."""
     cookbook = pytest.importorskip("tinker_cookbook.recipes.math_rl.math_grading", exc_type=ImportError)  # needs pylatexenc
@@ -159,6 +160,7 @@ def test_agrees_with_cookbook_grader_on_plain_rows() -> None:
     assert disagree == []
 
 
+@pytest.mark.extras("math")
 @pytest.mark.parametrize(("given", "truth", "equal"), GRADE_TABLE)
 def test_auto_grader_table_with_real_math_verify(given: str, truth: str, equal: bool) -> None:
     """With the `math` extra installed, "auto" (math-verify, then the normalizer) grades the same table."""

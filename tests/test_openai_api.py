@@ -273,6 +273,7 @@ def test_api_key_is_a_bearer_token(monkeypatch, tmp_path):
         svc.close()
 
 
+@pytest.mark.extras("inspect")
 def test_inspect_openai_provider_scores_the_checkpoint(served, tmp_path, monkeypatch):
     """inspect's OpenAI-compatible provider (`openai-api/<service>/<model>`, as docs/openai.md shows) against the
     server: the plum checkpoint answers the task right, the base model does not."""

@@ -95,6 +95,7 @@ def test_matches_golden(renderer: str, tok: str) -> None:
     assert any(v["trained"] for v in rendered)
 
 
+@pytest.mark.extras("cookbook")
 @pytest.mark.parametrize(("renderer", "tok"), PAIRS)
 def test_matches_cookbook_live(renderer: str, tok: str) -> None:
     pytest.importorskip("tinker_cookbook.renderers")

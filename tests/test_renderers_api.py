@@ -61,6 +61,7 @@ def test_auto() -> None:
     assert get_renderer("auto", tiny, model_name="tiny").name == "hf"
 
 
+@pytest.mark.extras("cookbook")
 def test_auto_table_is_the_cookbooks() -> None:
     model_info = pytest.importorskip("tinker_cookbook.model_info")
     for model, renderer in ((n, m.renderer) for n, m in models().items() if m.renderer is not None):

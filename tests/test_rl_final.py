@@ -194,3 +194,22 @@ def test_transcript_every(tmp_path: Path) -> None:
     run(r, "r")
     assert not list((tmp_path / "none").glob("iteration_*"))
     assert [m["step"] for m in rows(tmp_path / "none" / "metrics.jsonl")] == [0, 1, 2]  # evals still run
+
+
+def test_runner_eval_of_a_checkpoint_reproduces_the_runs_eval_at_that_step(tmp_path: Path, monkeypatch: Any) -> None:
+    """`runner eval RUN --checkpoint N` samples the test set with the seeds the run's own eval at step N used (the
+    checkpoint's next_step), so it prints the value the run logged there; the final checkpoint's eval is the final
+    row's. At temperature 2 over 16 problems another seed would give another reward."""
+    from runner.cli import main
+
+    r = recipe(tmp_path, "run", algo={"env": {"kind": "arithmetic", "max_value": 9, "test_size": 16},
+                                      "temperature": 2.0, "eval": {"temperature": 2.0}})
+    run(r, "r")
+    ms = {m["step"]: m for m in rows(tmp_path / "run" / "metrics.jsonl")}
+    monkeypatch.chdir(tmp_path)
+    for checkpoint, step in (("000002", 2), ("final", 3)):
+        assert main(["eval", str(tmp_path / "run"), "--checkpoint", checkpoint]) == 0
+        got = rows(tmp_path / "run" / "evals.jsonl")[-1]
+        assert got["step"] == step
+        logged = {k: v for k, v in ms[step].items() if k.startswith("test/")}
+        assert logged and {k: got[k] for k in logged} == logged, (checkpoint, got, logged)

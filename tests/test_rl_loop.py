@@ -88,7 +88,16 @@ def small_recipe(ref: str, tmp_path: Path, *extra: str) -> tuple[str, Recipe]:
     return name, msgspec.structs.replace(recipe, algo=algo)
 
 
-@pytest.mark.parametrize("path,name", RL_RECIPES, ids=[n for _, n in RL_RECIPES])
+# The envs that need an optional extra (tests/conftest.py EXTRAS): their recipes skip, naming it, without it.
+ENV_EXTRAS = {"reasoning_gym": "reasoning", "verifiers": "verifiers"}
+
+
+def _needs(path: str, name: str) -> list[pytest.MarkDecorator]:
+    kind = load_file(path)[name].algo.env.__struct_config__.tag  # type: ignore[union-attr]
+    return [pytest.mark.extras(ENV_EXTRAS[kind])] if kind in ENV_EXTRAS else []
+
+
+@pytest.mark.parametrize("path,name", [pytest.param(p, n, marks=_needs(p, n), id=n) for p, n in RL_RECIPES])
 def test_shipped_rl_recipe_runs(path: str, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)
     name, recipe = small_recipe(f"{path}#{name}", tmp_path)

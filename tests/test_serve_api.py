@@ -125,6 +125,7 @@ def test_external_weights_download_is_a_peft_adapter(server, sc, tmp_path):
     assert ours == pytest.approx(lps[1:], abs=1e-4)
 
 
+@pytest.mark.extras("cookbook", "pyrage")
 def test_weights_download_with_cookbook(server, sc, tmp_path, monkeypatch):
     """tinker_cookbook.weights.download: load the state into a new run, export it age-encrypted, download the
     files from their signed URLs, decrypt, delete the export."""

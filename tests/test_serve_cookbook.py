@@ -20,6 +20,7 @@ from serve_cookbook import missing_cookbook_deps  # noqa: E402
 if missing_cookbook_deps():
     pytest.skip(f"the cookbook's training loops need {missing_cookbook_deps()} (.ci/run installs them)",
                 allow_module_level=True)
+pytestmark = pytest.mark.extras("cookbook")
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 /* Fused elementwise kernels for the packed trainer (backends/local/packed.py), float32, CPU.
  *
- * Built on first use by backends/local/kernels.py (the system C compiler, -O3 -march=native, OpenMP when the
- * compiler has it) and called through ctypes on contiguous float32 tensors. Each kernel does in one pass over
+ * Built on first use by backends/local/kernels.py (the system C compiler, -O3 -march=x86-64-v3 where the CPU
+ * has it, -march=native with RUNNER_KERNELS_NATIVE=1; OpenMP when the compiler has it) and called through
+ * ctypes on contiguous float32 tensors. Each kernel does in one pass over
  * memory what torch's eager ops do in several: these tensors (tokens x hidden, tokens x intermediate) do not
  * stay in cache, so eager elementwise work is bound by memory traffic, and the fused forms move 2-5x fewer
  * bytes (numbers in bench/README.md).

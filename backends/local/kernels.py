@@ -40,8 +40,37 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernels.c")
 # -ffp-contract=fast: fused multiply-adds (ISO C mode, -std=c99, turns contraction off; the attention kernel is
 # FMA-bound and 1.4x faster with it). Rounding differs from separate ops but is the same every call.
-_FLAG_SETS = (["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"], ["-O3", "-march=native", "-ffp-contract=fast"],
-              ["-O3"])
+# The target is a fixed ISA level, not the build machine's: on x86-64, x86-64-v3 (AVX2 + FMA, every x86 server CPU
+# since 2013-2015) where the CPU has it, so one compiler makes the same instructions, hence the same bits, on any
+# such CPU (an AVX-512 machine too); -march=native would pick 512-bit vectors and other reductions there. On an
+# AVX2 CPU the two choose the same vectors; docs/kernels.md has what was measured.
+# RUNNER_KERNELS_NATIVE=1 builds for the machine itself (-march=native), for speed over reproducibility elsewhere.
+# x86-64-v3 as /proc/cpuinfo names its features (abm: LZCNT).
+_X86_V3 = ("avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm", "xsave")
+
+
+def _target() -> list[str]:
+    """The -march flags of this build: native when RUNNER_KERNELS_NATIVE=1, else a fixed ISA level (x86-64-v3 where
+    the CPU has it, the compiler's default target otherwise: x86-64's baseline, or the platform's on ARM)."""
+    if os.environ.get("RUNNER_KERNELS_NATIVE", "0") not in ("", "0"):
+        return ["-march=native"]
+    if platform.machine().lower() in ("x86_64", "amd64") and _has_x86_v3():
+        return ["-march=x86-64-v3"]
+    return []
+
+
+def _has_x86_v3() -> bool:
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return all(f in flags for f in _X86_V3)
+
+
+def _flag_sets() -> tuple[list[str], ...]:
+    march = _target()
+    return (["-O3", *march, "-ffp-contract=fast", "-fopenmp"], ["-O3", *march, "-ffp-contract=fast"], ["-O3"])
 _state: list[Any] = []  # [Kernels | None] once tried
 
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
@@ -93,8 +122,9 @@ def _private_dir(path: Path) -> bool:
 
 
 def _cpu_id() -> str:
-    """The CPU the library is built for (-march=native): its model and its feature flags, so a shared home on
-    another CPU (or another Apple chip, where platform.processor() only says "arm") builds its own."""
+    """The CPU the library is built on: its model and its feature flags, so a shared home on another CPU (or
+    another Apple chip, where platform.processor() only says "arm") builds its own (a native build is for that CPU
+    alone; a portable one would do, but a build per CPU is a second of compile)."""
     parts: list[str] = []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -150,7 +180,7 @@ def _build(cc: str) -> Path:
     if dirs[0] != _cache_dirs()[0]:
         log.info("kernel cache %s is not writable; building under %s", _cache_dirs()[0], dirs[0])
     errors = []
-    for flags in _FLAG_SETS:
+    for flags in _flag_sets():
         key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), *machine])).hexdigest()[:16]
         name = f"kernels-{key}.so"
         for d in _cache_dirs():

@@ -9,7 +9,7 @@ tends to win. Plain forward_backward(cross_entropy) + optim_step, as SFT.
 The label position carries two targets (a (N, 2) cross_entropy datum): the preferred label, weight 1, and the
 other label, weight 0. The gradient is SFT's, and the same forward also returns the logprob of the other label, so
 accuracy comes for free: per comparison, P(chosen better) = the mean over both orders of σ(lp(preferred label) −
-lp(other label)), correct when > 0.5 (what runner/rewards/judge.py `judge_prob` computes from a sampling
+lp(other label)), correct when > 0.5, a tie (0.5 up to rounding) counted 1/2 (what runner/rewards/judge.py `judge_prob` computes from a sampling
 client). Metrics: train_mean_nll (−lp of the preferred label, whole vocabulary), accuracy; test/nll and
 test/accuracy on the held-out comparisons every eval_every steps (a forward, no gradient) and, as RL and DPO, once
 more after the last step on the final sampler weights (through compute_logprobs), at step = total steps.
@@ -28,6 +28,7 @@ import numpy as np
 from backends.base import Future, TrainingClient
 from backends.errors import UserError
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
+from runner.algos.dpo import tie_accuracy
 from runner.algos.reward_model_config import RewardModel
 from runner.algos.sft import PLAN_STEPS
 from runner.data.comparisons import Batches, Pair, Pairs, load_pairs, render_judge
@@ -79,7 +80,9 @@ def to_datum(j: Judged) -> Datum:
 def judge_stats(label_lps: np.ndarray, other_lps: np.ndarray) -> dict[str, float]:
     """nll and accuracy of interleaved (order 1, order 2) label logprobs, per comparison."""
     p = np.array([p_first(a, b) for a, b in zip(label_lps, other_lps, strict=True)])  # P(preferred label)
-    return {"nll": float(-np.mean(label_lps)), "accuracy": float(np.mean((p[0::2] + p[1::2]) / 2 > 0.5))}
+    # A comparison judged 0.5 up to rounding (both orders cancel: a judge that only ever says "A") is a tie, 1/2.
+    return {"nll": float(-np.mean(label_lps)),
+            "accuracy": tie_accuracy((p[0::2] + p[1::2]) / 2, np.full(len(p) // 2, 0.5), np.ones(len(p) // 2))}
 
 
 def label_columns(logprobs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

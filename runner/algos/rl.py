@@ -430,7 +430,7 @@ class RLAlgo(AlgorithmBase):
         self._backend = ctx.backend
         self.samplers.clear()  # all older than the final weights (each local one holds a model copy)
         sampler = await ctx.backend.create_sampling_client(model_path=ctx.sampler_path)
-        metrics = await self._evaluate(self.total_steps, sampler)
+        metrics = await self._evaluate(self.total_steps if ctx.step is None else ctx.step, sampler)
         metrics.update(await self._win_rate_vs_init(sampler, ctx.backend))
         return metrics
 

@@ -35,6 +35,9 @@ class FinalContext:
     # The final checkpoint's sampler weights: exactly the weights after the last optim_step.
     sampler_path: str
     log_dir: Path
+    # `runner eval` of a checkpoint: the step its weights sample (the checkpoint's next_step), so an eval seeded by
+    # step (RL's test rollouts) draws what the run's own eval at that step drew. None: the run's final eval.
+    step: int | None = None
 
 
 class Algorithm(Protocol):

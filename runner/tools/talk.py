@@ -237,7 +237,8 @@ def evaluate(target: str, checkpoint: str | None, out: TextIO) -> dict[str, floa
     backend = _backend(t)
     try:
         algo = make_algo(t.recipe, inputs["init"], inputs["weights"])(backend.get_tokenizer())
-        ctx = FinalContext(backend, t.checkpoint["sampler_path"], t.run_dir)
+        # The checkpoint's step: its test rollouts are seeded as the run's eval at that step was (the same value).
+        ctx = FinalContext(backend, t.checkpoint["sampler_path"], t.run_dir, t.checkpoint.get("next_step"))
 
         metrics = asyncio.run(_evaluate_all(algo, ctx, t.recipe))
     finally:
