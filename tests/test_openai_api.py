@@ -78,7 +78,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     mp = pytest.MonkeyPatch()
     mp.setenv("TINKER_TELEMETRY", "0")
     try:
-        with runner_serve(tmp / "storage", "--device", "cpu") as (url, _):
+        with runner_serve(tmp / "storage", "--device", "cpu", "--runs", str(tmp)) as (url, _):
             plum = _train_plum(url)
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
             yield {"url": url, "client": client, "plum": plum, "run": run, "log": tmp / "storage.log"}

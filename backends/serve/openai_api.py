@@ -19,6 +19,7 @@ import hmac
 import itertools
 import json
 import secrets
+import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from backends.errors import UserError
+from backends.serve.files import copy_folder
 from backends.serve.limits import Fields, Limits, json_depth_ok, to_int
 from backends.serve.replies import ApiError, Reply, json_bytes
 from backends.tokenizer import Tokenizer
@@ -596,17 +598,31 @@ class OpenAIRoutes:
             sess = SamplerSession(f"openai:{next(self._ids)}", svc._served(meta["base_model"]), "openai", spec,
                                   source=svc.store.checkpoint_dir(run_id, kind, name))
         else:
-            local = self.hooks.local_model(spec) if self.hooks is not None else None
+            if any(len(part.encode("utf-8", "replace")) > 255 for part in spec.split("/")):
+                raise ApiError(400, f"model {spec[:60]!r}... ({len(spec.encode('utf-8', 'replace'))} bytes) is no "
+                                    "served model, and a path's parts are at most 255 bytes")
+            try:
+                local = self.hooks.local_model(spec) if self.hooks is not None else None
+            except OSError as exc:  # a name too long for the file system, say
+                raise ApiError(400, f"model {spec[:100]!r}: {exc.strerror or type(exc).__name__}") from None
             if local is None:
                 raise ApiError(404, f"model {spec[:200]!r} is neither a served model ({', '.join(svc.models)}), "
-                                    "a tinker:// sampler checkpoint, a run dir nor a checkpoint folder")
+                                    "a tinker:// sampler checkpoint, nor a run under a folder runner serve was "
+                                    "given with --runs")
             served = self._served_for(local.base_model)
-            sess = SamplerSession(f"openai:{next(self._ids)}", served, "openai", spec, source=local.path)
+            sid = f"openai:{next(self._ids)}"
+            # The checkpoint's files, copied into the server's storage as regular files (backends/serve/files.py):
+            # the sampler then reads only what the server owns, and a FIFO or link there is refused now.
+            copy = svc.store.ephemeral_dir / sid.replace(":", "-")
+            copy_folder(local.path, copy, skip=frozenset({"optimizer.pt"}))
+            sess = SamplerSession(sid, served, "openai", spec, source=copy)
             renderer = local.renderer
         with self._lock:
             hit = self._sessions.setdefault(spec, (sess, renderer))
         if hit[0] is sess:
             svc.pool.add(sess)
+        elif sess.source is not None and sess.source.is_relative_to(svc.store.ephemeral_dir):
+            shutil.rmtree(sess.source, ignore_errors=True)  # a concurrent request's copy won
         return hit
 
     def _served_for(self, base: str) -> Any:
