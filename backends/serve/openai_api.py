@@ -15,6 +15,8 @@ runner). A bad request is a 4xx in OpenAI's error shape: {"error": {"message", "
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import hmac
 import itertools
 import json
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from backends.errors import UserError
 from backends.serve.files import copy_folder
 from backends.serve.limits import Fields, Limits, json_depth_ok, to_int
+from backends.serve.memory import fmt_bytes
 from backends.serve.replies import ApiError, Reply, json_bytes
 from backends.tokenizer import Tokenizer
 from backends.types import SampledSequence, SampleOutput, SamplingParams
@@ -129,12 +132,25 @@ def _params(f: Fields, default_max_tokens: int, stop: list[str] | list[int] | No
     top_p = f.float("top_p", 1.0, lo=0.0, hi=1.0)
     if top_p == 0.0:
         raise ApiError(400, "top_p must be in (0, 1]")
+    temperature, top_p = greedy_floor(temperature, top_p)
     top_k = f.int("top_k", -1, lo=-1)  # not OpenAI's; vLLM and others accept it
     seed = f.int("seed", None)
     if max_tokens == 0:
         return None
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                           stop=stop, seed=seed)
+
+
+GREEDY_BELOW = 1e-6
+
+
+def greedy_floor(temperature: float, top_p: float) -> tuple[float, float]:
+    """A temperature or top_p under GREEDY_BELOW is greedy decoding (temperature 0): the one rule for values too
+    small to sample with (1e-40 overflowed the sampler's logits; top_p 1e-300 kept no token), as the local sampler
+    reads them too. Anything that small already picks the most likely token."""
+    if temperature < GREEDY_BELOW or top_p < GREEDY_BELOW:
+        return 0.0, 1.0
+    return temperature, top_p
 
 
 def _stream(f: Fields) -> tuple[bool, bool]:
@@ -181,7 +197,12 @@ def chat_plan(req: dict[str, Any], fmt: ChatFormat, limits: Limits | None = None
             content = ""
         elif not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts")
-        msg = {k: v for k, v in m.items() if k in ("role", "name", "tool_call_id", "tool_calls")}
+        msg = {k: v for k, v in m.items() if k in ("role", "name", "tool_call_id")}
+        if m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+        for key in ("name", "tool_call_id"):
+            if key in msg and not isinstance(msg[key], str):
+                raise ApiError(400, f"messages[{i}].{key} must be a string")
         msg["content"] = content
         out.append(msg)
     tools = req.get("tools")
@@ -204,6 +225,52 @@ def chat_plan(req: dict[str, Any], fmt: ChatFormat, limits: Limits | None = None
                 extra={"return_token_ids": f.bool("return_token_ids", False)})
 
 
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls: [{id, type: "function", function: {name, arguments (a JSON string)}}]."""
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{where} must be a list of tool calls")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ApiError(400, f"{where}[{j}] must be {{id, type: 'function', function: {{name, arguments}}}}")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, dict):
+            args = json.dumps(args)
+        if not isinstance(args, str):
+            raise ApiError(400, f"{where}[{j}].function.arguments must be a JSON string")
+        if c.get("id") is not None and not isinstance(c["id"], str):
+            raise ApiError(400, f"{where}[{j}].id must be a string")
+        if c.get("type", "function") != "function":
+            raise ApiError(400, f"{where}[{j}].type must be 'function'")
+        out.append({"type": "function", "id": c.get("id"), "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def lone_surrogate(obj: Any, where: str = "") -> str | None:
+    """The JSON path of the first string (key or value) in `obj` that is not valid Unicode (a lone surrogate,
+    which JSON's \\u escapes can write and no tokenizer takes), else None."""
+    stack: list[tuple[Any, str]] = [(obj, where)]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "the body"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                sub = f"{path}.{k}" if path else str(k)
+                try:
+                    k.encode("utf-8")
+                except UnicodeEncodeError:
+                    return sub.encode("utf-8", "replace").decode()
+                stack.append((x, sub))
+        elif isinstance(v, list):
+            stack.extend((x, f"{path}[{i}]") for i, x in enumerate(v))
+    return None
+
+
 def _tool_spec(tool: dict[str, Any]) -> dict[str, Any]:
     """{"type": "function", "function": {...}} -> the function's JSON schema spec."""
     fn = tool.get("function") if tool.get("type", "function") == "function" else None
@@ -222,6 +289,9 @@ def completion_plan(req: dict[str, Any], tokenizer: Tokenizer, limits: Limits | 
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of such lists")
+    cap = (limits or Limits()).max_prompts
+    if len(prompt) > cap:  # before any is tokenized or sized
+        raise ApiError(413, f"prompt has {len(prompt)} prompts; runner serve takes at most {cap} per request")
     prompts: list[list[int]] = []
     for p in prompt:
         if isinstance(p, str):
@@ -246,6 +316,8 @@ def completion_plan(req: dict[str, Any], tokenizer: Tokenizer, limits: Limits | 
     stream, usage = _stream(f)
     eos = getattr(tokenizer, "eos_token", None)
     stop: list[str] | None = [*user_stop, eos] if user_stop and eos else (user_stop or None)
+    if f.bool("ignore_eos", False):  # vLLM's extension: only max_tokens and `stop` end a sample
+        stop = list(user_stop)
     params = _params(f, COMPLETION_MAX_TOKENS, stop, lo_tokens=0 if echo else 1)
     if params is None and stream:
         raise ApiError(400, "max_tokens = 0 cannot stream")
@@ -467,9 +539,12 @@ class OpenAIRoutes:
         self._formats: dict[tuple[str, str | None], ChatFormat] = {}
         self._ids = itertools.count()
 
-    def handle(self, method: str, route: str, headers: dict[str, str], body: bytes) -> Reply:
+    def handle(self, method: str, route: str, headers: dict[str, str], body: bytes,
+               gone: Callable[[], bool] | None = None) -> Reply:
         try:
-            return self._handle(method, route, headers, body)
+            return self._handle(method, route, headers, body, gone or _never)
+        except ClientGone:
+            return Reply(Reply.GONE)
         except ApiError as exc:
             return Reply.json(error_body(exc.status, exc.detail), exc.status)
         except (UserError, ValueError) as exc:
@@ -482,7 +557,7 @@ class OpenAIRoutes:
         given = headers.get("authorization", "").removeprefix("Bearer ").strip() or headers.get("x-api-key", "")
         return hmac.compare_digest(given.encode(), key.encode())
 
-    def _handle(self, method: str, route: str, headers: dict[str, str], body: bytes) -> Reply:
+    def _handle(self, method: str, route: str, headers: dict[str, str], body: bytes, gone: Callable[[], bool]) -> Reply:
         if not self._authorized(headers):
             raise ApiError(401, "invalid API key (send it as Authorization: Bearer <key>)")
         if route == "v1/models" or route.startswith("v1/models/"):
@@ -502,6 +577,8 @@ class OpenAIRoutes:
             raise ApiError(400, "the body is not valid JSON") from None
         if not isinstance(req, dict):
             raise ApiError(400, "the request body must be a JSON object")
+        if (bad := lone_surrogate(req)) is not None:
+            raise ApiError(400, f"{bad}: a string with a lone surrogate (\\ud800-\\udfff) is not valid Unicode")
         model = req.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "model is required (a served model's name or a checkpoint)")
@@ -517,7 +594,7 @@ class OpenAIRoutes:
         if plan.cost > limits.max_request_tokens:
             raise ApiError(413, f"n x (prompt + max_tokens) = {plan.cost} tokens; runner serve takes at most "
                                 f"{limits.max_request_tokens} per request")
-        result = self._run(sess, plan, fmt, tokenizer)
+        result = self._run(sess, plan, fmt, tokenizer, gone)
         if plan.stream:
             return Reply(200, sse(result, plan.include_usage), {"content-type": "text/event-stream"})
         return Reply.json(result)
@@ -534,46 +611,65 @@ class OpenAIRoutes:
                 self._formats[key] = fmt
         return fmt
 
-    def _run(self, sess: SamplerSession, plan: Plan, fmt: ChatFormat | None, tokenizer: Tokenizer) -> dict[str, Any]:
+    def _run(self, sess: SamplerSession, plan: Plan, fmt: ChatFormat | None, tokenizer: Tokenizer,
+             gone: Callable[[], bool] = lambda: False) -> dict[str, Any]:
         svc = self.service
         gen = plan.params.max_tokens if plan.params is not None else 0
         # The request's memory (backends/serve/memory.py), as the Tinker API's sample requests reserve it: over
-        # --max-bytes a 413 now; otherwise it waits, in arrival order, with them for tokens and bytes.
+        # --max-bytes a 413 now; otherwise it waits, in arrival order, with them for tokens and bytes (and after
+        # Limits.max_sample_wait_s of waiting on memory only ending sessions free, a 429).
         nbytes = sum(svc._sample_bytes(sess.model, plan.n, len(p), max(gen, 1), plan.echo and plan.logprobs)
-                     for p in plan.prompts) if hasattr(svc, "_sample_bytes") else 0
+                     for p in plan.prompts)
+        cap = svc.memory.max_bytes
+        if nbytes > cap:
+            raise ApiError(413, f"this request needs {fmt_bytes(nbytes)} of sampling memory ({len(plan.prompts)} "
+                                f"prompt(s) x n {plan.n}), over runner serve's --max-bytes {fmt_bytes(cap)}: send "
+                                "fewer prompts, samples or tokens per request")
         ready, refused = threading.Event(), []
 
         def fail(why: str) -> None:
             refused.append(why)
             ready.set()
 
-        svc.budget.acquire(plan.cost, ready.set, nbytes, fail)
-        ready.wait()
+        start = ready.set
+        svc.budget.acquire(plan.cost, start, nbytes, fail)
+        while not ready.wait(POLL_S):
+            if gone() and svc.budget.withdraw(start):
+                raise ClientGone
         if refused:
-            raise ApiError(413, refused[0])
+            raise ApiError(429, refused[0])
+        held = _Share(svc.budget, plan.cost, nbytes)
         try:
             try:
                 sc = svc.pool.client(sess).result()
             except Exception as exc:  # the checkpoint is gone or does not load
                 raise ApiError(404, f"model {plan.model!r} does not load: {str(exc)[:200]}") from None
             topk = _topk_of(sc)
-            if plan.params is None:
-                outs: list[SampleOutput | None] = [None] * len(plan.prompts)
-            else:
-                futs = [sc.sample(p, plan.n, plan.params) for p in plan.prompts]
+            cancelled = threading.Event()
+            outs: list[SampleOutput | None] = [None] * len(plan.prompts)
+            if plan.params is not None:
+                # Every row checks `cancelled` at each token (backends/local/decoding.py Row.add): a client that
+                # hangs up ends its rows at their next token, queued or decoding.
+                params = Watched(**_fields(plan.params), watch=lambda i, t, r: not cancelled.is_set())
+                futs = [sc.sample(p, plan.n, params) for p in plan.prompts]
+                held.after(futs)  # its memory is in use until the sampler is done with every prompt
+                _wait(futs, gone, cancelled)
                 outs = [_user_result(f) for f in futs]
             try:
                 if fmt is not None:
                     out = outs[0]
                     assert out is not None
                     return chat_response(plan, out, fmt, topk)
-                prompt_lps = ([_user_result(sc.compute_logprobs(p)) for p in plan.prompts]
-                              if plan.echo and plan.logprobs else None)
+                prompt_lps = None
+                if plan.echo and plan.logprobs:
+                    lps = [sc.compute_logprobs(p) for p in plan.prompts]
+                    _wait(lps, gone, cancelled)
+                    prompt_lps = [_user_result(f) for f in lps]
                 return completion_response(plan, outs, tokenizer, topk, prompt_lps)
             finally:
                 sess.last_used = time.monotonic()
         finally:
-            svc.budget.release(plan.cost, nbytes)
+            held.release()
 
     def _session(self, spec: str) -> tuple[SamplerSession, str | None]:
         from backends.serve.samplers import SamplerSession
@@ -647,6 +743,66 @@ class OpenAIRoutes:
                 raise ApiError(404, f"no model {one[:200]!r}")
             return Reply.json(row)
         return Reply.json({"object": "list", "data": rows})
+
+
+POLL_S = 0.1  # how often a waiting /v1 request looks whether its client hung up
+
+
+class ClientGone(Exception):
+    """The client of a /v1 request hung up: its work was stopped, and no reply is sent."""
+
+
+def _never() -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Watched(SamplingParams):
+    """SamplingParams with a per-token hook the local sampler calls for each row (backends/local/decoding.py
+    Row.add): watch(sample index, token, stop reason or None); False ends the row there."""
+
+    watch: Callable[[int, int, str | None], bool] | None = field(default=None, compare=False)
+
+
+def _fields(p: SamplingParams) -> dict[str, Any]:
+    return {f.name: getattr(p, f.name) for f in dataclasses.fields(SamplingParams)}
+
+
+def _wait(futs: list[Any], gone: Callable[[], bool], cancelled: threading.Event) -> None:
+    """Wait for the futures; when the client hangs up meanwhile, end their rows (`cancelled`) and raise ClientGone."""
+    inner = [f.future() for f in futs]
+    while True:
+        _, pending = concurrent.futures.wait(inner, timeout=POLL_S)
+        if not pending:
+            return
+        if gone():
+            cancelled.set()
+            raise ClientGone
+
+
+class _Share:
+    """A /v1 request's share of the sampling budget: given back once, when the request is done with it and the
+    sampler is done with every prompt it was sent (a request whose client left still decodes up to a token)."""
+
+    def __init__(self, budget: Any, cost: int, nbytes: int):
+        self.budget, self.cost, self.nbytes = budget, cost, nbytes
+        self._lock = threading.Lock()
+        self._left = 1  # the request itself, plus each future handed to the sampler
+        self._done = False
+
+    def after(self, futs: list[Any]) -> None:
+        with self._lock:
+            self._left += len(futs)
+        for f in futs:
+            f.future().add_done_callback(lambda _: self.release())
+
+    def release(self) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left > 0 or self._done:
+                return
+            self._done = True
+        self.budget.release(self.cost, self.nbytes)
 
 
 def _same_dir(a: str, b: str) -> bool:

@@ -52,6 +52,8 @@ class Reply:
     def json(cls, obj: Any, status: int = 200) -> Reply:
         return cls(status, json_bytes(obj), {"content-type": "application/json"})
 
+    GONE = 499  # the client hung up: nothing is sent (nginx's code for it)
+
     @classmethod
     def error(cls, status: int, detail: str) -> Reply:
         return cls.json({"detail": detail}, status)
