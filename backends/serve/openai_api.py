@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import datetime
 import hmac
 import itertools
 import json
@@ -24,12 +25,14 @@ import secrets
 import shutil
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from backends.errors import UserError
+from backends.serve import responses
 from backends.serve.files import copy_folder
 from backends.serve.limits import Fields, Limits, json_depth_ok, to_int
 from backends.serve.memory import fmt_bytes
@@ -40,8 +43,9 @@ from backends.types import SampledSequence, SampleOutput, SamplingParams
 if TYPE_CHECKING:
     from backends.serve.samplers import SamplerSession
 
+MODEL_NOT_FOUND = "model_not_found"  # the code of a 404 about `model` (an unknown route has none)
 MAX_N = 128  # OpenAI's own cap on `n`
-MAX_STOP = 16
+MAX_STOP = 4  # OpenAI's: up to 4 stop sequences
 MAX_TOP_LOGPROBS = 20
 CHAT_MAX_TOKENS = 512  # when a chat request gives none (OpenAI: the context's rest)
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -68,7 +72,8 @@ class ChatFormat(Protocol):
         ...
 
 
-TopK = Callable[[list[int], int, float, Sequence[int]], tuple[Any, Any]]  # backends/serve/topk.py's signature
+# backends/serve/topk.py topk_and_own: (top ids, their logprobs, each position's own token's logprob), one pass
+TopK = Callable[[list[int], int, float, Sequence[int]], tuple[Any, Any, Any]]
 
 
 # ---------------------------------------------------------------- reading requests
@@ -108,6 +113,16 @@ def _refuse_unsupported(f: Fields) -> None:
         raise ApiError(400, f"response_format {str(fmt.get('type'))[:40]!r} is not supported (only text)")
     if f.int("best_of", 1, lo=1) != 1:
         raise ApiError(400, "best_of is not supported (only 1)")
+    # Tool-use controls runner serve cannot honour: refused, not ignored. "auto" (the default) and parallel calls
+    # allowed (the default) are what it does.
+    choice = f.req.get("tool_choice")
+    if choice is not None and choice != "auto":
+        raise ApiError(400, f"tool_choice {str(choice)[:60]!r} is not supported (only 'auto')")
+    if f.req.get("parallel_tool_calls") is False:
+        raise ApiError(400, "parallel_tool_calls = false is not supported (the model may call several tools)")
+    for legacy in ("functions", "function_call"):
+        if f.req.get(legacy) is not None:
+            raise ApiError(400, f"{legacy} (the legacy function-calling API) is not supported: use tools")
 
 
 def _stops(f: Fields) -> list[str]:
@@ -153,8 +168,18 @@ def greedy_floor(temperature: float, top_p: float) -> tuple[float, float]:
     return temperature, top_p
 
 
+def _small_int(f: Fields, key: str, default: int, lo: int, hi: int) -> int:
+    """An integer field with OpenAI's range: out of it a 400 (the client's BadRequestError), not a 413."""
+    v = f.int(key, default)
+    if not lo <= v <= hi:
+        raise ApiError(400, f"{key} must be in [{lo}, {hi}], not {v}")
+    return v
+
+
 def _stream(f: Fields) -> tuple[bool, bool]:
     stream = f.bool("stream", False)
+    if f.req.get("stream_options") is not None and not stream:
+        raise ApiError(400, "stream_options is only allowed with stream = true")
     opts = f.sub("stream_options")
     return stream, stream and opts.bool("include_usage", False)
 
@@ -209,10 +234,10 @@ def chat_plan(req: dict[str, Any], fmt: ChatFormat, limits: Limits | None = None
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise ApiError(400, "tools must be a list of tool objects")
     _refuse_unsupported(f)
-    n = f.int("n", 1, lo=1, hi=MAX_N)
+    n = _small_int(f, "n", 1, 1, MAX_N)
     user_stop = _stops(f)
     logprobs = f.bool("logprobs", False)
-    top = f.int("top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
+    top = _small_int(f, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
     if top and not logprobs:
         raise ApiError(400, "top_logprobs needs logprobs = true")
     stream, usage = _stream(f)
@@ -308,11 +333,11 @@ def completion_plan(req: dict[str, Any], tokenizer: Tokenizer, limits: Limits | 
     _refuse_unsupported(f)
     if f.str("suffix", ""):
         raise ApiError(400, "suffix is not supported")
-    n = f.int("n", 1, lo=1, hi=MAX_N)
+    n = _small_int(f, "n", 1, 1, MAX_N)
     user_stop = _stops(f)
     echo = f.bool("echo", False)
     lp = req.get("logprobs")
-    top = 0 if lp is None or lp is False else to_int("logprobs", lp, lo=0, hi=MAX_TOP_LOGPROBS)
+    top = 0 if lp is None or lp is False else _small_int(f, "logprobs", 0, 0, MAX_TOP_LOGPROBS)
     stream, usage = _stream(f)
     eos = getattr(tokenizer, "eos_token", None)
     stop: list[str] | None = [*user_stop, eos] if user_stop and eos else (user_stop or None)
@@ -334,7 +359,8 @@ def _cut(text: str, stops: list[str]) -> int | None:
 
 
 def _token_texts(tokenizer: Tokenizer, tokens: Sequence[int]) -> list[str]:
-    return [tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
+    """Each token's text as the reply's text shows it: a special token's is empty, so the texts add up to it."""
+    return [tokenizer.decode([t], skip_special_tokens=True) for t in tokens]
 
 
 def _kept_tokens(tokenizer: Tokenizer, tokens: list[int], text_len: int) -> int:
@@ -371,7 +397,7 @@ def chat_response(plan: Plan, out: SampleOutput, fmt: ChatFormat, topk: TopK | N
             content = content[:cut]
             tokens = tokens[: _kept_tokens(tok, tokens, cut)]
         finish = "stop" if clean or cut is not None else "length"
-        msg: dict[str, Any] = {"role": "assistant", "content": content}
+        msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
         if message.get("reasoning_content"):
             msg["reasoning_content"] = message["reasoning_content"]
         if message.get("tool_calls") and cut is None:
@@ -379,7 +405,7 @@ def chat_response(plan: Plan, out: SampleOutput, fmt: ChatFormat, topk: TopK | N
             finish = "tool_calls"
         logprobs = None
         if plan.logprobs:
-            logprobs = {"content": _chat_logprobs(tok, plan.prompts[0], seq, len(tokens), plan, topk)}
+            logprobs = {"content": _chat_logprobs(tok, plan.prompts[0], seq, len(tokens), plan, topk), "refusal": None}
         choice: dict[str, Any] = {"index": i, "message": msg, "logprobs": logprobs, "finish_reason": finish}
         if plan.extra.get("return_token_ids"):  # vLLM's extension: the sampled tokens, stop token included
             choice["token_ids"] = list(seq.tokens)
@@ -395,19 +421,22 @@ def chat_response(plan: Plan, out: SampleOutput, fmt: ChatFormat, topk: TopK | N
 def _chat_logprobs(tok: Tokenizer, prompt: list[int], seq: SampledSequence, keep: int, plan: Plan, topk: TopK | None
                    ) -> list[dict[str, Any]]:
     tokens = list(seq.tokens[:keep])
-    texts = _token_texts(tok, tokens)
+    # A special token's text as the reply's content shows it (none): the tokens' texts add up to the content.
+    texts = [tok.decode([t], skip_special_tokens=True) for t in tokens]
     tops: list[list[dict[str, Any]]] = [[] for _ in tokens]
+    own: list[float] = [float(x) for x in seq.logprobs[:keep]]
     if plan.top_logprobs and tokens:
         if topk is None:
             raise ApiError(400, "top_logprobs is not offered by this sampler")
         assert plan.params is not None
-        ids, lps = topk([*prompt, *tokens], plan.top_logprobs, plan.params.temperature,
-                        range(len(prompt), len(prompt) + len(tokens)))
+        ids, lps, mine = topk([*prompt, *tokens], plan.top_logprobs, plan.params.temperature,
+                              range(len(prompt), len(prompt) + len(tokens)))
+        own = [float(x) for x in mine]  # the same pass as the alternatives: one number where they meet
         for j in range(len(tokens)):
-            alt = _token_texts(tok, [int(x) for x in ids[j]])
+            alt = [tok.decode([int(x)], skip_special_tokens=True) for x in ids[j]]
             tops[j] = [{"token": t, "logprob": float(v), "bytes": list(t.encode())} for t, v in zip(alt, lps[j], strict=True)]
-    return [{"token": t, "logprob": float(lp), "bytes": list(t.encode()), "top_logprobs": top}
-            for t, lp, top in zip(texts, seq.logprobs[:keep], tops, strict=True)]
+    return [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": top}
+            for t, lp, top in zip(texts, own, tops, strict=True)]
 
 
 def completion_response(plan: Plan, outs: list[SampleOutput | None], tokenizer: Tokenizer, topk: TopK | None = None,
@@ -463,10 +492,17 @@ def _completion_logprobs(tok: Tokenizer, prompt: list[int], seq: SampledSequence
             raise ApiError(400, "logprobs > 0 is not offered by this sampler")
         positions = [q for q in range(start, len(full)) if q > 0]
         temperature = plan.params.temperature if plan.params is not None else 1.0
-        ids, vals = topk(full, plan.top_logprobs, temperature, positions)
-        for j, q in enumerate(positions):
-            alt = _token_texts(tok, [int(x) for x in ids[j]])
-            tops[q - start] = {t: float(v) for t, v in zip(alt, vals[j], strict=True)}
+        # Prompt positions (echo) at temperature 1, as their logprobs are; sampled ones at the request's.
+        n_prompt = [q for q in positions if q < len(prompt)]
+        n_gen = [q for q in positions if q >= len(prompt)]
+        for group, temp in ((n_prompt, 1.0), (n_gen, temperature)):
+            if not group:
+                continue
+            ids, vals, mine = topk(full, plan.top_logprobs, temp, group)
+            for j, q in enumerate(group):
+                alt = _token_texts(tok, [int(x) for x in ids[j]])
+                tops[q - start] = {t: float(v) for t, v in zip(alt, vals[j], strict=True)}
+                lps[q - start] = float(mine[j])  # one pass: equal to its own entry among the alternatives
     offsets, pos = [], 0
     for t in texts:
         offsets.append(pos)
@@ -491,15 +527,16 @@ def sse(response: dict[str, Any], include_usage: bool) -> bytes:
                                                                 "logprobs": None, "finish_reason": c["finish_reason"]}]})
         else:
             events.append({**head, "object": obj, "choices": [c]})
-    if include_usage:
+    if include_usage:  # every chunk has `usage`: null but the last, which has only it
+        events = [{**e, "usage": None} for e in events]
         events.append({**head, "object": obj, "choices": [], "usage": response["usage"]})
     return b"".join(b"data: " + json_bytes(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    kind = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}.get(
-        status, "invalid_request_error" if status < 500 else "server_error")
-    code = {401: "invalid_api_key", 404: "model_not_found"}.get(status)
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    kind = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
+            429: "rate_limit_error"}.get(status, "invalid_request_error" if status < 500 else "server_error")
+    code = code or {401: "invalid_api_key"}.get(status)
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -538,6 +575,7 @@ class OpenAIRoutes:
         self._sessions: dict[str, tuple[SamplerSession, str | None]] = {}  # model spec -> (session, renderer)
         self._formats: dict[tuple[str, str | None], ChatFormat] = {}
         self._ids = itertools.count()
+        self._started = int(time.time())
 
     def handle(self, method: str, route: str, headers: dict[str, str], body: bytes,
                gone: Callable[[], bool] | None = None) -> Reply:
@@ -546,7 +584,7 @@ class OpenAIRoutes:
         except ClientGone:
             return Reply(Reply.GONE)
         except ApiError as exc:
-            return Reply.json(error_body(exc.status, exc.detail), exc.status)
+            return Reply.json(error_body(exc.status, exc.detail, code=exc.code), exc.status)
         except (UserError, ValueError) as exc:
             return Reply.json(error_body(400, str(exc)[:300]), 400)
 
@@ -563,8 +601,8 @@ class OpenAIRoutes:
         if route == "v1/models" or route.startswith("v1/models/"):
             if method != "GET":
                 raise ApiError(405, f"{route} takes GET, not {method}")
-            return self._models(route.removeprefix("v1/models").strip("/"))
-        if route not in ("v1/chat/completions", "v1/completions"):
+            return self._models(urllib.parse.unquote(route.removeprefix("v1/models").strip("/")))
+        if route not in ("v1/chat/completions", "v1/completions", "v1/responses"):
             raise ApiError(404, f"no route {method} /{route[:100]}")
         if method != "POST":
             raise ApiError(405, f"/{route} takes POST, not {method}")
@@ -579,6 +617,9 @@ class OpenAIRoutes:
             raise ApiError(400, "the request body must be a JSON object")
         if (bad := lone_surrogate(req)) is not None:
             raise ApiError(400, f"{bad}: a string with a lone surrogate (\\ud800-\\udfff) is not valid Unicode")
+        asked = req
+        if route == "v1/responses":  # OpenAI's Responses API, sampled as the chat completion it amounts to
+            req = responses.to_chat(req)
         model = req.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "model is required (a served model's name or a checkpoint)")
@@ -586,7 +627,7 @@ class OpenAIRoutes:
         engine = sess.model.engine()
         tokenizer = engine.get_tokenizer()
         fmt: ChatFormat | None = None
-        if route == "v1/chat/completions":
+        if route in ("v1/chat/completions", "v1/responses"):
             fmt = self._format(sess.model.name, tokenizer, renderer)
             plan = chat_plan(req, fmt, limits)
         else:
@@ -595,6 +636,11 @@ class OpenAIRoutes:
             raise ApiError(413, f"n x (prompt + max_tokens) = {plan.cost} tokens; runner serve takes at most "
                                 f"{limits.max_request_tokens} per request")
         result = self._run(sess, plan, fmt, tokenizer, gone)
+        if route == "v1/responses":
+            resp = responses.from_chat(asked, result)
+            if asked.get("stream"):
+                return Reply(200, responses.events(resp), {"content-type": "text/event-stream"})
+            return Reply.json(resp)
         if plan.stream:
             return Reply(200, sse(result, plan.include_usage), {"content-type": "text/event-stream"})
         return Reply.json(result)
@@ -677,7 +723,10 @@ class OpenAIRoutes:
         svc = self.service
         run_id = kind = name = ""
         if spec.startswith("tinker://"):
-            run_id, kind, name = svc._parse_path(spec)  # 404 once expired or deleted
+            try:
+                run_id, kind, name = svc._parse_path(spec)  # 404 once expired or deleted
+            except ApiError as exc:
+                raise ApiError(exc.status, exc.detail, exc.code or (MODEL_NOT_FOUND if exc.status == 404 else None)) from None
             if kind == "weights":
                 raise ApiError(400, f"{spec} is a training state; sample from its sampler_weights checkpoint")
         with self._lock:
@@ -690,7 +739,7 @@ class OpenAIRoutes:
         elif spec.startswith("tinker://"):
             meta = svc.store.read_run(run_id)
             if meta is None:
-                raise ApiError(404, f"no training run {run_id}")
+                raise ApiError(404, f"no training run {run_id}", code=MODEL_NOT_FOUND)
             sess = SamplerSession(f"openai:{next(self._ids)}", svc._served(meta["base_model"]), "openai", spec,
                                   source=svc.store.checkpoint_dir(run_id, kind, name))
         else:
@@ -704,7 +753,7 @@ class OpenAIRoutes:
             if local is None:
                 raise ApiError(404, f"model {spec[:200]!r} is neither a served model ({', '.join(svc.models)}), "
                                     "a tinker:// sampler checkpoint, nor a run under a folder runner serve was "
-                                    "given with --runs")
+                                    "given with --runs", code=MODEL_NOT_FOUND)
             served = self._served_for(local.base_model)
             sid = f"openai:{next(self._ids)}"
             # The checkpoint's files, copied into the server's storage as regular files (backends/serve/files.py):
@@ -727,20 +776,21 @@ class OpenAIRoutes:
             if base in (m.name, m.path) or _same_dir(base, m.path):
                 return m
         raise ApiError(404, f"that checkpoint was trained on {base!r}, which this server does not serve "
-                            f"(it serves {', '.join(svc.models)})")
+                            f"(it serves {', '.join(svc.models)})", code=MODEL_NOT_FOUND)
 
     def _models(self, one: str) -> Reply:
         svc = self.service
-        created = int(time.time())
-        names = list(svc.models)
+        # `created`: when this server started serving a base model, when a checkpoint was saved (stable across calls).
+        names = [(name, self._started) for name in svc.models]
         for run in svc.store.list_runs():
-            names += [c["tinker_path"] for c in svc.store.list_checkpoints(run["training_run_id"])
+            names += [(c["tinker_path"], _epoch(c.get("time"), self._started))
+                      for c in svc.store.list_checkpoints(run["training_run_id"])
                       if c.get("checkpoint_type") == "sampler"]
-        rows = [{"id": n, "object": "model", "created": created, "owned_by": "runner"} for n in names]
+        rows = [{"id": n, "object": "model", "created": t, "owned_by": "runner"} for n, t in names]
         if one:
             row = next((r for r in rows if r["id"] == one), None)
             if row is None:
-                raise ApiError(404, f"no model {one[:200]!r}")
+                raise ApiError(404, f"no model {one[:200]!r}", code=MODEL_NOT_FOUND)
             return Reply.json(row)
         return Reply.json({"object": "list", "data": rows})
 
@@ -805,6 +855,13 @@ class _Share:
         self.budget.release(self.cost, self.nbytes)
 
 
+def _epoch(iso: Any, default: int) -> int:
+    try:
+        return int(datetime.datetime.fromisoformat(str(iso).replace("Z", "+00:00")).timestamp())
+    except ValueError:
+        return default
+
+
 def _same_dir(a: str, b: str) -> bool:
     try:
         pa, pb = Path(a), Path(b)
@@ -830,9 +887,9 @@ def _topk_of(sc: Any) -> TopK | None:
     model = getattr(sc, "model", None)
     if model is None:
         return None
-    from backends.serve.topk import topk_logprobs
+    from backends.serve.topk import topk_and_own
 
-    def topk(tokens: list[int], k: int, temperature: float, positions: Sequence[int]) -> tuple[Any, Any]:
-        return topk_logprobs(model, tokens, k, temperature, positions)
+    def topk(tokens: list[int], k: int, temperature: float, positions: Sequence[int]) -> tuple[Any, Any, Any]:
+        return topk_and_own(model, tokens, k, temperature, positions)
 
     return topk
