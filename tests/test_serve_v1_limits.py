@@ -127,3 +127,29 @@ def test_dropped_clients_stop_their_work(svc):
         while svc.stats()["live_sample_tokens"] and time.monotonic() < deadline:
             time.sleep(0.1)
         assert svc.stats()["live_sample_tokens"] == 0 and svc.stats()["sampling_bytes"] == 0
+
+
+def test_streams_leave_as_sampled_and_stop_when_the_client_leaves(svc):
+    """stream = true: tokens leave as they are sampled (a 10-token reply is more than one chunk; n = 2 interleaved by
+    index; the chunks add up to the reply); a client that hangs up mid-stream stops its sampling and its budget comes
+    back at once (its 4 x 2,000 tokens would take minutes)."""
+    with running(svc) as srv:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        ask = {"model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 10, "n": 2, "seed": 1, "ignore_eos": True}
+        whole = httpx.post(f"{url}/v1/completions", json=ask, timeout=120).json()
+        with httpx.stream("POST", f"{url}/v1/completions", json={**ask, "stream": True}, timeout=120) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        order = [c["choices"][0]["index"] for c in chunks]
+        assert order.count(0) >= 2 and order.count(1) >= 2
+        assert order != sorted(order)  # interleaved, not one choice after the other
+        texts = {i: "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) for i in (0, 1)}
+        assert [texts[0], texts[1]] == [c["text"] for c in whole["choices"]]
+        big = {**ask, "max_tokens": 2000, "n": 4, "stream": True}
+        t = time.monotonic()
+        with httpx.stream("POST", f"{url}/v1/completions", json=big, timeout=120) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: {"))
+            assert svc.stats()["live_sample_tokens"] > 0
+        while svc.stats()["live_sample_tokens"] and time.monotonic() - t < 30:
+            time.sleep(0.05)
+        assert svc.stats()["live_sample_tokens"] == 0 and svc.stats()["sampling_bytes"] == 0
+        assert time.monotonic() - t < 15

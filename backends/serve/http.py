@@ -89,6 +89,19 @@ def _handler_class(service: Service) -> type[BaseHTTPRequestHandler]:
                 self.send_header(k, v)
             if close:
                 self.send_header("connection", "close")
+            if reply.stream is not None:  # chunked: each piece leaves as it is made
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                try:
+                    for piece in reply.stream:
+                        if piece:
+                            self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    self.wfile.write(b"0\r\n\r\n")
+                finally:
+                    end = getattr(reply.stream, "close", None)
+                    if end is not None:
+                        end()  # a client gone mid-stream: its sampling stops (backends/serve/streaming.py)
+                return
             if reply.file is not None:
                 self.send_header("content-length", str(reply.file.stat().st_size))
                 self.end_headers()

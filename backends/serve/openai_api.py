@@ -21,6 +21,7 @@ import datetime
 import hmac
 import itertools
 import json
+import queue
 import secrets
 import shutil
 import threading
@@ -635,6 +636,8 @@ class OpenAIRoutes:
         if plan.cost > limits.max_request_tokens:
             raise ApiError(413, f"n x (prompt + max_tokens) = {plan.cost} tokens; runner serve takes at most "
                                 f"{limits.max_request_tokens} per request")
+        if plan.stream and not plan.logprobs and not plan.echo and plan.params is not None:
+            return self._stream(sess, plan, fmt, tokenizer, gone)
         result = self._run(sess, plan, fmt, tokenizer, gone)
         if route == "v1/responses":
             resp = responses.from_chat(asked, result)
@@ -657,8 +660,8 @@ class OpenAIRoutes:
                 self._formats[key] = fmt
         return fmt
 
-    def _run(self, sess: SamplerSession, plan: Plan, fmt: ChatFormat | None, tokenizer: Tokenizer,
-             gone: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+    def _reserve(self, sess: SamplerSession, plan: Plan, gone: Callable[[], bool]) -> _Share:
+        """The request's share of the sampling budget, once it is its turn (ClientGone if its client left first)."""
         svc = self.service
         gen = plan.params.max_tokens if plan.params is not None else 0
         # The request's memory (backends/serve/memory.py), as the Tinker API's sample requests reserve it: over
@@ -684,7 +687,12 @@ class OpenAIRoutes:
                 raise ClientGone
         if refused:
             raise ApiError(429, refused[0])
-        held = _Share(svc.budget, plan.cost, nbytes)
+        return _Share(svc.budget, plan.cost, nbytes)
+
+    def _run(self, sess: SamplerSession, plan: Plan, fmt: ChatFormat | None, tokenizer: Tokenizer,
+             gone: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+        svc = self.service
+        held = self._reserve(sess, plan, gone)
         try:
             try:
                 sc = svc.pool.client(sess).result()
@@ -716,6 +724,76 @@ class OpenAIRoutes:
                 sess.last_used = time.monotonic()
         finally:
             held.release()
+
+    def _stream(self, sess: SamplerSession, plan: Plan, fmt: ChatFormat | None, tokenizer: Tokenizer,
+                gone: Callable[[], bool]) -> Reply:
+        """A `stream = true` request whose tokens leave as they are sampled (backends/serve/streaming.py). Whatever
+        fails before its first token (a prompt over the context, a checkpoint that does not load) is still an
+        error reply; the headers go out with the first token."""
+        from backends.serve import streaming
+
+        assert plan.params is not None
+        held = self._reserve(sess, plan, gone)
+        cancelled = threading.Event()
+        try:
+            try:
+                sc = self.service.pool.client(sess).result()
+            except Exception as exc:  # the checkpoint is gone or does not load
+                raise ApiError(404, f"model {plan.model!r} does not load: {str(exc)[:200]}") from None
+            events: queue.SimpleQueue[tuple[int, int, int | None]] = queue.SimpleQueue()
+
+            def watcher(p: int) -> Callable[[int, int, str | None], bool]:
+                def watch(k: int, tok: int, reason: str | None) -> bool:
+                    events.put((p, k, tok))
+                    return not cancelled.is_set()
+                return watch
+
+            futs = [sc.sample(prompt, plan.n, Watched(**_fields(plan.params), watch=watcher(p)))
+                    for p, prompt in enumerate(plan.prompts)]
+            held.after(futs)
+            for p, f in enumerate(futs):
+                f.future().add_done_callback(lambda _, p=p: events.put((p, streaming.DONE, None)))
+            while True:  # the first event, before any header is sent
+                try:
+                    first = events.get(timeout=POLL_S)
+                    break
+                except queue.Empty:
+                    if gone():
+                        raise ClientGone from None
+            if first[1] == streaming.DONE:
+                _user_result(futs[first[0]])  # a request refused at once: its 4xx, not a stream
+        except BaseException:
+            cancelled.set()
+            held.release()
+            raise
+        chat = fmt is not None
+        if fmt is not None:
+            text_of = streaming.chat_text(fmt)
+            own = [len(x) for x in fmt.stop if isinstance(x, str)]
+        else:
+            text_of, own = streaming.completion_text(tokenizer), []
+        holdback = max([0, *(len(x) - 1 for x in plan.user_stop), *(n - 1 for n in own)])
+        head = {"id": _new_id("chatcmpl" if chat else "cmpl"), "created": int(time.time()), "model": plan.model,
+                "system_fingerprint": None}
+
+        def finish(p: int, out: SampleOutput) -> list[dict[str, Any]]:
+            one = streaming.one_prompt(plan, p)
+            if fmt is not None:
+                choices = chat_response(one, out, fmt)["choices"]
+            else:
+                choices = completion_response(one, [out], tokenizer)["choices"]
+            for c, seq in zip(choices, out.sequences, strict=True):
+                c["index"] = p * plan.n + c["index"]
+                c["_tokens"] = len(seq.tokens)
+            return choices
+
+        def done() -> None:
+            sess.last_used = time.monotonic()
+            held.release()
+
+        body = streaming.chunks(first, events, futs, plan, head, chat, text_of, holdback, finish, _user_result, gone,
+                                cancelled, done)
+        return Reply(200, headers={"content-type": "text/event-stream", "cache-control": "no-cache"}, stream=body)
 
     def _session(self, spec: str) -> tuple[SamplerSession, str | None]:
         from backends.serve.samplers import SamplerSession
