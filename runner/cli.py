@@ -163,10 +163,12 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  runner serve                                  # tiny, on 127.0.0.1:8000\n"
         "  runner serve --model Qwen/Qwen3-0.6B=/models/qwen3-0.6b --storage ~/.runner-serve\n"
-        "  runner serve --port 0 --port-file /tmp/port  # a free port, written to the file once listening\n",
+        "  runner serve --port 0 --port-file /tmp/port  # a free port, written to the file once listening\n"
+        "  runner serve --runs ~/runs                    # /v1 requests may name run dirs under ~/runs\n",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    serve.add_argument("--port", type=int, default=8000, help="port (0: a free one; see --port-file)")
+    serve.add_argument("--port", type=int, default=8000, 
+                       help="port (0: a free one, logged as `runner serve: http://HOST:PORT`; see --port-file)")
     serve.add_argument("--port-file", type=Path, help="write the bound port to this file once listening")
     serve.add_argument("--model", action="append", default=[], metavar="NAME=PATH",
                        help="serve the model at PATH (a Hugging Face folder, a cached hub id, or tiny) under NAME; "
@@ -194,6 +196,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="memory live sessions may hold: base models, training runs' adapters + gradients + "
                             "optimizer state, in-flight sampling (e.g. 24G; default: half the machine's memory, or 90%% "
                             "of the GPU's when a served model is placed on cuda)")
+    serve.add_argument("--runs", action="append", type=Path, default=[], metavar="DIR",
+                       help="a /v1 request's `model` may name a run dir (or checkpoint) under DIR; repeatable; default: "
+                       "none (only served models and this server's own tinker:// checkpoints)")
+    serve.add_argument("--trust-code", action="append", type=Path, default=[], metavar="DIR",
+                       help="runs under DIR may have their recipe's own renderer code (renderer = 'pkg.mod:NAME') "
+                       "imported; repeatable; default: none (such a run's chat requests are refused)")
     serve.add_argument("-v", "--verbose", action="store_true", help="log every request")
     serve.set_defaults(command=cmd_serve)
 
@@ -447,8 +455,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    if args.port_file is None and args.port == 0:
-        raise UserError("--port 0 picks a free port: give --port-file FILE to learn which")
     prefer_passive_openmp()  # before torch loads (runner/threads.py)
     from backends.serve.http import ServeConfig, serve_forever
     from runner.renderers import names as renderer_names
@@ -478,6 +484,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     on_the_way = next((p for p in (args.storage, *args.storage.parents) if p.exists() and not p.is_dir()), None)
     if on_the_way is not None:
         raise UserError(f"--storage {args.storage}: {on_the_way} is a file, not a folder")
+    for flag, dirs in (("--runs", args.runs), ("--trust-code", args.trust_code)):
+        if bad := next((d for d in dirs if not d.is_dir()), None):
+            raise UserError(f"{flag} {bad}: not a folder")
     caps: dict[str, int] = {}
     if args.max_models is not None:
         if args.max_models < 1:
@@ -498,7 +507,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       sampler_weights=args.sampler_weights,
                       api_key_env=args.api_key_env,
                       sampler_idle_s=args.sampler_idle_s, max_live_samplers=args.max_live_samplers,
-                      limits=Limits(**caps), openai=serve_hooks(args.renderer))
+                      limits=Limits(**caps), openai=serve_hooks(args.renderer, args.runs, args.trust_code))
     try:
         serve_forever(cfg)
     except KeyboardInterrupt:

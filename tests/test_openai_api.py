@@ -78,7 +78,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     mp = pytest.MonkeyPatch()
     mp.setenv("TINKER_TELEMETRY", "0")
     try:
-        with runner_serve(tmp / "storage", "--device", "cpu") as (url, _):
+        with runner_serve(tmp / "storage", "--device", "cpu", "--runs", str(tmp)) as (url, _):
             plum = _train_plum(url)
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
             yield {"url": url, "client": client, "plum": plum, "run": run, "log": tmp / "storage.log"}
@@ -340,3 +340,90 @@ def test_sampling_memory_over_max_bytes_is_an_openai_413(tmp_path):
         assert ok.status == 200 and svc.stats()["live_sample_tokens"] == 0  # returned when done
     finally:
         svc.close()
+
+
+def test_openai_spec_details(served):
+    """The deviations a pass with real clients found (issue 40), each fixed or refused with a 400 naming the field."""
+    client, url = served["client"], served["url"]
+    ask = dict(model="tiny", messages=QUESTION, max_tokens=4)
+    for extra, field in [({"n": 129}, "n"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                         ({"tool_choice": "required"}, "tool_choice"),
+                         ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+                         ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+                         ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+                         ({"stream_options": {"include_usage": True}}, "stream_options"),
+                         ({"stop": ["a", "b", "c", "d", "e"]}, "stop")]:
+        with pytest.raises(openai.BadRequestError, match=field):
+            client.chat.completions.create(**ask, **extra)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(model="tiny", prompt="x", logprobs=21)
+    # refusal: present and null (required by the spec), on the message and on logprobs.
+    raw = httpx.post(f"{url}/v1/chat/completions", json={**ask, "logprobs": True}).json()["choices"][0]
+    assert raw["message"]["refusal"] is None and "refusal" in raw["message"]
+    assert raw["logprobs"]["refusal"] is None and "refusal" in raw["logprobs"]
+    # With include_usage every chunk but the last has usage: null; the last has only usage.
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**ask, "stream": True, "n": 2,
+                                                                   "stream_options": {"include_usage": True}}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]["total_tokens"] > 0
+    assert chunks[-1]["choices"] == []
+    # /v1/models/{id} percent-decoded (the client quotes tinker://...); `created` stable across calls.
+    assert client.models.retrieve(served["plum"]).id == served["plum"]
+    first = {m.id: m.created for m in client.models.list().data}
+    assert {m.id: m.created for m in client.models.list().data} == first
+    # Only an unknown model is model_not_found; an unknown route is a plain 404.
+    assert httpx.post(f"{url}/v1/embeddings", json={}).json()["error"]["code"] is None
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(**{**ask, "model": "gpt-9"})
+    assert e.value.code == "model_not_found"
+
+
+def test_logprobs_are_one_number(served):
+    """A token's logprob and its own top_logprobs entry come from one pass: equal bit for bit, so lm-eval's is_greedy
+    (the continuation token is the top-1 alternative, with its logprob) reads true on a greedy continuation."""
+    client, url = served["client"], served["url"]
+    r = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    for t in r.choices[0].logprobs.content:
+        assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == t.logprob
+    # lm-eval local-completions: a greedy continuation, then its loglikelihood request (echo, logprobs 1, max_tokens 1).
+    context = [*range(60, 70)]
+    greedy = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": context, "max_tokens": 5,
+                                                        "temperature": 0, "return_token_ids": True}).json()
+    cont = greedy["choices"][0]["token_ids"][:4]
+    lp = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [*context, *cont], "temperature": 0,
+                                                    "max_tokens": 1, "logprobs": 1, "echo": True}).json()
+    lp = lp["choices"][0]["logprobs"]
+    ctxlen = len(context)
+    for tok, own, top in zip(lp["tokens"][ctxlen:-1], lp["token_logprobs"][ctxlen:-1], lp["top_logprobs"][ctxlen:-1],
+                             strict=True):
+        assert max(top, key=top.get) == tok and top[tok] == own  # is_greedy, and one number
+
+
+def test_responses_api(served):
+    """`client.responses.create`, the openai SDK's first example (and inspect's default `openai/` provider's API):
+    text or message input, instructions, max_output_tokens, streaming events; what it cannot honour is a 400."""
+    client, plum = served["client"], served["plum"]
+    r = client.responses.create(model=plum, input="Name a fruit.", temperature=0, max_output_tokens=8)
+    assert r.output_text == "plum" and r.status == "completed" and r.usage.output_tokens > 0
+    chat = client.chat.completions.create(model=plum, messages=[{"role": "system", "content": "Be brief."}, *QUESTION],
+                                          temperature=0, max_tokens=8).choices[0].message.content
+    r = client.responses.create(model=plum, instructions="Be brief.", temperature=0, max_output_tokens=8,
+                                input=[{"role": "user", "content": [{"type": "input_text", "text": "Name a fruit."}]}])
+    assert r.output_text == chat
+    cut = client.responses.create(model="tiny", input="Tell me about glimmerhorns.", max_output_tokens=1,
+                                  temperature=1.0)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    kinds, text, done = [], "", None
+    for event in client.responses.create(model=plum, input="Name a fruit.", temperature=0, max_output_tokens=8,
+                                         stream=True):
+        kinds.append(event.type)
+        if event.type == "response.output_text.delta":
+            text += event.delta
+        if event.type == "response.completed":
+            done = event.response
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert text == "plum" and done is not None and done.output_text == "plum"
+    for bad in ({"previous_response_id": "resp_1"}, {"tools": [{"type": "web_search"}]}, {"input": []}):
+        with pytest.raises(openai.BadRequestError):
+            client.responses.create(**{"model": "tiny", "input": "hi", **bad})

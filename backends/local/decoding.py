@@ -92,6 +92,11 @@ class Row:
             self.reason = "stop"
         elif len(self.tokens) >= self.limit:
             self.reason = "length"
+        # A caller's per-token hook (backends/serve/openai_api.py Watched: streaming, and ending the rows of a
+        # request whose client hung up: False ends the row here).
+        watch = getattr(self.params, "watch", None)
+        if watch is not None and watch(self.index, tok, self.reason) is False and self.reason is None:
+            self.reason = "length"
         return self.reason is not None
 
     def take_logprobs(self, by_step: list[float]) -> None:

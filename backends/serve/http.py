@@ -12,7 +12,9 @@ import contextlib
 import dataclasses
 import logging
 import os
+import select
 import shutil
+import socket
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -72,8 +74,11 @@ def _handler_class(service: Service) -> type[BaseHTTPRequestHandler]:
                 return
             headers = {k.lower(): v for k, v in self.headers.items()}
             base_url = f"http://{headers.get('host') or '127.0.0.1'}"
-            reply = service.handle(self.command, self.path, headers, body, base_url)
-            log.debug("%s %s -> %d", self.command, self.path.split("?", 1)[0], reply.status)
+            reply = service.handle(self.command, self.path, headers, body, base_url, lambda: _hung_up(self.connection))
+            log.debug("%s %s -> %d", self.command, self.path.split("?", 1)[0][:200], reply.status)
+            if reply.status == Reply.GONE:  # the client hung up: its work was stopped, nobody reads a reply
+                self.close_connection = True
+                return
             self._send(reply)
 
         def _send(self, reply: Reply, close: bool = False) -> None:
@@ -84,6 +89,19 @@ def _handler_class(service: Service) -> type[BaseHTTPRequestHandler]:
                 self.send_header(k, v)
             if close:
                 self.send_header("connection", "close")
+            if reply.stream is not None:  # chunked: each piece leaves as it is made
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                try:
+                    for piece in reply.stream:
+                        if piece:
+                            self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    self.wfile.write(b"0\r\n\r\n")
+                finally:
+                    end = getattr(reply.stream, "close", None)
+                    if end is not None:
+                        end()  # a client gone mid-stream: its sampling stops (backends/serve/streaming.py)
+                return
             if reply.file is not None:
                 self.send_header("content-length", str(reply.file.stat().st_size))
                 self.end_headers()
@@ -119,6 +137,20 @@ def _handler_class(service: Service) -> type[BaseHTTPRequestHandler]:
             pass
 
     return Handler
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether the peer closed the connection (readable with nothing to read) or reset it; a pipelined next
+    request (readable, with bytes) is not a hang-up."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        if not readable:
+            return False
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except (OSError, ValueError):
+        return True
 
 
 class Server(ThreadingHTTPServer):

@@ -29,6 +29,8 @@ class Limits:
     # sampler's memory grows with them). A request over the first is refused; one over the second waits.
     max_request_tokens: int = 1 << 20
     max_live_tokens: int = 4 << 20
+    # Prompts in one /v1/completions request (its `prompt` list), checked before any is tokenized.
+    max_prompts: int = 2048
     # What live sessions hold (backends/serve/memory.py): training runs at once, and bytes of base models,
     # runs' adapters + gradients + optimizer moments, and in-flight sampling (None: half the machine's memory).
     max_models: int = 32
@@ -187,6 +189,19 @@ class Budget:
             ready = self._admit()
         for w in ready:
             w.start()
+
+    def withdraw(self, start: Callable[[], None]) -> bool:
+        """Take back a request still waiting (its client hung up): True when it was waiting and now is not; False
+        when it has started (it then holds its share until it releases it)."""
+        with self._lock:
+            w = next((w for w in self._waiting if w.start is start), None)
+            if w is None:
+                return False
+            self._waiting.remove(w)
+            ready = self._admit()
+        for r in ready:
+            r.start()
+        return True
 
     def release(self, n: int, nbytes: int = 0) -> None:
         with self._lock:

@@ -15,19 +15,28 @@ runner). A bad request is a 4xx in OpenAI's error shape: {"error": {"message", "
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
+import datetime
 import hmac
 import itertools
 import json
+import queue
 import secrets
+import shutil
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from backends.errors import UserError
+from backends.serve import responses
+from backends.serve.files import copy_folder
 from backends.serve.limits import Fields, Limits, json_depth_ok, to_int
+from backends.serve.memory import fmt_bytes
 from backends.serve.replies import ApiError, Reply, json_bytes
 from backends.tokenizer import Tokenizer
 from backends.types import SampledSequence, SampleOutput, SamplingParams
@@ -35,8 +44,9 @@ from backends.types import SampledSequence, SampleOutput, SamplingParams
 if TYPE_CHECKING:
     from backends.serve.samplers import SamplerSession
 
+MODEL_NOT_FOUND = "model_not_found"  # the code of a 404 about `model` (an unknown route has none)
 MAX_N = 128  # OpenAI's own cap on `n`
-MAX_STOP = 16
+MAX_STOP = 4  # OpenAI's: up to 4 stop sequences
 MAX_TOP_LOGPROBS = 20
 CHAT_MAX_TOKENS = 512  # when a chat request gives none (OpenAI: the context's rest)
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -63,7 +73,8 @@ class ChatFormat(Protocol):
         ...
 
 
-TopK = Callable[[list[int], int, float, Sequence[int]], tuple[Any, Any]]  # backends/serve/topk.py's signature
+# backends/serve/topk.py topk_and_own: (top ids, their logprobs, each position's own token's logprob), one pass
+TopK = Callable[[list[int], int, float, Sequence[int]], tuple[Any, Any, Any]]
 
 
 # ---------------------------------------------------------------- reading requests
@@ -103,6 +114,16 @@ def _refuse_unsupported(f: Fields) -> None:
         raise ApiError(400, f"response_format {str(fmt.get('type'))[:40]!r} is not supported (only text)")
     if f.int("best_of", 1, lo=1) != 1:
         raise ApiError(400, "best_of is not supported (only 1)")
+    # Tool-use controls runner serve cannot honour: refused, not ignored. "auto" (the default) and parallel calls
+    # allowed (the default) are what it does.
+    choice = f.req.get("tool_choice")
+    if choice is not None and choice != "auto":
+        raise ApiError(400, f"tool_choice {str(choice)[:60]!r} is not supported (only 'auto')")
+    if f.req.get("parallel_tool_calls") is False:
+        raise ApiError(400, "parallel_tool_calls = false is not supported (the model may call several tools)")
+    for legacy in ("functions", "function_call"):
+        if f.req.get(legacy) is not None:
+            raise ApiError(400, f"{legacy} (the legacy function-calling API) is not supported: use tools")
 
 
 def _stops(f: Fields) -> list[str]:
@@ -127,6 +148,7 @@ def _params(f: Fields, default_max_tokens: int, stop: list[str] | list[int] | No
     top_p = f.float("top_p", 1.0, lo=0.0, hi=1.0)
     if top_p == 0.0:
         raise ApiError(400, "top_p must be in (0, 1]")
+    temperature, top_p = greedy_floor(temperature, top_p)
     top_k = f.int("top_k", -1, lo=-1)  # not OpenAI's; vLLM and others accept it
     seed = f.int("seed", None)
     if max_tokens == 0:
@@ -135,8 +157,30 @@ def _params(f: Fields, default_max_tokens: int, stop: list[str] | list[int] | No
                           stop=stop, seed=seed)
 
 
+GREEDY_BELOW = 1e-6
+
+
+def greedy_floor(temperature: float, top_p: float) -> tuple[float, float]:
+    """A temperature or top_p under GREEDY_BELOW is greedy decoding (temperature 0): the one rule for values too
+    small to sample with (1e-40 overflowed the sampler's logits; top_p 1e-300 kept no token), as the local sampler
+    reads them too. Anything that small already picks the most likely token."""
+    if temperature < GREEDY_BELOW or top_p < GREEDY_BELOW:
+        return 0.0, 1.0
+    return temperature, top_p
+
+
+def _small_int(f: Fields, key: str, default: int, lo: int, hi: int) -> int:
+    """An integer field with OpenAI's range: out of it a 400 (the client's BadRequestError), not a 413."""
+    v = f.int(key, default)
+    if not lo <= v <= hi:
+        raise ApiError(400, f"{key} must be in [{lo}, {hi}], not {v}")
+    return v
+
+
 def _stream(f: Fields) -> tuple[bool, bool]:
     stream = f.bool("stream", False)
+    if f.req.get("stream_options") is not None and not stream:
+        raise ApiError(400, "stream_options is only allowed with stream = true")
     opts = f.sub("stream_options")
     return stream, stream and opts.bool("include_usage", False)
 
@@ -179,17 +223,22 @@ def chat_plan(req: dict[str, Any], fmt: ChatFormat, limits: Limits | None = None
             content = ""
         elif not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts")
-        msg = {k: v for k, v in m.items() if k in ("role", "name", "tool_call_id", "tool_calls")}
+        msg = {k: v for k, v in m.items() if k in ("role", "name", "tool_call_id")}
+        if m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+        for key in ("name", "tool_call_id"):
+            if key in msg and not isinstance(msg[key], str):
+                raise ApiError(400, f"messages[{i}].{key} must be a string")
         msg["content"] = content
         out.append(msg)
     tools = req.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise ApiError(400, "tools must be a list of tool objects")
     _refuse_unsupported(f)
-    n = f.int("n", 1, lo=1, hi=MAX_N)
+    n = _small_int(f, "n", 1, 1, MAX_N)
     user_stop = _stops(f)
     logprobs = f.bool("logprobs", False)
-    top = f.int("top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
+    top = _small_int(f, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
     if top and not logprobs:
         raise ApiError(400, "top_logprobs needs logprobs = true")
     stream, usage = _stream(f)
@@ -200,6 +249,52 @@ def chat_plan(req: dict[str, Any], fmt: ChatFormat, limits: Limits | None = None
         raise ApiError(400, f"cannot render these messages: {exc}") from None
     return Plan(model, [prompt], n, params, user_stop, logprobs, top, stream, usage,
                 extra={"return_token_ids": f.bool("return_token_ids", False)})
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls: [{id, type: "function", function: {name, arguments (a JSON string)}}]."""
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{where} must be a list of tool calls")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ApiError(400, f"{where}[{j}] must be {{id, type: 'function', function: {{name, arguments}}}}")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, dict):
+            args = json.dumps(args)
+        if not isinstance(args, str):
+            raise ApiError(400, f"{where}[{j}].function.arguments must be a JSON string")
+        if c.get("id") is not None and not isinstance(c["id"], str):
+            raise ApiError(400, f"{where}[{j}].id must be a string")
+        if c.get("type", "function") != "function":
+            raise ApiError(400, f"{where}[{j}].type must be 'function'")
+        out.append({"type": "function", "id": c.get("id"), "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def lone_surrogate(obj: Any, where: str = "") -> str | None:
+    """The JSON path of the first string (key or value) in `obj` that is not valid Unicode (a lone surrogate,
+    which JSON's \\u escapes can write and no tokenizer takes), else None."""
+    stack: list[tuple[Any, str]] = [(obj, where)]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "the body"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                sub = f"{path}.{k}" if path else str(k)
+                try:
+                    k.encode("utf-8")
+                except UnicodeEncodeError:
+                    return sub.encode("utf-8", "replace").decode()
+                stack.append((x, sub))
+        elif isinstance(v, list):
+            stack.extend((x, f"{path}[{i}]") for i, x in enumerate(v))
+    return None
 
 
 def _tool_spec(tool: dict[str, Any]) -> dict[str, Any]:
@@ -220,6 +315,9 @@ def completion_plan(req: dict[str, Any], tokenizer: Tokenizer, limits: Limits | 
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of such lists")
+    cap = (limits or Limits()).max_prompts
+    if len(prompt) > cap:  # before any is tokenized or sized
+        raise ApiError(413, f"prompt has {len(prompt)} prompts; runner serve takes at most {cap} per request")
     prompts: list[list[int]] = []
     for p in prompt:
         if isinstance(p, str):
@@ -236,14 +334,16 @@ def completion_plan(req: dict[str, Any], tokenizer: Tokenizer, limits: Limits | 
     _refuse_unsupported(f)
     if f.str("suffix", ""):
         raise ApiError(400, "suffix is not supported")
-    n = f.int("n", 1, lo=1, hi=MAX_N)
+    n = _small_int(f, "n", 1, 1, MAX_N)
     user_stop = _stops(f)
     echo = f.bool("echo", False)
     lp = req.get("logprobs")
-    top = 0 if lp is None or lp is False else to_int("logprobs", lp, lo=0, hi=MAX_TOP_LOGPROBS)
+    top = 0 if lp is None or lp is False else _small_int(f, "logprobs", 0, 0, MAX_TOP_LOGPROBS)
     stream, usage = _stream(f)
     eos = getattr(tokenizer, "eos_token", None)
     stop: list[str] | None = [*user_stop, eos] if user_stop and eos else (user_stop or None)
+    if f.bool("ignore_eos", False):  # vLLM's extension: only max_tokens and `stop` end a sample
+        stop = list(user_stop)
     params = _params(f, COMPLETION_MAX_TOKENS, stop, lo_tokens=0 if echo else 1)
     if params is None and stream:
         raise ApiError(400, "max_tokens = 0 cannot stream")
@@ -260,7 +360,8 @@ def _cut(text: str, stops: list[str]) -> int | None:
 
 
 def _token_texts(tokenizer: Tokenizer, tokens: Sequence[int]) -> list[str]:
-    return [tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
+    """Each token's text as the reply's text shows it: a special token's is empty, so the texts add up to it."""
+    return [tokenizer.decode([t], skip_special_tokens=True) for t in tokens]
 
 
 def _kept_tokens(tokenizer: Tokenizer, tokens: list[int], text_len: int) -> int:
@@ -297,7 +398,7 @@ def chat_response(plan: Plan, out: SampleOutput, fmt: ChatFormat, topk: TopK | N
             content = content[:cut]
             tokens = tokens[: _kept_tokens(tok, tokens, cut)]
         finish = "stop" if clean or cut is not None else "length"
-        msg: dict[str, Any] = {"role": "assistant", "content": content}
+        msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
         if message.get("reasoning_content"):
             msg["reasoning_content"] = message["reasoning_content"]
         if message.get("tool_calls") and cut is None:
@@ -305,7 +406,7 @@ def chat_response(plan: Plan, out: SampleOutput, fmt: ChatFormat, topk: TopK | N
             finish = "tool_calls"
         logprobs = None
         if plan.logprobs:
-            logprobs = {"content": _chat_logprobs(tok, plan.prompts[0], seq, len(tokens), plan, topk)}
+            logprobs = {"content": _chat_logprobs(tok, plan.prompts[0], seq, len(tokens), plan, topk), "refusal": None}
         choice: dict[str, Any] = {"index": i, "message": msg, "logprobs": logprobs, "finish_reason": finish}
         if plan.extra.get("return_token_ids"):  # vLLM's extension: the sampled tokens, stop token included
             choice["token_ids"] = list(seq.tokens)
@@ -321,19 +422,22 @@ def chat_response(plan: Plan, out: SampleOutput, fmt: ChatFormat, topk: TopK | N
 def _chat_logprobs(tok: Tokenizer, prompt: list[int], seq: SampledSequence, keep: int, plan: Plan, topk: TopK | None
                    ) -> list[dict[str, Any]]:
     tokens = list(seq.tokens[:keep])
-    texts = _token_texts(tok, tokens)
+    # A special token's text as the reply's content shows it (none): the tokens' texts add up to the content.
+    texts = [tok.decode([t], skip_special_tokens=True) for t in tokens]
     tops: list[list[dict[str, Any]]] = [[] for _ in tokens]
+    own: list[float] = [float(x) for x in seq.logprobs[:keep]]
     if plan.top_logprobs and tokens:
         if topk is None:
             raise ApiError(400, "top_logprobs is not offered by this sampler")
         assert plan.params is not None
-        ids, lps = topk([*prompt, *tokens], plan.top_logprobs, plan.params.temperature,
-                        range(len(prompt), len(prompt) + len(tokens)))
+        ids, lps, mine = topk([*prompt, *tokens], plan.top_logprobs, plan.params.temperature,
+                              range(len(prompt), len(prompt) + len(tokens)))
+        own = [float(x) for x in mine]  # the same pass as the alternatives: one number where they meet
         for j in range(len(tokens)):
-            alt = _token_texts(tok, [int(x) for x in ids[j]])
+            alt = [tok.decode([int(x)], skip_special_tokens=True) for x in ids[j]]
             tops[j] = [{"token": t, "logprob": float(v), "bytes": list(t.encode())} for t, v in zip(alt, lps[j], strict=True)]
-    return [{"token": t, "logprob": float(lp), "bytes": list(t.encode()), "top_logprobs": top}
-            for t, lp, top in zip(texts, seq.logprobs[:keep], tops, strict=True)]
+    return [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": top}
+            for t, lp, top in zip(texts, own, tops, strict=True)]
 
 
 def completion_response(plan: Plan, outs: list[SampleOutput | None], tokenizer: Tokenizer, topk: TopK | None = None,
@@ -389,10 +493,17 @@ def _completion_logprobs(tok: Tokenizer, prompt: list[int], seq: SampledSequence
             raise ApiError(400, "logprobs > 0 is not offered by this sampler")
         positions = [q for q in range(start, len(full)) if q > 0]
         temperature = plan.params.temperature if plan.params is not None else 1.0
-        ids, vals = topk(full, plan.top_logprobs, temperature, positions)
-        for j, q in enumerate(positions):
-            alt = _token_texts(tok, [int(x) for x in ids[j]])
-            tops[q - start] = {t: float(v) for t, v in zip(alt, vals[j], strict=True)}
+        # Prompt positions (echo) at temperature 1, as their logprobs are; sampled ones at the request's.
+        n_prompt = [q for q in positions if q < len(prompt)]
+        n_gen = [q for q in positions if q >= len(prompt)]
+        for group, temp in ((n_prompt, 1.0), (n_gen, temperature)):
+            if not group:
+                continue
+            ids, vals, mine = topk(full, plan.top_logprobs, temp, group)
+            for j, q in enumerate(group):
+                alt = _token_texts(tok, [int(x) for x in ids[j]])
+                tops[q - start] = {t: float(v) for t, v in zip(alt, vals[j], strict=True)}
+                lps[q - start] = float(mine[j])  # one pass: equal to its own entry among the alternatives
     offsets, pos = [], 0
     for t in texts:
         offsets.append(pos)
@@ -417,15 +528,16 @@ def sse(response: dict[str, Any], include_usage: bool) -> bytes:
                                                                 "logprobs": None, "finish_reason": c["finish_reason"]}]})
         else:
             events.append({**head, "object": obj, "choices": [c]})
-    if include_usage:
+    if include_usage:  # every chunk has `usage`: null but the last, which has only it
+        events = [{**e, "usage": None} for e in events]
         events.append({**head, "object": obj, "choices": [], "usage": response["usage"]})
     return b"".join(b"data: " + json_bytes(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    kind = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}.get(
-        status, "invalid_request_error" if status < 500 else "server_error")
-    code = {401: "invalid_api_key", 404: "model_not_found"}.get(status)
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    kind = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
+            429: "rate_limit_error"}.get(status, "invalid_request_error" if status < 500 else "server_error")
+    code = code or {401: "invalid_api_key"}.get(status)
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -464,12 +576,16 @@ class OpenAIRoutes:
         self._sessions: dict[str, tuple[SamplerSession, str | None]] = {}  # model spec -> (session, renderer)
         self._formats: dict[tuple[str, str | None], ChatFormat] = {}
         self._ids = itertools.count()
+        self._started = int(time.time())
 
-    def handle(self, method: str, route: str, headers: dict[str, str], body: bytes) -> Reply:
+    def handle(self, method: str, route: str, headers: dict[str, str], body: bytes,
+               gone: Callable[[], bool] | None = None) -> Reply:
         try:
-            return self._handle(method, route, headers, body)
+            return self._handle(method, route, headers, body, gone or _never)
+        except ClientGone:
+            return Reply(Reply.GONE)
         except ApiError as exc:
-            return Reply.json(error_body(exc.status, exc.detail), exc.status)
+            return Reply.json(error_body(exc.status, exc.detail, code=exc.code), exc.status)
         except (UserError, ValueError) as exc:
             return Reply.json(error_body(400, str(exc)[:300]), 400)
 
@@ -480,14 +596,14 @@ class OpenAIRoutes:
         given = headers.get("authorization", "").removeprefix("Bearer ").strip() or headers.get("x-api-key", "")
         return hmac.compare_digest(given.encode(), key.encode())
 
-    def _handle(self, method: str, route: str, headers: dict[str, str], body: bytes) -> Reply:
+    def _handle(self, method: str, route: str, headers: dict[str, str], body: bytes, gone: Callable[[], bool]) -> Reply:
         if not self._authorized(headers):
             raise ApiError(401, "invalid API key (send it as Authorization: Bearer <key>)")
         if route == "v1/models" or route.startswith("v1/models/"):
             if method != "GET":
                 raise ApiError(405, f"{route} takes GET, not {method}")
-            return self._models(route.removeprefix("v1/models").strip("/"))
-        if route not in ("v1/chat/completions", "v1/completions"):
+            return self._models(urllib.parse.unquote(route.removeprefix("v1/models").strip("/")))
+        if route not in ("v1/chat/completions", "v1/completions", "v1/responses"):
             raise ApiError(404, f"no route {method} /{route[:100]}")
         if method != "POST":
             raise ApiError(405, f"/{route} takes POST, not {method}")
@@ -500,6 +616,11 @@ class OpenAIRoutes:
             raise ApiError(400, "the body is not valid JSON") from None
         if not isinstance(req, dict):
             raise ApiError(400, "the request body must be a JSON object")
+        if (bad := lone_surrogate(req)) is not None:
+            raise ApiError(400, f"{bad}: a string with a lone surrogate (\\ud800-\\udfff) is not valid Unicode")
+        asked = req
+        if route == "v1/responses":  # OpenAI's Responses API, sampled as the chat completion it amounts to
+            req = responses.to_chat(req)
         model = req.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "model is required (a served model's name or a checkpoint)")
@@ -507,7 +628,7 @@ class OpenAIRoutes:
         engine = sess.model.engine()
         tokenizer = engine.get_tokenizer()
         fmt: ChatFormat | None = None
-        if route == "v1/chat/completions":
+        if route in ("v1/chat/completions", "v1/responses"):
             fmt = self._format(sess.model.name, tokenizer, renderer)
             plan = chat_plan(req, fmt, limits)
         else:
@@ -515,7 +636,14 @@ class OpenAIRoutes:
         if plan.cost > limits.max_request_tokens:
             raise ApiError(413, f"n x (prompt + max_tokens) = {plan.cost} tokens; runner serve takes at most "
                                 f"{limits.max_request_tokens} per request")
-        result = self._run(sess, plan, fmt, tokenizer)
+        if plan.stream and not plan.logprobs and not plan.echo and plan.params is not None:
+            return self._stream(sess, plan, fmt, tokenizer, gone)
+        result = self._run(sess, plan, fmt, tokenizer, gone)
+        if route == "v1/responses":
+            resp = responses.from_chat(asked, result)
+            if asked.get("stream"):
+                return Reply(200, responses.events(resp), {"content-type": "text/event-stream"})
+            return Reply.json(resp)
         if plan.stream:
             return Reply(200, sse(result, plan.include_usage), {"content-type": "text/event-stream"})
         return Reply.json(result)
@@ -532,46 +660,140 @@ class OpenAIRoutes:
                 self._formats[key] = fmt
         return fmt
 
-    def _run(self, sess: SamplerSession, plan: Plan, fmt: ChatFormat | None, tokenizer: Tokenizer) -> dict[str, Any]:
+    def _reserve(self, sess: SamplerSession, plan: Plan, gone: Callable[[], bool]) -> _Share:
+        """The request's share of the sampling budget, once it is its turn (ClientGone if its client left first)."""
         svc = self.service
         gen = plan.params.max_tokens if plan.params is not None else 0
         # The request's memory (backends/serve/memory.py), as the Tinker API's sample requests reserve it: over
-        # --max-bytes a 413 now; otherwise it waits, in arrival order, with them for tokens and bytes.
+        # --max-bytes a 413 now; otherwise it waits, in arrival order, with them for tokens and bytes (and after
+        # Limits.max_sample_wait_s of waiting on memory only ending sessions free, a 429).
         nbytes = sum(svc._sample_bytes(sess.model, plan.n, len(p), max(gen, 1), plan.echo and plan.logprobs)
-                     for p in plan.prompts) if hasattr(svc, "_sample_bytes") else 0
+                     for p in plan.prompts)
+        cap = svc.memory.max_bytes
+        if nbytes > cap:
+            raise ApiError(413, f"this request needs {fmt_bytes(nbytes)} of sampling memory ({len(plan.prompts)} "
+                                f"prompt(s) x n {plan.n}), over runner serve's --max-bytes {fmt_bytes(cap)}: send "
+                                "fewer prompts, samples or tokens per request")
         ready, refused = threading.Event(), []
 
         def fail(why: str) -> None:
             refused.append(why)
             ready.set()
 
-        svc.budget.acquire(plan.cost, ready.set, nbytes, fail)
-        ready.wait()
+        start = ready.set
+        svc.budget.acquire(plan.cost, start, nbytes, fail)
+        while not ready.wait(POLL_S):
+            if gone() and svc.budget.withdraw(start):
+                raise ClientGone
         if refused:
-            raise ApiError(413, refused[0])
+            raise ApiError(429, refused[0])
+        return _Share(svc.budget, plan.cost, nbytes)
+
+    def _run(self, sess: SamplerSession, plan: Plan, fmt: ChatFormat | None, tokenizer: Tokenizer,
+             gone: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+        svc = self.service
+        held = self._reserve(sess, plan, gone)
         try:
             try:
                 sc = svc.pool.client(sess).result()
             except Exception as exc:  # the checkpoint is gone or does not load
                 raise ApiError(404, f"model {plan.model!r} does not load: {str(exc)[:200]}") from None
             topk = _topk_of(sc)
-            if plan.params is None:
-                outs: list[SampleOutput | None] = [None] * len(plan.prompts)
-            else:
-                futs = [sc.sample(p, plan.n, plan.params) for p in plan.prompts]
+            cancelled = threading.Event()
+            outs: list[SampleOutput | None] = [None] * len(plan.prompts)
+            if plan.params is not None:
+                # Every row checks `cancelled` at each token (backends/local/decoding.py Row.add): a client that
+                # hangs up ends its rows at their next token, queued or decoding.
+                params = Watched(**_fields(plan.params), watch=lambda i, t, r: not cancelled.is_set())
+                futs = [sc.sample(p, plan.n, params) for p in plan.prompts]
+                held.after(futs)  # its memory is in use until the sampler is done with every prompt
+                _wait(futs, gone, cancelled)
                 outs = [_user_result(f) for f in futs]
             try:
                 if fmt is not None:
                     out = outs[0]
                     assert out is not None
                     return chat_response(plan, out, fmt, topk)
-                prompt_lps = ([_user_result(sc.compute_logprobs(p)) for p in plan.prompts]
-                              if plan.echo and plan.logprobs else None)
+                prompt_lps = None
+                if plan.echo and plan.logprobs:
+                    lps = [sc.compute_logprobs(p) for p in plan.prompts]
+                    _wait(lps, gone, cancelled)
+                    prompt_lps = [_user_result(f) for f in lps]
                 return completion_response(plan, outs, tokenizer, topk, prompt_lps)
             finally:
                 sess.last_used = time.monotonic()
         finally:
-            svc.budget.release(plan.cost, nbytes)
+            held.release()
+
+    def _stream(self, sess: SamplerSession, plan: Plan, fmt: ChatFormat | None, tokenizer: Tokenizer,
+                gone: Callable[[], bool]) -> Reply:
+        """A `stream = true` request whose tokens leave as they are sampled (backends/serve/streaming.py). Whatever
+        fails before its first token (a prompt over the context, a checkpoint that does not load) is still an
+        error reply; the headers go out with the first token."""
+        from backends.serve import streaming
+
+        assert plan.params is not None
+        held = self._reserve(sess, plan, gone)
+        cancelled = threading.Event()
+        try:
+            try:
+                sc = self.service.pool.client(sess).result()
+            except Exception as exc:  # the checkpoint is gone or does not load
+                raise ApiError(404, f"model {plan.model!r} does not load: {str(exc)[:200]}") from None
+            events: queue.SimpleQueue[tuple[int, int, int | None]] = queue.SimpleQueue()
+
+            def watcher(p: int) -> Callable[[int, int, str | None], bool]:
+                def watch(k: int, tok: int, reason: str | None) -> bool:
+                    events.put((p, k, tok))
+                    return not cancelled.is_set()
+                return watch
+
+            futs = [sc.sample(prompt, plan.n, Watched(**_fields(plan.params), watch=watcher(p)))
+                    for p, prompt in enumerate(plan.prompts)]
+            held.after(futs)
+            for p, f in enumerate(futs):
+                f.future().add_done_callback(lambda _, p=p: events.put((p, streaming.DONE, None)))
+            while True:  # the first event, before any header is sent
+                try:
+                    first = events.get(timeout=POLL_S)
+                    break
+                except queue.Empty:
+                    if gone():
+                        raise ClientGone from None
+            if first[1] == streaming.DONE:
+                _user_result(futs[first[0]])  # a request refused at once: its 4xx, not a stream
+        except BaseException:
+            cancelled.set()
+            held.release()
+            raise
+        chat = fmt is not None
+        if fmt is not None:
+            text_of = streaming.chat_text(fmt)
+            own = [len(x) for x in fmt.stop if isinstance(x, str)]
+        else:
+            text_of, own = streaming.completion_text(tokenizer), []
+        holdback = max([0, *(len(x) - 1 for x in plan.user_stop), *(n - 1 for n in own)])
+        head = {"id": _new_id("chatcmpl" if chat else "cmpl"), "created": int(time.time()), "model": plan.model,
+                "system_fingerprint": None}
+
+        def finish(p: int, out: SampleOutput) -> list[dict[str, Any]]:
+            one = streaming.one_prompt(plan, p)
+            if fmt is not None:
+                choices = chat_response(one, out, fmt)["choices"]
+            else:
+                choices = completion_response(one, [out], tokenizer)["choices"]
+            for c, seq in zip(choices, out.sequences, strict=True):
+                c["index"] = p * plan.n + c["index"]
+                c["_tokens"] = len(seq.tokens)
+            return choices
+
+        def done() -> None:
+            sess.last_used = time.monotonic()
+            held.release()
+
+        body = streaming.chunks(first, events, futs, plan, head, chat, text_of, holdback, finish, _user_result, gone,
+                                cancelled, done)
+        return Reply(200, headers={"content-type": "text/event-stream", "cache-control": "no-cache"}, stream=body)
 
     def _session(self, spec: str) -> tuple[SamplerSession, str | None]:
         from backends.serve.samplers import SamplerSession
@@ -579,7 +801,10 @@ class OpenAIRoutes:
         svc = self.service
         run_id = kind = name = ""
         if spec.startswith("tinker://"):
-            run_id, kind, name = svc._parse_path(spec)  # 404 once expired or deleted
+            try:
+                run_id, kind, name = svc._parse_path(spec)  # 404 once expired or deleted
+            except ApiError as exc:
+                raise ApiError(exc.status, exc.detail, exc.code or (MODEL_NOT_FOUND if exc.status == 404 else None)) from None
             if kind == "weights":
                 raise ApiError(400, f"{spec} is a training state; sample from its sampler_weights checkpoint")
         with self._lock:
@@ -592,21 +817,35 @@ class OpenAIRoutes:
         elif spec.startswith("tinker://"):
             meta = svc.store.read_run(run_id)
             if meta is None:
-                raise ApiError(404, f"no training run {run_id}")
+                raise ApiError(404, f"no training run {run_id}", code=MODEL_NOT_FOUND)
             sess = SamplerSession(f"openai:{next(self._ids)}", svc._served(meta["base_model"]), "openai", spec,
                                   source=svc.store.checkpoint_dir(run_id, kind, name))
         else:
-            local = self.hooks.local_model(spec) if self.hooks is not None else None
+            if any(len(part.encode("utf-8", "replace")) > 255 for part in spec.split("/")):
+                raise ApiError(400, f"model {spec[:60]!r}... ({len(spec.encode('utf-8', 'replace'))} bytes) is no "
+                                    "served model, and a path's parts are at most 255 bytes")
+            try:
+                local = self.hooks.local_model(spec) if self.hooks is not None else None
+            except OSError as exc:  # a name too long for the file system, say
+                raise ApiError(400, f"model {spec[:100]!r}: {exc.strerror or type(exc).__name__}") from None
             if local is None:
                 raise ApiError(404, f"model {spec[:200]!r} is neither a served model ({', '.join(svc.models)}), "
-                                    "a tinker:// sampler checkpoint, a run dir nor a checkpoint folder")
+                                    "a tinker:// sampler checkpoint, nor a run under a folder runner serve was "
+                                    "given with --runs", code=MODEL_NOT_FOUND)
             served = self._served_for(local.base_model)
-            sess = SamplerSession(f"openai:{next(self._ids)}", served, "openai", spec, source=local.path)
+            sid = f"openai:{next(self._ids)}"
+            # The checkpoint's files, copied into the server's storage as regular files (backends/serve/files.py):
+            # the sampler then reads only what the server owns, and a FIFO or link there is refused now.
+            copy = svc.store.ephemeral_dir / sid.replace(":", "-")
+            copy_folder(local.path, copy, skip=frozenset({"optimizer.pt"}))
+            sess = SamplerSession(sid, served, "openai", spec, source=copy)
             renderer = local.renderer
         with self._lock:
             hit = self._sessions.setdefault(spec, (sess, renderer))
         if hit[0] is sess:
             svc.pool.add(sess)
+        elif sess.source is not None and sess.source.is_relative_to(svc.store.ephemeral_dir):
+            shutil.rmtree(sess.source, ignore_errors=True)  # a concurrent request's copy won
         return hit
 
     def _served_for(self, base: str) -> Any:
@@ -615,22 +854,90 @@ class OpenAIRoutes:
             if base in (m.name, m.path) or _same_dir(base, m.path):
                 return m
         raise ApiError(404, f"that checkpoint was trained on {base!r}, which this server does not serve "
-                            f"(it serves {', '.join(svc.models)})")
+                            f"(it serves {', '.join(svc.models)})", code=MODEL_NOT_FOUND)
 
     def _models(self, one: str) -> Reply:
         svc = self.service
-        created = int(time.time())
-        names = list(svc.models)
+        # `created`: when this server started serving a base model, when a checkpoint was saved (stable across calls).
+        names = [(name, self._started) for name in svc.models]
         for run in svc.store.list_runs():
-            names += [c["tinker_path"] for c in svc.store.list_checkpoints(run["training_run_id"])
+            names += [(c["tinker_path"], _epoch(c.get("time"), self._started))
+                      for c in svc.store.list_checkpoints(run["training_run_id"])
                       if c.get("checkpoint_type") == "sampler"]
-        rows = [{"id": n, "object": "model", "created": created, "owned_by": "runner"} for n in names]
+        rows = [{"id": n, "object": "model", "created": t, "owned_by": "runner"} for n, t in names]
         if one:
             row = next((r for r in rows if r["id"] == one), None)
             if row is None:
-                raise ApiError(404, f"no model {one[:200]!r}")
+                raise ApiError(404, f"no model {one[:200]!r}", code=MODEL_NOT_FOUND)
             return Reply.json(row)
         return Reply.json({"object": "list", "data": rows})
+
+
+POLL_S = 0.1  # how often a waiting /v1 request looks whether its client hung up
+
+
+class ClientGone(Exception):
+    """The client of a /v1 request hung up: its work was stopped, and no reply is sent."""
+
+
+def _never() -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Watched(SamplingParams):
+    """SamplingParams with a per-token hook the local sampler calls for each row (backends/local/decoding.py
+    Row.add): watch(sample index, token, stop reason or None); False ends the row there."""
+
+    watch: Callable[[int, int, str | None], bool] | None = field(default=None, compare=False)
+
+
+def _fields(p: SamplingParams) -> dict[str, Any]:
+    return {f.name: getattr(p, f.name) for f in dataclasses.fields(SamplingParams)}
+
+
+def _wait(futs: list[Any], gone: Callable[[], bool], cancelled: threading.Event) -> None:
+    """Wait for the futures; when the client hangs up meanwhile, end their rows (`cancelled`) and raise ClientGone."""
+    inner = [f.future() for f in futs]
+    while True:
+        _, pending = concurrent.futures.wait(inner, timeout=POLL_S)
+        if not pending:
+            return
+        if gone():
+            cancelled.set()
+            raise ClientGone
+
+
+class _Share:
+    """A /v1 request's share of the sampling budget: given back once, when the request is done with it and the
+    sampler is done with every prompt it was sent (a request whose client left still decodes up to a token)."""
+
+    def __init__(self, budget: Any, cost: int, nbytes: int):
+        self.budget, self.cost, self.nbytes = budget, cost, nbytes
+        self._lock = threading.Lock()
+        self._left = 1  # the request itself, plus each future handed to the sampler
+        self._done = False
+
+    def after(self, futs: list[Any]) -> None:
+        with self._lock:
+            self._left += len(futs)
+        for f in futs:
+            f.future().add_done_callback(lambda _: self.release())
+
+    def release(self) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left > 0 or self._done:
+                return
+            self._done = True
+        self.budget.release(self.cost, self.nbytes)
+
+
+def _epoch(iso: Any, default: int) -> int:
+    try:
+        return int(datetime.datetime.fromisoformat(str(iso).replace("Z", "+00:00")).timestamp())
+    except ValueError:
+        return default
 
 
 def _same_dir(a: str, b: str) -> bool:
@@ -658,9 +965,9 @@ def _topk_of(sc: Any) -> TopK | None:
     model = getattr(sc, "model", None)
     if model is None:
         return None
-    from backends.serve.topk import topk_logprobs
+    from backends.serve.topk import topk_and_own
 
-    def topk(tokens: list[int], k: int, temperature: float, positions: Sequence[int]) -> tuple[Any, Any]:
-        return topk_logprobs(model, tokens, k, temperature, positions)
+    def topk(tokens: list[int], k: int, temperature: float, positions: Sequence[int]) -> tuple[Any, Any, Any]:
+        return topk_and_own(model, tokens, k, temperature, positions)
 
     return topk

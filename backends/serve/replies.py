@@ -13,7 +13,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,10 +47,13 @@ class Reply:
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
     file: Path | None = None  # stream this file as the body (downloads)
+    stream: Iterator[bytes] | None = None  # send these pieces as they come, chunked (/v1 streaming); closed after
 
     @classmethod
     def json(cls, obj: Any, status: int = 200) -> Reply:
         return cls(status, json_bytes(obj), {"content-type": "application/json"})
+
+    GONE = 499  # the client hung up: nothing is sent (nginx's code for it)
 
     @classmethod
     def error(cls, status: int, detail: str) -> Reply:

@@ -98,22 +98,26 @@ class Service(TrainingRoutes, SamplingRoutes, RestRoutes):
 
     # ------------------------------------------------------------ dispatch
 
-    def handle(self, method: str, path: str, headers: dict[str, str], body: bytes, base_url: str = "") -> Reply:
-        """One request. Blocks only in retrieve_future's long-poll. Never raises: every failure is a reply."""
+    def handle(self, method: str, path: str, headers: dict[str, str], body: bytes, base_url: str = "",
+               gone: Callable[[], bool] | None = None) -> Reply:
+        """One request. Blocks only in retrieve_future's long-poll and a /v1 request's sampling. Never raises: every
+        failure is a reply. `gone()` tells whether the client hung up (a /v1 request then stops its work and
+        answers Reply.GONE, which the HTTP layer does not send)."""
         try:
-            return self._dispatch(method, path, headers, body, base_url)
+            return self._dispatch(method, path, headers, body, base_url, gone)
         except ApiError as exc:
             return exc.reply()
         except Exception as exc:  # a bug of ours: say so, and keep serving
             log.exception("error handling %s %s", method, path[:200])
             return Reply.error(500, f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
 
-    def _dispatch(self, method: str, path: str, headers: dict[str, str], body: bytes, base_url: str) -> Reply:
+    def _dispatch(self, method: str, path: str, headers: dict[str, str], body: bytes, base_url: str,
+                  gone: Callable[[], bool] | None = None) -> Reply:
         route = path.split("?", 1)[0].removeprefix("/api/v1/").strip("/")
         if route.startswith("files/"):  # signed download URLs carry their own authorisation
             return self.downloads.serve(route, path) if method == "GET" else Reply.error(405, "downloads are GET")
         if route == "v1" or route.startswith("v1/"):
-            return self.openai.handle(method, route, headers, body)
+            return self.openai.handle(method, route, headers, body, gone)
         if (self.api_key is not None and route != "healthz"
                 and not hmac.compare_digest(headers.get("x-api-key", "").encode(), self.api_key.encode())):
             return Reply.error(401, "invalid API key")

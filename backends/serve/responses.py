@@ -1,0 +1,184 @@
+"""OpenAI's Responses API (`POST /v1/responses`, docs/openai.md) over the chat path: a request is read into a chat
+completion request (`to_chat`), sampled as one, and its chat.completion written back as a `response` object
+(`from_chat`), or as the Responses stream's events (`events`).
+
+Taken: `input` (a string, or a list of messages {role, content: a string or input_text parts} and of function_call /
+function_call_output items), `instructions` (a system message first), `max_output_tokens`, `temperature`, `top_p`,
+`tools` (function tools), `tool_choice` "auto", `stream`, and fields that change nothing here (`store`, `metadata`,
+`user`, `truncation` "disabled", `parallel_tool_calls` true, `text.format` text, `include` []). Anything else
+(built-in tools, `previous_response_id`: this server keeps no responses, reasoning settings, images) is a 400
+naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Any
+
+from backends.serve.replies import ApiError, json_bytes
+
+RESPONSES_MAX_TOKENS = 512  # when max_output_tokens is not given (as chat's default)
+IGNORED = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools",
+                     "tool_choice", "stream", "store", "metadata", "user", "truncation", "parallel_tool_calls",
+                     "text", "include", "seed", "service_tier", "stream_options", "safety_identifier",
+                     "prompt_cache_key"})
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+def _text_of(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, p in enumerate(content):
+            if not (isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
+                    and isinstance(p.get("text"), str)):
+                raise ApiError(400, f"{where}[{j}]: only input_text / output_text parts are supported")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise ApiError(400, f"{where} must be a string or a list of input_text parts")
+
+
+def to_chat(req: dict[str, Any]) -> dict[str, Any]:
+    """The chat completion request that samples what `req` asks (ApiError for what is not supported)."""
+    for key, value in req.items():
+        if key not in IGNORED and value is not None and not (key == "top_logprobs" and value == 0):
+            raise ApiError(400, f"{key} is not supported by runner serve's /v1/responses")
+    if req.get("truncation") not in (None, "disabled"):
+        raise ApiError(400, "truncation: only 'disabled' is supported")
+    if req.get("parallel_tool_calls") is False:
+        raise ApiError(400, "parallel_tool_calls = false is not supported (the model may call several tools)")
+    fmt = (req.get("text") or {}).get("format") if isinstance(req.get("text"), dict) else None
+    if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
+        raise ApiError(400, f"text.format {str(fmt.get('type'))[:40]!r} is not supported (only text)")
+    if req.get("include"):
+        raise ApiError(400, "include is not supported")
+    messages: list[dict[str, Any]] = []
+    instructions = req.get("instructions")
+    if instructions is not None:
+        messages.append({"role": "system", "content": _text_of(instructions, "instructions")})
+    inp = req.get("input")
+    if isinstance(inp, str):
+        messages.append({"role": "user", "content": inp})
+    elif isinstance(inp, list) and inp:
+        for i, item in enumerate(inp):
+            where = f"input[{i}]"
+            if not isinstance(item, dict):
+                raise ApiError(400, f"{where} must be an object")
+            kind = item.get("type", "message")
+            if kind == "message":
+                role = item.get("role")
+                if role not in ("user", "assistant", "system", "developer"):
+                    raise ApiError(400, f"{where}.role must be user, assistant, system or developer")
+                messages.append({"role": role, "content": _text_of(item.get("content"), f"{where}.content")})
+            elif kind == "function_call":
+                if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str):
+                    raise ApiError(400, f"{where}: a function_call needs name and arguments (a JSON string)")
+                call = {"id": item.get("call_id"), "type": "function",
+                        "function": {"name": item["name"], "arguments": item.get("arguments", "{}")}}
+                if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
+                    messages[-1]["tool_calls"].append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif kind == "function_call_output":
+                out = item.get("output")
+                messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                                 "content": out if isinstance(out, str) else json.dumps(out)})
+            else:
+                raise ApiError(400, f"{where}.type {str(kind)[:40]!r} is not supported (message, function_call, "
+                                    "function_call_output)")
+    else:
+        raise ApiError(400, "input must be a string or a non-empty list of input items")
+    chat: dict[str, Any] = {"model": req.get("model"), "messages": messages,
+                            "max_tokens": req.get("max_output_tokens") or RESPONSES_MAX_TOKENS}
+    for key in ("temperature", "top_p", "seed", "tool_choice"):
+        if req.get(key) is not None:
+            chat[key] = req[key]
+    tools = req.get("tools")
+    if tools:
+        if not isinstance(tools, list):
+            raise ApiError(400, "tools must be a list")
+        chat["tools"] = []
+        for j, t in enumerate(tools):
+            if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str)):
+                raise ApiError(400, f"tools[{j}]: only function tools {{type: 'function', name, parameters}} are "
+                                    "supported")
+            chat["tools"].append({"type": "function", "function": {
+                "name": t["name"], "description": t.get("description") or "",
+                "parameters": t.get("parameters") or {"type": "object", "properties": {}}}})
+    return chat
+
+
+def from_chat(req: dict[str, Any], completion: dict[str, Any]) -> dict[str, Any]:
+    """The `response` object of `req` from its chat.completion."""
+    choice = completion["choices"][0]
+    msg = choice["message"]
+    output: list[dict[str, Any]] = []
+    if msg.get("content") or not msg.get("tool_calls"):
+        output.append({"type": "message", "id": _new_id("msg"), "status": "completed", "role": "assistant",
+                       "content": [{"type": "output_text", "text": msg.get("content") or "", "annotations": [],
+                                    "logprobs": []}]})
+    for call in msg.get("tool_calls") or []:
+        output.append({"type": "function_call", "id": _new_id("fc"), "call_id": call.get("id") or _new_id("call"),
+                       "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                       "status": "completed"})
+    cut = choice["finish_reason"] == "length"
+    usage = completion["usage"]
+    tools = req.get("tools") or []
+    return {
+        "id": _new_id("resp"), "object": "response", "created_at": int(time.time()),
+        "status": "incomplete" if cut else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
+        "instructions": req.get("instructions"), "max_output_tokens": req.get("max_output_tokens"),
+        "model": completion["model"], "output": output, "parallel_tool_calls": True,
+        "temperature": req.get("temperature", 1.0), "top_p": req.get("top_p", 1.0),
+        "tool_choice": req.get("tool_choice") or "auto", "tools": tools, "store": False,
+        "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": req.get("metadata") or {},
+        "previous_response_id": None, "reasoning": None, "user": req.get("user"),
+        "usage": {"input_tokens": usage["prompt_tokens"],
+                  "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                  "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                  "total_tokens": usage["total_tokens"]},
+    }
+
+
+def events(resp: dict[str, Any]) -> bytes:
+    """`resp` as the Responses API's server-sent events: created, in_progress, then per output item its added /
+    (text: content part, text delta, text done, part done) / done events, then completed."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    pending = {**resp, "status": "in_progress", "output": [], "usage": None, "incomplete_details": None}
+    out.append(("response.created", {"response": pending}))
+    out.append(("response.in_progress", {"response": pending}))
+    for i, item in enumerate(resp["output"]):
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            empty = {**item, "status": "in_progress", "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            out.append(("response.output_item.added", {"output_index": i, "item": empty}))
+            out.append(("response.content_part.added", {"item_id": item["id"], "output_index": i,
+                                                        "content_index": 0, "part": part}))
+            if text:
+                out.append(("response.output_text.delta", {"item_id": item["id"], "output_index": i,
+                                                           "content_index": 0, "delta": text, "logprobs": []}))
+            out.append(("response.output_text.done", {"item_id": item["id"], "output_index": i, "content_index": 0,
+                                                      "text": text, "logprobs": []}))
+            out.append(("response.content_part.done", {"item_id": item["id"], "output_index": i,
+                                                       "content_index": 0, "part": item["content"][0]}))
+        else:
+            out.append(("response.output_item.added", {"output_index": i,
+                                                        "item": {**item, "arguments": "", "status": "in_progress"}}))
+            out.append(("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": i,
+                                                                   "delta": item["arguments"]}))
+            out.append(("response.function_call_arguments.done", {"item_id": item["id"], "output_index": i,
+                                                                  "name": item["name"],
+                                                                  "arguments": item["arguments"]}))
+        out.append(("response.output_item.done", {"output_index": i, "item": item}))
+    out.append(("response.completed" if resp["status"] == "completed" else "response.incomplete", {"response": resp}))
+    return b"".join(b"event: " + kind.encode() + b"\ndata: "
+                    + json_bytes({"type": kind, "sequence_number": n, **data}) + b"\n\n"
+                    for n, (kind, data) in enumerate(out))
