@@ -148,25 +148,12 @@ def _params(f: Fields, default_max_tokens: int, stop: list[str] | list[int] | No
     top_p = f.float("top_p", 1.0, lo=0.0, hi=1.0)
     if top_p == 0.0:
         raise ApiError(400, "top_p must be in (0, 1]")
-    temperature, top_p = greedy_floor(temperature, top_p)
     top_k = f.int("top_k", -1, lo=-1)  # not OpenAI's; vLLM and others accept it
     seed = f.int("seed", None)
     if max_tokens == 0:
         return None
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                           stop=stop, seed=seed)
-
-
-GREEDY_BELOW = 1e-6
-
-
-def greedy_floor(temperature: float, top_p: float) -> tuple[float, float]:
-    """A temperature or top_p under GREEDY_BELOW is greedy decoding (temperature 0): the one rule for values too
-    small to sample with (1e-40 overflowed the sampler's logits; top_p 1e-300 kept no token), as the local sampler
-    reads them too. Anything that small already picks the most likely token."""
-    if temperature < GREEDY_BELOW or top_p < GREEDY_BELOW:
-        return 0.0, 1.0
-    return temperature, top_p
 
 
 def _small_int(f: Fields, key: str, default: int, lo: int, hi: int) -> int:

@@ -183,10 +183,9 @@ def sampling_params(f: Fields) -> SamplingParams:
     if stop is not None and not (isinstance(stop, list) and (all(isinstance(s, str) for s in stop)
                                                              or all(type(s) is int for s in stop))):
         raise ApiError(400, "sampling_params.stop must be a string, a list of strings or a list of token ids")
-    from backends.serve.openai_api import greedy_floor
-
-    temperature, top_p = greedy_floor(f.float("temperature", 1.0, lo=0.0), f.float("top_p", 1.0, lo=1e-300, hi=1.0))
-    return SamplingParams(max_tokens=f.int("max_tokens", 64, lo=1), temperature=temperature, top_p=top_p,
+    # Values too small to sample with are greedy in the sampler itself (backends/types.py TEMPERATURE_FLOOR, TOP_P_FLOOR).
+    return SamplingParams(max_tokens=f.int("max_tokens", 64, lo=1), temperature=f.float("temperature", 1.0, lo=0.0),
+                          top_p=f.float("top_p", 1.0, lo=1e-300, hi=1.0),
                           top_k=f.int("top_k", -1, lo=-1), stop=stop, seed=f.int("seed", None))
 
 
