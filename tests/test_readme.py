@@ -15,10 +15,10 @@ def _bash_blocks() -> list[str]:
 def test_ci_runs_the_readme_test_command() -> None:
     """.ci/run's first pytest is the README's test command, verbatim, with nothing pip-installed before it (so the
     suite passes with `.[dev]` alone, the optional extras' tests skipping); its second runs those tests (`-m extras`)
-    after installing the extras."""
+    after installing the extras (later ones, e.g. the trackers', come after both)."""
     commands = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line.strip() and not line.startswith("#")]
     ci_lines = [line for line in commands if "pytest" in line]
-    assert len(ci_lines) == 2
+    assert len(ci_lines) >= 2
     test_command = _bash_blocks()[1].strip()
     assert ci_lines[0].strip() == test_command and " -q " not in test_command  # pip's progress shows
     first = commands.index(ci_lines[0])
