@@ -132,7 +132,8 @@ class MockTinker:
 
     # ------------------------------------------------------------ the HTTP app
 
-    def handle(self, method: str, path: str, headers: dict[str, str], body: bytes, base_url: str = "") -> Reply:
+    def handle(self, method: str, path: str, headers: dict[str, str], body: bytes, base_url: str = "",
+               gone: object = None) -> Reply:  # gone: the server's hang-up check (the mock answers at once)
         route = path.split("?", 1)[0].removeprefix("/api/v1/").strip("/")
         if route.startswith("sessions/") and route.endswith("/finish"):
             route = "finish"

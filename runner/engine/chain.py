@@ -96,6 +96,20 @@ def ref_fields(recipe: Recipe) -> list[tuple[str, str, bool]]:
             if keys and is_ref(field.type) and isinstance(value := getattr(node, field.name), str)]
 
 
+class _RunOrder:
+    """Stages in the order to run them, each run once (by ref)."""
+
+    def __init__(self) -> None:
+        self.stages: list[Upstream] = []
+        self._refs: set[str] = set()
+
+    def add(self, stages: list[Upstream]) -> None:
+        for d in stages:
+            if d.ref not in self._refs:
+                self._refs.add(d.ref)
+                self.stages.append(d)
+
+
 def dependencies(recipe: Recipe, where: str, seen: tuple[str, ...] = (),
                  memo: dict[str, list[Upstream]] | None = None) -> list[Upstream]:
     """The runs the algorithm samples from (ref_fields), each after the runs it depends on itself, in the order
@@ -106,15 +120,8 @@ def dependencies(recipe: Recipe, where: str, seen: tuple[str, ...] = (),
     if len(seen) > MAX_CHAIN:
         raise UserError(f"{where}: chain of teachers, judges and run outputs deeper than {MAX_CHAIN} runs; make it "
                         "shorter")
-    out: list[Upstream] = []
-    have: set[str] = set()
-
-    def add(stages: list[Upstream]) -> None:
-        for d in stages:
-            if d.ref not in have:
-                have.add(d.ref)
-                out.append(d)
-
+    order = _RunOrder()
+    add = order.add
     # The init_from chain's stages are all in upstreams(): each needs what its own references need.
     for stage in upstreams(recipe, where):
         if not stage.runnable:
@@ -126,21 +133,14 @@ def dependencies(recipe: Recipe, where: str, seen: tuple[str, ...] = (),
                 _SESSION.ref_dependencies[stage.ref] = known
         add(known)
     add(_ref_dependencies(recipe, where, seen, memo))
-    return out
+    return order.stages
 
 
 def _ref_dependencies(recipe: Recipe, where: str, seen: tuple[str, ...],
                       memo: dict[str, list[Upstream]]) -> list[Upstream]:
     """What the references of `recipe` itself (not of its init_from chain) need, in the order to run them."""
-    out: list[Upstream] = []
-    have: set[str] = set()
-
-    def add(stages: list[Upstream]) -> None:
-        for d in stages:
-            if d.ref not in have:
-                have.add(d.ref)
-                out.append(d)
-
+    order = _RunOrder()
+    add = order.add
     for path, ref, samples in ref_fields(recipe):
         prefix = f"{where}: {path} {ref!r}"
         stage = _stage(ref, prefix, list(seen))
@@ -157,7 +157,7 @@ def _ref_dependencies(recipe: Recipe, where: str, seen: tuple[str, ...],
             add(memo[key])
             add(upstreams(stage.recipe, stage.ref))
         add([stage])
-    return out
+    return order.stages
 
 
 @dataclass
