@@ -46,5 +46,7 @@ def test_render_with_nothing_to_show_is_one_line(proj: Path, capsys: pytest.Capt
     assert main(["render", "r.toml#t", "--json"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err.strip().endswith("r.toml#t has nothing to show (its data or env gave no rows or prompts)")
+    # Prefixed FILE#name: as `run`'s errors are (#39).
+    assert captured.err == ("error: r.toml#t: runner render: nothing to show (its data or env gave no rows or "
+                            "prompts)\n")
     assert len(captured.err.strip().splitlines()) == 1
