@@ -202,15 +202,13 @@ class FakeTrainingClient:
         except ValueError as exc:
             raise BackendError(str(exc), user_error=True) from None
 
-        def t(x: np.ndarray | None) -> torch.Tensor | None:
-            return None if x is None else torch.as_tensor(x, dtype=torch.float64)
-
         lps, grads, total = [], [], 0.0
         for d in data:
             d.check_for(loss_fn)
             lp_np = self._logprobs(d).astype(np.float64)
             lp = torch.tensor(lp_np, requires_grad=True)
-            loss = spec.masked_sum(lp, losses.LossInputs(t(d.weights), t(d.logprobs), t(d.advantages), t(d.mask)), cfg)
+            inputs = losses.LossInputs.of(d, lambda x: torch.as_tensor(x, dtype=torch.float64))
+            loss = spec.masked_sum(lp, inputs, cfg)
             (g,) = torch.autograd.grad(loss, lp, allow_unused=True)
             lps.append(lp_np.astype(np.float32))
             grads.append(np.zeros_like(lp_np) if g is None else g.numpy())

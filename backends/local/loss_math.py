@@ -27,10 +27,7 @@ def resolve_config(loss_fn: str, config: Mapping[str, float] | None) -> dict[str
 
 
 def inputs_from_datum(datum: Datum, device: torch.device) -> LossInputs:
-    def t(x):
-        return None if x is None else torch.as_tensor(x, dtype=torch.float32, device=device)
-
-    return LossInputs(t(datum.weights), t(datum.logprobs), t(datum.advantages), t(datum.mask))
+    return LossInputs.of(datum, lambda x: torch.as_tensor(x, dtype=torch.float32, device=device))
 
 
 _FIELDS = ("weights", "logprobs", "advantages", "mask")

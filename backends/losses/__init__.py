@@ -30,7 +30,7 @@ import inspect
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Protocol
 
 import msgspec
 from msgspec import Meta
@@ -38,9 +38,23 @@ from msgspec import Meta
 from backends.configs import ConfigStruct, config_modules, found
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 Tensor = Any  # torch.Tensor, without importing torch at runtime
+
+
+class HasLossInputs(Protocol):
+    """What a datum carries for the loss (backends/types.py Datum; not imported: it imports this package)."""
+
+    @property
+    def weights(self) -> np.ndarray | None: ...
+    @property
+    def logprobs(self) -> np.ndarray | None: ...
+    @property
+    def advantages(self) -> np.ndarray | None: ...
+    @property
+    def mask(self) -> np.ndarray | None: ...
 
 
 @dataclass(frozen=True)
@@ -51,6 +65,15 @@ class LossInputs:
     logprobs: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, datum: HasLossInputs, tensor: Callable[[np.ndarray], torch.Tensor]) -> LossInputs:
+        """The datum's weights, logprobs, advantages and mask, each through `tensor` (None stays None)."""
+
+        def t(x: np.ndarray | None) -> torch.Tensor | None:
+            return None if x is None else tensor(x)
+
+        return cls(t(datum.weights), t(datum.logprobs), t(datum.advantages), t(datum.mask))
 
 
 # (lp, inputs, config) -> the per-token loss, shaped like lp, before the mask.

@@ -83,14 +83,11 @@ class ProbeTraining:
         except ValueError as exc:
             raise BackendError(str(exc), user_error=True) from None
 
-        def t(x: np.ndarray | None) -> torch.Tensor | None:
-            return None if x is None else torch.as_tensor(x, dtype=torch.float64)
-
         lps, total = [], 0.0
         for d in data:
             d.check_for(loss_fn)
             lp = self._logprobs(d)
-            inputs = losses.LossInputs(t(d.weights), t(d.logprobs), t(d.advantages), t(d.mask))
+            inputs = losses.LossInputs.of(d, lambda x: torch.as_tensor(x, dtype=torch.float64))
             total += float(spec.masked_sum(torch.as_tensor(lp, dtype=torch.float64), inputs, cfg))
             lps.append(lp)
         return ForwardBackwardOutput(logprobs=lps, metrics={"loss:sum": total})
