@@ -1,6 +1,7 @@
 """`runner run | check | show | list | export | sweep | compare | plot | serve`: the command line over runner/recipe/schema.py
 and runner/engine/loop.py (sweeps, comparison and plots: runner/tools/sweep.py, runner/tools/compare.py, runner/tools/plot.py; the
-Tinker-compatible server: backends/serve/).
+Tinker-compatible server: runner/tools/serve_command.py over backends/serve/; sample, chat and eval:
+runner/tools/talk_command.py).
 
 Exit codes: 0 ok, 2 a user error (one line on stderr, no traceback), 3 budget reached (checkpointed), 130 interrupted, 1 a bug
 (with its traceback). `check`, `show` and `list` never import torch: the loop, and with it the
@@ -29,8 +30,11 @@ from runner.recipe.load import (
 )
 from runner.renderers.auto import auto_note as renderer_note
 from runner.threads import prefer_passive_openmp
+from runner.tools.serve_command import add_parser as add_serve
 from runner.tools.smoke import check_smoke
 from runner.tools.sweep import check_line, refuse_sweep, show_sweep
+from runner.tools.talk_command import add_parsers as add_talk
+from runner.tools.talk_command import at_least_one
 
 SMOKE_HELP = ("run it end to end offline in seconds: local backend, a stand-in model, the recipe's smoke table "
               "(data, env, model, steps), 2 steps, run dir <name>-smoke; every stage of a chain (docs/smoke.md)")
@@ -154,56 +158,7 @@ def _parser() -> argparse.ArgumentParser:
     smoke.add_argument("names", nargs="*", metavar="NAME", help="recipes to smoke (default: all)")
     smoke.set_defaults(command=cmd_smoke)
 
-    serve = sub.add_parser(
-        "serve",
-        help="serve the local backend as a Tinker-compatible API, so Tinker programs run offline",
-        description="Serve the Tinker API (the routes the tinker SDK and tinker-cookbook use) over the local "
-        "torch backend. Point a Tinker program at it with TINKER_BASE_URL=http://HOST:PORT and any "
-        "TINKER_API_KEY starting with tml- (or the key in --api-key-env).",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  runner serve                                  # tiny, on 127.0.0.1:8000\n"
-        "  runner serve --model Qwen/Qwen3-0.6B=/models/qwen3-0.6b --storage ~/.runner-serve\n"
-        "  runner serve --port 0 --port-file /tmp/port  # a free port, written to the file once listening\n"
-        "  runner serve --runs ~/runs                    # /v1 requests may name run dirs under ~/runs\n",
-    )
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    serve.add_argument("--port", type=int, default=8000, 
-                       help="port (0: a free one, logged as `runner serve: http://HOST:PORT`; see --port-file)")
-    serve.add_argument("--port-file", type=Path, help="write the bound port to this file once listening")
-    serve.add_argument("--model", action="append", default=[], metavar="NAME=PATH",
-                       help="serve the model at PATH (a Hugging Face folder, a cached hub id, or tiny) under NAME; "
-                       "repeatable; default: tiny")
-    serve.add_argument("--storage", type=Path, default=Path("serve-storage"),
-                       help="folder for training runs and checkpoints (kept across restarts; default ./serve-storage)")
-    serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                       help="auto: cuda for a model of 50M parameters or more where CUDA exists, else cpu")
-    serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                       help="of the base weights and activations (adapters stay float32); auto: bfloat16 on cuda, "
-                       "float32 on cpu")
-    serve.add_argument("--sampler-weights", choices=["auto", "merged", "lora"], default="auto",
-                       help="sampling clients hold merged weights (fastest) or share the base and apply their LoRA "
-                       "unmerged (an extra client costs its adapters); auto: merged on the CPU in float32 under 1 GiB")
-    serve.add_argument("--api-key-env", metavar="VAR", help="require the API key held in environment variable VAR")
-    serve.add_argument("--sampler-idle-s", type=float, default=None,
-                       help="free a sampling session's model after this many idle seconds (default 30)")
-    serve.add_argument("--max-live-samplers", type=int, default=None,
-                       help="sampling sessions that may hold a loaded model at once (default 4)")
-    serve.add_argument("--renderer", default=None,
-                       help="renderer of /v1/chat/completions (default: a checkpoint's run's, else auto; docs/openai.md)")
-    serve.add_argument("--max-models", type=int, default=None, metavar="N",
-                       help="live training runs held at once (default 32); one more is refused with a 400")
-    serve.add_argument("--max-bytes", default=None, metavar="SIZE",
-                       help="memory live sessions may hold: base models, training runs' adapters + gradients + "
-                            "optimizer state, in-flight sampling (e.g. 24G; default: half the machine's memory, or 90%% "
-                            "of the GPU's when a served model is placed on cuda)")
-    serve.add_argument("--runs", action="append", type=Path, default=[], metavar="DIR",
-                       help="a /v1 request's `model` may name a run dir (or checkpoint) under DIR; repeatable; default: "
-                       "none (only served models and this server's own tinker:// checkpoints)")
-    serve.add_argument("--trust-code", action="append", type=Path, default=[], metavar="DIR",
-                       help="runs under DIR may have their recipe's own renderer code (renderer = 'pkg.mod:NAME') "
-                       "imported; repeatable; default: none (such a run's chat requests are refused)")
-    serve.add_argument("-v", "--verbose", action="store_true", help="log every request")
-    serve.set_defaults(command=cmd_serve)
+    add_serve(sub)
 
     ls = sub.add_parser("list", help="one line per recipe: name, algorithm, model, backend")
     ls.add_argument("file", nargs="?", default=DEFAULT_FILE, metavar="FILE", help=f"default: {DEFAULT_FILE}")
@@ -226,47 +181,9 @@ def _parser() -> argparse.ArgumentParser:
                              "most chat models, where merging rounds the update; float32 keeps it exact)")
     export.set_defaults(command=cmd_export)
     _science_commands(sub)
-    _talk_commands(sub)
+    add_talk(sub)
     _numerics_command(sub)
     return parser
-
-
-def _talk_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """`runner sample | chat | eval` (runner/tools/talk.py)."""
-    target_help = "a run dir, or a recipe FILE#name (its run dir)"
-    ckpt_help = "a checkpoint by name (checkpoints.jsonl); default: the last one; 'base': the base model"
-
-    sample = sub.add_parser("sample", help="sample completions from a checkpoint of a run",
-                            description="Sample replies to prompts from any checkpoint, through the run's backend.")
-    sample.add_argument("target", metavar="RUN_DIR|FILE#NAME", help=target_help)
-    sample.add_argument("prompt", nargs="?", help="a user message (or --file)")
-    sample.add_argument("--checkpoint", metavar="NAME", help=ckpt_help)
-    sample.add_argument("--file", metavar="PROMPTS.jsonl", help='rows {"prompt": "..."} or {"messages": [...]}')
-    sample.add_argument("--n", type=int, default=1, help="completions per prompt (default 1)")
-    sample.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1)")
-    sample.add_argument("--max-tokens", type=int, default=128, help="default 128")
-    sample.add_argument("--seed", type=int, default=None, help="make the samples reproducible")
-    sample.add_argument("--system", metavar="TEXT", help="a system message before each prompt")
-    sample.add_argument("--json", action="store_true", help="one JSON line per prompt")
-    sample.set_defaults(command=cmd_sample)
-
-    chat = sub.add_parser("chat", help="chat with a checkpoint of a run (stdin/stdout)",
-                          description="A multi-turn chat with any checkpoint; /reset starts over, /quit or EOF ends.")
-    chat.add_argument("target", metavar="RUN_DIR|FILE#NAME", help=target_help)
-    chat.add_argument("--checkpoint", metavar="NAME", help=ckpt_help)
-    chat.add_argument("--temperature", type=float, default=0.7, help="default 0.7")
-    chat.add_argument("--max-tokens", type=int, default=256, help="default 256")
-    chat.add_argument("--system", metavar="TEXT", help="a system message")
-    chat.set_defaults(command=cmd_chat)
-
-    ev = sub.add_parser("eval", help="run the recipe's evaluators on a checkpoint",
-                        description="The recipe's held-out evals (SFT test/nll, RL test reward, DPO and reward-model "
-                        "test/accuracy, distillation test/teacher_kl) and its pinned [[evals]] on one checkpoint; "
-                        "appended to evals.jsonl.")
-    ev.add_argument("target", metavar="RUN_DIR|FILE#NAME", help=target_help)
-    ev.add_argument("--checkpoint", metavar="NAME|STEP",
-                    help="a checkpoint by name, or by the steps it was saved after (e.g. 20); default: the last one")
-    ev.set_defaults(command=cmd_eval)
 
 
 def _numerics_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -286,51 +203,9 @@ def _numerics_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def cmd_numerics(args: argparse.Namespace) -> int:
     from runner.tools.numerics import check
 
-    _at_least_one(args.n, "--n")
+    at_least_one(args.n, "--n")
     prefer_passive_openmp()
     return check(args.ref, args.overrides, args.n, args.json, sys.stdout)
-
-
-def _at_least_one(value: int, flag: str) -> None:
-    if value < 1:
-        raise UserError(f"{flag} must be >= 1, got {value}")
-
-
-def cmd_sample(args: argparse.Namespace) -> int:
-    from runner.tools.talk import check_text, read_prompts, sample
-
-    if (args.prompt is None) == (args.file is None):
-        raise UserError("give a prompt or --file PROMPTS.jsonl (one of them)")
-    _at_least_one(args.n, "--n")
-    _at_least_one(args.max_tokens, "--max-tokens")
-    if args.temperature < 0:
-        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
-    prompts = read_prompts(args.file) if args.file else [[{"role": "user", "content": check_text(args.prompt, "the prompt")}]]
-    if args.system:
-        prompts = [[{"role": "system", "content": check_text(args.system, "--system")}, *p] for p in prompts]
-    prefer_passive_openmp()
-    sample(args.target, args.checkpoint, prompts, args.n, args.temperature, args.max_tokens, args.seed, args.json,
-           sys.stdout)
-    return 0
-
-
-def cmd_chat(args: argparse.Namespace) -> int:
-    from runner.tools.talk import chat
-
-    _at_least_one(args.max_tokens, "--max-tokens")
-    if args.temperature < 0:
-        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
-    prefer_passive_openmp()
-    chat(args.target, args.checkpoint, args.temperature, args.max_tokens, args.system, sys.stdin, sys.stdout)
-    return 0
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    from runner.tools.talk import evaluate
-
-    prefer_passive_openmp()
-    evaluate(args.target, args.checkpoint, sys.stdout)
-    return 0
 
 
 def _science_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -444,74 +319,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 130
     except BudgetReached:  # the recipe's budget: the loop saved a checkpoint and said why (docs/cost.md)
         return 3
-    return 0
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    import logging
-    import signal
-
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    for noisy in ("httpx", "urllib3", "filelock"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    prefer_passive_openmp()  # before torch loads (runner/threads.py)
-    from backends.serve.http import ServeConfig, serve_forever
-    from runner.renderers import names as renderer_names
-    from runner.tools.openai_serve import serve_hooks
-
-    if args.renderer is not None and args.renderer not in renderer_names():
-        from runner.renderers.registry import USER_RENDERER, user_factory
-
-        if not USER_RENDERER.match(args.renderer):
-            raise UserError(f"--renderer {args.renderer!r} is unknown; choose one of: {', '.join(renderer_names())}, "
-                            "or your own as 'pkg.mod:NAME'")
-        try:  # your own, as a recipe's `renderer` may be: imported now, not at the first chat request
-            user_factory(args.renderer)
-        except UserError as e:
-            raise UserError(f"--renderer: {e}") from None
-    from backends.serve.limits import Limits
-    from backends.serve.memory import parse_bytes
-
-    # Each flag is checked here, before any model loads: a port out of range was an OverflowError at bind, a storage
-    # path through a file a NotADirectoryError, and 0 live samplers or a negative idle time were taken as given.
-    if not 0 <= args.port <= 65535:
-        raise UserError(f"--port {args.port}: expected 0 (a free port) to 65535")
-    if args.max_live_samplers is not None and args.max_live_samplers < 1:
-        raise UserError(f"--max-live-samplers {args.max_live_samplers}: must be at least 1")
-    if args.sampler_idle_s is not None and not args.sampler_idle_s >= 0:  # `not >=`: NaN too
-        raise UserError(f"--sampler-idle-s {args.sampler_idle_s}: must be a number of seconds >= 0")
-    on_the_way = next((p for p in (args.storage, *args.storage.parents) if p.exists() and not p.is_dir()), None)
-    if on_the_way is not None:
-        raise UserError(f"--storage {args.storage}: {on_the_way} is a file, not a folder")
-    for flag, dirs in (("--runs", args.runs), ("--trust-code", args.trust_code)):
-        if bad := next((d for d in dirs if not d.is_dir()), None):
-            raise UserError(f"{flag} {bad}: not a folder")
-    caps: dict[str, int] = {}
-    if args.max_models is not None:
-        if args.max_models < 1:
-            raise UserError(f"--max-models {args.max_models}: must be at least 1")
-        caps["max_models"] = args.max_models
-    if args.max_bytes is not None:
-        try:
-            caps["max_bytes"] = parse_bytes(args.max_bytes)
-        except ValueError as exc:
-            raise UserError(f"--max-bytes {exc}") from None
-
-    def stop(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
-    cfg = ServeConfig(host=args.host, port=args.port, port_file=args.port_file, models=tuple(args.model),
-                      storage=args.storage, device=args.device, dtype=args.dtype,
-                      sampler_weights=args.sampler_weights,
-                      api_key_env=args.api_key_env,
-                      sampler_idle_s=args.sampler_idle_s, max_live_samplers=args.max_live_samplers,
-                      limits=Limits(**caps), openai=serve_hooks(args.renderer, args.runs, args.trust_code))
-    try:
-        serve_forever(cfg)
-    except KeyboardInterrupt:
-        print("runner serve: stopped", file=sys.stderr)
     return 0
 
 

@@ -1,5 +1,5 @@
 """No module of runner/ or backends/ is over MAX_LINES lines (#41): a longer one is split along a seam of its own
-(runner/engine/rundir.py -> checkpoints.py, loop.py -> interrupt.py). Two are over it today, each named below with
+(runner/engine/rundir.py -> checkpoints.py, loop.py -> interrupt.py). One is over it today, named below with
 who splits it; the test fails on a listed module that has come under the limit, so the list only shrinks."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ ROOT = Path(__file__).resolve().parent.parent
 MAX_LINES = 650
 # Over the limit, to be split (the test fails once one is not, so that its line here goes).
 OVER: frozenset[str] = frozenset({
-    "runner/cli.py",  # the command line (690 lines at 1d53e77)
     "backends/serve/openai_api.py",  # runner serve's OpenAI routes (666 lines at 1d53e77)
 })
 
