@@ -299,7 +299,7 @@ def test_tool_calls_round_trip_through_the_plain_call_convention():
     import transformers
 
     from backends.local.model import resolve_model_dir
-    from backends.serve.openai_api import chat_plan, chat_response
+    from backends.serve.chat_api import chat_plan, chat_response
     from backends.types import SampledSequence, SampleOutput
     from runner.renderers.base import make_tool_call
     from runner.rl.openai_chat import chat_format

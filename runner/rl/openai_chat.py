@@ -1,4 +1,4 @@
-"""OpenAI chat messages over runner's renderers: the `ChatFormat` that backends/serve/openai_api.py renders chat
+"""OpenAI chat messages over runner's renderers: the `ChatFormat` that backends/serve/chat_api.py renders chat
 completions with (`runner serve`'s /v1/chat/completions, and the verifiers env's in-process client). `runner serve`'s
 hooks are runner/tools/openai_serve.py.
 
@@ -21,7 +21,7 @@ from runner.rl.envs.tool_use import TOOL_FORMATS, parse_plain_calls, plain_text_
 
 
 class RendererChat:
-    """backends.serve.openai_api.ChatFormat over a ChatRenderer."""
+    """backends.serve.chat_api.ChatFormat over a ChatRenderer."""
 
     def __init__(self, chat: ChatRenderer):
         self.chat = chat

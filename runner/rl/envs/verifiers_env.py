@@ -4,7 +4,7 @@ cookbook's verifiers_rl recipe), rolled out through runner's own sampler, scored
 
 A verifiers environment runs its own rollout loop and talks to the model through an `openai.AsyncOpenAI` client.
 Here that client is in process (no socket): an httpx transport hands each chat request to the episode's `Env`,
-which renders it with the recipe's renderer (backends/serve/openai_api.py `chat_plan`, as `runner serve` does),
+which renders it with the recipe's renderer (backends/serve/chat_api.py `chat_plan`, as `runner serve` does),
 passes the prompt tokens to runner's rollout loop as the next observation, and answers the request with the
 sampled tokens (`chat_response`: text, tool calls, finish reason). So every sample goes through the RL loop's
 sampler with its params (temperature, max_tokens, seeds), multi-turn episodes (tool calls, env replies) become
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from backends.errors import UserError
-from backends.serve.openai_api import ApiError, chat_plan, chat_response, error_body
+from backends.serve.chat_api import ApiError, chat_plan, chat_response, error_body
 from backends.types import SampledSequence, SampleOutput
 from runner.rl.envs.common import EnvContext, EnvKind, check_train_size, group_datasets
 from runner.rl.envs.verifiers_env_config import Verifiers
