@@ -9,8 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MAX_LINES = 650
 # Over the limit, to be split (the test fails once one is not, so that its line here goes).
-OVER: frozenset[str] = frozenset({
-})
+OVER: frozenset[str] = frozenset()
 
 
 def long_modules(root: Path = ROOT, limit: int = MAX_LINES) -> dict[str, int]:
