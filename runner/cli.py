@@ -437,7 +437,8 @@ def _check_writable_parent(out: Path) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from runner.engine.rundir import CHECKPOINTS, CONFIG, load_config, read_checkpoints
+    from runner.engine.checkpoints import CHECKPOINTS, checkpoints_of
+    from runner.engine.rundir import CONFIG, load_config
 
     run_dir, out = Path(args.run_dir), Path(args.out)
     if not (run_dir / CONFIG).is_file():
@@ -448,29 +449,29 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UserError(f"{out} exists and is not an empty folder; export never overwrites")
     _check_writable_parent(out)
     recipe = load_config(run_dir / CONFIG)
-    rows = read_checkpoints(run_dir)
+    rows = checkpoints_of(run_dir)
     if args.checkpoint is None:
-        with_weights = [r for r in rows if r.get("sampler_path")]
+        with_weights = [r for r in rows if r.sampler_path]
         if not with_weights:
             raise UserError(f"{run_dir} has no checkpoint with sampler weights yet ({CHECKPOINTS})")
         row = with_weights[-1]
     else:
-        named = [r for r in rows if r.get("name") == args.checkpoint]
+        named = [r for r in rows if r.name == args.checkpoint]
         if not named:
-            have = ", ".join(str(r.get("name")) for r in rows) or "none"
+            have = ", ".join(r.name for r in rows) or "none"
             raise UserError(f"{run_dir} has no checkpoint named {args.checkpoint!r} (have: {have})")
         row = named[-1]
-        if not row.get("sampler_path"):
+        if not row.sampler_path:
             raise UserError(f"checkpoint {args.checkpoint!r} in {run_dir} has no sampler weights")
-    sampler = str(row["sampler_path"])
+    sampler = str(row.sampler_path)
     if "://" in sampler:
-        raise UserError(f"checkpoint {row['name']!r} is a Tinker checkpoint ({sampler}): exporting it needs a "
+        raise UserError(f"checkpoint {row.name!r} is a Tinker checkpoint ({sampler}): exporting it needs a "
                         "download, which runner export does not support yet (local-backend runs only)")
     sampler_dir = Path(sampler)
     if not sampler_dir.is_dir():  # a run dir that was moved: the same checkpoint under its new location
         moved = run_dir / "checkpoints" / "sampler_weights" / sampler_dir.name
         if not moved.is_dir():
-            raise UserError(f"checkpoint {row['name']!r}: its sampler weights {sampler_dir} are missing")
+            raise UserError(f"checkpoint {row.name!r}: its sampler weights {sampler_dir} are missing")
         sampler_dir = moved
     prefer_passive_openmp()  # before torch loads (runner/threads.py)
     from backends.local.export import export  # torch loads here

@@ -23,8 +23,9 @@ import msgspec
 from backends.errors import UserError
 from runner.algos.distill_config import Teacher
 from runner.algos.generate_config import Generate
+from runner.engine.checkpoints import Checkpoint, checkpoints_of
 from runner.engine.context import InitWeights
-from runner.engine.rundir import CONFIG, claim, load_config, read_checkpoints, run_dir_path
+from runner.engine.rundir import CONFIG, claim, load_config, run_dir_path
 from runner.recipe.common import RunOutput
 from runner.recipe.explain import dotted, info, is_ref
 from runner.recipe.load import check_recipe, load_recipe, structs
@@ -306,16 +307,16 @@ def _check_compatible(up: Recipe, down: Recipe, prefix: str) -> None:
                         "a chained recipe trains the same model and adapter")
 
 
-def final_checkpoint(stage: Upstream) -> dict[str, Any]:
+def final_checkpoint(stage: Upstream) -> Checkpoint:
     """The upstream run's last checkpoint row, which must be its final one (the weights after its last step)."""
-    rows = [r for r in read_checkpoints(stage.run_dir) if r.get("state_path") and r.get("sampler_path")]
+    rows = [r for r in checkpoints_of(stage.run_dir) if r.state_path and r.sampler_path]
     if not rows:
         raise UserError(f"init_from {stage.label}: {stage.run_dir} has no checkpoint yet"
                         + ("" if stage.runnable else "; run it first"))
     last = rows[-1]
-    if not str(last.get("name", "")).startswith("final"):
+    if not last.name.startswith("final"):
         raise UserError(f"init_from {stage.label}: {stage.run_dir} is not finished (its last checkpoint is "
-                        f"{last.get('name')!r}, after step {last.get('next_step')}); run it first")
+                        f"{last.name!r}, after step {last.next_step}); run it first")
     return last
 
 
@@ -333,18 +334,18 @@ def resolved_inputs(recipe: Recipe, where: str) -> dict[str, Any]:
     if chain:
         last = chain[-1]
         ckpt = final_checkpoint(last)
-        init = InitWeights(last.ref, last.name, last.recipe, ckpt["state_path"], ckpt["sampler_path"], ckpt["name"])
+        init = InitWeights(last.ref, last.name, last.recipe, str(ckpt.state_path), str(ckpt.sampler_path), ckpt.name)
     deps = dependencies(recipe, where)
-    return {"init": init, "weights": {d.ref: final_checkpoint(d)["sampler_path"] for d in deps if has_weights(d)}}
+    return {"init": init, "weights": {d.ref: str(final_checkpoint(d).sampler_path) for d in deps if has_weights(d)}}
 
 
 def _status(stage: Upstream) -> str:
-    rows = [r for r in read_checkpoints(stage.run_dir) if r.get("state_path")]
+    rows = [r for r in checkpoints_of(stage.run_dir) if r.state_path]
     if not rows:
         return "new" if stage.runnable else "no checkpoint"
-    if str(rows[-1].get("name", "")).startswith("final"):
+    if rows[-1].name.startswith("final"):
         return "finished"
-    return f"partial: resumes at step {rows[-1].get('next_step')}"
+    return f"partial: resumes at step {rows[-1].next_step}"
 
 
 def _key(ref: str) -> str:

@@ -4,6 +4,8 @@ A row is written only after its save finished ({name, step, next_step, state_pat
 Local paths inside the run dir are stored relative to it ("paths": "run"), so a moved or copied run dir resumes from
 its own files; an older row's absolute path is mapped onto this dir's checkpoints/ when the file is there
 (`resolve_row`). Only states runner wrote there, by name and never through a link, are ever deleted (`own_state`).
+Every reader of the file goes through `checkpoints_of` (typed rows, `Checkpoint`) or `read_checkpoints` (the rows as
+dicts, for tools that print them); both read it with `stored_rows`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import Any
 
 import msgspec
 
+from backends.errors import UserError
 from runner.engine.log import read_jsonl
+from runner.recipe.common import Json
 
 CHECKPOINTS = "checkpoints.jsonl"
 # What the local backend saves under checkpoints/ (backends/local/backend.py: checkpoints/<kind>/<name>, written into
@@ -51,6 +55,44 @@ class RowPaths(msgspec.Struct):
         """state_path / sampler_path -> the path, for the local ones."""
         return {k: p for k, p in (("state_path", self.state_path), ("sampler_path", self.sampler_path))
                 if p and "://" not in p}
+
+
+class SavedCost(msgspec.Struct, kw_only=True):
+    """A checkpoint row's `cost`: the tokens and dollars spent up to it (runner/engine/cost.py Ledger.checkpoint()),
+    which a resumed run continues from. A count absent in an older row is 0."""
+
+    train: int = 0
+    sample: int = 0
+    prefill: int = 0
+    usd: float = 0.0
+
+
+class Checkpoint(msgspec.Struct, kw_only=True, frozen=True):
+    """One row of checkpoints.jsonl, typed: what runner reads of it by name. `row` is the row itself (local paths
+    resolved, `resolve_row`), which also carries the keys only the algorithm reads (its data position, from
+    Algorithm.state(): what its load_state() gets back) and is what the file stores (`relative_row`), byte for byte."""
+
+    name: str
+    next_step: int  # steps done: a resume starts at this step
+    step: int | None = None  # the step it was saved after (next_step - 1); absent in a hand-written row
+    state_path: str | None = None  # the training state (weights and optimizer): a resume loads it
+    sampler_path: str | None = None  # the sampler weights: export, sample, chat and a chain's downstream use them
+    cost: SavedCost | None = None
+    row: Json = {}
+
+    @staticmethod
+    def of(row: Json, where: str = CHECKPOINTS) -> Checkpoint:
+        """The typed row (UserError, naming `where`, for a row without a name or next_step, or with a field of the
+        wrong type: a hand-edited file)."""
+        try:
+            typed = msgspec.convert({k: v for k, v in row.items() if k in _READ_CHECKPOINT}, Checkpoint)
+        except msgspec.ValidationError as e:
+            raise UserError(f"{where}: a checkpoint row that runner cannot read ({e}): fix or remove it") from None
+        return msgspec.structs.replace(typed, row=row)
+
+
+# The keys converted (an algorithm's own keys, one named "row" included, stay in `row` alone).
+_READ_CHECKPOINT = frozenset(f.encode_name for f in msgspec.structs.fields(Checkpoint) if f.name != "row")
 
 
 def relative_row(row: dict[str, Any], run_path: Path) -> dict[str, Any]:
@@ -96,9 +138,20 @@ def resolve_row(row: dict[str, Any], run_path: Path) -> dict[str, Any]:
     return out
 
 
-def read_checkpoints(run_path: Path) -> list[dict[str, Any]]:
-    """checkpoints.jsonl's rows with paths resolved (resolve_row): what every reader of the file should use."""
-    return [resolve_row(r, run_path) for r in read_jsonl(run_path / CHECKPOINTS)]
+def stored_rows(run_path: Path) -> list[Json]:
+    """checkpoints.jsonl's rows as stored (paths as written): the one read of the file."""
+    return read_jsonl(run_path / CHECKPOINTS)
+
+
+def read_checkpoints(run_path: Path) -> list[Json]:
+    """checkpoints.jsonl's rows with paths resolved (resolve_row), as dicts."""
+    return [resolve_row(r, run_path) for r in stored_rows(run_path)]
+
+
+def checkpoints_of(run_path: Path) -> list[Checkpoint]:
+    """checkpoints.jsonl's rows with paths resolved, typed: what the engine reads."""
+    where = run_path / CHECKPOINTS
+    return [Checkpoint.of(r, f"{where}: row {i}") for i, r in enumerate(read_checkpoints(run_path), 1)]
 
 
 def own_state(run_path: Path, state: str) -> Path | None:

@@ -39,6 +39,7 @@ import msgspec
 from backends.base import Backend, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
 from backends.types import Datum, SampleOutput, SamplingParams
+from runner.engine.checkpoints import Checkpoint, SavedCost
 from runner.models import models
 from runner.recipe.cost import Budget, Price
 from runner.recipe.schema import Recipe
@@ -250,13 +251,12 @@ class Ledger:
         self.submitted, self.usd_submitted = before, usd_before  # ... and of every step submitted
 
     @staticmethod
-    def start(recipe: Recipe, resume: dict[str, Any] | None) -> Ledger:
+    def start(recipe: Recipe, resume: Checkpoint | None) -> Ledger:
         price, why = price_of(recipe)
         if price is None and recipe.budget is not None and recipe.budget.usd is not None:
             raise UserError(f"budget.usd needs a price: {why}")
-        saved = (resume or {}).get("cost") or {}
-        before = Usage(**{k: int(saved.get(k, 0)) for k in KINDS})
-        return Ledger(price, recipe.budget, before, float(saved.get("usd", 0.0)))
+        saved = resume.cost if resume is not None and resume.cost is not None else SavedCost()
+        return Ledger(price, recipe.budget, Usage(saved.prefill, saved.sample, saved.train), saved.usd)
 
     def wrap(self, backend: Backend) -> Backend:
         return CountingBackend(backend, self.counter)  # type: ignore[return-value]  (the Backend protocol, counted)

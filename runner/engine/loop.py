@@ -35,6 +35,7 @@ from backends.base import Backend, BackendError, Future, TrainingClient
 from backends.errors import UserError
 from backends.tokenizer import load_tokenizer
 from backends.types import LoraSpec
+from runner.engine.checkpoints import Checkpoint
 from runner.engine.context import Algorithm, Context, FinalContext, InitWeights
 from runner.engine.cost import STEP as COST_STEP
 from runner.engine.cost import BudgetReached, Ledger
@@ -85,7 +86,7 @@ def run(recipe: Recipe, name: str, *, dry_run: bool = False, backend: Backend | 
     try:
         algo = build_algo(backend.get_tokenizer())
         if run_dir.resume is not None:
-            algo.load_state(run_dir.resume, run_dir.start_step)
+            algo.load_state(run_dir.resume.row, run_dir.start_step)
         final = final_plan(recipe, algo)
         if run_dir.start_step >= algo.total_steps and not final_due(run_dir, algo, final):
             print(f"{name}: already finished ({run_dir.start_step} steps in {run_dir.path}); nothing to do",
@@ -131,11 +132,11 @@ def reload_after_lost_state(run: RunDir, algo: Algorithm, error: BackendError) -
     if run.tracker is not None:
         tracker, run.tracker = run.tracker, None
         tracker.finish("error")
-    states = [r for r in run.checkpoints() if r.get("state_path")]
+    states = [r for r in run.checkpoints() if r.state_path]
     run.candidates, run.resume = states[::-1], states[-1] if states else None
     if run.resume is not None:
-        algo.load_state(run.resume, run.start_step)
-    where = (f"checkpoint {run.resume['name']!r} (after {run.resume['next_step']} steps)" if run.resume
+        algo.load_state(run.resume.row, run.start_step)
+    where = (f"checkpoint {run.resume.name!r} (after {run.resume.next_step} steps)" if run.resume
              else "step 0 (no checkpoint yet)")
     print(f"{error}\nthe server lost the run's training state (restarted?): resuming from {where}", file=sys.stderr)
     return algo
@@ -221,7 +222,7 @@ async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm, 
     progress = Progress(total, start, keys=spec_of(recipe.algo).progress_keys(recipe.algo))
     if run.resume is not None:
         where = f"at step {start}" if tc is not None else "after its last step, for the final row only"
-        progress.message(f"resuming {run.path} {where} (checkpoint {run.resume['name']})")
+        progress.message(f"resuming {run.path} {where} (checkpoint {run.resume.name})")
     elif run.announce:
         progress.message(f"{run.path}: {run.note}")
     if init is not None and run.resume is None:
@@ -231,26 +232,27 @@ async def train(recipe: Recipe, run: RunDir, backend: Backend, algo: Algorithm, 
         if tc is not None:
             last_ckpt = await train_steps(recipe, run, backend, tc, algo, progress, clock, stop, ledger) or last_ckpt
         if stop.set:
-            done = last_ckpt["next_step"] if last_ckpt else 0
+            done = last_ckpt.next_step if last_ckpt else 0
             if stop.budget is not None:
                 line = (f"{stop.budget}; stopped after {done} of {total} steps, checkpoint "
-                        f"{last_ckpt['name'] if last_ckpt else '-'} in {run.path}; raise the budget and rerun to continue")
+                        f"{last_ckpt.name if last_ckpt else '-'} in {run.path}; raise the budget and rerun to continue")
                 progress.message(line)
                 raise BudgetReached(line)
             progress.message(f"interrupted after {done} of {total} steps: checkpoint "
-                             f"{last_ckpt['name'] if last_ckpt else '-'} saved in {run.path}; "
+                             f"{last_ckpt.name if last_ckpt else '-'} saved in {run.path}; "
                              "run the same command to resume")
             raise Interrupted()
         # Pinned evals ([[evals]]) run on the final weights too, in the final row (a row of their own when the
         # algorithm has no final()).
         pinned = bool(recipe.evals)
         if final or pinned:
-            assert last_ckpt is not None and last_ckpt["next_step"] == total  # the last step always checkpoints
-            metrics = await algo.final(FinalContext(backend, last_ckpt["sampler_path"], run.path),
+            assert last_ckpt is not None and last_ckpt.next_step == total  # the last step always checkpoints
+            sampler = str(last_ckpt.sampler_path)
+            metrics = await algo.final(FinalContext(backend, sampler, run.path),
                                        recipe.eval_every > 0) if final else {}
             if pinned:
                 metrics.update(await pinned_metrics(
-                    recipe.evals, backend.create_sampling_client(last_ckpt["sampler_path"]), backend.get_tokenizer(),
+                    recipe.evals, backend.create_sampling_client(sampler), backend.get_tokenizer(),
                     recipe.renderer, recipe.model))
             row = {"step": total, **metrics, **ledger.row(ledger.take()), "time/total": clock.lap()["time/total"]}
             run.log_metrics(row)
@@ -267,23 +269,23 @@ async def resume_client(recipe: Recipe, run: RunDir, backend: Backend, algo: Alg
     candidates = run.candidates or [run.resume]
     first_error: str | None = None
     for i, row in enumerate(candidates):
-        path = str(row["state_path"])
+        path = str(row.state_path)
         try:
             if "://" not in path and not os.path.exists(path):
                 raise BackendError(f"{path} does not exist")
             tc = await backend.create_training_client_from_state(path, lora_spec(recipe))
         except BackendError as e:
             reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-            first_error = first_error or f"checkpoint {row['name']!r}: {reason}"
+            first_error = first_error or f"checkpoint {row.name!r}: {reason}"
             after = candidates[i + 1] if i + 1 < len(candidates) else None
-            print(f"checkpoint {row['name']!r} does not load ({reason}); "
-                  + (f"trying {after['name']!r} (after {after['next_step']} steps)" if after else "no older one"),
+            print(f"checkpoint {row.name!r} does not load ({reason}); "
+                  + (f"trying {after.name!r} (after {after.next_step} steps)" if after else "no older one"),
                   file=sys.stderr)
             continue
         if row is not run.resume:
             run.resume = row
-            algo.load_state(row, run.start_step)
-            print(f"resuming from checkpoint {row['name']!r} (after {row['next_step']} steps), the newest that "
+            algo.load_state(row.row, run.start_step)
+            print(f"resuming from checkpoint {row.name!r} (after {row.next_step} steps), the newest that "
                   "loads", file=sys.stderr)
         return tc
     raise UserError(f"no checkpoint in {run.path} loads ({first_error}); set if_exists = \"overwrite\" to start "
@@ -291,7 +293,7 @@ async def resume_client(recipe: Recipe, run: RunDir, backend: Backend, algo: Alg
 
 
 async def train_steps(recipe: Recipe, run: RunDir, backend: Backend, tc: TrainingClient, algo: Algorithm,
-                      progress: Progress, clock: Clock, stop: StopFlag, ledger: Ledger) -> dict[str, Any] | None:
+                      progress: Progress, clock: Clock, stop: StopFlag, ledger: Ledger) -> Checkpoint | None:
     """Steps start_step .. total_steps - 1, pipelined `depth` deep; returns the last checkpoint row. When `stop`
     is set, no further step is started: the submitted ones finish and the last of them is checkpointed."""
     ttl = backend.checkpoint_ttl_seconds()  # periodic checkpoints only; the final one never expires
@@ -307,9 +309,9 @@ async def train_steps(recipe: Recipe, run: RunDir, backend: Backend, tc: Trainin
 
 async def _steps(recipe: Recipe, run: RunDir, tc: TrainingClient, algo: Algorithm, progress: Progress,
                  clock: Clock, stop: StopFlag, ctx: Context, ttl: int | None,
-                 pending: deque[Pending], ledger: Ledger) -> dict[str, Any] | None:
+                 pending: deque[Pending], ledger: Ledger) -> Checkpoint | None:
     total, start = algo.total_steps, run.start_step
-    ckpt: dict[str, Any] | None = None
+    ckpt: Checkpoint | None = None
     for step in range(start, total):
         if step == start and (why := ledger.exhausted()) is not None:  # resumed with the same budget
             stop.set, stop.budget = True, why
@@ -358,7 +360,7 @@ async def prepare_step(algo: Algorithm, tc: TrainingClient, step: int, ctx: Cont
 
 
 async def finish(p: Pending, algo: Algorithm, run: RunDir, progress: Progress, clock: Clock,
-                 total: int, ledger: Ledger) -> dict[str, Any] | None:
+                 total: int, ledger: Ledger) -> Checkpoint | None:
     """Await a submitted step; write its metrics row, then (once its save is done) its checkpoint row,
     which it returns."""
     t = time.monotonic()
@@ -377,8 +379,8 @@ async def finish(p: Pending, algo: Algorithm, run: RunDir, progress: Progress, c
     if p.save is None:
         return None
     name, state_path, sampler_path = p.save
-    ckpt = {"name": name, "step": p.step, "next_step": p.step + 1, "state_path": await state_path,
-            "sampler_path": await sampler_path, **p.state, **ledger.checkpoint(), "time": time.time()}
+    ckpt = Checkpoint.of({"name": name, "step": p.step, "next_step": p.step + 1, "state_path": await state_path,
+                          "sampler_path": await sampler_path, **p.state, **ledger.checkpoint(), "time": time.time()})
     run.add_checkpoint(ckpt)
     return ckpt
 
@@ -393,7 +395,7 @@ class NonFinite(UserError):
     """A step's loss or gradient norm was not finite: the run stops (exit 2). `dropped`: checkpoint rows removed
     (their weights gave it); `saves`: this session's saves queued after the weights went bad."""
 
-    def __init__(self, message: str, dropped: list[dict[str, Any]]):
+    def __init__(self, message: str, dropped: list[Checkpoint]):
         super().__init__(message)
         self.dropped = dropped
         self.saves: list[tuple[str, Future[str], Future[str]]] = []
@@ -414,10 +416,10 @@ def check_finite(p: Pending, metrics: Mapping[str, Any], run: RunDir) -> None:
     # A non-finite gradient norm with a finite loss: the weights before this step were fine, those after are not.
     loss_bad = any(k != "optim/grad_norm" for k, _ in bad)
     dropped = run.drop_checkpoints(p.step if loss_bad else p.step + 1)
-    good = [r for r in run.checkpoints() if r.get("state_path")]
-    keep = (f"the last good checkpoint is {good[-1]['name']!r} (after {good[-1]['next_step']} steps)" if good
+    good = [r for r in run.checkpoints() if r.state_path]
+    keep = (f"the last good checkpoint is {good[-1].name!r} (after {good[-1].next_step} steps)" if good
             else "no checkpoint before it is good: a resume starts from step 0")
-    drop = (f"; dropped checkpoint(s) {', '.join(repr(r.get('name')) for r in dropped)}, whose weights gave it"
+    drop = (f"; dropped checkpoint(s) {', '.join(repr(r.name) for r in dropped)}, whose weights gave it"
             if dropped else "")
     raise NonFinite(f"step {p.step}: {key} = {value} (not finite; lr {p.lr:g}): stopped, keeping no non-finite "
                     f"checkpoint; {keep}{drop}. Lower lr or check the data", dropped)
@@ -426,7 +428,7 @@ def check_finite(p: Pending, metrics: Mapping[str, Any], run: RunDir) -> None:
 async def discard_non_finite(run: RunDir, e: NonFinite) -> None:
     """Delete the saved states with non-finite weights (the dropped rows' and the saves queued after them), when
     they are runner's own files in the run dir's checkpoints/ (a service's checkpoints expire on their own)."""
-    paths: list[str] = [str(r[k]) for r in e.dropped for k in ("state_path", "sampler_path") if r.get(k)]
+    paths: list[str] = [p for r in e.dropped for p in (r.state_path, r.sampler_path) if p]
     for _, *futures in e.saves:
         for f in futures:
             try:

@@ -56,12 +56,24 @@ from typing import Any, Literal
 import msgspec
 
 from backends.errors import UserError
-from runner.engine.checkpoints import CHECKPOINT_KINDS, SAVE_TEMP, names_in, plain, relative_row, resolve_row
+from runner.engine.checkpoints import (
+    CHECKPOINT_KINDS,
+    SAVE_TEMP,
+    Checkpoint,
+    checkpoints_of,
+    names_in,
+    plain,
+    relative_row,
+    resolve_row,
+    stored_rows,
+)
 from runner.engine.checkpoints import CHECKPOINTS as CHECKPOINTS  # runner/cli.py's, tools/openai_serve.py's
 from runner.engine.checkpoints import own_state as own_state  # the tests'
-from runner.engine.checkpoints import read_checkpoints as read_checkpoints  # chain.py's, cli.py's, tools'
+from runner.engine.checkpoints import read_checkpoints as read_checkpoints  # tools/talk.py's, the tests'
 from runner.engine.checkpoints import remove_own_state as remove_own_state  # loop.py's
 from runner.engine.log import append_jsonl, disk_errors, read_jsonl, write_jsonl_atomic, write_text_atomic
+from runner.engine.metrics import METRICS as METRICS  # runner/tools/compare.py's, sweep.py's
+from runner.engine.metrics import MetricsRow, metrics_of
 from runner.engine.track import start_tracker
 from runner.recipe.common import TARGET_PATTERN
 from runner.recipe.load import dump_recipe, load_recipe
@@ -73,7 +85,7 @@ from runner.recipe.refs import run_dir_path as run_dir_path
 from runner.recipe.schema import Recipe
 from runner.user_code import find_user_modules
 
-CONFIG, METRICS, SESSIONS = "config.toml", "metrics.jsonl", "sessions.jsonl"
+CONFIG, SESSIONS = "config.toml", "sessions.jsonl"
 # A chained run's starting point (runner/engine/chain.py): the upstream's ref, recipe (TOML) and checkpoint.
 INIT = "init_from.json"
 # One writer per run dir (RunLock) and the data it trained on (fingerprint()).
@@ -109,7 +121,7 @@ class RunDir:
     name: str
     recipe: Recipe
     # The last checkpoint row with a state_path: where a resumed run starts (None: from scratch).
-    resume: dict[str, Any] | None = None
+    resume: Checkpoint | None = None
     # What open_run_dir found, for the dry-run plan and the log.
     note: str = "new"
     # The note is worth a line when training starts (an old run moved aside, a failed one replaced).
@@ -121,7 +133,7 @@ class RunDir:
     # Where rows go besides metrics.jsonl (runner/engine/track.py; the recipe's `log` table), from begin() to end().
     tracker: Any = None
     # Checkpoint rows with a state, newest first: resume and what it falls back to when that one does not load.
-    candidates: list[dict[str, Any]] = field(default_factory=list)
+    candidates: list[Checkpoint] = field(default_factory=list)
     # The run dir's flock (None: not locked, e.g. a dry run), released by end() (or when this object goes).
     lock: RunLock | None = None
     # The data's fingerprint for this session (computed when a resume checks it, else by begin()).
@@ -129,7 +141,7 @@ class RunDir:
 
     @property
     def start_step(self) -> int:
-        return int(self.resume["next_step"]) if self.resume else 0
+        return self.resume.next_step if self.resume else 0
 
     def begin(self) -> float:
         """Commit to training from start_step: write config.toml, drop metrics rows at or after
@@ -148,8 +160,8 @@ class RunDir:
         append_jsonl(self.path / SESSIONS,
                      {"session": self.session, "start_step": self.start_step, "time": time.time()})
         metrics = self.path / METRICS
-        rows = read_jsonl(metrics)
-        kept = [r for r in rows if r.get("step", -1) < self.start_step]
+        rows = metrics_of(self.path)
+        kept = [r for r in rows if r.step < self.start_step]
         if len(kept) < len(rows):
             backup = metrics.with_name(f"{METRICS}.pre_resume_{self.start_step:06d}")
             if os.path.lexists(backup):  # resumed from the same step before: keep both
@@ -158,9 +170,9 @@ class RunDir:
                 with os.fdopen(os.open(backup, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644),
                                "wb") as f:
                     f.write(metrics.read_bytes())
-            write_jsonl_atomic(metrics, kept)
+            write_jsonl_atomic(metrics, [r.row for r in kept])
         self.tracker = start_tracker(recipe, self.path)
-        return float(kept[-1].get("time/total", 0.0)) if kept else 0.0
+        return kept[-1].time_total if kept else 0.0
 
     def end(self, status: str) -> None:
         """The session is over ("success", "interrupted", "error"): close the tracker, if any, and release the
@@ -187,27 +199,27 @@ class RunDir:
         if self.tracker is not None:
             self.tracker.log(row)
 
-    def add_checkpoint(self, row: dict[str, Any]) -> None:
-        append_jsonl(self.path / CHECKPOINTS, relative_row(row, self.path))
+    def add_checkpoint(self, ckpt: Checkpoint) -> None:
+        append_jsonl(self.path / CHECKPOINTS, relative_row(ckpt.row, self.path))
 
-    def drop_checkpoints(self, from_step: int) -> list[dict[str, Any]]:
+    def drop_checkpoints(self, from_step: int) -> list[Checkpoint]:
         """Remove the rows of checkpoints whose state is after `from_step` steps or later (weights found to be
         non-finite); returns them (paths resolved)."""
-        rows = read_jsonl(self.path / CHECKPOINTS)
-        kept = [r for r in rows if r.get("next_step", 0) < from_step]
-        if len(kept) < len(rows):
-            write_jsonl_atomic(self.path / CHECKPOINTS, kept)
-        return [resolve_row(r, self.path) for r in rows if r.get("next_step", 0) >= from_step]
+        rows = stored_rows(self.path)
+        late = [Checkpoint.of(r).next_step >= from_step for r in rows]
+        if any(late):
+            write_jsonl_atomic(self.path / CHECKPOINTS, [r for r, drop in zip(rows, late, strict=True) if not drop])
+        return [Checkpoint.of(resolve_row(r, self.path)) for r, drop in zip(rows, late, strict=True) if drop]
 
-    def metrics(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.path / METRICS)
+    def metrics(self) -> list[MetricsRow]:
+        return metrics_of(self.path)
 
     def has_row(self, step: int) -> bool:
         """Whether metrics.jsonl holds a row for `step` (at step = total steps: the final row was logged)."""
-        return any(r.get("step") == step for r in self.metrics())
+        return any(r.step == step for r in self.metrics())
 
-    def checkpoints(self) -> list[dict[str, Any]]:
-        return read_checkpoints(self.path)
+    def checkpoints(self) -> list[Checkpoint]:
+        return checkpoints_of(self.path)
 
 
 def open_run_dir(recipe: Recipe, name: str, *, dry_run: bool = False, init: dict[str, Any] | None = None,
@@ -448,14 +460,14 @@ def _open(recipe: Recipe, name: str, path: Path, dry_run: bool, init: dict[str, 
         raise UserError(f"run dir {path} was trained from init_from #{init['name'] if init else '?'} as it was then, "
                         f"which has changed ({changed}); set if_exists = \"overwrite\" (moves it aside) or another "
                         "log_dir")
-    states = [r for r in run.checkpoints() if r.get("state_path")]
+    states = [r for r in run.checkpoints() if r.state_path]
     run.candidates = states[::-1]
     run.resume = states[-1] if states else None
     run.fingerprint = fingerprint(recipe)  # hashed once per session (begin() records it)
     if not _nothing_trained(path) and not force and (what := fingerprint_changed(path, recipe, run.fingerprint)):
         raise UserError(f"run dir {path}: {what} since it trained; resuming would mix data. Pass --force to "
                         "resume anyway, or set if_exists = \"overwrite\" (moves it aside) or another log_dir")
-    run.note = (f"resume after checkpoint {run.resume['name']!r}" if run.resume
+    run.note = (f"resume after checkpoint {run.resume.name!r}" if run.resume
                 else "exists, no checkpoint yet: from step 0")
     return run
 

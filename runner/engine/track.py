@@ -37,14 +37,12 @@ from typing import Any, Protocol
 import msgspec
 
 from backends.errors import UserError
-from runner.engine.log import read_jsonl
+from runner.engine.metrics import metrics_of
 from runner.engine.track_common import EXTRAS, default_name, first_line, missing
 from runner.recipe.load import recipe_dict
 from runner.recipe.schema import Log, Recipe, WandB
 
 WANDB_FILE = "wandb.json"
-# The rows a session starts from: begin() (runner/engine/rundir.py) has dropped those at or after its first step.
-METRICS_FILE = "metrics.jsonl"
 
 
 class Tracker(Protocol):
@@ -117,7 +115,8 @@ def start_tracker(recipe: Recipe, path: Path) -> Tracker | None:
     if not tables:
         return None
     config = recipe_dict(recipe)
-    rows = read_jsonl(path / METRICS_FILE)
+    # The rows a session starts from: begin() (runner/engine/rundir.py) has dropped those at or after its first step.
+    rows = [m.row for m in metrics_of(path)]
     started: list[tuple[str, Tracker]] = []
     try:
         for name, cfg in tables:

@@ -15,6 +15,9 @@ from msgspec import Meta
 from backends.configs import ConfigStruct
 from runner.recipe.sources import HF, DataBase, File, Jsonl
 
+# A JSON object as json.loads gives it: a row of a .jsonl file, a table whose keys are open (metric names, an
+# algorithm's data position). The one spelling of `dict[str, Any]` for such data.
+Json = dict[str, Any]
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 PosFloat = Annotated[float, Meta(gt=0)]
