@@ -37,7 +37,7 @@ import tinker
 from tinker.types import RequestErrorCategory
 
 from backends import losses
-from backends.base import BackendError, CustomLossFn, Future
+from backends.base import BackendError, CustomLossFn, Future, loss_of
 from backends.errors import UserError
 from backends.tokenizer import Tokenizer, load_tokenizer
 from backends.types import (
@@ -319,17 +319,10 @@ def to_tinker_adam(p: AdamParams) -> tinker.AdamParams:
 
 def _registered_loss(spec: losses.LossSpec, config: dict[str, float]) -> CustomLossFn:
     """A registered loss as a custom loss over the learner's logprobs (torch tensors, one per datum)."""
+    loss = loss_of(spec.name, config)
 
     def fn(data: list[Datum], lps: list[Any]) -> tuple[Any, dict[str, float]]:
-        import torch
-
-        def t(x: np.ndarray | None, like: Any) -> Any:
-            return None if x is None else torch.as_tensor(x, dtype=like.dtype, device=like.device)
-
-        total = sum(spec.masked_sum(lp, losses.LossInputs(t(d.weights, lp), t(d.logprobs, lp), t(d.advantages, lp),
-                                                          t(d.mask, lp)), config)
-                    for d, lp in zip(data, lps, strict=True))
-        return total, {}
+        return sum(loss(d, lp) for d, lp in zip(data, lps, strict=True)), {}
 
     return fn
 
