@@ -32,11 +32,12 @@ class ApiError(Exception):
     """An HTTP error reply: {"detail": ...} with this status. Never 408/409/429/5xx for the client's mistakes:
     the SDK retries those for up to 5 minutes."""
 
-    def __init__(self, status: int, detail: str, code: str | None = None):
+    def __init__(self, status: int, detail: str, code: str | None = None, param: str | None = None):
         super().__init__(detail)
         self.status = status
         self.detail = detail
         self.code = code  # machine-readable, for clients that act on it (e.g. "training_run_not_loaded")
+        self.param = param  # the request field at fault (OpenAI's error `param`)
 
     def reply(self) -> Reply:
         return Reply.json({"detail": self.detail, **({"code": self.code} if self.code else {})}, self.status)
