@@ -184,3 +184,37 @@ def test_a_client_gone_mid_stream_stops_its_sampling(world, route, body):
         time.sleep(0.05)
     assert svc.stats()["live_sample_tokens"] == 0 and svc.stats()["sampling_bytes"] == 0
     assert s.emitted < 1000  # it stopped at its next token, far from the 2,000 asked
+
+
+def test_the_event_loop_answers_while_sampling_and_long_polls_wait(world):
+    """Sampling runs on worker threads and a long-polled retrieve_future waits on the loop without one: while a slow
+    stream samples and 40 long polls wait on a result that never comes, healthz still answers at once."""
+    s = _script(world, " word" * 400, delay=0.01, stop=False)
+    svc: Service = world["svc"]
+    promise, reply = svc.promises.new("asample")  # a result that stays pending
+    rid = json.loads(reply.body)["request_id"]
+    url = world["url"]
+
+    def poll() -> None:
+        with httpx.Client(base_url=url, timeout=60) as c:
+            c.post("/api/v1/retrieve_future", json={"request_id": rid})
+
+    polls = [threading.Thread(target=poll, daemon=True) for _ in range(40)]
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=_chat(world, stream=True, max_tokens=2000),
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if '"delta"' in line)
+        for t in polls:
+            t.start()
+        time.sleep(0.5)
+        took = []
+        for _ in range(5):
+            t0 = time.monotonic()
+            assert httpx.post(f"{url}/api/v1/healthz", json={}, timeout=10).json() == {"status": "ok"}
+            took.append(time.monotonic() - t0)
+        assert not s.stopped.is_set()  # still sampling meanwhile
+    promise.resolve(reply)  # the polls get an answer and end
+    for t in polls:
+        t.join(10)
+    assert not any(t.is_alive() for t in polls)
+    assert min(took) < 0.5, took

@@ -216,10 +216,8 @@ class Site:
             transport = request.transport
             return transport is None or transport.is_closing() or getattr(request.protocol, "peer_eof", False)
 
-        loop = asyncio.get_running_loop()
         try:
-            reply = await loop.run_in_executor(self.workers, self.app.handle, request.method, request.raw_path,
-                                               headers, body, base_url, gone)
+            reply = await self._answer(request.method, request.raw_path, headers, body, base_url, gone)
         except DISCONNECTS as exc:  # the app drops the connection (tests/tinker_mock.py's injected faults)
             log.debug("dropped %s %s: %s", request.method, request.path[:200], type(exc).__name__)
             return _gone(request)
@@ -231,6 +229,23 @@ class Site:
         if reply.file is not None:
             return web.FileResponse(reply.file, headers=reply.headers)
         return web.Response(status=reply.status, body=reply.body, headers=reply.headers)
+
+    async def _answer(self, method: str, path: str, headers: dict[str, str], body: bytes, base_url: str,
+                      gone: Callable[[], bool]) -> Reply:
+        """The app's reply: a long-poll awaited on the loop (no thread held), a request the app answers without
+        blocking run in place, anything else on a worker thread."""
+        pending = getattr(self.app, "pending", None)
+        waiting = pending(method, path, headers, body) if pending is not None else None
+        if waiting is not None:
+            fut, timeout, later = waiting
+            if await _wait(fut, timeout):
+                return fut.result() if not fut.cancelled() else Reply.json({"error": "cancelled", "category": "user"})
+            return later
+        inline = getattr(self.app, "inline", None)
+        if inline is not None and inline(method, path, body):
+            return self.app.handle(method, path, headers, body, base_url, gone)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.workers, self.app.handle, method, path, headers, body, base_url, gone)
 
     async def _stream(self, request: web.Request, reply: Reply, pieces: Iterator[bytes]) -> web.StreamResponse:
         """Each piece leaves as it is made (chunked); the pieces are made on a worker thread. A client gone mid-stream
@@ -251,6 +266,30 @@ class Site:
             if end is not None:
                 await loop.run_in_executor(self.workers, end)
         return resp
+
+
+async def _wait(fut: concurrent.futures.Future[Reply], timeout: float) -> bool:
+    """Whether `fut` is done within `timeout` s, waited for on the loop. The future is never cancelled by the wait
+    (asyncio.wrap_future would cancel it on a timeout: it is a promise others still poll)."""
+    if fut.done():
+        return True
+    loop = asyncio.get_running_loop()
+    woken: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not woken.done():
+            woken.set_result(None)
+
+    def done(_: object) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (the server stopped)
+            loop.call_soon_threadsafe(wake)
+
+    fut.add_done_callback(done)
+    try:
+        await asyncio.wait_for(woken, timeout)
+    except TimeoutError:
+        return fut.done()
+    return True
 
 
 def _gone(request: web.Request) -> web.StreamResponse:

@@ -11,15 +11,18 @@ runner). A bad request is an ApiError: a 4xx in OpenAI's error shape, {"error": 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
+
+import msgspec
 
 from backends.errors import UserError
-from backends.serve.limits import Fields, Limits, to_int
-from backends.serve.replies import ApiError, json_bytes
+from backends.serve.limits import Limits, to_float, to_int
+from backends.serve.replies import ApiError, Json, json_bytes
 from backends.tokenizer import Tokenizer
 from backends.types import SampledSequence, SampleOutput, SamplingParams
 
@@ -29,6 +32,7 @@ MAX_STOP = 4  # OpenAI's: up to 4 stop sequences
 MAX_TOP_LOGPROBS = 20
 CHAT_MAX_TOKENS = 512  # when a chat request gives none (OpenAI: the context's rest)
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+T = TypeVar("T")
 
 
 class ChatFormat(Protocol):
@@ -42,11 +46,11 @@ class ChatFormat(Protocol):
         """The renderer's stop sequences."""
         ...
 
-    def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    def prompt(self, messages: list[Json], tools: list[Json] | None) -> list[int]:
         """The generation prompt (UserError for messages the format cannot render)."""
         ...
 
-    def reply(self, tokens: list[int]) -> tuple[dict[str, Any], bool]:
+    def reply(self, tokens: list[int]) -> tuple[Json, bool]:
         """The sampled tokens as an assistant message {"content", optional "tool_calls", "reasoning_content"}, and
         whether it ended on the renderer's stop sequence."""
         ...
@@ -73,7 +77,7 @@ class Plan:
     stream: bool
     include_usage: bool
     echo: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: Json = field(default_factory=dict)
 
     @property
     def cost(self) -> int:
@@ -82,73 +86,147 @@ class Plan:
         return sum(self.n * (len(p) + gen) for p in self.prompts)
 
 
-def _refuse_unsupported(f: Fields) -> None:
-    for key in ("presence_penalty", "frequency_penalty"):
-        if f.float(key, 0.0) != 0.0:
-            raise ApiError(400, f"{key} is not supported (only 0)")
-    if f.dict("logit_bias", None):
-        raise ApiError(400, "logit_bias is not supported")
-    fmt = f.dict("response_format", None)
+# ---------------------------------------------------------------- request bodies, typed (msgspec)
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class Sampling(msgspec.Struct):
+    """What chat and completion requests share. Unknown fields are ignored (clients send many); a wrong type is a 400
+    naming the field (`read`)."""
+
+    model: str
+    n: int = 1
+    stop: str | list[str] | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # not OpenAI's; vLLM and others accept it
+    seed: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool | None = None  # vLLM's extension
+    # Refused unless they ask for what runner serve does anyway (_refuse_unsupported).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: Json | None = None
+    best_of: int | None = None
+    tool_choice: str | Json | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Json] | None = None
+    function_call: str | Json | None = None
+
+
+class Message(msgspec.Struct):
+    role: str
+    content: str | list[Json] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[Json] | None = None
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = []
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Json] | None = None
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[Any] | None = None  # a string, or a list of strings, token ids or lists of ids (checked)
+    echo: bool | None = None
+    logprobs: bool | int | None = None  # an int: how many top_logprobs
+    suffix: str | None = None
+    ignore_eos: bool | None = None  # vLLM's extension: only max_tokens and `stop` end a sample
+
+
+_KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string", "object": "an object",
+          "array": "a list", "null": "null"}
+
+
+def read(req: Json, kind: type[T]) -> T:
+    """`req` as the struct `kind`; a wrong type or a missing field is a 400 naming it (its `param`)."""
+    try:
+        return msgspec.convert(req, kind)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        if m := re.fullmatch(r"Expected `(.+?)`, got `(.+?)` - at `\$\.?(.*)`", text):
+            want = " or ".join(_KINDS.get(k.strip(), k.strip()) for k in m[1].split("|"))
+            raise ApiError(400, f"{m[3]} must be {want}, not {m[2]}", param=m[3]) from None
+        if m := re.fullmatch(r"Object missing required field `(.+?)`(?: - at `\$\.?(.*)`)?", text):
+            field = f"{m[2]}.{m[1]}" if m[2] else m[1]
+            raise ApiError(400, f"{field} is required", param=field) from None
+        raise ApiError(400, text) from None
+
+
+def _refuse_unsupported(r: Sampling) -> None:
+    for key, v in (("presence_penalty", r.presence_penalty), ("frequency_penalty", r.frequency_penalty)):
+        if v:
+            raise ApiError(400, f"{key} is not supported (only 0)", param=key)
+    if r.logit_bias:
+        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+    fmt = r.response_format
     if fmt is not None and fmt.get("type", "text") != "text":
-        raise ApiError(400, f"response_format {str(fmt.get('type'))[:40]!r} is not supported (only text)")
-    if f.int("best_of", 1, lo=1) != 1:
-        raise ApiError(400, "best_of is not supported (only 1)")
+        raise ApiError(400, f"response_format {str(fmt.get('type'))[:40]!r} is not supported (only text)",
+                       param="response_format")
+    if r.best_of not in (None, 1):
+        raise ApiError(400, "best_of is not supported (only 1)", param="best_of")
     # Tool-use controls runner serve cannot honour: refused, not ignored. "auto" (the default) and parallel calls
     # allowed (the default) are what it does.
-    choice = f.req.get("tool_choice")
-    if choice is not None and choice != "auto":
-        raise ApiError(400, f"tool_choice {str(choice)[:60]!r} is not supported (only 'auto')")
-    if f.req.get("parallel_tool_calls") is False:
-        raise ApiError(400, "parallel_tool_calls = false is not supported (the model may call several tools)")
-    for legacy in ("functions", "function_call"):
-        if f.req.get(legacy) is not None:
-            raise ApiError(400, f"{legacy} (the legacy function-calling API) is not supported: use tools")
+    if r.tool_choice is not None and r.tool_choice != "auto":
+        raise ApiError(400, f"tool_choice {str(r.tool_choice)[:60]!r} is not supported (only 'auto')",
+                       param="tool_choice")
+    if r.parallel_tool_calls is False:
+        raise ApiError(400, "parallel_tool_calls = false is not supported (the model may call several tools)",
+                       param="parallel_tool_calls")
+    for legacy, v in (("functions", r.functions), ("function_call", r.function_call)):
+        if v is not None:
+            raise ApiError(400, f"{legacy} (the legacy function-calling API) is not supported: use tools", param=legacy)
 
 
-def _stops(f: Fields) -> list[str]:
-    stop = f.req.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise ApiError(400, "stop must be a non-empty string or a list of non-empty strings")
+def _stops(r: Sampling) -> list[str]:
+    stop = [r.stop] if isinstance(r.stop, str) else r.stop or []
+    if not all(stop):
+        raise ApiError(400, "stop must be a non-empty string or a list of non-empty strings", param="stop")
     if len(stop) > MAX_STOP:
-        raise ApiError(400, f"stop has {len(stop)} strings; at most {MAX_STOP}")
-    return list(stop)
+        raise ApiError(400, f"stop has {len(stop)} strings; at most {MAX_STOP}", param="stop")
+    return stop
 
 
-def _params(f: Fields, default_max_tokens: int, stop: list[str] | list[int] | None, lo_tokens: int = 1
+def _params(r: Sampling, default_max_tokens: int, stop: list[str] | list[int] | None, lo_tokens: int = 1
             ) -> SamplingParams | None:
-    raw = f.req.get("max_completion_tokens", f.req.get("max_tokens"))
-    key = "max_completion_tokens" if "max_completion_tokens" in f.req else "max_tokens"
+    key = "max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens"
+    raw = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
     max_tokens = default_max_tokens if raw is None else to_int(key, raw, lo=lo_tokens)
-    temperature = f.float("temperature", 1.0, lo=0.0, hi=2.0)
-    top_p = f.float("top_p", 1.0, lo=0.0, hi=1.0)
+    temperature = 1.0 if r.temperature is None else to_float("temperature", r.temperature, lo=0.0, hi=2.0)
+    top_p = 1.0 if r.top_p is None else to_float("top_p", r.top_p, lo=0.0, hi=1.0)
     if top_p == 0.0:
-        raise ApiError(400, "top_p must be in (0, 1]")
-    top_k = f.int("top_k", -1, lo=-1)  # not OpenAI's; vLLM and others accept it
-    seed = f.int("seed", None)
+        raise ApiError(400, "top_p must be in (0, 1]", param="top_p")
+    top_k = -1 if r.top_k is None else to_int("top_k", r.top_k, lo=-1)
     if max_tokens == 0:
         return None
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                          stop=stop, seed=seed)
+                          stop=stop, seed=r.seed)
 
 
-def _small_int(f: Fields, key: str, default: int, lo: int, hi: int) -> int:
+def _small_int(key: str, v: int | None, default: int, lo: int, hi: int) -> int:
     """An integer field with OpenAI's range: out of it a 400 (the client's BadRequestError), not a 413."""
-    v = f.int(key, default)
+    if v is None:
+        return default
     if not lo <= v <= hi:
-        raise ApiError(400, f"{key} must be in [{lo}, {hi}], not {v}")
+        raise ApiError(400, f"{key} must be in [{lo}, {hi}], not {v}", param=key)
     return v
 
 
-def _stream(f: Fields) -> tuple[bool, bool]:
-    stream = f.bool("stream", False)
-    if f.req.get("stream_options") is not None and not stream:
-        raise ApiError(400, "stream_options is only allowed with stream = true")
-    opts = f.sub("stream_options")
-    return stream, stream and opts.bool("include_usage", False)
+def _stream(r: Sampling) -> tuple[bool, bool]:
+    stream = bool(r.stream)
+    if r.stream_options is not None and not stream:
+        raise ApiError(400, "stream_options is only allowed with stream = true", param="stream_options")
+    return stream, stream and r.stream_options is not None and r.stream_options.include_usage
 
 
 def _with_user_stops(stop: list[str] | list[int], user: list[str], tokenizer: Tokenizer) -> list[str] | list[int]:
@@ -164,60 +242,49 @@ def _with_user_stops(stop: list[str] | list[int], user: list[str], tokenizer: To
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
-def chat_plan(req: dict[str, Any], fmt: ChatFormat, limits: Limits | None = None) -> Plan:
+def chat_plan(req: Json, fmt: ChatFormat, limits: Limits | None = None) -> Plan:
     """An OpenAI chat completion request as prompt tokens and sampling params (ApiError for a bad request)."""
-    f = Fields(req, limits or Limits())
-    model = f.str("model")
-    messages = req.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list of {role, content} objects")
+    r = read(req, ChatRequest)
+    if not r.messages:
+        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
     out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a role")
-        if m["role"] not in ROLES:
-            raise ApiError(400, f"messages[{i}].role {m['role']!r}: expected one of {', '.join(sorted(ROLES))}")
-        content = m.get("content")
+    for i, m in enumerate(r.messages):
+        if m.role not in ROLES:
+            raise ApiError(400, f"messages[{i}].role {m.role!r}: expected one of {', '.join(sorted(ROLES))}",
+                           param=f"messages[{i}].role")
+        content = m.content
         if isinstance(content, list):  # OpenAI's content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported")
-            content = "".join(p["text"] for p in content)
+            if not all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported",
+                               param=f"messages[{i}].content")
+            content = "".join(str(p["text"]) for p in content)
         elif content is None:
-            if not m.get("tool_calls"):
-                raise ApiError(400, f"messages[{i}] has no content")
+            if not m.tool_calls:
+                raise ApiError(400, f"messages[{i}] has no content", param=f"messages[{i}].content")
             content = ""
-        elif not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts")
-        msg = {k: v for k, v in m.items() if k in ("role", "name", "tool_call_id")}
-        if m.get("tool_calls") is not None:
-            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
-        for key in ("name", "tool_call_id"):
-            if key in msg and not isinstance(msg[key], str):
-                raise ApiError(400, f"messages[{i}].{key} must be a string")
-        msg["content"] = content
+        msg: Json = {"role": m.role, "content": content}
+        msg.update({k: v for k, v in (("name", m.name), ("tool_call_id", m.tool_call_id)) if v is not None})
+        if m.tool_calls is not None:
+            msg["tool_calls"] = _tool_calls(m.tool_calls, f"messages[{i}].tool_calls")
         out.append(msg)
-    tools = req.get("tools")
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise ApiError(400, "tools must be a list of tool objects")
-    _refuse_unsupported(f)
-    n = _small_int(f, "n", 1, 1, MAX_N)
-    user_stop = _stops(f)
-    logprobs = f.bool("logprobs", False)
-    top = _small_int(f, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    _refuse_unsupported(r)
+    n = _small_int("n", r.n, 1, 1, MAX_N)
+    user_stop = _stops(r)
+    logprobs = bool(r.logprobs)
+    top = _small_int("top_logprobs", r.top_logprobs, 0, 0, MAX_TOP_LOGPROBS)
     if top and not logprobs:
-        raise ApiError(400, "top_logprobs needs logprobs = true")
-    stream, usage = _stream(f)
-    params = _params(f, CHAT_MAX_TOKENS, _with_user_stops(fmt.stop, user_stop, fmt.tokenizer))
+        raise ApiError(400, "top_logprobs needs logprobs = true", param="top_logprobs")
+    stream, usage = _stream(r)
+    params = _params(r, CHAT_MAX_TOKENS, _with_user_stops(fmt.stop, user_stop, fmt.tokenizer))
     try:
-        prompt = fmt.prompt(out, [_tool_spec(t) for t in tools] if tools else None)
+        prompt = fmt.prompt(out, [_tool_spec(t) for t in r.tools] if r.tools else None)
     except (UserError, ValueError, KeyError, TypeError) as exc:
         raise ApiError(400, f"cannot render these messages: {exc}") from None
-    return Plan(model, [prompt], n, params, user_stop, logprobs, top, stream, usage,
-                extra={"return_token_ids": f.bool("return_token_ids", False)})
+    return Plan(r.model, [prompt], n, params, user_stop, logprobs, top, stream, usage,
+                extra={"return_token_ids": bool(r.return_token_ids)})
 
 
-def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+def _tool_calls(calls: Any, where: str) -> list[Json]:
     """An assistant message's tool_calls: [{id, type: "function", function: {name, arguments (a JSON string)}}]."""
     if not isinstance(calls, list):
         raise ApiError(400, f"{where} must be a list of tool calls")
@@ -263,7 +330,7 @@ def lone_surrogate(obj: Any, where: str = "") -> str | None:
     return None
 
 
-def _tool_spec(tool: dict[str, Any]) -> dict[str, Any]:
+def _tool_spec(tool: Json) -> Json:
     """{"type": "function", "function": {...}} -> the function's JSON schema spec."""
     fn = tool.get("function") if tool.get("type", "function") == "function" else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -272,15 +339,15 @@ def _tool_spec(tool: dict[str, Any]) -> dict[str, Any]:
             "parameters": fn.get("parameters", {"type": "object", "properties": {}})}
 
 
-def completion_plan(req: dict[str, Any], tokenizer: Tokenizer, limits: Limits | None = None) -> Plan:
+def completion_plan(req: Json, tokenizer: Tokenizer, limits: Limits | None = None) -> Plan:
     """An OpenAI (legacy) completion request: prompt text (or token ids, one prompt or a list)."""
-    f = Fields(req, limits or Limits())
-    model = f.str("model")
-    prompt = req.get("prompt")
+    r = read(req, CompletionRequest)
+    prompt = r.prompt
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
-        raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of such lists")
+        raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of such lists",
+                       param="prompt")
     cap = (limits or Limits()).max_prompts
     if len(prompt) > cap:  # before any is tokenized or sized
         raise ApiError(413, f"prompt has {len(prompt)} prompts; runner serve takes at most {cap} per request")
@@ -291,30 +358,32 @@ def completion_plan(req: dict[str, Any], tokenizer: Tokenizer, limits: Limits | 
         elif isinstance(p, list) and all(type(t) is int for t in p):
             toks = [to_int("prompt token", t, lo=0) for t in p]
             if bad := [t for t in toks if t >= len(tokenizer)]:  # not a size over a cap (to_int's 413): a wrong id
-                raise ApiError(400, f"prompt token {bad[0]} is outside the model's vocabulary [0, {len(tokenizer)})")
+                raise ApiError(400, f"prompt token {bad[0]} is outside the model's vocabulary [0, {len(tokenizer)})",
+                               param="prompt")
         else:
-            raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of such lists")
+            raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of such "
+                                "lists", param="prompt")
         if not toks:
-            raise ApiError(400, "a prompt has no tokens")
+            raise ApiError(400, "a prompt has no tokens", param="prompt")
         prompts.append(toks)
-    _refuse_unsupported(f)
-    if f.str("suffix", ""):
-        raise ApiError(400, "suffix is not supported")
-    n = _small_int(f, "n", 1, 1, MAX_N)
-    user_stop = _stops(f)
-    echo = f.bool("echo", False)
-    lp = req.get("logprobs")
-    top = 0 if lp is None or lp is False else _small_int(f, "logprobs", 0, 0, MAX_TOP_LOGPROBS)
-    stream, usage = _stream(f)
+    _refuse_unsupported(r)
+    if r.suffix:
+        raise ApiError(400, "suffix is not supported", param="suffix")
+    n = _small_int("n", r.n, 1, 1, MAX_N)
+    user_stop = _stops(r)
+    echo = bool(r.echo)
+    lp = r.logprobs
+    top = 0 if lp is None or lp is False else _small_int("logprobs", int(lp), 0, 0, MAX_TOP_LOGPROBS)
+    stream, usage = _stream(r)
     eos = getattr(tokenizer, "eos_token", None)
     stop: list[str] | None = [*user_stop, eos] if user_stop and eos else (user_stop or None)
-    if f.bool("ignore_eos", False):  # vLLM's extension: only max_tokens and `stop` end a sample
+    if r.ignore_eos:  # vLLM's extension: only max_tokens and `stop` end a sample
         stop = list(user_stop)
-    params = _params(f, COMPLETION_MAX_TOKENS, stop, lo_tokens=0 if echo else 1)
+    params = _params(r, COMPLETION_MAX_TOKENS, stop, lo_tokens=0 if echo else 1)
     if params is None and stream:
-        raise ApiError(400, "max_tokens = 0 cannot stream")
-    return Plan(model, prompts, n, params, user_stop, lp is not None and lp is not False, top, stream, usage, echo,
-                extra={"return_token_ids": f.bool("return_token_ids", False)})
+        raise ApiError(400, "max_tokens = 0 cannot stream", param="max_tokens")
+    return Plan(r.model, prompts, n, params, user_stop, lp is not None and lp is not False, top, stream, usage, echo,
+                extra={"return_token_ids": bool(r.return_token_ids)})
 
 
 # ---------------------------------------------------------------- writing responses
@@ -347,7 +416,7 @@ def _usage(prompts: list[list[int]], n: int, completion_tokens: int) -> dict[str
     return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
 
 
-def chat_response(plan: Plan, out: SampleOutput, fmt: ChatFormat, topk: TopK | None = None) -> dict[str, Any]:
+def chat_response(plan: Plan, out: SampleOutput, fmt: ChatFormat, topk: TopK | None = None) -> Json:
     """The chat.completion object for plan's one prompt sampled n times (`out`)."""
     tok = fmt.tokenizer
     choices = []
@@ -364,7 +433,7 @@ def chat_response(plan: Plan, out: SampleOutput, fmt: ChatFormat, topk: TopK | N
             content = content[:cut]
             tokens = tokens[: _kept_tokens(tok, tokens, cut)]
         finish = "stop" if clean or cut is not None else "length"
-        msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        msg: Json = {"role": "assistant", "content": content, "refusal": None}
         if message.get("reasoning_content"):
             msg["reasoning_content"] = message["reasoning_content"]
         if message.get("tool_calls") and cut is None:
@@ -373,11 +442,11 @@ def chat_response(plan: Plan, out: SampleOutput, fmt: ChatFormat, topk: TopK | N
         logprobs = None
         if plan.logprobs:
             logprobs = {"content": _chat_logprobs(tok, plan.prompts[0], seq, len(tokens), plan, topk), "refusal": None}
-        choice: dict[str, Any] = {"index": i, "message": msg, "logprobs": logprobs, "finish_reason": finish}
+        choice: Json = {"index": i, "message": msg, "logprobs": logprobs, "finish_reason": finish}
         if plan.extra.get("return_token_ids"):  # vLLM's extension: the sampled tokens, stop token included
             choice["token_ids"] = list(seq.tokens)
         choices.append(choice)
-    resp: dict[str, Any] = {
+    resp: Json = {
         "id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": plan.model,
         "choices": choices, "usage": _usage(plan.prompts, plan.n, completion_tokens), "system_fingerprint": None}
     if plan.extra.get("return_token_ids"):
@@ -386,11 +455,11 @@ def chat_response(plan: Plan, out: SampleOutput, fmt: ChatFormat, topk: TopK | N
 
 
 def _chat_logprobs(tok: Tokenizer, prompt: list[int], seq: SampledSequence, keep: int, plan: Plan, topk: TopK | None
-                   ) -> list[dict[str, Any]]:
+                   ) -> list[Json]:
     tokens = list(seq.tokens[:keep])
     # A special token's text as the reply's content shows it (none): the tokens' texts add up to the content.
     texts = [tok.decode([t], skip_special_tokens=True) for t in tokens]
-    tops: list[list[dict[str, Any]]] = [[] for _ in tokens]
+    tops: list[list[Json]] = [[] for _ in tokens]
     own: list[float] = [float(x) for x in seq.logprobs[:keep]]
     if plan.top_logprobs and tokens:
         if topk is None:
@@ -407,7 +476,7 @@ def _chat_logprobs(tok: Tokenizer, prompt: list[int], seq: SampledSequence, keep
 
 
 def completion_response(plan: Plan, outs: list[SampleOutput | None], tokenizer: Tokenizer, topk: TopK | None = None,
-                        prompt_logprobs: list[list[float | None]] | None = None) -> dict[str, Any]:
+                        prompt_logprobs: list[list[float | None]] | None = None) -> Json:
     """The text_completion object: plan.prompts[p] sampled n times is outs[p] (None when nothing was sampled);
     choice index p * n + k. With echo, the prompt's text (and its logprobs: prompt_logprobs) come first."""
     choices = []
@@ -432,7 +501,7 @@ def completion_response(plan: Plan, outs: list[SampleOutput | None], tokenizer: 
                                                 prompt_logprobs[p] if prompt_logprobs else None)
             if plan.echo:
                 text = tokenizer.decode(prompt, skip_special_tokens=True) + text
-            choice: dict[str, Any] = {"index": p * plan.n + k, "text": text, "logprobs": logprobs,
+            choice: Json = {"index": p * plan.n + k, "text": text, "logprobs": logprobs,
                                       "finish_reason": finish}
             if plan.extra.get("return_token_ids"):  # vLLM's extension
                 choice["prompt_token_ids"], choice["token_ids"] = list(prompt), list(seq.tokens)
@@ -442,7 +511,7 @@ def completion_response(plan: Plan, outs: list[SampleOutput | None], tokenizer: 
 
 
 def _completion_logprobs(tok: Tokenizer, prompt: list[int], seq: SampledSequence, keep: int, plan: Plan, topk: TopK | None,
-                         prompt_lps: list[float | None] | None) -> dict[str, Any]:
+                         prompt_lps: list[float | None] | None) -> Json:
     tokens = list(seq.tokens[:keep])
     lps: list[float | None] = [float(x) for x in seq.logprobs[:keep]]
     start = 0
@@ -477,12 +546,12 @@ def _completion_logprobs(tok: Tokenizer, prompt: list[int], seq: SampledSequence
     return {"tokens": texts, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def sse(response: dict[str, Any], include_usage: bool) -> bytes:
+def sse(response: Json, include_usage: bool) -> bytes:
     """A finished response as OpenAI's server-sent event stream (one chunk per choice, then usage, then [DONE])."""
     chat = response["object"] == "chat.completion"
     obj = "chat.completion.chunk" if chat else "text_completion"
     head = {k: response[k] for k in ("id", "created", "model", "system_fingerprint")}
-    events: list[dict[str, Any]] = []
+    events: list[Json] = []
     for c in response["choices"]:
         if chat:
             delta = {k: v for k, v in c["message"].items() if k != "tool_calls"}
@@ -500,7 +569,7 @@ def sse(response: dict[str, Any], include_usage: bool) -> bytes:
     return b"".join(b"data: " + json_bytes(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> Json:
     kind = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
             429: "rate_limit_error"}.get(status, "invalid_request_error" if status < 500 else "server_error")
     code = code or {401: "invalid_api_key"}.get(status)

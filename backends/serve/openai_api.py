@@ -47,7 +47,10 @@ from backends.tokenizer import Tokenizer
 from backends.types import SampleOutput, SamplingParams
 
 if TYPE_CHECKING:
+    from backends.serve.limits import Budget
     from backends.serve.samplers import SamplerSession
+    from backends.serve.service import Service
+    from backends.serve.sessions import ServedModel
 
 # ---------------------------------------------------------------- runner serve's routes
 
@@ -68,7 +71,7 @@ class OpenAIHooks:
     served, its tokenizer, a renderer name or None for the model's own) and the resolver of local checkpoints
     (a run dir, `RUN_DIR:NAME`, a checkpoint folder; None when `spec` names none)."""
 
-    chat: Callable[[str, Any, str | None], ChatFormat]
+    chat: Callable[[str, Tokenizer, str | None], ChatFormat]
     local_model: Callable[[str], LocalModel | None] = lambda _: None
 
 
@@ -76,8 +79,7 @@ class OpenAIRoutes:
     """`/v1/...` on runner serve. Each distinct `model` gets one sampling session in the service's sampler pool
     (loaded on demand, freed when idle like the SDK's), so the pool's caps hold for these requests too."""
 
-    def __init__(self, service: Any, hooks: OpenAIHooks | None = None):
-        # service: backends.serve.service.Service (not imported: it imports this module)
+    def __init__(self, service: Service, hooks: OpenAIHooks | None = None):
         self.service = service
         self.hooks = hooks
         self._lock = threading.Lock()
@@ -93,7 +95,7 @@ class OpenAIRoutes:
         except ClientGone:
             return Reply(Reply.GONE)
         except ApiError as exc:
-            return Reply.json(error_body(exc.status, exc.detail, code=exc.code), exc.status)
+            return Reply.json(error_body(exc.status, exc.detail, exc.param, exc.code), exc.status)
         except (UserError, ValueError) as exc:
             return Reply.json(error_body(400, str(exc)[:300]), 400)
 
@@ -131,7 +133,7 @@ class OpenAIRoutes:
             req = responses.to_chat(req)
         model = req.get("model")
         if not isinstance(model, str) or not model:
-            raise ApiError(400, "model is required (a served model's name or a checkpoint)")
+            raise ApiError(400, "model is required (a served model's name or a checkpoint)", param="model")
         sess, renderer = self._session(model)
         engine = sess.model.engine()
         tokenizer = engine.get_tokenizer()
@@ -199,7 +201,7 @@ class OpenAIRoutes:
         return _Share(svc.budget, plan.cost, nbytes)
 
     def _run(self, sess: SamplerSession, plan: Plan, fmt: ChatFormat | None, tokenizer: Tokenizer,
-             gone: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+             gone: Callable[[], bool] = lambda: False) -> Json:
         svc = self.service
         held = self._reserve(sess, plan, gone)
         try:
@@ -285,7 +287,7 @@ class OpenAIRoutes:
         head = {"id": new_id("chatcmpl" if chat else "cmpl"), "created": int(time.time()), "model": plan.model,
                 "system_fingerprint": None}
 
-        def finish(p: int, out: SampleOutput) -> list[dict[str, Any]]:
+        def finish(p: int, out: SampleOutput) -> list[Json]:
             one = streaming.one_prompt(plan, p)
             if fmt is not None:
                 choices = chat_response(one, out, fmt, topk)["choices"]
@@ -358,7 +360,7 @@ class OpenAIRoutes:
             shutil.rmtree(sess.source, ignore_errors=True)  # a concurrent request's copy won
         return hit
 
-    def _served_for(self, base: str) -> Any:
+    def _served_for(self, base: str) -> ServedModel:
         svc = self.service
         for m in svc.models.values():
             if base in (m.name, m.path) or _same_dir(base, m.path):
@@ -402,7 +404,7 @@ class Watched(SamplingParams):
     watch: Callable[[int, int, str | None], bool] | None = field(default=None, compare=False)
 
 
-def _fields(p: SamplingParams) -> dict[str, Any]:
+def _fields(p: SamplingParams) -> Json:
     return {f.name: getattr(p, f.name) for f in dataclasses.fields(SamplingParams)}
 
 
@@ -422,7 +424,7 @@ class _Share:
     """A /v1 request's share of the sampling budget: given back once, when the request is done with it and the
     sampler is done with every prompt it was sent (a request whose client left still decodes up to a token)."""
 
-    def __init__(self, budget: Any, cost: int, nbytes: int):
+    def __init__(self, budget: Budget, cost: int, nbytes: int):
         self.budget, self.cost, self.nbytes = budget, cost, nbytes
         self._lock = threading.Lock()
         self._left = 1  # the request itself, plus each future handed to the sampler

@@ -46,7 +46,7 @@ def _text_of(content: Any, where: str) -> str:
     raise ApiError(400, f"{where} must be a string or a list of input_text parts")
 
 
-def to_chat(req: dict[str, Any]) -> dict[str, Any]:
+def to_chat(req: Json) -> Json:
     """The chat completion request that samples what `req` asks (ApiError for what is not supported)."""
     for key, value in req.items():
         if key not in IGNORED and value is not None and not (key == "top_logprobs" and value == 0):
@@ -60,7 +60,7 @@ def to_chat(req: dict[str, Any]) -> dict[str, Any]:
         raise ApiError(400, f"text.format {str(fmt.get('type'))[:40]!r} is not supported (only text)")
     if req.get("include"):
         raise ApiError(400, "include is not supported")
-    messages: list[dict[str, Any]] = []
+    messages: list[Json] = []
     instructions = req.get("instructions")
     if instructions is not None:
         messages.append({"role": "system", "content": _text_of(instructions, "instructions")})
@@ -96,7 +96,7 @@ def to_chat(req: dict[str, Any]) -> dict[str, Any]:
                                     "function_call_output)")
     else:
         raise ApiError(400, "input must be a string or a non-empty list of input items")
-    chat: dict[str, Any] = {"model": req.get("model"), "messages": messages,
+    chat: Json = {"model": req.get("model"), "messages": messages,
                             "max_tokens": req.get("max_output_tokens") or RESPONSES_MAX_TOKENS}
     for key in ("temperature", "top_p", "seed", "tool_choice"):
         if req.get(key) is not None:
@@ -116,11 +116,11 @@ def to_chat(req: dict[str, Any]) -> dict[str, Any]:
     return chat
 
 
-def from_chat(req: dict[str, Any], completion: dict[str, Any]) -> dict[str, Any]:
+def from_chat(req: Json, completion: Json) -> Json:
     """The `response` object of `req` from its chat.completion."""
     choice = completion["choices"][0]
     msg = choice["message"]
-    output: list[dict[str, Any]] = []
+    output: list[Json] = []
     if msg.get("content") or not msg.get("tool_calls"):
         output.append({"type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant",
                        "content": [{"type": "output_text", "text": msg.get("content") or "", "annotations": [],

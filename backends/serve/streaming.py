@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from backends.serve.chat_api import ChatFormat, Plan
 from backends.serve.replies import Json, json_bytes
 from backends.tokenizer import Tokenizer
 
@@ -62,9 +63,9 @@ class ChoiceText:
         return final[len(self.sent):] if final.startswith(self.sent) else ""
 
 
-def chunks(first: tuple[int, int, int | None], events: queue.SimpleQueue, futs: list[Any], plan: Any, head: dict[str, Any],
+def chunks(first: tuple[int, int, int | None], events: queue.SimpleQueue, futs: list[Any], plan: Plan, head: Json,
            chat: bool, text_of: Callable[[list[int]], str], holdback: int,
-           finish: Callable[[int, Any], list[dict[str, Any]]], result: Callable[[Any], Any],
+           finish: Callable[[int, Any], list[Json]], result: Callable[[Any], Any],
            gone: Callable[[], bool], cancelled: threading.Event, release: Callable[[], None]) -> Iterator[Json]:
     """The chunk objects of a streamed request (chat.completion.chunk or text_completion), then, with
     include_usage, the usage chunk; an {"error": ...} object ends it early. `first` is its first event (prompt,
@@ -164,11 +165,11 @@ def sse(objects: Iterator[Json]) -> Iterator[bytes]:
             close()  # its sampling stops and its memory comes back (chunks' finally)
 
 
-def one_prompt(plan: Any, p: int) -> Any:
+def one_prompt(plan: Plan, p: int) -> Plan:
     return dataclasses.replace(plan, prompts=[plan.prompts[p]])
 
 
-def chat_text(fmt: Any) -> Callable[[list[int]], str]:
+def chat_text(fmt: ChatFormat) -> Callable[[list[int]], str]:
     def text_of(tokens: list[int]) -> str:
         message, _ = fmt.reply(list(tokens))
         return message.get("content") or ""
