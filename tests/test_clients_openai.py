@@ -11,6 +11,7 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
+import pydantic
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -19,6 +20,12 @@ tinker = pytest.importorskip("tinker")
 from tests.test_serve import runner_serve, service_client  # noqa: E402
 
 STORY = [{"role": "user", "content": "Tell me a story about a glimmerhorn."}]
+
+
+class Answer(pydantic.BaseModel):
+    """A structured output (`parse`'s response_format): JSON schemas are not supported, a 400."""
+
+    value: int
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +163,41 @@ def test_responses_stream_token_by_token(served):
     assert len(deltas) >= 2
 
 
+def test_the_sdk_s_stream_helpers_and_async_client(served):
+    """The SDK's higher-level helpers (`responses.stream`, `chat.completions.stream`: they rebuild the final object
+    from the events and check them as they come) and `AsyncOpenAI` with 6 streams at once, each adding up to the reply
+    the same seeded request gets unstreamed."""
+    import asyncio
+
+    client = served["client"]
+    ask = dict(model="tiny", messages=STORY, temperature=0, max_tokens=10)
+    whole = client.chat.completions.create(**ask).choices[0].message.content
+    with client.chat.completions.stream(**ask) as stream:
+        deltas = [e.delta for e in stream if e.type == "content.delta"]
+        final = stream.get_final_completion()
+    assert "".join(deltas) == final.choices[0].message.content == whole and len(deltas) >= 2
+    with client.responses.stream(model="tiny", input=STORY, temperature=0, max_output_tokens=10) as rstream:
+        text = "".join(e.delta for e in rstream if e.type == "response.output_text.delta")
+        response = rstream.get_final_response()
+    assert text == response.output_text == whole
+
+    async def streams() -> list[str]:
+        aclient = openai.AsyncOpenAI(base_url=f"{served['url']}/v1", api_key="unused", max_retries=0, timeout=120)
+
+        async def one(seed: int) -> str:
+            chunks = await aclient.chat.completions.create(**{**ask, "temperature": 1.0}, seed=seed, stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+
+        try:
+            return list(await asyncio.gather(*(one(seed) for seed in range(6))))
+        finally:
+            await aclient.close()
+
+    unstreamed = [client.chat.completions.create(**{**ask, "temperature": 1.0}, seed=seed).choices[0].message.content
+                  for seed in range(6)]
+    assert asyncio.run(streams()) == unstreamed and len(set(unstreamed)) > 1
+
+
 @pytest.mark.parametrize(("call", "error", "says"), [
     (lambda c: c.chat.completions.create(model="tiny", messages=STORY, n=129), "BadRequestError", "n must be"),
     (lambda c: c.chat.completions.create(model="tiny", messages=STORY, logprobs=True, top_logprobs=21),
@@ -166,12 +208,16 @@ def test_responses_stream_token_by_token(served):
     (lambda c: c.completions.create(model="tiny", prompt="x", logprobs=21), "BadRequestError", "logprobs"),
     (lambda c: c.responses.create(model="tiny", input="x", previous_response_id="resp_1"), "BadRequestError",
      "previous_response_id"),
+    (lambda c: c.chat.completions.parse(model="tiny", messages=STORY, response_format=Answer), "BadRequestError",
+     "response_format"),
+    (lambda c: c.responses.parse(model="tiny", input="x", text_format=Answer), "BadRequestError", "text.format"),
     (lambda c: c.chat.completions.create(model="gpt-9", messages=STORY), "NotFoundError", "gpt-9"),
     (lambda c: c.responses.create(model="gpt-9", input="x"), "NotFoundError", "gpt-9"),
     (lambda c: c.models.retrieve("gpt-9"), "NotFoundError", "gpt-9"),
     (lambda c: c.embeddings.create(model="tiny", input="x"), "NotFoundError", "embeddings"),
 ], ids=["chat-n", "chat-top_logprobs", "chat-tool_choice", "completions-n", "completions-logprobs",
-        "responses-previous_response_id", "chat-model", "responses-model", "models-retrieve", "embeddings"])
+        "responses-previous_response_id", "chat-parse",
+        "responses-parse", "chat-model", "responses-model", "models-retrieve", "embeddings"])
 def test_errors_raise_the_client_s_exception_classes(served, call, error, says):
     """What a user's `except openai.BadRequestError` / `NotFoundError` catches, with the server's message."""
     with pytest.raises(getattr(openai, error)) as e:
