@@ -80,10 +80,11 @@ def _greedy_continuations(url: str, tokens: int) -> list[dict[str, Any]]:
 
 
 def _evaluate(model: str, model_args: dict[str, Any], tasks: list[str], folder: Path, **kw: Any) -> dict[str, Any]:
-    import lm_eval
+    """`lm_eval.simple_evaluate` on the tasks in `folder` alone (none of lm-eval's own)."""
+    from lm_eval import evaluator
     from lm_eval.tasks import TaskManager
 
-    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=tasks, log_samples=True,
+    out: Any = evaluator.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks), log_samples=True,
                                   task_manager=TaskManager(include_path=str(folder), include_defaults=False),
                                   bootstrap_iters=0, **kw)
     assert out is not None
