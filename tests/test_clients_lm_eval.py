@@ -32,8 +32,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     tmp = tmp_path_factory.mktemp("clients-lm-eval")
     mp = pytest.MonkeyPatch()
     for var, value in [("TINKER_TELEMETRY", "0"), ("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"),
-                       ("TRANSFORMERS_OFFLINE", "1"), ("HF_DATASETS_CACHE", str(tmp / "hf-datasets")),
-                       ("OPENAI_API_KEY", "unused")]:
+                       ("TRANSFORMERS_OFFLINE", "1"), ("OPENAI_API_KEY", "unused")]:
         mp.setenv(var, value)
     try:
         with runner_serve(tmp / "storage", "--device", "cpu") as (url, _):
@@ -54,6 +53,7 @@ dataset_path: json
 dataset_kwargs:
   data_files:
     test: {json.dumps(str(data))}
+  cache_dir: {json.dumps(str(folder / "hf-datasets"))}
 test_split: test
 {body}""")
 
