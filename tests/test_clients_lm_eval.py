@@ -32,8 +32,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     tmp = tmp_path_factory.mktemp("clients-lm-eval")
     mp = pytest.MonkeyPatch()
     for var, value in [("TINKER_TELEMETRY", "0"), ("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"),
-                       ("TRANSFORMERS_OFFLINE", "1"), ("HF_DATASETS_CACHE", str(tmp / "hf-datasets")),
-                       ("OPENAI_API_KEY", "unused")]:
+                       ("TRANSFORMERS_OFFLINE", "1"), ("OPENAI_API_KEY", "unused")]:
         mp.setenv(var, value)
     try:
         with runner_serve(tmp / "storage", "--device", "cpu") as (url, _):
@@ -54,6 +53,7 @@ dataset_path: json
 dataset_kwargs:
   data_files:
     test: {json.dumps(str(data))}
+  cache_dir: {json.dumps(str(folder / "hf-datasets"))}
 test_split: test
 {body}""")
 
@@ -80,10 +80,11 @@ def _greedy_continuations(url: str, tokens: int) -> list[dict[str, Any]]:
 
 
 def _evaluate(model: str, model_args: dict[str, Any], tasks: list[str], folder: Path, **kw: Any) -> dict[str, Any]:
-    import lm_eval
+    """`lm_eval.simple_evaluate` on the tasks in `folder` alone (none of lm-eval's own)."""
+    from lm_eval import evaluator
     from lm_eval.tasks import TaskManager
 
-    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=tasks, log_samples=True,
+    out: Any = evaluator.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks), log_samples=True,
                                   task_manager=TaskManager(include_path=str(folder), include_defaults=False),
                                   bootstrap_iters=0, **kw)
     assert out is not None

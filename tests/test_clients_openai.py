@@ -95,7 +95,7 @@ def test_chat_and_completions_stream_token_by_token(served):
     """A 10-token reply arrives in several chunks (one per token that adds text), the chunks add up to the reply the
     same request gets unstreamed, and the last choice chunk says why it ended."""
     client = served["client"]
-    ask = dict(model="tiny", messages=STORY, temperature=1.0, max_tokens=10)
+    ask: dict[str, Any] = dict(model="tiny", messages=STORY, temperature=1.0, max_tokens=10)
     seed, whole = _seed_for(client, **ask)
     chunks = list(client.chat.completions.create(**ask, seed=seed, stream=True))
     texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
@@ -120,7 +120,7 @@ def test_n_streams_interleave_by_index_and_usage_comes_last(served):
     choice after another), each index adds up to its unstreamed reply; with include_usage every chunk but the last
     has `usage: None` and the last has only the usage."""
     client = served["client"]
-    ask = dict(model="tiny", messages=STORY, temperature=1.0, n=3, max_tokens=8)
+    ask: dict[str, Any] = dict(model="tiny", messages=STORY, temperature=1.0, n=3, max_tokens=8)
     seed, whole = _seed_for(client, **ask)
     chunks = list(client.chat.completions.create(**ask, seed=seed, stream=True,
                                                  stream_options={"include_usage": True}))
