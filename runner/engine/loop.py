@@ -47,6 +47,7 @@ from runner.engine.log import Progress, disk_error
 from runner.engine.rundir import RunDir, open_run_dir, remove_own_state
 from runner.engine.schedule import adam_at
 from runner.engine.spec import make_algo, spec_of
+from runner.recipe.common import Json
 from runner.recipe.schema import Recipe
 
 
@@ -165,7 +166,7 @@ class Pending:
     lr: float
     prepare_s: float
     # The algorithm's state after preparing this step: the data position of step + 1.
-    state: dict[str, Any]
+    state: Json
     # Checkpoint name and save futures, when this step is a checkpoint step.
     save: tuple[str, Future[str], Future[str]] | None = None
     # Pinned evals run before this step (runner/engine/evals.py), logged in its row.
