@@ -34,7 +34,7 @@ from typing import Any
 from backends.base import Backend, BackendError, Future, TrainingClient
 from backends.errors import UserError
 from backends.tokenizer import load_tokenizer
-from backends.types import LoraSpec
+from backends.types import AdamParams, LoraSpec
 from runner.engine.checkpoints import Checkpoint
 from runner.engine.context import Algorithm, Context, FinalContext, InitWeights
 from runner.engine.cost import STEP as COST_STEP
@@ -353,7 +353,7 @@ async def _steps(recipe: Recipe, run: RunDir, tc: TrainingClient, algo: Algorith
     return ckpt
 
 
-async def prepare_step(algo: Algorithm, tc: TrainingClient, step: int, ctx: Context, adam: Any, evaluate: bool,
+async def prepare_step(algo: Algorithm, tc: TrainingClient, step: int, ctx: Context, adam: AdamParams, evaluate: bool,
                        submitted: list[Any]) -> None:
     """Build step `step`'s batch and submit its parts as they come (into `submitted`)."""
     async for part in algo.prepare(step, ctx):
