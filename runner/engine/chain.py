@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import msgspec
 
@@ -325,7 +325,14 @@ def has_weights(stage: Upstream) -> bool:
     return not isinstance(stage.recipe.algo, Generate)
 
 
-def resolved_inputs(recipe: Recipe, where: str) -> dict[str, Any]:
+class Inputs(TypedDict):
+    """What runner.engine.loop.run takes besides the recipe, once its upstreams have run (resolved_inputs)."""
+
+    init: InitWeights | None  # the chain's last stage's final checkpoint: where training starts
+    weights: dict[str, str]  # every RecipeRef the recipe names -> that run's final sampler weights
+
+
+def resolved_inputs(recipe: Recipe, where: str) -> Inputs:
     """`init` (InitWeights or None) and `weights` (final sampler weights by reference) of a recipe whose upstreams
     have run: what runner.engine.loop.run and `runner eval` need to build its algorithm (start, reference, teachers,
     judges) without running anything."""
@@ -336,7 +343,7 @@ def resolved_inputs(recipe: Recipe, where: str) -> dict[str, Any]:
         ckpt = final_checkpoint(last)
         init = InitWeights(last.ref, last.name, last.recipe, str(ckpt.state_path), str(ckpt.sampler_path), ckpt.name)
     deps = dependencies(recipe, where)
-    return {"init": init, "weights": {d.ref: str(final_checkpoint(d).sampler_path) for d in deps if has_weights(d)}}
+    return Inputs(init=init, weights={d.ref: str(final_checkpoint(d).sampler_path) for d in deps if has_weights(d)})
 
 
 def _status(stage: Upstream) -> str:

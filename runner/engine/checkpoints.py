@@ -15,8 +15,8 @@ import os
 import re
 import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
@@ -44,7 +44,7 @@ class RowPaths(msgspec.Struct):
     paths: str | None = None  # "run": the local paths are relative to the run dir
 
     @staticmethod
-    def of(row: dict[str, Any]) -> RowPaths:
+    def of(row: Json) -> RowPaths:
         """The row's path fields; none when one is not a string (a hand-edited row: nothing local to map)."""
         try:
             return msgspec.convert(row, RowPaths)
@@ -95,7 +95,7 @@ class Checkpoint(msgspec.Struct, kw_only=True, frozen=True):
 _READ_CHECKPOINT = frozenset(f.encode_name for f in msgspec.structs.fields(Checkpoint) if f.name != "row")
 
 
-def relative_row(row: dict[str, Any], run_path: Path) -> dict[str, Any]:
+def relative_row(row: Json, run_path: Path) -> Json:
     """The row as checkpoints.jsonl stores it: local state/sampler paths inside the run dir made relative to it."""
     out = dict(row)
     for key, p in RowPaths.of(row).local().items():
@@ -119,7 +119,7 @@ def _in_run_dir(p: str, run_path: Path) -> str | None:
     return None
 
 
-def resolve_row(row: dict[str, Any], run_path: Path) -> dict[str, Any]:
+def resolve_row(row: Json, run_path: Path) -> Json:
     """A stored row with usable paths: run-relative ones joined to the run dir; an older row's path (absolute,
     or relative to where it ran) mapped onto this run dir's own checkpoints/ when that file is here, so a moved
     or copied run dir uses its own files."""
@@ -192,7 +192,7 @@ def names_in(folder: Path) -> list[str]:
         return []
 
 
-def plain(path: Path, kind: Any = None) -> bool:
+def plain(path: Path, kind: Callable[[int], bool] | None = None) -> bool:
     """Whether `path` exists and is not a link (and, given `kind`, e.g. stat.S_ISDIR, is of that kind)."""
     try:
         mode = path.lstat().st_mode

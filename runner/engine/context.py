@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from backends.base import Backend, Future, SamplingClient, TrainingClient
 from backends.types import AdamParams
+from runner.recipe.common import Json
 from runner.recipe.schema import Recipe
 from runner.renderers.base import Tokenizer
 
@@ -59,11 +60,11 @@ class Algorithm(Protocol):
         """Await what submit() queued for every part of the step; the step's metrics."""
         ...
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> Json:
         """JSON-able data position / RNG as of the last prepare(): stored in the checkpoint row."""
         ...
 
-    def load_state(self, state: dict[str, Any], next_step: int, /) -> None: ...
+    def load_state(self, state: Json, next_step: int, /) -> None: ...
 
     def describe(self) -> list[str]:
         """Dry-run plan lines: data, datums and tokens per step, calls per step."""
@@ -99,6 +100,17 @@ class AlgorithmBase:
         return await self.final(ctx, True) if self.final_plan(True) is not None else {}
 
 
+class ChainStage(Protocol):
+    """A stage of a chain as InitWeights.planned reads it (runner/engine/chain.py Upstream)."""
+
+    @property
+    def ref(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def recipe(self) -> Recipe: ...
+
+
 @dataclass(frozen=True)
 class InitWeights:
     """Where a chained recipe starts (runner/engine/chain.py): another run's final checkpoint. Training starts from its
@@ -113,11 +125,11 @@ class InitWeights:
     checkpoint: str
 
     @staticmethod
-    def planned(stage: Any) -> InitWeights:
+    def planned(stage: ChainStage) -> InitWeights:
         """A dry run's stand-in for an upstream that may not have trained yet."""
         return InitWeights(stage.ref, stage.name, stage.recipe, "", "", "(its final checkpoint)")
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> Json:
         from runner.recipe.load import dump_recipe  # tomli_w: only when recorded
 
         return {"ref": self.ref, "name": self.name, "checkpoint": self.checkpoint, "state_path": self.state_path,

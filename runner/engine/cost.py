@@ -32,15 +32,25 @@ import threading
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
-from backends.base import Backend, Future, SamplingClient, TrainingClient
+from backends.base import Backend, CustomLossFn, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
-from backends.types import Datum, SampleOutput, SamplingParams
+from backends.tokenizer import Tokenizer
+from backends.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    LoraSpec,
+    LossFn,
+    OptimStepOutput,
+    SampleOutput,
+    SamplingParams,
+)
 from runner.engine.checkpoints import Checkpoint, SavedCost
 from runner.models import models
+from runner.recipe.common import Json
 from runner.recipe.cost import Budget, Price
 from runner.recipe.schema import Recipe
 
@@ -123,7 +133,7 @@ class CountingSamplingClient:
 
         # Once, when the request completes (before any awaiting coroutine resumes: this callback is added first);
         # a failed request samples nothing.
-        def done(_: Any) -> None:
+        def done(_: object) -> None:
             try:
                 out = fut.result()
             except BaseException:
@@ -137,7 +147,7 @@ class CountingSamplingClient:
         self.counter.add("prefill", len(tokens))
         return self.inner.compute_logprobs(tokens)
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:  # a backend's own extras, outside the protocol
         return getattr(self.inner, name)
 
 
@@ -145,16 +155,17 @@ class CountingTrainingClient:
     def __init__(self, inner: TrainingClient, counter: Counter):
         self.inner, self.counter = inner, counter
 
-    def forward(self, data: list[Datum], loss_fn: Any, loss_config: dict[str, float] | None = None) -> Future[Any]:
+    def forward(self, data: list[Datum], loss_fn: LossFn,
+                loss_config: dict[str, float] | None = None) -> Future[ForwardBackwardOutput]:
         self.counter.add("prefill", _tokens(data))
         return self.inner.forward(data, loss_fn, loss_config)
 
-    def forward_backward(self, data: list[Datum], loss_fn: Any,
-                         loss_config: dict[str, float] | None = None) -> Future[Any]:
+    def forward_backward(self, data: list[Datum], loss_fn: LossFn,
+                         loss_config: dict[str, float] | None = None) -> Future[ForwardBackwardOutput]:
         self.counter.add("train", _tokens(data))
         return self.inner.forward_backward(data, loss_fn, loss_config)
 
-    def forward_backward_custom(self, data: list[Datum], loss_fn: Any) -> Future[Any]:
+    def forward_backward_custom(self, data: list[Datum], loss_fn: CustomLossFn) -> Future[ForwardBackwardOutput]:
         n = _tokens(data)
         self.counter.add("prefill", n)
         self.counter.add("train", n)
@@ -164,7 +175,17 @@ class CountingTrainingClient:
         return self.inner.save_weights_and_get_sampling_client().map(
             lambda sc: CountingSamplingClient(sc, self.counter))
 
-    def __getattr__(self, name: str) -> Any:  # optim_step, save_state, save_weights_for_sampler: not billed by token
+    # Not billed by token:
+    def optim_step(self, params: AdamParams) -> Future[OptimStepOutput]:
+        return self.inner.optim_step(params)
+
+    def save_state(self, name: str, ttl_seconds: int | None = None) -> Future[str]:
+        return self.inner.save_state(name, ttl_seconds)
+
+    def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None) -> Future[str]:
+        return self.inner.save_weights_for_sampler(name, ttl_seconds)
+
+    def __getattr__(self, name: str) -> object:  # a backend's own extras, outside the protocol
         return getattr(self.inner, name)
 
 
@@ -174,18 +195,29 @@ class CountingBackend:
     def __init__(self, inner: Backend, counter: Counter):
         self.inner, self.counter = inner, counter
 
-    def create_training_client(self, spec: Any) -> Future[Any]:
+    def create_training_client(self, spec: LoraSpec) -> Future[TrainingClient]:
         return self.inner.create_training_client(spec).map(lambda tc: CountingTrainingClient(tc, self.counter))
 
-    def create_training_client_from_state(self, path: str, spec: Any, *args: Any, **kwargs: Any) -> Future[Any]:
-        return self.inner.create_training_client_from_state(path, spec, *args, **kwargs).map(
+    def create_training_client_from_state(self, path: str, spec: LoraSpec,
+                                          with_optimizer: bool = True) -> Future[TrainingClient]:
+        return self.inner.create_training_client_from_state(path, spec, with_optimizer).map(
             lambda tc: CountingTrainingClient(tc, self.counter))
 
-    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> Future[Any]:
+    def create_sampling_client(self, model_path: str | None = None,
+                               base_model: str | None = None) -> Future[SamplingClient]:
         return self.inner.create_sampling_client(model_path, base_model).map(
             lambda sc: CountingSamplingClient(sc, self.counter))
 
-    def __getattr__(self, name: str) -> Any:  # get_tokenizer, checkpoint_ttl_seconds, close
+    def get_tokenizer(self) -> Tokenizer:
+        return self.inner.get_tokenizer()
+
+    def checkpoint_ttl_seconds(self) -> int | None:
+        return self.inner.checkpoint_ttl_seconds()
+
+    def close(self, status: str = "success") -> None:
+        self.inner.close(status)
+
+    def __getattr__(self, name: str) -> object:  # a backend's own extras, outside the protocol
         return getattr(self.inner, name)
 
 
@@ -259,7 +291,7 @@ class Ledger:
         return Ledger(price, recipe.budget, Usage(saved.prefill, saved.sample, saved.train), saved.usd)
 
     def wrap(self, backend: Backend) -> Backend:
-        return CountingBackend(backend, self.counter)  # type: ignore[return-value]  (the Backend protocol, counted)
+        return CountingBackend(backend, self.counter)
 
     def _usd(self, usage: Usage) -> float:
         return usage.usd(self.price) if self.price is not None else 0.0
@@ -281,7 +313,7 @@ class Ledger:
             row.update({"cost/step_usd": self._usd(usage), "cost/total_usd": self.usd})
         return row
 
-    def checkpoint(self) -> dict[str, Any]:
+    def checkpoint(self) -> Json:
         return {"cost": {**self.logged.to_dict(), "usd": self.usd}}
 
     def exhausted(self) -> str | None:

@@ -18,9 +18,13 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from backends.errors import UserError
+from runner.recipe.common import Json
+
+if TYPE_CHECKING:
+    from tqdm import tqdm  # imported when a terminal shows the bar
 
 # errno values that are the disk's, not the program's: one line naming the file, exit 2.
 DISK_ERRNOS = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EIO: "I/O error",
@@ -66,7 +70,7 @@ def _open_nofollow(path: Path, flags: int) -> int:
     return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
 
 
-def append_jsonl(path: Path, row: dict[str, Any]) -> None:
+def append_jsonl(path: Path, row: Json) -> None:
     """Append one row as one line: a single os.write of the whole line on an O_APPEND descriptor, then fsync.
     A failed or short write is cut back off (the file never keeps half a row) and raises "disk full writing
     <path>"."""
@@ -88,7 +92,7 @@ def append_jsonl(path: Path, row: dict[str, Any]) -> None:
             os.close(fd)
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path) -> list[Json]:
     """Rows of a JSONL file written by append_jsonl. A torn last line (a crash mid-write) is dropped
     and cut off the file, so the next append starts on a clean line; a bad line elsewhere is corruption."""
     if not path.exists():
@@ -121,7 +125,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def write_jsonl_atomic(path: Path, rows: list[dict[str, Any]]) -> None:
+def write_jsonl_atomic(path: Path, rows: list[Json]) -> None:
     write_text_atomic(path, "".join(json.dumps(row, allow_nan=True) + "\n" for row in rows))
 
 
@@ -163,7 +167,7 @@ class Progress:
         self.every = 0.0 if total - start <= 50 else every
         self.t0 = self.t_first = time.monotonic()
         self.last_print = -math.inf
-        self.bar: Any = None
+        self.bar: tqdm | None = None
         self.stopped = False
         if self.tty:
             from tqdm import tqdm
@@ -171,7 +175,7 @@ class Progress:
             self.bar = tqdm(total=total, initial=start, file=self.stream, dynamic_ncols=True, unit="step",
                             bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
 
-    def update(self, step: int, metrics: dict[str, Any]) -> None:
+    def update(self, step: int, metrics: Json) -> None:
         if self.stopped:  # after Ctrl-C: the steps still finishing are summed up by the final message
             return
         now = time.monotonic()
@@ -192,7 +196,7 @@ class Progress:
             self.stream.flush()
             self.last_print = now
 
-    def shown(self, metrics: dict[str, Any], test: bool) -> list[str]:
+    def shown(self, metrics: Json, test: bool) -> list[str]:
         """'label value' for each headline key the row has (test: only the test/ ones, else only the others)."""
         parts = []
         for key, label in self.keys:
@@ -211,7 +215,7 @@ class Progress:
                       if k.startswith("test/eval/") and k.endswith(("/accuracy", "/nll", "/mean")) and isinstance(v, float)]
         return parts
 
-    def final(self, metrics: dict[str, Any]) -> None:
+    def final(self, metrics: Json) -> None:
         """The row logged after the last step (RL: the final eval), always printed."""
         self.message("  ".join([f"final ({self.total} steps)", *self.shown(metrics, test=True)]))
 

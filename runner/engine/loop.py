@@ -34,7 +34,7 @@ from typing import Any
 from backends.base import Backend, BackendError, Future, TrainingClient
 from backends.errors import UserError
 from backends.tokenizer import load_tokenizer
-from backends.types import LoraSpec
+from backends.types import AdamParams, LoraSpec
 from runner.engine.checkpoints import Checkpoint
 from runner.engine.context import Algorithm, Context, FinalContext, InitWeights
 from runner.engine.cost import STEP as COST_STEP
@@ -47,6 +47,7 @@ from runner.engine.log import Progress, disk_error
 from runner.engine.rundir import RunDir, open_run_dir, remove_own_state
 from runner.engine.schedule import adam_at
 from runner.engine.spec import make_algo, spec_of
+from runner.recipe.common import Json
 from runner.recipe.schema import Recipe
 
 
@@ -165,7 +166,7 @@ class Pending:
     lr: float
     prepare_s: float
     # The algorithm's state after preparing this step: the data position of step + 1.
-    state: dict[str, Any]
+    state: Json
     # Checkpoint name and save futures, when this step is a checkpoint step.
     save: tuple[str, Future[str], Future[str]] | None = None
     # Pinned evals run before this step (runner/engine/evals.py), logged in its row.
@@ -352,7 +353,7 @@ async def _steps(recipe: Recipe, run: RunDir, tc: TrainingClient, algo: Algorith
     return ckpt
 
 
-async def prepare_step(algo: Algorithm, tc: TrainingClient, step: int, ctx: Context, adam: Any, evaluate: bool,
+async def prepare_step(algo: Algorithm, tc: TrainingClient, step: int, ctx: Context, adam: AdamParams, evaluate: bool,
                        submitted: list[Any]) -> None:
     """Build step `step`'s batch and submit its parts as they come (into `submitted`)."""
     async for part in algo.prepare(step, ctx):

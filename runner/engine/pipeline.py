@@ -9,7 +9,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from backends.errors import UserError
 from runner.engine.chain import Upstream, _status, dependencies, resolved_inputs, upstreams
@@ -17,6 +17,9 @@ from runner.engine.context import InitWeights
 from runner.engine.rundir import LOCK, MARKER
 from runner.recipe.refs import run_dir_path
 from runner.recipe.schema import Recipe
+
+if TYPE_CHECKING:
+    from runner.engine.estimate import Stage  # imported by the dry run only
 
 
 def run_chain(recipe: Recipe, name: str, where: str, *, dry_run: bool = False, force: bool = False) -> None:
@@ -100,7 +103,7 @@ def print_costs(recipe: Recipe, name: str, where: str, stages: list[Upstream]) -
     print_chain_estimate([*planned, _planned(recipe, name, where, f"#{name}", False)])
 
 
-def _planned(recipe: Recipe, name: str, where: str, label: str, finished: bool) -> Any:
+def _planned(recipe: Recipe, name: str, where: str, label: str, finished: bool) -> Stage:
     """A stage as its dry run sees it: upstream weights planned, not yet resolved."""
     from runner.engine.estimate import Stage
     from runner.engine.rundir import open_run_dir

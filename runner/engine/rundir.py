@@ -51,7 +51,7 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 
@@ -74,8 +74,8 @@ from runner.engine.checkpoints import remove_own_state as remove_own_state  # lo
 from runner.engine.log import append_jsonl, disk_errors, read_jsonl, write_jsonl_atomic, write_text_atomic
 from runner.engine.metrics import METRICS as METRICS  # runner/tools/compare.py's, sweep.py's
 from runner.engine.metrics import MetricsRow, metrics_of
-from runner.engine.track import start_tracker
-from runner.recipe.common import TARGET_PATTERN
+from runner.engine.track import Tracker, start_tracker
+from runner.recipe.common import TARGET_PATTERN, Json
 from runner.recipe.load import dump_recipe, load_recipe
 
 # Where runs live and what a generate run writes: defined with the references, re-exported here.
@@ -129,9 +129,9 @@ class RunDir:
     # 1 for the first training session in this dir, n for the n-th (set by begin()).
     session: int = 1
     # A chained recipe's starting point (loop.InitWeights.record()), written to init_from.json by begin().
-    init: dict[str, Any] | None = None
+    init: Json | None = None
     # Where rows go besides metrics.jsonl (runner/engine/track.py; the recipe's `log` table), from begin() to end().
-    tracker: Any = None
+    tracker: Tracker | None = None
     # Checkpoint rows with a state, newest first: resume and what it falls back to when that one does not load.
     candidates: list[Checkpoint] = field(default_factory=list)
     # The run dir's flock (None: not locked, e.g. a dry run), released by end() (or when this object goes).
@@ -194,7 +194,7 @@ class RunDir:
         base = "final" if last else f"{step + 1:06d}"
         return base if self.session == 1 else f"{base}-s{self.session}"
 
-    def log_metrics(self, row: dict[str, Any]) -> None:
+    def log_metrics(self, row: Json) -> None:
         append_jsonl(self.path / METRICS, row)
         if self.tracker is not None:
             self.tracker.log(row)
@@ -222,7 +222,7 @@ class RunDir:
         return checkpoints_of(self.path)
 
 
-def open_run_dir(recipe: Recipe, name: str, *, dry_run: bool = False, init: dict[str, Any] | None = None,
+def open_run_dir(recipe: Recipe, name: str, *, dry_run: bool = False, init: Json | None = None,
                  force: bool = False) -> RunDir:
     """Apply recipe.if_exists to the run directory, holding its lock (released by RunDir.end()). First claim():
     a folder that is not a run dir of ours is refused before anything is written, deleted or locked there. Nothing
@@ -414,7 +414,7 @@ def _is_empty(path: Path) -> bool:
     return not path.exists() or _empty(path, {e.name: e for e in os.scandir(path) if e.name != MARKER})
 
 
-def _open(recipe: Recipe, name: str, path: Path, dry_run: bool, init: dict[str, Any] | None,
+def _open(recipe: Recipe, name: str, path: Path, dry_run: bool, init: Json | None,
           force: bool) -> RunDir:
     run = RunDir(path, name, recipe, init=init)
     if _is_empty(path):
@@ -472,7 +472,7 @@ def _open(recipe: Recipe, name: str, path: Path, dry_run: bool, init: dict[str, 
     return run
 
 
-def _init_changed(path: Path, init: dict[str, Any] | None) -> str | None:
+def _init_changed(path: Path, init: Json | None) -> str | None:
     """How the upstream a run dir was started from differs from `init` now (its recipe's keys, or a different
     checkpoint: the upstream was re-run); None when it is the same, or the run dir records none."""
     recorded_file = path / INIT
@@ -527,9 +527,9 @@ def recipe_diff(a: Recipe, b: Recipe) -> list[str]:
             and fa.get(k) != fb.get(k)]
 
 
-def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(d: Json, prefix: str = "") -> Json:
     """{'a': {'b': 1}} -> {'a.b': 1} (an empty table stays a value)."""
-    out: dict[str, Any] = {}
+    out: Json = {}
     for k, v in d.items():
         if isinstance(v, dict) and v:
             out.update(flatten(v, f"{prefix}{k}."))

@@ -19,6 +19,7 @@ from typing import Any
 from backends.errors import UserError
 from runner.algos.python_config import PythonAlgo
 from runner.engine.context import Algorithm, InitWeights
+from runner.recipe.common import AlgoBase, Json
 from runner.recipe.schema import ALGO_VARIANTS, Recipe
 from runner.recipe.targets import declared
 from runner.renderers import Renderer, get_renderer
@@ -75,10 +76,10 @@ class Settings:
 
 # (config, args) -> a function of the tokenizer that returns the algorithm. Building reads and validates the data,
 # so the cheapest errors come before any model loads.
-Builder = Callable[[Any, BuildArgs], Callable[[Any], Algorithm]]
+Builder = Callable[[Any, BuildArgs], Callable[[Tokenizer], Algorithm]]
 # `runner render` (runner/tools/render.py): (config, recipe, renderer, n) -> the first `n` rows of the algorithm's data
 # as the trainer sees them: {"where", "tokens", "weights"} (+ "side": which side of a comparison).
-Shower = Callable[[Any, Recipe, Any, int], Iterable[dict[str, Any]]]
+Shower = Callable[[Any, Recipe, Renderer, int], Iterable[Json]]
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class AlgoSpec:
     # How `runner render` shows the data; None: it has none to show.
     show: Shower | None = None
 
-    def progress_keys(self, cfg: Any) -> list[tuple[str, str]]:
+    def progress_keys(self, cfg: AlgoBase) -> list[tuple[str, str]]:
         keys = list(self.headline)
         if self.headline_for is not None:
             keys[1:1] = list(self.headline_for(cfg))
@@ -107,7 +108,7 @@ class AlgoSpec:
         return sorted((k for k, _ in self.headline), key=lambda k: not k.startswith("test/"))
 
 
-def spec_of(cfg: Any) -> AlgoSpec:
+def spec_of(cfg: AlgoBase) -> AlgoSpec:
     """The spec of a recipe's `algo` table."""
     if isinstance(cfg, PythonAlgo):
         return _custom_spec(cfg.target)
@@ -129,12 +130,12 @@ def spec_of_kind(kind: str, target: str | None = None) -> AlgoSpec | None:
 
 
 def make_algo(recipe: Recipe, init: InitWeights | None = None,
-              weights: Mapping[str, str] | None = None) -> Callable[[Any], Algorithm]:
+              weights: Mapping[str, str] | None = None) -> Callable[[Tokenizer], Algorithm]:
     """The one place a recipe's algo variant becomes an Algorithm (a function of the tokenizer)."""
     return spec_of(recipe.algo).build(recipe.algo, BuildArgs(recipe, init, dict(weights or {})))
 
 
-def check_algo(cfg: Any, where: str) -> None:
+def check_algo(cfg: AlgoBase, where: str) -> None:
     """`runner check`: a user's algorithm's target is an AlgoSpec and its args fit the spec's config."""
     if not isinstance(cfg, PythonAlgo):
         return
@@ -142,7 +143,7 @@ def check_algo(cfg: Any, where: str) -> None:
     custom_args(spec, cfg, where)
 
 
-def custom_args(spec: AlgoSpec, cfg: PythonAlgo, where: str = "") -> Any:
+def custom_args(spec: AlgoSpec, cfg: PythonAlgo, where: str = "") -> Any:  # the caller knows its config type
     """A user's algorithm's `args`, decoded into its spec's config struct (as given when it has none)."""
     if spec.config is None:
         return cfg.args
@@ -155,7 +156,7 @@ def _custom_spec(target: str, where: str = "") -> AlgoSpec:
     from runner.recipe.targets import import_object
 
     try:
-        obj: Any = import_object(target)
+        obj = import_object(target)
     except UserError as e:
         raise UserError(f"{where + ': ' if where else ''}algo.target: {e}") from None
     if not isinstance(obj, AlgoSpec):

@@ -32,21 +32,24 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 
 from backends.errors import UserError
 from runner.engine.metrics import metrics_of
 from runner.engine.track_common import EXTRAS, default_name, first_line, missing
+from runner.recipe.common import Json
 from runner.recipe.load import recipe_dict
-from runner.recipe.schema import Log, Recipe, WandB
+from runner.recipe.schema import Log, MLflow, Recipe, TensorBoard, Trackio, WandB
 
 WANDB_FILE = "wandb.json"
+# A table of the recipe's `log` (runner/recipe/schema.py Log): one tracker's settings.
+TrackerTable = WandB | TensorBoard | MLflow | Trackio
 
 
 class Tracker(Protocol):
-    def log(self, row: dict[str, Any]) -> None: ...
+    def log(self, row: Json) -> None: ...
 
     def finish(self, status: str) -> None:
         """status: "success", "interrupted" or "error" (runner/engine/loop.py)."""
@@ -59,28 +62,32 @@ class Kind:
 
     module: str  # imported only when a recipe asks for this tracker
     # (its table, the run dir, the resolved recipe, the metrics rows kept before this session) -> a started Tracker
-    start: Callable[[Any, Path, dict[str, Any], list[dict[str, Any]]], Tracker]
+    start: Callable[[TrackerTable, Path, Json, list[Json]], Tracker]
 
 
-def _wandb(cfg: Any, path: Path, config: dict[str, Any], rows: list[dict[str, Any]]) -> Tracker:
+def _wandb(cfg: TrackerTable, path: Path, config: Json, rows: list[Json]) -> Tracker:
+    assert isinstance(cfg, WandB)  # Log.wandb's
     return WandbTracker(cfg, path, config)
 
 
-def _tensorboard(cfg: Any, path: Path, config: dict[str, Any], rows: list[dict[str, Any]]) -> Tracker:
+def _tensorboard(cfg: TrackerTable, path: Path, config: Json, rows: list[Json]) -> Tracker:
     from runner.engine.track_tensorboard import TensorBoardTracker
 
+    assert isinstance(cfg, TensorBoard)
     return TensorBoardTracker(cfg, path, config, rows)
 
 
-def _mlflow(cfg: Any, path: Path, config: dict[str, Any], rows: list[dict[str, Any]]) -> Tracker:
+def _mlflow(cfg: TrackerTable, path: Path, config: Json, rows: list[Json]) -> Tracker:
     from runner.engine.track_mlflow import MlflowTracker
 
+    assert isinstance(cfg, MLflow)
     return MlflowTracker(cfg, path, config, rows)
 
 
-def _trackio(cfg: Any, path: Path, config: dict[str, Any], rows: list[dict[str, Any]]) -> Tracker:
+def _trackio(cfg: TrackerTable, path: Path, config: Json, rows: list[Json]) -> Tracker:
     from runner.engine.track_trackio import TrackioTracker
 
+    assert isinstance(cfg, Trackio)
     return TrackioTracker(cfg, path, config, rows)
 
 
@@ -96,7 +103,7 @@ def installed(module: str) -> bool:
         return False
 
 
-def asked(log: Log) -> list[tuple[str, Any]]:
+def asked(log: Log) -> list[tuple[str, TrackerTable]]:
     """(name, table) of every tracker the `log` table turns on, in KINDS order."""
     return [(name, getattr(log, name)) for name in KINDS if getattr(log, name) is not None]
 
@@ -140,7 +147,7 @@ class Trackers:
     def __init__(self, trackers: list[tuple[str, Tracker]]):
         self.trackers = list(trackers)
 
-    def _drop(self, name: str, tracker: Tracker, e: Exception, row: dict[str, Any] | None) -> None:
+    def _drop(self, name: str, tracker: Tracker, e: Exception, row: Json | None) -> None:
         self.trackers = [(n, t) for n, t in self.trackers if t is not tracker]
         label = EXTRAS[name][0]
         if row is None:
@@ -150,7 +157,7 @@ class Trackers:
         print(f"warning: log.{name}: {label} failed at step {row.get('step')} ({first_line(e)}); the run goes on "
               "without it, every row is still in metrics.jsonl", file=sys.stderr, flush=True)
 
-    def log(self, row: dict[str, Any]) -> None:
+    def log(self, row: Json) -> None:
         for name, tracker in list(self.trackers):
             try:
                 tracker.log(row)
@@ -169,7 +176,7 @@ def sweep_log(log: Log, sweep: str, point: str) -> Log:
     """A sweep point's `log` table: its trackers group the sweep's points (W&B and Trackio: group = the sweep's
     name; MLflow: runs nested under a parent run of that name; TensorBoard with a `dir`: a folder per sweep, each
     point's below it). A name the recipe gave gets the point added; a group it gave is kept."""
-    changes: dict[str, Any] = {}
+    changes: dict[str, TrackerTable] = {}
     for name in ("wandb", "mlflow", "trackio"):
         table = getattr(log, name)
         if table is not None:
@@ -185,7 +192,7 @@ def sweep_log(log: Log, sweep: str, point: str) -> Log:
 
 
 class WandbTracker:
-    def __init__(self, cfg: WandB, path: Path, config: dict[str, Any]):
+    def __init__(self, cfg: WandB, path: Path, config: Json):
         try:
             import wandb
         except ImportError:
@@ -208,7 +215,7 @@ class WandbTracker:
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 
-    def log(self, row: dict[str, Any]) -> None:
+    def log(self, row: Json) -> None:
         self.run.log(row)
 
     def finish(self, status: str) -> None:

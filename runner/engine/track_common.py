@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+
+from runner.recipe.common import Json
 
 # The `log` table's trackers, in the order they start: (what the user reads, the module imported only when a recipe
 # asks for it, how to install it).
@@ -31,9 +32,9 @@ def first_line(e: BaseException) -> str:
 # ---------------------------------------------------------------- shared by the trackers
 
 
-def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(config: Json, prefix: str = "") -> Json:
     """{"lora": {"rank": 8}} -> {"lora.rank": 8}; an empty table stays as its key ({}), arrays stay whole."""
-    out: dict[str, Any] = {}
+    out: Json = {}
     for key, value in config.items():
         if isinstance(value, dict) and value:
             out.update(flatten(value, f"{prefix}{key}."))
@@ -42,12 +43,12 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def scalars(row: dict[str, Any]) -> dict[str, float]:
+def scalars(row: Json) -> dict[str, float]:
     """A metrics row's numbers (booleans as 0/1), `step` aside: what the trackers plot."""
     return {k: float(v) for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
 
 
-def read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> Json:
     """A tracker's record in the run dir ({} when absent or unreadable: a new tracker run)."""
     try:
         value = json.loads(path.read_text())
@@ -56,7 +57,7 @@ def read_json(path: Path) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def write_json(path: Path, value: dict[str, Any]) -> None:
+def write_json(path: Path, value: Json) -> None:
     path.write_text(json.dumps(value) + "\n")
 
 

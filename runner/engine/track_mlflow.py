@@ -29,10 +29,11 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from backends.errors import UserError
 from runner.engine.track_common import default_name, first_line, flatten, missing, read_json, scalars, write_json
+from runner.recipe.common import Json
 from runner.recipe.schema import MLflow
 
 MLFLOW_FILE = "mlflow.json"
@@ -46,7 +47,7 @@ def mlflow_key(key: str) -> str:
     return _INVALID.sub("_", key)
 
 
-def param_value(value: Any) -> str:
+def param_value(value: object) -> str:
     return (value if isinstance(value, str) else json.dumps(value))[:MAX_PARAM]
 
 
@@ -59,13 +60,16 @@ def _locked(uri: str) -> Iterator[None]:
         yield
 
 
-def _chunks(items: list[Any], n: int) -> Iterator[list[Any]]:
+T = TypeVar("T")
+
+
+def _chunks(items: list[T], n: int) -> Iterator[list[T]]:
     for i in range(0, len(items), n):
         yield items[i:i + n]
 
 
 class MlflowTracker:
-    def __init__(self, cfg: MLflow, path: Path, config: dict[str, Any], rows: list[dict[str, Any]]):
+    def __init__(self, cfg: MLflow, path: Path, config: Json, rows: list[Json]):
         try:
             import mlflow  # pyright: ignore[reportMissingImports]
             from mlflow.entities import Metric, Param, RunTag  # pyright: ignore[reportMissingImports]
@@ -85,7 +89,7 @@ class MlflowTracker:
         except Exception as e:  # noqa: BLE001 (no server, a bad URI, refused credentials): one line
             raise UserError(f"log.mlflow: could not start the MLflow run at {self.uri}: {first_line(e)}") from None
 
-    def _start(self, cfg: MLflow, path: Path, config: dict[str, Any], rows: list[dict[str, Any]], client: Any,
+    def _start(self, cfg: MLflow, path: Path, config: Json, rows: list[Json], client: Any,
                Param: Any, RunTag: Any) -> None:
         self.client = client
         experiment_id = self._experiment(cfg.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "Default")
@@ -151,7 +155,7 @@ class MlflowTracker:
         self.client.set_terminated(run.info.run_id, "FINISHED")
         return run.info.run_id
 
-    def _send(self, row: dict[str, Any], skip: set[tuple[str, int]]) -> None:
+    def _send(self, row: Json, skip: set[tuple[str, int]]) -> None:
         step = row.get("step")
         if not isinstance(step, int):
             return
@@ -161,7 +165,7 @@ class MlflowTracker:
         for chunk in _chunks(metrics, METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=chunk)
 
-    def log(self, row: dict[str, Any]) -> None:
+    def log(self, row: Json) -> None:
         self._send(row, skip=self.held)
 
     def finish(self, status: str) -> None:

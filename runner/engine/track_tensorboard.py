@@ -22,10 +22,10 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import Any
 
 from backends.errors import UserError
 from runner.engine.track_common import default_name, first_line, flatten, missing, scalars
+from runner.recipe.common import Json
 from runner.recipe.schema import TensorBoard
 
 # tensorboardX's own cleaning of a summary tag (tensorboardX.summary._clean_tag), done here so it is one known rule.
@@ -40,13 +40,13 @@ def event_dir(cfg: TensorBoard, path: Path) -> Path:
     return path if cfg.dir is None else Path(cfg.dir) / (cfg.name or default_name(path))
 
 
-def hparam(value: Any) -> Any:
+def hparam(value: object) -> bool | int | float | str:
     """A recipe value as an hparam: numbers, strings and booleans as they are, anything else as JSON."""
     return value if isinstance(value, (bool, int, float, str)) else json.dumps(value)
 
 
 class TensorBoardTracker:
-    def __init__(self, cfg: TensorBoard, path: Path, config: dict[str, Any], rows: list[dict[str, Any]]):
+    def __init__(self, cfg: TensorBoard, path: Path, config: Json, rows: list[Json]):
         try:
             from tensorboardX import SummaryWriter  # pyright: ignore[reportMissingImports]
             from tensorboardX.proto.summary_pb2 import Summary  # pyright: ignore[reportMissingImports, reportAttributeAccessIssue]
@@ -77,14 +77,14 @@ class TensorBoardTracker:
         for old in older:  # what they held is in the new file, or was dropped from metrics.jsonl
             old.unlink(missing_ok=True)
 
-    def _write(self, row: dict[str, Any]) -> None:
+    def _write(self, row: Json) -> None:
         step = row.get("step")
         values = scalars(row)
         if isinstance(step, int) and values:
             summary = self.Summary(value=[self.Summary.Value(tag=tb_tag(k), simple_value=v) for k, v in values.items()])
             self.writer._get_file_writer().add_summary(summary, global_step=step)
 
-    def log(self, row: dict[str, Any]) -> None:
+    def log(self, row: Json) -> None:
         self._write(row)
         self.writer.flush()
 

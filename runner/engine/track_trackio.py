@@ -18,10 +18,10 @@ local-first tracker: a SQLite store under TRACKIO_DIR (default ~/.cache/huggingf
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from backends.errors import UserError
 from runner.engine.track_common import default_name, first_line, flatten, missing, read_json, scalars, write_json
+from runner.recipe.common import Json
 from runner.recipe.schema import Trackio
 
 TRACKIO_FILE = "trackio.json"
@@ -30,7 +30,7 @@ RESERVED = ("project", "run", "timestamp", "step", "time", "metrics")
 
 
 class TrackioTracker:
-    def __init__(self, cfg: Trackio, path: Path, config: dict[str, Any], rows: list[dict[str, Any]]):
+    def __init__(self, cfg: Trackio, path: Path, config: Json, rows: list[Json]):
         try:
             import trackio  # pyright: ignore[reportMissingImports]
             from trackio.sqlite_storage import SQLiteStorage  # pyright: ignore[reportMissingImports]
@@ -58,7 +58,7 @@ class TrackioTracker:
         for row in rows:  # kept rows the store lacks
             self._send(row, skip=held)
 
-    def _send(self, row: dict[str, Any], skip: set[tuple[str, int]]) -> None:
+    def _send(self, row: Json, skip: set[tuple[str, int]]) -> None:
         step = row.get("step")
         if not isinstance(step, int):
             return
@@ -67,7 +67,7 @@ class TrackioTracker:
         if metrics:
             self.run.log(metrics, step=step)
 
-    def log(self, row: dict[str, Any]) -> None:
+    def log(self, row: Json) -> None:
         self._send(row, skip=self.held)
 
     def finish(self, status: str) -> None:

@@ -18,19 +18,29 @@ import numbers
 import signal
 import threading
 from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 import numpy as np
 
-from backends.base import Backend, BackendError, Future, SamplingClient, TrainingClient
+from backends.base import Backend, BackendError, CustomLossFn, Future, SamplingClient, TrainingClient
 from backends.errors import UserError, one_line
-from backends.types import Datum, LoraSpec, SamplingParams
+from backends.tokenizer import Tokenizer
+from backends.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    LoraSpec,
+    LossFn,
+    OptimStepOutput,
+    SampleOutput,
+    SamplingParams,
+)
 
 T = TypeVar("T")
 PROTOCOL = "backends/base.py"
 
 
-def _what(value: Any) -> str:
+def _what(value: object) -> str:
     """How a returned value is named in a message: its type, and the value itself when short."""
     if value is None:
         return "None"
@@ -56,7 +66,7 @@ class _Guard:
             self.fail(call, "raised KeyboardInterrupt (the backend's own, not a Ctrl-C)")
         self.fail(call, f"raised {one_line(e)}")
 
-    def call(self, call: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    def call(self, call: str, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         try:
             return fn(*args, **kwargs)
         except (UserError, BackendError):
@@ -68,12 +78,12 @@ class _Guard:
         except (Exception, SystemExit) as e:  # noqa: BLE001 - user code: one line naming it, not a traceback
             self.raised(call, e)
 
-    def future(self, call: str, value: Any, check: Callable[[Any], T]) -> Future[T]:
+    def future(self, call: str, value: object, check: Callable[[object], T]) -> Future[T]:
         if not isinstance(value, Future):
             self.fail(call, f"returned {_what(value)}, not a backends.base.Future ({PROTOCOL})")
         return _CheckedFuture(value, self, call, check)
 
-    def numbers(self, call: str, metrics: Any) -> None:
+    def numbers(self, call: str, metrics: object) -> None:
         if not isinstance(metrics, dict):
             self.fail(call, f"returned metrics {_what(metrics)}, not a dict of numbers ({PROTOCOL})")
         for k, v in metrics.items():
@@ -84,7 +94,7 @@ class _Guard:
 class _CheckedFuture(Future[T]):
     """The backend's future, its result checked; an exception out of it is the backend's (one line)."""
 
-    def __init__(self, outer: Future[Any], guard: _Guard, call: str, check: Callable[[Any], T]):
+    def __init__(self, outer: Future[object], guard: _Guard, call: str, check: Callable[[object], T]):
         super().__init__(outer.future(), lambda raw: check(outer._finish(raw)))  # pyright: ignore[reportPrivateUsage]
         self._guard, self._call = guard, call
 
@@ -118,14 +128,14 @@ class CheckedBackend:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def get_tokenizer(self) -> Any:
-        tok = self._g.call("get_tokenizer()", self._inner.get_tokenizer)
+    def get_tokenizer(self) -> Tokenizer:
+        tok: object = self._g.call("get_tokenizer()", self._inner.get_tokenizer)
         if tok is None or not callable(getattr(tok, "encode", None)):
             self._g.fail("get_tokenizer()", f"returned {_what(tok)}, not a tokenizer ({PROTOCOL})")
-        return tok
+        return cast(Tokenizer, tok)  # checked: it encodes
 
-    def _training(self, call: str, fut: Any) -> Future[TrainingClient]:
-        def check(client: Any) -> TrainingClient:
+    def _training(self, call: str, fut: object) -> Future[TrainingClient]:
+        def check(client: object) -> TrainingClient:
             if isinstance(client, type) or not isinstance(client, TrainingClient):
                 self._g.fail(call, f"gave {_what(client)}, not a TrainingClient ({PROTOCOL})")
             return CheckedTrainingClient(client, self._g)
@@ -158,7 +168,7 @@ class CheckedBackend:
         self._g.call("close()", self._inner.close, status)
 
 
-def sampling(client: Any, g: _Guard, call: str) -> SamplingClient:
+def sampling(client: object, g: _Guard, call: str) -> SamplingClient:
     if isinstance(client, type) or not isinstance(client, SamplingClient):
         g.fail(call, f"gave {_what(client)}, not a SamplingClient ({PROTOCOL})")
     return CheckedSamplingClient(client, g)
@@ -171,8 +181,8 @@ class CheckedTrainingClient:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def _outputs(self, call: str, data: list[Datum]) -> Callable[[Any], Any]:
-        def check(out: Any) -> Any:
+    def _outputs(self, call: str, data: list[Datum]) -> Callable[[object], ForwardBackwardOutput]:
+        def check(out: object) -> ForwardBackwardOutput:
             lps, metrics = getattr(out, "logprobs", None), getattr(out, "metrics", None)
             if not isinstance(lps, list):
                 self._g.fail(call, f"gave {_what(out)}, not a ForwardBackwardOutput with a list of logprobs "
@@ -185,33 +195,34 @@ class CheckedTrainingClient:
                     self._g.fail(call, f"gave logprobs of shape {shape} for datum {i}, whose target_tokens are "
                                        f"{d.target_tokens.shape} ({PROTOCOL})")  # fmt: skip
             self._g.numbers(call, metrics)
-            return out
+            return cast(ForwardBackwardOutput, out)  # checked: logprobs per datum, numeric metrics
 
         return check
 
-    def forward(self, data: list[Datum], loss_fn: Any, loss_config: dict[str, float] | None = None) -> Future[Any]:
+    def forward(self, data: list[Datum], loss_fn: LossFn,
+                loss_config: dict[str, float] | None = None) -> Future[ForwardBackwardOutput]:  # fmt: skip
         fut = self._g.call("forward()", self._inner.forward, data, loss_fn, loss_config)
         return self._g.future("forward()", fut, self._outputs("forward()", data))
 
-    def forward_backward(self, data: list[Datum], loss_fn: Any,
-                         loss_config: dict[str, float] | None = None) -> Future[Any]:  # fmt: skip
+    def forward_backward(self, data: list[Datum], loss_fn: LossFn,
+                         loss_config: dict[str, float] | None = None) -> Future[ForwardBackwardOutput]:  # fmt: skip
         fut = self._g.call("forward_backward()", self._inner.forward_backward, data, loss_fn, loss_config)
         return self._g.future("forward_backward()", fut, self._outputs("forward_backward()", data))
 
-    def forward_backward_custom(self, data: list[Datum], loss_fn: Any) -> Future[Any]:
+    def forward_backward_custom(self, data: list[Datum], loss_fn: CustomLossFn) -> Future[ForwardBackwardOutput]:
         call = "forward_backward_custom()"
         fut = self._g.call(call, self._inner.forward_backward_custom, data, loss_fn)
         return self._g.future(call, fut, self._outputs(call, data))
 
-    def optim_step(self, params: Any) -> Future[Any]:
-        def check(out: Any) -> Any:
+    def optim_step(self, params: AdamParams) -> Future[OptimStepOutput]:
+        def check(out: object) -> OptimStepOutput:
             self._g.numbers("optim_step()", getattr(out, "metrics", out))
-            return out
+            return cast(OptimStepOutput, out)  # checked: numeric metrics
 
         return self._g.future("optim_step()", self._g.call("optim_step()", self._inner.optim_step, params), check)
 
-    def _path(self, call: str, fut: Any) -> Future[str]:
-        def check(path: Any) -> str:
+    def _path(self, call: str, fut: object) -> Future[str]:
+        def check(path: object) -> str:
             if not isinstance(path, str) or not path:
                 self._g.fail(call, f"gave {_what(path)}, not a path string ({PROTOCOL})")
             return path
@@ -238,10 +249,10 @@ class CheckedSamplingClient:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def sample(self, prompt: list[int], num_samples: int, params: SamplingParams) -> Future[Any]:
+    def sample(self, prompt: list[int], num_samples: int, params: SamplingParams) -> Future[SampleOutput]:
         call = "sample()"
 
-        def check(out: Any) -> Any:
+        def check(out: object) -> SampleOutput:
             seqs = getattr(out, "sequences", None)
             if not isinstance(seqs, list):
                 self._g.fail(call, f"gave {_what(out)}, not a SampleOutput ({PROTOCOL})")
@@ -259,14 +270,14 @@ class CheckedSamplingClient:
                 if getattr(s, "stop_reason", None) not in ("stop", "length"):
                     self._g.fail(call, f"gave stop_reason {_what(getattr(s, 'stop_reason', None))}, not 'stop' or "
                                        f"'length' ({PROTOCOL})")  # fmt: skip
-            return out
+            return cast(SampleOutput, out)  # checked: every sequence's tokens, logprobs and stop reason
 
         return self._g.future(call, self._g.call(call, self._inner.sample, prompt, num_samples, params), check)
 
     def compute_logprobs(self, tokens: list[int]) -> Future[list[float | None]]:
         call = "compute_logprobs()"
 
-        def check(out: Any) -> list[float | None]:
+        def check(out: object) -> list[float | None]:
             if not isinstance(out, list) or len(out) != len(tokens):
                 n = f"{len(out)} logprobs" if isinstance(out, list) else _what(out)
                 self._g.fail(call, f"gave {n} for {len(tokens)} tokens (one per token, None first: {PROTOCOL})")

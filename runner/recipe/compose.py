@@ -25,9 +25,9 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from backends.errors import UserError
+from runner.recipe.common import Json
 
 EXTENDS = "extends"
 DEFAULTS = "defaults"
@@ -38,16 +38,16 @@ TAG = "kind"
 
 KeyPath = tuple[str, ...]
 # Reads and parses another recipe file (`extends = "other.toml#base"`): runner/recipe/load.py's read_data.
-Reader = Callable[[str], dict[str, Any]]
+Reader = Callable[[str], Json]
 
 
 @dataclass(frozen=True)
 class Layer:
     label: str  # "[defaults] of FILE", "FILE#base (extends)", "FILE#name", "override lr=1e-4"
-    table: dict[str, Any]
+    table: Json
 
 
-def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: Json, over: Json) -> Json:
     """`over` on top of `base` (neither changed): tables merge, anything else replaces (see the module doc)."""
     out = copy.deepcopy(base)
     for key, value in over.items():
@@ -59,14 +59,14 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _switches(below: dict[str, Any], value: dict[str, Any]) -> bool:
+def _switches(below: Json, value: Json) -> bool:
     """A table naming another variant (`kind`) than the one below replaces it instead of merging into it."""
     return TAG in below and TAG in value and below[TAG] != value[TAG]
 
 
-def merge_layers(layers: list[Layer]) -> tuple[dict[str, Any], dict[KeyPath, str]]:
+def merge_layers(layers: list[Layer]) -> tuple[Json, dict[KeyPath, str]]:
     """(merged table, {key path: label of the layer that set it}) of `layers`, lowest first."""
-    table: dict[str, Any] = {}
+    table: Json = {}
     origins: dict[KeyPath, str] = {}
     for layer in layers:
         _note(table, layer.table, (), layer.label, origins)
@@ -74,7 +74,7 @@ def merge_layers(layers: list[Layer]) -> tuple[dict[str, Any], dict[KeyPath, str
     return table, origins
 
 
-def _note(below: Any, over: dict[str, Any], at: KeyPath, label: str, origins: dict[KeyPath, str]) -> None:
+def _note(below: object, over: Json, at: KeyPath, label: str, origins: dict[KeyPath, str]) -> None:
     for key, value in over.items():
         path = (*at, key)
         under = below.get(key) if isinstance(below, dict) else None
@@ -97,13 +97,13 @@ def origin(origins: dict[KeyPath, str], path: KeyPath) -> str | None:
     return None
 
 
-def resolve_tables(path: str, data: dict[str, Any], read: Reader) -> dict[str, dict[str, Any]]:
+def resolve_tables(path: str, data: Json, read: Reader) -> dict[str, Json]:
     """Every recipe of a parsed file with its extends chain and the file's [defaults] merged in.
     `read(path) -> parsed file` reads another file (`extends = "other.toml#base"`)."""
     return {name: merged(path, name, data, read) for name in data["recipes"]}
 
 
-def layers(path: str, name: str, data: dict[str, Any], read: Reader) -> list[Layer]:
+def layers(path: str, name: str, data: Json, read: Reader) -> list[Layer]:
     """The tables that make recipe `name` of parsed file `data` (at `path`), lowest first (module doc): the
     [defaults] of each file on the chain (this file's lowest, each once), then the bases' own tables from the root
     up (each labelled `(extends)`, its sweep left out), then the recipe's own table."""
@@ -143,7 +143,7 @@ class _Link:
 
     path: str
     name: str
-    data: dict[str, Any]
+    data: Json
     key: str  # 'FILE#name', FILE resolved
 
     @property
@@ -151,7 +151,7 @@ class _Link:
         return f"{self.path}#{self.name}"
 
 
-def _chain(path: str, name: str, data: dict[str, Any], read: Reader,
+def _chain(path: str, name: str, data: Json, read: Reader,
            known: Callable[[str], bool] | None = None) -> list[_Link]:
     """Recipe `name` of `path` and the bases it extends, itself first, the root base last: walked in a loop (a chain
     is as long as the user makes it, the stack is not); a cycle, a missing base or a chain of more than MAX_EXTENDS
@@ -197,9 +197,9 @@ def _chain(path: str, name: str, data: dict[str, Any], read: Reader,
 
 @dataclass(frozen=True)
 class _Merged:
-    table: dict[str, Any]  # the recipe's merged table (never handed out: merged() returns copies)
+    table: Json  # the recipe's merged table (never handed out: merged() returns copies)
     defaults: tuple[str, ...]  # the labels of the [defaults] tables under it, lowest first
-    files: tuple[tuple[str, dict[str, Any]], ...]  # (path, parsed data) of every file on its chain: still current?
+    files: tuple[tuple[str, Json], ...]  # (path, parsed data) of every file on its chain: still current?
     depth: int  # recipes on its chain, itself included
 
 
@@ -209,7 +209,7 @@ class _Merged:
 _MERGED: dict[str, _Merged] = {}
 
 
-def merged(path: str, name: str, data: dict[str, Any], read: Reader) -> dict[str, Any]:
+def merged(path: str, name: str, data: Json, read: Reader) -> Json:
     """merge_layers(layers(...))[0], remembered per recipe: a recipe whose base is known merges its own table over
     the base's (linear in the chain's length for a whole file). Returns a copy the caller may change."""
     def current(key: str) -> bool:
@@ -231,7 +231,7 @@ def merged(path: str, name: str, data: dict[str, Any], read: Reader) -> dict[str
         if below is None:
             table = deep_merge(defaults, own) if defaults else copy.deepcopy(own)
             labels: tuple[str, ...] = (label,) if defaults else ()
-            files: tuple[tuple[str, dict[str, Any]], ...] = ((link.path, link.data),)
+            files: tuple[tuple[str, Json], ...] = ((link.path, link.data),)
             depth = 1
         else:
             files = below.files if any(p == link.path for p, _ in below.files) else (*below.files, (link.path, link.data))

@@ -15,7 +15,7 @@ import json
 import re
 import threading
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import msgspec
 import msgspec.inspect as mi
@@ -26,7 +26,7 @@ from runner.recipe.common import REF_DESCRIPTION, TARGET_PATTERN
 T = TypeVar("T")
 # Recipe names and override keys: plain names (a recipe name becomes a run directory, runs/<name>).
 NAME = re.compile(r"^[A-Za-z0-9_-]+$")
-MISSING: Any = object()
+MISSING = object()  # a key the raw data does not hold
 
 
 # msgspec (0.22) builds a type's decoding info on its first use, calling back into Python (the class annotations)
@@ -36,7 +36,7 @@ MISSING: Any = object()
 _CONVERT_LOCK = threading.RLock()  # re-entrant: a struct's __post_init__ may convert a part of it
 
 
-def convert(raw: Any, type_: type[T], where: str) -> T:
+def convert(raw: object, type_: type[T], where: str) -> T:
     """msgspec.convert, with a failure turned into a one-line UserError (works for any struct type)."""
     try:
         with _CONVERT_LOCK:
@@ -47,7 +47,7 @@ def convert(raw: Any, type_: type[T], where: str) -> T:
 
 # ---------------------------------------------------------------- walking the schema with the data
 
-def resolve(t: Any, raw: Any) -> Any:
+def resolve(t: mi.Type | None, raw: object) -> mi.Type | None:
     """The concrete type at a node: Metadata unwrapped, None dropped, a tagged union narrowed by the
     raw tag. An unresolvable union comes back as is."""
     if isinstance(t, mi.Metadata):
@@ -64,7 +64,7 @@ def resolve(t: Any, raw: Any) -> Any:
     return t
 
 
-def _variants(t: Any) -> list[mi.StructType]:
+def _variants(t: mi.Type | None) -> list[mi.StructType]:
     """The tagged struct choices at a node (one for a lone tagged struct, none if untagged)."""
     if isinstance(t, mi.Metadata):
         return _variants(t.type)
@@ -75,7 +75,7 @@ def _variants(t: Any) -> list[mi.StructType]:
     return []
 
 
-def child(t: Any, raw: Any, key: str | int) -> tuple[Any, mi.Field | None]:
+def child(t: mi.Type | None, raw: object, key: str | int) -> tuple[mi.Type | None, mi.Field | None]:
     """(type, field) one step down from type `t` holding `raw`; (None, None) if the schema says nothing."""
     t = resolve(t, raw)
     if isinstance(t, mi.StructType) and isinstance(key, str):
@@ -91,12 +91,12 @@ def child(t: Any, raw: Any, key: str | int) -> tuple[Any, mi.Field | None]:
     return None, None
 
 
-def is_str(t: Any) -> bool:
+def is_str(t: mi.Type | None) -> bool:
     t = resolve(t, None)
     return isinstance(t, mi.StrType) or (isinstance(t, mi.LiteralType) and all(isinstance(v, str) for v in t.values))
 
 
-def _get(raw: Any, key: str | int) -> Any:
+def _get(raw: object, key: str | int) -> object:
     if isinstance(raw, dict) and isinstance(key, str):
         return raw.get(key, MISSING)
     if isinstance(raw, list) and isinstance(key, int) and key < len(raw):
@@ -106,7 +106,7 @@ def _get(raw: Any, key: str | int) -> Any:
 
 # ---------------------------------------------------------------- msgspec errors -> one line
 
-def explain(message: str, raw: Any, root: Any) -> str:
+def explain(message: str, raw: object, root: object) -> str:
     """'Expected `int` >= 1 - at `$.algo.batch_size`' -> 'algo.batch_size: expected int >= 1, got 0'."""
     text, _, loc = message.partition(" - at `$")
     parts: list[str | int] = []
@@ -181,10 +181,12 @@ def _type_name(msgspec_name: str) -> str:
     return "table" if msgspec_name == "object" else msgspec_name
 
 
-def _bad_key(raw: Any, parts: list[str | int], node: dict[str, Any], root: Any, message: str) -> str:
+def _bad_key(raw: object, parts: list[str | int], node: object, root: object, message: str) -> str:
     """msgspec reports a dict entry as `[...]`: find the key by re-checking with one entry at a time."""
+    if not isinstance(node, dict):
+        return "..."
     for key, value in node.items():
-        trial = copy.deepcopy(raw)
+        trial: Any = copy.deepcopy(raw)  # the same tables and arrays as `raw`, walked by `parts`
         target = trial
         for p in parts:
             target = target[p]
@@ -198,7 +200,7 @@ def _bad_key(raw: Any, parts: list[str | int], node: dict[str, Any], root: Any, 
     return "..."
 
 
-def _expected(t: Any, key: str | int) -> str:
+def _expected(t: mi.Type | None, key: str | int) -> str:
     if _variants(t):
         return _table_hint(t, key, MISSING)
     desc = _description(t)
@@ -220,7 +222,7 @@ def _bound(v: float) -> str:
     return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
 
 
-def _table_hint(t: Any, key: str | int, value: Any) -> str:
+def _table_hint(t: mi.Type | None, key: str | int, value: object) -> str:
     variants = _variants(t)
     tags = [v.tag for v in variants]
     tag, field = (value if value in tags else tags[0]), variants[0].tag_field
@@ -231,7 +233,7 @@ def _tags(variants: list[mi.StructType]) -> str:
     return ", ".join(sorted(str(v.tag) for v in variants))
 
 
-def _description(t: Any) -> str | None:
+def _description(t: mi.Type | None) -> str | None:
     """A `Meta(description=...)` on the type: says what a pattern means better than the regex."""
     t = _non_null(t)
     if isinstance(t, mi.Metadata) and t.extra_json_schema:
@@ -239,7 +241,7 @@ def _description(t: Any) -> str | None:
     return None
 
 
-def _non_null(t: Any) -> Any:
+def _non_null(t: mi.Type | None) -> mi.Type | None:
     """`X | None` -> X (still wrapped in its Metadata, if any)."""
     if isinstance(t, mi.UnionType):
         types = [m for m in t.types if not isinstance(m, mi.NoneType)]
@@ -258,7 +260,7 @@ def dotted(parts: Sequence[str | int]) -> str:
     return out
 
 
-def _show(v: Any) -> str:
+def _show(v: object) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if v is MISSING:
@@ -267,26 +269,33 @@ def _show(v: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def got(v: Any) -> str:
+def got(v: object) -> str:
     """A raw value with its TOML type: "str 'fast'", 'table', 'array [1, 2]'."""
     if isinstance(v, dict):
         return "table"
-    name = {list: "array"}.get(type(v), type(v).__name__)
+    name = "array" if isinstance(v, list) else type(v).__name__
     return f"{name} {_show(v)}"
 
 
 
-@functools.cache
-def info(type_: Any) -> Any:
-    return mi.type_info(type_)
+_type_info = functools.cache(mi.type_info)
 
 
-def is_ref(t: Any) -> bool:
+@overload
+def info(type_: type[msgspec.Struct]) -> mi.StructType: ...
+@overload
+def info(type_: object) -> mi.Type: ...
+def info(type_: object) -> mi.Type:
+    """msgspec.inspect's view of a type (a struct's: its StructType), built once per type."""
+    return _type_info(type_)
+
+
+def is_ref(t: mi.Type | None) -> bool:
     """A RecipeRef field (runner/recipe/schema.py): another run's weights, resolved by runner/engine/chain.py."""
     return _description(t) == REF_DESCRIPTION
 
 
-def is_target(t: Any) -> bool:
+def is_target(t: mi.Type | None) -> bool:
     """A Target field ("pkg.mod:fn"), alone or as the string choice of a union (a judge: a target or a table)."""
     if isinstance(t, mi.UnionType):
         return any(is_target(m) for m in t.types if not isinstance(m, mi.NoneType))

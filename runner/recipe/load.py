@@ -32,6 +32,7 @@ import msgspec
 import tomli_w
 
 from backends.errors import UserError
+from runner.recipe.common import Json
 from runner.recipe.compose import DEFAULTS, EXTENDS, Layer, layers, merge_layers, merged, origin, resolve_tables
 from runner.recipe.explain import NAME, child, convert, dotted, got, info, is_ref, is_str, is_target
 from runner.recipe.fits import check_context
@@ -57,7 +58,7 @@ def load_recipe(ref: str, overrides: Sequence[str] = ()) -> tuple[str, Recipe]:
     return name, resolve(path, name, raw, overrides)
 
 
-def pick(ref: str) -> tuple[str, str, dict[str, Any]]:
+def pick(ref: str) -> tuple[str, str, Json]:
     """(file, recipe name, raw table) of 'FILE#name' (or FILE alone when it holds one recipe)."""
     path, name = split_ref(ref)
     data = read_data(path)
@@ -71,7 +72,7 @@ def pick(ref: str) -> tuple[str, str, dict[str, Any]]:
     return path, name, merged(path, name, data, read_data)
 
 
-def no_recipe(path: str, name: str, tables: dict[str, Any]) -> str:
+def no_recipe(path: str, name: str, tables: Json) -> str:
     """'FILE: no recipe named 'rl_basc'; did you mean 'rl_basic'? available: ...'."""
     close = difflib.get_close_matches(name, list(tables), n=1)
     hint = f" (did you mean {path}#{close[0]}?)" if close else ""
@@ -83,7 +84,7 @@ def recipe_names(path: str) -> list[str]:
     return list(read_data(path)["recipes"])
 
 
-def resolve(path: str, name: str, raw: dict[str, Any], overrides: Sequence[str] = (),
+def resolve(path: str, name: str, raw: Json, overrides: Sequence[str] = (),
             where: str | None = None) -> Recipe:
     """One raw table of file `path` as a Recipe: overrides applied, decoded, and what lives next to the recipe
     file found there (every way of loading a recipe goes through here, so `check FILE` sees what `run FILE#x` sees).
@@ -174,7 +175,7 @@ def split_ref(ref: str) -> tuple[str, str | None]:
     return path, name
 
 
-def read_tables(path: str) -> dict[str, dict[str, Any]]:
+def read_tables(path: str) -> dict[str, Json]:
     """The raw `[recipes.<name>]` tables of a file, undecoded, each with its `extends` chain and the file's
     `[defaults]` merged in (runner/recipe/compose.py)."""
     return resolve_tables(path, read_data(path), read_data)
@@ -188,7 +189,7 @@ def read_layers(path: str, name: str) -> list[Layer]:
     return layers(path, name, data, read_data)
 
 
-def read_data(path: str) -> dict[str, Any]:
+def read_data(path: str) -> Json:
     """A recipe file parsed and its shape checked: `[recipes.<name>]` tables and an optional `[defaults]` table.
     Each file is parsed once while it is unchanged (_read_cached): the same object comes back, which callers must
     not change (pick, read_tables and merged hand out copies)."""
@@ -223,7 +224,7 @@ def _missing_file_hint(path: str) -> str:
     return f"; did you mean {DEFAULT_FILE}#{close[0]}?" if close else ""
 
 
-def _check_shape(path: str, data: dict[str, Any]) -> None:
+def _check_shape(path: str, data: Json) -> None:
     if "recipes" not in data:
         raise UserError(f"{path}: no [recipes] table; write each recipe as [recipes.<name>]")
     for key in data:
@@ -257,7 +258,7 @@ class _TooDeep(Exception):
     pass
 
 
-def toml_loads(text: str) -> dict[str, Any]:
+def toml_loads(text: str) -> Json:
     """tomllib.loads, with nesting deeper than MAX_NESTING refused (_TooDeep; tomllib itself recurses per level of
     arrays and inline tables, so a deep enough file is a RecursionError inside it, turned into the same)."""
     try:
@@ -269,7 +270,7 @@ def toml_loads(text: str) -> dict[str, Any]:
     return data
 
 
-def nesting(value: Any) -> int:
+def nesting(value: object) -> int:
     """How deep arrays and tables nest in a parsed TOML value (a scalar: 0), walked without recursion."""
     deepest, stack = 0, [(value, 1)]
     while stack:
@@ -288,7 +289,7 @@ class _Parsed:
     stat: tuple[int, int, int, int]  # (device, inode, size, mtime ns) when read
     read_ns: int  # when it was read (time.time_ns)
     content: bytes
-    data: dict[str, Any]
+    data: Json
 
 
 # Parsed recipe files by resolved path: one `runner check` reads a file once per recipe and per reference between
@@ -299,7 +300,7 @@ _PARSED: dict[str, _Parsed] = {}
 _RACY_NS = 2_000_000_000
 
 
-def _read_cached(p: Path) -> dict[str, Any]:
+def _read_cached(p: Path) -> Json:
     key = os.path.realpath(p)
     st = os.stat(key)
     stat = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -319,7 +320,7 @@ def _read_cached(p: Path) -> dict[str, Any]:
     return data
 
 
-def decode_recipe(raw: dict[str, Any], where: str) -> Recipe:
+def decode_recipe(raw: Json, where: str) -> Recipe:
     """Validate one raw recipe table; `where` ('FILE#name') prefixes the error."""
     return convert(raw, Recipe, where)
 
@@ -360,7 +361,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return keys, doc["v"] if len(doc) == 1 else value.strip()
 
 
-def toml_value(v: Any) -> str:
+def toml_value(v: object) -> str:
     """A value as a TOML inline literal (what an override's right-hand side holds)."""
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -378,7 +379,7 @@ def toml_value(v: Any) -> str:
     raise TypeError(f"not a TOML value: {v!r}")
 
 
-def show_value(v: Any) -> str:
+def show_value(v: object) -> str:
     """A swept value as a point's dir name shows it: 0.001, 8, true, local; an array's items joined by '+'."""
     if isinstance(v, str):
         return v
@@ -387,7 +388,7 @@ def show_value(v: Any) -> str:
     return toml_value(v)
 
 
-def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], where: str) -> dict[str, Any]:
+def apply_overrides(raw: Json, overrides: Sequence[str], where: str) -> Json:
     """A copy of `raw` with each override set at its path (CLI > recipe > defaults).
 
     A value replaces what was there (`backend={kind="tinker"}` switches variant). A missing table on
@@ -412,13 +413,13 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], where: str) -
     return out
 
 
-def _seed(default: Any) -> dict[str, Any]:
+def _seed(default: object) -> Json:
     """The raw table of a default struct: its tag and the fields that differ from their own defaults
     (so an override of the tag alone, `backend.kind=tinker`, does not drag the old variant's fields)."""
     if not isinstance(default, msgspec.Struct):
         return {}
     struct = info(type(default))
-    out: dict[str, Any] = {struct.tag_field: struct.tag} if struct.tag_field else {}
+    out: Json = {struct.tag_field: struct.tag} if struct.tag_field else {}
     for f in struct.fields:
         value = getattr(default, f.name)
         own = f.default_factory() if f.default_factory is not msgspec.NODEFAULT else f.default
@@ -429,7 +430,7 @@ def _seed(default: Any) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- writing back, and checking
 
-def recipe_dict(recipe: Recipe) -> dict[str, Any]:
+def recipe_dict(recipe: Recipe) -> Json:
     """Every field, defaults included, as TOML-ready builtins. None is left out: TOML has no null,
     and every optional field defaults to None, so leaving it out reads back the same."""
     return _drop_none(msgspec.to_builtins(recipe, builtin_types=(datetime, date, dtime)))
@@ -454,7 +455,7 @@ def dump_recipe(name: str, recipe: Recipe) -> str:
     return tomli_w.dumps({"recipes": {name: table}})
 
 
-def _empty_tables(v: dict[str, Any], at: tuple[str, ...]) -> list[tuple[str, ...]]:
+def _empty_tables(v: Json, at: tuple[str, ...]) -> list[tuple[str, ...]]:
     out: list[tuple[str, ...]] = []
     for key, value in v.items():
         if isinstance(value, dict):
@@ -509,7 +510,7 @@ def check_recipe(recipe: Recipe, where: str) -> None:
 
 
 
-def structs(v: Any, path: tuple[str | int, ...]) -> Iterator[tuple[tuple[str | int, ...], msgspec.Struct]]:
+def structs(v: object, path: tuple[str | int, ...]) -> Iterator[tuple[tuple[str | int, ...], msgspec.Struct]]:
     """Every struct inside a recipe, with its key path (through fields, lists and dict values)."""
     if isinstance(v, msgspec.Struct):
         yield path, v
@@ -540,7 +541,7 @@ def explain_recipe(path: str, name: str, recipe: Recipe, overrides: Sequence[str
     return "".join(f"{line.ljust(width)}  # {origin(origins, keys) or 'default'}\n" for line, keys in rows)
 
 
-def _leaves(v: dict[str, Any], at: tuple[str, ...]) -> Iterator[tuple[str, tuple[str, ...]]]:
+def _leaves(v: Json, at: tuple[str, ...]) -> Iterator[tuple[str, tuple[str, ...]]]:
     for key, value in v.items():
         if isinstance(value, dict) and value:
             yield from _leaves(value, (*at, key))

@@ -20,6 +20,7 @@ from typing import Any
 
 from backends.errors import UserError
 from runner.models import hidden_sizes
+from runner.recipe.common import Json
 
 AUTO = "auto"
 BASE_LR, LORA_MULTIPLIER = 5e-5, 10.0
@@ -73,7 +74,7 @@ def _read_config(folder: Path) -> tuple[str, int | None, str]:
     return str(config.get("model_type", "")), hidden, str(config_file)
 
 
-def resolve_auto(raw: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+def resolve_auto(raw: Json) -> tuple[Json, str | None]:
     """A raw recipe table with lr = "auto" replaced by its value, and how it was found (None: no "auto")."""
     if raw.get("lr") != AUTO:
         return raw, None
@@ -86,7 +87,7 @@ def resolve_auto(raw: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     return {**raw, "lr": lr}, how
 
 
-def auto_note(raw: dict[str, Any]) -> str | None:
+def auto_note(raw: Json) -> str | None:
     """`runner show`'s comment line for a raw table (overrides applied) whose lr is "auto"."""
     resolved, how = resolve_auto(raw)
     return None if how is None else f"# lr = {resolved['lr']:.6g}: {how}\n"
