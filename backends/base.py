@@ -38,8 +38,8 @@ U = TypeVar("U")
 T_co = TypeVar("T_co", covariant=True)
 
 # A custom loss: (data, per-datum target logprobs as torch tensors requiring grad) -> (scalar loss, metrics).
-# Typed as Any because torch must not be imported by `runner check` / `runner list`.
-CustomLossFn = Callable[[list[Datum], list[Any]], tuple[Any, dict[str, float]]]
+# losses.Tensor is torch.Tensor, named without importing torch (`runner check` / `runner list` must not load it).
+CustomLossFn = Callable[[list[Datum], list[losses.Tensor]], tuple[losses.Tensor, dict[str, float]]]
 
 
 def loss_of(loss_fn: LossFn, config: Mapping[str, float] | None) -> Callable[[Datum, losses.Tensor], losses.Tensor]:
