@@ -26,7 +26,7 @@ from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
 
 from backends.serve.limits import Limits
-from backends.serve.replies import Reply
+from backends.serve.replies import Reply, failed
 
 log = logging.getLogger("runner.serve")
 
@@ -239,7 +239,7 @@ class Site:
         if waiting is not None:
             fut, timeout, later = waiting
             if await _wait(fut, timeout):
-                return fut.result() if not fut.cancelled() else Reply.json({"error": "cancelled", "category": "user"})
+                return fut.result() if not fut.cancelled() else failed("cancelled", "user")
             return later
         inline = getattr(self.app, "inline", None)
         if inline is not None and inline(method, path, body):
