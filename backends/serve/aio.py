@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from backends.serve.limits import Limits
 from backends.serve.replies import Reply, failed
@@ -132,7 +133,7 @@ class JsonErrors(RequestHandler):
         self.close()  # answer what was asked, then close
         return True
 
-    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+    def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         if status == 500:
             return super().handle_error(request, status, exc, message)
