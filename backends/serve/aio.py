@@ -249,13 +249,36 @@ class Site:
         return await loop.run_in_executor(self.workers, self.app.handle, method, path, headers, body, base_url, gone)
 
     async def _stream(self, request: web.Request, reply: Reply, pieces: Iterator[bytes]) -> web.StreamResponse:
-        """Each piece leaves as it is made (chunked); the pieces are made on a worker thread. A client gone mid-stream
-        closes the iterator there, which stops its sampling (backends/serve/streaming.py)."""
+        """Each piece leaves as it is made (chunked). The pieces are made on one worker thread, which hands each to the
+        loop as it comes (no hand-off per piece and back); a client gone mid-stream stops that thread at its next
+        piece, and the iterator is closed there, which stops its sampling (backends/serve/streaming.py)."""
         loop = asyncio.get_running_loop()
+        ready: asyncio.Queue[object] = asyncio.Queue()
+        stop = threading.Event()
+
+        def put(item: object) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (the server stopped)
+                loop.call_soon_threadsafe(ready.put_nowait, item)
+
+        def produce() -> None:
+            try:
+                for piece in pieces:
+                    if stop.is_set():
+                        break
+                    put(piece)
+            except Exception:  # a bug of ours: the stream ends here
+                log.exception("error while streaming %s", request.path[:200])
+            finally:
+                end = getattr(pieces, "close", None)
+                if end is not None:
+                    end()
+                put(_END)
+
         resp = web.StreamResponse(status=reply.status, headers=reply.headers)
+        self.workers.submit(produce)  # started first: however this ends, the thread closes the iterator
         try:
             await resp.prepare(request)
-            while (piece := await loop.run_in_executor(self.workers, next, pieces, _END)) is not _END:
+            while (piece := await ready.get()) is not _END:
                 assert isinstance(piece, bytes)
                 if piece:
                     await resp.write(piece)
@@ -263,9 +286,7 @@ class Site:
         except DISCONNECTS as exc:
             log.debug("client %s left mid-stream: %s", request.remote, type(exc).__name__)
         finally:
-            end = getattr(pieces, "close", None)
-            if end is not None:
-                await loop.run_in_executor(self.workers, end)
+            stop.set()
         return resp
 
 
