@@ -24,9 +24,10 @@ from typing import Any, Protocol
 
 from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from backends.serve.limits import Limits
-from backends.serve.replies import Reply
+from backends.serve.replies import Reply, failed
 
 log = logging.getLogger("runner.serve")
 
@@ -132,7 +133,7 @@ class JsonErrors(RequestHandler):
         self.close()  # answer what was asked, then close
         return True
 
-    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+    def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         if status == 500:
             return super().handle_error(request, status, exc, message)
@@ -239,7 +240,7 @@ class Site:
         if waiting is not None:
             fut, timeout, later = waiting
             if await _wait(fut, timeout):
-                return fut.result() if not fut.cancelled() else Reply.json({"error": "cancelled", "category": "user"})
+                return fut.result() if not fut.cancelled() else failed("cancelled", "user")
             return later
         inline = getattr(self.app, "inline", None)
         if inline is not None and inline(method, path, body):
@@ -248,13 +249,36 @@ class Site:
         return await loop.run_in_executor(self.workers, self.app.handle, method, path, headers, body, base_url, gone)
 
     async def _stream(self, request: web.Request, reply: Reply, pieces: Iterator[bytes]) -> web.StreamResponse:
-        """Each piece leaves as it is made (chunked); the pieces are made on a worker thread. A client gone mid-stream
-        closes the iterator there, which stops its sampling (backends/serve/streaming.py)."""
+        """Each piece leaves as it is made (chunked). The pieces are made on one worker thread, which hands each to the
+        loop as it comes (no hand-off per piece and back); a client gone mid-stream stops that thread at its next
+        piece, and the iterator is closed there, which stops its sampling (backends/serve/streaming.py)."""
         loop = asyncio.get_running_loop()
+        ready: asyncio.Queue[object] = asyncio.Queue()
+        stop = threading.Event()
+
+        def put(item: object) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (the server stopped)
+                loop.call_soon_threadsafe(ready.put_nowait, item)
+
+        def produce() -> None:
+            try:
+                for piece in pieces:
+                    if stop.is_set():
+                        break
+                    put(piece)
+            except Exception:  # a bug of ours: the stream ends here
+                log.exception("error while streaming %s", request.path[:200])
+            finally:
+                end = getattr(pieces, "close", None)
+                if end is not None:
+                    end()
+                put(_END)
+
         resp = web.StreamResponse(status=reply.status, headers=reply.headers)
+        self.workers.submit(produce)  # started first: however this ends, the thread closes the iterator
         try:
             await resp.prepare(request)
-            while (piece := await loop.run_in_executor(self.workers, next, pieces, _END)) is not _END:
+            while (piece := await ready.get()) is not _END:
                 assert isinstance(piece, bytes)
                 if piece:
                     await resp.write(piece)
@@ -262,9 +286,7 @@ class Site:
         except DISCONNECTS as exc:
             log.debug("client %s left mid-stream: %s", request.remote, type(exc).__name__)
         finally:
-            end = getattr(pieces, "close", None)
-            if end is not None:
-                await loop.run_in_executor(self.workers, end)
+            stop.set()
         return resp
 
 

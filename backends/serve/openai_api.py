@@ -49,7 +49,6 @@ from backends.types import SampleOutput, SamplingParams
 if TYPE_CHECKING:
     from backends.serve.limits import Budget
     from backends.serve.samplers import SamplerSession
-    from backends.serve.service import Service
     from backends.serve.sessions import ServedModel
 
 # ---------------------------------------------------------------- runner serve's routes
@@ -79,7 +78,8 @@ class OpenAIRoutes:
     """`/v1/...` on runner serve. Each distinct `model` gets one sampling session in the service's sampler pool
     (loaded on demand, freed when idle like the SDK's), so the pool's caps hold for these requests too."""
 
-    def __init__(self, service: Service, hooks: OpenAIHooks | None = None):
+    def __init__(self, service: Any, hooks: OpenAIHooks | None = None):
+        # service: backends.serve.service.Service (not imported: it imports this module)
         self.service = service
         self.hooks = hooks
         self._lock = threading.Lock()

@@ -40,7 +40,7 @@ from backends.serve.downloads import Downloads
 from backends.serve.limits import Budget, Fields, Limits, check_id, json_depth_ok
 from backends.serve.memory import Memory, default_max_bytes
 from backends.serve.openai_api import OpenAIRoutes
-from backends.serve.replies import ApiError, Promises, Reply
+from backends.serve.replies import ApiError, Json, Promises, Reply
 from backends.serve.rest import RestRoutes
 from backends.serve.samplers import MAX_LIVE_SAMPLERS, SAMPLER_IDLE_S, Gather, SamplerPool, trim_heap
 from backends.serve.sampling import SamplingRoutes
@@ -200,7 +200,7 @@ class Service(TrainingRoutes, SamplingRoutes, RestRoutes):
             detail = "invalid JSON" if isinstance(exc, json.JSONDecodeError) else str(exc)[:300]
             return Reply.error(400, f"bad request: {type(exc).__name__}: {detail}")
 
-    def _spend(self, req: dict[str, Any]) -> None:
+    def _spend(self, req: Json) -> None:
         """A refused request that named a run's seq_id: later requests of that run must not wait for it."""
         model_id, seq_id = req.get("model_id"), req.get("seq_id")
         if isinstance(model_id, str):
@@ -209,7 +209,7 @@ class Service(TrainingRoutes, SamplingRoutes, RestRoutes):
             if run is not None:
                 run.spend(seq_id)
 
-    def _route(self, method: str, route: str, req: dict[str, Any], path: str, base_url: str) -> Reply:
+    def _route(self, method: str, route: str, req: Json, path: str, base_url: str) -> Reply:
         f = Fields(req, self.limits)
         simple: dict[str, Callable[[Fields], Reply]] = {
             # SDKs before 0.38 load a checkpoint with one 0.38-style load_weights only when told to.
