@@ -7,6 +7,7 @@ to warm up. The server runs in this process (backends/serve/http.py `running`), 
 
 from __future__ import annotations
 
+import argparse
 import tempfile
 import threading
 import time
@@ -19,17 +20,20 @@ from backends.serve.http import ServeConfig, build_service, running
 N = 300
 
 
-def per_request_ms(url: str) -> float:
+def per_request_ms(url: str, n: int = N) -> float:
     with httpx.Client(base_url=url) as c:
         for _ in range(50):
             c.post("/api/v1/healthz", json={})
         t = time.perf_counter()
-        for _ in range(N):
+        for _ in range(n):
             c.post("/api/v1/healthz", json={})
-        return (time.perf_counter() - t) / N * 1000
+        return (time.perf_counter() - t) / n * 1000
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("-n", type=int, default=N, help="timed requests per measurement (default %(default)s)")
+    args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         svc = build_service(ServeConfig(storage=Path(tmp) / "s", device="cpu"))
         stop = threading.Event()
@@ -43,9 +47,9 @@ def main() -> None:
         try:
             with running(svc) as srv:
                 url = f"http://127.0.0.1:{srv.server_address[1]}"  # the stdlib server's too (for comparisons)
-                print(f"idle: {per_request_ms(url):.2f} ms per healthz")
+                print(f"idle: {per_request_ms(url, args.n):.2f} ms per healthz")
                 threading.Thread(target=busy, daemon=True).start()
-                print(f"beside a busy thread: {per_request_ms(url):.2f} ms per healthz")
+                print(f"beside a busy thread: {per_request_ms(url, args.n):.2f} ms per healthz")
         finally:
             stop.set()
             svc.close()
