@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,8 +29,10 @@ from backends.errors import UserError
 from runner.data.conversations import Conversation, describe, mapped_rows, messages_of
 from runner.data.position import check_resume
 from runner.recipe.common import DataSource, Json
-from runner.renderers.base import Renderer
 from runner.renderers.chat_template import encode, prefix_len, template
+
+if TYPE_CHECKING:
+    from runner.renderers.base import Renderer, Tokenizer
 
 LABELS = ("A", "B", "Tie")
 
@@ -152,7 +154,7 @@ def judge_messages(prompt: Conversation, a: Conversation, b: Conversation) -> Co
     return [{"role": "user", "content": text}]
 
 
-def render_judge(renderer: Renderer, prompt: Conversation, a: Conversation, b: Conversation) -> tuple[list[int], int, int]:
+def render_judge(renderer: Renderer | Tokenizer, prompt: Conversation, a: Conversation, b: Conversation) -> tuple[list[int], int, int]:
     """(the judge prompt's tokens up to the label, the token of label "A", of label "B"): the assistant reply "A"
     and "B" rendered in full (with the recipe's renderer, or a tokenizer's chat template), cut at the first token
     where they differ."""

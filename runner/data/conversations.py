@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.errors import UserError
 from runner.data.files import MAPPED, describe, iter_rows, load_rows, read_jsonl
 from runner.recipe.common import DataSource, Json
 from runner.recipe.formats import AUTO, FormatError, map_row, resolve_format
-from runner.renderers.base import Renderer
+
+if TYPE_CHECKING:
+    from runner.renderers.base import Renderer
 
 __all__ = ["ROLES", "Conversation", "Message", "conversation", "describe", "load_conversations", "load_rows",
            "mapped_rows", "messages_of", "read_jsonl"]

@@ -35,7 +35,7 @@ from typing import Any
 from backends.errors import UserError
 from runner.recipe.common import Json
 
-JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array",
+JSON_TYPES: dict[type, str] = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array",
                               dict: "object"}
 
 
