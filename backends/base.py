@@ -8,16 +8,18 @@ method returns a `Future` at once. Guarantees every backend keeps (the loop reli
   zeroes them; forward accumulates nothing;
 - a sampling client keeps the weights it was made with, whatever the training client does later.
 
-The interface is not a vehicle for code reuse: the local and Tinker backends share only `Future`.
+The interface is not a vehicle for code reuse: the local and Tinker backends share only `Future`, and the Tinker
+backend and the test doubles (backends/fake.py, runner/engine/probe.py) a registered loss's torch function (`loss_of`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
+from backends import losses
 from backends.tokenizer import Tokenizer
 from backends.types import (
     AdamParams,
@@ -36,8 +38,25 @@ U = TypeVar("U")
 T_co = TypeVar("T_co", covariant=True)
 
 # A custom loss: (data, per-datum target logprobs as torch tensors requiring grad) -> (scalar loss, metrics).
-# Typed as Any because torch must not be imported by `runner check` / `runner list`.
-CustomLossFn = Callable[[list[Datum], list[Any]], tuple[Any, dict[str, float]]]
+# losses.Tensor is torch.Tensor, named without importing torch (`runner check` / `runner list` must not load it).
+CustomLossFn = Callable[[list[Datum], list[losses.Tensor]], tuple[losses.Tensor, dict[str, float]]]
+
+
+def loss_of(loss_fn: LossFn, config: Mapping[str, float] | None) -> Callable[[Datum, losses.Tensor], losses.Tensor]:
+    """The registered loss `loss_fn` under `config` as one datum's summed loss, given the datum and its target logprobs
+    `lp` (a torch tensor; the datum's loss inputs become tensors of its dtype, on its device). An unknown loss or a bad
+    config: a BackendError (user_error) now; a datum without an input the loss reads: ValueError when it is called."""
+    try:
+        spec = losses.get(loss_fn)
+        cfg = spec.resolve(config)
+    except ValueError as exc:
+        raise BackendError(str(exc), user_error=True) from None
+
+    def loss(datum: Datum, lp: losses.Tensor) -> losses.Tensor:
+        spec.check_datum(datum)
+        return spec.masked_sum(lp, losses.LossInputs.of(datum, lp.new_tensor), cfg)
+
+    return loss
 
 
 class BackendError(RuntimeError):

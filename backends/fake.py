@@ -23,8 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from backends import losses
-from backends.base import BackendError, CustomLossFn, Future
+from backends.base import BackendError, CustomLossFn, Future, loss_of
 from backends.tokenizer import Tokenizer
 from backends.types import (
     TEMPERATURE_FLOOR,
@@ -196,19 +195,12 @@ class FakeTrainingClient:
               config: dict[str, float]) -> tuple[ForwardBackwardOutput, list[np.ndarray]]:
         import torch
 
-        try:
-            spec = losses.get(loss_fn)
-            cfg = spec.resolve(config)
-        except ValueError as exc:
-            raise BackendError(str(exc), user_error=True) from None
-
+        loss_of_datum = loss_of(loss_fn, config)
         lps, grads, total = [], [], 0.0
         for d in data:
-            d.check_for(loss_fn)
             lp_np = self._logprobs(d).astype(np.float64)
             lp = torch.tensor(lp_np, requires_grad=True)
-            inputs = losses.LossInputs.of(d, lambda x: torch.as_tensor(x, dtype=torch.float64))
-            loss = spec.masked_sum(lp, inputs, cfg)
+            loss = loss_of_datum(d, lp)
             (g,) = torch.autograd.grad(loss, lp, allow_unused=True)
             lps.append(lp_np.astype(np.float32))
             grads.append(np.zeros_like(lp_np) if g is None else g.numpy())

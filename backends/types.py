@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from backends import losses
 LossFn = str
 LOSS_FNS: Sequence[str] = losses.LOSS_NAMES  # follows later registrations
 StopReason = Literal["stop", "length"]
+# A JSON object as json.loads (or a TOML table as tomllib) gives it: a chat message, a .jsonl row, a request body, a
+# table whose keys are open. The one spelling of `dict[str, Any]` for such data, for backends/ and runner/ alike.
+Json = dict[str, Any]
 
 
 @dataclass(frozen=True)

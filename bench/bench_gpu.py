@@ -579,7 +579,7 @@ def bench_sampling(shape: str, model_dir: Path, cfg: Any, device: torch.device, 
     engine = sampler._sampler  # noqa: SLF001 - a bench reaching into the client it measures
 
     def variant(**attrs: Any) -> Callable[[], int]:
-        from backends.local.sampler import Sampler
+        from backends.local.sampler import Sampler, SampleRequest
 
         other = Sampler(engine.model, engine.tokenizer, device, seed=0)
         for k, v in attrs.items():
@@ -587,7 +587,7 @@ def bench_sampling(shape: str, model_dir: Path, cfg: Any, device: torch.device, 
         params = SamplingParams(max_tokens=new, temperature=1.0, stop=[], seed=0)
 
         def run() -> int:
-            return sum(len(s.tokens) for o in other.sample_batch([(p, 1, params) for p in prompts])
+            return sum(len(s.tokens) for o in other.sample_batch([SampleRequest(p, 1, params) for p in prompts])
                        for s in o.sequences)
         return run
 

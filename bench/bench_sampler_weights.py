@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.local import model as M
-from backends.local.sampler import Sampler
+from backends.local.sampler import Sampler, SampleRequest
 from backends.types import SamplingParams
 from bench.bench_sampling import make_prompts
 from bench.bench_snapshot import trained_lora
@@ -54,7 +54,7 @@ def main() -> None:
         base, tok, trained = trained_lora(name, args.rank)
         prompts = make_prompts(8)
         params = SamplingParams(max_tokens=64, temperature=1.0, stop=[], seed=5)
-        requests = [(p, 4, params) for p in prompts]
+        requests = [SampleRequest(p, 4, params) for p in prompts]
         modes = {"merged": True, "lora": False}
         snaps, samplers, snap_ms, tps, err = {}, {}, {}, {}, {}
         for mode, merge in modes.items():

@@ -29,7 +29,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-from backends.local.sampler import Sampler
+from backends.local.sampler import Sampler, SampleRequest
 from backends.local.tiny import build_config, build_tokenizer
 from backends.types import SamplingParams
 
@@ -63,7 +63,7 @@ def make_prompts(n: int, seed: int = 0, length: int | None = None) -> list[list[
 
 
 def run_sampler(sampler: Sampler, prompts: list[list[int]], budgets: list[int], group: int) -> int:
-    requests = [(p, group, SamplingParams(max_tokens=b, temperature=1.0, stop=[])) for p, b in zip(prompts, budgets)]
+    requests = [SampleRequest(p, group, SamplingParams(max_tokens=b, temperature=1.0, stop=[])) for p, b in zip(prompts, budgets)]
     return sum(len(s.tokens) for o in sampler.sample_batch(requests) for s in o.sequences)
 
 

@@ -48,7 +48,7 @@ def _backend(variant: str):
     if variant != "stream":  # one sample_batch per drained batch, results when the whole batch is done
 
         def whole_batch(self, samples, jobs):
-            self._run(samples, self._sampler.sample_batch, lambda j: (j.payload[1], j.payload[2], j.payload[3]))
+            self._run(samples, self._sampler.sample_batch, B._sample_request)
 
         B.LocalSamplingClient._stream = whole_batch
     return B.LocalBackend(Local(), "tiny", None, Path(tempfile.mkdtemp()), seed=0)

@@ -20,6 +20,7 @@ EXTRAS = {
     "verifiers": (("verifiers",), "pip install -e '.[verifiers]'"),
     "inspect": (("inspect_ai",), "pip install -e '.[inspect]'"),
     "math": (("math_verify",), "pip install -e '.[math]'"),
+    "lmeval": (("lm_eval",), "pip install -e '.[lmeval]'"),
     # Not an extra of runner: a peer the renderer, lr and serve tests compare against live (.ci/run's install line).
     "cookbook": (("tinker_cookbook",), "pip install --no-deps tinker-cookbook==0.6.1 chz termcolor"),
     "pyrage": (("pyrage",), "pip install pyrage"),

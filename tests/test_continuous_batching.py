@@ -15,7 +15,7 @@ import transformers
 
 from backends.local.backend import LocalBackend
 from backends.local.local_config import Local
-from backends.local.sampler import Sampler
+from backends.local.sampler import Sampler, SampleRequest
 from backends.local.tiny import build_config, build_tokenizer
 from backends.types import SampleOutput, SamplingParams
 
@@ -36,8 +36,8 @@ def model(tok):
 
 
 def _req(tok, text, n, max_tokens, seed, **kw):
-    return tok.encode(text), n, SamplingParams(max_tokens=max_tokens, temperature=kw.pop("temperature", 1.0),
-                                               seed=seed, stop=kw.pop("stop", []), **kw)
+    return SampleRequest(tok.encode(text), n, SamplingParams(max_tokens=max_tokens, temperature=kw.pop("temperature", 1.0),
+                                                             seed=seed, stop=kw.pop("stop", []), **kw))
 
 
 def _flat(out: SampleOutput):
@@ -93,7 +93,7 @@ def test_requests_that_do_not_fit_run_next_and_bad_ones_fail_alone(tok, model, o
     sampler = Sampler(model, tok, CPU, seed=1)
     small = _req(tok, "ab", 2, 4, 1)  # capacity 16 slots: 2 + 4 tokens
     big = _req(tok, "ab", 1, 40, 2)  # 2 + 40 > 16: waits for the next batch
-    bad = (tok.encode("bad"), 1, SamplingParams(max_tokens=0, stop=[]))
+    bad = SampleRequest(tok.encode("bad"), 1, SamplingParams(max_tokens=0, stop=[]))
     got, when, sizes = _stream(sampler, [small], {2: [big, bad]})
     assert isinstance(got[2], ValueError) and "max_tokens" in str(got[2])
     assert _flat(got[0]) == _flat(sampler.sample_batch([small])[0])
@@ -109,8 +109,8 @@ def test_client_delivers_a_joining_request_before_the_running_one(tmp_path, one_
     try:
         sc = be.create_sampling_client(base_model="tiny").result()
         engine = sc._sampler
-        long_req = ([1, 2, 3], 1, SamplingParams(max_tokens=200, seed=1, stop=[]))
-        short_req = ([4, 5], 2, SamplingParams(max_tokens=3, seed=2, stop=[]))
+        long_req = SampleRequest([1, 2, 3], 1, SamplingParams(max_tokens=200, seed=1, stop=[]))
+        short_req = SampleRequest([4, 5], 2, SamplingParams(max_tokens=3, seed=2, stop=[]))
         alone = [engine.sample_batch([r])[0] for r in (long_req, short_req)]
         running, submitted, streams = threading.Event(), threading.Event(), []
         inner = engine.sample_stream
@@ -125,9 +125,9 @@ def test_client_delivers_a_joining_request_before_the_running_one(tmp_path, one_
             return inner(reqs, polled, done)
 
         engine.sample_stream = spy
-        first = sc.sample(*long_req)
+        first = sc.sample(long_req.prompt, long_req.num_samples, long_req.params)
         assert running.wait(10)
-        second = sc.sample(*short_req)
+        second = sc.sample(short_req.prompt, short_req.num_samples, short_req.params)
         submitted.set()
         out = second.result(30)
         assert not first.done()  # 3 tokens after joining, of the long one's 200

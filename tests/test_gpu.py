@@ -153,7 +153,7 @@ def _graph_and_eager(dtype: torch.dtype = torch.bfloat16):
         s.cuda_graphs = graphs
         return s
 
-    reqs = [r for r in _requests(tok) if r[2].seed is not None or r[2].temperature == 0]  # seeded or greedy
+    reqs = [r for r in _requests(tok) if r.params.seed is not None or r.params.temperature == 0]  # seeded or greedy
     return sampler, reqs
 
 

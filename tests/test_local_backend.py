@@ -21,6 +21,7 @@ from backends.local.backend import LocalBackend
 from backends.local.device import pick_device
 from backends.local.llama import LoraDelta
 from backends.local.local_config import Local
+from backends.local.sampler import SampleRequest
 from backends.local.tiny import TINY_DIR
 from backends.types import AdamParams, Datum, LoraSpec, SamplingParams
 
@@ -686,7 +687,7 @@ def test_seeded_samples_do_not_depend_on_the_batch(backend, data):
     params = [SamplingParams(max_tokens=8, temperature=1.0, seed=100 + i, stop=[]) for i in range(len(data))]
     # Alone: on the engine directly. Through the client, the last of them would still be decoding when its
     # result is delivered, and the requests below could join its batch (continuous batching) before the spy.
-    alone = [sc._sampler.sample_batch([(p, 2, q)])[0] for p, q in zip(prompts, params)]
+    alone = [sc._sampler.sample_batch([SampleRequest(p, 2, q)])[0] for p, q in zip(prompts, params)]
     sizes = count_batches(sc)  # per decode run: those coalesced at its start, plus those that joined it
 
     async def together():

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from backends.local.sampler import Sampler
+from backends.local.sampler import Sampler, SampleRequest
 from backends.local.tiny import build_config, build_tokenizer
 from backends.types import SamplingParams
 
@@ -70,7 +70,7 @@ def _greedy(n, stop=None):
 
 
 def _one(sampler, prompt, params, n=1):
-    return sampler.sample_batch([(prompt, n, params)])[0].sequences
+    return sampler.sample_batch([SampleRequest(prompt, n, params)])[0].sequences
 
 
 def _logits(model, seq):
@@ -148,7 +148,7 @@ def test_max_tokens_and_context_limit(rand, tok):
 )
 def test_bad_requests_raise_value_error(rand, tok, request_, match):
     with pytest.raises(ValueError, match=match):
-        Sampler(rand, tok, CPU).sample_batch([([5, 6], 1, SamplingParams()), request_])
+        Sampler(rand, tok, CPU).sample_batch([SampleRequest([5, 6], 1, SamplingParams()), SampleRequest(*request_)])
 
 
 # ---------------------------------------------------------------- correctness against the plain forward
@@ -174,7 +174,8 @@ def test_below_the_floors_is_greedy(rand, tok, params):
     prompt = tok.encode("hello there")
     sampler = Sampler(rand, tok, CPU)
     (greedy,) = _one(sampler, prompt, _greedy(12, stop=[]))
-    outs = sampler.sample_batch([(prompt, 2, params), (prompt, 2, SamplingParams(max_tokens=12, stop=[], seed=1))])
+    outs = sampler.sample_batch([SampleRequest(prompt, 2, params),
+                                 SampleRequest(prompt, 2, SamplingParams(max_tokens=12, stop=[], seed=1))])
     assert [s.tokens for s in outs[0].sequences] == [greedy.tokens] * 2
     assert all(math.isfinite(lp) for s in outs[0].sequences for lp in s.logprobs)
     assert all(s.tokens != greedy.tokens for s in outs[1].sequences)  # the seeded T = 1 rows are not greedy
@@ -183,7 +184,7 @@ def test_below_the_floors_is_greedy(rand, tok, params):
 def test_sampled_logprobs_match_compute_logprobs(rand, tok):
     sampler = Sampler(rand, tok, CPU)
     prompts = [tok.encode("x"), tok.encode("a longer prompt here")]
-    outs = sampler.sample_batch([(p, 2, SamplingParams(max_tokens=16, stop=[])) for p in prompts])
+    outs = sampler.sample_batch([SampleRequest(p, 2, SamplingParams(max_tokens=16, stop=[])) for p in prompts])
     seqs = [p + s.tokens for p, o in zip(prompts, outs) for s in o.sequences]
     scored = sampler.compute_logprobs_batch(seqs)
     for seq, lps, s in zip(seqs, scored, [s for o in outs for s in o.sequences]):
@@ -228,9 +229,9 @@ def test_left_padding_changes_nothing(rand, tok):
     (alone,) = _one(sampler, short, _greedy(20, stop=[]))
     outs = sampler.sample_batch(
         [
-            (tok.encode("a far longer prompt to force left padding"), 1, _greedy(20, stop=[])),
-            (short, 1, _greedy(20, stop=[])),
-            (tok.encode("medium length"), 1, _greedy(20, stop=[])),
+            SampleRequest(tok.encode("a far longer prompt to force left padding"), 1, _greedy(20, stop=[])),
+            SampleRequest(short, 1, _greedy(20, stop=[])),
+            SampleRequest(tok.encode("medium length"), 1, _greedy(20, stop=[])),
         ]
     )
     (padded,) = outs[1].sequences
@@ -243,7 +244,8 @@ def test_other_attention_paths_agree(rand, tok, attn):
     """The sampler's plain-tensor path (the reference here) agrees with HF's modules decoding: under sdpa and
     eager attention (hf-*: the per-row cache slots, eager with its 4-D additive mask) and through the generic
     2-D mask path."""
-    requests = [(tok.encode("left padded"), 1, _greedy(12, stop=[])), (tok.encode("x"), 1, _greedy(12, stop=[]))]
+    requests = [SampleRequest(tok.encode("left padded"), 1, _greedy(12, stop=[])),
+                SampleRequest(tok.encode("x"), 1, _greedy(12, stop=[]))]
     ref = Sampler(rand, tok, CPU).sample_batch(requests)
     if attn.endswith("eager"):
         sampler = Sampler(_model(tok, attn="eager"), tok, CPU)
@@ -290,12 +292,13 @@ def test_fast_path_of_each_family_matches_hf(tok, kind, one_thread):
     model = _family_model(kind)
     sampler = Sampler(model, tok, CPU)
     assert sampler.fast is not None
-    requests = [(tok.encode("a longer prompt, thirty-odd bytes"), 1, _greedy(20, stop=[])),
-                (tok.encode("short"), 2, _greedy(20, stop=[]))]
+    requests = [SampleRequest(tok.encode("a longer prompt, thirty-odd bytes"), 1, _greedy(20, stop=[])),
+                SampleRequest(tok.encode("short"), 2, _greedy(20, stop=[]))]
     fast = sampler.sample_batch(requests)
     sampler.fast = None
     hf = sampler.sample_batch(requests)
-    for (prompt, _, _), a, b in zip(requests, fast, hf):
+    for r, a, b in zip(requests, fast, hf):
+        prompt = r.prompt
         for s, h in zip(a.sequences, b.sequences):
             assert s.tokens == h.tokens
             assert s.logprobs == pytest.approx(h.logprobs, abs=1e-5)
@@ -323,9 +326,10 @@ def test_seed_reproducible_whatever_the_batch(rand, tok):
         Sampler(rand, tok, CPU, seed=99)
         .sample_batch(
             [
-                (tok.encode("a longer prompt first, so the seeded one is padded"), 4, SamplingParams(max_tokens=20)),
-                (prompt, 3, params),
-                (tok.encode("greedy"), 1, _greedy(3)),
+                SampleRequest(tok.encode("a longer prompt first, so the seeded one is padded"), 4,
+                              SamplingParams(max_tokens=20)),
+                SampleRequest(prompt, 3, params),
+                SampleRequest(tok.encode("greedy"), 1, _greedy(3)),
             ]
         )[1]
         .sequences
@@ -352,7 +356,7 @@ def test_unseeded_reproducible_from_sampler_seed(rand, tok):
     def calls(seed):
         sampler = Sampler(rand, tok, CPU, seed=seed)
         params = SamplingParams(max_tokens=10, stop=[])
-        return [[s.tokens for s in sampler.sample_batch([([1, 2, 3], 2, params)])[0].sequences] for _ in range(2)]
+        return [[s.tokens for s in sampler.sample_batch([SampleRequest([1, 2, 3], 2, params)])[0].sequences] for _ in range(2)]
 
     first = calls(0)
     assert first == calls(0) and first != calls(1)
@@ -362,10 +366,10 @@ def test_unseeded_reproducible_from_sampler_seed(rand, tok):
 def test_mixed_params_in_one_batch(rand, tok):
     p1, p2, p3, p4 = tok.encode("one"), tok.encode("prompt two"), tok.encode("3"), tok.encode("four four")
     requests = [
-        (p1, 1, _greedy(30, stop=[])),
-        (p2, 2, SamplingParams(max_tokens=25, temperature=0.8, top_k=3, stop=[], seed=1)),
-        (p3, 2, SamplingParams(max_tokens=2, top_p=0.3, stop=[])),
-        (p4, 1, SamplingParams(max_tokens=40, temperature=1.3, top_k=10, top_p=0.8, stop=[], seed=2)),
+        SampleRequest(p1, 1, _greedy(30, stop=[])),
+        SampleRequest(p2, 2, SamplingParams(max_tokens=25, temperature=0.8, top_k=3, stop=[], seed=1)),
+        SampleRequest(p3, 2, SamplingParams(max_tokens=2, top_p=0.3, stop=[])),
+        SampleRequest(p4, 1, SamplingParams(max_tokens=40, temperature=1.3, top_k=10, top_p=0.8, stop=[], seed=2)),
     ]
     sampler = Sampler(rand, tok, CPU)
     outs = sampler.sample_batch(requests)
@@ -376,7 +380,8 @@ def test_mixed_params_in_one_batch(rand, tok):
         alone = Sampler(rand, tok, CPU).sample_batch([requests[i]])[0]
         assert [s.tokens for s in alone.sequences] == [s.tokens for s in outs[i].sequences]
     # Every sampled token lies inside its row's top-k / nucleus.
-    for (prompt, _, params), out in zip(requests[1:], outs[1:]):
+    for r, out in zip(requests[1:], outs[1:]):
+        prompt, params = r.prompt, r.params
         for s in out.sequences:
             scaled = _logits(rand, prompt + s.tokens)[len(prompt) - 1 : -1] / params.temperature
             for step, token in enumerate(s.tokens):
@@ -401,14 +406,14 @@ def _batch_sizes(model, fn):
 
 def test_finished_rows_leave_the_batch(rand, tok, one_thread):
     sampler = Sampler(rand, tok, CPU)
-    requests = [([i + 1, 2, 3], 1, _greedy(2 if i < 6 else 12, stop=[])) for i in range(8)]
+    requests = [SampleRequest([i + 1, 2, 3], 1, _greedy(2 if i < 6 else 12, stop=[])) for i in range(8)]
     outs, sizes = _batch_sizes(rand, lambda: sampler.sample_batch(requests))
     assert [len(o.sequences[0].tokens) for o in outs] == [2] * 6 + [12] * 2
     # Prefill (the 8 prompts' 3 tokens each, packed into one matrix), step 2, then the two long rows and two
     # finished ones: no forward has fewer than 4 rows (batch invariance, see decoding.ROW_QUANTUM).
     assert sizes == [8 * 3, 8] + [4] * 10
     # Samples of one prompt share a single prefill (its 3 tokens, packed rows rounded up to 4).
-    outs, sizes = _batch_sizes(rand, lambda: sampler.sample_batch([([5, 6, 7], 6, _greedy(4, stop=[]))]))
+    outs, sizes = _batch_sizes(rand, lambda: sampler.sample_batch([SampleRequest([5, 6, 7], 6, _greedy(4, stop=[]))]))
     assert sizes[0] == 4 and sizes[1:] == [8] * 3  # 6 rows and 2 fillers
     assert all(s == outs[0].sequences[0] for s in outs[0].sequences)
     (alone,) = _one(sampler, [5, 6, 7], _greedy(4, stop=[]))
@@ -417,7 +422,7 @@ def test_finished_rows_leave_the_batch(rand, tok, one_thread):
 
 
 def test_rows_over_the_cache_budget_run_in_turn(rand, tok, one_thread):
-    requests = [(tok.encode(f"chunk {i}"), 2, SamplingParams(max_tokens=6, stop=[], seed=i)) for i in range(5)]
+    requests = [SampleRequest(tok.encode(f"chunk {i}"), 2, SamplingParams(max_tokens=6, stop=[], seed=i)) for i in range(5)]
     whole = Sampler(rand, tok, CPU).sample_batch(requests)
     sampler = Sampler(rand, tok, CPU)
     sampler.cache_budget = 1  # one row per decode batch
@@ -452,7 +457,7 @@ def test_batch_invariant_samples_and_logprobs(rand, tok, threads):
                 seed=100 + i,
                 stop=[rng.randrange(256)],
             )
-            requests.append((prompt, rng.choice([1, 2, 3, 5, 8]), params))
+            requests.append(SampleRequest(prompt, rng.choice([1, 2, 3, 5, 8]), params))
         alone = [sampler.sample_batch([r])[0] for r in requests]
         for _ in range(4):
             picked = rng.sample(range(len(requests)), rng.randint(2, len(requests)))
@@ -460,7 +465,7 @@ def test_batch_invariant_samples_and_logprobs(rand, tok, threads):
                 assert [(s.tokens, s.logprobs, s.stop_reason) for s in out.sequences] == [
                     (s.tokens, s.logprobs, s.stop_reason) for s in alone[i].sequences
                 ]
-        seqs = [r[0] + o.sequences[0].tokens for r, o in zip(requests, alone)]
+        seqs = [r.prompt + o.sequences[0].tokens for r, o in zip(requests, alone)]
         assert sampler.compute_logprobs_batch(seqs) == [sampler.compute_logprobs_batch([s])[0] for s in seqs]
     finally:
         torch.set_num_threads(before)
@@ -473,8 +478,9 @@ def test_bfloat16_model_samples(tok, attn):
     model = _model(tok, attn=attn).to(torch.bfloat16)
     sampler = Sampler(model, tok, CPU)
     params = SamplingParams(max_tokens=10, seed=3, stop=[], temperature=0.8)
-    (alone,) = sampler.sample_batch([(tok.encode("bf16"), 2, params)])
-    crowd = sampler.sample_batch([(tok.encode("a longer prompt first"), 3, params), (tok.encode("bf16"), 2, params)])
+    (alone,) = sampler.sample_batch([SampleRequest(tok.encode("bf16"), 2, params)])
+    crowd = sampler.sample_batch([SampleRequest(tok.encode("a longer prompt first"), 3, params),
+                                  SampleRequest(tok.encode("bf16"), 2, params)])
     assert [s.tokens for s in crowd[1].sequences] == [s.tokens for s in alone.sequences]
     for s in alone.sequences:
         assert len(s.tokens) == 10 and all(lp <= 0 and not math.isnan(lp) for lp in s.logprobs)

@@ -9,9 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MAX_LINES = 650
 # Over the limit, to be split (the test fails once one is not, so that its line here goes).
-OVER: frozenset[str] = frozenset({
-    "backends/serve/openai_api.py",  # runner serve's OpenAI routes (666 lines at 1d53e77)
-})
+OVER: frozenset[str] = frozenset()
 
 
 def long_modules(root: Path = ROOT, limit: int = MAX_LINES) -> dict[str, int]:

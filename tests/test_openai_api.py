@@ -299,7 +299,7 @@ def test_tool_calls_round_trip_through_the_plain_call_convention():
     import transformers
 
     from backends.local.model import resolve_model_dir
-    from backends.serve.openai_api import chat_plan, chat_response
+    from backends.serve.chat_api import chat_plan, chat_response
     from backends.types import SampledSequence, SampleOutput
     from runner.renderers.base import make_tool_call
     from runner.rl.openai_chat import chat_format
@@ -427,3 +427,24 @@ def test_responses_api(served):
     for bad in ({"previous_response_id": "resp_1"}, {"tools": [{"type": "web_search"}]}, {"input": []}):
         with pytest.raises(openai.BadRequestError):
             client.responses.create(**{"model": "tiny", "input": "hi", **bad})
+
+
+@pytest.mark.parametrize(("body", "param", "says"), [
+    ({"model": "tiny", "messages": [], "n": "2"}, "n", "n must be an integer, not str"),
+    ({"messages": []}, "model", "model is required"),
+    ({"model": "tiny", "messages": [{"content": "x"}]}, "messages[0].role", "messages[0].role is required"),
+    ({"model": "tiny", "messages": [], "stream_options": {"include_usage": 1}}, "stream_options.include_usage",
+     "must be true or false, not int"),
+    ({"model": "tiny", "messages": [], "stop": 5}, "stop", "stop must be a string or a list or null, not int"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": 7}]}, "messages[0].content", "not int"),
+])
+def test_request_bodies_are_typed_and_errors_name_the_field(body, param, says):
+    """/v1 bodies are decoded into msgspec structs (backends/serve/chat_api.py `read`): a wrong type or a missing field
+    is a 400 whose message names the field and whose `param` (OpenAI's error field) is its path."""
+    from backends.serve.chat_api import ChatRequest, error_body, read
+    from backends.serve.replies import ApiError
+
+    with pytest.raises(ApiError) as err:
+        read(body, ChatRequest)
+    assert err.value.status == 400 and err.value.param == param and says in err.value.detail, err.value.detail
+    assert error_body(400, err.value.detail, err.value.param)["error"]["param"] == param

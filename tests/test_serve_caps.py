@@ -270,7 +270,7 @@ def test_tinker_backend_marks_a_run_the_server_lost():
 
 def test_the_listen_backlog_takes_a_burst():
     """socketserver's backlog of 5 dropped connects while the server was busy (a checkpoint loading, the GIL held):
-    measured 18 of 100 clients timed out over an 8 s stall, none with 128 (backends/serve/http.py Server)."""
-    from backends.serve.http import Server
+    measured 18 of 100 clients timed out over an 8 s stall, none with 128 (backends/serve/aio.py BACKLOG)."""
+    from backends.serve.aio import BACKLOG
 
-    assert Server.request_queue_size >= 128
+    assert BACKLOG >= 128

@@ -19,7 +19,7 @@ import torch
 import transformers
 
 from backends.local import static_decode
-from backends.local.sampler import Sampler
+from backends.local.sampler import Sampler, SampleRequest
 from backends.local.static_decode import capacity_bucket, row_bucket
 from backends.local.tiny import build_config, build_tokenizer
 from backends.types import SamplingParams
@@ -43,11 +43,11 @@ def _requests(tok):
     """Mixed prompts, groups, budgets and sampling modes: greedy, seeded (with a stop token that ends some rows
     early, so rows move to smaller buckets), unseeded."""
     return [
-        (tok.encode("hello there"), 3, SamplingParams(max_tokens=20, temperature=1.0, seed=7, stop=[])),
-        (tok.encode("a much longer prompt than the other ones"), 2, SamplingParams(max_tokens=9, temperature=0.0, stop=[])),
-        (tok.encode("x"), 1, SamplingParams(max_tokens=30, temperature=0.7, seed=3, stop=[5, 101])),
-        (tok.encode("unseeded"), 2, SamplingParams(max_tokens=12, temperature=1.0, top_k=20, stop=[])),
-        (tok.encode("topp"), 4, SamplingParams(max_tokens=40, temperature=1.3, top_p=0.9, seed=11, stop=[7, 9])),
+        SampleRequest(tok.encode("hello there"), 3, SamplingParams(max_tokens=20, temperature=1.0, seed=7, stop=[])),
+        SampleRequest(tok.encode("a much longer prompt than the other ones"), 2, SamplingParams(max_tokens=9, temperature=0.0, stop=[])),
+        SampleRequest(tok.encode("x"), 1, SamplingParams(max_tokens=30, temperature=0.7, seed=3, stop=[5, 101])),
+        SampleRequest(tok.encode("unseeded"), 2, SamplingParams(max_tokens=12, temperature=1.0, top_k=20, stop=[])),
+        SampleRequest(tok.encode("topp"), 4, SamplingParams(max_tokens=40, temperature=1.3, top_p=0.9, seed=11, stop=[7, 9])),
     ]
 
 
@@ -87,7 +87,7 @@ def test_static_path_follows_a_new_capacity(tok, one_thread):
     eager, static = Sampler(model, tok, CPU, seed=2), Sampler(model, tok, CPU, seed=2)
     static.static_decode = True
     for budget in (5, 100, 7):  # capacity 64, then 128 (the 64 batches dropped), then 64 again
-        req = [(tok.encode("grow"), 2, SamplingParams(max_tokens=budget, seed=1, stop=[]))]
+        req = [SampleRequest(tok.encode("grow"), 2, SamplingParams(max_tokens=budget, seed=1, stop=[]))]
         assert _flat(static.sample_batch(req)) == _flat(eager.sample_batch(req))
         assert {c for _, c in static._static.batches} == {capacity_bucket(len(tok.encode("grow")) + budget)}
 
@@ -99,15 +99,15 @@ def test_static_batches_count_their_buckets_against_the_cache_budget(tok, one_th
     model = _model(tok)
     cfg = model.config
     per_slot = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
-    req = [(tok.encode("b"), 3, SamplingParams(max_tokens=5, seed=1, stop=[]))]  # 1 + 5 slots per row
+    req = [SampleRequest(tok.encode("b"), 3, SamplingParams(max_tokens=5, seed=1, stop=[]))]  # 1 + 5 slots per row
     eager, static = Sampler(model, tok, CPU, seed=2), Sampler(model, tok, CPU, seed=2)
     static.static_decode = True
-    assert [len(c) for c in static._chunks(static._rows(0, *req[0]))] == [3]
+    assert [len(c) for c in static._chunks(static._rows(0, req[0]))] == [3]
     static.cache_budget = eager.cache_budget = 2 * 4 * 64 * per_slot  # one bucket of 4 rows x 64 slots
-    assert [len(c) for c in static._chunks(static._rows(0, *req[0]))] == [3]
+    assert [len(c) for c in static._chunks(static._rows(0, req[0]))] == [3]
     static.cache_budget = 2 * 4 * 64 * per_slot - 1
-    assert [len(c) for c in static._chunks(static._rows(0, *req[0]))] == [1, 1, 1]
-    assert [len(c) for c in eager._chunks(eager._rows(0, *req[0]))] == [3]  # 3 x 6 slots fit
+    assert [len(c) for c in static._chunks(static._rows(0, req[0]))] == [1, 1, 1]
+    assert [len(c) for c in eager._chunks(eager._rows(0, req[0]))] == [3]  # 3 x 6 slots fit
     assert _flat(static.sample_batch(req)) == _flat(eager.sample_batch(req))
 
 
@@ -124,7 +124,7 @@ def test_joins_grow_a_static_batch_within_the_cache_budget(tok, one_thread):
     sampler = Sampler(model, tok, CPU, seed=2)
     sampler.static_decode = True
     sampler.cache_budget = 2 * 12 * 64 * per_slot
-    reqs = [(tok.encode(t), 4, SamplingParams(max_tokens=20, seed=i, stop=[])) for i, t in enumerate(["a", "b", "c"])]
+    reqs = [SampleRequest(tok.encode(t), 4, SamplingParams(max_tokens=20, seed=i, stop=[])) for i, t in enumerate(["a", "b", "c"])]
     alone = [sampler.sample_batch([r])[0] for r in reqs]
     got, _, _ = _stream(sampler, reqs[:1], {2: [reqs[1]], 3: [reqs[2]]})
     assert sorted(got) == [0, 1, 2] and all(_flat([got[i]]) == _flat([alone[i]]) for i in range(3))
@@ -148,7 +148,7 @@ def test_shared_prefill_equals_one_prefill_per_row(tok, one_thread):
         finally:
             hook.remove()
         # The prefill's packed tokens: each distinct prompt once, rounded up to 4 rows.
-        distinct = sum(len(p) for p, _, _ in _requests(tok))
+        distinct = sum(len(r.prompt) for r in _requests(tok))
         assert sizes[0] == -(-distinct // 4) * 4
 
 
@@ -233,7 +233,7 @@ def test_a_failed_capture_falls_back_to_eager_once(tok, one_thread, monkeypatch,
 
     streams = _FakeStreams(monkeypatch)
     monkeypatch.setattr(static_decode.torch.cuda, "CUDAGraph", boom)
-    req = [(tok.encode("fallback"), 3, SamplingParams(max_tokens=12, seed=5, stop=[]))]
+    req = [SampleRequest(tok.encode("fallback"), 3, SamplingParams(max_tokens=12, seed=5, stop=[]))]
     with caplog.at_level(logging.WARNING, logger="backends.local.static_decode"):
         got = static.sample_batch(req)
         again = static.sample_batch(req)
@@ -275,7 +275,7 @@ def test_a_capture_failing_at_its_end_gives_the_thread_its_stream_back(tok, one_
     seen: list[object] = []
     forward = static_decode.StaticBatch._forward
     monkeypatch.setattr(static_decode.StaticBatch, "_forward", lambda self: (seen.append(streams.current), forward(self))[1])
-    req = [(tok.encode("fallback"), 3, SamplingParams(max_tokens=12, seed=5, stop=[]))]
+    req = [SampleRequest(tok.encode("fallback"), 3, SamplingParams(max_tokens=12, seed=5, stop=[]))]
     with caplog.at_level(logging.WARNING, logger="backends.local.static_decode"):
         got = static.sample_batch(req)
     assert streams.current is streams.default
@@ -375,7 +375,7 @@ def test_cuda_graphs_with_joining_requests(tok):
 
     dev = torch.device("cuda")
     model = _model(tok, torch.bfloat16, dev)
-    reqs = [r for r in _requests(tok) if r[2].seed is not None or r[2].temperature == 0]  # seeded or greedy
+    reqs = [r for r in _requests(tok) if r.params.seed is not None or r.params.temperature == 0]  # seeded or greedy
     graph, eager = Sampler(model, tok, dev, seed=1), Sampler(model, tok, dev, seed=1)
     eager.cuda_graphs = False
     want, _, _ = _stream(eager, reqs[:1], {2: [reqs[1]], 4: reqs[2:]})

@@ -2,7 +2,7 @@
 backends/serve, the app `runner serve` runs, over the local backend on the embedded tiny model.
 
 `shared_service(dir)` builds that service (the models `tiny` and `Qwen/Qwen3-8B`, both the tiny model); `serve(service)`
-puts it behind the real HTTP server of backends/serve/http.py on a free port of 127.0.0.1, with a `MockTinker` as
+puts it behind the real HTTP server of backends/serve/aio.py on a free port of 127.0.0.1, with a `MockTinker` as
 the HTTP layer in between. The SDK talks to it over real sockets with its own (pyqwest) transport. `MockTinker`
 
 - records every request (route, seq_id, loss_fn, body, ...) and what it answered, for tests to assert on;
@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 import respx
 
-from backends.serve.http import ServeConfig, Server, _handler_class, build_service
+from backends.serve.http import ServeConfig, build_service, running
 from backends.serve.replies import Reply
 from backends.serve.service import Service
 from backends.serve.wire import decode_forward_backward
@@ -83,7 +83,7 @@ class Faults:
 
 
 class Dropped(ConnectionAbortedError):
-    """The connection is dropped: backends/serve/http.py's handler takes it for a client that went away and closes
+    """The connection is dropped: backends/serve/aio.py's handler takes it for a client that went away and closes
     the socket without an answer, so the client sees a connection error."""
 
 
@@ -99,7 +99,7 @@ class _Slot:
 
 
 class MockTinker:
-    """The HTTP app in front of `service` (what backends/serve/http.py calls): records, faults, and the service."""
+    """The HTTP app in front of `service` (what backends/serve/aio.py calls): records, faults, and the service."""
 
     def __init__(self, service: Service, try_again_every: int = 2):
         self.service = service
@@ -260,19 +260,12 @@ def shared_service(storage: Path) -> Iterator[Service]:
 
 @contextlib.contextmanager
 def serve(service: Service, try_again_every: int = 2) -> Iterator[MockTinker]:
-    """A fresh MockTinker over `service`, served by backends/serve/http.py's server and request handler on a free
+    """A fresh MockTinker over `service`, served by backends/serve/aio.py's server on a free
     port of 127.0.0.1 (its base URL: mock.url). A port per test: a previous test's clients never reach this one."""
     mock = MockTinker(service, try_again_every)
-    server = Server(("127.0.0.1", 0), _handler_class(mock))  # type: ignore[arg-type]  # the app before the service
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
-    thread.start()
-    mock.url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
+    with running(mock) as srv:
+        mock.url = srv.url
         yield mock
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
 
 
 RESPX_URL = "http://tinker.respx"

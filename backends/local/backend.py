@@ -24,8 +24,9 @@ import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -40,8 +41,9 @@ from backends.local.device import place
 from backends.local.loss_math import batch_loss, resolve_config, trained_positions
 from backends.local.options import LocalOptions
 from backends.local.packed import PackedLM
+from backends.local.sampler import Sampler, SampleRequest
 from backends.local.transfer import to_device
-from backends.local.worker import Job, Worker, fail
+from backends.local.worker import Call, Job, Worker, fail
 from backends.tokenizer import Tokenizer
 from backends.types import (
     AdamParams,
@@ -53,6 +55,9 @@ from backends.types import (
     SampleOutput,
     SamplingParams,
 )
+
+T = TypeVar("T")
+A = TypeVar("A")
 
 # At import, before this process starts the threads that torch, tokenizers and the workers bring: glibc fixes
 # the malloc arena count when a second thread first allocates, so a limit set later has no effect.
@@ -118,8 +123,8 @@ class LocalBackend:
         self._client_ids = itertools.count()
         self._sampler_ids = itertools.count()
         # Model loading and client creation run here, so create_* return at once like every other call.
-        self._worker = Worker("local-backend", on_start=self.train_threads)
-        self._workers: weakref.WeakSet[Worker] = weakref.WeakSet()
+        self._worker: Worker[Call] = Worker("local-backend", on_start=self.train_threads)
+        self._workers: weakref.WeakSet[Worker[Any]] = weakref.WeakSet()
 
     # ---------------------------------------------------------------- service API
 
@@ -297,10 +302,10 @@ class LocalTrainingClient:
         self.optimizer = torch.optim.AdamW([p for _, p in self._params], lr=0.0)
         self.name = name
         self._counter = itertools.count(1)
-        self._worker = Worker(name, on_start=backend.train_threads, persistent=True)
+        self._worker: Worker[Call] = Worker(name, on_start=backend.train_threads, persistent=True)
         backend._workers.add(self._worker)
 
-    def _submit(self, what: str, fn: Callable[[], Any]) -> Future[Any]:
+    def _submit(self, what: str, fn: Callable[[], T]) -> Future[T]:
         return self._worker.submit(f"{what} #{next(self._counter)}", fn)
 
     # ---------------------------------------------------------------- protocol
@@ -489,6 +494,26 @@ class LocalTrainingClient:
         return _write_atomically(path, lambda tmp: M.write_sampler_weights(tmp, self.model))
 
 
+@dataclass(frozen=True, slots=True)
+class LogprobsRequest:
+    """A sampling client's `compute_logprobs` call: one job of its worker, as a SampleRequest is a `sample` call."""
+
+    tokens: list[int]
+
+
+Request = SampleRequest | LogprobsRequest  # a sampling worker's job
+
+
+def _sample_request(job: Job[Request]) -> SampleRequest:
+    assert isinstance(job.payload, SampleRequest), job.request  # _admit sorts the jobs by kind
+    return job.payload
+
+
+def _logprobs_request(job: Job[Request]) -> list[int]:
+    assert isinstance(job.payload, LogprobsRequest), job.request
+    return job.payload.tokens
+
+
 class LocalSamplingClient:
     """An immutable model snapshot behind one worker thread that batches all queued requests, waiting a few
     ms for requests that are likely on their way (backends/local/worker.py, Worker._gather).
@@ -509,33 +534,31 @@ class LocalSamplingClient:
         seed: int,
         on_start: Callable[[], None] | None = None,
     ):
-        from backends.local.sampler import Sampler
-
         self.model = model
         self._vocab = M.vocab_size(model)
         self._sampler = Sampler(model, tokenizer, device, seed=seed)
         self._counter = itertools.count(1)
-        self._worker = Worker(f"sample-{name}", self._handle, drain=True, coalesce=True, on_start=on_start)
+        self._worker: Worker[Request] = Worker(f"sample-{name}", self._handle, drain=True, coalesce=True, on_start=on_start)
 
     def sample(self, prompt: list[int], num_samples: int, params: SamplingParams) -> Future[SampleOutput]:
-        job = ("sample", list(prompt), num_samples, params)
+        job = SampleRequest(list(prompt), num_samples, params)
         return self._worker.submit(f"sample #{next(self._counter)}", job)
 
     def compute_logprobs(self, tokens: list[int]) -> Future[list[float | None]]:
-        return self._worker.submit(f"compute_logprobs #{next(self._counter)}", ("logprobs", list(tokens)))
+        return self._worker.submit(f"compute_logprobs #{next(self._counter)}", LogprobsRequest(list(tokens)))
 
-    def _handle(self, jobs: list[Job]) -> None:
+    def _handle(self, jobs: list[Job[Request]]) -> None:
         self._stream(self._admit(jobs), jobs)
 
-    def _admit(self, jobs: list[Job]) -> list[Job]:
+    def _admit(self, jobs: list[Job[Request]]) -> list[Job[Request]]:
         """The valid ones of `jobs`: their logprob requests run now (one forward pass, so their callers go on while
         the samples decode); their sample requests are returned, to decode."""
         valid = [job for job in jobs if self._check(job)]
-        self._run([j for j in valid if j.payload[0] == "logprobs"], self._sampler.compute_logprobs_batch,
-                  lambda j: j.payload[1])
-        return [j for j in valid if j.payload[0] == "sample"]
+        self._run([j for j in valid if isinstance(j.payload, LogprobsRequest)], self._sampler.compute_logprobs_batch,
+                  _logprobs_request)
+        return [j for j in valid if isinstance(j.payload, SampleRequest)]
 
-    def _stream(self, samples: list[Job], jobs: list[Job]) -> None:
+    def _stream(self, samples: list[Job[Request]], jobs: list[Job[Request]]) -> None:
         """The sample jobs through Sampler.sample_stream: jobs submitted while they decode join the running
         batch (continuous batching; logprob jobs among them run at once), and each job's future is set as soon
         as its samples finish. On a failure that is no one request's (ValueError: that request's alone), the
@@ -544,34 +567,32 @@ class LocalSamplingClient:
             return
         order = list(samples)  # sample_stream's request numbers -> jobs
 
-        def request(j: Job) -> Any:
-            return j.payload[1], j.payload[2], j.payload[3]
-
-        def more() -> list[Any]:
+        def more() -> list[SampleRequest]:
             got = self._admit(self._worker.poll(jobs))
             order.extend(got)
-            return [request(j) for j in got]
+            return [_sample_request(j) for j in got]
 
-        def done(i: int, out: Any) -> None:
+        def done(i: int, out: SampleOutput | ValueError) -> None:
             if isinstance(out, ValueError):
                 fail(order[i], _user_error(str(out)))
             else:
                 order[i].future.set_result(out)
 
         try:
-            self._sampler.sample_stream([request(j) for j in samples], more, done)
+            self._sampler.sample_stream([_sample_request(j) for j in samples], more, done)
         except Exception:  # noqa: BLE001 - retried below, one request at a time
             for j in order:
                 if not j.future.done():
-                    self._run([j], self._sampler.sample_batch, request)
+                    self._run([j], self._sampler.sample_batch, _sample_request)
 
-    def _check(self, job: Job) -> bool:
-        tokens = job.payload[1]
+    def _check(self, job: Job[Request]) -> bool:
+        request = job.payload
+        tokens = request.prompt if isinstance(request, SampleRequest) else request.tokens
         bad = [t for t in tokens if not 0 <= t < self._vocab]  # ~30 us for 2k tokens
         problem = (
             "empty prompt" if not tokens
             else f"token id {bad[0]} outside the model's vocab [0, {self._vocab})" if bad
-            else "num_samples must be >= 1" if job.payload[0] == "sample" and job.payload[2] < 1
+            else "num_samples must be >= 1" if isinstance(request, SampleRequest) and request.num_samples < 1
             else None
         )
         if problem is not None:
@@ -579,7 +600,7 @@ class LocalSamplingClient:
         return problem is None
 
     @staticmethod
-    def _run(jobs: list[Job], batch_fn: Callable[[list[Any]], list[Any]], arg: Callable[[Job], Any]) -> None:
+    def _run(jobs: list[Job[Request]], batch_fn: Callable[[list[A]], list[Any]], arg: Callable[[Job[Request]], A]) -> None:
         if not jobs:
             return
         try:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -43,6 +44,16 @@ from backends.types import SampledSequence, SampleOutput, SamplingParams
 
 # Logit entries (rows x length x vocab) one compute_logprobs_batch forward may produce.
 _LOGPROB_BUDGET = 1 << 26
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRequest:
+    """One sampling request: `num_samples` continuations of `prompt` under `params` (a sampling client's
+    `sample` call; one job of its worker)."""
+
+    prompt: list[int]
+    num_samples: int
+    params: SamplingParams
 
 
 class Sampler:
@@ -82,8 +93,8 @@ class Sampler:
 
     # ------------------------------------------------------------------ public
 
-    def sample_batch(self, requests: list[tuple[list[int], int, SamplingParams]]) -> list[SampleOutput]:
-        rows = [row for i, req in enumerate(requests) for row in self._rows(i, *req)]
+    def sample_batch(self, requests: list[SampleRequest]) -> list[SampleOutput]:
+        rows = [row for i, req in enumerate(requests) for row in self._rows(i, req)]
         with torch.inference_mode():
             for chunk in self._chunks(rows):
                 self._generate(chunk)
@@ -94,8 +105,8 @@ class Sampler:
 
     def sample_stream(
         self,
-        requests: list[tuple[list[int], int, SamplingParams]],
-        more: Callable[[], list[tuple[list[int], int, SamplingParams]]],
+        requests: list[SampleRequest],
+        more: Callable[[], list[SampleRequest]],
         done: Callable[[int, SampleOutput | ValueError], None],
     ) -> None:
         """sample_batch with continuous batching, for a worker whose requests keep arriving. Requests are numbered
@@ -109,12 +120,12 @@ class Sampler:
         left: dict[int, list[Row]] = {}  # request -> its rows, until all have finished
         count = 0
 
-        def admit(reqs: list[tuple[list[int], int, SamplingParams]]) -> None:
+        def admit(reqs: list[SampleRequest]) -> None:
             nonlocal count
             for req in reqs:
                 i, count = count, count + 1
                 try:
-                    rows = self._rows(i, *req)
+                    rows = self._rows(i, req)
                 except ValueError as exc:
                     done(i, exc)
                     continue
@@ -192,7 +203,8 @@ class Sampler:
         if lo < 0 or hi >= self.vocab:
             raise ValueError(f"{what} token id {lo if lo < 0 else hi} outside the vocabulary [0, {self.vocab})")
 
-    def _rows(self, req: int, prompt: list[int], num_samples: int, p: SamplingParams) -> list[Row]:
+    def _rows(self, req: int, request: SampleRequest) -> list[Row]:
+        prompt, num_samples, p = request.prompt, request.num_samples, request.params
         self._check_tokens(prompt, "prompt")
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")

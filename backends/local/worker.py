@@ -26,7 +26,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from backends.base import BackendError, Future
 from backends.errors import UserError
@@ -44,12 +44,18 @@ COLD_GAP_S = 0.002  # otherwise: a lone request waits this long for company (a b
 COLD_MAX_S = 0.02
 
 
+# A job's payload: what its worker's handler takes (a training worker's: a callable that runs the request; a
+# sampling worker's: a request record, backends/local/backend.py LocalSamplingClient).
+P = TypeVar("P")
+Call = Callable[[], object]
+
+
 @dataclass
-class Job:
+class Job(Generic[P]):
     request: str  # e.g. "forward_backward #3", named in errors
-    payload: Any
-    future: concurrent.futures.Future[Any]
-    owner: Any = None  # the Worker: a queued job keeps it alive, so a dropped client still runs what it was sent
+    payload: P
+    future: concurrent.futures.Future[Any]  # Any: each request's own result type (the caller's Future says it)
+    owner: Worker[P] | None = None  # a queued job keeps its worker alive, so a dropped client still runs what it was sent
 
 
 # What a request that ran out of memory can change (the error's message says so in one line; torch's own is a
@@ -77,7 +83,7 @@ def out_of_memory(exc: BaseException) -> str | None:
     return first if len(first) <= 240 else first[:237] + "..."
 
 
-def fail(job: Job, exc: BaseException) -> None:
+def fail(job: Job[Any], exc: BaseException) -> None:
     """Fail one job's future with a BackendError that names its request."""
     oom = None if isinstance(exc, (BackendError, UserError)) else out_of_memory(exc)
     if isinstance(exc, BackendError):
@@ -93,7 +99,7 @@ def fail(job: Job, exc: BaseException) -> None:
     job.future.set_exception(err)
 
 
-def run_each(jobs: list[Job]) -> None:
+def run_each(jobs: list[Job[Call]]) -> None:
     """The training handler: each payload is a callable; its return value is the result."""
     for job in jobs:
         try:
@@ -102,7 +108,7 @@ def run_each(jobs: list[Job]) -> None:
             fail(job, exc)
 
 
-class Worker:
+class Worker(Generic[P]):
     """drain=False hands `handle` one job at a time; drain=True hands it everything queued (batching), and
     with coalesce=True waits briefly for requests that are likely on their way (_gather). on_start runs
     first thing in each new worker thread (the backend sets its torch thread count there)."""
@@ -110,7 +116,7 @@ class Worker:
     def __init__(
         self,
         name: str,
-        handle: Callable[[list[Job]], None] = run_each,
+        handle: Callable[[list[Job[P]]], None] = run_each,
         drain: bool = False,
         coalesce: bool = False,
         on_start: Callable[[], None] | None = None,
@@ -122,7 +128,7 @@ class Worker:
         self._drain = drain
         self._coalesce = coalesce
         self._on_start = on_start
-        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._queue: queue.Queue[Job[P] | None] = queue.Queue()
         weakref.finalize(self, self._queue.put, None)  # wakes a persistent thread to exit when this goes
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -133,7 +139,7 @@ class Worker:
         self._last_end = -math.inf
         self._last_run = 0.0
 
-    def submit(self, request: str, payload: Any) -> Future[Any]:
+    def submit(self, request: str, payload: P) -> Future[Any]:
         job = Job(request, payload, concurrent.futures.Future(), self)
         with self._lock:
             if self._closed:
@@ -155,7 +161,7 @@ class Worker:
         if thread is not None and thread is not threading.current_thread():
             thread.join()
 
-    def _step(self, item: Job | None) -> bool:
+    def _step(self, item: Job[P] | None) -> bool:
         """Run `item` (and what the drain takes with it); False when the thread should exit: idle or closed, and
         nothing queued."""
         jobs = [] if item is None else [item]
@@ -171,7 +177,7 @@ class Worker:
                 return False
         return True
 
-    def poll(self, jobs: list[Job]) -> list[Job]:
+    def poll(self, jobs: list[Job[P]]) -> list[Job[P]]:
         """For a drain handler that admits work while it runs (the sampler's continuous batching): the jobs
         queued now, without waiting, appended to `jobs` (the list the handler was given, so that a handler
         failure fails them too and the next coalescing wait counts them) and returned."""
@@ -179,7 +185,7 @@ class Worker:
         self._take_queued(jobs)  # a close() seen here: _step sees _closed once the handler returns
         return jobs[start:]
 
-    def _take_queued(self, jobs: list[Job]) -> bool:
+    def _take_queued(self, jobs: list[Job[P]]) -> bool:
         """Move everything queued now into `jobs`; False if close() was seen (stop waiting for more)."""
         while True:
             try:
@@ -190,7 +196,7 @@ class Worker:
                 return False
             jobs.append(more)
 
-    def _gather(self, jobs: list[Job]) -> None:
+    def _gather(self, jobs: list[Job[P]]) -> None:
         """Wait a little for more jobs before a batch runs. Right after a batch, its callers are likely to
         resubmit (multi-turn episodes): wait until they are all back (with the requests that queued while it
         ran: a batch that got split once merges again), while they keep coming (at most WARM_GAP_S apart) and
@@ -219,7 +225,7 @@ class Worker:
             if not self._take_queued(jobs):
                 return
 
-    def _run(self, jobs: list[Job]) -> None:
+    def _run(self, jobs: list[Job[P]]) -> None:
         start = time.monotonic()
         try:
             self._handle(jobs)
@@ -231,7 +237,7 @@ class Worker:
         self._expected, self._last_run = len(jobs) + self._queue.qsize(), self._last_end - start
 
 
-def _serve(ref: weakref.ref[Worker], jobs: queue.Queue[Job | None], idle_exit_s: float | None) -> None:
+def _serve(ref: weakref.ref[Worker[Any]], jobs: queue.Queue[Job[Any] | None], idle_exit_s: float | None) -> None:
     """A worker's thread. It holds the worker only while it runs jobs, so a dropped worker is collected even
     while a persistent thread waits (its finalizer puts None on the queue: the thread wakes and exits)."""
     worker = ref()

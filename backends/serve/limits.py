@@ -121,22 +121,22 @@ def check_id(what: str, v: str, limits: Limits) -> None:
 
 def to_int(key: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ApiError(400, f"{key} must be an integer, not {type(v).__name__} {str(v)[:40]!r}")
+        raise ApiError(400, f"{key} must be an integer, not {type(v).__name__} {str(v)[:40]!r}", param=key)
     if lo is not None and v < lo:
-        raise ApiError(400, f"{key} must be >= {lo}, not {v}")
+        raise ApiError(400, f"{key} must be >= {lo}, not {v}", param=key)
     if hi is not None and v > hi:
-        raise ApiError(413 if hi >= 1 else 400, f"{key} must be <= {hi}, not {v}")
+        raise ApiError(413 if hi >= 1 else 400, f"{key} must be <= {hi}, not {v}", param=key)
     return v
 
 
 def to_float(key: str, v: Any, lo: float | None = None, hi: float | None = None) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ApiError(400, f"{key} must be a number, not {type(v).__name__} {str(v)[:40]!r}")
+        raise ApiError(400, f"{key} must be a number, not {type(v).__name__} {str(v)[:40]!r}", param=key)
     f = float(v)
     if f != f or f in (float("inf"), float("-inf")):
-        raise ApiError(400, f"{key} must be finite, not {f}")
+        raise ApiError(400, f"{key} must be finite, not {f}", param=key)
     if (lo is not None and f < lo) or (hi is not None and f > hi):
-        raise ApiError(400, f"{key} must be in [{lo}, {hi}], not {f}")
+        raise ApiError(400, f"{key} must be in [{lo}, {hi}], not {f}", param=key)
     return f
 
 

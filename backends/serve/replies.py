@@ -22,6 +22,7 @@ from backends.base import BackendError, Future
 from backends.errors import UserError
 
 log = logging.getLogger("runner.serve")
+Json = dict[str, Any]  # a JSON object, as a request body or reply holds it
 
 NOT_LOADED = "training_run_not_loaded"  # the code of a reply about a run this server does not hold (docs/serve.md)
 PROMISE_KEEP_S = 900.0  # a result stays retrievable this long after it is ready
@@ -31,11 +32,12 @@ class ApiError(Exception):
     """An HTTP error reply: {"detail": ...} with this status. Never 408/409/429/5xx for the client's mistakes:
     the SDK retries those for up to 5 minutes."""
 
-    def __init__(self, status: int, detail: str, code: str | None = None):
+    def __init__(self, status: int, detail: str, code: str | None = None, param: str | None = None):
         super().__init__(detail)
         self.status = status
         self.detail = detail
         self.code = code  # machine-readable, for clients that act on it (e.g. "training_run_not_loaded")
+        self.param = param  # the request field at fault (OpenAI's error `param`)
 
     def reply(self) -> Reply:
         return Reply.json({"detail": self.detail, **({"code": self.code} if self.code else {})}, self.status)
@@ -151,10 +153,17 @@ class Promises:
     def next_id(self) -> int:
         return next(self._ids)
 
+    def find(self, rid: str) -> Promise | None:
+        with self._lock:
+            return self._by_id.get(rid)
+
+    @staticmethod
+    def try_again(rid: str) -> Reply:
+        return Reply.json({"type": "try_again", "request_id": rid, "queue_state": "active"})
+
     def retrieve(self, rid: str) -> Reply:
         """The result, waiting for it up to long_poll_s (then try_again, which the SDK polls again at once)."""
-        with self._lock:
-            p = self._by_id.get(rid)
+        p = self.find(rid)
         if p is None:
             if re.fullmatch(r"req-[0-9a-f]{8}-[0-9]+-[0-9a-f]{6}", rid) and not rid.startswith(f"req-{self.boot}-"):
                 # Made before a restart: resubmitting it would only hit a run or sampler this process never
@@ -166,7 +175,7 @@ class Promises:
         try:
             return p.future.result(timeout=self.long_poll_s)
         except concurrent.futures.TimeoutError:
-            return Reply.json({"type": "try_again", "request_id": rid, "queue_state": "active"})
+            return self.try_again(rid)
         except concurrent.futures.CancelledError:
             return failed("cancelled", "user")
 

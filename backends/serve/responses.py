@@ -1,6 +1,6 @@
 """OpenAI's Responses API (`POST /v1/responses`, docs/openai.md) over the chat path: a request is read into a chat
 completion request (`to_chat`), sampled as one, and its chat.completion written back as a `response` object
-(`from_chat`), or as the Responses stream's events (`events`).
+(`from_chat`), or streamed as the Responses API's events (`stream`), token by token.
 
 Taken: `input` (a string, or a list of messages {role, content: a string or input_text parts} and of function_call /
 function_call_output items), `instructions` (a system message first), `max_output_tokens`, `temperature`, `top_p`,
@@ -12,12 +12,14 @@ naming the field.
 
 from __future__ import annotations
 
+import itertools
 import json
 import secrets
 import time
+from collections.abc import Iterator
 from typing import Any
 
-from backends.serve.replies import ApiError, json_bytes
+from backends.serve.replies import ApiError, Json, json_bytes
 
 RESPONSES_MAX_TOKENS = 512  # when max_output_tokens is not given (as chat's default)
 IGNORED = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools",
@@ -26,7 +28,7 @@ IGNORED = frozenset({"model", "input", "instructions", "max_output_tokens", "tem
                      "prompt_cache_key"})
 
 
-def _new_id(prefix: str) -> str:
+def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
@@ -44,7 +46,7 @@ def _text_of(content: Any, where: str) -> str:
     raise ApiError(400, f"{where} must be a string or a list of input_text parts")
 
 
-def to_chat(req: dict[str, Any]) -> dict[str, Any]:
+def to_chat(req: Json) -> Json:
     """The chat completion request that samples what `req` asks (ApiError for what is not supported)."""
     for key, value in req.items():
         if key not in IGNORED and value is not None and not (key == "top_logprobs" and value == 0):
@@ -58,7 +60,7 @@ def to_chat(req: dict[str, Any]) -> dict[str, Any]:
         raise ApiError(400, f"text.format {str(fmt.get('type'))[:40]!r} is not supported (only text)")
     if req.get("include"):
         raise ApiError(400, "include is not supported")
-    messages: list[dict[str, Any]] = []
+    messages: list[Json] = []
     instructions = req.get("instructions")
     if instructions is not None:
         messages.append({"role": "system", "content": _text_of(instructions, "instructions")})
@@ -94,7 +96,7 @@ def to_chat(req: dict[str, Any]) -> dict[str, Any]:
                                     "function_call_output)")
     else:
         raise ApiError(400, "input must be a string or a non-empty list of input items")
-    chat: dict[str, Any] = {"model": req.get("model"), "messages": messages,
+    chat: Json = {"model": req.get("model"), "messages": messages,
                             "max_tokens": req.get("max_output_tokens") or RESPONSES_MAX_TOKENS}
     for key in ("temperature", "top_p", "seed", "tool_choice"):
         if req.get(key) is not None:
@@ -114,24 +116,24 @@ def to_chat(req: dict[str, Any]) -> dict[str, Any]:
     return chat
 
 
-def from_chat(req: dict[str, Any], completion: dict[str, Any]) -> dict[str, Any]:
+def from_chat(req: Json, completion: Json) -> Json:
     """The `response` object of `req` from its chat.completion."""
     choice = completion["choices"][0]
     msg = choice["message"]
-    output: list[dict[str, Any]] = []
+    output: list[Json] = []
     if msg.get("content") or not msg.get("tool_calls"):
-        output.append({"type": "message", "id": _new_id("msg"), "status": "completed", "role": "assistant",
+        output.append({"type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant",
                        "content": [{"type": "output_text", "text": msg.get("content") or "", "annotations": [],
                                     "logprobs": []}]})
     for call in msg.get("tool_calls") or []:
-        output.append({"type": "function_call", "id": _new_id("fc"), "call_id": call.get("id") or _new_id("call"),
+        output.append({"type": "function_call", "id": new_id("fc"), "call_id": call.get("id") or new_id("call"),
                        "name": call["function"]["name"], "arguments": call["function"]["arguments"],
                        "status": "completed"})
     cut = choice["finish_reason"] == "length"
     usage = completion["usage"]
     tools = req.get("tools") or []
     return {
-        "id": _new_id("resp"), "object": "response", "created_at": int(time.time()),
+        "id": new_id("resp"), "object": "response", "created_at": int(time.time()),
         "status": "incomplete" if cut else "completed",
         "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
         "instructions": req.get("instructions"), "max_output_tokens": req.get("max_output_tokens"),
@@ -147,38 +149,70 @@ def from_chat(req: dict[str, Any], completion: dict[str, Any]) -> dict[str, Any]
     }
 
 
-def events(resp: dict[str, Any]) -> bytes:
-    """`resp` as the Responses API's server-sent events: created, in_progress, then per output item its added /
-    (text: content part, text delta, text done, part done) / done events, then completed."""
-    out: list[tuple[str, dict[str, Any]]] = []
-    pending = {**resp, "status": "in_progress", "output": [], "usage": None, "incomplete_details": None}
-    out.append(("response.created", {"response": pending}))
-    out.append(("response.in_progress", {"response": pending}))
-    for i, item in enumerate(resp["output"]):
-        if item["type"] == "message":
-            text = item["content"][0]["text"]
-            empty = {**item, "status": "in_progress", "content": []}
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            out.append(("response.output_item.added", {"output_index": i, "item": empty}))
-            out.append(("response.content_part.added", {"item_id": item["id"], "output_index": i,
-                                                        "content_index": 0, "part": part}))
-            if text:
-                out.append(("response.output_text.delta", {"item_id": item["id"], "output_index": i,
-                                                           "content_index": 0, "delta": text, "logprobs": []}))
-            out.append(("response.output_text.done", {"item_id": item["id"], "output_index": i, "content_index": 0,
-                                                      "text": text, "logprobs": []}))
-            out.append(("response.content_part.done", {"item_id": item["id"], "output_index": i,
-                                                       "content_index": 0, "part": item["content"][0]}))
-        else:
-            out.append(("response.output_item.added", {"output_index": i,
-                                                        "item": {**item, "arguments": "", "status": "in_progress"}}))
-            out.append(("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": i,
-                                                                   "delta": item["arguments"]}))
-            out.append(("response.function_call_arguments.done", {"item_id": item["id"], "output_index": i,
-                                                                  "name": item["name"],
-                                                                  "arguments": item["arguments"]}))
-        out.append(("response.output_item.done", {"output_index": i, "item": item}))
-    out.append(("response.completed" if resp["status"] == "completed" else "response.incomplete", {"response": resp}))
-    return b"".join(b"event: " + kind.encode() + b"\ndata: "
-                    + json_bytes({"type": kind, "sequence_number": n, **data}) + b"\n\n"
-                    for n, (kind, data) in enumerate(out))
+def stream(req: Json, chunks: Iterator[Json], model: str) -> Iterator[bytes]:
+    """The Responses API's server-sent events for `req`, made from its chat completion's stream (`chunks`: the chunk
+    objects of backends/serve/streaming.py, with the usage chunk last): response.created and in_progress at once,
+    the message's output_item.added / content_part.added with its first text, an output_text.delta per text chunk as
+    it is sampled, then the done events of each output item (function calls whole: they are parsed once the reply
+    has ended) and response.completed (or response.incomplete) with the response `from_chat` writes. A chunk that is
+    an error ends the stream with an `error` event."""
+    numbers = itertools.count()
+
+    def event(kind: str, data: Json) -> bytes:
+        return (b"event: " + kind.encode() + b"\ndata: "
+                + json_bytes({"type": kind, "sequence_number": next(numbers), **data}) + b"\n\n")
+
+    rid, created, msg_id = new_id("resp"), int(time.time()), new_id("msg")
+    empty = {"model": model, "choices": [{"message": {"content": ""}, "finish_reason": "stop"}],
+             "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}
+    pending = {**from_chat(req, empty), "id": rid, "created_at": created, "status": "in_progress", "output": [],
+               "usage": None, "incomplete_details": None}
+    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    opened = {"type": "message", "id": msg_id, "status": "in_progress", "role": "assistant", "content": []}
+    where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
+    try:
+        yield event("response.created", {"response": pending})
+        yield event("response.in_progress", {"response": pending})
+        text, calls, finish, usage, is_open = "", [], "stop", None, False
+        for chunk in chunks:
+            if "error" in chunk:
+                yield event("error", {"code": None, "message": chunk["error"]["message"], "param": None})
+                return
+            usage = chunk.get("usage") or usage
+            for choice in chunk["choices"]:
+                delta = choice["delta"]
+                if delta.get("content"):
+                    if not is_open:
+                        yield event("response.output_item.added", {"output_index": 0, "item": opened})
+                        yield event("response.content_part.added", {**where, "part": part})
+                        is_open = True
+                    text += delta["content"]
+                    yield event("response.output_text.delta", {**where, "delta": delta["content"], "logprobs": []})
+                calls += [{k: v for k, v in c.items() if k != "index"} for c in delta.get("tool_calls") or []]
+                finish = choice.get("finish_reason") or finish
+        assert usage is not None
+        message: Json = {"content": text, **({"tool_calls": calls} if calls else {})}
+        resp = {**from_chat(req, {"model": model, "choices": [{"message": message, "finish_reason": finish}],
+                                  "usage": usage}), "id": rid, "created_at": created}
+        for i, item in enumerate(resp["output"]):
+            if item["type"] == "message":
+                item["id"] = msg_id
+                if not is_open:
+                    yield event("response.output_item.added", {"output_index": 0, "item": opened})
+                    yield event("response.content_part.added", {**where, "part": part})
+                yield event("response.output_text.done", {**where, "text": text, "logprobs": []})
+                yield event("response.content_part.done", {**where, "part": item["content"][0]})
+            else:
+                yield event("response.output_item.added", {"output_index": i,
+                                                           "item": {**item, "arguments": "", "status": "in_progress"}})
+                yield event("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": i,
+                                                                       "delta": item["arguments"]})
+                yield event("response.function_call_arguments.done", {"item_id": item["id"], "output_index": i,
+                                                                      "name": item["name"], "arguments": item["arguments"]})
+            yield event("response.output_item.done", {"output_index": i, "item": item})
+        done = "response.completed" if resp["status"] == "completed" else "response.incomplete"
+        yield event(done, {"response": resp})
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()  # a client gone mid-stream: its sampling stops (backends/serve/streaming.py)

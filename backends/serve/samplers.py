@@ -80,6 +80,11 @@ class SamplerPool:
                 shutil.rmtree(sampler.source, ignore_errors=True)
         return len(gone)
 
+    def loaded(self, sess: SamplerSession) -> bool:
+        """Whether `client(sess)` returns at once: its client exists (loading or loaded) and has not failed."""
+        c = sess.client
+        return c is not None and not (c.done() and c.future().exception() is not None)
+
     def client(self, sess: SamplerSession) -> Future[Any]:
         """The session's loaded sampling client, rebuilding it if it was freed."""
         with self._lock:

@@ -23,7 +23,7 @@ from backends.serve.replies import ApiError, Promise, Promises, Reply, error_rep
 from backends.serve.samplers import Gather, SamplerPool, SamplerSession
 from backends.serve.sessions import ServedModel, Session
 from backends.serve.store import Store
-from backends.types import SamplingParams
+from backends.types import SampleOutput, SamplingParams
 
 
 class SamplingRoutes:
@@ -214,8 +214,8 @@ def _last_n(lps: list[float | None] | None, last_n: int | None) -> list[float | 
     return [None] * cut + lps[cut:]
 
 
-def _with_topk(promise: Promise, sc: Any, prompt: list[int], out: Any, prompt_lps: Any, k_prompt: int,
-               k_sample: int, temperature: float, last_n: int | None) -> None:
+def _with_topk(promise: Promise, sc: Any, prompt: list[int], out: SampleOutput, prompt_lps: list[float | None] | None,
+               k_prompt: int, k_sample: int, temperature: float, last_n: int | None) -> None:
     try:
         from backends.serve.topk import topk_logprobs
 

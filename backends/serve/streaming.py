@@ -20,7 +20,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from backends.serve.replies import json_bytes
+from backends.serve.chat_api import ChatFormat, Plan
+from backends.serve.replies import Json, json_bytes
 from backends.tokenizer import Tokenizer
 
 POLL_S = 0.1
@@ -62,34 +63,38 @@ class ChoiceText:
         return final[len(self.sent):] if final.startswith(self.sent) else ""
 
 
-def chunks(first: tuple[int, int, int | None], events: queue.SimpleQueue, futs: list[Any], plan: Any, head: dict[str, Any],
+def chunks(first: tuple[int, int, int | None], events: queue.SimpleQueue, futs: list[Any], plan: Plan, head: Json,
            chat: bool, text_of: Callable[[list[int]], str], holdback: int,
-           finish: Callable[[int, Any], list[dict[str, Any]]], result: Callable[[Any], Any],
-           gone: Callable[[], bool], cancelled: threading.Event, release: Callable[[], None]) -> Iterator[bytes]:
-    """The SSE byte chunks of a streamed request. `first` is its first event (prompt, sample, token), read
-    before the reply's headers were sent; `finish(p, output)` gives prompt p's finished choices as the
-    non-streamed response has them; `result(fut)` a prompt's output (ApiError for the request's own fault)."""
+           finish: Callable[[int, Any], list[Json]], result: Callable[[Any], Any],
+           gone: Callable[[], bool], cancelled: threading.Event, release: Callable[[], None]) -> Iterator[Json]:
+    """The chunk objects of a streamed request (chat.completion.chunk or text_completion), then, with
+    include_usage, the usage chunk; an {"error": ...} object ends it early. `first` is its first event (prompt,
+    sample, token), read before the reply's headers were sent; `finish(p, output)` gives prompt p's finished choices
+    as the non-streamed response has them (with their logprobs: a choice's come in its last chunk with text, the
+    tokens' texts having left as they were sampled); `result(fut)` a prompt's output (ApiError for the request's own
+    fault)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     usage = plan.include_usage
     texts: dict[tuple[int, int], ChoiceText] = {}
     started: set[int] = set()
     completion_tokens = 0
 
-    def chunk(choice: dict[str, Any]) -> bytes:
+    def chunk(choice: Json) -> Json:
         body = {**head, "object": obj, "choices": [choice]}
         if usage:
             body["usage"] = None
-        return b"data: " + json_bytes(body) + b"\n\n"
+        return body
 
-    def piece(index: int, text: str, finish_reason: str | None = None, extra: dict[str, Any] | None = None) -> bytes:
+    def piece(index: int, text: str, finish_reason: str | None = None, extra: Json | None = None,
+              logprobs: Json | None = None) -> Json:
         if chat:
-            delta: dict[str, Any] = {"content": text} if text or index not in started else {}
+            delta: Json = {"content": text} if text or index not in started else {}
             if index not in started:
                 delta = {"role": "assistant", **delta}
                 started.add(index)
-            return chunk({"index": index, "delta": {**delta, **(extra or {})}, "logprobs": None,
+            return chunk({"index": index, "delta": {**delta, **(extra or {})}, "logprobs": logprobs,
                           "finish_reason": finish_reason})
-        return chunk({"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason})
+        return chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
 
     try:
         left = len(futs)
@@ -109,11 +114,11 @@ def chunks(first: tuple[int, int, int | None], events: queue.SimpleQueue, futs: 
                 left -= 1
                 try:
                     out = result(futs[p])
+                    finished = finish(p, out)
                 except Exception as exc:  # noqa: BLE001 - the request's own fault, after the headers: an error event
-                    yield b"data: " + json_bytes({"error": {"message": str(getattr(exc, "detail", exc))[:300],
-                                                            "type": "invalid_request_error"}}) + b"\n\n"
+                    yield {"error": {"message": str(getattr(exc, "detail", exc))[:300], "type": "invalid_request_error"}}
                     return
-                for c in finish(p, out):
+                for c in finished:
                     index = c["index"]
                     completion_tokens += c.pop("_tokens")
                     st = texts.get((p, index % plan.n)) or ChoiceText(text_of, holdback, plan.user_stop)
@@ -125,11 +130,11 @@ def chunks(first: tuple[int, int, int | None], events: queue.SimpleQueue, futs: 
                         if msg.get("reasoning_content"):
                             extra["reasoning_content"] = msg["reasoning_content"]
                         rest = st.rest(msg.get("content") or "")
-                        if rest or extra or index not in started:
-                            yield piece(index, rest, None, extra)
+                        if rest or extra or index not in started or c["logprobs"] is not None:
+                            yield piece(index, rest, None, extra, c["logprobs"])
                         yield piece(index, "", c["finish_reason"])
                     else:
-                        yield piece(index, st.rest(c["text"]), c["finish_reason"])
+                        yield piece(index, st.rest(c["text"]), c["finish_reason"], logprobs=c["logprobs"])
                 continue
             assert tok is not None
             st = texts.setdefault((p, k), ChoiceText(text_of, holdback, plan.user_stop))
@@ -138,20 +143,33 @@ def chunks(first: tuple[int, int, int | None], events: queue.SimpleQueue, futs: 
                 yield piece(p * plan.n + k, delta)
         if usage:
             prompt_tokens = sum(len(x) for x in plan.prompts) * plan.n
-            yield b"data: " + json_bytes({**head, "object": obj, "choices": [], "usage": {
+            yield {**head, "object": obj, "choices": [], "usage": {
                 "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}}) + b"\n\n"
-        yield b"data: [DONE]\n\n"
+                "total_tokens": prompt_tokens + completion_tokens}}
     finally:
         cancelled.set()  # a client gone mid-stream: its rows end at their next token (done ones: no effect)
         release()
 
 
-def one_prompt(plan: Any, p: int) -> Any:
+def sse(objects: Iterator[Json]) -> Iterator[bytes]:
+    """Chunk objects as OpenAI's server-sent events: `data: {...}` each, then `data: [DONE]` (none after an error)."""
+    try:
+        for obj in objects:
+            yield b"data: " + json_bytes(obj) + b"\n\n"
+            if "error" in obj:
+                return
+        yield b"data: [DONE]\n\n"
+    finally:
+        close = getattr(objects, "close", None)
+        if close is not None:
+            close()  # its sampling stops and its memory comes back (chunks' finally)
+
+
+def one_prompt(plan: Plan, p: int) -> Plan:
     return dataclasses.replace(plan, prompts=[plan.prompts[p]])
 
 
-def chat_text(fmt: Any) -> Callable[[list[int]], str]:
+def chat_text(fmt: ChatFormat) -> Callable[[list[int]], str]:
     def text_of(tokens: list[int]) -> str:
         message, _ = fmt.reply(list(tokens))
         return message.get("content") or ""

@@ -97,10 +97,6 @@ def decode_wire_datum(d: Any) -> WireDatum:
     return WireDatum(datum, extra, _spans(d.loss_fn_input_spans))
 
 
-def decode_datum(d: Any) -> Datum:
-    return decode_wire_datum(d).datum
-
-
 def decode_forward_backward(body: bytes, content_encoding: str | None = None) -> Any:
     if content_encoding == "zstd":
         import zstandard

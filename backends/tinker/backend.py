@@ -30,14 +30,14 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
 import numpy as np
 import tinker
 from tinker.types import RequestErrorCategory
 
 from backends import losses
-from backends.base import BackendError, CustomLossFn, Future
+from backends.base import BackendError, CustomLossFn, Future, loss_of
 from backends.errors import UserError
 from backends.tokenizer import Tokenizer, load_tokenizer
 from backends.types import (
@@ -52,7 +52,12 @@ from backends.types import (
     SamplingParams,
 )
 
+if TYPE_CHECKING:
+    from tinker.lib.internal_client_holder import InternalClientHolder
+
 log = logging.getLogger(__name__)
+R = TypeVar("R")  # what an SDK call's future holds
+T = TypeVar("T")  # what our Future holds (R converted)
 
 API_KEY_ENV = "TINKER_API_KEY"
 # close() waits this long for the session to finish; a dead server makes the SDK retry for 5 min,
@@ -169,13 +174,19 @@ def to_backend_error(exc: BaseException, request: str, key: str) -> BackendError
     return BackendError(f"{request}: {what}: {detail}", request=request, user_error=user)
 
 
-def _settle(fut: concurrent.futures.Future[Any], value: Any = None, error: BaseException | None = None) -> bool:
-    """Deliver a result or an error unless the future is already settled (or cancelled); whether it was delivered."""
+def _settle(fut: concurrent.futures.Future[T], value: T) -> bool:
+    """Deliver a result unless the future is already settled (or cancelled); whether it was delivered."""
     try:
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(value)
+        fut.set_result(value)
+    except concurrent.futures.InvalidStateError:
+        return False
+    return True
+
+
+def _fail(fut: concurrent.futures.Future[T], error: BaseException) -> bool:
+    """Deliver an error unless the future is already settled (or cancelled); whether it was delivered."""
+    try:
+        fut.set_exception(error)
     except concurrent.futures.InvalidStateError:
         return False
     return True
@@ -191,13 +202,13 @@ class _Link:
         self._waiting: dict[concurrent.futures.Future[Any], str] = {}
         self.lost: str | None = None
 
-    def track(self, out: concurrent.futures.Future[Any], request: str) -> None:
+    def track(self, out: concurrent.futures.Future[T], request: str) -> None:
         with self._lock:
             lost = self.lost
             if lost is None:
                 self._waiting[out] = request
         if lost is not None:
-            _settle(out, error=BackendError(lost, request=request))
+            _fail(out, BackendError(lost, request=request))
             return
         out.add_done_callback(self._forget)
 
@@ -217,33 +228,33 @@ class _Link:
             self.lost = reason
             waiting, self._waiting = self._waiting, {}
         for out, request in waiting.items():
-            _settle(out, error=BackendError(reason, request=request))
+            _fail(out, BackendError(reason, request=request))
 
 
-def _wrap(submit: Callable[[], Any], convert: Callable[[Any], Any], request: str, link: _Link) -> Future[Any]:
+def _wrap(submit: Callable[[], tinker.APIFuture[R]], convert: Callable[[R], T], request: str, link: _Link) -> Future[T]:
     """Call an SDK method and return our Future of `convert(result)`.
 
     The SDK future is chained, not awaited: its exceptions become BackendErrors and its result is
     converted on the SDK's thread, so nothing `tinker.*` reaches the caller. Cancelling the returned
     future cannot cancel the SDK request (the chain only goes one way). The link fails it when the
     service is lost."""
-    out: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    out: concurrent.futures.Future[T] = concurrent.futures.Future()
     link.track(out, request)
     if out.done():  # the service was lost before this call
         return Future(out)
     try:
         api_future = submit()
     except Exception as exc:  # noqa: BLE001 - e.g. a datum without the loss's inputs
-        _settle(out, error=to_backend_error(exc, request, link.key))
+        _fail(out, to_backend_error(exc, request, link.key))
         return Future(out)
 
-    def done(fut: concurrent.futures.Future[Any]) -> None:
+    def done(fut: concurrent.futures.Future[R]) -> None:
         if out.done():  # cancelled by the caller, or failed by the link: nothing to deliver
             return
         try:
             value = convert(fut.result())
         except BaseException as exc:  # noqa: BLE001 - every failure is delivered, none raised here
-            _settle(out, error=to_backend_error(exc, request, link.key))
+            _fail(out, to_backend_error(exc, request, link.key))
             return
         _settle(out, value)
 
@@ -261,7 +272,7 @@ def _tensor(arr: np.ndarray) -> tinker.TensorData:
 def to_tinker_datum(d: Datum, keys: tuple[str, ...]) -> tinker.Datum:
     """Our Datum with the loss inputs in `keys`. Tinker has no mask: it is folded into weights and
     advantages (exact for 0/1 masks and every built-in loss but dro's quadratic term)."""
-    inputs: dict[str, Any] = {"target_tokens": _tensor(d.target_tokens)}
+    inputs: dict[str, tinker.TensorData] = {"target_tokens": _tensor(d.target_tokens)}
     for name in keys:
         value = getattr(d, name)
         if value is None:
@@ -272,8 +283,8 @@ def to_tinker_datum(d: Datum, keys: tuple[str, ...]) -> tinker.Datum:
     return tinker.Datum(model_input=tinker.ModelInput.from_ints(list(d.model_input)), loss_fn_inputs=inputs)
 
 
-def _fb_output(data: list[Datum]) -> Callable[[Any], ForwardBackwardOutput]:
-    def convert(out: Any) -> ForwardBackwardOutput:
+def _fb_output(data: list[Datum]) -> Callable[[tinker.ForwardBackwardOutput], ForwardBackwardOutput]:
+    def convert(out: tinker.ForwardBackwardOutput) -> ForwardBackwardOutput:
         if len(out.loss_fn_outputs) != len(data):
             raise ValueError(f"{len(out.loss_fn_outputs)} outputs for {len(data)} datums")
         logprobs = [
@@ -285,11 +296,11 @@ def _fb_output(data: list[Datum]) -> Callable[[Any], ForwardBackwardOutput]:
     return convert
 
 
-def _optim_output(out: Any) -> OptimStepOutput:
+def _optim_output(out: tinker.OptimStepResponse) -> OptimStepOutput:
     return OptimStepOutput(metrics={k: float(v) for k, v in (out.metrics or {}).items()})
 
 
-def _sample_output(out: Any) -> SampleOutput:
+def _sample_output(out: tinker.SampleResponse) -> SampleOutput:
     seqs = []
     for s in out.sequences:
         if s.logprobs is None:
@@ -299,11 +310,11 @@ def _sample_output(out: Any) -> SampleOutput:
     return SampleOutput(sequences=seqs)
 
 
-def _logprobs_output(out: Any) -> list[float | None]:
+def _logprobs_output(out: list[float | None]) -> list[float | None]:
     return [None if x is None else float(x) for x in out]
 
 
-def _path(out: Any) -> str:
+def _path(out: tinker.types.SaveWeightsResponse | tinker.types.SaveWeightsForSamplerResponse) -> str:
     return str(out.path)
 
 
@@ -319,17 +330,13 @@ def to_tinker_adam(p: AdamParams) -> tinker.AdamParams:
 
 def _registered_loss(spec: losses.LossSpec, config: dict[str, float]) -> CustomLossFn:
     """A registered loss as a custom loss over the learner's logprobs (torch tensors, one per datum)."""
+    loss = loss_of(spec.name, config)
 
-    def fn(data: list[Datum], lps: list[Any]) -> tuple[Any, dict[str, float]]:
+    def fn(data: list[Datum], lps: list[losses.Tensor]) -> tuple[losses.Tensor, dict[str, float]]:
         import torch
 
-        def t(x: np.ndarray | None, like: Any) -> Any:
-            return None if x is None else torch.as_tensor(x, dtype=like.dtype, device=like.device)
-
-        total = sum(spec.masked_sum(lp, losses.LossInputs(t(d.weights, lp), t(d.logprobs, lp), t(d.advantages, lp),
-                                                          t(d.mask, lp)), config)
-                    for d, lp in zip(data, lps, strict=True))
-        return total, {}
+        terms = [loss(d, lp) for d, lp in zip(data, lps, strict=True)]
+        return (sum(terms[1:], terms[0]) if terms else torch.zeros(())), {}  # a tensor even for no data
 
     return fn
 
@@ -338,7 +345,7 @@ def _registered_loss(spec: losses.LossSpec, config: dict[str, float]) -> CustomL
 
 
 class TinkerSamplingClient:
-    def __init__(self, client: Any, link: _Link, name: str):
+    def __init__(self, client: tinker.SamplingClient, link: _Link, name: str):
         self._client = client
         self._link = link
         self._name = name  # names requests in errors, e.g. "sample #3 (sampler tinker://...)"
@@ -359,7 +366,7 @@ class TinkerSamplingClient:
 
 
 class TinkerTrainingClient:
-    def __init__(self, client: Any, link: _Link):
+    def __init__(self, client: tinker.TrainingClient, link: _Link):
         self._client = client
         self._link = link
         self._calls: dict[str, int] = {}
@@ -376,7 +383,7 @@ class TinkerTrainingClient:
             spec = losses.get(loss_fn)
             config = spec.resolve(loss_config)
         except ValueError as exc:
-            failed: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            failed: concurrent.futures.Future[ForwardBackwardOutput] = concurrent.futures.Future()
             failed.set_exception(BackendError(str(exc), request=self._request(method), user_error=True))
             return Future(failed)
         if not spec.tinker_builtin:
@@ -385,11 +392,13 @@ class TinkerTrainingClient:
             return self._forward_registered(data, spec, config)
         request = self._request(method)
 
-        def submit() -> Any:
+        def submit() -> tinker.APIFuture[tinker.ForwardBackwardOutput]:
             for d in data:
                 spec.check_datum(d)
             tdata = [to_tinker_datum(d, spec.inputs) for d in data]
-            return getattr(self._client, method)(tdata, loss_fn, dict(loss_config) if loss_config else None)
+            call = self._client.forward_backward if method == "forward_backward" else self._client.forward
+            name = cast("tinker.types.LossFnType", loss_fn)  # spec.tinker_builtin: a name the service knows
+            return call(tdata, name, dict(loss_config) if loss_config else None)
 
         return _wrap(submit, _fb_output(data), request, self._link)
 
@@ -398,7 +407,7 @@ class TinkerTrainingClient:
         request = self._request("forward", spec.name)
         to_logprobs = _fb_output(data)
 
-        def submit() -> Any:
+        def submit() -> tinker.APIFuture[tinker.ForwardBackwardOutput]:
             for d in data:
                 spec.check_datum(d)
             probe = [to_tinker_datum(d, ()) for d in data]  # cross_entropy with no weights: the logprobs only
@@ -406,7 +415,7 @@ class TinkerTrainingClient:
                 t.loss_fn_inputs["weights"] = _tensor(np.zeros(d.target_tokens.shape, np.float32))
             return self._client.forward(probe, "cross_entropy")
 
-        def convert(out: Any) -> ForwardBackwardOutput:
+        def convert(out: tinker.ForwardBackwardOutput) -> ForwardBackwardOutput:
             import torch
 
             lps = to_logprobs(out).logprobs
@@ -442,7 +451,7 @@ class TinkerTrainingClient:
         return _wrap(lambda: self._client.save_weights_for_sampler(name, ttl_seconds=ttl_seconds), _path,
                      self._request("save_weights_for_sampler", repr(name)), self._link)
 
-    def save_weights_and_get_sampling_client(self) -> Future[Any]:
+    def save_weights_and_get_sampling_client(self) -> Future[TinkerSamplingClient]:
         request = self._request("save_weights_and_get_sampling_client")
         return _wrap(self._client.save_weights_and_get_sampling_client,
                      lambda c: TinkerSamplingClient(c, self._link, request), request, self._link)
@@ -474,7 +483,7 @@ class TinkerBackend:
         self._key = api_key_from_env(base_url)
         self.model = model
         self._tokenizer_name = tokenizer
-        self._tokenizer: Any = None
+        self._tokenizer: Tokenizer | None = None
         # The key is passed explicitly so the SDK's other credential sources (files, commands) are not used.
         self._service = tinker.ServiceClient(base_url=base_url, api_key=self._key)
         self._base_url = base_url
@@ -483,19 +492,20 @@ class TinkerBackend:
         self._ttl = cfg.ttl_seconds
         self._connect_timeout_s, self._lost_after_s = cfg.connect_timeout_s, cfg.lost_after_s
         self._lock = threading.Lock()
-        self._session: concurrent.futures.Future[Any] | None = None  # of the SDK's session holder
+        self._session: concurrent.futures.Future[InternalClientHolder] | None = None
 
     def checkpoint_ttl_seconds(self) -> int | None:
         return self._ttl
 
     def get_tokenizer(self) -> Tokenizer:
-        if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self._tokenizer_name or self.model)
-        return self._tokenizer
+        tokenizer = self._tokenizer
+        if tokenizer is None:
+            tokenizer = self._tokenizer = load_tokenizer(self._tokenizer_name or self.model)
+        return tokenizer
 
     # ------------------------------------------------------------ the session, bounded
 
-    def _session_future(self) -> concurrent.futures.Future[Any]:
+    def _session_future(self) -> concurrent.futures.Future[InternalClientHolder]:
         """The SDK's session, created once on a thread of its own (the SDK blocks while it retries)."""
         with self._lock:
             if self._session is None:
@@ -510,14 +520,14 @@ class TinkerBackend:
         assert self._session is not None
         if (refused := _refused(self._base_url, min(self._connect_timeout_s, PROBE_TIMEOUT_S))) is not None:
             # The SDK would retry a closed port until connect_timeout_s; nothing listens there: say so now.
-            _settle(self._session, error=BackendError(
+            _fail(self._session, BackendError(
                 f"could not reach the Tinker service at {self._link.url}: {refused} (a wrong base_url, or the "
                 "service is not running); nothing ran", user_error=True))
             return
         try:
             holder = self._service.holder  # fetches the client config, then creates the session (SDK retries)
         except Exception as exc:  # noqa: BLE001 - delivered to every call waiting on the session
-            _settle(self._session, error=to_backend_error(exc, "", self._key))
+            _fail(self._session, to_backend_error(exc, "", self._key))
             return
         if _settle(self._session, holder):
             threading.Thread(target=self._watch, args=(holder,), name="tinker-watchdog", daemon=True).start()
@@ -525,11 +535,11 @@ class TinkerBackend:
     def _connect_timed_out(self) -> None:
         assert self._session is not None
         # user_error: the service was never reached, so nothing ran (no "can be resumed"); exit 2.
-        _settle(self._session, error=BackendError(
+        _fail(self._session, BackendError(
             f"could not reach the Tinker service at {self._link.url} within {self._connect_timeout_s:g} s "
             "(no network, a wrong base_url, or the service is down); nothing ran", user_error=True))
 
-    def _watch(self, holder: Any) -> None:
+    def _watch(self, holder: InternalClientHolder) -> None:
         """Ping the session; while calls wait and the service has not answered for lost_after_s, lose it."""
         period = min(PING_PERIOD_S, self._lost_after_s / 4)
         last_answer, last_error = time.monotonic(), "no answer"
@@ -553,23 +563,28 @@ class TinkerBackend:
                                 f"({last_error})")
                 return
 
-    def _call(self, submit: Callable[[], Any], convert: Callable[[Any], Any], request: str) -> Future[Any]:
+    def _call(self, submit: Callable[[], tinker.APIFuture[R]], convert: Callable[[R], T], request: str) -> Future[T]:
         """_wrap once the session exists; until then the call waits for it (bounded) off the calling thread."""
         session = self._session_future()
         if session.done() and session.exception() is None:
             return _wrap(submit, convert, request, self._link)
-        out: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        out: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._link.track(out, request)
 
-        def go(ready: concurrent.futures.Future[Any]) -> None:
+        def go(ready: concurrent.futures.Future[InternalClientHolder]) -> None:
             error = ready.exception()
             if error is not None:
-                _settle(out, error=BackendError(str(error), request=request,
+                _fail(out, BackendError(str(error), request=request,
                                                 user_error=getattr(error, "user_error", False)))
                 return
-            inner = _wrap(submit, convert, request, self._link).future()
-            inner.add_done_callback(lambda f: _settle(out, error=f.exception()) if f.exception() is not None
-                                    else _settle(out, f.result()))
+            def relay(f: concurrent.futures.Future[T]) -> None:
+                error = f.exception()
+                if error is not None:
+                    _fail(out, error)
+                else:
+                    _settle(out, f.result())
+
+            _wrap(submit, convert, request, self._link).future().add_done_callback(relay)
 
         session.add_done_callback(go)
         return Future(out)
@@ -588,7 +603,7 @@ class TinkerBackend:
     def create_training_client_from_state(self, path: str, spec: LoraSpec,
                                           with_optimizer: bool = True) -> Future[TinkerTrainingClient]:
         # The checkpoint knows its base model and LoRA shape; `spec` is what the caller expects it to be.
-        def submit() -> Any:
+        def submit() -> tinker.APIFuture[tinker.TrainingClient]:
             method = (self._service.create_training_client_from_state_with_optimizer if with_optimizer
                       else self._service.create_training_client_from_state)
             return method(path)
@@ -642,7 +657,7 @@ def _refused(base_url: str | None, timeout: float) -> str | None:
         return None
 
 
-async def _ping(holder: Any, timeout: float) -> None:
+async def _ping(holder: InternalClientHolder, timeout: float) -> None:
     """One session heartbeat, no retries (what the SDK's own heartbeat loop sends every 10 s)."""
     from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
 

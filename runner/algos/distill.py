@@ -24,7 +24,7 @@ import numpy as np
 
 from backends.base import Backend, SamplingClient
 from backends.errors import UserError
-from backends.types import Datum
+from backends.types import Datum, Json
 from runner.algos.distill_config import Distill, Teacher
 from runner.algos.rl import EVAL_SEED_OFFSET, RLAlgo
 from runner.data.conversations import load_conversations, prompt_rows
@@ -206,7 +206,7 @@ def _discounted(x: np.ndarray, gamma: float) -> np.ndarray:
     return out
 
 
-def prompts_from_chats(path: str, limit: int | None = None) -> list[dict[str, Any]]:
+def prompts_from_chats(path: str, limit: int | None = None) -> list[Json]:
     """Prompts from a chat JSONL ({"messages": [...]} rows): each conversation up to, not including, its last
     assistant message (a data source target: `{kind = "python", target = "runner.algos.distill:prompts_from_chats",
     args = {path = "chats.jsonl"}}`)."""
@@ -235,7 +235,7 @@ def build(cfg: Distill, args: BuildArgs) -> Callable[[Any], DistillAlgo]:
     return lambda tokenizer: DistillAlgo(cfg, replace(Settings.of(args, tokenizer), reference_path=None))
 
 
-def show(cfg: Distill, recipe: Recipe, renderer: Any, n: int) -> Iterator[dict[str, Any]]:
+def show(cfg: Distill, recipe: Recipe, renderer: Any, n: int) -> Iterator[Json]:
     """`runner render`: the first `n` prompts, over the datasets in order."""
     return prompt_rows([d.prompts for d in cfg.datasets], renderer, n)
 

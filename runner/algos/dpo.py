@@ -40,7 +40,7 @@ import numpy as np
 
 from backends.base import CustomLossFn, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
-from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
+from backends.types import AdamParams, Datum, ForwardBackwardOutput, Json, OptimStepOutput
 from runner.algos.dpo_config import DPO
 from runner.algos.sft import PLAN_STEPS, to_datum, weights
 from runner.data.comparisons import Batches, Pair, Pairs, load_pairs, render_completion
@@ -168,10 +168,10 @@ class DPOAlgo(AlgorithmBase):
             self._test_data = [d for p in self.batches.test for d in self.datums(p)]
         return self._test_data
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> Json:
         return self.batches.state(self.next_step)
 
-    def load_state(self, state: dict[str, Any], next_step: int) -> None:
+    def load_state(self, state: Json, next_step: int) -> None:
         self.batches.check_state(state)
         self.next_step = next_step
 
@@ -294,7 +294,7 @@ def build(cfg: DPO, args: BuildArgs) -> Callable[[Any], DPOAlgo]:
     return lambda tokenizer: DPOAlgo(cfg, pairs, Settings.of(args, tokenizer))
 
 
-def show(cfg: DPO, recipe: Recipe, renderer: Any, n: int) -> Iterator[dict[str, Any]]:
+def show(cfg: DPO, recipe: Recipe, renderer: Any, n: int) -> Iterator[Json]:
     """`runner render`: each side of the first `n` comparisons, tokens and weights."""
     for pair in load_pairs(cfg.data).pairs[:n]:
         for side, completion in (("chosen", pair.chosen), ("rejected", pair.rejected)):

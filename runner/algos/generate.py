@@ -20,7 +20,7 @@ from typing import Any
 
 from backends.base import SamplingClient
 from backends.errors import UserError
-from backends.types import SamplingParams
+from backends.types import Json, SamplingParams
 from runner.algos.generate_config import Generate
 from runner.data.conversations import Conversation, load_conversations, prompt_rows
 from runner.data.position import check_resume
@@ -69,7 +69,7 @@ class GenerateAlgo(AlgorithmBase):
                                                 seed=(self.seed * 1_000_003 + (first + i) * cfg.n) % 2**31))
                    for i, conv in enumerate(batch)]
         outs = await asyncio.gather(*futures)
-        rows: list[dict[str, Any]] = []
+        rows: list[Json] = []
         truncated = 0
         for conv, out in zip(batch, outs, strict=True):
             for seq in out.sequences:
@@ -80,10 +80,10 @@ class GenerateAlgo(AlgorithmBase):
                 rows.append({"messages": [*conv, {"role": "assistant", "content": reply.text.strip()}]})
         yield {"rows": rows, "truncated": truncated, "samples": len(batch) * cfg.n}
 
-    def submit(self, tc: Any, step: int, part: dict[str, Any], adam: Any, evaluate: bool) -> dict[str, Any]:
+    def submit(self, tc: Any, step: int, part: Json, adam: Any, evaluate: bool) -> Json:
         return part  # nothing to train
 
-    async def finish(self, step: int, parts: list[dict[str, Any]]) -> dict[str, float]:
+    async def finish(self, step: int, parts: list[Json]) -> dict[str, float]:
         (part,) = parts
         assert self.log_dir is not None
         out = Path(self.log_dir) / OUTPUT
@@ -96,10 +96,10 @@ class GenerateAlgo(AlgorithmBase):
                 "truncated_frac": part["truncated"] / part["samples"] if part["samples"] else 0.0,
                 "reply_chars": sum(map(len, replies)) / len(replies) if replies else 0.0}
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> Json:
         return {"generate_prompts": len(self.prompts)}
 
-    def load_state(self, state: dict[str, Any], next_step: int) -> None:
+    def load_state(self, state: Json, next_step: int) -> None:
         check_resume(state, "generate_prompts", len(self.prompts), "the prompts")
         self.next_step = next_step
 
@@ -124,7 +124,7 @@ def build(cfg: Generate, args: BuildArgs) -> Callable[[Any], GenerateAlgo]:
     return lambda tokenizer: GenerateAlgo(cfg, prompts, where, Settings.of(args, tokenizer))
 
 
-def show(cfg: Generate, recipe: Recipe, renderer: Any, n: int) -> Iterator[dict[str, Any]]:
+def show(cfg: Generate, recipe: Recipe, renderer: Any, n: int) -> Iterator[Json]:
     return prompt_rows([cfg.prompts], renderer, n)
 
 

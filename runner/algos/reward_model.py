@@ -27,7 +27,7 @@ import numpy as np
 
 from backends.base import Future, TrainingClient
 from backends.errors import UserError
-from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
+from backends.types import AdamParams, Datum, ForwardBackwardOutput, Json, OptimStepOutput
 from runner.algos.dpo import tie_accuracy
 from runner.algos.reward_model_config import RewardModel
 from runner.algos.sft import PLAN_STEPS
@@ -119,10 +119,10 @@ class RewardModelAlgo(AlgorithmBase):
             self._test = self.judged(self.batches.test)
         return self._test
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> Json:
         return self.batches.state(self.next_step)
 
-    def load_state(self, state: dict[str, Any], next_step: int) -> None:
+    def load_state(self, state: Json, next_step: int) -> None:
         self.batches.check_state(state)
         self.next_step = next_step
 
@@ -202,7 +202,7 @@ def build(cfg: RewardModel, args: BuildArgs) -> Callable[[Any], RewardModelAlgo]
     return lambda tokenizer: RewardModelAlgo(cfg, pairs, Settings.of(args, tokenizer))
 
 
-def show(cfg: RewardModel, recipe: Recipe, renderer: Any, n: int) -> Iterator[dict[str, Any]]:
+def show(cfg: RewardModel, recipe: Recipe, renderer: Any, n: int) -> Iterator[Json]:
     """`runner render`: each order of the judge prompt of the first `n` comparisons; the label is trained."""
     for pair in load_pairs(cfg.data).pairs[:n]:
         for side, judged in zip(("chosen first", "rejected first"), orders(renderer, pair, cfg.max_length),

@@ -48,7 +48,7 @@ import numpy as np
 from backends import losses
 from backends.base import Backend, BackendError, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
-from backends.types import AdamParams, Datum, ForwardBackwardOutput, LossFn, OptimStepOutput, SamplingParams
+from backends.types import AdamParams, Datum, ForwardBackwardOutput, Json, LossFn, OptimStepOutput, SamplingParams
 from runner.algos.rl_config import RL, Async, PythonLoss, ReferenceKL, Stream
 from runner.data.position import check_resume
 from runner.engine.context import AlgorithmBase, Context, FinalContext
@@ -193,10 +193,10 @@ class RLAlgo(AlgorithmBase):
     def builders(self, step: int) -> list[EnvGroupBuilder]:
         return get_batch(self.train, step % len(self.train), "train")  # epochs cycle through the same batches
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> Json:
         return {"rl_train_batches": len(self.train), "sampler_step": self.next_step}
 
-    def load_state(self, state: dict[str, Any], next_step: int) -> None:
+    def load_state(self, state: Json, next_step: int) -> None:
         check_resume(state, "rl_train_batches", len(self.train), "the RL training set", " batches")
         self.next_step = next_step
 
@@ -531,15 +531,15 @@ def env_headline(cfg: RL) -> list[tuple[str, str]]:
     return headline_of(cfg.env)
 
 
-def show(cfg: RL, recipe: Recipe, renderer: Any, n: int) -> list[dict[str, Any]]:
+def show(cfg: RL, recipe: Recipe, renderer: Any, n: int) -> list[Json]:
     """`runner render`: the first prompt of each of the first `n` training groups, built by the env itself (the
     group's first env). The groups are built at the recipe's group sizes: a builder may need them (tictactoe
     self-play makes group_size/2 games, none at a size of 1)."""
     ctx = EnvContext(ChatRenderer(renderer), cfg.group_size, cfg.eval.group_size, cfg.groups_per_batch, recipe.seed)
     train, _ = build_datasets(cfg.env, ctx)
 
-    async def first() -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
+    async def first() -> list[Json]:
+        out: list[Json] = []
         for batch in range(len(train)):
             for group, builder in enumerate(get_batch(train, batch, "train")):
                 if len(out) >= n:

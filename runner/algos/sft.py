@@ -26,7 +26,7 @@ import numpy as np
 
 from backends.base import Future, TrainingClient
 from backends.errors import UserError
-from backends.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
+from backends.types import AdamParams, Datum, ForwardBackwardOutput, Json, OptimStepOutput
 from runner.algos.sft_config import SFT
 from runner.data.conversations import Conversation, load_conversations
 from runner.data.position import check_resume
@@ -122,11 +122,11 @@ class SFTAlgo(AlgorithmBase):
             out.append(datum)
         return out
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> Json:
         epoch, batch = self.position(self.next_step)
         return {"epoch": epoch, "batch": batch, "train_rows": len(self.train_rows)}
 
-    def load_state(self, state: dict[str, Any], next_step: int) -> None:
+    def load_state(self, state: Json, next_step: int) -> None:
         check_resume(state, "train_rows", len(self.train_rows), "the training data", " rows")
         self.next_step = next_step
 
@@ -246,7 +246,7 @@ def build(cfg: SFT, args: BuildArgs) -> Callable[[Any], SFTAlgo]:
     return lambda tokenizer: SFTAlgo(cfg, convs, where, Settings.of(args, tokenizer))
 
 
-def show(cfg: SFT, recipe: Recipe, renderer: Renderer, n: int) -> Iterator[dict[str, Any]]:
+def show(cfg: SFT, recipe: Recipe, renderer: Renderer, n: int) -> Iterator[Json]:
     """`runner render`: the first `n` conversations, tokens and weights as a step trains them."""
     convs, where = load_conversations(cfg.data)
     for conv, w in list(zip(convs, where, strict=True))[:n]:

@@ -203,10 +203,12 @@ class WandbTracker:
         # Another project or entity is another W&B run; the same one continues (a resumed session).
         run_id = stored["id"] if same else secrets.token_hex(4)
         stored_file.write_text(json.dumps({"id": run_id, "project": cfg.project, "entity": cfg.entity}) + "\n")
+        # The dir absolute: W&B's service process is shared by every run in this process and keeps the cwd it
+        # started in (a relative one landed in an earlier run's folder).
         try:
             self.run = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name or default_name(path),
                                   group=cfg.group, tags=list(cfg.tags) or None, config=config, id=run_id,
-                                  resume="allow", dir=str(path))
+                                  resume="allow", dir=str(path.resolve()))
         except Exception as e:  # noqa: BLE001 (no key, no network, a bad entity): one line, before the first step
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"log.wandb: could not start the W&B run: {first}") from None

@@ -26,11 +26,12 @@ from typing import Any, TypeVar
 
 from backends.errors import UserError
 from backends.tokenizer import Tokenizer  # the protocol sits with the loader, so backends/ may name it too
+from backends.types import Json
 
 logger = logging.getLogger(__name__)
 
-Message = dict[str, Any]
-Part = dict[str, Any]
+Message = Json
+Part = Json
 
 
 class TrainOnWhat(StrEnum):
@@ -357,7 +358,7 @@ def content_tokenizer(tokenizer: Tokenizer) -> Any:
     return own
 
 
-def tool_call_payload(call: dict[str, Any]) -> dict[str, Any]:
+def tool_call_payload(call: Json) -> Json:
     fn = call.get("function", call)
     args = fn.get("arguments", {})
     try:
@@ -367,13 +368,13 @@ def tool_call_payload(call: dict[str, Any]) -> dict[str, Any]:
     return {"name": fn["name"], "arguments": parsed}
 
 
-def tool_call_arguments(call: dict[str, Any]) -> str:
+def tool_call_arguments(call: Json) -> str:
     fn = call.get("function", call)
     args = fn.get("arguments", {})
     return args if isinstance(args, str) else json.dumps(args)
 
 
-def make_tool_call(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
+def make_tool_call(name: str, arguments: str, call_id: str | None = None) -> Json:
     return {"type": "function", "id": call_id, "function": {"name": name, "arguments": arguments}}
 
 
@@ -394,13 +395,13 @@ _THINK_OR_TOOL = re.compile(r"<think>(.*?)</think>|<tool_call>(.*?)</tool_call>"
 _THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
 
 
-def parse_content_blocks(content: str) -> tuple[list[Part], list[dict[str, Any]]] | None:
+def parse_content_blocks(content: str) -> tuple[list[Part], list[Json]] | None:
     """<think>...</think> and <tool_call>{json}</tool_call> blocks in order: (parts, tool calls); None when the
     text has neither. A tool call that does not parse is {"raw_text", "error"}."""
     if "<think>" not in content and "<tool_call>" not in content:
         return None
     parts: list[Part] = []
-    calls: list[dict[str, Any]] = []
+    calls: list[Json] = []
     pos = 0
     for m in _THINK_OR_TOOL.finditer(content):
         if content[pos : m.start()]:
@@ -432,7 +433,7 @@ def parse_think_blocks(content: str) -> list[Part] | None:
     return parts
 
 
-def _parse_tool_json(body: str, raw: str) -> dict[str, Any]:
+def _parse_tool_json(body: str, raw: str) -> Json:
     try:
         obj = json.loads(body.strip())
     except json.JSONDecodeError as e:
@@ -447,7 +448,7 @@ def _parse_tool_json(body: str, raw: str) -> dict[str, Any]:
     return make_tool_call(name, json.dumps(args), call_id if isinstance(call_id, str) else None)
 
 
-def unterminated_block(content: str, open_marker: str, close_marker: str) -> dict[str, Any] | None:
+def unterminated_block(content: str, open_marker: str, close_marker: str) -> Json | None:
     """A tool block opened and never closed, as an unparsed tool call."""
     opens = content.count(open_marker)
     if opens == 0 or opens <= content.count(close_marker):
@@ -456,7 +457,7 @@ def unterminated_block(content: str, open_marker: str, close_marker: str) -> dic
             "error": f"unterminated tool block: {open_marker!r} opened without a matching {close_marker!r}"}
 
 
-def split_tool_results(message: Message, results: list[dict[str, Any]]) -> None:
+def split_tool_results(message: Message, results: list[Json]) -> None:
     parsed = [r for r in results if "function" in r]
     unparsed = [r for r in results if "raw_text" in r]
     if parsed:

@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.errors import UserError
+from backends.types import Json
 from runner.models import model_context
 from runner.renderers import Renderer, Termination, get_renderer, text_of
 from runner.renderers.base import Tokenizer
 from runner.renderers.hf import HFTemplateRenderer
 
-Message = dict[str, Any]  # {"role": ..., "content": ...}
+Message = Json  # {"role": ..., "content": ...}
 
 _RENDER_CACHE = 4096  # conversations whose rendering is kept
 

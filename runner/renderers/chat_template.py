@@ -3,11 +3,10 @@ renderer (runner/renderers/hf.py) and the helpers runner/data/comparisons.py sha
 
 from __future__ import annotations
 
-from typing import Any
-
+from backends.types import Json
 from runner.renderers.base import Tokenizer
 
-Conversation = list[dict[str, Any]]
+Conversation = list[Json]
 
 
 def render(tokenizer: Tokenizer, messages: Conversation, train_on_what: str) -> tuple[list[int], list[float]]:

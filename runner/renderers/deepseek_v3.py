@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
 from backends.errors import UserError
+from backends.types import Json
 from runner.renderers.base import (
     Message,
     RenderContext,
@@ -101,8 +101,8 @@ class _DeepSeekV3Base(Renderer):
         if not termination.is_clean:
             return message, termination
         content: str = message["content"]
-        calls: list[dict[str, Any]] = []
-        unparsed: list[dict[str, Any]] = []
+        calls: list[Json] = []
+        unparsed: list[Json] = []
         block = _CALLS.search(content)
         if block:
             for m in _CALL.finditer(block.group(1)):

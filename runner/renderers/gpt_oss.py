@@ -8,9 +8,9 @@ import functools
 import json
 import re
 from datetime import datetime
-from typing import Any
 
 from backends.errors import UserError
+from backends.types import Json
 from runner.renderers.base import (
     Message,
     Part,
@@ -57,7 +57,7 @@ class GptOssRenderer(Renderer):
                                                 f"{ensure_text(message['content'])}<|end|>")])
         wire_role = "system" if role == _INTERNAL_SYSTEM else "developer" if role == "system" else role
         out = ""
-        calls: list[dict[str, Any]] = []
+        calls: list[Json] = []
         if role == "assistant":
             content = message["content"]
             parts: list[Part] = [{"type": "text", "text": content}] if isinstance(content, str) else content
@@ -119,10 +119,10 @@ class GptOssRenderer(Renderer):
         return message, Termination.STOP_SEQUENCE
 
 
-def _parse_harmony(content: str) -> tuple[list[Part], list[dict[str, Any]], list[dict[str, Any]]]:
+def _parse_harmony(content: str) -> tuple[list[Part], list[Json], list[Json]]:
     parts: list[Part] = []
-    calls: list[dict[str, Any]] = []
-    unparsed: list[dict[str, Any]] = []
+    calls: list[Json] = []
+    unparsed: list[Json] = []
     for msg in _harmony_messages(content):
         body = msg["content"] or ""
         if not body.strip():

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
+from backends.types import Json
 from runner.renderers.base import (
     Message,
     Part,
@@ -96,8 +96,8 @@ class KimiK2Renderer(Renderer):
         section = _SECTION.search(content)
         if section:
             text = content[: section.start()]
-            calls: list[dict[str, Any]] = []
-            unparsed: list[dict[str, Any]] = []
+            calls: list[Json] = []
+            unparsed: list[Json] = []
             for m in _CALL.finditer(section.group(1) if section.group(1) is not None else section.group(2)):
                 call_id, args = m.group(1).strip(), m.group(2).strip()
                 name = call_id.split(":", 1)[0]

@@ -18,6 +18,7 @@ from typing import Any
 
 from backends.configs import config_modules
 from backends.errors import UserError, one_line
+from backends.types import Json
 from runner.renderers.auto import pick_renderer
 from runner.renderers.base import AUTO, REGISTRY, Renderer, Tokenizer
 from runner.user_code import import_user_module
@@ -34,7 +35,7 @@ def builtin_modules() -> tuple[str, ...]:
     return tuple(m.__name__.rpartition(".")[2] for m in config_modules(__package__ or "runner.renderers", suffix=""))
 
 
-def registered() -> dict[str, Any]:
+def registered() -> Json:
     """The table of renderers by name (runner/renderers/base.py REGISTRY), every built-in one in it."""
     builtin_modules()
     return REGISTRY

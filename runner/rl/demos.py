@@ -20,9 +20,9 @@ import asyncio
 import random
 import re
 from collections.abc import Callable
-from typing import Any
 
 from backends.errors import UserError
+from backends.types import Json
 from runner.recipe.envs import Env
 from runner.renderers.chat import ChatRenderer
 from runner.rl.envs import build_datasets, get_batch
@@ -47,7 +47,7 @@ ANSWERS: dict[str, list[str]] = {
 GENERIC = ["Yes.", "I can help.", "I am happy to help you with that today."]
 
 
-def demonstrations(env: dict[str, Any], n: int = 256, seed: int = 0, epsilon: float = 0.0) -> list[dict[str, Any]]:
+def demonstrations(env: Json, n: int = 256, seed: int = 0, epsilon: float = 0.0) -> list[Json]:
     """`n` SFT rows {"messages": [...]}: the expert's episodes on the env's training problems (from the start of
     its training split, cycling). `env` is the RL recipe's env table."""
     from runner.recipe.explain import convert
@@ -64,7 +64,7 @@ def demonstrations(env: dict[str, Any], n: int = 256, seed: int = 0, epsilon: fl
     group = 2 if isinstance(cfg, TicTacToe) and cfg.opponent == "self" else 1
     train, _ = build_datasets(cfg, EnvContext(renderer, group, 1, 1, seed))
     rng = random.Random(seed)
-    rows: list[dict[str, Any]] = []
+    rows: list[Json] = []
     i = 0
     while len(rows) < n:
         builders = get_batch(train, i % len(train), "train")

@@ -1,4 +1,4 @@
-"""OpenAI chat messages over runner's renderers: the `ChatFormat` that backends/serve/openai_api.py renders chat
+"""OpenAI chat messages over runner's renderers: the `ChatFormat` that backends/serve/chat_api.py renders chat
 completions with (`runner serve`'s /v1/chat/completions, and the verifiers env's in-process client). `runner serve`'s
 hooks are runner/tools/openai_serve.py.
 
@@ -11,9 +11,9 @@ messages.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from backends.tokenizer import Tokenizer
+from backends.types import Json
 from runner.renderers import get_renderer
 from runner.renderers.base import make_tool_call
 from runner.renderers.chat import ChatRenderer
@@ -21,7 +21,7 @@ from runner.rl.envs.tool_use import TOOL_FORMATS, parse_plain_calls, plain_text_
 
 
 class RendererChat:
-    """backends.serve.openai_api.ChatFormat over a ChatRenderer."""
+    """backends.serve.chat_api.ChatFormat over a ChatRenderer."""
 
     def __init__(self, chat: ChatRenderer):
         self.chat = chat
@@ -35,7 +35,7 @@ class RendererChat:
     def stop(self) -> list[str] | list[int]:
         return self.chat.stop
 
-    def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    def prompt(self, messages: list[Json], tools: list[Json] | None) -> list[int]:
         names = {c.get("id"): c.get("function", {}).get("name") for m in messages for c in m.get("tool_calls") or []}
         msgs = [self._message({**m, "name": m.get("name") or names.get(m.get("tool_call_id"))}
                               if m["role"] == "tool" else m) for m in messages]
@@ -47,7 +47,7 @@ class RendererChat:
             msgs = [*declare(tools, system), *msgs]
         return self.chat.build_prompt(msgs)
 
-    def _message(self, m: dict[str, Any]) -> dict[str, Any]:
+    def _message(self, m: Json) -> Json:
         if self.native:
             return m
         if m["role"] == "tool":
@@ -57,9 +57,9 @@ class RendererChat:
             return {"role": m["role"], "content": "\n".join([m["content"], *lines]).strip()}
         return {k: v for k, v in m.items() if k in ("role", "content")}
 
-    def reply(self, tokens: list[int]) -> tuple[dict[str, Any], bool]:
+    def reply(self, tokens: list[int]) -> tuple[Json, bool]:
         r = self.chat.parse(tokens)
-        msg: dict[str, Any] = {"content": r.text}
+        msg: Json = {"content": r.text}
         content = r.message.get("content")
         if isinstance(content, list):
             thinking = "".join(p.get("thinking", "") for p in content if p.get("type") == "thinking")

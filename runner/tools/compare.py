@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.errors import UserError
+from backends.types import Json
 from runner.engine.rundir import CONFIG, METRICS, flatten
 from runner.engine.spec import spec_of_kind
 from runner.recipe.load import show_value
@@ -41,9 +42,9 @@ FORMATS = ("table", "csv", "markdown", "json", "html")
 @dataclass
 class Run:
     path: Path
-    config: dict[str, Any]  # the recipe, flattened: {"lr": 0.001, "lora.rank": 8, "algo.kind": "sft", ...}
+    config: Json  # the recipe, flattened: {"lr": 0.001, "lora.rank": 8, "algo.kind": "sft", ...}
     kind: str  # algo kind
-    rows: list[dict[str, Any]]
+    rows: list[Json]
 
     @property
     def label(self) -> str:
@@ -75,7 +76,7 @@ class Summary:
 
 # ---------------------------------------------------------------- reading
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
+def read_rows(path: Path) -> list[Json]:
     """A JSONL file's rows, read only: a line that does not parse (the torn last line of a running or killed
     run) is skipped, never cut off (runner.engine.log.read_jsonl cuts it; that is the writer's job)."""
     try:
@@ -296,7 +297,7 @@ def render(runs: Sequence[Run], metrics: Sequence[Metric], fmt: str) -> str:
     return "\n".join([fmt_row(header), *map(fmt_row, shown)]) + "\n"
 
 
-def as_json(runs: Sequence[Run], metrics: Sequence[Metric]) -> list[dict[str, Any]]:
+def as_json(runs: Sequence[Run], metrics: Sequence[Metric]) -> list[Json]:
     keys = differing_keys(runs)
     out = []
     for r in sort_runs(runs, metrics):

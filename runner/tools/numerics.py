@@ -21,7 +21,7 @@ import numpy as np
 
 from backends.errors import UserError
 from backends.tokenizer import Tokenizer
-from backends.types import Datum, SamplingParams
+from backends.types import Datum, Json, SamplingParams
 from runner.recipe.numerics_table import Numerics
 from runner.rl.gate import BIG_DLOGPROB, diff_stats, failures
 
@@ -63,10 +63,10 @@ class Report:
     pairs: dict[str, dict[str, float]]
     depth: list[dict[str, float]]
     worst: list[TokenRow]
-    limits: dict[str, Any]
+    limits: Json
     failed: list[str]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> Json:
         out = asdict(self)
         out["worst"] = [asdict(r) for r in self.worst]
         return out

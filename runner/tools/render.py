@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any, TextIO
+from typing import TextIO
 
 from backends.errors import UserError
+from backends.types import Json
 from runner.engine.chain import check_all
 from runner.engine.pipeline import naming
 from runner.engine.spec import spec_of
@@ -19,7 +20,7 @@ from runner.renderers.display import colorize
 from runner.renderers.registry import get_renderer
 
 
-def rendered_rows(ref: str, overrides: list[str], n: int) -> Iterator[dict[str, Any]]:
+def rendered_rows(ref: str, overrides: list[str], n: int) -> Iterator[Json]:
     """{"where", "tokens", "weights"} (+ "side" for comparisons) for the first `n` rows of the recipe's data: what
     its algorithm's spec shows (`AlgoSpec.show`, runner/engine/spec.py)."""
     from backends.tokenizer import load_tokenizer

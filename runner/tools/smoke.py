@@ -35,6 +35,7 @@ import msgspec
 import tomli_w
 
 from backends.errors import UserError
+from backends.types import Json
 from runner.algos.distill_config import Teacher
 from runner.recipe.explain import dotted, info, is_ref
 from runner.recipe.load import (
@@ -119,11 +120,11 @@ def smoke_dir(recipe: Recipe, name: str) -> Path:
     return parent / f"{name}-smoke"
 
 
-def _local_backend(raw: dict[str, Any]) -> dict[str, Any]:
+def _local_backend(raw: Json) -> Json:
     return raw if raw.get("kind") == "local" else {"kind": "local"}
 
 
-def _replace_data(recipe: Recipe, raw: dict[str, Any], table: Smoke, where: str, name: str) -> None:
+def _replace_data(recipe: Recipe, raw: Json, table: Smoke, where: str, name: str) -> None:
     sources = {dotted(keys): keys for keys, node in [*structs(recipe.algo, ("algo",)), *structs(recipe.evals, ("evals",))]
                if isinstance(node, DataBase)}
     for key, source in table.data.items():
@@ -146,7 +147,7 @@ def _replace_data(recipe: Recipe, raw: dict[str, Any], table: Smoke, where: str,
         raw["algo"]["env"] = msgspec.to_builtins(table.env)
 
 
-def _shrink(algo: dict[str, Any]) -> None:
+def _shrink(algo: Json) -> None:
     """Small sizes, in place, through the algorithm's tables (env, eval, datasets, mode)."""
     for key, value in list(algo.items()):
         if key in OPAQUE:
@@ -179,14 +180,14 @@ def _node(recipe: Recipe, keys: Sequence[str | int]) -> Any:
     return node
 
 
-def _at(raw: dict[str, Any], keys: Sequence[str | int]) -> Any:
+def _at(raw: Json, keys: Sequence[str | int]) -> Any:
     node: Any = raw
     for k in keys:
         node = node[k]
     return node
 
 
-def _set(raw: dict[str, Any], keys: Sequence[str | int], value: Any) -> None:
+def _set(raw: Json, keys: Sequence[str | int], value: Any) -> None:
     _at(raw, keys[:-1])[keys[-1]] = value
 
 

@@ -51,6 +51,7 @@ import msgspec.inspect as mi
 import tomli_w
 
 from backends.errors import UserError
+from backends.types import Json
 from runner.engine.chain import check_all, check_session
 from runner.engine.rundir import CHECKPOINTS, CONFIG, METRICS, claim, dump_config, open_run_dir
 from runner.engine.track import sweep_log
@@ -69,7 +70,7 @@ _ARRAY_TYPES = (mi.ListType, mi.TupleType, mi.VarTupleType, mi.SetType, mi.Froze
 
 @dataclass
 class Point:
-    values: dict[str, Any]  # dotted key -> value, in axis order
+    values: Json  # dotted key -> value, in axis order
     name: str  # its dir name under the sweep dir
     recipe: Recipe  # log_dir = its run dir
     status: str = "new"
@@ -90,7 +91,7 @@ class Sweep:
 
 # ---------------------------------------------------------------- the grid
 
-def sweep_table(raw: dict[str, Any], where: str) -> dict[str, list[Any]]:
+def sweep_table(raw: Json, where: str) -> dict[str, list[Any]]:
     """The recipe's `sweep` table as {dotted key: values}; nested tables are dotted keys (`lora.rank`)."""
     table = raw.get(SWEEP_KEY)
     if table is None:
@@ -99,7 +100,7 @@ def sweep_table(raw: dict[str, Any], where: str) -> dict[str, list[Any]]:
         raise UserError(f"{where}: {SWEEP_KEY}: expected a table of KEY = [values], got {got(table)}")
     out: dict[str, list[Any]] = {}
 
-    def walk(node: dict[str, Any], prefix: str) -> None:
+    def walk(node: Json, prefix: str) -> None:
         for key, value in node.items():
             dotted = f"{prefix}{key}"
             if not NAME.match(key):
@@ -115,7 +116,7 @@ def sweep_table(raw: dict[str, Any], where: str) -> dict[str, list[Any]]:
     return out
 
 
-def takes_array(raw: dict[str, Any], keys: list[str]) -> bool:
+def takes_array(raw: Json, keys: list[str]) -> bool:
     """Whether the schema says the field at `keys` holds an array (walking tagged unions by the raw tags, and
     tables the raw recipe leaves to their defaults by those defaults). Unknown keys: False."""
     node: Any = raw
@@ -199,11 +200,11 @@ def plan(ref: str, overrides: Sequence[str] = (), zip_: bool = False, *, need_ax
     return sweep
 
 
-def _points(path: str, name: str, raw: dict[str, Any], where: str, axes: dict[str, list[Any]], plain: list[str],
-            zip_: bool, grid: list[dict[str, Any]]) -> Sweep:
+def _points(path: str, name: str, raw: Json, where: str, axes: dict[str, list[Any]], plain: list[str],
+            zip_: bool, grid: list[Json]) -> Sweep:
     """The sweep with every point of `grid` decoded and checked (its run dir not looked at yet)."""
     sweep = Sweep(ref=f"{path}#{name}", name=name, path=path, axes=axes, plain=plain, zip=zip_, dir=Path())
-    seen: dict[str, dict[str, Any]] = {}
+    seen: dict[str, Json] = {}
     for values in grid:
         pname = point_name(values)
         if pname in seen:
@@ -222,7 +223,7 @@ def _points(path: str, name: str, raw: dict[str, Any], where: str, axes: dict[st
     return sweep
 
 
-def _grid(axes: dict[str, list[Any]], zip_: bool, where: str) -> list[dict[str, Any]]:
+def _grid(axes: dict[str, list[Any]], zip_: bool, where: str) -> list[Json]:
     """The points' values; a grid of more than MAX_POINTS points is refused before any is built."""
     keys = list(axes)
     sizes = " x ".join(f"{len(v):,} {k}" for k, v in axes.items())
@@ -250,7 +251,7 @@ def _point_recipe(recipe: Recipe, run_dir: Path, sweep_name: str) -> Recipe:
 
 # ---------------------------------------------------------------- names and values
 
-def point_name(values: dict[str, Any]) -> str:
+def point_name(values: Json) -> str:
     """'lora.rank=8,lr=0.001': stable (the same values give the same name whatever else the grid holds and however
     the axes are ordered) and safe as a file name. A table value shows its keys (backend.kind=tinker), an array
     its items joined by '+'; other characters than letters, digits and ._+-@=, become '_', and then a hash of
@@ -527,7 +528,7 @@ def print_dry_run(sweep: Sweep, parallel: int | None, out: Any = None) -> None:
 
 # ---------------------------------------------------------------- check and show
 
-def has_sweep(raw: dict[str, Any]) -> bool:
+def has_sweep(raw: Json) -> bool:
     return SWEEP_KEY in raw
 
 
@@ -563,7 +564,7 @@ def show_sweep(ref: str, overrides: Sequence[str]) -> str | None:
     if not sweep.axes:
         return None
     base = resolve(path, name, raw, [f"{k}={toml_value(v[0])}" for k, v in sweep.axes.items()] + sweep.plain)
-    table: dict[str, Any] = {}
+    table: Json = {}
     for key, values in sweep.axes.items():
         node = table
         *parents, last = key.split(".")

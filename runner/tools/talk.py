@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from backends.errors import UserError
+from backends.types import Json
 from runner.recipe.schema import Recipe
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ class Target:
     run_dir: Path
     where: str
     # The checkpoint row (None: the base model).
-    checkpoint: dict[str, Any] | None
+    checkpoint: Json | None
 
 
 def open_target(target: str, checkpoint: str | None, base_ok: bool = True) -> Target:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.errors import UserError
+from backends.types import Json
 from runner.data.conversations import load_rows
 from runner.recipe.common import DataSource
 from runner.renderers.chat import ChatRenderer
@@ -74,7 +75,7 @@ def same_output(got: str, expected: str) -> bool:
     return lines(got) == lines(expected)
 
 
-def _tests_of(row: dict[str, Any], where: str) -> tuple[CodeTest, ...]:
+def _tests_of(row: Json, where: str) -> tuple[CodeTest, ...]:
     tests: list[CodeTest] = []
     io = row.get("tests", [])
     asserts = row.get("asserts", [])
@@ -98,7 +99,7 @@ def _tests_of(row: dict[str, Any], where: str) -> tuple[CodeTest, ...]:
     return tuple(tests)
 
 
-def _io_test(t: Any, row: dict[str, Any], where: str) -> CodeTest:
+def _io_test(t: Any, row: Json, where: str) -> CodeTest:
     """{"input", "output"} (stdin/stdout), or a LiveCodeBench functional test: "testtype": "functional" with the
     function's name in its metadata / the row's metadata / fn_name, arguments as JSON lines, output as JSON."""
     if not isinstance(t, dict):
@@ -122,7 +123,7 @@ def _io_test(t: Any, row: dict[str, Any], where: str) -> CodeTest:
     return CodeTest(check=check)
 
 
-def _meta(d: dict[str, Any]) -> dict[str, Any]:
+def _meta(d: Json) -> Json:
     m = d.get("metadata")
     if isinstance(m, str):
         try:

@@ -11,9 +11,10 @@ import asyncio
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from backends.errors import UserError
+from backends.types import Json
 from runner.data.conversations import load_rows
 from runner.recipe.common import DataSource
 from runner.renderers.chat import ChatRenderer, Message
@@ -52,7 +53,7 @@ class Problem:
     where: str
 
 
-def _field(row: dict[str, Any], names: Sequence[str], where: str, what: str) -> str:
+def _field(row: Json, names: Sequence[str], where: str, what: str) -> str:
     for name in names:
         value = row.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool):

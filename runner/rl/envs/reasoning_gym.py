@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.errors import UserError
+from backends.types import Json
 from runner.renderers.chat import ChatRenderer, Message
 from runner.rl.envs.common import ChatEnv, EnvContext, EnvKind, RepeatGroupBuilder, check_train_size, group_datasets
 from runner.rl.envs.reasoning_gym_config import ReasoningGym
@@ -51,7 +52,7 @@ class Task:
 
 
 class ReasoningGymEnv(ChatEnv):
-    def __init__(self, renderer: ChatRenderer, messages: list[Message], task: Task, item: dict[str, Any],
+    def __init__(self, renderer: ChatRenderer, messages: list[Message], task: Task, item: Json,
                  cfg: ReasoningGym):
         super().__init__(renderer, messages)
         self.task, self.item, self.cfg = task, item, cfg
@@ -83,12 +84,12 @@ class ReasoningGymEnv(ChatEnv):
         )
 
 
-def user_text(prompt: str, item: dict[str, Any]) -> str:
+def user_text(prompt: str, item: Json) -> str:
     fields = {**(item.get("metadata") or {}), "question": item["question"], "answer": item.get("answer")}
     return prompt.format_map(fields)
 
 
-def check_prompt(prompt: str, item: dict[str, Any], task: str) -> None:
+def check_prompt(prompt: str, item: Json, task: str) -> None:
     names = [f for _, f, _, _ in string.Formatter().parse(prompt) if f]
     try:
         user_text(prompt, item)
@@ -98,7 +99,7 @@ def check_prompt(prompt: str, item: dict[str, Any], task: str) -> None:
                         f"{keys} ({type(e).__name__}: {e})") from None
 
 
-def task_configs(cfg: ReasoningGym) -> dict[str, dict[str, Any]]:
+def task_configs(cfg: ReasoningGym) -> dict[str, Json]:
     """Each task's config: `config` itself for a single task; keyed by task name for several."""
     if len(cfg.tasks) == 1:
         only = cfg.config.get(cfg.tasks[0]) if set(cfg.config) == {cfg.tasks[0]} else cfg.config

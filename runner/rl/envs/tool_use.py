@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.errors import UserError
+from backends.types import Json
 from runner.data.conversations import load_rows
 from runner.recipe.targets import import_target
 from runner.renderers.chat import ChatRenderer, Message, ParsedReply
@@ -45,7 +46,7 @@ DEFAULT_SYSTEM_PROMPT = ("Solve the problem. You may call the tools below, one o
 # ---------------------------------------------------------------- tool formats, by renderer name
 
 
-def _qwen3(specs: list[dict[str, Any]], system: str) -> list[Message]:
+def _qwen3(specs: list[Json], system: str) -> list[Message]:
     # The cookbook's Qwen3Renderer.create_conversation_prefix_with_tools (HF's template text).
     lines = "\n".join(json.dumps({"type": "function", "function": s}, separators=(", ", ": ")) for s in specs)
     tools = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -57,7 +58,7 @@ def _qwen3(specs: list[dict[str, Any]], system: str) -> list[Message]:
     return [{"role": "system", "content": f"{system}\n\n{tools}" if system else tools}]
 
 
-def _deepseek(specs: list[dict[str, Any]], system: str) -> list[Message]:
+def _deepseek(specs: list[Json], system: str) -> list[Message]:
     # The cookbook's DeepSeekV3 create_conversation_prefix_with_tools.
     blocks = "\n".join(f"### {s['name']}\nDescription: {s['description']}\n\nParameters: {json.dumps(s['parameters'])}"
                        for s in specs)
@@ -71,13 +72,13 @@ def _deepseek(specs: list[dict[str, Any]], system: str) -> list[Message]:
     return [{"role": "system", "content": system + tools}]
 
 
-def _kimi(specs: list[dict[str, Any]], system: str) -> list[Message]:
+def _kimi(specs: list[Json], system: str) -> list[Message]:
     payload = json.dumps([{"type": "function", "function": s} for s in specs], separators=(",", ":"), sort_keys=True)
     out: list[Message] = [{"role": "tool_declare", "content": payload}]
     return [*out, {"role": "system", "content": system}] if system else out
 
 
-def plain_text_prefix(specs: list[dict[str, Any]], system: str) -> list[Message]:
+def plain_text_prefix(specs: list[Json], system: str) -> list[Message]:
     lines = "\n".join(json.dumps(s) for s in specs)
     tools = ("Tools (JSON schemas):\n" + lines + "\n\nTo call a tool, write a line\nCALL <tool name> <arguments as a "
              'JSON object>\nfor example: CALL calculator {"expression": "2 + 3"}\nEach result comes back as '
@@ -87,7 +88,7 @@ def plain_text_prefix(specs: list[dict[str, Any]], system: str) -> list[Message]
 
 # Renderer name -> its tool declaration (system messages). Calls are parsed by the renderer's parse_response into
 # `tool_calls` / `unparsed_tool_calls`. A renderer not listed here gets plain_text_prefix and `CALL` lines.
-TOOL_FORMATS: dict[str, Callable[[list[dict[str, Any]], str], list[Message]]] = {
+TOOL_FORMATS: dict[str, Callable[[list[Json], str], list[Message]]] = {
     "qwen3": _qwen3, "qwen3_disable_thinking": _qwen3, "qwen3_instruct": _qwen3,
     "deepseekv3": _deepseek, "deepseekv3_thinking": _deepseek,
     "kimi_k2": _kimi,
@@ -99,7 +100,7 @@ _CALL_LINE = re.compile(r"^[ \t]*CALL[ \t]+(\S+)[ \t]*(.*?)[ \t]*$", re.MULTILIN
 @dataclass(frozen=True)
 class Call:
     name: str
-    arguments: dict[str, Any]
+    arguments: Json
     call_id: str
 
 

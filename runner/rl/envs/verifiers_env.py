@@ -4,7 +4,7 @@ cookbook's verifiers_rl recipe), rolled out through runner's own sampler, scored
 
 A verifiers environment runs its own rollout loop and talks to the model through an `openai.AsyncOpenAI` client.
 Here that client is in process (no socket): an httpx transport hands each chat request to the episode's `Env`,
-which renders it with the recipe's renderer (backends/serve/openai_api.py `chat_plan`, as `runner serve` does),
+which renders it with the recipe's renderer (backends/serve/chat_api.py `chat_plan`, as `runner serve` does),
 passes the prompt tokens to runner's rollout loop as the next observation, and answers the request with the
 sampled tokens (`chat_response`: text, tool calls, finish reason). So every sample goes through the RL loop's
 sampler with its params (temperature, max_tokens, seeds), multi-turn episodes (tool calls, env replies) become
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from backends.errors import UserError
-from backends.serve.openai_api import ApiError, chat_plan, chat_response, error_body
-from backends.types import SampledSequence, SampleOutput
+from backends.serve.chat_api import ApiError, chat_plan, chat_response, error_body
+from backends.types import Json, SampledSequence, SampleOutput
 from runner.rl.envs.common import EnvContext, EnvKind, check_train_size, group_datasets
 from runner.rl.envs.verifiers_env_config import Verifiers
 from runner.rl.types import Env, EnvGroupBuilder, Metrics, Observation, RLDataset, StepResult, StopCondition, Trajectory
@@ -89,7 +89,7 @@ class _Ended:
 class VerifiersEnv(Env):
     """One rollout of the verifiers environment, driven turn by turn by runner's rollout loop."""
 
-    def __init__(self, vf_env: Any, row: dict[str, Any], fmt: RendererChat, model: str):
+    def __init__(self, vf_env: Any, row: Json, fmt: RendererChat, model: str):
         self.vf_env, self.row, self.fmt, self.model = vf_env, row, fmt, model
         self.state: Any = None
         self.error: BaseException | None = None
@@ -139,7 +139,7 @@ class VerifiersEnv(Env):
             with contextlib.suppress(Exception):
                 await client.close()
 
-    async def answer(self, path: str, body: Any) -> tuple[int, dict[str, Any]]:
+    async def answer(self, path: str, body: Any) -> tuple[int, Json]:
         """One request of the environment's client: rendered, sampled by the rollout loop, answered."""
         if not path.endswith("/chat/completions"):
             return 404, error_body(404, f"the in-process client answers chat completions, not {path}")
@@ -175,7 +175,7 @@ def _transport(env: VerifiersEnv) -> Any:
 
 
 class VerifiersGroupBuilder(EnvGroupBuilder):
-    def __init__(self, vf_env: Any, row: dict[str, Any], fmt: RendererChat, model: str, group_size: int, tag: str):
+    def __init__(self, vf_env: Any, row: Json, fmt: RendererChat, model: str, group_size: int, tag: str):
         self.vf_env, self.row, self.fmt, self.model = vf_env, row, fmt, model
         self.group_size, self.tag = group_size, tag
 
@@ -205,7 +205,7 @@ class VerifiersGroupBuilder(EnvGroupBuilder):
         return [self.tag]
 
 
-def _rows(ds: Any) -> list[dict[str, Any]]:
+def _rows(ds: Any) -> list[Json]:
     cols = set(ds.column_names)
     keys = [k for k in ("prompt", "example_id", "task", "answer", "info") if k in cols]
     return [{k: ds[i][k] for k in keys} for i in range(len(ds))]
@@ -229,7 +229,7 @@ def build(cfg: Verifiers, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]
     check_train_size(cfg.train_size, ctx.groups_per_batch, "verifiers env")
     if not rows:
         raise UserError(f"verifiers env {cfg.module!r}: its dataset has no rows to train on")
-    train: list[dict[str, Any]] = []
+    train: list[Json] = []
     while len(train) < cfg.train_size:  # repeat the rows, reshuffled, up to train_size
         train += rows[: cfg.train_size - len(train)]
         rng.shuffle(rows)

@@ -4,12 +4,12 @@ REST routes the SDK's RestClient exposes for listing, inspecting and deleting th
 from __future__ import annotations
 
 import secrets
-from typing import Any
 
+from backends.types import Json
 from runner.tools.conformance.core import Ctx, Fail, Skip, check, logprobs_of
 
 
-def _saved(ctx: Ctx) -> dict[str, Any]:
+def _saved(ctx: Ctx) -> Json:
     """One training client that took a step, then save_state (with a TTL), save_state, save_weights_for_sampler."""
     with ctx.lock:
         if "ckpt" not in ctx.cache:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from backends.tokenizer import Tokenizer
+from backends.types import Json
 
 # Checks known to fail on a server, by the server's name (--server-name, else get_server_capabilities'
 # `server_name` when it sends one): check -> why. A key "CHECK@sdk<X.Y.Z" applies only to SDKs older than X.Y.Z.
@@ -101,11 +102,11 @@ class Ctx:
         self.rtol, self.atol = rtol, atol
         self.op_timeout = 45.0  # one SDK future; a check's own timeout bounds the whole check
         self._lock = self.lock = threading.RLock()
-        self.cache: dict[str, Any] = {}  # what several checks of a group share (a sampler, greedy tokens)
+        self.cache: Json = {}  # what several checks of a group share (a sampler, greedy tokens)
         self._service: Any = None
         self._rest: Any = None
         self._model: str | None = None
-        self._clients: dict[str, Any] = {}
+        self._clients: Json = {}
         self._tokenizer: Any = None
         self._tokenizer_error: str | None = None
 
@@ -206,7 +207,7 @@ class Ctx:
         """A next-token datum over ids (input ids[:-1], target ids[1:]); inputs are float32 arrays by key."""
         import numpy as np
 
-        loss_inputs: dict[str, Any] = {"target_tokens": np.asarray(ids[1:], dtype=np.int64)}
+        loss_inputs: Json = {"target_tokens": np.asarray(ids[1:], dtype=np.int64)}
         for k, v in inputs.items():
             loss_inputs[k] = np.asarray(v, dtype=np.float32)
         return self.types.Datum(model_input=self.types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs=loss_inputs)
