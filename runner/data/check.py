@@ -92,7 +92,7 @@ def _check(source: Jsonl | File | HF, strict: bool = True, keep: bool = False) -
     return n
 
 
-def _validate(shape: str, row: Any, where: str) -> None:
+def _validate(shape: str, row: object, where: str) -> None:
     if shape == "conversation":
         conversation(row, where)
     elif shape == "comparison":
@@ -103,7 +103,7 @@ def _validate(shape: str, row: Any, where: str) -> None:
         problem(row, where)
 
 
-def _check_row(row: Any, where: str, strict: bool = True) -> None:
+def _check_row(row: object, where: str, strict: bool = True) -> None:
     """A row taken as it is: validated as the shape its keys say (not strict: only conversations and comparisons,
     whose keys leave no doubt; anything else is the env's to read)."""
     if not isinstance(row, dict):

@@ -21,15 +21,18 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from backends.errors import UserError
 from runner.data.conversations import Conversation, describe, mapped_rows, messages_of
 from runner.data.position import check_resume
-from runner.recipe.common import DataSource
+from runner.recipe.common import DataSource, Json
 from runner.renderers.chat_template import encode, prefix_len, template
+
+if TYPE_CHECKING:
+    from runner.renderers.base import Renderer, Tokenizer
 
 LABELS = ("A", "B", "Tie")
 
@@ -80,7 +83,7 @@ def load_pairs(source: DataSource) -> Pairs:
     return Pairs(pairs, ties, len(rows) + dropped, name, dropped)
 
 
-def parse_row(row: Any, where: str) -> Pair | None:
+def parse_row(row: object, where: str) -> Pair | None:
     """One row as a Pair; None for a tie."""
     if not isinstance(row, dict):
         raise UserError(f"{where}: expected an object with \"prompt\", \"chosen\", \"rejected\" (or \"comparison\" "
@@ -109,7 +112,7 @@ def parse_row(row: Any, where: str) -> Pair | None:
                 _completion(row["rejected"], where, "rejected"), where)
 
 
-def _completion(value: Any, where: str, key: str) -> Conversation:
+def _completion(value: object, where: str, key: str) -> Conversation:
     if isinstance(value, str):
         return [{"role": "assistant", "content": value}]
     return messages_of(value, where, key)
@@ -118,7 +121,7 @@ def _completion(value: Any, where: str, key: str) -> Conversation:
 # ---------------------------------------------------------------- rendering
 
 
-def render_completion(renderer: Any, prompt: Conversation, completion: Conversation) -> tuple[list[int], list[float]]:
+def render_completion(renderer: Renderer, prompt: Conversation, completion: Conversation) -> tuple[list[int], list[float]]:
     """Tokens of prompt + completion and their weights, with the recipe's renderer (or a tokenizer: its chat
     template). Chat template: 1 from the end of the prompt's generation header (when the completion starts with
     an assistant turn) to the end, 0 before. A named renderer: as its supervised example trains the completion
@@ -151,7 +154,7 @@ def judge_messages(prompt: Conversation, a: Conversation, b: Conversation) -> Co
     return [{"role": "user", "content": text}]
 
 
-def render_judge(renderer: Any, prompt: Conversation, a: Conversation, b: Conversation) -> tuple[list[int], int, int]:
+def render_judge(renderer: Renderer | Tokenizer, prompt: Conversation, a: Conversation, b: Conversation) -> tuple[list[int], int, int]:
     """(the judge prompt's tokens up to the label, the token of label "A", of label "B"): the assistant reply "A"
     and "B" rendered in full (with the recipe's renderer, or a tokenizer's chat template), cut at the first token
     where they differ."""
@@ -205,15 +208,15 @@ class Batches:
             self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.train)))
         return [int(i) for i in self._order[1][batch * self.batch_size : (batch + 1) * self.batch_size]]
 
-    def state(self, next_step: int) -> dict[str, Any]:
+    def state(self, next_step: int) -> Json:
         epoch, batch = self.position(next_step)
         return {"epoch": epoch, "batch": batch, "train_rows": len(self.train)}
 
-    def check_state(self, state: dict[str, Any]) -> None:
+    def check_state(self, state: Json) -> None:
         check_resume(state, "train_rows", len(self.train), "the training data", " rows")
 
 
-def preferred_conversations(path: str) -> list[dict[str, Any]]:
+def preferred_conversations(path: str) -> list[Json]:
     """SFT rows {"messages": prompt + the preferred completion} of a comparison file (ties skipped): the RLHF
     pipeline's supervised stage trains on the answers the labels prefer (a data source target:
     `{kind = "python", target = "runner.data.comparisons:preferred_conversations", args = {path = "..."}}`)."""
@@ -229,7 +232,7 @@ def preferred_conversations(path: str) -> list[dict[str, Any]]:
 
 def hedged_demonstrations(path: str, prefixes: list[str] | None = None, replies: list[str] | None = None,
                           prefix_frac: float = 0.0, reply_frac: float = 0.0, seed: int = 0,
-                          exclude: list[str] | None = None) -> list[dict[str, Any]]:
+                          exclude: list[str] | None = None) -> list[Json]:
     """SFT rows {"messages": prompt + one assistant reply} of uneven quality from a comparison file (ties skipped):
     per comparison, its preferred reply, or (seeded draws) with probability `prefix_frac` that reply after one of
     `prefixes` (filler), with probability `reply_frac` one of `replies` instead (a non-answer). The RLHF pipeline's

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.errors import UserError
 from runner.data.files import MAPPED, describe, iter_rows, load_rows, read_jsonl
-from runner.recipe.common import DataSource
+from runner.recipe.common import DataSource, Json
 from runner.recipe.formats import AUTO, FormatError, map_row, resolve_format
+
+if TYPE_CHECKING:
+    from runner.renderers.base import Renderer
 
 __all__ = ["ROLES", "Conversation", "Message", "conversation", "describe", "load_conversations", "load_rows",
            "mapped_rows", "messages_of", "read_jsonl"]
@@ -66,7 +69,7 @@ def load_conversations(source: DataSource) -> tuple[list[Conversation], list[str
     return [conversation(row, w) for row, w in zip(rows, where, strict=True)], where
 
 
-def prompt_rows(sources: list[DataSource], renderer: Any, n: int) -> Iterator[dict[str, Any]]:
+def prompt_rows(sources: list[DataSource], renderer: Renderer, n: int) -> Iterator[Json]:
     """`runner render` of prompts (generate, distill): the first `n` generation prompts, nothing trained."""
     shown = 0
     for source in sources:
@@ -79,7 +82,7 @@ def prompt_rows(sources: list[DataSource], renderer: Any, n: int) -> Iterator[di
             shown += 1
 
 
-def conversation(row: Any, where: str) -> Conversation:
+def conversation(row: object, where: str) -> Conversation:
     """A row's messages, checked: {"messages": [{"role": str, "content": str}, ...]} with at least one
     message. Keys that are None (Arrow fills them in) are dropped; other extra keys are kept for the
     chat template (e.g. "name")."""
@@ -92,7 +95,7 @@ def conversation(row: Any, where: str) -> Conversation:
     return messages_of(row["messages"], where, "messages")
 
 
-def messages_of(messages: Any, where: str, key: str) -> Conversation:
+def messages_of(messages: object, where: str, key: str) -> Conversation:
     """`messages` (the value of `key` in the row at `where`) checked as a non-empty list of
     {"role": str, "content": str}; None-valued keys dropped."""
     if not isinstance(messages, list) or not messages:

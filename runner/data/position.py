@@ -3,12 +3,11 @@ nothing once the data it indexes has changed size. Every built-in algorithm chec
 
 from __future__ import annotations
 
-from typing import Any
-
 from backends.errors import UserError
+from runner.recipe.common import Json
 
 
-def check_resume(state: dict[str, Any], key: str, now: int, what: str, unit: str = "") -> None:
+def check_resume(state: Json, key: str, now: int, what: str, unit: str = "") -> None:
     """UserError when the checkpoint's `state[key]` (the size of `what` when it was saved) is not `now`."""
     if state.get(key) != now:
         raise UserError(f"{what} changed since the checkpoint ({state.get(key)} -> {now}{unit}), so its data "

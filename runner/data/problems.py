@@ -16,7 +16,6 @@ are dropped and counted (the cookbook drops them too); any other bad row is a on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from backends.errors import UserError
 from runner.data.conversations import describe, mapped_rows
@@ -41,7 +40,7 @@ def load_problems(source: DataSource) -> list[Problem]:
     return problems
 
 
-def problem(row: Any, where: str) -> Problem:
+def problem(row: object, where: str) -> Problem:
     """A row {"question": str, "answer": str | int | float} as a Problem."""
     if not isinstance(row, dict) or "question" not in row or "answer" not in row:
         have = ", ".join(map(repr, row)) if isinstance(row, dict) else type(row).__name__

@@ -99,7 +99,7 @@ class Stage:
     recipe: Recipe
     start: int
     finished: bool
-    build: Callable[[Any], Algorithm]  # make_algo's result: an Algorithm from a tokenizer
+    build: Callable[[Tokenizer], Algorithm]  # make_algo's result: an Algorithm from a tokenizer
     has_row: Callable[[int], bool]  # whether the run dir's metrics hold a row for a step (RunDir.has_row)
 
     def final_due(self, algo: Algorithm) -> bool:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Annotated
 
 from msgspec import Meta
 
-from runner.recipe.common import NonNegFloat, NonNegInt, PinnedEvalBase, PosInt
+from runner.recipe.common import Json, NonNegFloat, NonNegInt, PinnedEvalBase, PosInt
 
 
 class InspectPinned(PinnedEvalBase, tag="inspect"):
@@ -18,7 +18,7 @@ class InspectPinned(PinnedEvalBase, tag="inspect"):
     # A registry name ("inspect_evals/gsm8k": a task of an installed package), "file.py@task", or "pkg.mod:fn"
     # (a function returning a Task, called with task_args).
     task: Annotated[str, Meta(min_length=1)]
-    task_args: dict[str, Any] = {}
+    task_args: Json = {}
     # The first `limit` samples (None: all).
     limit: PosInt | None = None
     # Fixed sampling, whatever the task's own generate config says; 0 = greedy. A seed per sample (from `seed`, the

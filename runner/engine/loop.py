@@ -402,7 +402,7 @@ class NonFinite(UserError):
         self.saves: list[tuple[str, Future[str], Future[str]]] = []
 
 
-def check_finite(p: Pending, metrics: Mapping[str, Any], run: RunDir) -> None:
+def check_finite(p: Pending, metrics: Mapping[str, float], run: RunDir) -> None:
     """Stop the run before logging a step whose batch trains no token (UserError), or whose loss or gradient norm
     is not finite (NonFinite). A non-finite loss at step k was computed with the weights after step k - 1, so
     their checkpoint rows go too: the run dir keeps its last good checkpoint and a resume starts from it."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Awaitable
-from typing import Any
+from typing import TypeVar
 
 from backends.errors import UserError
 from runner.data.conversations import load_conversations
@@ -33,7 +33,10 @@ async def nll_eval(e: NLLPinned, ctx: EvalContext) -> Metrics:
     return {"nll": total / weight, "ppl": math.exp(min(total / weight, 50.0)), "tokens": weight}
 
 
-async def _awaited(x: Awaitable[Any]) -> Any:
+T = TypeVar("T")
+
+
+async def _awaited(x: Awaitable[T]) -> T:
     return await x
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from runner.recipe.common import PinnedEvalBase, Target
+from runner.recipe.common import Json, PinnedEvalBase, Target
 
 
 class PythonPinned(PinnedEvalBase, tag="python"):
@@ -12,6 +12,6 @@ class PythonPinned(PinnedEvalBase, tag="python"):
     SamplingClient (sample, compute_logprobs)."""
 
     target: Target
-    args: dict[str, Any] = {}
+    args: Json = {}
     # fn's positional arguments before the args (sampler, tokenizer): what `runner check` binds them after.
     TARGET_LEADING: ClassVar[int] = 2

@@ -72,7 +72,7 @@ class Python(DataBase):
     """User code: `target = "pkg.mod:fn"`, called as fn(**args); imported and checked by `runner check`."""
 
     target: Target
-    args: dict[str, Any] = {}
+    args: Json = {}
 
 
 class RunOutput(DataBase, tag="run_output"):

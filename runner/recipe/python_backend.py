@@ -11,11 +11,11 @@ the same way. What it returns is held to the protocol at every call (runner/reci
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from backends.backend_config import BackendConfig
 from backends.errors import UserError, one_line
-from runner.recipe.common import Target
+from runner.recipe.common import Json, Target
 from runner.recipe.targets import import_target
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ class PythonBackend(BackendConfig, tag="python"):  # pyright: ignore[reportGener
     """Your own backend: `target` names fn(model=, tokenizer=, storage_dir=, seed=, **args) -> a Backend."""
 
     target: Target
-    args: dict[str, Any] = {}
+    args: Json = {}
     # What runner passes fn besides the args (the recipe's model and tokenizer override, the run dir's
     # checkpoints/ folder, the seed): `runner check` binds these with the args; the args may not set them.
     TARGET_KEYWORDS: ClassVar[tuple[str, ...]] = ("model", "tokenizer", "storage_dir", "seed")

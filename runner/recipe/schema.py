@@ -13,7 +13,7 @@ runner/recipe/envs.py and runner/recipe/pinned.py, `algo.loss` runner/algos/rl_c
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Literal, Union
 
 import msgspec
 from msgspec import Meta
@@ -28,6 +28,7 @@ from runner.recipe.common import (
     Base,
     DataSource,
     Frac,
+    Json,
     NonNegInt,
     PosFloat,
     PosInt,
@@ -217,7 +218,7 @@ class Smoke(Base):
     # Steps of each smoked stage.
     steps: Annotated[int, Meta(ge=1, le=100)] = 2
     # Any other key, as on the command line: {"algo.max_tokens" = 8}; applied last.
-    overrides: dict[str, Any] = {}
+    overrides: Json = {}
 
 
 

@@ -33,8 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.errors import UserError
+from runner.recipe.common import Json
 
-JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array",
+JSON_TYPES: dict[type, str] = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array",
                               dict: "object"}
 
 
@@ -46,15 +47,15 @@ class ToolError(Exception):
 class Tool:
     name: str
     description: str
-    parameters: dict[str, Any]  # JSON schema of the arguments (an object)
+    parameters: Json  # JSON schema of the arguments (an object)
     fn: Callable[..., Any]
 
     @property
-    def spec(self) -> dict[str, Any]:
+    def spec(self) -> Json:
         """The cookbook's ToolSpec: {name, description, parameters}."""
         return {"name": self.name, "description": self.description, "parameters": self.parameters}
 
-    async def call(self, arguments: dict[str, Any], timeout_s: float) -> str:
+    async def call(self, arguments: Json, timeout_s: float) -> str:
         """The result as text; ToolError for arguments that do not fit the schema, a tool that raises, or one
         that runs past timeout_s."""
         check_arguments(self, arguments)
@@ -72,8 +73,8 @@ class Tool:
         return out if isinstance(out, str) else json.dumps(out, default=str)
 
 
-def check_arguments(tool: Tool, arguments: dict[str, Any]) -> None:
-    props: dict[str, Any] = tool.parameters.get("properties", {})
+def check_arguments(tool: Tool, arguments: Json) -> None:
+    props: Json = tool.parameters.get("properties", {})
     unknown = sorted(set(arguments) - set(props))
     if unknown:
         raise ToolError(f"{tool.name} has no argument {', '.join(map(repr, unknown))}; it takes {sorted(props)}")
@@ -86,7 +87,7 @@ def check_arguments(tool: Tool, arguments: dict[str, Any]) -> None:
             raise ToolError(f"{tool.name}: argument {key!r} should be a {want}, got {json.dumps(value)[:60]}")
 
 
-def _fits(value: Any, want: str) -> bool:
+def _fits(value: object, want: str) -> bool:
     match want:
         case "string":
             return isinstance(value, str)
@@ -106,7 +107,7 @@ def _fits(value: Any, want: str) -> bool:
 # ---------------------------------------------------------------- a function as a tool spec
 
 
-def _json_type(hint: Any, where: str) -> dict[str, Any]:
+def _json_type(hint: Any, where: str) -> Json:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -115,7 +116,7 @@ def _json_type(hint: Any, where: str) -> dict[str, Any]:
         raise UserError(f"{where}: a union type {hint} has no JSON-schema type here; use one type")
     if origin in (list, Sequence, tuple):
         args = typing.get_args(hint)
-        out: dict[str, Any] = {"type": "array"}
+        out: Json = {"type": "array"}
         if args and args[0] is not Ellipsis:
             out["items"] = _json_type(args[0], where)
         return out
@@ -159,7 +160,7 @@ def tool_from_function(fn: Callable[..., Any], where: str, name: str | None = No
     except Exception as e:  # noqa: BLE001 - user code's annotations
         raise UserError(f"{where}: its type hints do not resolve: {e}") from None
     arg_docs = _arg_docs(doc)
-    props: dict[str, Any] = {}
+    props: Json = {}
     required: list[str] = []
     for pname, param in inspect.signature(fn).parameters.items():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
@@ -296,7 +297,7 @@ class BM25:
         return [(self.docs[i], s) for s, i in scored[:k]]
 
 
-def load_docs(rows: Sequence[Any], where: Sequence[str]) -> list[Doc]:
+def load_docs(rows: Sequence[object], where: Sequence[str]) -> list[Doc]:
     docs = []
     seen: set[str] = set()
     for row, w in zip(rows, where, strict=True):
