@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -48,6 +48,8 @@ OPS = {
     "save_weights_for_sampler": "save_sampler",
     "save_weights_and_get_sampling_client": "sampler",
 }
+
+T = TypeVar("T")
 
 
 class FakeBackend:
@@ -130,10 +132,10 @@ class FakeBackend:
         raise BackendError(f"no saved state at {path!r}", request="load", user_error=True)
 
 
-class _RecordedFuture(Future):
+class _RecordedFuture(Future[T]):
     """A Future that logs "await <op>#<n>" the first time anyone waits on it."""
 
-    def __init__(self, inner: concurrent.futures.Future[Any], backend: FakeBackend, label: str):
+    def __init__(self, inner: concurrent.futures.Future[T], backend: FakeBackend, label: str):
         super().__init__(inner)
         self._backend, self._label, self._seen = backend, label, False
 
@@ -142,11 +144,11 @@ class _RecordedFuture(Future):
             self._seen = True
             self._backend.record(f"await {self._label}")
 
-    def result(self, timeout: float | None = None) -> Any:
+    def result(self, timeout: float | None = None) -> T:
         self._note()
         return super().result(timeout)
 
-    async def result_async(self) -> Any:
+    async def result_async(self) -> T:
         self._note()
         return await super().result_async()
 
@@ -162,14 +164,14 @@ class FakeTrainingClient:
         self.worker = concurrent.futures.ThreadPoolExecutor(max_workers=1)  # the FIFO
         self.counts: dict[str, int] = {}
 
-    def _submit(self, method: str, fn: Callable[[], Any]) -> Future[Any]:
+    def _submit(self, method: str, fn: Callable[[], T]) -> Future[T]:
         op = OPS[method]
         n = self.counts.get(op, 0)
         self.counts[op] = n + 1
         label = f"{op}#{n}"
         self.backend.record(f"submit {label}")
 
-        def run() -> Any:
+        def run() -> T:
             time.sleep(self.backend.delay)
             if label == self.backend.fail:
                 raise BackendError(f"injected failure in {label}", request=label)

@@ -54,7 +54,7 @@ Call = Callable[[], object]
 class Job(Generic[P]):
     request: str  # e.g. "forward_backward #3", named in errors
     payload: P
-    future: concurrent.futures.Future[Any]  # Any: each request's own result type (the caller's Future says it)
+    future: concurrent.futures.Future[Any]  # of each request's own result type (the caller's Future says which)
     owner: Worker[P] | None = None  # a queued job keeps its worker alive, so a dropped client still runs what it was sent
 
 

@@ -30,7 +30,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import numpy as np
 import tinker
@@ -39,6 +39,7 @@ from tinker.types import RequestErrorCategory
 from backends import losses
 from backends.base import BackendError, CustomLossFn, Future, loss_of
 from backends.errors import UserError
+from backends.tinker.options import TinkerOptions
 from backends.tokenizer import Tokenizer, load_tokenizer
 from backends.types import (
     AdamParams,
@@ -455,23 +456,6 @@ class TinkerTrainingClient:
         request = self._request("save_weights_and_get_sampling_client")
         return _wrap(self._client.save_weights_and_get_sampling_client,
                      lambda c: TinkerSamplingClient(c, self._link, request), request, self._link)
-
-
-class TinkerOptions(Protocol):
-    """What the backend reads of its recipe table (tinker_config.Tinker, which makes the backend): a Protocol
-    rather than an import of tinker_config.py, so the two modules form no circle."""
-
-    @property
-    def base_url(self) -> str | None: ...
-
-    @property
-    def ttl_seconds(self) -> int: ...
-
-    @property
-    def connect_timeout_s(self) -> float: ...
-
-    @property
-    def lost_after_s(self) -> float: ...
 
 
 class TinkerBackend:

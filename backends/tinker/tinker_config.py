@@ -3,31 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, ClassVar
-
-from msgspec import Meta
+from typing import TYPE_CHECKING, ClassVar
 
 from backends.backend_config import BackendConfig
+from backends.tinker.options import TinkerOptions
 
 if TYPE_CHECKING:
     from backends.base import Backend
 
 
-class Tinker(BackendConfig):
-    """The hosted Tinker service or any Tinker-compatible server (backends/tinker/backend.py)."""
-
-    # None: $TINKER_BASE_URL, else the SDK's default (hosted service). The API key comes from
-    # $TINKER_API_KEY only and is never written anywhere.
-    base_url: str | None = None
-    # Lifetime of periodic checkpoints on the service (its limits: 1 hour to 10 years); the final
-    # checkpoint never expires. Not optional: TOML has no null, so `show` could not write None back.
-    ttl_seconds: Annotated[int, Meta(ge=3600, le=10 * 365 * 24 * 3600)] = 7 * 24 * 3600
-
-    # A service never reached fails the run after this long, with one line (the SDK alone retries for ~6 min).
-    connect_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
-    # Once connected: while calls wait and the service has not answered a ping for this long, the run stops
-    # with one line (the SDK alone retries each request for ~5 min, one after another).
-    lost_after_s: Annotated[float, Meta(gt=0)] = 60.0
+class Tinker(BackendConfig, TinkerOptions):  # pyright: ignore[reportGeneralTypeIssues] - see ConfigStruct
+    """The hosted Tinker service or any Tinker-compatible server (backends/tinker/backend.py). Its fields and their
+    limits: options.py."""
 
     # Runs a sweep keeps in flight at once: the work is on the service, the client mostly waits.
     SWEEP_PARALLEL: ClassVar[int] = 8

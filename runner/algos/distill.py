@@ -18,18 +18,19 @@ import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 
 from backends.base import Backend, SamplingClient
 from backends.errors import UserError
+from backends.tokenizer import Tokenizer
 from backends.types import Datum, Json
 from runner.algos.distill_config import Distill, Teacher
 from runner.algos.rl import EVAL_SEED_OFFSET, RLAlgo
 from runner.data.conversations import load_conversations, prompt_rows
 from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import Recipe
+from runner.renderers import Renderer
 from runner.renderers.chat import ChatRenderer
 from runner.rl.advantages import compute_advantages
 from runner.rl.datums import assemble_datums
@@ -113,7 +114,7 @@ class DistillAlgo(RLAlgo):
 
     # ---------------------------------------------------------------- the teacher KL
 
-    async def teacher(self, i: int, backend: Any) -> SamplingClient:
+    async def teacher(self, i: int, backend: Backend) -> SamplingClient:
         client = self.teachers[i]
         if client is None:
             client = self.teachers[i] = await open_teacher(self.cfg.datasets[i].teacher, self.weights, backend,
@@ -160,7 +161,7 @@ def _set_and_prompt(item: object) -> tuple[int, object]:
     return item[0], item[1]
 
 
-async def open_teacher(teacher: Teacher, weights: dict[str, str], backend: Any, base_model: str,
+async def open_teacher(teacher: Teacher, weights: dict[str, str], backend: Backend, base_model: str,
                        where: str) -> SamplingClient:
     """A sampling client over a Teacher: the resolved weights of its init_from run, its checkpoint, or a base model
     (its own `model`, else the recipe's)."""
@@ -230,12 +231,12 @@ def prompts_from_chats(path: str, limit: int | None = None) -> list[Json]:
 
 # ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
-def build(cfg: Distill, args: BuildArgs) -> Callable[[Any], DistillAlgo]:
+def build(cfg: Distill, args: BuildArgs) -> Callable[[Tokenizer], DistillAlgo]:
     # No reference model: the teachers are what the student is pulled toward.
     return lambda tokenizer: DistillAlgo(cfg, replace(Settings.of(args, tokenizer), reference_path=None))
 
 
-def show(cfg: Distill, recipe: Recipe, renderer: Any, n: int) -> Iterator[Json]:
+def show(cfg: Distill, recipe: Recipe, renderer: Renderer, n: int) -> Iterator[Json]:
     """`runner render`: the first `n` prompts, over the datasets in order."""
     return prompt_rows([d.prompts for d in cfg.datasets], renderer, n)
 

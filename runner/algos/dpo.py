@@ -34,12 +34,13 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from backends.base import CustomLossFn, Future, SamplingClient, TrainingClient
+from backends.base import Backend, CustomLossFn, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
+from backends.losses import Tensor
+from backends.tokenizer import Tokenizer
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, Json, OptimStepOutput
 from runner.algos.dpo_config import DPO
 from runner.algos.sft import PLAN_STEPS, to_datum, weights
@@ -47,6 +48,7 @@ from runner.data.comparisons import Batches, Pair, Pairs, load_pairs, render_com
 from runner.engine.context import AlgorithmBase, Context, FinalContext
 from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import Recipe
+from runner.renderers import Renderer
 from runner.rl.kl import reference_logprobs
 
 # ---------------------------------------------------------------- the math
@@ -92,7 +94,7 @@ def dpo_loss_fn(reference: np.ndarray, beta: float) -> CustomLossFn:
     """The loss for forward_backward_custom on interleaved (chosen, rejected) datums; `reference`: the reference
     sequence logprob of each datum."""
 
-    def loss_fn(data: list[Datum], logprobs: list[Any]) -> tuple[Any, dict[str, float]]:
+    def loss_fn(data: list[Datum], logprobs: list[Tensor]) -> tuple[Tensor, dict[str, float]]:
         import torch
         import torch.nn.functional as F
 
@@ -137,7 +139,7 @@ class DPOAlgo(AlgorithmBase):
         self.total_steps = self.batches.total_steps
         self.next_step = 0
         self._reference: asyncio.Task[SamplingClient] | None = None
-        self._backend: Any = None  # the session's backend (set by prepare), for the held-out reference logprobs
+        self._backend: Backend | None = None  # the session's backend (set by prepare), for the held-out reference logprobs
         # The reference's sequence logprobs of (chosen, rejected) per training pair index: it never changes.
         self._train_ref: dict[int, tuple[float, float]] = {}
         self._test_data: list[Datum] | None = None
@@ -177,7 +179,7 @@ class DPOAlgo(AlgorithmBase):
 
     # --- the reference: the initial weights, never the training client's
 
-    def reference(self, backend: Any) -> asyncio.Task[SamplingClient]:
+    def reference(self, backend: Backend) -> asyncio.Task[SamplingClient]:
         if self._reference is None:
             path = self.reference_path
 
@@ -187,7 +189,7 @@ class DPOAlgo(AlgorithmBase):
             self._reference = asyncio.ensure_future(create())
         return self._reference
 
-    async def reference_sums(self, backend: Any, data: list[Datum]) -> np.ndarray:
+    async def reference_sums(self, backend: Backend, data: list[Datum]) -> np.ndarray:
         client = await self.reference(backend)
         return sequence_logprobs(data, await reference_logprobs(client, data))
 
@@ -212,6 +214,7 @@ class DPOAlgo(AlgorithmBase):
         if evaluate and self.batches.test:
             ev = tc.forward(self.test_data(), "cross_entropy")  # the weights after step - 1; nothing accumulates
             if self._test_ref is None:  # once: the reference never changes
+                assert self._backend is not None, "submit before prepare set the backend"
                 self._test_ref = asyncio.ensure_future(self.reference_sums(self._backend, self.test_data()))
         fb = tc.forward_backward_custom(batch.data, dpo_loss_fn(batch.reference, self.cfg.beta))
         return Submitted(batch, fb, tc.optim_step(adam), ev)
@@ -289,12 +292,12 @@ class DPOAlgo(AlgorithmBase):
 
 # ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
-def build(cfg: DPO, args: BuildArgs) -> Callable[[Any], DPOAlgo]:
+def build(cfg: DPO, args: BuildArgs) -> Callable[[Tokenizer], DPOAlgo]:
     pairs = load_pairs(cfg.data)
     return lambda tokenizer: DPOAlgo(cfg, pairs, Settings.of(args, tokenizer))
 
 
-def show(cfg: DPO, recipe: Recipe, renderer: Any, n: int) -> Iterator[Json]:
+def show(cfg: DPO, recipe: Recipe, renderer: Renderer, n: int) -> Iterator[Json]:
     """`runner render`: each side of the first `n` comparisons, tokens and weights."""
     for pair in load_pairs(cfg.data).pairs[:n]:
         for side, completion in (("chosen", pair.chosen), ("rejected", pair.rejected)):

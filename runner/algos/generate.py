@@ -18,8 +18,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from backends.base import SamplingClient
+from backends.base import Backend, SamplingClient
 from backends.errors import UserError
+from backends.tokenizer import Tokenizer
 from backends.types import Json, SamplingParams
 from runner.algos.generate_config import Generate
 from runner.data.conversations import Conversation, load_conversations, prompt_rows
@@ -29,6 +30,7 @@ from runner.engine.log import write_text_atomic
 from runner.engine.rundir import OUTPUT
 from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import Recipe
+from runner.renderers import Renderer
 from runner.renderers.chat import ChatRenderer
 
 
@@ -47,7 +49,7 @@ class GenerateAlgo(AlgorithmBase):
         self.next_step = 0
         self.log_dir: Path | None = None
 
-    async def teacher(self, backend: Any) -> SamplingClient:
+    async def teacher(self, backend: Backend) -> SamplingClient:
         if self.client is None:
             from runner.algos.distill import open_teacher
 
@@ -119,12 +121,12 @@ class GenerateAlgo(AlgorithmBase):
 
 # ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
-def build(cfg: Generate, args: BuildArgs) -> Callable[[Any], GenerateAlgo]:
+def build(cfg: Generate, args: BuildArgs) -> Callable[[Tokenizer], GenerateAlgo]:
     prompts, where = load_conversations(cfg.prompts)
     return lambda tokenizer: GenerateAlgo(cfg, prompts, where, Settings.of(args, tokenizer))
 
 
-def show(cfg: Generate, recipe: Recipe, renderer: Any, n: int) -> Iterator[Json]:
+def show(cfg: Generate, recipe: Recipe, renderer: Renderer, n: int) -> Iterator[Json]:
     return prompt_rows([cfg.prompts], renderer, n)
 
 

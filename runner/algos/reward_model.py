@@ -21,12 +21,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from backends.base import Future, TrainingClient
 from backends.errors import UserError
+from backends.tokenizer import Tokenizer
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, Json, OptimStepOutput
 from runner.algos.dpo import tie_accuracy
 from runner.algos.reward_model_config import RewardModel
@@ -35,6 +35,7 @@ from runner.data.comparisons import Batches, Pair, Pairs, load_pairs, render_jud
 from runner.engine.context import AlgorithmBase, Context, FinalContext
 from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import Recipe
+from runner.renderers import Renderer
 from runner.rewards.judge import label_logprobs, p_first
 
 
@@ -47,7 +48,7 @@ class Judged:
     other: int
 
 
-def orders(renderer: Any, pair: Pair, max_length: int) -> list[Judged]:
+def orders(renderer: Renderer, pair: Pair, max_length: int) -> list[Judged]:
     """Both orders of a comparison: (A = chosen, B = rejected, label "A"), then (A = rejected, B = chosen, "B")."""
     out = []
     for a, b, preferred in ((pair.chosen, pair.rejected, 0), (pair.rejected, pair.chosen, 1)):
@@ -197,12 +198,12 @@ class RewardModelAlgo(AlgorithmBase):
 
 # ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
-def build(cfg: RewardModel, args: BuildArgs) -> Callable[[Any], RewardModelAlgo]:
+def build(cfg: RewardModel, args: BuildArgs) -> Callable[[Tokenizer], RewardModelAlgo]:
     pairs = load_pairs(cfg.data)
     return lambda tokenizer: RewardModelAlgo(cfg, pairs, Settings.of(args, tokenizer))
 
 
-def show(cfg: RewardModel, recipe: Recipe, renderer: Any, n: int) -> Iterator[Json]:
+def show(cfg: RewardModel, recipe: Recipe, renderer: Renderer, n: int) -> Iterator[Json]:
     """`runner render`: each order of the judge prompt of the first `n` comparisons; the label is trained."""
     for pair in load_pairs(cfg.data).pairs[:n]:
         for side, judged in zip(("chosen first", "rejected first"), orders(renderer, pair, cfg.max_length),

@@ -48,6 +48,7 @@ import numpy as np
 from backends import losses
 from backends.base import Backend, BackendError, Future, SamplingClient, TrainingClient
 from backends.errors import UserError
+from backends.tokenizer import Tokenizer
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, Json, LossFn, OptimStepOutput, SamplingParams
 from runner.algos.rl_config import RL, Async, PythonLoss, ReferenceKL, Stream
 from runner.data.position import check_resume
@@ -55,6 +56,7 @@ from runner.engine.context import AlgorithmBase, Context, FinalContext
 from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import Recipe
 from runner.recipe.targets import import_object
+from runner.renderers import Renderer
 from runner.renderers.chat import ChatRenderer, context_window
 from runner.rl import transcripts
 from runner.rl.advantages import compute_advantages, remove_constant_reward_groups
@@ -145,7 +147,7 @@ class RLAlgo(AlgorithmBase):
         # Final sampler weights of the runs the recipe names (a model judge), by reference; opened on demand.
         self.weights = dict(s.weights)
         self._opened: dict[str, SamplingClient] = {}
-        self._backend: Any = None
+        self._backend: Backend | None = None
         # The KL penalty's reference: the initial weights (a chained recipe's upstream weights, else the base model).
         self.reference_path = s.reference_path
         self.renderer = ChatRenderer(s.renderer)
@@ -434,7 +436,7 @@ class RLAlgo(AlgorithmBase):
         metrics.update(await self._win_rate_vs_init(sampler, ctx.backend))
         return metrics
 
-    async def _win_rate_vs_init(self, sampler: SamplingClient, backend: Any) -> dict[str, float]:
+    async def _win_rate_vs_init(self, sampler: SamplingClient, backend: Backend) -> dict[str, float]:
         """A chained preference recipe with a model judge: test/win_rate_vs_init, the final policy's replies to the
         test prompts against the initial (init_from) policy's, judged by the reward model."""
         env = getattr(self.cfg, "env", None)
@@ -521,7 +523,7 @@ def _merge(parts: list[dict[str, float]]) -> dict[str, float]:
 
 # ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
-def build(cfg: RL, args: BuildArgs) -> Callable[[Any], RLAlgo]:
+def build(cfg: RL, args: BuildArgs) -> Callable[[Tokenizer], RLAlgo]:
     loss_of(cfg)  # a user's loss: imported and registered before any model loads
     return lambda tokenizer: RLAlgo(cfg, Settings.of(args, tokenizer))
 
@@ -531,7 +533,7 @@ def env_headline(cfg: RL) -> list[tuple[str, str]]:
     return headline_of(cfg.env)
 
 
-def show(cfg: RL, recipe: Recipe, renderer: Any, n: int) -> list[Json]:
+def show(cfg: RL, recipe: Recipe, renderer: Renderer, n: int) -> list[Json]:
     """`runner render`: the first prompt of each of the first `n` training groups, built by the env itself (the
     group's first env). The groups are built at the recipe's group sizes: a builder may need them (tictactoe
     self-play makes group_size/2 games, none at a size of 1)."""

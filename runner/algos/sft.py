@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from backends.base import Future, TrainingClient
 from backends.errors import UserError
+from backends.tokenizer import Tokenizer
 from backends.types import AdamParams, Datum, ForwardBackwardOutput, Json, OptimStepOutput
 from runner.algos.sft_config import SFT
 from runner.data.conversations import Conversation, load_conversations
@@ -241,7 +241,7 @@ class SFTAlgo(AlgorithmBase):
 
 # ---------------------------------------------------------------- the registry entry (runner/engine/spec.py)
 
-def build(cfg: SFT, args: BuildArgs) -> Callable[[Any], SFTAlgo]:
+def build(cfg: SFT, args: BuildArgs) -> Callable[[Tokenizer], SFTAlgo]:
     convs, where = load_conversations(cfg.data)
     return lambda tokenizer: SFTAlgo(cfg, convs, where, Settings.of(args, tokenizer))
 

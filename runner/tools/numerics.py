@@ -19,10 +19,12 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from backends.base import Backend
 from backends.errors import UserError
 from backends.tokenizer import Tokenizer
 from backends.types import Datum, Json, SamplingParams
 from runner.recipe.numerics_table import Numerics
+from runner.recipe.schema import Recipe
 from runner.rl.gate import BIG_DLOGPROB, diff_stats, failures
 
 # When the recipe's algorithm has no prompts of its own (SFT, DPO, ...): generic chat prompts.
@@ -123,7 +125,7 @@ def render(report: Report, out: TextIO) -> None:
     w(f"\n{'FAILED: ' + '; '.join(report.failed) if report.failed else 'ok'} ({lim})\n")
 
 
-async def prompts_of(recipe: Any, tokenizer: Tokenizer, n: int) -> list[tuple[list[int], Any]]:
+async def prompts_of(recipe: Recipe, tokenizer: Tokenizer, n: int) -> list[tuple[list[int], Any]]:
     """n (prompt tokens, stop) from the recipe's env / prompt sets (RL, distill), else generic chat prompts."""
     from runner.algos.rl import RLAlgo
     from runner.engine.spec import make_algo
@@ -150,7 +152,7 @@ async def prompts_of(recipe: Any, tokenizer: Tokenizer, n: int) -> list[tuple[li
     return out
 
 
-async def measure(recipe: Any, backend: Any, n: int) -> tuple[list[TokenRow], str]:
+async def measure(recipe: Recipe, backend: Backend, n: int) -> tuple[list[TokenRow], str]:
     """Sample n prompts at temperature 1 from a fresh training client's weights, then score the samples with the
     sampling client's compute_logprobs and the training client's forward; one TokenRow per sampled token."""
     from runner.engine.loop import lora_spec
@@ -186,7 +188,7 @@ async def measure(recipe: Any, backend: Any, n: int) -> tuple[list[TokenRow], st
 
 
 def check(ref: str, overrides: Sequence[str], n: int, as_json: bool, out: TextIO,
-          backend: Any = None) -> int:
+          backend: Backend | None = None) -> int:
     """`runner numerics`: the table (or JSON) on `out`; 1 when over the recipe's limits (its numerics table, else
     the defaults), else 0."""
     from runner.recipe.load import load_recipe

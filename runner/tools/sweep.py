@@ -44,7 +44,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import msgspec
 import msgspec.inspect as mi
@@ -408,16 +408,16 @@ def _die_with_parent() -> None:
         return
 
 
-def run_sweep(sweep: Sweep, parallel: int | None, out: Any = None) -> int:
+def run_sweep(sweep: Sweep, parallel: int | None, out: TextIO | None = None) -> int:
     """Run the points that are not finished, `parallel` at a time; one line per start and per finish. Returns
     the exit code: 0, 1 if any point failed, 130 if interrupted (each running point saves a checkpoint)."""
     from runner.tools.compare import main_metrics_line
 
-    out = out or sys.stdout
+    stream = out or sys.stdout
 
     def say(text: str) -> None:
-        out.write(text + "\n")
-        out.flush()
+        stream.write(text + "\n")
+        stream.flush()
 
     todo = [p for p in sweep.points if not p.finished]
     n = parallel or default_parallel(todo)
@@ -512,18 +512,18 @@ def _last_error(log: Path) -> str:
     return (errors or lines or ["(no output)"])[-1]
 
 
-def print_dry_run(sweep: Sweep, parallel: int | None, out: Any = None) -> None:
-    out = out or sys.stdout
+def print_dry_run(sweep: Sweep, parallel: int | None, out: TextIO | None = None) -> None:
+    stream = out or sys.stdout
     todo = [p for p in sweep.points if not p.finished]
     n = parallel or default_parallel(todo)
     todo_text = f"{len(todo)} to run, {max(1, min(n, len(todo)))} at a time" if todo else "nothing to run"
-    out.write(f"sweep {sweep.dir}: {len(sweep.points)} points ({' x '.join(sweep.axes)}); {todo_text}\n")
+    stream.write(f"sweep {sweep.dir}: {len(sweep.points)} points ({' x '.join(sweep.axes)}); {todo_text}\n")
     width = max(len(str(p.recipe.log_dir)) for p in sweep.points)
     for p in sweep.points:
-        out.write(f"  {p.recipe.log_dir!s:<{width}}  {p.status}\n")
+        stream.write(f"  {p.recipe.log_dir!s:<{width}}  {p.status}\n")
     if sweep.plain:
-        out.write(f"every point: {' '.join(sweep.plain)}\n")
-    out.flush()
+        stream.write(f"every point: {' '.join(sweep.plain)}\n")
+    stream.flush()
 
 
 # ---------------------------------------------------------------- check and show

@@ -16,14 +16,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from backends.errors import UserError
 from backends.types import Json
 from runner.recipe.schema import Recipe
 
 if TYPE_CHECKING:
-    from runner.engine.context import FinalContext
+    from backends.base import Backend, SamplingClient
+    from runner.engine.context import Algorithm, FinalContext
+    from runner.renderers.chat import ChatRenderer
 
 EVALS = "evals.jsonl"
 
@@ -69,11 +71,11 @@ def open_target(target: str, checkpoint: str | None, base_ok: bool = True) -> Ta
     raise UserError(f"{run_dir}: no checkpoint {checkpoint!r}; available: {names}{', base' if base_ok else ''}")
 
 
-def _backend(t: Target) -> Any:
+def _backend(t: Target) -> Backend:
     return t.recipe.backend.make(t.recipe.model, t.recipe.tokenizer, t.run_dir / "checkpoints", t.recipe.seed)
 
 
-def _renderer(t: Target, backend: Any) -> Any:
+def _renderer(t: Target, backend: Backend) -> ChatRenderer:
     """The recipe's renderer (runner/renderers/) as the envs' ChatRenderer: prompts, stops, reply parsing."""
     from runner.renderers import get_renderer
     from runner.renderers.chat import ChatRenderer
@@ -81,7 +83,7 @@ def _renderer(t: Target, backend: Any) -> Any:
     return ChatRenderer(get_renderer(t.recipe.renderer, backend.get_tokenizer(), model_name=t.recipe.model))
 
 
-async def _client(backend: Any, t: Target) -> Any:
+async def _client(backend: Backend, t: Target) -> SamplingClient:
     if t.checkpoint is None:
         return await backend.create_sampling_client(base_model=t.recipe.model)
     return await backend.create_sampling_client(model_path=t.checkpoint["sampler_path"])
@@ -201,7 +203,7 @@ def chat(target: str, checkpoint: str | None, temperature: float, max_tokens: in
         backend.close()
 
 
-async def _evaluate_all(algo: Any, ctx: FinalContext, recipe: Any) -> dict[str, float]:
+async def _evaluate_all(algo: Algorithm, ctx: FinalContext, recipe: Recipe) -> dict[str, float]:
     """The algorithm's held-out evals, then the recipe's pinned ones (runner/engine/evals.py), on ctx's weights."""
     from runner.engine.evals import pinned_metrics
 
@@ -213,7 +215,7 @@ async def _evaluate_all(algo: Any, ctx: FinalContext, recipe: Any) -> dict[str, 
     return metrics
 
 
-def eval_order(recipe: Any, metrics: dict[str, float]) -> list[str]:
+def eval_order(recipe: Recipe, metrics: dict[str, float]) -> list[str]:
     """The keys `runner eval` prints: the algorithm's main metrics first (`runner compare`'s, held-out first), then the
     rest alphabetically; no time/ keys."""
     from runner.engine.spec import spec_of
