@@ -151,8 +151,6 @@ def test_responses_stream_events(served):
     assert events[-1].response.status == whole.status
 
 
-@pytest.mark.xfail(strict=True, reason="/v1/responses streams are sent whole once sampled (docs/openai.md): a "
-                                       "several-token response arrives as one response.output_text.delta event")
 def test_responses_stream_token_by_token(served):
     client = served["client"]
     seed, whole = _seed_for(client, model="tiny", messages=STORY, temperature=1.0, max_tokens=10)
