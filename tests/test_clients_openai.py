@@ -84,11 +84,19 @@ def test_responses_create_answers_as_chat_does(served):
     assert cut.usage.output_tokens == 3 and cut.output_text == whole.choices[0].message.content
 
 
-@pytest.mark.xfail(strict=True, reason="a response cut by max_output_tokens lists its message item as 'completed'; "
-                                       "OpenAI marks that item 'incomplete' too")
 def test_a_cut_response_s_message_is_incomplete(served):
-    cut = served["client"].responses.create(model="tiny", input=STORY, max_output_tokens=1, temperature=1.0)
+    """A response cut by max_output_tokens marks its message item `incomplete` too (OpenAI's shape), streamed or not;
+    one that ends by itself marks both `completed`."""
+    client = served["client"]
+    cut = client.responses.create(model="tiny", input=STORY, max_output_tokens=1, temperature=1.0)
     assert cut.status == "incomplete" and cut.output[0].status == "incomplete"
+    events = list(client.responses.create(model="tiny", input=STORY, max_output_tokens=1, temperature=1.0,
+                                          stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert events[-1].type == "response.incomplete" and [i.status for i in done] == ["incomplete"]
+    assert events[-1].response.output[0].status == "incomplete"
+    whole = client.responses.create(model="tiny", input=STORY, max_output_tokens=400, temperature=0)
+    assert whole.status == "completed" and whole.output[0].status == "completed"
 
 
 def test_chat_and_completions_stream_token_by_token(served):

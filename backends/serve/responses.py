@@ -120,16 +120,18 @@ def from_chat(req: Json, completion: Json) -> Json:
     """The `response` object of `req` from its chat.completion."""
     choice = completion["choices"][0]
     msg = choice["message"]
+    cut = choice["finish_reason"] == "length"
     output: list[Json] = []
     if msg.get("content") or not msg.get("tool_calls"):
-        output.append({"type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant",
+        # A reply cut by max_output_tokens: its message is `incomplete` as the response is (OpenAI's shape).
+        output.append({"type": "message", "id": new_id("msg"), "status": "incomplete" if cut else "completed",
+                       "role": "assistant",
                        "content": [{"type": "output_text", "text": msg.get("content") or "", "annotations": [],
                                     "logprobs": []}]})
     for call in msg.get("tool_calls") or []:
         output.append({"type": "function_call", "id": new_id("fc"), "call_id": call.get("id") or new_id("call"),
                        "name": call["function"]["name"], "arguments": call["function"]["arguments"],
                        "status": "completed"})
-    cut = choice["finish_reason"] == "length"
     usage = completion["usage"]
     tools = req.get("tools") or []
     return {
