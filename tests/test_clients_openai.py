@@ -84,6 +84,40 @@ def test_responses_create_answers_as_chat_does(served):
     assert cut.usage.output_tokens == 3 and cut.output_text == whole.choices[0].message.content
 
 
+def test_responses_include(served):
+    """`store: false` and `include` values asking for items this server never makes (reasoning.encrypted_content,
+    which inspect's default provider sends) are taken; `include: ["message.output_text.logprobs"]` (with
+    top_logprobs) gives the output text's logprobs, the same numbers chat's logprobs.content has, streamed or not;
+    a value not in OpenAI's list is a 400 naming `include`."""
+    client = served["client"]
+    ask: dict[str, Any] = dict(model="tiny", input=STORY, temperature=0, max_output_tokens=6)
+    plain = client.responses.create(**ask)
+    taken = client.responses.create(**ask, store=False, include=["reasoning.encrypted_content"])
+    assert taken.output_text == plain.output_text and taken.output[0].content[0].logprobs == []
+    chat = client.chat.completions.create(model="tiny", messages=STORY, temperature=0, max_tokens=6, logprobs=True,
+                                          top_logprobs=3).choices[0].logprobs.content
+    r = client.responses.create(**ask, include=["message.output_text.logprobs"], top_logprobs=3)
+    lps = r.output[0].content[0].logprobs
+    assert [(x.token, x.logprob) for x in lps] == [(x.token, x.logprob) for x in chat] and len(lps) >= 2
+    assert "".join(x.token for x in lps) == r.output_text
+    assert [[(t.token, t.logprob) for t in x.top_logprobs] for x in lps] == [
+        [(t.token, t.logprob) for t in x.top_logprobs] for x in chat]
+    assert all(len(x.top_logprobs) == 3 for x in lps)
+    events = list(client.responses.create(**ask, include=["message.output_text.logprobs"], top_logprobs=3,
+                                          stream=True))
+    streamed = [x for e in events if e.type == "response.output_text.delta" for x in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    final = events[-1].response.output[0].content[0].logprobs
+    assert [x.logprob for x in streamed] == [x.logprob for x in done.logprobs] == [x.logprob for x in final] == [
+        x.logprob for x in lps]
+    for bad in (["file_search_call.resultz"], "reasoning.encrypted_content"):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(**ask, include=bad)  # pyright: ignore[reportArgumentType]
+        assert "include" in e.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(**ask, top_logprobs=21)
+
+
 def test_a_cut_response_s_message_is_incomplete(served):
     """A response cut by max_output_tokens marks its message item `incomplete` too (OpenAI's shape), streamed or not;
     one that ends by itself marks both `completed`."""
