@@ -120,8 +120,9 @@ def warm_shapes(name: str, path: str) -> None:
     """Read a served model's shapes at start-up, before the port is reported ready (serve_forever; in-process
     servers, as tests build them, read them on first use): every request that reserves memory needs them
     (backends/serve/memory.py `shapes`, cached), and the first read imports transformers' modeling code for the
-    model, which took the first /v1 request to 7.6-12.8 s with `tiny` on 2 busy CPU cores (0.5-1.1 s now). A model
-    whose shapes cannot be read fails as it did, on the request that needs them."""
+    model, which took the first /v1 request to 7.6-14.2 s with `tiny` on 2 busy CPU cores (0.35-0.78 s now:
+    bench/bench_serve_first_request.py, docs/serve.md). A model whose shapes cannot be read fails as it did, on the
+    request that needs them."""
     try:
         shapes(path)
     except Exception as exc:  # noqa: BLE001 - reported by the request that needs them
