@@ -84,11 +84,53 @@ def test_responses_create_answers_as_chat_does(served):
     assert cut.usage.output_tokens == 3 and cut.output_text == whole.choices[0].message.content
 
 
-@pytest.mark.xfail(strict=True, reason="a response cut by max_output_tokens lists its message item as 'completed'; "
-                                       "OpenAI marks that item 'incomplete' too")
+def test_responses_include(served):
+    """`store: false` and `include` values asking for items this server never makes (reasoning.encrypted_content,
+    which inspect's default provider sends) are taken; `include: ["message.output_text.logprobs"]` (with
+    top_logprobs) gives the output text's logprobs, the same numbers chat's logprobs.content has, streamed or not;
+    a value not in OpenAI's list is a 400 naming `include`."""
+    client = served["client"]
+    ask: dict[str, Any] = dict(model="tiny", input=STORY, temperature=0, max_output_tokens=6)
+    plain = client.responses.create(**ask)
+    taken = client.responses.create(**ask, store=False, include=["reasoning.encrypted_content"])
+    assert taken.output_text == plain.output_text and taken.output[0].content[0].logprobs == []
+    chat = client.chat.completions.create(model="tiny", messages=STORY, temperature=0, max_tokens=6, logprobs=True,
+                                          top_logprobs=3).choices[0].logprobs.content
+    r = client.responses.create(**ask, include=["message.output_text.logprobs"], top_logprobs=3)
+    lps = r.output[0].content[0].logprobs
+    assert [(x.token, x.logprob) for x in lps] == [(x.token, x.logprob) for x in chat] and len(lps) >= 2
+    assert "".join(x.token for x in lps) == r.output_text
+    assert [[(t.token, t.logprob) for t in x.top_logprobs] for x in lps] == [
+        [(t.token, t.logprob) for t in x.top_logprobs] for x in chat]
+    assert all(len(x.top_logprobs) == 3 for x in lps)
+    events = list(client.responses.create(**ask, include=["message.output_text.logprobs"], top_logprobs=3,
+                                          stream=True))
+    streamed = [x for e in events if e.type == "response.output_text.delta" for x in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    final = events[-1].response.output[0].content[0].logprobs
+    assert [x.logprob for x in streamed] == [x.logprob for x in done.logprobs] == [x.logprob for x in final] == [
+        x.logprob for x in lps]
+    for bad in (["file_search_call.resultz"], "reasoning.encrypted_content"):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(**ask, include=bad)  # pyright: ignore[reportArgumentType]
+        assert "include" in e.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(**ask, top_logprobs=21)
+
+
 def test_a_cut_response_s_message_is_incomplete(served):
-    cut = served["client"].responses.create(model="tiny", input=STORY, max_output_tokens=1, temperature=1.0)
+    """A response cut by max_output_tokens marks its message item `incomplete` too (OpenAI's shape), streamed or not;
+    one that ends by itself marks both `completed`."""
+    client = served["client"]
+    cut = client.responses.create(model="tiny", input=STORY, max_output_tokens=1, temperature=1.0)
     assert cut.status == "incomplete" and cut.output[0].status == "incomplete"
+    events = list(client.responses.create(model="tiny", input=STORY, max_output_tokens=1, temperature=1.0,
+                                          stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert events[-1].type == "response.incomplete" and [i.status for i in done] == ["incomplete"]
+    assert events[-1].response.output[0].status == "incomplete"
+    whole = client.responses.create(model="tiny", input=STORY, max_output_tokens=400, temperature=0)
+    assert whole.status == "completed" and whole.output[0].status == "completed"
 
 
 def test_chat_and_completions_stream_token_by_token(served):
@@ -151,8 +193,6 @@ def test_responses_stream_events(served):
     assert events[-1].response.status == whole.status
 
 
-@pytest.mark.xfail(strict=True, reason="/v1/responses streams are sent whole once sampled (docs/openai.md): a "
-                                       "several-token response arrives as one response.output_text.delta event")
 def test_responses_stream_token_by_token(served):
     client = served["client"]
     seed, whole = _seed_for(client, model="tiny", messages=STORY, temperature=1.0, max_tokens=10)
@@ -235,9 +275,8 @@ def test_an_oversized_body_is_a_413_status_error(served):
     assert client.chat.completions.create(model="tiny", messages=STORY, max_tokens=2).choices[0].message.content
 
 
-@pytest.mark.xfail(strict=True, reason="an oversized body on /v1 is answered in Tinker's shape ({\"detail\": ...}), "
-                                       "not OpenAI's {\"error\": {...}}: the client's exception has no message")
 def test_an_oversized_body_s_413_is_openai_shaped(served):
+    """A body over the cap (64 MiB) is a 413 in OpenAI's shape: the client's exception carries its message."""
     with pytest.raises(openai.APIStatusError) as e:
         served["client"].chat.completions.create(model="tiny",
                                                  messages=[{"role": "user", "content": "x" * (64 << 20)}])

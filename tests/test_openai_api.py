@@ -378,6 +378,32 @@ def test_openai_spec_details(served):
     assert e.value.code == "model_not_found"
 
 
+def test_usage_counts_the_stop_token_logprobs_list_the_content(served):
+    """usage.completion_tokens counts each sampled token, the stop token included; logprobs.content lists the tokens
+    of `content` (OpenAI's definition): one fewer for a reply the model ended, as many for one max_tokens cut. The
+    stream, and the Responses API, say the same."""
+    client, plum = served["client"], served["plum"]
+    ask: dict[str, Any] = dict(model=plum, messages=QUESTION, temperature=0, max_tokens=8, logprobs=True)
+    r = client.chat.completions.create(**ask, extra_body={"return_token_ids": True})
+    choice = r.choices[0]
+    content = choice.logprobs.content
+    ids = (choice.model_extra or {})["token_ids"]
+    assert choice.message.content == "plum" and choice.finish_reason == "stop"
+    assert "".join(t.token for t in content) == "plum"
+    assert r.usage.completion_tokens == len(ids) == len(content) + 1
+    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert [t.logprob for c in chunks if c.choices and c.choices[0].logprobs
+            for t in c.choices[0].logprobs.content or []] == [t.logprob for t in content]
+    resp = client.responses.create(model=plum, input=QUESTION, temperature=0, max_output_tokens=8,
+                                   include=["message.output_text.logprobs"])
+    assert resp.usage.output_tokens == r.usage.completion_tokens
+    assert [t.logprob for t in resp.output[0].content[0].logprobs] == [t.logprob for t in content]
+    cut = client.chat.completions.create(model="tiny", messages=QUESTION, temperature=0, max_tokens=4, logprobs=True)
+    assert cut.choices[0].finish_reason == "length"
+    assert cut.usage.completion_tokens == len(cut.choices[0].logprobs.content) == 4
+
+
 def test_logprobs_are_one_number(served):
     """A token's logprob and its own top_logprobs entry come from one pass: equal bit for bit, so lm-eval's is_greedy
     (the continuation token is the top-1 alternative, with its logprob) reads true on a greedy continuation."""

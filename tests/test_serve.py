@@ -33,7 +33,7 @@ def runner_serve(storage: Path, *args: str, env: dict[str, str] | None = None) -
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120  # start-up reads the models' shapes (http.py warm_shapes): ~20 s busy
         while not port_file.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"runner serve did not start: {(storage.parent / f'{storage.name}.log').read_text()}")

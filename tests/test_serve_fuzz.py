@@ -259,6 +259,33 @@ def test_bad_http_framing_is_a_json_4xx(server, request_bytes, status):
     assert got == status and out["detail"], (got, out)
 
 
+@pytest.mark.parametrize("request_bytes", [
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n\r\n{}",
+    b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1e8480\r\n"
+    + b" " * 2_000_000 + b"\r\n0\r\n\r\n",
+])
+def test_an_oversized_v1_body_is_an_openai_413(server, request_bytes):
+    """A body over the cap on a /v1 route is refused unread in OpenAI's error shape (the openai client reads its
+    message from it), by its Content-Length or, chunked, as it is read; Tinker's routes keep {"detail": ...} (above)."""
+    _, port = server
+    got, out = _status_and_json(_raw(port, request_bytes))
+    err = out["error"]
+    assert got == 413 and "bytes" in err["message"] and str(1 << 20) in err["message"], out
+    assert err["type"] == "invalid_request_error" and set(err) == {"message", "type", "param", "code"}
+
+
+def test_an_oversized_v1_body_read_whole_is_an_openai_413():
+    """The /v1 routes check the body cap themselves too (a transport that reads the body whole): OpenAI's shape."""
+    from backends.serve.openai_api import OpenAIRoutes
+
+    class Service:
+        limits = Limits(max_body_bytes=100)
+        api_key = None
+
+    reply = OpenAIRoutes(Service()).handle("POST", "v1/chat/completions", {}, b"{" + b" " * 200 + b"}")
+    assert reply.status == 413 and "at most 100" in json.loads(reply.body)["error"]["message"]
+
+
 def test_body_without_content_length_does_not_desync(server):
     """A body sent with no Content-Length is read as the next request: a 400, then the connection closes (aiohttp
     refuses the whole read that holds it, so the request before it may go unanswered too; nothing runs the body)."""

@@ -5,7 +5,8 @@ limits, the listen backlog, chunked request bodies, streamed replies); the servi
 The app behind it is anything with `handle(method, path, headers, body, base_url, gone) -> Reply` and `limits`
 (backends/serve/service.py Service; tests/tinker_mock.py wraps one). `gone()` tells a worker whether its client hung
 up (the transport closed): a /v1 request then stops its sampling. What aiohttp itself refuses (a malformed request
-line or header, a line over its limits) is answered in the service's error shape, {"detail": ...}, as JSON.
+line or header, a line over its limits) is answered in the service's error shape, {"detail": ...}, as JSON; a body
+over the cap is a 413 in the shape of its route (OpenAI's {"error": {...}} on /v1, Tinker's elsewhere).
 
 Logging: requests at DEBUG; a client that hangs up mid-request or mid-reply is one DEBUG line, not a traceback.
 """
@@ -26,6 +27,7 @@ from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
+from backends.serve.chat_api import error_body
 from backends.serve.limits import Limits
 from backends.serve.replies import Reply, failed
 
@@ -108,8 +110,15 @@ class Workers(concurrent.futures.Executor):
                 self._jobs.put(None)
 
 
-def _json_error(status: int, detail: str) -> web.Response:
-    reply = Reply.error(status, detail)
+def is_openai(path: str) -> bool:
+    """Whether `path` is one of the /v1 OpenAI routes (backends/serve/openai_api.py), whose errors are OpenAI's shape;
+    the rest (Tinker's /api/v1/...) answer {"detail": ...}."""
+    route = path.split("?", 1)[0].removeprefix("/api/v1/").strip("/")
+    return route == "v1" or route.startswith("v1/")
+
+
+def _json_error(status: int, detail: str, path: str = "") -> web.Response:
+    reply = Reply.json(error_body(status, detail), status) if is_openai(path) else Reply.error(status, detail)
     resp = web.Response(status=status, body=reply.body, headers=reply.headers)
     resp.force_close()
     return resp
@@ -202,11 +211,12 @@ class Site:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         limits = self.app.limits
         if request.content_length is not None and request.content_length > limits.max_body_bytes:
-            return _json_error(413, f"request body of {request.content_length} bytes; at most {limits.max_body_bytes}")
+            return _json_error(413, f"request body of {request.content_length} bytes; at most {limits.max_body_bytes}",
+                               request.path)
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            return _json_error(413, f"request body over {limits.max_body_bytes} bytes")
+            return _json_error(413, f"request body over {limits.max_body_bytes} bytes", request.path)
         except DISCONNECTS as exc:  # the client hung up mid-body
             log.debug("client %s disconnected mid-request: %s", request.remote, type(exc).__name__)
             return _gone(request)

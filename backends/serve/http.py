@@ -18,7 +18,7 @@ from typing import Any
 from backends.errors import UserError
 from backends.serve.aio import Site, running
 from backends.serve.limits import Limits
-from backends.serve.memory import default_max_bytes, fmt_bytes
+from backends.serve.memory import default_max_bytes, fmt_bytes, shapes
 from backends.serve.openai_api import OpenAIHooks
 from backends.serve.service import Service
 from backends.serve.sessions import ServedModel
@@ -116,9 +116,25 @@ def build_service(cfg: ServeConfig) -> Service:
     return service
 
 
+def warm_shapes(name: str, path: str) -> None:
+    """Read a served model's shapes at start-up, before the port is reported ready (serve_forever; in-process
+    servers, as tests build them, read them on first use): every request that reserves memory needs them
+    (backends/serve/memory.py `shapes`, cached), and the first read imports transformers' modeling code for the
+    model, which took the first /v1 request to 7.6-14.2 s with `tiny` on 2 busy CPU cores (0.35-0.78 s now:
+    bench/bench_serve_first_request.py, docs/serve.md). A model whose shapes cannot be read fails as it did, on the
+    request that needs them."""
+    try:
+        shapes(path)
+    except Exception as exc:  # noqa: BLE001 - reported by the request that needs them
+        log.warning("model %s: its shapes could not be read at start-up (%s); requests will say why", name,
+                    str(exc)[:200])
+
+
 def serve_forever(cfg: ServeConfig) -> None:
     service = build_service(cfg)
     try:
+        for model in service.models.values():
+            warm_shapes(model.name, model.path)
         asyncio.run(_serve(cfg, service))
     finally:
         service.close()

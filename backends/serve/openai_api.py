@@ -118,6 +118,8 @@ class OpenAIRoutes:
         if method != "POST":
             raise ApiError(405, f"/{route} takes POST, not {method}")
         limits = self.service.limits
+        if len(body) > limits.max_body_bytes:  # aio.py refuses it unread; a transport that reads it whole, here
+            raise ApiError(413, f"request body is {len(body)} bytes; at most {limits.max_body_bytes}")
         if body and not json_depth_ok(body, limits.max_json_depth):
             raise ApiError(400, f"JSON nested deeper than {limits.max_json_depth} levels")
         try:

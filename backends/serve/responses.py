@@ -4,10 +4,12 @@ completion request (`to_chat`), sampled as one, and its chat.completion written 
 
 Taken: `input` (a string, or a list of messages {role, content: a string or input_text parts} and of function_call /
 function_call_output items), `instructions` (a system message first), `max_output_tokens`, `temperature`, `top_p`,
-`tools` (function tools), `tool_choice` "auto", `stream`, and fields that change nothing here (`store`, `metadata`,
-`user`, `truncation` "disabled", `parallel_tool_calls` true, `text.format` text, `include` []). Anything else
-(built-in tools, `previous_response_id`: this server keeps no responses, reasoning settings, images) is a 400
-naming the field.
+`tools` (function tools), `tool_choice` "auto", `stream`, `include` ["message.output_text.logprobs"] with
+`top_logprobs` (the output text's logprobs, chat's logprobs.content), and fields that change nothing here (`store`,
+`metadata`, `user`, `truncation` "disabled", `parallel_tool_calls` true, `text.format` text, `include` values for
+items this server never makes, such as "reasoning.encrypted_content"). Anything else (built-in tools,
+`previous_response_id`: this server keeps no responses, reasoning settings, images, an `include` value not in
+OpenAI's list) is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ RESPONSES_MAX_TOKENS = 512  # when max_output_tokens is not given (as chat's def
 IGNORED = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools",
                      "tool_choice", "stream", "store", "metadata", "user", "truncation", "parallel_tool_calls",
                      "text", "include", "seed", "service_tier", "stream_options", "safety_identifier",
-                     "prompt_cache_key"})
+                     "prompt_cache_key", "top_logprobs"})
+# `include` values (OpenAI's list) asking for items this server never makes (no reasoning items, no built-in tool
+# calls, no image inputs: each refused where it would come in): there is nothing of theirs to include.
+INCLUDE_NOTHING = frozenset({"reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+                             "web_search_call.action.sources", "code_interpreter_call.outputs",
+                             "computer_call_output.output.image_url", "message.input_image.image_url"})
+LOGPROBS = "message.output_text.logprobs"
+MAX_TOP_LOGPROBS = 20
 
 
 def new_id(prefix: str) -> str:
@@ -46,10 +55,28 @@ def _text_of(content: Any, where: str) -> str:
     raise ApiError(400, f"{where} must be a string or a list of input_text parts")
 
 
+def _logprobs_asked(req: Json) -> bool:
+    """Whether `req` asks for its output text's logprobs (`include` message.output_text.logprobs, or top_logprobs
+    > 0); ApiError for an `include` value that is not OpenAI's or a top_logprobs out of 0-20."""
+    include = req.get("include")
+    if include is None:
+        include = []
+    if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+        raise ApiError(400, "include must be a list of strings", param="include")
+    for x in include:
+        if x != LOGPROBS and x not in INCLUDE_NOTHING:
+            raise ApiError(400, f"include value {x[:60]!r} is not supported (OpenAI's values: "
+                                f"{', '.join(sorted([LOGPROBS, *INCLUDE_NOTHING]))})", param="include")
+    top = req.get("top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise ApiError(400, f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}", param="top_logprobs")
+    return LOGPROBS in include or bool(top)
+
+
 def to_chat(req: Json) -> Json:
     """The chat completion request that samples what `req` asks (ApiError for what is not supported)."""
     for key, value in req.items():
-        if key not in IGNORED and value is not None and not (key == "top_logprobs" and value == 0):
+        if key not in IGNORED and value is not None:
             raise ApiError(400, f"{key} is not supported by runner serve's /v1/responses")
     if req.get("truncation") not in (None, "disabled"):
         raise ApiError(400, "truncation: only 'disabled' is supported")
@@ -58,8 +85,7 @@ def to_chat(req: Json) -> Json:
     fmt = (req.get("text") or {}).get("format") if isinstance(req.get("text"), dict) else None
     if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
         raise ApiError(400, f"text.format {str(fmt.get('type'))[:40]!r} is not supported (only text)")
-    if req.get("include"):
-        raise ApiError(400, "include is not supported")
+    logprobs = _logprobs_asked(req)
     messages: list[Json] = []
     instructions = req.get("instructions")
     if instructions is not None:
@@ -101,6 +127,9 @@ def to_chat(req: Json) -> Json:
     for key in ("temperature", "top_p", "seed", "tool_choice"):
         if req.get(key) is not None:
             chat[key] = req[key]
+    if logprobs:
+        chat["logprobs"] = True
+        chat["top_logprobs"] = req.get("top_logprobs") or 0
     tools = req.get("tools")
     if tools:
         if not isinstance(tools, list):
@@ -116,20 +145,28 @@ def to_chat(req: Json) -> Json:
     return chat
 
 
+def _output_logprobs(choice: Json) -> list[Json]:
+    """The output_text's logprobs (one per token of the text, with its top_logprobs) from a chat choice's: the same
+    objects, as OpenAI's Responses API writes them; [] when none were asked."""
+    return list((choice.get("logprobs") or {}).get("content") or [])
+
+
 def from_chat(req: Json, completion: Json) -> Json:
     """The `response` object of `req` from its chat.completion."""
     choice = completion["choices"][0]
     msg = choice["message"]
+    cut = choice["finish_reason"] == "length"
     output: list[Json] = []
     if msg.get("content") or not msg.get("tool_calls"):
-        output.append({"type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant",
+        # A reply cut by max_output_tokens: its message is `incomplete` as the response is (OpenAI's shape).
+        output.append({"type": "message", "id": new_id("msg"), "status": "incomplete" if cut else "completed",
+                       "role": "assistant",
                        "content": [{"type": "output_text", "text": msg.get("content") or "", "annotations": [],
-                                    "logprobs": []}]})
+                                    "logprobs": _output_logprobs(choice)}]})
     for call in msg.get("tool_calls") or []:
         output.append({"type": "function_call", "id": new_id("fc"), "call_id": call.get("id") or new_id("call"),
                        "name": call["function"]["name"], "arguments": call["function"]["arguments"],
                        "status": "completed"})
-    cut = choice["finish_reason"] == "length"
     usage = completion["usage"]
     tools = req.get("tools") or []
     return {
@@ -140,6 +177,7 @@ def from_chat(req: Json, completion: Json) -> Json:
         "model": completion["model"], "output": output, "parallel_tool_calls": True,
         "temperature": req.get("temperature", 1.0), "top_p": req.get("top_p", 1.0),
         "tool_choice": req.get("tool_choice") or "auto", "tools": tools, "store": False,
+        "top_logprobs": req.get("top_logprobs") or 0,
         "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": req.get("metadata") or {},
         "previous_response_id": None, "reasoning": None, "user": req.get("user"),
         "usage": {"input_tokens": usage["prompt_tokens"],
@@ -174,6 +212,7 @@ def stream(req: Json, chunks: Iterator[Json], model: str) -> Iterator[bytes]:
         yield event("response.created", {"response": pending})
         yield event("response.in_progress", {"response": pending})
         text, calls, finish, usage, is_open = "", [], "stop", None, False
+        lps: list[Json] = []  # the text's logprobs, when asked: they come with a choice's last chunk with text
         for chunk in chunks:
             if "error" in chunk:
                 yield event("error", {"code": None, "message": chunk["error"]["message"], "param": None})
@@ -181,26 +220,32 @@ def stream(req: Json, chunks: Iterator[Json], model: str) -> Iterator[bytes]:
             usage = chunk.get("usage") or usage
             for choice in chunk["choices"]:
                 delta = choice["delta"]
-                if delta.get("content"):
+                got = _output_logprobs(choice)
+                lps += got
+                # The text's logprobs come from one pass once the reply is complete (streaming.py): with the last
+                # chunk's text, or, when all of it has left, in a delta of no text, so the deltas' logprobs add up.
+                if delta.get("content") or got:
                     if not is_open:
                         yield event("response.output_item.added", {"output_index": 0, "item": opened})
                         yield event("response.content_part.added", {**where, "part": part})
                         is_open = True
-                    text += delta["content"]
-                    yield event("response.output_text.delta", {**where, "delta": delta["content"], "logprobs": []})
+                    text += delta.get("content") or ""
+                    yield event("response.output_text.delta", {**where, "delta": delta.get("content") or "",
+                                                               "logprobs": got})
                 calls += [{k: v for k, v in c.items() if k != "index"} for c in delta.get("tool_calls") or []]
                 finish = choice.get("finish_reason") or finish
         assert usage is not None
         message: Json = {"content": text, **({"tool_calls": calls} if calls else {})}
-        resp = {**from_chat(req, {"model": model, "choices": [{"message": message, "finish_reason": finish}],
-                                  "usage": usage}), "id": rid, "created_at": created}
+        resp = {**from_chat(req, {"model": model, "usage": usage, "choices": [
+            {"message": message, "finish_reason": finish, "logprobs": {"content": lps}}]}), "id": rid,
+                "created_at": created}
         for i, item in enumerate(resp["output"]):
             if item["type"] == "message":
                 item["id"] = msg_id
                 if not is_open:
                     yield event("response.output_item.added", {"output_index": 0, "item": opened})
                     yield event("response.content_part.added", {**where, "part": part})
-                yield event("response.output_text.done", {**where, "text": text, "logprobs": []})
+                yield event("response.output_text.done", {**where, "text": text, "logprobs": lps})
                 yield event("response.content_part.done", {**where, "part": item["content"][0]})
             else:
                 yield event("response.output_item.added", {"output_index": i,
