@@ -29,6 +29,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from backends.local.device import LOGITS_DTYPE
 from backends.local.llama import DecodeCache, LlamaDecoder, Slots
 from backends.local.static_decode import StaticBatch, StaticDecoder, capacity_bucket, row_bucket
+from backends.tokenizer import Tokenizer
 from backends.types import TEMPERATURE_FLOOR, TOP_P_FLOOR, SamplingParams, StopReason
 
 
@@ -37,7 +38,7 @@ class Sampler(Protocol):
     this one and not the other way round)."""
 
     model: Any
-    tokenizer: Any
+    tokenizer: Tokenizer
     device: torch.device
     dtype: torch.dtype
     gen: torch.Generator
@@ -85,7 +86,7 @@ class Row:
     reason: StopReason | None = None  # set once the row finishes
     start: int = 0  # the decode step of its first token (a row that joined a running batch: later than 0)
 
-    def add(self, tok: int, tokenizer: Any) -> bool:
+    def add(self, tok: int, tokenizer: Tokenizer) -> bool:
         """Appends a sampled token; True when the row's stop rules or token budget end it there."""
         self.tokens.append(tok)
         if tok in self.stop_ids or (self.stop_strs and self._hit_stop_string(tokenizer)):
@@ -103,7 +104,7 @@ class Row:
         """Its logprobs out of its row of the batch's (rows x steps) buffer."""
         self.logprobs = by_step[self.start : self.start + len(self.tokens)]
 
-    def _hit_stop_string(self, tokenizer: Any) -> bool:
+    def _hit_stop_string(self, tokenizer: Tokenizer) -> bool:
         # Decoding only a trailing window keeps this O(1) per step; the window covers the longest stop string
         # (one token holds at least one byte) plus slack for a partial UTF-8 character at its start. A stop
         # string completed by an earlier token would have been caught at that step, so any hit is new.

@@ -40,6 +40,7 @@ from backends.local.decoding import DecodeBatch, Join, Row, round_up
 from backends.local.device import LOGITS_DTYPE
 from backends.local.llama import LlamaDecoder
 from backends.local.static_decode import StaticDecoder, capacity_bucket, row_bucket
+from backends.tokenizer import Tokenizer
 from backends.types import SampledSequence, SampleOutput, SamplingParams
 
 # Logit entries (rows x length x vocab) one compute_logprobs_batch forward may produce.
@@ -59,7 +60,7 @@ class SampleRequest:
 class Sampler:
     """Generates for a batch of requests with one model; not thread-safe (the backend calls it from one worker)."""
 
-    def __init__(self, model, tokenizer, device: torch.device, seed: int = 0):
+    def __init__(self, model, tokenizer: Tokenizer, device: torch.device, seed: int = 0):
         self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
         self.gen = torch.Generator(device=self.device)
         self.gen.manual_seed(seed)
