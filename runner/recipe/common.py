@@ -8,16 +8,17 @@ module first cannot leave it half-built inside its own union (tests/test_import_
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from msgspec import Meta
 
 from backends.configs import ConfigStruct
+
+# A JSON object (a row of a .jsonl file, a table whose keys are open: metric names, an algorithm's data position):
+# defined once, in backends/types.py.
+from backends.types import Json as Json
 from runner.recipe.sources import HF, DataBase, File, Jsonl
 
-# A JSON object as json.loads gives it: a row of a .jsonl file, a table whose keys are open (metric names, an
-# algorithm's data position). The one spelling of `dict[str, Any]` for such data.
-Json = dict[str, Any]
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 PosFloat = Annotated[float, Meta(gt=0)]
