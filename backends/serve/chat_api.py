@@ -22,9 +22,9 @@ import msgspec
 
 from backends.errors import UserError
 from backends.serve.limits import Limits, to_float, to_int
-from backends.serve.replies import ApiError, Json, json_bytes
+from backends.serve.replies import ApiError, json_bytes
 from backends.tokenizer import Tokenizer
-from backends.types import SampledSequence, SampleOutput, SamplingParams
+from backends.types import Json, SampledSequence, SampleOutput, SamplingParams
 
 MODEL_NOT_FOUND = "model_not_found"  # the code of a 404 about `model` (an unknown route has none)
 MAX_N = 128  # OpenAI's own cap on `n`

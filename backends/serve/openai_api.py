@@ -42,9 +42,9 @@ from backends.serve.chat_api import (
 from backends.serve.files import copy_folder
 from backends.serve.limits import json_depth_ok
 from backends.serve.memory import fmt_bytes
-from backends.serve.replies import ApiError, Json, Reply
+from backends.serve.replies import ApiError, Reply
 from backends.tokenizer import Tokenizer
-from backends.types import SampleOutput, SamplingParams
+from backends.types import Json, SampleOutput, SamplingParams
 
 if TYPE_CHECKING:
     from backends.serve.limits import Budget

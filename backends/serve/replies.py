@@ -22,7 +22,6 @@ from backends.base import BackendError, Future
 from backends.errors import UserError
 
 log = logging.getLogger("runner.serve")
-Json = dict[str, Any]  # a JSON object, as a request body or reply holds it
 
 NOT_LOADED = "training_run_not_loaded"  # the code of a reply about a run this server does not hold (docs/serve.md)
 PROMISE_KEEP_S = 900.0  # a result stays retrievable this long after it is ready

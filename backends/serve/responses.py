@@ -21,7 +21,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from backends.serve.replies import ApiError, Json, json_bytes
+from backends.serve.replies import ApiError, json_bytes
+from backends.types import Json
 
 RESPONSES_MAX_TOKENS = 512  # when max_output_tokens is not given (as chat's default)
 IGNORED = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools",

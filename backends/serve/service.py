@@ -40,13 +40,14 @@ from backends.serve.downloads import Downloads
 from backends.serve.limits import Budget, Fields, Limits, check_id, json_depth_ok
 from backends.serve.memory import Memory, default_max_bytes
 from backends.serve.openai_api import OpenAIRoutes
-from backends.serve.replies import ApiError, Json, Promises, Reply
+from backends.serve.replies import ApiError, Promises, Reply
 from backends.serve.rest import RestRoutes
 from backends.serve.samplers import MAX_LIVE_SAMPLERS, SAMPLER_IDLE_S, Gather, SamplerPool, trim_heap
 from backends.serve.sampling import SamplingRoutes
 from backends.serve.sessions import Run, ServedModel, Session
 from backends.serve.store import Store
 from backends.serve.training import TrainingRoutes
+from backends.types import Json
 
 log = logging.getLogger("runner.serve")
 

@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from backends.serve.chat_api import ChatFormat, Plan
-from backends.serve.replies import Json, json_bytes
+from backends.serve.replies import json_bytes
 from backends.tokenizer import Tokenizer
+from backends.types import Json
 
 POLL_S = 0.1
 DONE = -1  # the sample index of a prompt's "its future is done" event
