@@ -12,10 +12,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.serve.memory import Memory, fmt_bytes
 from backends.serve.replies import ApiError
+
+if TYPE_CHECKING:
+    from backends.types import Json
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ _MISSING: Any = object()
 class Fields:
     """Typed access to a JSON request's fields: a wrong type or value is a 400 naming the field."""
 
-    def __init__(self, req: dict[str, Any], limits: Limits):
+    def __init__(self, req: Json, limits: Limits):
         self.req = req
         self.limits = limits
 
@@ -105,7 +108,7 @@ class Fields:
     def sub(self, key: str) -> Fields:
         return Fields(self.dict(key, {}), self.limits)
 
-    def metadata(self, key: str = "user_metadata") -> dict[str, Any] | None:
+    def metadata(self, key: str = "user_metadata") -> Json | None:
         v = self.dict(key, None)
         if v is not None and len(json.dumps(v)) > self.limits.max_metadata_bytes:
             raise ApiError(413, f"{key} is over {self.limits.max_metadata_bytes} bytes as JSON")
@@ -119,7 +122,7 @@ def check_id(what: str, v: str, limits: Limits) -> None:
         raise ApiError(400, f"{what} {v[:40]!r} has characters other than letters, digits, '_', '.', ':', '-'")
 
 
-def to_int(key: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
+def to_int(key: str, v: object, lo: int | None = None, hi: int | None = None) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise ApiError(400, f"{key} must be an integer, not {type(v).__name__} {str(v)[:40]!r}", param=key)
     if lo is not None and v < lo:
@@ -129,7 +132,7 @@ def to_int(key: str, v: Any, lo: int | None = None, hi: int | None = None) -> in
     return v
 
 
-def to_float(key: str, v: Any, lo: float | None = None, hi: float | None = None) -> float:
+def to_float(key: str, v: object, lo: float | None = None, hi: float | None = None) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ApiError(400, f"{key} must be a number, not {type(v).__name__} {str(v)[:40]!r}", param=key)
     f = float(v)

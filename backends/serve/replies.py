@@ -16,10 +16,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.base import BackendError, Future
 from backends.errors import UserError
+
+if TYPE_CHECKING:
+    from backends.types import Json
 
 log = logging.getLogger("runner.serve")
 
@@ -51,7 +54,7 @@ class Reply:
     stream: Iterator[bytes] | None = None  # send these pieces as they come, chunked (/v1 streaming); closed after
 
     @classmethod
-    def json(cls, obj: Any, status: int = 200) -> Reply:
+    def json(cls, obj: object, status: int = 200) -> Reply:
         return cls(status, json_bytes(obj), {"content-type": "application/json"})
 
     GONE = 499  # the client hung up: nothing is sent (nginx's code for it)
@@ -61,7 +64,7 @@ class Reply:
         return cls.json({"detail": detail}, status)
 
 
-def _finite(obj: Any) -> Any:
+def _finite(obj: object) -> object:
     """obj with each non-finite float as the string "NaN", "Infinity" or "-Infinity", which the SDKs' pydantic
     models read back as that float."""
     if isinstance(obj, float):
@@ -73,7 +76,7 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
-def json_bytes(obj: Any) -> bytes:
+def json_bytes(obj: object) -> bytes:
     """obj as strict JSON. json.dumps writes a NaN or infinite float as the bare word NaN / Infinity, which is not
     JSON: the tinker SDK (orjson) then fails on the reply (an optim_step whose grad_norm is NaN after a diverged
     step, say). Such floats are sent as strings instead."""
@@ -106,7 +109,7 @@ class Promise:
         self.done_at: float | None = None
         self.future.add_done_callback(self._stamp)
 
-    def _stamp(self, _: Any) -> None:
+    def _stamp(self, _: object) -> None:
         self.done_at = time.monotonic()
 
     def resolve(self, reply: Reply) -> None:
@@ -142,7 +145,7 @@ class Promises:
         self._ids = itertools.count(1)
         self._by_id: dict[str, Promise] = {}
 
-    def new(self, route: str, extra: dict[str, Any] | None = None) -> tuple[Promise, Reply]:
+    def new(self, route: str, extra: Json | None = None) -> tuple[Promise, Reply]:
         rid = f"req-{self.boot}-{next(self._ids)}-{secrets.token_hex(3)}"
         p = Promise(route)
         with self._lock:

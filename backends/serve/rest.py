@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import shutil
 import urllib.parse
-from typing import Any
+from typing import TYPE_CHECKING
 
 from backends.serve.downloads import Downloads
 from backends.serve.limits import Fields, Limits, check_id, to_int
 from backends.serve.replies import ApiError, Reply
 from backends.serve.store import KINDS, Store, iso, now
+
+if TYPE_CHECKING:
+    from backends.types import Json
 
 
 class RestRoutes:
@@ -20,7 +23,7 @@ class RestRoutes:
 
     def _parse_path(self, path: str) -> tuple[str, str, str]: ...
 
-    def _run_view(self, meta: dict[str, Any]) -> dict[str, Any]:
+    def _run_view(self, meta: Json) -> Json:
         cps = self.store.list_checkpoints(meta["training_run_id"])
         last = {t: next((c for c in reversed(cps) if c["checkpoint_type"] == t), None) for t in ("training", "sampler")}
         keys = ("training_run_id", "base_model", "model_owner", "is_lora", "corrupted", "lora_rank",

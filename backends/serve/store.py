@@ -21,7 +21,12 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from backends.types import Json
 
 KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 
@@ -34,7 +39,7 @@ def iso(t: dt.datetime | None) -> str | None:
     return None if t is None else t.isoformat()
 
 
-def write_json(path: Path, obj: Any) -> None:
+def write_json(path: Path, obj: object) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     with os.fdopen(fd, "w") as f:
@@ -73,7 +78,7 @@ class Store:
 
     # ---------------------------------------------------------------- sessions
 
-    def new_session_id(self, make: Any) -> str:
+    def new_session_id(self, make: Callable[[], str]) -> str:
         """A session id never handed out before by any server on this storage (they prefix run ids)."""
         with self._lock:
             while True:
@@ -92,16 +97,16 @@ class Store:
             raise KeyError(run_id)
         return self.runs_dir / run_id
 
-    def write_run(self, run_id: str, meta: dict[str, Any]) -> None:
+    def write_run(self, run_id: str, meta: Json) -> None:
         write_json(self.run_dir(run_id) / "run.json", meta)
 
-    def read_run(self, run_id: str) -> dict[str, Any] | None:
+    def read_run(self, run_id: str) -> Json | None:
         try:
             return read_json(self.run_dir(run_id) / "run.json")
         except (KeyError, OSError, ValueError):
             return None
 
-    def list_runs(self) -> list[dict[str, Any]]:
+    def list_runs(self) -> list[Json]:
         out = []
         for p in self.runs_dir.glob("*/run.json"):
             try:
@@ -119,7 +124,7 @@ class Store:
         return self.run_dir(run_id) / kind / name
 
     def write_checkpoint_meta(self, run_id: str, kind: str, name: str, ttl_seconds: int | None,
-                              user_metadata: dict[str, str] | None) -> dict[str, Any]:
+                              user_metadata: dict[str, str] | None) -> Json:
         path = self.checkpoint_dir(run_id, kind, name)
         t = now()
         meta = {"checkpoint_id": f"{kind}/{name}", "checkpoint_type": KINDS[kind], "time": iso(t),
@@ -129,7 +134,7 @@ class Store:
         write_json(path.with_name(name + ".json"), meta)
         return meta
 
-    def checkpoint_meta(self, run_id: str, kind: str, name: str) -> dict[str, Any] | None:
+    def checkpoint_meta(self, run_id: str, kind: str, name: str) -> Json | None:
         try:
             path = self.checkpoint_dir(run_id, kind, name)
             if not path.is_dir():
@@ -150,7 +155,7 @@ class Store:
         write_json(self.checkpoint_dir(run_id, kind, name).with_name(name + ".json"), meta)
         return True
 
-    def list_checkpoints(self, run_id: str) -> list[dict[str, Any]]:
+    def list_checkpoints(self, run_id: str) -> list[Json]:
         out = []
         for kind in KINDS:
             base = self.run_dir(run_id) / kind
@@ -191,6 +196,6 @@ class Store:
         return gone
 
 
-def expired(meta: dict[str, Any]) -> bool:
+def expired(meta: Json) -> bool:
     exp = meta.get("expires_at")
     return exp is not None and dt.datetime.fromisoformat(exp) <= now()

@@ -25,7 +25,7 @@ from backends.serve.replies import NOT_LOADED, ApiError, Promises, Reply, delive
 from backends.serve.samplers import SamplerPool, SamplerSession
 from backends.serve.sessions import Run, ServedModel, Session
 from backends.serve.store import KINDS, Store, iso, now, valid_name
-from backends.types import AdamParams, LoraSpec
+from backends.types import AdamParams, Json, LoraSpec
 
 log = logging.getLogger("runner.serve")
 ADAM_FIELDS = tuple(f.name for f in dataclasses.fields(AdamParams))
@@ -87,7 +87,7 @@ class TrainingRoutes:
             return str(m.tokenizer_dir)
 
     def _new_run(self, run_id: str, model: ServedModel, spec: LoraSpec, tc: Future[Any], session_id: str,
-                 user_metadata: dict[str, Any] | None, source: str | None = None) -> Run:
+                 user_metadata: Json | None, source: str | None = None) -> Run:
         run = Run(run_id, model, spec, tc, session_id)
         self.store.write_run(run_id, {
             "training_run_id": run_id, "base_model": model.name, "model_owner": "runner-serve", "is_lora": True,
@@ -181,7 +181,7 @@ class TrainingRoutes:
             raise ApiError(404, f"no checkpoint at {path} (never saved, deleted, or expired)")
         return parts[0], parts[1], parts[2]
 
-    def _state_source(self, path: str) -> tuple[ServedModel, LoraSpec, Path, dict[str, Any]]:
+    def _state_source(self, path: str) -> tuple[ServedModel, LoraSpec, Path, Json]:
         src_run, kind, name = self._parse_path(path)
         if kind != "weights":
             raise ApiError(400, f"{path} is a {KINDS[kind]} checkpoint; training state loads from "
@@ -337,7 +337,7 @@ class TrainingRoutes:
                 if recipients:
                     _encrypt_folder(path, recipients)
                 meta = self.store.write_checkpoint_meta(run.run_id, kind, name, ttl, metadata)
-                out: dict[str, Any] = {"path": tinker_path}
+                out: Json = {"path": tinker_path}
                 if kind == "external_weights":
                     out["size_bytes"] = meta["size_bytes"]
                 return Reply.json(out)

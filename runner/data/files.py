@@ -20,13 +20,16 @@ import json
 import stat
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from backends.errors import UserError
 from runner.recipe.common import DataSource, Python, RunOutput
 from runner.recipe.formats import AUTO, columns, resolve_format
 from runner.recipe.sources import HF, File, Jsonl
 from runner.recipe.targets import import_target
+
+if TYPE_CHECKING:
+    from backends.types import Json
 
 Located = tuple[Any, str]
 Reader = Callable[[Path, bool, "list[str] | None"], Iterator[Located]]
@@ -326,7 +329,7 @@ READERS: dict[str, Reader] = {
 # ---------------------------------------------------------------- code and other runs
 
 
-def _call_python(target: str, args: dict[str, Any]) -> list[Any]:
+def _call_python(target: str, args: Json) -> list[Any]:
     fn = import_target(target)
     try:
         rows = fn(**args)

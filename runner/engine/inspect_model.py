@@ -28,7 +28,7 @@ from inspect_ai.solver._task_state import sample_state  # pyright: ignore[report
 from inspect_ai.tool import ToolChoice, ToolInfo  # pyright: ignore[reportMissingImports]
 
 from backends.base import SamplingClient
-from backends.types import SamplingParams
+from backends.types import Json, SamplingParams
 from runner.renderers.chat import ChatRenderer
 
 PROVIDER = "runner"
@@ -51,9 +51,9 @@ class UnsupportedInput(ValueError):
     """What the provider cannot pass to the sampler (tools, images): the sample fails, and the eval with it."""
 
 
-def to_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def to_messages(messages: list[ChatMessage]) -> list[Json]:
     """inspect's chat messages as runner's (text content, the cookbook's dict format)."""
-    out: list[dict[str, Any]] = []
+    out: list[Json] = []
     for m in messages:
         if not isinstance(m.content, str) and any(c.type not in ("text", "reasoning") for c in m.content):
             kinds = sorted({c.type for c in m.content} - {"text", "reasoning"})

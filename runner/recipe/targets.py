@@ -5,11 +5,14 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from backends.configs import implementation_of
 from backends.errors import UserError, one_line
 from runner.user_code import import_user_module
+
+if TYPE_CHECKING:
+    from backends.types import Json
 
 K = TypeVar("K")
 
@@ -42,7 +45,7 @@ def import_object(target: str) -> Any:
         raise UserError(f"cannot import {target!r}: {one_line(e)}") from None
 
 
-def args_mismatch(fn: Callable[..., Any], args: dict[str, Any], leading: int = 0,
+def args_mismatch(fn: Callable[..., Any], args: Json, leading: int = 0,
                   keywords: tuple[str, ...] = ()) -> str | None:
     """Why fn(**args) cannot bind (a missing or unexpected argument), or None when it can or fn has no signature.
     `leading`: positional arguments runner passes before the args (a pinned eval's sampler and tokenizer);

@@ -36,7 +36,10 @@ import weakref
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from backends.types import Json
 
 # Runs inside the namespaces, before the untrusted program: the private file system view (the unshare path; bwrap
 # builds its own), limits, Landlock, uid, then exec. argv[1] is JSON. Only the standard library: it runs with -I -S.
@@ -318,7 +321,7 @@ def _probe(
                 os.close(fd)
 
 
-def _containment(isolation: str, done: dict[str, Any], own_uid: bool, root: bool) -> Containment:
+def _containment(isolation: str, done: Json, own_uid: bool, root: bool) -> Containment:
     notes = []
     if isolation == "none":
         notes.append("no namespaces (neither bwrap nor unshare(1) works here): the code sees the whole file system "
@@ -434,7 +437,7 @@ def _command(
     env = _env(work)
     if harness:
         env["SANDBOX_UID"] = "" if uid is None else str(uid)
-    fs: dict[str, Any] = {"mode": isolation}
+    fs: Json = {"mode": isolation}
     if isolation == "unshare":
         Path(top, "root").mkdir()
         fs.update(root=str(Path(top, "root")), ro=list(ro), src=host_work, work_mb=limits.work_mb)
@@ -484,10 +487,10 @@ class Sandbox:
         self._setup = _setup(self._launch_with, isolation)
         self.python, self.containment = self._setup.python, self._setup.containment
 
-    def __getstate__(self) -> dict[str, Any]:  # picklable (group builders hold it): the semaphores stay behind
+    def __getstate__(self) -> dict[str, object]:  # picklable (group builders hold it): the semaphores stay behind
         return {**self.__dict__, "_slots": None}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state, _slots=weakref.WeakKeyDictionary())
 
     async def run_python(self, code: str, stdin: str = "", files: dict[str, str] | None = None) -> RunResult:
