@@ -284,7 +284,7 @@ def chat_plan(req: Json, fmt: ChatFormat, limits: Limits | None = None) -> Plan:
                 extra={"return_token_ids": bool(r.return_token_ids)})
 
 
-def _tool_calls(calls: Any, where: str) -> list[Json]:
+def _tool_calls(calls: object, where: str) -> list[Json]:
     """An assistant message's tool_calls: [{id, type: "function", function: {name, arguments (a JSON string)}}]."""
     if not isinstance(calls, list):
         raise ApiError(400, f"{where} must be a list of tool calls")
@@ -306,10 +306,10 @@ def _tool_calls(calls: Any, where: str) -> list[Json]:
     return out
 
 
-def lone_surrogate(obj: Any, where: str = "") -> str | None:
+def lone_surrogate(obj: object, where: str = "") -> str | None:
     """The JSON path of the first string (key or value) in `obj` that is not valid Unicode (a lone surrogate,
     which JSON's \\u escapes can write and no tokenizer takes), else None."""
-    stack: list[tuple[Any, str]] = [(obj, where)]
+    stack: list[tuple[object, str]] = [(obj, where)]
     while stack:
         v, path = stack.pop()
         if isinstance(v, str):

@@ -447,7 +447,7 @@ class _Share:
         self.budget.release(self.cost, self.nbytes)
 
 
-def _epoch(iso: Any, default: int) -> int:
+def _epoch(iso: object, default: int) -> int:
     try:
         return int(datetime.datetime.fromisoformat(str(iso).replace("Z", "+00:00")).timestamp())
     except ValueError:

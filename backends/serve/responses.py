@@ -19,7 +19,6 @@ import json
 import secrets
 import time
 from collections.abc import Iterator
-from typing import Any
 
 from backends.serve.replies import ApiError, json_bytes
 from backends.types import Json
@@ -42,7 +41,7 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
-def _text_of(content: Any, where: str) -> str:
+def _text_of(content: object, where: str) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):

@@ -189,7 +189,7 @@ def sampling_params(f: Fields) -> SamplingParams:
                           top_k=f.int("top_k", -1, lo=-1), stop=stop, seed=f.int("seed", None))
 
 
-def _prompt_tokens(prompt: Any) -> list[int]:
+def _prompt_tokens(prompt: object) -> list[int]:
     if not isinstance(prompt, dict) or not isinstance(prompt.get("chunks", []), list):
         raise ApiError(400, "prompt must be an object {chunks: [{type: 'encoded_text', tokens: [...]}]}")
     tokens: list[int] = []

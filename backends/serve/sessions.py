@@ -82,7 +82,7 @@ class Run:
             self.pending[seq_id] = go
         self.drain()
 
-    def spend(self, seq_id: Any) -> None:
+    def spend(self, seq_id: object) -> None:
         """A request with this seq_id was refused: let later requests go past it."""
         if isinstance(seq_id, bool) or not isinstance(seq_id, int):
             return

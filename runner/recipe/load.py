@@ -463,7 +463,7 @@ def _empty_tables(v: Json, at: tuple[str, ...]) -> list[tuple[str, ...]]:
     return out
 
 
-def _drop_none(v: Any) -> Any:
+def _drop_none(v: object) -> Any:
     if isinstance(v, dict):
         return {k: _drop_none(x) for k, x in v.items() if x is not None}
     if isinstance(v, list):

@@ -73,7 +73,7 @@ def _read_exact(fd: int, n: int) -> bytes:
 def _worker() -> None:
     handles: dict[int, Any] = {}
 
-    def tag(value: Any) -> tuple[Any, ...]:
+    def tag(value: Any) -> tuple[object, ...]:
         try:
             marshal.dumps(value)  # exact builtin data only: a subclass (with its own __eq__) is refused
             return ("v", value)
@@ -89,13 +89,13 @@ def _worker() -> None:
 
     with open("main.py") as f:
         source = f.read()
-    g: dict[str, Any] = {"__name__": "__main__", "__file__": "main.py", "__builtins__": builtins}
+    g: dict[str, object] = {"__name__": "__main__", "__file__": "main.py", "__builtins__": builtins}
     try:
         exec(compile(source, "main.py", "exec"), g)
         # A module is only named (a claim: the harness binds its own import of that name, never this object).
         top = {k: ("m", str(getattr(v, "__name__", ""))) if isinstance(v, types.ModuleType) else tag(v)
                for k, v in g.items() if not (k.startswith("__") and k.endswith("__"))}  # fmt: skip
-        reply: tuple[Any, ...] = ("ok", top)
+        reply: tuple[object, ...] = ("ok", top)
     except BaseException as e:  # SystemExit included: a program that exits while loading defines nothing
         reply = error(e)
     _send(RESP_FD, reply)
@@ -144,7 +144,7 @@ class Remote:
         object.__setattr__(self, "_handle", handle)
         object.__setattr__(self, "_kind", kind)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> Any:
         return self._link.ask("call", self._handle, [self._link.tag(a) for a in args],
                               {k: self._link.tag(v) for k, v in kwargs.items()})  # fmt: skip
 
@@ -160,7 +160,7 @@ class Remote:
             raise TypeError("len() of the program's object is not an int")
         return n
 
-    def __getitem__(self, key: Any) -> Any:
+    def __getitem__(self, key: object) -> Any:
         return self._link.ask("getitem", self._handle, self._link.tag(key))
 
     def __bool__(self) -> bool:  # `assert f(x)` must not pass on any object the program returns
@@ -174,12 +174,12 @@ class _Link:
     def __init__(self, rd: int, wr: int):
         self.rd, self.wr = rd, wr
 
-    def tag(self, value: Any) -> tuple[Any, ...]:
+    def tag(self, value: object) -> tuple[object, ...]:
         if isinstance(value, Remote):
             return ("h", object.__getattribute__(value, "_handle"))
         return ("v", value)
 
-    def untag(self, t: Any) -> Any:
+    def untag(self, t: object) -> object:
         """("v", data) or ("h", handle, kind); anything else is refused (the worker's replies are untrusted)."""
         if type(t) is tuple and len(t) == 2 and t[0] == "v":
             return t[1]
@@ -237,7 +237,7 @@ def _module_names(check: str) -> set[str]:
     return {n for n, only_attr in uses.items() if only_attr and n in sys.stdlib_module_names}
 
 
-def check_namespace(link: _Link, names: Any, check: str) -> dict[str, Any]:
+def check_namespace(link: _Link, names: object, check: str) -> dict[str, object]:
     """The namespace the check runs in. What the program bound at its top level resolves to the program (data, or a
     handle to its function or object) except what would change the check's own meaning:
 
@@ -250,7 +250,7 @@ def check_namespace(link: _Link, names: Any, check: str) -> dict[str, Any]:
 
     The worker's reply is untrusted (the program can write anything to its pipe): everything here is checked again.
     """
-    ns: dict[str, Any] = {}
+    ns: dict[str, object] = {}
     if not isinstance(names, dict):
         raise RuntimeError("the program's names did not come back as a dict")
     for name, tagged in names.items():

@@ -107,7 +107,7 @@ def _fits(value: object, want: str) -> bool:
 # ---------------------------------------------------------------- a function as a tool spec
 
 
-def _json_type(hint: Any, where: str) -> Json:
+def _json_type(hint: object, where: str) -> Json:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]

@@ -24,7 +24,6 @@ import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from backends.errors import UserError
 from backends.types import Json
@@ -240,7 +239,7 @@ def sort_runs(runs: Sequence[Run], metrics: Sequence[Metric]) -> list[Run]:
 
 # ---------------------------------------------------------------- the table
 
-def table(runs: Sequence[Run], metrics: Sequence[Metric]) -> tuple[list[str], list[list[Any]]]:
+def table(runs: Sequence[Run], metrics: Sequence[Metric]) -> tuple[list[str], list[list[object]]]:
     """(header, rows of raw values): run, differing keys, steps, then final and best of each metric."""
     keys = differing_keys(runs)
     header = ["run", *keys, "steps"]
@@ -248,7 +247,7 @@ def table(runs: Sequence[Run], metrics: Sequence[Metric]) -> tuple[list[str], li
         header += [f"{m.name} final", f"{m.name} best"]
     rows = []
     for r in sort_runs(runs, metrics):
-        row: list[Any] = [r.label, *(r.config.get(k) for k in keys), r.steps]
+        row: list[object] = [r.label, *(r.config.get(k) for k in keys), r.steps]
         for m in metrics:
             s = summarize(r, m)
             row += [s.final, s.best]
@@ -256,7 +255,7 @@ def table(runs: Sequence[Run], metrics: Sequence[Metric]) -> tuple[list[str], li
     return header, rows
 
 
-def cell(v: Any, config: bool = False) -> str:
+def cell(v: object, config: bool = False) -> str:
     """A table cell: a recipe value as written (`config`: 0.001, 8, local), a metric to 4 decimals."""
     if v is None:
         return "-"
@@ -265,7 +264,7 @@ def cell(v: Any, config: bool = False) -> str:
     return show_value(v)
 
 
-def cells(row: Sequence[Any], first_number: int) -> list[str]:
+def cells(row: Sequence[object], first_number: int) -> list[str]:
     """A table row as text: the run and its recipe values as written, numbers from column `first_number` on."""
     return [cell(v, config=i < first_number) for i, v in enumerate(row)]
 

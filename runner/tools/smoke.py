@@ -187,7 +187,7 @@ def _at(raw: Json, keys: Sequence[str | int]) -> Any:
     return node
 
 
-def _set(raw: Json, keys: Sequence[str | int], value: Any) -> None:
+def _set(raw: Json, keys: Sequence[str | int], value: object) -> None:
     _at(raw, keys[:-1])[keys[-1]] = value
 
 

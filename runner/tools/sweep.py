@@ -373,7 +373,7 @@ def write_record(sweep: Sweep) -> None:
     os.replace(tmp, path)
 
 
-def _jsonable(v: Any) -> Any:
+def _jsonable(v: object) -> Any:
     return json.loads(json.dumps(v, default=str))
 
 

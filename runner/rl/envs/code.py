@@ -19,7 +19,6 @@ import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from backends.errors import UserError
 from backends.types import Json
@@ -99,7 +98,7 @@ def _tests_of(row: Json, where: str) -> tuple[CodeTest, ...]:
     return tuple(tests)
 
 
-def _io_test(t: Any, row: Json, where: str) -> CodeTest:
+def _io_test(t: object, row: Json, where: str) -> CodeTest:
     """{"input", "output"} (stdin/stdout), or a LiveCodeBench functional test: "testtype": "functional" with the
     function's name in its metadata / the row's metadata / fn_name, arguments as JSON lines, output as JSON."""
     if not isinstance(t, dict):

@@ -177,7 +177,7 @@ class Problem:
     where: str
 
 
-def _answer_list(value: Any) -> list[str]:
+def _answer_list(value: object) -> list[str]:
     values = value if isinstance(value, list) else [value]
     return [str(v) for v in values if isinstance(v, (str, int, float)) and not isinstance(v, bool) and str(v).strip()]
 
