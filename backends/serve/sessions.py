@@ -9,11 +9,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.base import Future
 from backends.serve.replies import ApiError, Promise, Reply, deliver, error_reply
 from backends.types import LoraSpec
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from backends.local.backend import LocalBackend
 
 # An op gets the run's training client and returns the engine future plus how to turn its result into a reply.
 Op = Callable[[Any], tuple[Future[Any], Callable[[Any], Reply]]]
@@ -25,12 +30,12 @@ class ServedModel:
 
     name: str
     path: str  # "tiny", a HF folder, or a cached hub id (backends/local/model.py)
-    make_backend: Callable[[], Any]
-    backend: Any = None
-    tokenizer_dir: Any = None
+    make_backend: Callable[[], LocalBackend]
+    backend: LocalBackend | None = None
+    tokenizer_dir: Path | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def engine(self) -> Any:
+    def engine(self) -> LocalBackend:
         with self.lock:
             if self.backend is None:
                 self.backend = self.make_backend()

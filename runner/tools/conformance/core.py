@@ -8,10 +8,13 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.tokenizer import Tokenizer
 from backends.types import Json
+
+if TYPE_CHECKING:
+    import tinker
 
 # Checks known to fail on a server, by the server's name (--server-name, else get_server_capabilities'
 # `server_name` when it sends one): check -> why. A key "CHECK@sdk<X.Y.Z" applies only to SDKs older than X.Y.Z.
@@ -216,12 +219,12 @@ class Ctx:
         return abs(got - want) <= self.atol + self.rtol * abs(want)
 
 
-def logprobs_of(out: Any) -> list[list[float]]:
+def logprobs_of(out: tinker.ForwardBackwardOutput) -> list[list[float]]:
     """Per-datum target logprobs from a ForwardBackwardOutput."""
     return [[float(x) for x in o["logprobs"].to_numpy().reshape(-1)] for o in out.loss_fn_outputs]
 
 
-def loss_sum(out: Any) -> float:
+def loss_sum(out: tinker.ForwardBackwardOutput) -> float:
     metrics = out.metrics or {}
     if "loss:sum" not in metrics:
         raise Fail(f"metrics have no 'loss:sum' (got {sorted(metrics)})")
