@@ -30,7 +30,7 @@ from backends.local.device import ADAPTER_DTYPE, add_adapter_term
 LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
-def llama_family_problem(cfg: Any, rotary: Any) -> str | None:
+def llama_family_problem(cfg: object, rotary: object) -> str | None:
     """Why a model (its text config and rotary module) is outside what the plain-tensor paths compute exactly,
     or None if it is inside."""
     if getattr(cfg, "model_type", None) not in LLAMA_FAMILY:

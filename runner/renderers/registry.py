@@ -99,7 +99,7 @@ def renderer_mismatch(renderer: str, model: str, tokenizer: str | None) -> str |
             "tokens, which this format writes: pick the renderer of the model's family (or \"hf\": its chat template)")
 
 
-def required_tokens(factory: Any) -> tuple[str, ...]:
+def required_tokens(factory: object) -> tuple[str, ...]:
     """The special tokens a registered renderer writes (its class's `required_tokens`; a functools.partial of the
     class, a variant with other arguments, is looked through)."""
     while isinstance(factory, functools.partial):

@@ -57,7 +57,7 @@ def smooth(values: Sequence[float], k: int) -> list[float]:
     return out
 
 
-def _sort_value(v: Any) -> tuple[int, Any]:
+def _sort_value(v: object) -> tuple[int, Any]:
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         return (0, v)
     return (1, json.dumps(v, sort_keys=True, default=str))

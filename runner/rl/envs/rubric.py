@@ -16,7 +16,7 @@ import inspect
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.base import SamplingClient
 from backends.errors import UserError
@@ -28,6 +28,9 @@ from runner.rl.envs.common import ChatEnv, EnvContext, EnvKind, RepeatGroupBuild
 from runner.rl.envs.rubric_config import JudgeModel, PythonGrader, Rubric
 from runner.rl.rollouts import describe_error
 from runner.rl.types import EnvGroupBuilder, Logs, Observation, RLDataset, StepResult, StopCondition
+
+if TYPE_CHECKING:
+    from runner.recipe.common import DataSource
 
 OUTPUT_INSTRUCTION = "Please output your score between 0 and 1 wrapped in <score> ... </score>"
 
@@ -203,7 +206,7 @@ class Problem:
     where: str
 
 
-def load_problems(source: Any) -> list[Problem]:
+def load_problems(source: DataSource) -> list[Problem]:
     rows, where = load_rows(source)
     if not rows:
         raise UserError(f"rubric env: the data source {source!r} has no rows")

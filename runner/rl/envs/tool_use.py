@@ -27,7 +27,7 @@ import re
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from backends.errors import UserError
 from backends.types import Json
@@ -39,6 +39,9 @@ from runner.rewards.tools import BM25, Tool, ToolError, builtin_tools, load_docs
 from runner.rl.envs.common import ChatEnv, EnvContext, EnvKind, RepeatGroupBuilder, group_datasets, split
 from runner.rl.envs.tool_use_config import ToolUse
 from runner.rl.types import EnvGroupBuilder, Logs, Observation, RLDataset, StepResult, StopCondition
+
+if TYPE_CHECKING:
+    from runner.recipe.common import DataSource
 
 DEFAULT_SYSTEM_PROMPT = ("Solve the problem. You may call the tools below, one or more times, and read their "
                          "results; then give your final answer after \"Answer:\".")
@@ -182,7 +185,7 @@ def _answer_list(value: object) -> list[str]:
     return [str(v) for v in values if isinstance(v, (str, int, float)) and not isinstance(v, bool) and str(v).strip()]
 
 
-def load_problems(source: Any) -> list[Problem]:
+def load_problems(source: DataSource) -> list[Problem]:
     rows, where = load_rows(source)
     if not rows:
         raise UserError(f"tool_use env: the data source {source!r} has no rows")

@@ -3,9 +3,12 @@ logprobs, and agreement between the sampler and the trainer on the same weights.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runner.tools.conformance.core import Ctx, Fail, Skip, check, logprobs_of
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 def _sampler(ctx: Ctx) -> Any:
@@ -125,7 +128,7 @@ def _seeded(ctx: Ctx, **kw: Any) -> Any:
     return _sample(ctx, 1, max_tokens=12, temperature=1.0, seed=4242, **kw).sequences[0]
 
 
-def _fresh_index(ok: Any, g: list[int]) -> int | None:
+def _fresh_index(ok: Callable[[int], bool], g: list[int]) -> int | None:
     """The first position >= 2 whose token is new to the sequence (so a stop there cannot fire earlier)."""
     return next((i for i in range(2, len(g)) if g[i] not in g[:i] and ok(i)), None)
 
