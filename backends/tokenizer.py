@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from backends.errors import UserError
 from backends.hub import TOKENIZER_PATTERNS, download, env_offline, first_line, hub_endpoint, hub_reachable
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as CoreTokenizer
 
 
 class Tokenizer(Protocol):
@@ -72,7 +75,7 @@ def load_tokenizer(name: str) -> Any:
         raise UserError(f"cannot load tokenizer {name!r} ({first_line(e)}); {fix}") from None
 
 
-def local_core_tokenizer(name: str) -> Any:
+def local_core_tokenizer(name: str) -> CoreTokenizer | None:
     """The `tokenizers.Tokenizer` of tokenizer `name` when it is on this machine: "tiny" (built in code), a folder
     with a tokenizer.json, or a hub id whose tokenizer.json is in the Hugging Face cache; None otherwise (never a
     download). Light: no transformers, so `runner check` can look at it (runner/renderers/registry.py)."""

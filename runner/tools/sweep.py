@@ -82,7 +82,7 @@ class Sweep:
     ref: str  # FILE#name
     name: str
     path: str  # the recipe file
-    axes: dict[str, list[Any]]  # dotted key -> values, in order
+    axes: dict[str, list[object]]  # dotted key -> values, in order
     plain: list[str]  # overrides that apply to every point (not in dir names)
     zip: bool
     dir: Path
@@ -91,14 +91,14 @@ class Sweep:
 
 # ---------------------------------------------------------------- the grid
 
-def sweep_table(raw: Json, where: str) -> dict[str, list[Any]]:
+def sweep_table(raw: Json, where: str) -> dict[str, list[object]]:
     """The recipe's `sweep` table as {dotted key: values}; nested tables are dotted keys (`lora.rank`)."""
     table = raw.get(SWEEP_KEY)
     if table is None:
         return {}
     if not isinstance(table, dict):
         raise UserError(f"{where}: {SWEEP_KEY}: expected a table of KEY = [values], got {got(table)}")
-    out: dict[str, list[Any]] = {}
+    out: dict[str, list[object]] = {}
 
     def walk(node: Json, prefix: str) -> None:
         for key, value in node.items():
@@ -200,7 +200,7 @@ def plan(ref: str, overrides: Sequence[str] = (), zip_: bool = False, *, need_ax
     return sweep
 
 
-def _points(path: str, name: str, raw: Json, where: str, axes: dict[str, list[Any]], plain: list[str],
+def _points(path: str, name: str, raw: Json, where: str, axes: dict[str, list[object]], plain: list[str],
             zip_: bool, grid: list[Json]) -> Sweep:
     """The sweep with every point of `grid` decoded and checked (its run dir not looked at yet)."""
     sweep = Sweep(ref=f"{path}#{name}", name=name, path=path, axes=axes, plain=plain, zip=zip_, dir=Path())
@@ -223,7 +223,7 @@ def _points(path: str, name: str, raw: Json, where: str, axes: dict[str, list[An
     return sweep
 
 
-def _grid(axes: dict[str, list[Any]], zip_: bool, where: str) -> list[Json]:
+def _grid(axes: dict[str, list[object]], zip_: bool, where: str) -> list[Json]:
     """The points' values; a grid of more than MAX_POINTS points is refused before any is built."""
     keys = list(axes)
     sizes = " x ".join(f"{len(v):,} {k}" for k, v in axes.items())
@@ -258,7 +258,7 @@ def point_name(values: Json) -> str:
     the exact values is added, so names stay unique."""
     parts: dict[str, str] = {}
 
-    def add(key: str, v: Any) -> None:
+    def add(key: str, v: object) -> None:
         if isinstance(v, dict) and v:
             for k, x in v.items():
                 add(f"{key}.{k}", x)
@@ -358,7 +358,7 @@ def write_record(sweep: Sweep) -> None:
         old = json.loads(path.read_text()) if path.exists() else {}
     except json.JSONDecodeError:
         old = {}
-    axes: dict[str, list[Any]] = {k: list(v) for k, v in old.get("axes", {}).items()} if isinstance(old, dict) else {}
+    axes: dict[str, list[object]] = {k: list(v) for k, v in old.get("axes", {}).items()} if isinstance(old, dict) else {}
     for key, values in sweep.axes.items():
         merged = axes.setdefault(key, [])
         merged.extend(v for v in _jsonable(values) if v not in merged)
