@@ -27,13 +27,16 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from backends.errors import UserError
 from backends.local import model as M
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # `runner export --dtype`: what the base is loaded in, so what merged weights (and a tied lm_head's full weight) are
 # rounded to and stored in. "auto": the dtype the base's files store (a real chat model's: bfloat16).
@@ -132,7 +135,7 @@ def _load_base(model_dir: Path, dtype: str = "auto") -> M.HFModel:
     return base
 
 
-def _load_tokenizer(tokenizer_dir: Path) -> Any:
+def _load_tokenizer(tokenizer_dir: Path) -> PreTrainedTokenizerBase:
     import transformers
 
     try:
@@ -170,7 +173,7 @@ def _tied_lm_head_lora(adapted: Any) -> tuple[str, Any] | None:
     return name, out_emb
 
 
-def _save_untied_adapter(adapted: Any, lm_head: tuple[str, Any], tok: Any, path: Path, ids: list[int] | None = None,
+def _save_untied_adapter(adapted: Any, lm_head: tuple[str, Any], tok: PreTrainedTokenizerBase, path: Path, ids: list[int] | None = None,
                          want: torch.Tensor | None = None) -> list[float]:
     """Save `adapted` with its tied lm_head LoRA turned into a full modules_to_save lm_head (module doc). want: the
     adapter model's logprobs of ids; given, the saved adapter's max |dlogprob| from them is returned ([] otherwise)."""
@@ -215,7 +218,7 @@ def _save_untied_adapter(adapted: Any, lm_head: tuple[str, Any], tok: Any, path:
     return drift
 
 
-def _save_merged(adapted: Any, tied_lora: bool, tok: Any, path: Path, ids: list[int] | None = None,
+def _save_merged(adapted: Any, tied_lora: bool, tok: PreTrainedTokenizerBase, path: Path, ids: list[int] | None = None,
                  want: torch.Tensor | None = None) -> list[float]:
     """LoRA merged into the weights. model.sampling_copy unties a tied lm_head that has a LoRA (tied_lora)
     before merging, and marks the config untied; if lm_head came out equal to the input embeddings anyway

@@ -22,11 +22,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from backends.errors import UserError
 from backends.tokenizer import Tokenizer  # the protocol sits with the loader, so backends/ may name it too
 from backends.types import Json
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as CoreTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -347,7 +350,7 @@ def text_of(message: Message) -> str:
     return "".join(p["text"] for p in content if p.get("type") == "text")
 
 
-def content_tokenizer(tokenizer: Tokenizer) -> Any:
+def content_tokenizer(tokenizer: Tokenizer) -> CoreTokenizer | None:
     """A private copy of the tokenizer's backend that encodes special-token text inside content literally (as
     the chat templates of Qwen's family do); None for a tokenizer without a `tokenizers` backend."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
