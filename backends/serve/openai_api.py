@@ -47,6 +47,7 @@ from backends.tokenizer import Tokenizer
 from backends.types import Json, SampleOutput, SamplingParams
 
 if TYPE_CHECKING:
+    from backends.base import Future
     from backends.serve.limits import Budget
     from backends.serve.samplers import SamplerSession
     from backends.serve.sessions import ServedModel
@@ -410,7 +411,7 @@ def _fields(p: SamplingParams) -> Json:
     return {f.name: getattr(p, f.name) for f in dataclasses.fields(SamplingParams)}
 
 
-def _wait(futs: list[Any], gone: Callable[[], bool], cancelled: threading.Event) -> None:
+def _wait(futs: Sequence[Future[object]], gone: Callable[[], bool], cancelled: threading.Event) -> None:
     """Wait for the futures; when the client hangs up meanwhile, end their rows (`cancelled`) and raise ClientGone."""
     inner = [f.future() for f in futs]
     while True:
@@ -432,7 +433,7 @@ class _Share:
         self._left = 1  # the request itself, plus each future handed to the sampler
         self._done = False
 
-    def after(self, futs: list[Any]) -> None:
+    def after(self, futs: Sequence[Future[object]]) -> None:
         with self._lock:
             self._left += len(futs)
         for f in futs:
