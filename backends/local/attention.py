@@ -30,13 +30,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from backends.local.tree import Layout
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 # FlexAttention's block size: the padded sizes are multiples of it.
 BLOCK = 128
@@ -84,7 +87,7 @@ def subtree_ends(layout: Layout, rows: int) -> np.ndarray:
 class FlexMask:
     """One chunk's block mask: `rows` real rows, padded to `padded`."""
 
-    block_mask: Any
+    block_mask: BlockMask
     rows: int
     padded: int
 
@@ -100,7 +103,7 @@ def flex_mask(layout: Layout, ends: torch.Tensor, compiled: bool = True) -> Flex
     # A new closure per chunk (each chunk's BlockMask keeps its own `ends`: forward_backward_custom runs every
     # chunk's forward before any backward): Dynamo guards on the code and on ends' shape, not on the objects, so
     # this does not recompile (the test counts).
-    def mask_mod(b: Any, h: Any, q: Any, kv: Any) -> Any:
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         return (kv <= q) & (q < ends[kv])
 
     build = _mask_builder(COMPILE_BACKEND) if compiled else create_block_mask
