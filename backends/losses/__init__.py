@@ -255,7 +255,7 @@ def loss_config(spec: LossSpec, module: str) -> type[LossConfig]:
     """The recipe table of a loss, declared in `module` (its config file): `{kind = NAME, <its fields>}`."""
     fields = [(f.recipe, Annotated[float, Meta(**f.constraints())], f.default) for f in spec.fields]
 
-    def __post_init__(self: Any) -> None:
+    def __post_init__(self: object) -> None:
         if problem := spec.problem({f.key: getattr(self, f.recipe) for f in spec.fields}):
             raise ValueError(problem)
 
