@@ -24,7 +24,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from types import CodeType, FrameType
-from typing import Any
 
 
 class LoopWatch:
@@ -32,7 +31,7 @@ class LoopWatch:
 
     active: LoopWatch | None = None
 
-    def __init__(self, timeout_s: float, episode_code: CodeType, make_error: Any):
+    def __init__(self, timeout_s: float, episode_code: CodeType, make_error: Callable[[str], BaseException]):
         self.timeout_s = timeout_s
         self.episode_code = episode_code
         self.make_error = make_error
@@ -90,7 +89,8 @@ class LoopWatch:
 
 
 @contextlib.contextmanager
-def guard(timeout_s: float | None, episode_code: CodeType, make_error: Any) -> Iterator[LoopWatch | None]:
+def guard(timeout_s: float | None, episode_code: CodeType,
+          make_error: Callable[[str], BaseException]) -> Iterator[LoopWatch | None]:
     """Watch the event loop while the body runs (see the module docstring); a no-op (None) without a timeout or
     off the main thread. Nested and concurrent uses share one watcher (the first one's timeout)."""
     if timeout_s is None or threading.current_thread() is not threading.main_thread():
