@@ -173,8 +173,8 @@ def _tied_lm_head_lora(adapted: Any) -> tuple[str, Any] | None:
     return name, out_emb
 
 
-def _save_untied_adapter(adapted: Any, lm_head: tuple[str, Any], tok: PreTrainedTokenizerBase, path: Path, ids: list[int] | None = None,
-                         want: torch.Tensor | None = None) -> list[float]:
+def _save_untied_adapter(adapted: Any, lm_head: tuple[str, Any], tok: PreTrainedTokenizerBase, path: Path,
+                         ids: list[int] | None = None, want: torch.Tensor | None = None) -> list[float]:
     """Save `adapted` with its tied lm_head LoRA turned into a full modules_to_save lm_head (module doc). want: the
     adapter model's logprobs of ids; given, the saved adapter's max |dlogprob| from them is returned ([] otherwise)."""
     import peft

@@ -358,7 +358,8 @@ def write_record(sweep: Sweep) -> None:
         old = json.loads(path.read_text()) if path.exists() else {}
     except json.JSONDecodeError:
         old = {}
-    axes: dict[str, list[object]] = {k: list(v) for k, v in old.get("axes", {}).items()} if isinstance(old, dict) else {}
+    axes: dict[str, list[object]] = ({k: list(v) for k, v in old.get("axes", {}).items()} if isinstance(old, dict)
+                                     else {})
     for key, values in sweep.axes.items():
         merged = axes.setdefault(key, [])
         merged.extend(v for v in _jsonable(values) if v not in merged)
