@@ -38,6 +38,8 @@ from runner.rl.envs.verifiers_env_config import Verifiers
 from runner.rl.types import Env, EnvGroupBuilder, Metrics, Observation, RLDataset, StepResult, StopCondition, Trajectory
 
 if TYPE_CHECKING:  # imported in build(): runner.rl.openai_chat imports an env module (tool_use), hence this package
+    import httpx
+
     from runner.rl.openai_chat import RendererChat
 
 INSTALL = "the verifiers env needs the verifiers package: pip install 'verifiers==0.1.9.post3'"
@@ -139,7 +141,7 @@ class VerifiersEnv(Env):
             with contextlib.suppress(Exception):
                 await client.close()
 
-    async def answer(self, path: str, body: Any) -> tuple[int, Json]:
+    async def answer(self, path: str, body: object) -> tuple[int, Json]:
         """One request of the environment's client: rendered, sampled by the rollout loop, answered."""
         if not path.endswith("/chat/completions"):
             return 404, error_body(404, f"the in-process client answers chat completions, not {path}")
@@ -157,7 +159,7 @@ class VerifiersEnv(Env):
         return 200, chat_response(plan, SampleOutput([seq]), self.fmt)
 
 
-def _transport(env: VerifiersEnv) -> Any:
+def _transport(env: VerifiersEnv) -> httpx.AsyncBaseTransport:
     """An httpx transport answering in process (httpx is imported only here: the openai client brings it)."""
     import httpx
 
