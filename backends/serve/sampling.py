@@ -88,7 +88,7 @@ class SamplingRoutes:
             lps = sc.compute_logprobs(prompt) if want_lps else None
             lock, finished = threading.Lock(), []
 
-            def finish(_: Any) -> None:
+            def finish(_: object) -> None:
                 if not sample.done() or (lps is not None and not lps.done()):
                     return  # the other one calls again
                 with lock:

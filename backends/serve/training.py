@@ -243,7 +243,7 @@ class TrainingRoutes:
                     swapped.set_result(prev.result())
                     loaded.set_exception(exc)
 
-            def start(_: Any = None) -> None:  # after the run's earlier jobs (a save of this checkpoint, say)
+            def start(_: object = None) -> None:  # after the run's earlier jobs (a save of this checkpoint, say)
                 try:
                     new = model.engine().create_training_client_from_state(str(folder), spec, with_optimizer=with_opt)
                 except BaseException as exc:  # noqa: BLE001 - a failed load leaves the run as it was
@@ -333,7 +333,7 @@ class TrainingRoutes:
                 self.store.delete_checkpoint(run.run_id, kind, name)
             fut = tc.save_state(target) if kind == "weights" else tc.save_weights_for_sampler(target)
 
-            def to_reply(_: Any) -> Reply:
+            def to_reply(_: object) -> Reply:
                 if recipients:
                     _encrypt_folder(path, recipients)
                 meta = self.store.write_checkpoint_meta(run.run_id, kind, name, ttl, metadata)
