@@ -20,7 +20,7 @@ import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.base import SamplingClient
 from backends.errors import UserError
@@ -29,6 +29,9 @@ from runner.engine.inspect_eval_config import InspectPinned, task_file
 from runner.recipe.common import TARGET_PATTERN
 from runner.recipe.targets import args_mismatch, import_target
 from runner.renderers import Renderer
+
+if TYPE_CHECKING:
+    from inspect_ai.log import EvalLog
 
 Metrics = dict[str, float]
 
@@ -189,7 +192,7 @@ async def inspect_eval(e: InspectPinned, sampler: SamplingClient, chat: Renderer
     return metrics_of(e.task, logs[0])
 
 
-def metrics_of(task: str, log: Any) -> Metrics:
+def metrics_of(task: str, log: EvalLog) -> Metrics:
     """An eval log's metrics: <metric> for a task with one scorer, <scorer>/<metric> with several; plus `samples`
     (scored). Non-finite values (a stderr over one sample) are left out. A failed eval is a UserError."""
     if log.status != "success":
