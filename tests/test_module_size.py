@@ -28,9 +28,9 @@ def long_modules(root: Path = ROOT, limit: int = MAX_LINES) -> dict[str, int]:
 
 
 # `Any` names per 1,000 lines that hold code (blank lines, comments and docstrings not counted) in runner/ and
-# backends/: 43.8 at 298003e, 21.3 after the typing pass of 2026-11-29, 16.7 after the second (h-types). Lower it
+# backends/: 43.8 at 298003e, 21.3 after the typing pass of 2026-11-29, 16.5 after the second (h-types). Lower it
 # when you type more.
-ANY_CEILING = 16.7
+ANY_CEILING = 16.5
 SKIP = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
 
 

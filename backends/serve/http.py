@@ -13,7 +13,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from backends.errors import UserError
 from backends.serve.aio import Site, running
@@ -23,6 +23,9 @@ from backends.serve.openai_api import OpenAIHooks
 from backends.serve.service import Service
 from backends.serve.sessions import ServedModel
 from backends.serve.store import Store
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("runner.serve")
 __all__ = ["ServeConfig", "build_service", "parse_models", "running", "serve_forever"]
@@ -60,7 +63,7 @@ def parse_models(specs: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
-def serve_device(devices: list[Any]) -> Any:
+def serve_device(devices: list[torch.device]) -> torch.device | None:
     """The device whose memory --max-bytes defaults to: cuda when any served model is placed there (its memory is
     what the big models fill; the ledger cannot tell the devices apart), else the CPU (every model small, or no
     CUDA): half the machine's memory, not 90% of a GPU that holds nothing."""

@@ -21,9 +21,12 @@ import os
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.serve.replies import ApiError
+
+if TYPE_CHECKING:
+    import torch
 
 ADAPTER_COPIES = 4  # the adapter, its gradient, AdamW's exp_avg and exp_avg_sq
 FLOAT_BYTES = 4  # adapters, gradients and moments are float32 (and logits are upcast to float32)
@@ -114,7 +117,7 @@ def physical_memory() -> int:
         return 16 << 30
 
 
-def default_max_bytes(device: Any = None) -> int:
+def default_max_bytes(device: torch.device | None = None) -> int:
     """On the CPU, half the machine's memory (the rest is the interpreter, torch, the sampler pool and the OS);
     on a CUDA device, 90% of its memory (what the runs' tensors and KV caches live in)."""
     if device is not None and getattr(device, "type", None) == "cuda":

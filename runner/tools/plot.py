@@ -18,7 +18,7 @@ import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.errors import UserError
 from runner.tools.compare import (
@@ -33,6 +33,9 @@ from runner.tools.compare import (
     series,
     table,
 )
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 REPORT = "index.html"
 MISSING = "matplotlib is not installed: pip install 'runner[plot]' (or pip install matplotlib)"
@@ -88,7 +91,7 @@ def _colors(runs: Sequence[Run], n: int) -> list[Any]:
     return [palette(i % palette.N) for i in range(n)]
 
 
-def figure(runs: Sequence[Run], metrics: Sequence[Metric], k: int = 1) -> Any:
+def figure(runs: Sequence[Run], metrics: Sequence[Metric], k: int = 1) -> Figure:
     """A matplotlib Figure, one panel per metric (two columns at most)."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
