@@ -234,7 +234,7 @@ class FakeTrainingClient:
             grads = [lp.grad.numpy() if lp.grad is not None else np.zeros(lp.shape) for lp in lps]
             self._accumulate(data, grads)
             surrogate = sum(float((g * lp.detach().numpy()).sum()) for g, lp in zip(grads, lps, strict=True))
-            out_metrics = {**metrics, "loss:sum": float(loss.sum()), "surrogate_loss:sum": surrogate}
+            out_metrics = {**metrics, "loss:sum": float(loss.detach().sum()), "surrogate_loss:sum": surrogate}
             return ForwardBackwardOutput(logprobs=[lp.detach().numpy().astype(np.float32) for lp in lps],
                                          metrics=out_metrics)
 

@@ -19,8 +19,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from backends import losses
-from backends.base import BackendError, CustomLossFn, Future
+from backends.base import CustomLossFn, Future, loss_of
 from backends.tokenizer import Tokenizer
 from backends.types import (
     AdamParams,
@@ -77,18 +76,11 @@ class ProbeTraining:
     def _loss(self, data: list[Datum], loss_fn: LossFn, config: dict[str, float]) -> ForwardBackwardOutput:
         import torch
 
-        try:
-            spec = losses.get(loss_fn)
-            cfg = spec.resolve(config)
-        except ValueError as exc:
-            raise BackendError(str(exc), user_error=True) from None
-
+        loss_of_datum = loss_of(loss_fn, config)
         lps, total = [], 0.0
         for d in data:
-            d.check_for(loss_fn)
             lp = self._logprobs(d)
-            inputs = losses.LossInputs.of(d, lambda x: torch.as_tensor(x, dtype=torch.float64))
-            total += float(spec.masked_sum(torch.as_tensor(lp, dtype=torch.float64), inputs, cfg))
+            total += float(loss_of_datum(d, torch.as_tensor(lp, dtype=torch.float64)))
             lps.append(lp)
         return ForwardBackwardOutput(logprobs=lps, metrics={"loss:sum": total})
 
@@ -110,7 +102,7 @@ class ProbeTraining:
             grads = [lp.grad.numpy() if lp.grad is not None else np.zeros(lp.shape) for lp in lps]
             surrogate = sum(float((g * lp.detach().numpy()).sum()) for g, lp in zip(grads, lps, strict=True))
             return ForwardBackwardOutput(logprobs=[lp.detach().numpy().astype(np.float32) for lp in lps],
-                                         metrics={**metrics, "loss:sum": float(loss.sum()),
+                                         metrics={**metrics, "loss:sum": float(loss.detach().sum()),
                                                   "surrogate_loss:sum": surrogate})
 
         return _now(run)
