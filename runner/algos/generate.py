@@ -1,4 +1,4 @@
-"""`algo = {kind = "generate"}` behind the loop's Algorithm interface: the first stage of prompt distillation.
+"""`algo = {kind = "generate", ...}` behind the loop's Algorithm interface: the first stage of prompt distillation.
 
 Step k samples the teacher (with its `system` prompt) over prompts [k·batch_size, (k+1)·batch_size) and writes the
 conversations *without* the system prompt to generated/step_<k>.jsonl in the run dir, one file per step written
