@@ -36,10 +36,12 @@ import itertools
 import json
 import math
 import os
+import queue as queues
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -446,6 +448,9 @@ def run_sweep(sweep: Sweep, parallel: int | None, out: TextIO | None = None) -> 
     preexec = _die_with_parent if sys.platform.startswith("linux") else None
     queue = list(todo)
     running: dict[subprocess.Popen[bytes], tuple[Point, float]] = {}
+    # Each point's exit is posted here by a thread that waits on it: the scheduler sleeps until a point ends (or a
+    # Ctrl-C), no polling.
+    ended: queues.SimpleQueue[subprocess.Popen[bytes]] = queues.SimpleQueue()
     failed: list[str] = []
     interrupts = 0
     while queue or running:
@@ -468,8 +473,11 @@ def run_sweep(sweep: Sweep, parallel: int | None, out: TextIO | None = None) -> 
                         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                         preexec_fn=preexec)  # noqa: PLW1509
                 running[proc] = (p, time.monotonic())
+                threading.Thread(target=_post_exit, args=(proc, ended), daemon=True).start()
                 say(f"[{index[p.name]}/{total}] {'start':<7}{p.name:<{width}}  {p.status}")
-            for proc in [q for q in running if q.poll() is not None]:
+            if not running:
+                continue
+            for proc in _exited(ended):
                 p, t0 = running.pop(proc)
                 run_dir = Path(p.recipe.log_dir or "")
                 took = f"{time.monotonic() - t0:.1f}s"
@@ -483,7 +491,6 @@ def run_sweep(sweep: Sweep, parallel: int | None, out: TextIO | None = None) -> 
                     failed.append(p.name)
                     say(f"[{index[p.name]}/{total}] {'FAILED':<7}{p.name:<{width}}  exit {proc.returncode} after "
                         f"{took}: {_last_error(run_dir / OUTPUT_LOG)} (log: {run_dir / OUTPUT_LOG})")
-            time.sleep(0.1)
         except KeyboardInterrupt:
             # The points run in their own sessions (a terminal's Ctrl-C reaches only this process): pass it on,
             # once (each finishes its submitted steps and saves a checkpoint), or again to make them quit now.
@@ -501,6 +508,20 @@ def run_sweep(sweep: Sweep, parallel: int | None, out: TextIO | None = None) -> 
     done = total - len(failed)
     say(f"sweep {sweep.dir}: {done} of {total} points done" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
+
+
+def _post_exit(proc: subprocess.Popen[bytes], ended: queues.SimpleQueue[subprocess.Popen[bytes]]) -> None:
+    proc.wait()
+    ended.put(proc)
+
+
+def _exited(ended: queues.SimpleQueue[subprocess.Popen[bytes]]) -> list[subprocess.Popen[bytes]]:
+    """The points that have exited: blocks until one has (a Ctrl-C still interrupts the wait), then takes every other
+    that has too."""
+    done = [ended.get()]
+    while not ended.empty():
+        done.append(ended.get_nowait())
+    return done
 
 
 def _last_error(log: Path) -> str:
