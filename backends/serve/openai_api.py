@@ -21,7 +21,7 @@ import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from backends.errors import UserError
 from backends.serve import responses, streaming
@@ -41,7 +41,7 @@ from backends.serve.chat_api import (
 )
 from backends.serve.files import copy_folder
 from backends.serve.limits import json_depth_ok
-from backends.serve.memory import fmt_bytes
+from backends.serve.memory import Memory, fmt_bytes
 from backends.serve.replies import ApiError, Reply
 from backends.tokenizer import Tokenizer
 from backends.types import Json, SampleOutput, SamplingParams
@@ -51,10 +51,10 @@ if TYPE_CHECKING:
 
     from backends.base import Future
     from backends.local.backend import LocalSamplingClient
-    from backends.serve.limits import Budget
-    from backends.serve.samplers import SamplerSession
-    from backends.serve.service import Service  # which imports this module
+    from backends.serve.limits import Budget, Limits
+    from backends.serve.samplers import SamplerPool, SamplerSession
     from backends.serve.sessions import ServedModel
+    from backends.serve.store import Store
 
 T = TypeVar("T")
 
@@ -81,11 +81,27 @@ class OpenAIHooks:
     local_model: Callable[[str], LocalModel | None] = lambda _: None
 
 
+class Served(Protocol):
+    """What the /v1 routes use of the Tinker service (backends/serve/service.py Service, which imports this module)."""
+
+    api_key: str | None
+    limits: Limits
+    models: dict[str, ServedModel]
+    memory: Memory
+    budget: Budget
+    pool: SamplerPool
+    store: Store
+
+    def _served(self, name: str) -> ServedModel: ...
+    def _parse_path(self, path: str) -> tuple[str, str, str]: ...
+    def _sample_bytes(self, model: ServedModel, n: int, prompt: int, max_tokens: int, want_lps: bool) -> int: ...
+
+
 class OpenAIRoutes:
     """`/v1/...` on runner serve. Each distinct `model` gets one sampling session in the service's sampler pool
     (loaded on demand, freed when idle like the SDK's), so the pool's caps hold for these requests too."""
 
-    def __init__(self, service: Service, hooks: OpenAIHooks | None = None):
+    def __init__(self, service: Served, hooks: OpenAIHooks | None = None):
         self.service = service
         self.hooks = hooks
         self._lock = threading.Lock()
