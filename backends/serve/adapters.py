@@ -12,20 +12,25 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from backends.base import Future
+from backends.base import CustomLossFn, Future
 from backends.serve import sequence_losses as extra_losses
 from backends.serve import wire
 from backends.serve.replies import Reply
-from backends.types import LOSS_FNS, Datum, ForwardBackwardOutput
+from backends.serve.sessions import Op
+from backends.types import LOSS_FNS, Datum, ForwardBackwardOutput, SampleOutput
+
+if TYPE_CHECKING:
+    import torch
+
+    from backends.local.backend import LocalTrainingClient
 
 STABILITY_TTL_S = 86400.0  # recorded sequences for stable_reinforce (the service keeps them a day)
 STABILITY_MAX = 200_000
-
-Op = Callable[[Any], tuple[Future[Any], Callable[[Any], Reply]]]
+FbOp = Op[ForwardBackwardOutput]  # a forward_backward request's op: its reply is the output as protobuf
 
 
 class Stability:
@@ -35,7 +40,7 @@ class Stability:
         self._lock = threading.Lock()
         self._records: collections.OrderedDict[str, tuple[np.ndarray, np.ndarray, float]] = collections.OrderedDict()
 
-    def record(self, seq_ids: list[str], out: Any) -> None:
+    def record(self, seq_ids: list[str], out: SampleOutput) -> None:
         t = time.monotonic()
         with self._lock:
             for sid, s in zip(seq_ids, out.sequences, strict=True):
@@ -65,7 +70,7 @@ def fb_reply(out: ForwardBackwardOutput) -> Reply:
 
 
 def loss_op(loss_fn: str, wds: list[wire.WireDatum], cfg: dict[str, float | str], forward_only: bool,
-            stability: Stability) -> Op:
+            stability: Stability) -> FbOp:
     """The op for a forward_backward request; ValueError (the client's fault) when it cannot run."""
     if not wds:
         raise ValueError("no data")
@@ -76,8 +81,9 @@ def loss_op(loss_fn: str, wds: list[wire.WireDatum], cfg: dict[str, float | str]
             if isinstance(v, str):
                 raise ValueError(f"loss_fn_config {k!r} must be a number for {loss_fn!r}, not {v[:40]!r}")
             numbers[k] = float(v)
-        method = "forward" if forward_only else "forward_backward"
-        return lambda tc: (getattr(tc, method)(data, loss_fn, numbers or None), fb_reply)
+        if forward_only:
+            return lambda tc: (tc.forward(data, loss_fn, numbers or None), fb_reply)
+        return lambda tc: (tc.forward_backward(data, loss_fn, numbers or None), fb_reply)
     if loss_fn not in extra_losses.EXTRA_LOSSES:
         raise ValueError(f"unknown loss_fn {loss_fn[:60]!r}; runner serve offers "
                          f"{', '.join([*LOSS_FNS, *extra_losses.EXTRA_LOSSES])} "
@@ -88,7 +94,7 @@ def loss_op(loss_fn: str, wds: list[wire.WireDatum], cfg: dict[str, float | str]
     if forward_only:
         probe = [dataclasses.replace(d, weights=np.zeros(d.target_tokens.shape, np.float32)) for d in data]
 
-        def fwd(tc: Any) -> tuple[Future[Any], Callable[[Any], Reply]]:
+        def fwd(tc: LocalTrainingClient) -> tuple[Future[ForwardBackwardOutput], Callable[[ForwardBackwardOutput], Reply]]:
             return tc.forward(probe, "cross_entropy"), lambda out: fb_reply(_forward_value(out, fn, data))
 
         return fwd
@@ -141,10 +147,10 @@ def _builtin_metrics(out: ForwardBackwardOutput) -> ForwardBackwardOutput:
     return ForwardBackwardOutput(out.logprobs, {k: v for k, v in out.metrics.items() if k != "surrogate_loss:sum"})
 
 
-def _custom_loss(loss_fn: str, per_datum: list[dict[str, np.ndarray]], conf: dict[str, float]) -> Callable[..., Any]:
+def _custom_loss(loss_fn: str, per_datum: list[dict[str, np.ndarray]], conf: dict[str, float]) -> CustomLossFn:
     import torch
 
-    def fn(data: list[Datum], logprobs: list[Any]) -> tuple[Any, dict[str, float]]:
+    def fn(data: list[Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         total = torch.zeros((), dtype=torch.float32)
         for lp, x in zip(logprobs, per_datum, strict=True):
             t = {k: torch.as_tensor(v, dtype=lp.dtype) for k, v in x.items()}
@@ -157,7 +163,7 @@ def _custom_loss(loss_fn: str, per_datum: list[dict[str, np.ndarray]], conf: dic
     return fn
 
 
-def _forward_value(out: ForwardBackwardOutput, fn: Callable[..., Any], data: list[Datum]) -> ForwardBackwardOutput:
+def _forward_value(out: ForwardBackwardOutput, fn: CustomLossFn, data: list[Datum]) -> ForwardBackwardOutput:
     import torch
 
     with torch.no_grad():

@@ -21,7 +21,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import ParamSpec, Protocol, TypeVar
 
 from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
@@ -52,6 +52,9 @@ MAX_FIELD = MAX_LINE - 1
 DISCONNECTS = (ConnectionError, TimeoutError)
 _END = object()
 
+P = ParamSpec("P")
+T = TypeVar("T")
+
 
 class App(Protocol):
     @property
@@ -68,20 +71,26 @@ class Workers(concurrent.futures.Executor):
 
     def __init__(self, max_workers: int = MAX_WORKERS):
         self.max_workers = max_workers
-        self._jobs: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]] | None]
-        self._jobs = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()  # None: a worker's stop
         self._lock = threading.Lock()
         self._threads = 0
         self._idle = 0
         self._closed = False
 
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        call = (lambda: fn(*args, **kwargs)) if kwargs else fn
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> concurrent.futures.Future[T]:
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def job() -> None:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args, **kwargs))
+                except BaseException as exc:  # noqa: BLE001 - handed to the awaiting handler
+                    fut.set_exception(exc)
+
         with self._lock:
             if self._closed:
                 raise RuntimeError("the server is stopping")
-            self._jobs.put((fut, call, () if kwargs else args))
+            self._jobs.put(job)
             if self._idle:
                 self._idle -= 1
             elif self._threads < self.max_workers:
@@ -94,12 +103,7 @@ class Workers(concurrent.futures.Executor):
             job = self._jobs.get()
             if job is None:
                 return
-            fut, fn, args = job
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(*args))
-                except BaseException as exc:  # noqa: BLE001 - handed to the awaiting handler
-                    fut.set_exception(exc)
+            job()
             with self._lock:
                 self._idle += 1
 

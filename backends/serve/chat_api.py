@@ -16,7 +16,7 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import msgspec
 
@@ -25,6 +25,9 @@ from backends.serve.limits import Limits, to_float, to_int
 from backends.serve.replies import ApiError, json_bytes
 from backends.tokenizer import Tokenizer
 from backends.types import Json, SampledSequence, SampleOutput, SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MODEL_NOT_FOUND = "model_not_found"  # the code of a 404 about `model` (an unknown route has none)
 MAX_N = 128  # OpenAI's own cap on `n`
@@ -57,7 +60,7 @@ class ChatFormat(Protocol):
 
 
 # backends/serve/topk.py topk_and_own: (top ids, their logprobs, each position's own token's logprob), one pass
-TopK = Callable[[list[int], int, float, Sequence[int]], tuple[Any, Any, Any]]
+TopK = Callable[[list[int], int, float, Sequence[int]], tuple["np.ndarray", "np.ndarray", "np.ndarray"]]
 
 
 # ---------------------------------------------------------------- reading requests
@@ -137,7 +140,7 @@ class ChatRequest(Sampling):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[Any] | None = None  # a string, or a list of strings, token ids or lists of ids (checked)
+    prompt: str | list[object] | None = None  # a string, or a list of strings, token ids or lists of ids (checked)
     echo: bool | None = None
     logprobs: bool | int | None = None  # an int: how many top_logprobs
     suffix: str | None = None

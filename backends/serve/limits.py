@@ -6,13 +6,14 @@ retries 408/409/429/5xx for minutes, and raises at once on other 4xx.
 
 from __future__ import annotations
 
+import builtins
 import json
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar, overload
 
 from backends.serve.memory import Memory, fmt_bytes
 from backends.serve.replies import ApiError
@@ -44,71 +45,108 @@ class Limits:
 
 
 _ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]*")
-_MISSING: Any = object()
+D = TypeVar("D")  # a field's default: what a Fields getter returns when the field is absent or null
+
+
+class _Missing:
+    """No default: the field is required."""
+
+
+_MISSING = _Missing()
 
 
 class Fields:
-    """Typed access to a JSON request's fields: a wrong type or value is a 400 naming the field."""
+    """Typed access to a JSON request's fields: a wrong type or value is a 400 naming the field. A getter without a
+    default says the field is required; with one, an absent or null field is that default (its type joins the
+    getter's)."""
 
-    def __init__(self, req: Json, limits: Limits):
+    def __init__(self, req: Mapping[builtins.str, object], limits: Limits):
         self.req = req
         self.limits = limits
 
-    def _get(self, key: str, default: Any) -> Any:
+    def _default(self, key: builtins.str, default: D | _Missing) -> D:
+        if isinstance(default, _Missing):
+            raise ApiError(400, f"{key} is required")
+        return default
+
+    @overload
+    def str(self, key: builtins.str, *, max_chars: builtins.int | None = None) -> builtins.str: ...
+    @overload
+    def str(self, key: builtins.str, default: D, max_chars: builtins.int | None = None) -> builtins.str | D: ...
+    def str(self, key: builtins.str, default: D | _Missing = _MISSING, max_chars: builtins.int | None = None
+            ) -> builtins.str | D:
         v = self.req.get(key)
         if v is None:
-            if default is _MISSING:
-                raise ApiError(400, f"{key} is required")
-            return default
-        return v
-
-    def str(self, key: str, default: Any = _MISSING, max_chars: int | None = None) -> Any:
-        v = self._get(key, default)
-        if v is default:
-            return v
-        if not isinstance(v, str):
+            return self._default(key, default)
+        if not isinstance(v, builtins.str):
             raise ApiError(400, f"{key} must be a string, not {type(v).__name__}")
         limit = max_chars or self.limits.max_id_chars * 8
         if len(v) > limit:
             raise ApiError(413, f"{key} is {len(v)} characters; at most {limit}")
         return v
 
-    def id(self, key: str, default: Any = _MISSING) -> Any:
+    @overload
+    def id(self, key: builtins.str) -> builtins.str: ...
+    @overload
+    def id(self, key: builtins.str, default: D) -> builtins.str | D: ...
+    def id(self, key: builtins.str, default: D | _Missing = _MISSING) -> builtins.str | D:
         """A session, model or sampler id: letters, digits, '_', '.', ':', '-', at most max_id_chars."""
-        v = self.str(key, default, max_chars=self.limits.max_id_chars)
-        if v is default:
-            return v
+        if self.req.get(key) is None:
+            return self._default(key, default)
+        v = self.str(key, max_chars=self.limits.max_id_chars)
         check_id(key, v, self.limits)
         return v
 
-    def int(self, key: str, default: Any = _MISSING, lo: int | None = None, hi: int | None = None) -> Any:
-        v = self._get(key, default)
-        if v is default:
-            return v
+    @overload
+    def int(self, key: builtins.str, *, lo: builtins.int | None = None, hi: builtins.int | None = None
+            ) -> builtins.int: ...
+    @overload
+    def int(self, key: builtins.str, default: D, lo: builtins.int | None = None, hi: builtins.int | None = None
+            ) -> builtins.int | D: ...
+    def int(self, key: builtins.str, default: D | _Missing = _MISSING, lo: builtins.int | None = None,
+            hi: builtins.int | None = None) -> builtins.int | D:
+        v = self.req.get(key)
+        if v is None:
+            return self._default(key, default)
         return to_int(key, v, lo, hi)
 
-    def float(self, key: str, default: Any = _MISSING, lo: float | None = None, hi: float | None = None) -> Any:
-        v = self._get(key, default)
-        if v is default:
-            return v
+    @overload
+    def float(self, key: builtins.str, *, lo: builtins.float | None = None, hi: builtins.float | None = None
+              ) -> builtins.float: ...
+    @overload
+    def float(self, key: builtins.str, default: D, lo: builtins.float | None = None, hi: builtins.float | None = None
+              ) -> builtins.float | D: ...
+    def float(self, key: builtins.str, default: D | _Missing = _MISSING, lo: builtins.float | None = None,
+              hi: builtins.float | None = None) -> builtins.float | D:
+        v = self.req.get(key)
+        if v is None:
+            return self._default(key, default)
         return to_float(key, v, lo, hi)
 
-    def bool(self, key: str, default: bool = False) -> bool:
-        v = self._get(key, default)
-        if not isinstance(v, bool):
+    def bool(self, key: builtins.str, default: builtins.bool = False) -> builtins.bool:
+        v = self.req.get(key)
+        if v is None:
+            return default
+        if not isinstance(v, builtins.bool):
             raise ApiError(400, f"{key} must be true or false, not {type(v).__name__}")
         return v
 
-    def dict(self, key: str, default: Any = _MISSING) -> Any:
-        v = self._get(key, default)
-        if v is not default and not isinstance(v, dict):
+    @overload
+    def dict(self, key: builtins.str) -> builtins.dict[builtins.str, object]: ...
+    @overload
+    def dict(self, key: builtins.str, default: D) -> builtins.dict[builtins.str, object] | D: ...
+    def dict(self, key: builtins.str, default: D | _Missing = _MISSING) -> builtins.dict[builtins.str, object] | D:
+        v = self.req.get(key)
+        if v is None:
+            return self._default(key, default)
+        if not isinstance(v, builtins.dict):
             raise ApiError(400, f"{key} must be an object, not {type(v).__name__}")
         return v
 
-    def sub(self, key: str) -> Fields:
+    def sub(self, key: builtins.str) -> Fields:
         return Fields(self.dict(key, {}), self.limits)
 
-    def metadata(self, key: str = "user_metadata") -> Json | None:
+    def metadata(self, key: builtins.str = "user_metadata") -> Json | None:
         v = self.dict(key, None)
         if v is not None and len(json.dumps(v)) > self.limits.max_metadata_bytes:
             raise ApiError(413, f"{key} is over {self.limits.max_metadata_bytes} bytes as JSON")

@@ -21,7 +21,7 @@ import os
 import re
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from backends.serve.replies import ApiError
 
@@ -61,16 +61,16 @@ def shapes(path: str) -> Shapes:
     from backends.local import model as M
 
     folder = M.resolve_model_dir(path)
-    cfg: Any = transformers.AutoConfig.from_pretrained(folder)
+    cfg: transformers.PretrainedConfig = transformers.AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
-        model: Any = transformers.AutoModelForCausalLM.from_config(cfg)
+        model: torch.nn.Module = transformers.AutoModelForCausalLM.from_config(cfg)
     groups: dict[str, tuple[tuple[int, int], ...]] = {}
     for key, flags in (("attn", (True, False, False)), ("mlp", (False, True, False)), ("unembed", (False, False, True))):
         try:
             names = M.lora_targets(model, *flags)
         except Exception:  # noqa: BLE001 - a model with no such layers (lora_targets raises UserError)
             names = ()
-        groups[key] = tuple((m.in_features, m.out_features) for m in (model.get_submodule(n) for n in names))
+        groups[key] = tuple(_in_out(model.get_submodule(n)) for n in names)
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     heads = int(text.num_attention_heads)
     return Shapes(
@@ -80,6 +80,13 @@ def shapes(path: str) -> Shapes:
         head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
         vocab=int(text.vocab_size),
         attn=groups["attn"], mlp=groups["mlp"], unembed=groups["unembed"])
+
+
+def _in_out(layer: torch.nn.Module) -> tuple[int, int]:
+    import torch
+
+    assert isinstance(layer, torch.nn.Linear), type(layer)  # lora_targets names Linear layers only
+    return layer.in_features, layer.out_features
 
 
 def lora_params(s: Shapes, rank: int, attn: bool, mlp: bool, unembed: bool) -> int:

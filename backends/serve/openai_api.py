@@ -21,7 +21,7 @@ import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from backends.errors import UserError
 from backends.serve import responses, streaming
@@ -41,16 +41,22 @@ from backends.serve.chat_api import (
 )
 from backends.serve.files import copy_folder
 from backends.serve.limits import json_depth_ok
-from backends.serve.memory import fmt_bytes
+from backends.serve.memory import Memory, fmt_bytes
 from backends.serve.replies import ApiError, Reply
 from backends.tokenizer import Tokenizer
 from backends.types import Json, SampleOutput, SamplingParams
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from backends.base import Future
-    from backends.serve.limits import Budget
-    from backends.serve.samplers import SamplerSession
+    from backends.local.backend import LocalSamplingClient
+    from backends.serve.limits import Budget, Limits
+    from backends.serve.samplers import SamplerPool, SamplerSession
     from backends.serve.sessions import ServedModel
+    from backends.serve.store import Store
+
+T = TypeVar("T")
 
 # ---------------------------------------------------------------- runner serve's routes
 
@@ -75,12 +81,27 @@ class OpenAIHooks:
     local_model: Callable[[str], LocalModel | None] = lambda _: None
 
 
+class Served(Protocol):
+    """What the /v1 routes use of the Tinker service (backends/serve/service.py Service, which imports this module)."""
+
+    api_key: str | None
+    limits: Limits
+    models: dict[str, ServedModel]
+    memory: Memory
+    budget: Budget
+    pool: SamplerPool
+    store: Store
+
+    def _served(self, name: str) -> ServedModel: ...
+    def _parse_path(self, path: str) -> tuple[str, str, str]: ...
+    def _sample_bytes(self, model: ServedModel, n: int, prompt: int, max_tokens: int, want_lps: bool) -> int: ...
+
+
 class OpenAIRoutes:
     """`/v1/...` on runner serve. Each distinct `model` gets one sampling session in the service's sampler pool
     (loaded on demand, freed when idle like the SDK's), so the pool's caps hold for these requests too."""
 
-    def __init__(self, service: Any, hooks: OpenAIHooks | None = None):
-        # service: backends.serve.service.Service (not imported: it imports this module)
+    def __init__(self, service: Served, hooks: OpenAIHooks | None = None):
         self.service = service
         self.hooks = hooks
         self._lock = threading.Lock()
@@ -463,7 +484,7 @@ def _same_dir(a: str, b: str) -> bool:
         return False
 
 
-def _user_result(fut: Any) -> Any:
+def _user_result(fut: Future[T]) -> T:
     """A sampling future's result; a refusal that is the request's own (a prompt that fills the model's context:
     BackendError.user_error, as the Tinker API's futures fail with category `user`) is a 400, not a 500."""
     from backends.base import BackendError
@@ -476,13 +497,13 @@ def _user_result(fut: Any) -> Any:
         raise ApiError(400, exc.detail) from None
 
 
-def _topk_of(sc: Any) -> TopK | None:
-    model = getattr(sc, "model", None)
-    if model is None:
-        return None
+def _topk_of(sc: LocalSamplingClient) -> TopK:
     from backends.serve.topk import topk_and_own
 
-    def topk(tokens: list[int], k: int, temperature: float, positions: Sequence[int]) -> tuple[Any, Any, Any]:
+    model = sc.model
+
+    def topk(tokens: list[int], k: int, temperature: float, positions: Sequence[int]
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return topk_and_own(model, tokens, k, temperature, positions)
 
     return topk

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 from backends.base import BackendError, Future
 from backends.errors import UserError
@@ -28,6 +28,7 @@ log = logging.getLogger("runner.serve")
 
 NOT_LOADED = "training_run_not_loaded"  # the code of a reply about a run this server does not hold (docs/serve.md)
 PROMISE_KEEP_S = 900.0  # a result stays retrievable this long after it is ready
+R = TypeVar("R")
 
 
 class ApiError(Exception):
@@ -120,18 +121,17 @@ class Promise:
         return self.future.done()
 
 
-def deliver(promise: Promise, fut: Future[Any] | concurrent.futures.Future[Any], to_reply: Callable[[Any], Reply]) -> None:
+def deliver(promise: Promise, fut: Future[R], to_reply: Callable[[R], Reply]) -> None:
     """Resolve `promise` from an engine future: to_reply(result), or the error as a failed request."""
-    inner = fut.future() if isinstance(fut, Future) else fut
 
-    def done(f: concurrent.futures.Future[Any]) -> None:
+    def done(_: object) -> None:  # the future is done: its result() returns (or raises) at once
         try:
-            reply = to_reply(f.result())
+            reply = to_reply(fut.result())
         except BaseException as exc:  # noqa: BLE001 - reported to the client as a failed request
             reply = error_reply(exc)
         promise.resolve(reply)
 
-    inner.add_done_callback(done)
+    fut.future().add_done_callback(done)
 
 
 class Promises:

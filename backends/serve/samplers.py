@@ -14,11 +14,17 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from backends.base import Future
 from backends.serve.replies import NOT_LOADED, ApiError
 from backends.serve.sessions import ServedModel
+
+if TYPE_CHECKING:
+    import torch
+
+    from backends.local.backend import LocalSamplingClient
+    from backends.local.model import TrainSetup
 
 log = logging.getLogger("runner.serve")
 
@@ -36,8 +42,8 @@ class SamplerSession:
     session_id: str
     model_path: str | None
     source: Path | None = None
-    weights: tuple[dict[str, Any], Any, int] | None = None  # (trainable tensors, TrainSetup, step)
-    client: Future[Any] | None = None
+    weights: tuple[dict[str, torch.Tensor], TrainSetup, int] | None = None  # (trainable tensors, their setup, step)
+    client: Future[LocalSamplingClient] | None = None
     last_used: float = field(default_factory=time.monotonic)
     run_id: str | None = None  # the training run of an inflight client (it follows that run's inflight saves)
 
@@ -85,19 +91,18 @@ class SamplerPool:
         c = sess.client
         return c is not None and not (c.done() and c.future().exception() is not None)
 
-    def client(self, sess: SamplerSession) -> Future[Any]:
+    def client(self, sess: SamplerSession) -> Future[LocalSamplingClient]:
         """The session's loaded sampling client, rebuilding it if it was freed."""
         with self._lock:
             sess.last_used = time.monotonic()
             if sess.client is not None and not (sess.client.done() and sess.client.future().exception()):
                 return sess.client
-            engine = sess.model.engine()
             if sess.source is None and sess.weights is not None:
                 self._spill(sess)
             if sess.source is not None:
-                client = engine.create_sampling_client(model_path=str(sess.source))
+                client = sess.model.new_sampler(model_path=str(sess.source))
             else:
-                client = engine.create_sampling_client(base_model=sess.model.path)
+                client = sess.model.new_sampler(base_model=sess.model.path)
             sess.client = client
         self.evict(keep=sess.sampler_id)
         return client
@@ -149,7 +154,7 @@ class SamplerPool:
             return list(self._by_id)
 
 
-_libc: list[Any] = []
+_libc: list[Callable[[int], object] | None] = []  # glibc's malloc_trim, or None where there is none
 
 
 def trim_heap() -> None:

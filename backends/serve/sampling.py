@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from backends.serve.samplers import Gather, SamplerPool, SamplerSession
 from backends.serve.sessions import ServedModel, Session
 from backends.serve.store import Store
 from backends.types import SampleOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from backends.local.backend import LocalSamplingClient
 
 
 class SamplingRoutes:
@@ -83,7 +86,7 @@ class SamplingRoutes:
         promise, reply = self.promises.new("asample", {"sample_sequence_ids": seq_ids})
         held = _Held(self.budget, cost, nbytes)
 
-        def run(sc: Any) -> None:
+        def run(sc: LocalSamplingClient) -> None:
             sample = sc.sample(prompt, n, params)
             lps = sc.compute_logprobs(prompt) if want_lps else None
             lock, finished = threading.Lock(), []
@@ -124,13 +127,13 @@ class SamplingRoutes:
                 promise.resolve(error_reply(exc))
                 return
 
-            def start(fut: concurrent.futures.Future[Any]) -> None:
-                exc = fut.exception()
+            def start(_: object) -> None:
+                exc = client.future().exception()
                 if exc is not None:
                     promise.resolve(error_reply(exc))
                     return
                 try:
-                    run(fut.result())
+                    run(client.result())
                 except BaseException as e:  # noqa: BLE001
                     promise.resolve(error_reply(e))
 
@@ -214,7 +217,7 @@ def _last_n(lps: list[float | None] | None, last_n: int | None) -> list[float | 
     return [None] * cut + lps[cut:]
 
 
-def _with_topk(promise: Promise, sc: Any, prompt: list[int], out: SampleOutput, prompt_lps: list[float | None] | None,
+def _with_topk(promise: Promise, sc: LocalSamplingClient, prompt: list[int], out: SampleOutput, prompt_lps: list[float | None] | None,
                k_prompt: int, k_sample: int, temperature: float, last_n: int | None) -> None:
     try:
         from backends.serve.topk import topk_logprobs

@@ -32,7 +32,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from backends.errors import UserError
 from backends.serve.adapters import Stability
@@ -179,7 +178,7 @@ class Service(TrainingRoutes, SamplingRoutes, RestRoutes):
         return reply
 
     def _handle(self, method: str, route: str, path: str, headers: dict[str, str], body: bytes, base_url: str) -> Reply:
-        req: Any = None
+        req: object = None  # the body, once parsed
         try:
             if route == "forward_backward":
                 if method != "POST":

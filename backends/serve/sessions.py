@@ -9,19 +9,39 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
-from backends.base import Future
+from backends.base import Future, SamplingClient, TrainingClient
 from backends.serve.replies import ApiError, Promise, Reply, deliver, error_reply
 from backends.types import LoraSpec
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from backends.local.backend import LocalBackend
+    from backends.local.backend import LocalBackend, LocalSamplingClient, LocalTrainingClient
 
+R = TypeVar("R")  # what an op's engine future yields
 # An op gets the run's training client and returns the engine future plus how to turn its result into a reply.
-Op = Callable[[Any], tuple[Future[Any], Callable[[Any], Reply]]]
+Op = Callable[["LocalTrainingClient"], tuple[Future[R], Callable[[R], Reply]]]
+
+
+def local_trainer(tc: TrainingClient) -> LocalTrainingClient:
+    """The training client a served model's LocalBackend made, as the class it is (runner serve also reads its
+    `setup`, `step` and `trained_weights`, which the TrainingClient protocol does not offer)."""
+    from backends.local.backend import LocalTrainingClient
+
+    if not isinstance(tc, LocalTrainingClient):
+        raise TypeError(f"runner serve trains with LocalBackend's clients, not {type(tc).__name__}")
+    return tc
+
+
+def local_sampler(sc: SamplingClient) -> LocalSamplingClient:
+    """The sampling client a served model's LocalBackend made, as the class it is (the top-k pass reads its `model`)."""
+    from backends.local.backend import LocalSamplingClient
+
+    if not isinstance(sc, LocalSamplingClient):
+        raise TypeError(f"runner serve samples with LocalBackend's clients, not {type(sc).__name__}")
+    return sc
 
 
 @dataclass
@@ -41,6 +61,17 @@ class ServedModel:
                 self.backend = self.make_backend()
             return self.backend
 
+    def new_trainer(self, spec: LoraSpec) -> Future[LocalTrainingClient]:
+        return self.engine().create_training_client(spec).map(local_trainer)
+
+    def trainer_from_state(self, folder: str, spec: LoraSpec, with_optimizer: bool) -> Future[LocalTrainingClient]:
+        return self.engine().create_training_client_from_state(folder, spec, with_optimizer=with_optimizer
+                                                               ).map(local_trainer)
+
+    def new_sampler(self, model_path: str | None = None, base_model: str | None = None
+                    ) -> Future[LocalSamplingClient]:
+        return self.engine().create_sampling_client(model_path=model_path, base_model=base_model).map(local_sampler)
+
 
 @dataclass
 class Session:
@@ -58,15 +89,15 @@ class Run:
     run_id: str
     model: ServedModel
     spec: LoraSpec
-    tc: Future[Any]
+    tc: Future[LocalTrainingClient]
     session_id: str
     next_seq: int = 1
     pending: dict[int, Callable[[], None]] = field(default_factory=dict)
-    inflight: set[str] = field(default_factory=set)
-    last: concurrent.futures.Future[Any] | None = None  # the engine future of the latest job handed over  # sampler ids of kind="inflight" clients (shared weights)
+    inflight: set[str] = field(default_factory=set)  # sampler ids of kind="inflight" clients (shared weights)
+    last: concurrent.futures.Future[object] | None = None  # the engine future of the latest job handed over
     lock: threading.RLock = field(default_factory=threading.RLock)
 
-    def enqueue(self, seq_id: int, promise: Promise, op: Op) -> None:
+    def enqueue(self, seq_id: int, promise: Promise, op: Op[R]) -> None:
         """Run op(training client) once every earlier seq_id of the run has been handed to it (its worker then
         executes them in that order)."""
 

@@ -21,7 +21,7 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -47,8 +47,12 @@ def write_json(path: Path, obj: object) -> None:
     os.replace(tmp, path)
 
 
-def read_json(path: Path) -> Any:
-    return json.loads(path.read_text())
+def read_json(path: Path) -> Json:
+    """A metadata file (run.json, a checkpoint's .json): a JSON object, else ValueError (as for a torn file)."""
+    obj = json.loads(path.read_text())
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} holds {type(obj).__name__}, not a JSON object")
+    return obj
 
 
 def dir_size(path: Path) -> int:

@@ -18,12 +18,15 @@ import dataclasses
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from backends.serve.chat_api import ChatFormat, Plan
 from backends.serve.replies import json_bytes
 from backends.tokenizer import Tokenizer
-from backends.types import Json
+from backends.types import Json, SampleOutput
+
+if TYPE_CHECKING:
+    from backends.base import Future
 
 POLL_S = 0.1
 DONE = -1  # the sample index of a prompt's "its future is done" event
@@ -64,9 +67,10 @@ class ChoiceText:
         return final[len(self.sent):] if final.startswith(self.sent) else ""
 
 
-def chunks(first: tuple[int, int, int | None], events: queue.SimpleQueue, futs: list[Any], plan: Plan, head: Json,
-           chat: bool, text_of: Callable[[list[int]], str], holdback: int,
-           finish: Callable[[int, Any], list[Json]], result: Callable[[Any], Any],
+def chunks(first: tuple[int, int, int | None], events: queue.SimpleQueue[tuple[int, int, int | None]],
+           futs: list[Future[SampleOutput]], plan: Plan, head: Json, chat: bool, text_of: Callable[[list[int]], str],
+           holdback: int, finish: Callable[[int, SampleOutput], list[Json]],
+           result: Callable[[Future[SampleOutput]], SampleOutput],
            gone: Callable[[], bool], cancelled: threading.Event, release: Callable[[], None]) -> Iterator[Json]:
     """The chunk objects of a streamed request (chat.completion.chunk or text_completion), then, with
     include_usage, the usage chunk; an {"error": ...} object ends it early. `first` is its first event (prompt,

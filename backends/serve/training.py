@@ -14,18 +14,21 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from backends.base import Future
 from backends.errors import UserError
 from backends.serve import memory, wire
-from backends.serve.adapters import Op, Stability, fb_reply, loss_op
+from backends.serve.adapters import FbOp, Stability, fb_reply, loss_op
 from backends.serve.limits import Fields, Limits, check_id, to_float
 from backends.serve.replies import NOT_LOADED, ApiError, Promises, Reply, deliver, failed
 from backends.serve.samplers import SamplerPool, SamplerSession
-from backends.serve.sessions import Run, ServedModel, Session
+from backends.serve.sessions import Run, ServedModel, Session, local_sampler
 from backends.serve.store import KINDS, Store, iso, now, valid_name
-from backends.types import AdamParams, Json, LoraSpec
+from backends.types import AdamParams, ForwardBackwardOutput, Json, LoraSpec
+
+if TYPE_CHECKING:
+    from backends.local.backend import LocalSamplingClient, LocalTrainingClient
 
 log = logging.getLogger("runner.serve")
 ADAM_FIELDS = tuple(f.name for f in dataclasses.fields(AdamParams))
@@ -86,7 +89,7 @@ class TrainingRoutes:
                     m.tokenizer_dir = dest
             return str(m.tokenizer_dir)
 
-    def _new_run(self, run_id: str, model: ServedModel, spec: LoraSpec, tc: Future[Any], session_id: str,
+    def _new_run(self, run_id: str, model: ServedModel, spec: LoraSpec, tc: Future[LocalTrainingClient], session_id: str,
                  user_metadata: Json | None, source: str | None = None) -> Run:
         run = Run(run_id, model, spec, tc, session_id)
         self.store.write_run(run_id, {
@@ -135,7 +138,7 @@ class TrainingRoutes:
         sid, run_id = self._new_run_id(f)
         self._reserve(run_id, model, spec)
         try:
-            tc = model.engine().create_training_client(spec)
+            tc = model.new_trainer(spec)
         except BaseException:
             self.memory.release(f"run:{run_id}")
             raise
@@ -203,7 +206,7 @@ class TrainingRoutes:
         sid, run_id = self._new_run_id(f)
         self._reserve(run_id, model, spec)
         try:
-            tc = model.engine().create_training_client_from_state(str(folder), spec, with_optimizer=with_opt)
+            tc = model.trainer_from_state(str(folder), spec, with_opt)
         except BaseException:
             self.memory.release(f"run:{run_id}")
             raise
@@ -225,19 +228,19 @@ class TrainingRoutes:
             raise ApiError(400, f"{path} is a checkpoint of {model.name}, and {run.run_id} trains {run.model.name}")
         promise, reply = self.promises.new("load_weights")
 
-        def op(old_tc: Any) -> tuple[Future[Any], Callable[[Any], Reply]]:
-            swapped: concurrent.futures.Future[Any] = concurrent.futures.Future()
-            loaded: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        def op(old_tc: LocalTrainingClient) -> tuple[Future[None], Callable[[None], Reply]]:
+            swapped: concurrent.futures.Future[LocalTrainingClient] = concurrent.futures.Future()
+            loaded: concurrent.futures.Future[None] = concurrent.futures.Future()
             prev, before = run.tc, run.last
             run.tc = Future(swapped)
 
-            def done(fut: concurrent.futures.Future[Any]) -> None:
-                exc = fut.exception()
+            def done(new: Future[LocalTrainingClient]) -> None:
+                exc = new.future().exception()
                 if exc is None:
                     run.spec = spec
                     self.memory.resize_run(run.run_id, memory.lora_bytes(
                         self._shapes(model), spec.rank, spec.train_attn, spec.train_mlp, spec.train_unembed))
-                    swapped.set_result(fut.result())
+                    swapped.set_result(new.result())
                     loaded.set_result(None)
                 else:
                     swapped.set_result(prev.result())
@@ -245,12 +248,12 @@ class TrainingRoutes:
 
             def start(_: object = None) -> None:  # after the run's earlier jobs (a save of this checkpoint, say)
                 try:
-                    new = model.engine().create_training_client_from_state(str(folder), spec, with_optimizer=with_opt)
+                    new = model.trainer_from_state(str(folder), spec, with_opt)
                 except BaseException as exc:  # noqa: BLE001 - a failed load leaves the run as it was
                     swapped.set_result(prev.result())
                     loaded.set_exception(exc)
                     return
-                new.future().add_done_callback(done)
+                new.future().add_done_callback(lambda _: done(new))
 
             if before is None:
                 start()
@@ -272,7 +275,7 @@ class TrainingRoutes:
         run = self._run(msg.model_id)
         route = "forward" if msg.forward_only else "forward_backward"
         promise, reply = self.promises.new(route)
-        op: Op | None = None
+        op: FbOp | None = None
         try:
             wds = [wire.decode_wire_datum(d) for d in msg.data]
             op = loss_op(msg.loss_fn, wds, wire.loss_config(msg), msg.forward_only, self.stability)
@@ -280,7 +283,7 @@ class TrainingRoutes:
             promise.resolve(failed(str(exc)[:500]))
         # A refused request spends its seq id all the same (later requests must not wait for it): its
         # promise is already resolved, so the op never runs.
-        run.enqueue(msg.seq_id, promise, op or (lambda tc: (Future.completed(None), fb_reply)))
+        run.enqueue(msg.seq_id, promise, op or (lambda tc: (Future.completed(ForwardBackwardOutput([], {})), fb_reply)))
         return reply
 
     def _optim_step(self, f: Fields) -> Reply:
@@ -313,10 +316,12 @@ class TrainingRoutes:
         ttl = f.int("ttl_seconds", None, lo=1)
         metadata = f.metadata()
         overwrite = f.bool("overwrite", False)
-        recipients = f.req.get("age_encryption_recipients") if kind == "external_weights" else None
-        if recipients:
-            if not isinstance(recipients, list) or not all(isinstance(r, str) for r in recipients):
+        raw = f.req.get("age_encryption_recipients") if kind == "external_weights" else None
+        recipients: list[str] = []
+        if raw:
+            if not isinstance(raw, list) or not all(isinstance(r, str) for r in raw):
                 raise ApiError(400, "age_encryption_recipients must be a list of strings")
+            recipients = [r for r in raw if isinstance(r, str)]
             # Encryption needs pyrage (optional: the cookbook's weights.download asks for it); checked now, so the
             # failure is immediate.
             if importlib.util.find_spec("pyrage") is None:
@@ -326,7 +331,7 @@ class TrainingRoutes:
         path = self.store.checkpoint_dir(run.run_id, kind, name)
         tinker_path = f"tinker://{target}"
 
-        def op(tc: Any) -> tuple[Future[Any], Callable[[Any], Reply]]:
+        def op(tc: LocalTrainingClient) -> tuple[Future[str], Callable[[str], Reply]]:
             if path.exists():
                 if not overwrite:
                     raise UserError(f"checkpoint {tinker_path} already exists (save_state(..., overwrite=True) replaces it)")
@@ -356,8 +361,8 @@ class TrainingRoutes:
             raise ApiError(400, f"kind must be 'snapshot' or 'inflight', not {kind[:40]!r}")
         promise, reply = self.promises.new("save_weights_for_sampler")
 
-        def op(tc: Any) -> tuple[Future[Any], Callable[[Any], Reply]]:
-            client = tc.save_weights_and_get_sampling_client()
+        def op(tc: LocalTrainingClient) -> tuple[Future[LocalSamplingClient], Callable[[LocalSamplingClient], Reply]]:
+            client = tc.save_weights_and_get_sampling_client().map(local_sampler)
             weights = tc.trained_weights()  # the next job in the same FIFO: the same weights
             sess = SamplerSession(sid, run.model, run.session_id, None, client=client,
                                   run_id=run.run_id if kind == "inflight" else None)
@@ -368,13 +373,13 @@ class TrainingRoutes:
                     run.inflight.add(sid)
                 for other in followers[1:]:
                     other.adopt(sess)
-            step = getattr(tc, "step", 0)
+            step = tc.step
 
-            def keep(fut: concurrent.futures.Future[Any]) -> None:
-                if fut.exception() is None:
+            def keep(_: object) -> None:
+                if weights.future().exception() is None:
                     for s in followers:
                         if s.client is client:  # not moved on to a later save meanwhile
-                            s.weights = (fut.result(), tc.setup, step)
+                            s.weights = (weights.result(), tc.setup, step)
 
             weights.future().add_done_callback(keep)
             self.pool.add(sess)
@@ -391,7 +396,7 @@ def _encrypt_folder(path: Path, recipients: list[str]) -> None:
     save_weights_external(age_encryption_recipients=...)."""
     import importlib
 
-    pyrage: Any = importlib.import_module("pyrage")  # optional; ships no type information
+    pyrage = importlib.import_module("pyrage")  # optional; ships no type information (its attributes are untyped)
     keys = []
     for r in recipients:
         keys.append(pyrage.ssh.Recipient.from_str(r) if r.startswith("ssh-") else pyrage.x25519.Recipient.from_str(r))

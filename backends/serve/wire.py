@@ -8,8 +8,8 @@ layer in front of it (tests/tinker_mock.py) reads requests with them.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
@@ -45,7 +45,7 @@ class WireDatum:
     target_spans: tuple[Span, ...] | None = None  # provenance of the loss_fn_inputs positions
 
 
-def _tensor(msg: Any) -> np.ndarray:
+def _tensor(msg: pb.Tensor) -> np.ndarray:
     dtypes = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
     if msg.dtype == pb.DTYPE_BFLOAT16:
         raw = np.frombuffer(msg.dense, dtype=np.uint16).astype(np.uint32) << 16
@@ -66,7 +66,7 @@ def _tensor(msg: Any) -> np.ndarray:
     return arr.reshape(shape) if shape else arr
 
 
-def _spans(msgs: Any) -> tuple[Span, ...] | None:
+def _spans(msgs: Iterable[pb.ProvenanceSpan]) -> tuple[Span, ...] | None:
     out = []
     for s in msgs:
         arm = s.WhichOneof("span")
@@ -77,7 +77,7 @@ def _spans(msgs: Any) -> tuple[Span, ...] | None:
     return tuple(out) if out else None
 
 
-def decode_wire_datum(d: Any) -> WireDatum:
+def decode_wire_datum(d: pb.Datum) -> WireDatum:
     tokens: list[int] = []
     for c in d.model_input:
         kind = c.WhichOneof("chunk") if hasattr(c, "WhichOneof") else "encoded_text"
@@ -97,7 +97,7 @@ def decode_wire_datum(d: Any) -> WireDatum:
     return WireDatum(datum, extra, _spans(d.loss_fn_input_spans))
 
 
-def decode_forward_backward(body: bytes, content_encoding: str | None = None) -> Any:
+def decode_forward_backward(body: bytes, content_encoding: str | None = None) -> pb.ForwardBackwardRequest:
     if content_encoding == "zstd":
         import zstandard
 
@@ -107,7 +107,7 @@ def decode_forward_backward(body: bytes, content_encoding: str | None = None) ->
     return msg
 
 
-def loss_config(msg: Any) -> dict[str, float | str]:
+def loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | str]:
     """loss_fn_config_v2 (numbers and strings), else the legacy float map."""
     out: dict[str, float | str] = {}
     for k, v in msg.loss_fn_config_v2.items():
@@ -130,7 +130,7 @@ def fb_proto(out: ForwardBackwardOutput) -> bytes:
     return msg.SerializeToString()
 
 
-def topk_proto(ids: np.ndarray, lps: np.ndarray) -> Any:
+def topk_proto(ids: np.ndarray, lps: np.ndarray) -> pb.TopkLogprobs:
     """An (N, K) top-k table as TopkLogprobs (row-major int32 ids and float32 logprobs)."""
     ids = np.ascontiguousarray(ids, dtype=np.int32)
     lps = np.ascontiguousarray(lps, dtype=np.float32)
