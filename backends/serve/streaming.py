@@ -22,7 +22,7 @@ from typing import Any
 
 from backends.serve.chat_api import ChatFormat, Plan
 from backends.serve.replies import json_bytes
-from backends.tokenizer import Tokenizer
+from backends.tokenizer import Tokenizer, decode_text
 from backends.types import Json
 
 POLL_S = 0.1
@@ -179,5 +179,5 @@ def chat_text(fmt: ChatFormat) -> Callable[[list[int]], str]:
 
 def completion_text(tokenizer: Tokenizer) -> Callable[[list[int]], str]:
     def text_of(tokens: list[int]) -> str:
-        return tokenizer.decode(tokens, skip_special_tokens=True)
+        return decode_text(tokenizer, tokens, skip_special_tokens=True)
     return text_of
