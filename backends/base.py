@@ -107,7 +107,7 @@ class Future(Generic[T_co]):
         raw = await asyncio.shield(asyncio.wrap_future(self._inner))
         return self._finish(raw)
 
-    def __await__(self) -> Generator[Any, None, T_co]:
+    def __await__(self) -> Generator[object, None, T_co]:
         return self.result_async().__await__()
 
     def done(self) -> bool:

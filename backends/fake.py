@@ -19,12 +19,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
 from backends.base import BackendError, CustomLossFn, Future, loss_of
-from backends.tokenizer import Tokenizer
+from backends.tokenizer import Tokenizer, decode_text, eos_token_id
 from backends.types import (
     TEMPERATURE_FLOOR,
     TOP_P_FLOOR,
@@ -56,8 +56,7 @@ class FakeBackend:
     def __init__(self, tokenizer: Tokenizer | None = None, *, vocab: int | None = None, delay: float = 0.0,
                  fail: str | None = None, storage_dir: Path | None = None):
         self.delay, self.fail = delay, fail
-        # Any: a transformers tokenizer meets the Tokenizer protocol by duck typing, not by its declared signatures.
-        self.tokenizer: Any = tokenizer
+        self.tokenizer = tokenizer
         # One logit per token the tokenizer knows, so samples always decode.
         self.vocab = vocab or (len(tokenizer) if tokenizer is not None else 512)
         # Saved states live in memory, or as .npz files (so a second process can resume from them).
@@ -295,7 +294,7 @@ class FakeSamplingClient:
         # TOP_P_FLOOR keeps only the most likely token (top_k and top_p above it are not modelled here).
         greedy = params.temperature < TEMPERATURE_FLOOR or params.top_p < TOP_P_FLOOR
         tok = self.backend.tokenizer
-        eos = getattr(tok, "eos_token_id", None)
+        eos = None if tok is None else eos_token_id(tok)
         seqs = []
         for k in range(num_samples):
             if params.seed is not None:
@@ -318,11 +317,14 @@ class FakeSamplingClient:
         return Future.completed([None] + [float(logp[t % len(logp)]) for t in tokens[1:]])
 
 
-def _stops(tokens: list[int], stop: list[str] | list[int] | None, eos: int | None, tok: Any) -> bool:
+def _stops(tokens: list[int], stop: list[str] | list[int] | None, eos: int | None, tok: Tokenizer | None) -> bool:
     if stop is None:
         return eos is not None and tokens[-1] == eos
     if not stop:
         return False
     if isinstance(stop[0], int):
         return tokens[-1] in stop
-    return tok is not None and any(tok.decode(tokens).endswith(s) for s in stop)
+    if tok is None:
+        return False
+    text = decode_text(tok, tokens)
+    return any(text.endswith(s) for s in stop if isinstance(s, str))

@@ -11,37 +11,58 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from backends.errors import UserError
 from backends.hub import TOKENIZER_PATTERNS, download, env_offline, first_line, hub_endpoint, hub_reachable
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as CoreTokenizer
+    from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 
 class Tokenizer(Protocol):
-    """What runner and backends/ use of a Hugging Face tokenizer (load_tokenizer loads one; tests build a tiny one).
-    The methods take what the Hugging Face ones take. Here, beside the loader, at the bottom of the import order
+    """What runner and backends/ use of a Hugging Face tokenizer (load_tokenizer loads one, a
+    transformers.PreTrainedTokenizerBase, which meets it; tests build a tiny one). Each method is declared as
+    narrow as our calls to it and returns what the Hugging Face one declares: decode's str or list[str] (a list
+    only for a batch of sequences), apply_chat_template's text, ids or BatchEncoding (text with tokenize=False);
+    callers narrow the result to what their call gives. Here, beside the loader, at the bottom of the import order
     (tests/test_import_graph.py: backends/ never imports runner/; runner/renderers/base.py re-exports it)."""
 
-    eos_token_id: Any
-    bos_token: Any
+    def encode(self, text: str, /, *, add_special_tokens: bool = ...) -> list[int]: ...
 
-    def encode(self, text: str, /, *args: Any, **kwargs: Any) -> list[int]: ...
+    def decode(self, token_ids: list[int], /, *, skip_special_tokens: bool = ...) -> str | list[str]: ...
 
-    def decode(self, ids: Any, /, *args: Any, **kwargs: Any) -> str: ...
+    def convert_tokens_to_ids(self, tokens: str, /) -> int | list[int]: ...
 
-    def convert_tokens_to_ids(self, tokens: Any, /) -> Any: ...
-
-    def apply_chat_template(self, conversation: Any, /, *args: Any, **kwargs: Any) -> Any: ...
+    def apply_chat_template(self, conversation: list[dict[str, str]], /, *, tokenize: bool = ...,
+                            add_generation_prompt: bool = ...
+                            ) -> str | list[int] | list[str] | list[list[int]] | BatchEncoding: ...
 
     def get_vocab(self) -> dict[str, int]: ...
 
     def __len__(self) -> int: ...  # the vocabulary with added tokens
 
+    # bos_token, eos_token_id and the other special tokens: Hugging Face's answer them from __getattr__ (a token,
+    # its id, a list of either, or None when the tokenizer has none), and so does this protocol.
+    def __getattr__(self, name: str, /) -> int | str | list[int] | list[str] | None: ...
 
-def load_tokenizer(name: str) -> Any:
+
+def eos_token_id(tok: Tokenizer) -> int | None:
+    """The tokenizer's end-of-sequence token id; None when it has none."""
+    eos = tok.eos_token_id
+    return eos if isinstance(eos, int) else None
+
+
+def decode_text(tok: Tokenizer, token_ids: list[int], *, skip_special_tokens: bool = False) -> str:
+    """tok.decode of one sequence: its text (Hugging Face's decode declares list[str] too, for a batch)."""
+    text = tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    if not isinstance(text, str):
+        raise TypeError(f"{type(tok).__name__}.decode gave a {type(text).__name__} for one sequence, not its text")
+    return text
+
+
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     if name == "tiny":
         from backends.tiny_tokenizer import build_tokenizer
 

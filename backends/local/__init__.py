@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from backends.local.backend import LocalBackend
@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 __all__ = ["LocalBackend"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> type[LocalBackend]:
     if name == "LocalBackend":
         from backends.local.backend import LocalBackend
 

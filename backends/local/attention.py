@@ -29,6 +29,7 @@ C tree kernel, or SDPA per block); the tests compare this path's forward with it
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -113,14 +114,14 @@ def flex_mask(layout: Layout, ends: torch.Tensor, compiled: bool = True) -> Flex
 
 
 @functools.cache
-def _mask_builder(backend: str) -> Any:
+def _mask_builder(backend: str) -> Callable[..., BlockMask]:
     from torch.nn.attention.flex_attention import create_block_mask
 
     return torch.compile(create_block_mask, dynamic=False, backend=backend)
 
 
 @functools.cache
-def _compiled(backend: str = "inductor") -> Any:
+def _compiled(backend: str = "inductor") -> Callable[..., torch.Tensor]:
     # Static shapes (dynamic ones failed to build on the CPU with torch 2.13's inductor template): one kernel per
     # padded size, and a run has one or two (padded_rows). The recompile limit is raised anyway so that several
     # models in one process (a bench) stay compiled.

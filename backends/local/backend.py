@@ -23,10 +23,10 @@ import os
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -55,6 +55,9 @@ from backends.types import (
     SampleOutput,
     SamplingParams,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 T = TypeVar("T")
 A = TypeVar("A")
@@ -117,27 +120,29 @@ class LocalBackend:
         # so the CoreShare of before (training took a thread fewer while a sampler decoded) made RL runs of one
         # seed differ from each other once sampling and training overlapped by chance (rl_basic: three runs,
         # three final test rewards). With a fixed count they repeat exactly (tests/test_local_backend.py).
-        self._tokenizer: Any = None
+        self._tokenizer: PreTrainedTokenizerBase | None = None
         self._base: torch.nn.Module | None = None
         self._lock = threading.Lock()
         self._client_ids = itertools.count()
         self._sampler_ids = itertools.count()
         # Model loading and client creation run here, so create_* return at once like every other call.
         self._worker: Worker[Call] = Worker("local-backend", on_start=self.train_threads)
-        self._workers: weakref.WeakSet[Worker[Any]] = weakref.WeakSet()
+        self._workers: weakref.WeakSet[Worker[Call] | Worker[Request]] = weakref.WeakSet()
 
     # ---------------------------------------------------------------- service API
 
     def get_tokenizer(self) -> Tokenizer:
         with self._lock:
-            if self._tokenizer is None:
+            tok = self._tokenizer
+            if tok is None:
                 import transformers
 
                 try:
-                    self._tokenizer = transformers.AutoTokenizer.from_pretrained(self.tokenizer_dir)
+                    tok = transformers.AutoTokenizer.from_pretrained(self.tokenizer_dir)
                 except Exception as exc:  # a folder without a usable tokenizer is the user's
                     raise UserError(f"cannot load a tokenizer from {self.tokenizer_dir}: {exc}") from exc
-            return self._tokenizer
+                self._tokenizer = tok
+            return tok
 
     def checkpoint_ttl_seconds(self) -> int | None:
         return None  # checkpoints are files in the run dir: they live as long as it does
@@ -600,7 +605,7 @@ class LocalSamplingClient:
         return problem is None
 
     @staticmethod
-    def _run(jobs: list[Job[Request]], batch_fn: Callable[[list[A]], list[Any]], arg: Callable[[Job[Request]], A]) -> None:
+    def _run(jobs: list[Job[Request]], batch_fn: Callable[[list[A]], Sequence[object]], arg: Callable[[Job[Request]], A]) -> None:
         if not jobs:
             return
         try:

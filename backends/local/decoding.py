@@ -29,7 +29,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from backends.local.device import LOGITS_DTYPE
 from backends.local.llama import DecodeCache, LlamaDecoder, Slots
 from backends.local.static_decode import StaticBatch, StaticDecoder, capacity_bucket, row_bucket
-from backends.tokenizer import Tokenizer
+from backends.tokenizer import Tokenizer, decode_text
 from backends.types import TEMPERATURE_FLOOR, TOP_P_FLOOR, SamplingParams, StopReason
 
 
@@ -108,7 +108,7 @@ class Row:
         # Decoding only a trailing window keeps this O(1) per step; the window covers the longest stop string
         # (one token holds at least one byte) plus slack for a partial UTF-8 character at its start. A stop
         # string completed by an earlier token would have been caught at that step, so any hit is new.
-        text = tokenizer.decode(self.tokens[-self.window :], skip_special_tokens=False)
+        text = decode_text(tokenizer, self.tokens[-self.window :])
         return any(s in text for s in self.stop_strs)
 
 
@@ -228,7 +228,7 @@ class DecodeBatch:
         if not (plain and self.sampler.attn_impl in ("sdpa", "eager")):
             return cache, None
         slots = Slots()
-        cache.layers = cast(Any, [_GrowingLayer(capacity, slots) for _ in cache.layers])
+        cache.layers[:] = [_GrowingLayer(capacity, slots) for _ in cache.layers]
         return cache, slots
 
     def _hf_prefill(self, prompts: list[list[int]], slots: Slots | None, cache: DynamicCache) -> torch.Tensor:

@@ -19,6 +19,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -36,6 +37,18 @@ CPU_MAX_PARAMS = 50_000_000
 # every recipe on cuda with it, where "auto" would keep their small stand-in models on the CPU). A recipe's
 # explicit device is never overridden.
 DEVICE_ENV = "RUNNER_LOCAL_DEVICE"
+
+
+class AutogradCtx(Protocol):
+    """What the torch.autograd.Functions here (llama.py, logprobs.py, packed.py) use of the ctx their forward and
+    backward get (torch types it Any). Each Function's own Protocol, extending this one, declares what its forward
+    saves (`saved_tensors`, as the backward reads it back) and keeps on the ctx."""
+
+    needs_input_grad: tuple[bool, ...]
+
+    def save_for_backward(self, *tensors: torch.Tensor | None) -> None: ...
+
+    def set_materialize_grads(self, value: bool) -> None: ...
 
 
 # LoRA A/B as trained (and AdamW's moments of them), the copies an unmerged sampling snapshot keeps, and the

@@ -36,7 +36,9 @@ from backends.errors import UserError
 from backends.local import model as M
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from peft import PeftModel
+    from peft.tuners.lora import Linear as LoraLinear
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 # `runner export --dtype`: what the base is loaded in, so what merged weights (and a tied lm_head's full weight) are
 # rounded to and stored in. "auto": the dtype the base's files store (a real chat model's: bfloat16).
@@ -117,7 +119,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _logprobs(model: Any, ids: list[int]) -> torch.Tensor:
+def _logprobs(model: nn.Module, ids: list[int]) -> torch.Tensor:
     """log p(ids[t] | ids[:t]) for t >= 1, in float32."""
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, :-1].float()
@@ -128,8 +130,8 @@ def _load_base(model_dir: Path, dtype: str = "auto") -> M.HFModel:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    want: Any = "auto" if dtype == "auto" else getattr(torch, dtype)
-    base: Any = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=want)
+    want: str | torch.dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    base: PreTrainedModel = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=want)
     base.eval()
     base.requires_grad_(False)
     return base
@@ -161,33 +163,41 @@ def _write_new(out: Path, write: Callable[[Path], None]) -> None:
         raise
 
 
-def _tied_lm_head_lora(adapted: Any) -> tuple[str, Any] | None:
+def _tied_lm_head_lora(adapted: PeftModel) -> tuple[str, LoraLinear] | None:
     """(module name, peft LoRA layer) of the output embedding when it has a LoRA and shares its weight
     with the input embedding; else None."""
+    from peft.tuners.lora import Linear as LoraLinear
+    from transformers import PreTrainedModel
+
     inner = adapted.get_base_model()
+    assert isinstance(inner, PreTrainedModel)  # what _load_base loaded, under peft's LoRA layers
     out_emb = inner.get_output_embeddings()
-    base_layer = getattr(out_emb, "base_layer", None)
-    if base_layer is None or base_layer.weight is not inner.get_input_embeddings().weight:
+    if not isinstance(out_emb, LoraLinear) or out_emb.base_layer.weight is not inner.get_input_embeddings().weight:
         return None
     name = next(n for n, m in inner.named_modules() if m is out_emb)
     return name, out_emb
 
 
-def _save_untied_adapter(adapted: Any, lm_head: tuple[str, Any], tok: PreTrainedTokenizerBase, path: Path,
+def _save_untied_adapter(adapted: PeftModel, lm_head: tuple[str, LoraLinear], tok: PreTrainedTokenizerBase, path: Path,
                          ids: list[int] | None = None, want: torch.Tensor | None = None) -> list[float]:
     """Save `adapted` with its tied lm_head LoRA turned into a full modules_to_save lm_head (module doc). want: the
     adapter model's logprobs of ids; given, the saved adapter's max |dlogprob| from them is returned ([] otherwise)."""
     import peft
+    from peft.tuners.lora import LoraLayer
 
     name, layer = lm_head
-    weight = layer.base_layer.weight
+    head = layer.get_base_layer()
+    assert isinstance(head, nn.Linear)  # the lm_head under its LoRA
+    weight = head.weight
     with torch.no_grad():
         full = (weight.float() + layer.get_delta_weight("default").float()).to(weight.dtype)
     state = peft.get_peft_model_state_dict(adapted, save_embedding_layers=False)
     prefix = f"base_model.model.{name}."
     state = {k: v for k, v in state.items() if not k.startswith(prefix)}
     state[f"{prefix}weight"] = full  # the key peft saves a modules_to_save layer under
-    config = copy.deepcopy(adapted.peft_config["default"])
+    # A peft LoraConfig. Any: its target_modules is a set once built (__post_init__), as peft reads and saves it,
+    # which its annotation (list[str] | str | None) does not say; the sets written here are what peft would build.
+    config: Any = copy.deepcopy(adapted.peft_config["default"])
     leaf = name.rsplit(".", 1)[-1]
     config.target_modules = {t for t in config.target_modules if t not in (leaf, name)}
     config.modules_to_save = [leaf]
@@ -208,9 +218,10 @@ def _save_untied_adapter(adapted: Any, lm_head: tuple[str, Any], tok: PreTrained
     if result.unexpected_keys or missed:
         raise RuntimeError(f"export: peft did not take adapter weights {(result.unexpected_keys + missed)[:3]}")
     if placeholder is not None:
-        layer = new.base_model.model.get_submodule(placeholder)
+        zeroed = new.get_base_model().get_submodule(placeholder)
+        assert isinstance(zeroed, LoraLayer)
         with torch.no_grad():
-            for p in (*layer.lora_A.parameters(), *layer.lora_B.parameters()):
+            for p in (*zeroed.lora_A.parameters(), *zeroed.lora_B.parameters()):
                 p.zero_()
     drift = [] if want is None or ids is None else [float((_logprobs(new.eval(), ids) - want).abs().max())]
     new.save_pretrained(str(path))
@@ -218,7 +229,7 @@ def _save_untied_adapter(adapted: Any, lm_head: tuple[str, Any], tok: PreTrained
     return drift
 
 
-def _save_merged(adapted: Any, tied_lora: bool, tok: PreTrainedTokenizerBase, path: Path, ids: list[int] | None = None,
+def _save_merged(adapted: PeftModel, tied_lora: bool, tok: PreTrainedTokenizerBase, path: Path, ids: list[int] | None = None,
                  want: torch.Tensor | None = None) -> list[float]:
     """LoRA merged into the weights. model.sampling_copy unties a tied lm_head that has a LoRA (tied_lora)
     before merging, and marks the config untied; if lm_head came out equal to the input embeddings anyway

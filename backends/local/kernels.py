@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -71,7 +70,7 @@ def _has_x86_v3() -> bool:
 def _flag_sets() -> tuple[list[str], ...]:
     march = _target()
     return (["-O3", *march, "-ffp-contract=fast", "-fopenmp"], ["-O3", *march, "-ffp-contract=fast"], ["-O3"])
-_state: list[Any] = []  # [Kernels | None] once tried
+_state: list[Kernels | None] = []  # once tried
 
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {

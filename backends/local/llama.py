@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.local.device import ADAPTER_DTYPE, add_adapter_term
+from backends.local.device import ADAPTER_DTYPE, AutogradCtx, add_adapter_term
 
 # Decoders whose layers backends/local/packed.py (training) and sampler.py (decoding) compute on plain tensors.
 LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -57,12 +58,16 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + torch.cat((-x[..., h:], x[..., :h]), -1) * sin
 
 
+class _RMSNormCtx(AutogradCtx, Protocol):
+    saved_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # x * rstd (float32), rstd, w
+
+
 class _RMSNorm(torch.autograd.Function):
     """y = w * (x * rsqrt(mean(x^2) + eps)) over the last dim, computed in float32 as HF's RMSNorm does (the
     normalised x is cast back to x's dtype before the weight); w is frozen (never trained here)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx: _RMSNormCtx, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         xf = x.float()
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
         xhat = xf * rstd
@@ -70,7 +75,7 @@ class _RMSNorm(torch.autograd.Function):
         return w * xhat.to(x.dtype)
 
     @staticmethod
-    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+    def backward(ctx: _RMSNormCtx, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         (dy,) = grad_outputs
         xhat, rstd, w = ctx.saved_tensors  # xhat: x * rstd (before w), float32
         g = (dy * w).float()
@@ -129,7 +134,7 @@ def packs_for_onednn(w: torch.Tensor) -> bool:
     return big and torch.backends.mkldnn.is_available()
 
 
-def _derived(w: torch.Tensor, kind: str, make: Any) -> torch.Tensor:
+def _derived(w: torch.Tensor, kind: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
     key = (id(w), kind)
     with _DERIVED_LOCK:
         hit = _DERIVED.get(key)
@@ -248,7 +253,7 @@ class _Layer:
     gate: FastLinear
     up: FastLinear
     down: FastLinear
-    act: Any
+    act: Callable[[torch.Tensor], torch.Tensor]
 
 
 class DecodeCache:

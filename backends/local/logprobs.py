@@ -23,12 +23,13 @@ tests/test_logprobs.py checks logprobs and gradients against the full-logits pat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from backends.local.device import AutogradCtx
 from backends.local.transfer import h2d, to_device
 
 # float32 logits per chunk: 2**26 floats (256 MiB; ~440 rows at Qwen3's vocab), at most MAX_CHUNK_ROWS rows.
@@ -117,9 +118,15 @@ def _logits(hc: torch.Tensor, w: torch.Tensor, uc: torch.Tensor | None, b: torch
     return z.float()
 
 
+class _TargetLogprobsCtx(AutogradCtx, Protocol):
+    saved_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]
+    plan: Plan
+    s: float
+
+
 class _TargetLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, u: torch.Tensor | None, b: torch.Tensor | None,
+    def forward(ctx: _TargetLogprobsCtx, h: torch.Tensor, w: torch.Tensor, u: torch.Tensor | None, b: torch.Tensor | None,
                 s: float, plan: Plan) -> torch.Tensor:
         p = plan.fwd
         out = torch.empty(plan.n_out, dtype=torch.float32, device=h.device)
@@ -135,11 +142,10 @@ class _TargetLogprobs(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: _TargetLogprobsCtx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (g,) = grads
         h, w, u, b, lse_all = ctx.saved_tensors
-        plan: Plan = ctx.plan
-        s: float = ctx.s
+        plan, s = ctx.plan, ctx.s
         p = plan.grad
         lse = lse_all if plan.grad_index is None else lse_all.index_select(0, plan.grad_index)
         need = ctx.needs_input_grad

@@ -89,12 +89,12 @@ def load_base(path: Path, device: torch.device, dtype: torch.dtype) -> HFModel:
     return model
 
 
-def lora_linear_parts(layer: Any) -> tuple[nn.Linear, torch.Tensor, torch.Tensor, float] | str:
+def lora_linear_parts(layer: object) -> tuple[nn.Linear, torch.Tensor, torch.Tensor, float] | str:
     """(frozen base Linear, A, B, scale) of a plain peft LoRA Linear with one active adapter, or why it is not
     one (several adapters, merged or disabled, DoRA, LoRA bias, fan_in_fan_out, non-Linear parts)."""
     from peft.tuners.lora import Linear as LoraLinear
 
-    m = layer  # Any: peft's ModuleDicts and dicts, which nn.Module's typing does not know
+    m = layer
     if type(m) is not LoraLinear:
         return f"{type(m).__name__} is not a plain LoRA Linear"
     names = list(m.active_adapters)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -48,6 +48,7 @@ from torch import nn
 from backends.local import attention as flex
 from backends.local import logprobs as LP
 from backends.local.batching import chunk_tokens
+from backends.local.device import AutogradCtx
 from backends.local.kernels import ATTN_HEAD_DIMS, Kernels
 from backends.local.kernels import MAX_HEAD_DIM as kernels_max_head_dim
 from backends.local.kernels import load as load_kernels
@@ -72,13 +73,19 @@ ACTIVATION_BYTES = 4 << 30
 # backward recomputes what the eager forms save (x * rstd, silu(g)) from the inputs, which are kept anyway.
 
 
+class _FusedNormCtx(AutogradCtx, Protocol):
+    saved_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # x (+ r), w, rstd
+    k: Kernels
+    added: bool  # r was given
+
+
 class _FusedNorm(torch.autograd.Function):
     """norm(x) * w, or with r: (x + r, norm(x + r) * w), the residual add and the next norm in one pass; the
     backward adds the residual stream's gradient (of x + r) to the norm's in the same pass."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float, k: Kernels
-                ) -> Any:
+    def forward(ctx: _FusedNormCtx, x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float, k: Kernels
+                ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
         xo, y, rstd = k.rms_fwd(x, w, eps, r)
         ctx.set_materialize_grads(False)  # the last layer's x + r is not used: no zeros to add
         ctx.k, ctx.added = k, r is not None
@@ -86,7 +93,7 @@ class _FusedNorm(torch.autograd.Function):
         return (xo, y) if r is not None else y
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: _FusedNormCtx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         xo, w, rstd = ctx.saved_tensors
         dres, dy = grads if ctx.added else (None, grads[0])
         if dy is None:
@@ -96,11 +103,18 @@ class _FusedNorm(torch.autograd.Function):
         return d, d if ctx.added else None, None, None, None
 
 
+class _FusedNormRopeCtx(AutogradCtx, Protocol):
+    saved_tensors: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]  # x (None without a norm), cos, sin
+    k: Kernels
+    w: torch.Tensor | None
+    rstd: torch.Tensor | None
+
+
 class _FusedNormRope(torch.autograd.Function):
     """rotary(norm(x) * w) per head (Qwen3's q/k norms), or rotary(x) when w is None; x (T, H, D)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(ctx: _FusedNormRopeCtx, x: torch.Tensor, w: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 eps: float, k: Kernels) -> torch.Tensor:
         out, rstd = k.norm_rope_fwd(x, w, cos, sin, eps)
         ctx.k, ctx.w, ctx.rstd = k, w, rstd
@@ -108,26 +122,38 @@ class _FusedNormRope(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: _FusedNormRopeCtx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, cos, sin = ctx.saved_tensors
         dy = grads[0].contiguous()
         return ctx.k.norm_rope_bwd(dy, x if x is not None else dy, ctx.w, cos, sin, ctx.rstd), None, None, None, None, None
+
+
+class _FusedSwiGLUCtx(AutogradCtx, Protocol):
+    saved_tensors: tuple[torch.Tensor, torch.Tensor]  # g, u
+    k: Kernels
 
 
 class _FusedSwiGLU(torch.autograd.Function):
     """silu(g) * u."""
 
     @staticmethod
-    def forward(ctx: Any, g: torch.Tensor, u: torch.Tensor, k: Kernels) -> torch.Tensor:
+    def forward(ctx: _FusedSwiGLUCtx, g: torch.Tensor, u: torch.Tensor, k: Kernels) -> torch.Tensor:
         ctx.k = k
         ctx.save_for_backward(g, u)
         return k.swiglu_fwd(g, u)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: _FusedSwiGLUCtx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         g, u = ctx.saved_tensors
         dg, du = ctx.k.swiglu_bwd(grads[0].contiguous(), g, u)
         return dg, du, None
+
+
+class _TreeAttentionCtx(AutogradCtx, Protocol):
+    saved_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # q, k, v, o, lse
+    plan: _AttnPlan
+    scale: float
+    kern: Kernels
 
 
 class _TreeAttention(torch.autograd.Function):
@@ -138,7 +164,7 @@ class _TreeAttention(torch.autograd.Function):
     over their descendants. Nothing is split, masked or concatenated around it (see _attention for torch's way)."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _AttnPlan, scale: float,
+    def forward(ctx: _TreeAttentionCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _AttnPlan, scale: float,
                 kern: Kernels) -> torch.Tensor:
         o, lse = kern.tree_attn_fwd(q, k, v, plan.seg, plan.anc, plan.koff, plan.nmax, scale)
         ctx.plan, ctx.scale, ctx.kern = plan, scale, kern
@@ -146,9 +172,9 @@ class _TreeAttention(torch.autograd.Function):
         return o.view(q.shape[0], -1)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: _TreeAttentionCtx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, o, lse = ctx.saved_tensors
-        plan: _AttnPlan = ctx.plan
+        plan = ctx.plan
         do = grads[0].contiguous().view(q.shape)
         dq, dk, dv = ctx.kern.tree_attn_bwd(q, k, v, o, do, lse, plan.seg, plan.anc, plan.koff, plan.nmax, ctx.scale)
         return dq, dk, dv, None, None, None
@@ -166,6 +192,12 @@ class _AttnPlan:
     nmax: int
 
 
+class _LoraGroupCtx(AutogradCtx, Protocol):
+    # x (in the adapters' dtype), u = x @ A_cat^T and A_cat (None when no layer of the group is adapted), the B's
+    saved_tensors: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, *tuple[torch.Tensor, ...]]
+    spec: _Group
+
+
 class _LoraGroup(torch.autograd.Function):
     """Several LoRA-adapted Linear layers that read the same input x (T x in):
 
@@ -179,7 +211,7 @@ class _LoraGroup(torch.autograd.Function):
     dtype, as peft's forward does: x is cast to it, the LoRA term is added in float32 and the sum cast back."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: _Group, a_cat: torch.Tensor | None, *bs: torch.Tensor
+    def forward(ctx: _LoraGroupCtx, x: torch.Tensor, spec: _Group, a_cat: torch.Tensor | None, *bs: torch.Tensor
                 ) -> tuple[torch.Tensor, ...]:
         xa = x if a_cat is None or a_cat.dtype == x.dtype else x.to(a_cat.dtype)
         u = xa @ a_cat.t() if a_cat is not None else None
@@ -199,8 +231,8 @@ class _LoraGroup(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
-    def backward(ctx: Any, *dys: torch.Tensor) -> tuple[Any, ...]:
-        spec: _Group = ctx.spec
+    def backward(ctx: _LoraGroupCtx, *dys: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        spec = ctx.spec
         xa, u, a_cat, *bs = ctx.saved_tensors
         dx = None
         if ctx.needs_input_grad[0]:  # not for the first layer's projections of the (frozen) embeddings
@@ -209,7 +241,7 @@ class _LoraGroup(torch.autograd.Function):
                 dx.addmm_(d, w)
         da = None
         dbs: list[torch.Tensor | None] = []
-        if u is not None:
+        if u is not None and a_cat is not None:  # both or neither
             dus = []
             bi = 0
             for d, r, s in zip(dys, spec.rank_slices, spec.scales):
@@ -259,7 +291,10 @@ def _lora_parts(layer: nn.Module) -> tuple[nn.Linear, torch.Tensor | None, torch
     parts = lora_linear_parts(layer)
     if isinstance(parts, str):
         raise _Unsupported(parts)
-    dropout = cast(Any, layer).lora_dropout[cast(Any, layer).active_adapters[0]]
+    from peft.tuners.lora import LoraLayer
+
+    assert isinstance(layer, LoraLayer)  # lora_linear_parts checked it is a plain LoRA Linear
+    dropout = layer.lora_dropout[layer.active_adapters[0]]
     if not isinstance(dropout, nn.Identity) and getattr(dropout, "p", 0.0) != 0.0:
         raise _Unsupported("LoRA dropout")
     return parts

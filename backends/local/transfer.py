@@ -11,13 +11,13 @@ numbers are unchanged.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 
-def to_device(arrays: Sequence[Any], device: torch.device, dtype: Any = None) -> list[torch.Tensor]:
+def to_device(arrays: Sequence[npt.ArrayLike], device: torch.device, dtype: npt.DTypeLike | None = None) -> list[torch.Tensor]:
     """Each array (anything np.asarray takes, cast to the numpy `dtype` if given) as a tensor on `device`, in one
     non-blocking copy per dtype."""
     arrs = [np.ascontiguousarray(a if dtype is None else np.asarray(a, dtype=dtype)) for a in arrays]
@@ -43,6 +43,6 @@ def _batched(arrs: list[np.ndarray], device: torch.device) -> list[torch.Tensor]
     return [t for t in out if t is not None]
 
 
-def h2d(array: Any, device: torch.device, dtype: Any = None) -> torch.Tensor:
+def h2d(array: npt.ArrayLike, device: torch.device, dtype: npt.DTypeLike | None = None) -> torch.Tensor:
     """One array as a tensor on `device` (to_device of one)."""
     return to_device([array], device, dtype)[0]

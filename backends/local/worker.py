@@ -83,7 +83,7 @@ def out_of_memory(exc: BaseException) -> str | None:
     return first if len(first) <= 240 else first[:237] + "..."
 
 
-def fail(job: Job[Any], exc: BaseException) -> None:
+def fail(job: Job[P], exc: BaseException) -> None:
     """Fail one job's future with a BackendError that names its request."""
     oom = None if isinstance(exc, (BackendError, UserError)) else out_of_memory(exc)
     if isinstance(exc, BackendError):
@@ -237,7 +237,7 @@ class Worker(Generic[P]):
         self._expected, self._last_run = len(jobs) + self._queue.qsize(), self._last_end - start
 
 
-def _serve(ref: weakref.ref[Worker[Any]], jobs: queue.Queue[Job[Any] | None], idle_exit_s: float | None) -> None:
+def _serve(ref: weakref.ref[Worker[P]], jobs: queue.Queue[Job[P] | None], idle_exit_s: float | None) -> None:
     """A worker's thread. It holds the worker only while it runs jobs, so a dropped worker is collected even
     while a persistent thread waits (its finalizer puts None on the queue: the thread wakes and exits)."""
     worker = ref()

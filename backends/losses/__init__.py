@@ -30,7 +30,7 @@ import inspect
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Annotated, ClassVar, Protocol, SupportsFloat, SupportsIndex, overload
 
 import msgspec
 from msgspec import Meta
@@ -40,8 +40,11 @@ from backends.configs import ConfigStruct, config_modules, found
 if TYPE_CHECKING:
     import numpy as np
     import torch
-
-Tensor = Any  # torch.Tensor, without importing torch at runtime
+    from torch import Tensor
+else:
+    # torch.Tensor for the type checker; at run time only its name (in the aliases built from it, as base.py's
+    # CustomLossFn), so that importing the losses does not load torch (`runner check`, `runner list`).
+    Tensor = "torch.Tensor"
 
 
 class HasLossInputs(Protocol):
@@ -55,6 +58,13 @@ class HasLossInputs(Protocol):
     def advantages(self) -> np.ndarray | None: ...
     @property
     def mask(self) -> np.ndarray | None: ...
+
+
+class HasLossData(HasLossInputs, Protocol):
+    """A datum as LossSpec.check_datum reads it: its loss inputs and its target tokens."""
+
+    @property
+    def target_tokens(self) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -93,10 +103,12 @@ class LossField:
     ge: float | None = None
     doc: str = ""
 
-    def constraints(self) -> dict[str, Any]:
-        """The bounds as msgspec.Meta keywords (the recipe schema's field type; a description there would replace
-        the bound in error messages)."""
-        return {k: v for k, v in (("gt", self.gt), ("ge", self.ge)) if v is not None}
+    def meta(self) -> Meta:
+        """The bound as the recipe schema's field constraint (a description there would replace the bound in error
+        messages); msgspec takes gt or ge, not both."""
+        if self.gt is not None and self.ge is not None:
+            raise ValueError(f"loss field {self.recipe!r}: cannot specify both gt and ge")
+        return Meta(gt=self.gt) if self.gt is not None else Meta(ge=self.ge)
 
 
 @dataclass(frozen=True)
@@ -147,7 +159,7 @@ class LossSpec:
     def __call__(self, **config: float) -> dict[str, float]:
         return self.resolve(config)
 
-    def resolve(self, config: Mapping[str, Any] | None) -> dict[str, float]:
+    def resolve(self, config: Mapping[str, object] | None) -> dict[str, float]:
         """Defaults overlaid with `config`; ValueError on an unknown key (a typo must not be ignored), a value out of
         bounds, or a broken rule."""
         out = self.defaults
@@ -155,6 +167,8 @@ class LossSpec:
             if key not in out:
                 raise ValueError(f"loss {self.name!r} takes no config key {key!r} (accepted: {', '.join(out) or 'none'})")
             try:
+                if not isinstance(value, (str, SupportsFloat, SupportsIndex)):
+                    raise TypeError(value)
                 out[key] = float(value)
             except (TypeError, ValueError):
                 raise ValueError(f"loss {self.name!r}: config key {key!r} must be a number, got {value!r}") from None
@@ -171,7 +185,7 @@ class LossSpec:
         """What the rule says about a full config (one line), or None."""
         return self.rule(config) if self.rule is not None else None
 
-    def check_datum(self, datum: Any) -> None:
+    def check_datum(self, datum: HasLossData) -> None:
         """ValueError if `datum` (a backends.types.Datum) lacks an input this loss reads."""
         for key in self.inputs:
             if getattr(datum, key) is None:
@@ -222,7 +236,13 @@ def specs() -> list[LossSpec]:
 class _LiveNames(Sequence[str]):
     """The registered names as a sequence that follows later registrations (`name in LOSS_FNS`)."""
 
-    def __getitem__(self, i: Any) -> Any:
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+
+    def __getitem__(self, i: int | slice) -> str | list[str]:
         return names()[i]
 
     def __len__(self) -> int:
@@ -253,7 +273,7 @@ class LossConfig(ConfigStruct, tag_field="kind", tag=str.lower):  # pyright: ign
 
 def loss_config(spec: LossSpec, module: str) -> type[LossConfig]:
     """The recipe table of a loss, declared in `module` (its config file): `{kind = NAME, <its fields>}`."""
-    fields = [(f.recipe, Annotated[float, Meta(**f.constraints())], f.default) for f in spec.fields]
+    fields = [(f.recipe, Annotated[float, f.meta()], f.default) for f in spec.fields]
 
     def __post_init__(self: object) -> None:
         if problem := spec.problem({f.key: getattr(self, f.recipe) for f in spec.fields}):

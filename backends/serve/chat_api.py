@@ -23,7 +23,7 @@ import msgspec
 from backends.errors import UserError
 from backends.serve.limits import Limits, to_float, to_int
 from backends.serve.replies import ApiError, json_bytes
-from backends.tokenizer import Tokenizer
+from backends.tokenizer import Tokenizer, decode_text
 from backends.types import Json, SampledSequence, SampleOutput, SamplingParams
 
 if TYPE_CHECKING:
@@ -237,7 +237,7 @@ def _with_user_stops(stop: list[str] | list[int], user: list[str], tokenizer: To
     their text, as a stop list holds strings or ids, not both). The text is cut at the user's strings afterwards."""
     if not user:
         return stop
-    own = [tokenizer.decode([s], skip_special_tokens=False) if isinstance(s, int) else s for s in stop]
+    own = [decode_text(tokenizer, [s], skip_special_tokens=False) if isinstance(s, int) else s for s in stop]
     return [*dict.fromkeys([*own, *user])]
 
 
@@ -399,13 +399,13 @@ def _cut(text: str, stops: list[str]) -> int | None:
 
 def _token_texts(tokenizer: Tokenizer, tokens: Sequence[int]) -> list[str]:
     """Each token's text as the reply's text shows it: a special token's is empty, so the texts add up to it."""
-    return [tokenizer.decode([t], skip_special_tokens=True) for t in tokens]
+    return [decode_text(tokenizer, [t], skip_special_tokens=True) for t in tokens]
 
 
 def _kept_tokens(tokenizer: Tokenizer, tokens: list[int], text_len: int) -> int:
     """How many leading tokens make up the first `text_len` characters of their decoded text."""
     for k in range(len(tokens) + 1):
-        if len(tokenizer.decode(tokens[:k], skip_special_tokens=True)) >= text_len:
+        if len(decode_text(tokenizer, tokens[:k], skip_special_tokens=True)) >= text_len:
             return k
     return len(tokens)
 
@@ -461,7 +461,7 @@ def _chat_logprobs(tok: Tokenizer, prompt: list[int], seq: SampledSequence, keep
                    ) -> list[Json]:
     tokens = list(seq.tokens[:keep])
     # A special token's text as the reply's content shows it (none): the tokens' texts add up to the content.
-    texts = [tok.decode([t], skip_special_tokens=True) for t in tokens]
+    texts = [decode_text(tok, [t], skip_special_tokens=True) for t in tokens]
     tops: list[list[Json]] = [[] for _ in tokens]
     own: list[float] = [float(x) for x in seq.logprobs[:keep]]
     if plan.top_logprobs and tokens:
@@ -472,7 +472,7 @@ def _chat_logprobs(tok: Tokenizer, prompt: list[int], seq: SampledSequence, keep
                               range(len(prompt), len(prompt) + len(tokens)))
         own = [float(x) for x in mine]  # the same pass as the alternatives: one number where they meet
         for j in range(len(tokens)):
-            alt = [tok.decode([int(x)], skip_special_tokens=True) for x in ids[j]]
+            alt = [decode_text(tok, [int(x)], skip_special_tokens=True) for x in ids[j]]
             tops[j] = [{"token": t, "logprob": float(v), "bytes": list(t.encode())} for t, v in zip(alt, lps[j], strict=True)]
     return [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": top}
             for t, lp, top in zip(texts, own, tops, strict=True)]
@@ -489,13 +489,13 @@ def completion_response(plan: Plan, outs: list[SampleOutput | None], tokenizer: 
         for k, seq in enumerate(seqs):
             completion_tokens += len(seq.tokens)
             tokens = list(seq.tokens)
-            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            text = decode_text(tokenizer, tokens, skip_special_tokens=True)
             cut = _cut(text, plan.user_stop)
             if cut is not None:
                 text = text[:cut]
                 tokens = tokens[: _kept_tokens(tokenizer, tokens, cut)]
             elif (seq.stop_reason == "stop" and tokens and not plan.echo
-                  and not tokenizer.decode(tokens[-1:], skip_special_tokens=True)):
+                  and not decode_text(tokenizer, tokens[-1:], skip_special_tokens=True)):
                 tokens = tokens[:-1]  # EOS (kept with echo: lm-eval drops the last scored token as the sampled one)
             finish = "stop" if seq.stop_reason == "stop" or cut is not None else "length"
             logprobs = None
@@ -503,7 +503,7 @@ def completion_response(plan: Plan, outs: list[SampleOutput | None], tokenizer: 
                 logprobs = _completion_logprobs(tokenizer, prompt, seq, len(tokens), plan, topk,
                                                 prompt_logprobs[p] if prompt_logprobs else None)
             if plan.echo:
-                text = tokenizer.decode(prompt, skip_special_tokens=True) + text
+                text = decode_text(tokenizer, prompt, skip_special_tokens=True) + text
             choice: Json = {"index": p * plan.n + k, "text": text, "logprobs": logprobs,
                                       "finish_reason": finish}
             if plan.extra.get("return_token_ids"):  # vLLM's extension

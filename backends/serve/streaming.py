@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from backends.serve.chat_api import ChatFormat, Plan
 from backends.serve.replies import json_bytes
-from backends.tokenizer import Tokenizer
+from backends.tokenizer import Tokenizer, decode_text
 from backends.types import Json, SampleOutput
 
 if TYPE_CHECKING:
@@ -183,5 +183,5 @@ def chat_text(fmt: ChatFormat) -> Callable[[list[int]], str]:
 
 def completion_text(tokenizer: Tokenizer) -> Callable[[list[int]], str]:
     def text_of(tokens: list[int]) -> str:
-        return tokenizer.decode(tokens, skip_special_tokens=True)
+        return decode_text(tokenizer, tokens, skip_special_tokens=True)
     return text_of

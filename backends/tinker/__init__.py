@@ -6,7 +6,7 @@ imports `backends.tinker.tinker_config`) never import the SDK.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from backends.tinker.backend import TinkerBackend
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 __all__ = ["TinkerBackend"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> type[TinkerBackend]:
     if name == "TinkerBackend":
         from backends.tinker.backend import TinkerBackend
 

@@ -30,7 +30,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, cast
 
 import numpy as np
 import tinker
@@ -184,7 +184,13 @@ def _settle(fut: concurrent.futures.Future[T], value: T) -> bool:
     return True
 
 
-def _fail(fut: concurrent.futures.Future[T], error: BaseException) -> bool:
+class _Pending(Protocol):
+    """A call's future as _fail and the link's list of waiting calls see it, whatever its result type."""
+
+    def set_exception(self, exception: BaseException | None, /) -> None: ...
+
+
+def _fail(fut: _Pending, error: BaseException) -> bool:
     """Deliver an error unless the future is already settled (or cancelled); whether it was delivered."""
     try:
         fut.set_exception(error)
@@ -200,7 +206,7 @@ class _Link:
     def __init__(self, key: str, url: str):
         self.key, self.url = key, url
         self._lock = threading.Lock()
-        self._waiting: dict[concurrent.futures.Future[Any], str] = {}
+        self._waiting: dict[_Pending, str] = {}
         self.lost: str | None = None
 
     def track(self, out: concurrent.futures.Future[T], request: str) -> None:
@@ -213,7 +219,7 @@ class _Link:
             return
         out.add_done_callback(self._forget)
 
-    def _forget(self, out: concurrent.futures.Future[Any]) -> None:
+    def _forget(self, out: _Pending) -> None:
         with self._lock:
             self._waiting.pop(out, None)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.errors import UserError
+from backends.tokenizer import decode_text
 from backends.types import Json
 from runner.models import model_context
 from runner.renderers import Renderer, Termination, get_renderer, text_of
@@ -120,7 +121,7 @@ class ChatRenderer:
         rest = full.text[len(head_text):]
         if self._template and reply.ended_on_stop:
             # The sampled stop token stands for the template's end-of-turn text, if that is what follows.
-            stop_text = self.tokenizer.decode(action_tokens[-1:], skip_special_tokens=False)
+            stop_text = decode_text(self.tokenizer, action_tokens[-1:])
             if not rest.startswith(stop_text):
                 return full
             rest = rest[len(stop_text):]
@@ -133,7 +134,7 @@ class ChatRenderer:
 
     def decode(self, tokens: list[int]) -> str:
         """Everything, special tokens included (for transcripts)."""
-        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+        return decode_text(self.tokenizer, tokens)
 
 
 def context_window(tokenizer: Tokenizer, model: str | None = None) -> int | None:

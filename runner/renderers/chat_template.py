@@ -48,7 +48,10 @@ def render(tokenizer: Tokenizer, messages: Conversation, train_on_what: str) -> 
 
 
 def template(tokenizer: Tokenizer, messages: Conversation, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    if not isinstance(text, str):
+        raise TypeError(f"{type(tokenizer).__name__}.apply_chat_template(tokenize=False) gave a {type(text).__name__}")
+    return text
 
 
 def encode(tokenizer: Tokenizer, text: str) -> list[int]:

@@ -152,7 +152,7 @@ class DeepSeekV3ThinkingRenderer(_DeepSeekV3Base):
     def normalize_response(self, response: list[int]) -> list[int]:
         # The prompt prefilled "<think>": put it back when the reply closes a block.
         think, end_think = (self.tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>"))
-        if not (response and response[0] == think) and end_think in response:
+        if isinstance(think, int) and not (response and response[0] == think) and end_think in response:
             return [think, *response]
         return response
 

@@ -4,6 +4,7 @@ from the template's prefixes (runner/renderers/chat_template.py); stops are the 
 from __future__ import annotations
 
 from backends.errors import UserError
+from backends.tokenizer import eos_token_id
 from runner.renderers import chat_template
 from runner.renderers.base import (
     Message,
@@ -30,7 +31,7 @@ class HFTemplateRenderer(Renderer):
         super().__init__(tokenizer)
         stops: list[int] = []
         vocab = tokenizer.get_vocab()
-        for tid in [tokenizer.eos_token_id] + [vocab.get(t) for t in TURN_ENDS]:
+        for tid in [eos_token_id(tokenizer)] + [vocab.get(t) for t in TURN_ENDS]:
             if tid is not None and tid not in stops:
                 stops.append(tid)
         if not stops:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from backends.base import Future
-from backends.tokenizer import Tokenizer
+from backends.tokenizer import Tokenizer, decode_text, eos_token_id
 from backends.types import SampledSequence, SampleOutput, SamplingParams
 
 Policy = Callable[[str, SamplingParams], "str | list[int]"]
@@ -32,7 +32,7 @@ class ScriptedSampler:
     def sample(self, prompt: list[int], num_samples: int, params: SamplingParams) -> Future[SampleOutput]:
         self.calls.append((list(prompt), params))
         self.num_samples.append(num_samples)
-        text = self.tokenizer.decode(prompt, skip_special_tokens=False)
+        text = decode_text(self.tokenizer, prompt)
         seqs = [self._one(text, params) for _ in range(num_samples)]
         return Future.completed(SampleOutput(seqs))
 
@@ -40,8 +40,12 @@ class ScriptedSampler:
         reply = self.policy(prompt_text, params)
         if isinstance(reply, str):
             tokens = list(self.tokenizer.encode(reply, add_special_tokens=False))
-            stop_ids = [s for s in (params.stop or []) if isinstance(s, int)] or [self.tokenizer.eos_token_id]
-            tokens.append(stop_ids[0])
+            stop = next((s for s in (params.stop or []) if isinstance(s, int)), None)
+            if stop is None:
+                stop = eos_token_id(self.tokenizer)
+            if stop is None:
+                raise ValueError("the reply needs a stop token: params.stop holds no token id and the tokenizer no eos")
+            tokens.append(stop)
         else:
             tokens = list(reply)
         stop_reason = "stop"

@@ -21,7 +21,7 @@ import numpy as np
 
 from backends.base import Backend
 from backends.errors import UserError
-from backends.tokenizer import Tokenizer
+from backends.tokenizer import Tokenizer, decode_text
 from backends.types import Datum, Json, SamplingParams
 from runner.recipe.numerics_table import Numerics
 from runner.recipe.schema import Recipe
@@ -179,7 +179,7 @@ async def measure(recipe: Recipe, backend: Backend, n: int) -> tuple[list[TokenR
         for j, (tok, lp) in enumerate(zip(s.tokens, s.logprobs, strict=True)):
             pos = len(p) + j
             c = comp[pos]
-            rows.append(TokenRow(i, pos, int(tok), tokenizer.decode([tok]), float(lp),
+            rows.append(TokenRow(i, pos, int(tok), decode_text(tokenizer, [tok]), float(lp),
                                  float(c) if c is not None else float("nan"), float(np.asarray(train)[pos - 1])))
     temperature = getattr(recipe.algo, "temperature", 1.0)
     note = "sampled at temperature 1" + (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from backends.tokenizer import decode_text
 from runner.tools.conformance.core import Ctx, Fail, Skip, check, logprobs_of
 
 if TYPE_CHECKING:
@@ -153,10 +154,10 @@ def stop_string(ctx: Ctx) -> str:
     if tok is None:
         raise Skip("needs the tokenizer to write a stop string")
     g = list(_seeded(ctx, stop=[]).tokens)
-    k = _fresh_index(lambda i: bool(tok.decode([g[i]]).strip()) and tok.decode([g[i]]) not in tok.decode(g[:i]), g)
+    k = _fresh_index(lambda i: bool(decode_text(tok, [g[i]]).strip()) and decode_text(tok, [g[i]]) not in decode_text(tok, g[:i]), g)
     if k is None:
         raise Skip(f"no token of the sample {g} decodes to new text")
-    word = tok.decode([g[k]])
+    word = decode_text(tok, [g[k]])
     s = _seeded(ctx, stop=[word])
     got = list(s.tokens)
     if s.stop_reason != "stop" or got != g[: len(got)] or not k <= len(got) <= k + 1:

@@ -3,6 +3,7 @@ the training run as the REST client sees it."""
 
 from __future__ import annotations
 
+from backends.tokenizer import decode_text
 from runner.tools.conformance.core import Ctx, Fail, check
 
 
@@ -36,7 +37,7 @@ def tokenizer(ctx: Ctx) -> str:
     if tok is None:
         raise Fail(f"get_tokenizer() failed: {ctx._tokenizer_error}")
     ids = tok.encode("Hello world", add_special_tokens=False)
-    if not ids or tok.decode(ids).strip() != "Hello world":
+    if not ids or decode_text(tok, ids).strip() != "Hello world":
         raise Fail(f"encode/decode does not round-trip 'Hello world' (ids {ids})")
     return f"{type(tok).__name__}, vocab {len(tok)}"
 
