@@ -353,7 +353,7 @@ def _toml_error(e: tomllib.TOMLDecodeError) -> str:
 MAX_OVERRIDE = 1_000_000
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
+def parse_override(text: str) -> tuple[list[str], object]:
     """'a.b=value' -> (['a', 'b'], value). The value is a TOML literal, else the plain string."""
     key, sep, value = text.partition("=")
     keys = key.strip().split(".")
