@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 import msgspec
@@ -34,6 +35,7 @@ from runner.engine.log import read_jsonl
 from runner.engine.math_eval_config import MathPinned
 from runner.engine.spec import AlgoSpec
 from runner.recipe.envs import ENV_VARIANTS
+from runner.recipe.load import load_recipe
 from runner.recipe.pinned import PINNED_VARIANTS
 from runner.recipe.python_backend import PythonBackend
 from runner.recipe.schema import ALGO_VARIANTS, BACKEND_VARIANTS, Backend
@@ -250,15 +252,44 @@ def test_a_bad_backend_of_my_own_is_one_line(proj: Path, capsys: pytest.CaptureF
     assert message in err and len(err.splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("how", ["file", "override"])
+def test_the_old_short_renderer_spelling_is_refused_with_the_new_one(proj: Path, capsys: pytest.CaptureFixture[str],
+                                                                   how: str) -> None:
+    """User code is spelled one way for every kind: `renderer = "pkg.mod:NAME"` (in the recipe file or as an
+    override) is refused by `runner check` in one line naming the recipe, the key and `{kind = "python", ...}`."""
+    if how == "file":
+        (proj / "r.toml").write_text(RECIPES.replace('renderer = {kind = "python", target = "myext.parts:Plain"}',
+                                                     'renderer = "myext.parts:Plain"'))
+    capsys.readouterr()
+    assert main(["check", "r.toml#rl", *(["renderer=myext.parts:Plain"] if how == "override" else [])]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "r.toml#rl: renderer: " in err and 'renderer = {kind = "python", target = "myext.parts:Plain"}' in err, err
+
+
+def test_show_writes_my_renderer_as_the_table_and_it_loads_back(proj: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`runner show` (and a run's config.toml: the same dump) writes a user's renderer as it must be spelled, and
+    what it writes loads back to the same recipe; a built-in renderer stays a string."""
+    capsys.readouterr()
+    assert main(["show", "r.toml#rl"]) == 0
+    shown = capsys.readouterr().out
+    assert tomllib.loads(shown)["recipes"]["rl"]["renderer"] == {"kind": "python", "target": "myext.parts:Plain"}
+    (proj / "shown.toml").write_text(shown)
+    assert load_recipe("shown.toml#rl")[1] == load_recipe("r.toml#rl")[1]
+    assert main(["show", "r.toml#sft"]) == 0
+    assert tomllib.loads(capsys.readouterr().out)["recipes"]["sft"]["renderer"] == "auto"
+
+
 @pytest.mark.parametrize(("override", "command", "message"), [
-    ("renderer=myext.parts:renderer_raises", "render",
+    ("renderer={kind=\"python\", target=\"myext.parts:renderer_raises\"}", "render",
      "renderer 'myext.parts:renderer_raises': calling it with the tokenizer raised RuntimeError: no such format"),
-    ("renderer=myext.parts:renderer_not_one", "render",
+    ("renderer={kind=\"python\", target=\"myext.parts:renderer_not_one\"}", "render",
      "renderer 'myext.parts:renderer_not_one' returned int, not a Renderer"),
-    ("renderer=myext.parts:renderer_without_tokenizer", "check",
+    ("renderer={kind=\"python\", target=\"myext.parts:renderer_without_tokenizer\"}", "check",
      "renderer 'myext.parts:renderer_without_tokenizer' cannot be called with a tokenizer: too many positional"),
-    ("renderer=myext.parts:nothing", "check", "renderer 'myext.parts:nothing': myext.parts has no nothing"),
-    ("renderer=myext.nowhere:Plain", "check",
+    ("renderer={kind=\"python\", target=\"myext.parts:nothing\"}", "check",
+     "renderer 'myext.parts:nothing': myext.parts has no nothing"),
+    ("renderer={kind=\"python\", target=\"myext.nowhere:Plain\"}", "check",
      "renderer 'myext.nowhere:Plain': cannot import myext.nowhere: ModuleNotFoundError: No module named 'myext.nowhere'"),
 ])
 def test_a_bad_renderer_of_my_own_is_one_line(proj: Path, capsys: pytest.CaptureFixture[str], override: str,
@@ -271,7 +302,7 @@ def test_a_bad_renderer_of_my_own_is_one_line(proj: Path, capsys: pytest.Capture
     assert message in err and len(err.splitlines()) == 1, err
 
 
-@pytest.mark.parametrize("override", ["backend={kind=\"python\", target=\"myext.exits:fn\"}", "renderer=myext.exits:fn",
+@pytest.mark.parametrize("override", ["backend={kind=\"python\", target=\"myext.exits:fn\"}", "renderer={kind=\"python\", target=\"myext.exits:fn\"}",
                                       "algo.data={kind=\"python\", target=\"myext.exits:fn\"}"])
 def test_a_module_that_exits_on_import_fails_check(proj: Path, capsys: pytest.CaptureFixture[str],
                                                    override: str) -> None:

@@ -1,6 +1,7 @@
 """What a /v1 request's `model` may name on `runner serve` (runner/tools/openai_serve.py, backends/serve/files.py):
 served models, the server's own tinker:// checkpoints and run dirs under the operator's `--runs` folders, never an
-arbitrary path; a run's code (a planted `renderer = "mod:fn"`) is imported only under `--trust-code`; files are
+arbitrary path; a run's code (a planted `renderer = {kind = "python", target = "mod:fn"}`, or an older run's
+`renderer = "mod:fn"`) is imported only under `--trust-code`; files are
 opened as regular files (a FIFO checkpoint is refused at once and healthz keeps answering); nothing outside the
 server's storage is written (a torn checkpoints.jsonl stays byte-identical)."""
 
@@ -39,8 +40,10 @@ def _chat(url: str, model: str, timeout: float = 30) -> httpx.Response:
                       timeout=timeout)
 
 
-def _run_dir(root: Path, name: str, renderer: str = "auto", rows: str | None = None) -> Path:
-    """A run dir as `runner run` leaves it: config.toml, checkpoints.jsonl naming a sampler folder."""
+def _run_dir(root: Path, name: str, renderer: str = "auto", rows: str | None = None, short: bool = False) -> Path:
+    """A run dir as `runner run` leaves it: config.toml (a user's renderer "mod:fn" written as runner writes it,
+    `{kind = "python", target = "mod:fn"}`; `short`: as an older run's, the string), checkpoints.jsonl naming a
+    sampler folder."""
     run = root / name
     folder = run / "checkpoints" / "sampler_weights" / "final"
     folder.mkdir(parents=True)
@@ -48,7 +51,8 @@ def _run_dir(root: Path, name: str, renderer: str = "auto", rows: str | None = N
                                                             "lora_alpha": 32, "target_modules": ["q_proj"],
                                                             "peft_type": "LORA"}))
     (run / "data.jsonl").write_text("")
-    (run / "config.toml").write_text(f'[recipes.x]\nmodel = "tiny"\nrenderer = "{renderer}"\n[recipes.x.algo]\n'
+    spelled = f'{{kind = "python", target = "{renderer}"}}' if ":" in renderer and not short else f'"{renderer}"'
+    (run / "config.toml").write_text(f'[recipes.x]\nmodel = "tiny"\nrenderer = {spelled}\n[recipes.x.algo]\n'
                                      f'kind = "sft"\ndata = {{ kind = "jsonl", path = "{run / "data.jsonl"}" }}\n')
     row = {"name": "final", "step": 1, "sampler_path": "checkpoints/sampler_weights/final", "paths": "run"}
     (run / "checkpoints.jsonl").write_text(rows if rows is not None else json.dumps(row) + "\n")
@@ -60,15 +64,16 @@ def _plant(run: Path, module: str, marker: Path) -> None:
 
 
 def test_a_planted_renderer_is_never_imported_unless_its_root_is_trusted(tmp_path):
-    """A foreign folder's config.toml with `renderer = "mod:fn"` and mod.py beside it: named by absolute path (no
-    --runs), under --runs without --trust-code: refused, mod never imported. Under --trust-code it is imported
-    (the test can see an import)."""
+    """A foreign folder's config.toml with `renderer = {kind = "python", target = "mod:fn"}` and mod.py beside it:
+    named by absolute path (no --runs), under --runs without --trust-code: refused, mod never imported (nor an older
+    run's `renderer = "mod:fn"`). Under --trust-code it is imported (the test can see an import)."""
     root = tmp_path / "runs"
     marker = tmp_path / "marker"
     mods = []
-    for i in range(3):
+    for i in range(4):
         mods.append(f"planted_renderer_{os.getpid()}_{i}")
-        _plant(_run_dir(root, f"evil{i}", f"{mods[-1]}:make"), mods[-1], marker)
+        _plant(_run_dir(root, f"evil{i}", f"{mods[-1]}:make", short=i == 3), mods[-1], marker)
+    assert 'renderer = {kind = "python", target = ' in (root / "evil0" / "config.toml").read_text()
     with serving(tmp_path / "a") as url:  # no --runs: a path names nothing
         r = _chat(url, str(root / "evil0"))
         assert r.status_code == 404 and "--runs" in r.json()["error"]["message"], r.text
@@ -77,10 +82,12 @@ def test_a_planted_renderer_is_never_imported_unless_its_root_is_trusted(tmp_pat
         assert r.status_code == 400 and "--trust-code" in r.json()["error"]["message"], r.text
         r = _chat(url, "evil1")  # relative to the --runs folder: the same run, the same refusal
         assert r.status_code == 400 and "--trust-code" in r.json()["error"]["message"], r.text
+        r = _chat(url, "evil3")  # an older run's short spelling: the same refusal
+        assert r.status_code == 400 and "--trust-code" in r.json()["error"]["message"], r.text
         for name in ("this:x", "antigravity:x", "code:interact"):  # a renderer naming a stdlib module: same
             run = _run_dir(root, name.split(":")[0], name)
             assert _chat(url, str(run)).status_code == 400
-    assert not marker.exists() and not any(m in sys.modules for m in mods[:2])
+    assert not marker.exists() and not any(m in sys.modules for m in (*mods[:2], mods[3]))
     with serving(tmp_path / "c", runs=[root], trust=[root]) as url:
         r = _chat(url, str(root / "evil2"))
         assert r.status_code >= 400  # its factory raises; what matters is that it was imported

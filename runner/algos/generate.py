@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
-from backends.base import Backend, SamplingClient
+from backends.base import Backend, SamplingClient, TrainingClient
 from backends.errors import UserError
 from backends.tokenizer import Tokenizer
-from backends.types import Json, SamplingParams
+from backends.types import AdamParams, Json, SamplingParams
 from runner.algos.generate_config import Generate
 from runner.data.conversations import Conversation, load_conversations, prompt_rows
 from runner.data.position import check_resume
@@ -32,6 +32,14 @@ from runner.engine.spec import AlgoSpec, BuildArgs, Settings
 from runner.recipe.schema import Recipe
 from runner.renderers import Renderer
 from runner.renderers.chat import ChatRenderer
+
+
+class Generated(TypedDict):
+    """One step's part: the rows written to generated/step_N.jsonl, and the replies dropped as cut off."""
+
+    rows: list[Json]  # {"messages": [...the prompt, the teacher's reply]}
+    truncated: int
+    samples: int
 
 
 class GenerateAlgo(AlgorithmBase):
@@ -56,7 +64,7 @@ class GenerateAlgo(AlgorithmBase):
             self.client = await open_teacher(self.cfg.teacher, self.weights, backend, self.base_model, "algo.teacher")
         return self.client
 
-    async def prepare(self, step: int, ctx: Context):  # AsyncIterator[list[dict]]
+    async def prepare(self, step: int, ctx: Context) -> AsyncIterator[Generated]:
         self.next_step = step + 1
         self.log_dir = ctx.log_dir
         client = await self.teacher(ctx.backend)
@@ -82,10 +90,10 @@ class GenerateAlgo(AlgorithmBase):
                 rows.append({"messages": [*conv, {"role": "assistant", "content": reply.text.strip()}]})
         yield {"rows": rows, "truncated": truncated, "samples": len(batch) * cfg.n}
 
-    def submit(self, tc: Any, step: int, part: Json, adam: Any, evaluate: bool) -> Json:
+    def submit(self, tc: TrainingClient, step: int, part: Generated, adam: AdamParams, evaluate: bool) -> Generated:
         return part  # nothing to train
 
-    async def finish(self, step: int, parts: list[Json]) -> dict[str, float]:
+    async def finish(self, step: int, parts: list[Generated]) -> dict[str, float]:
         (part,) = parts
         assert self.log_dir is not None
         out = Path(self.log_dir) / OUTPUT

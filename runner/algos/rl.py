@@ -503,7 +503,7 @@ class RLAlgo(AlgorithmBase):
         return lines
 
 
-def _stamp(fut: Future[Any], times: dict[str, float], key: str) -> None:
+def _stamp(fut: Future[object], times: dict[str, float], key: str) -> None:
     """times[key] = the time `fut` completes (a callback on the backend's thread; dict writes are atomic)."""
     fut.future().add_done_callback(lambda _: times.__setitem__(key, time.monotonic()))
 

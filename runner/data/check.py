@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
 from backends.errors import UserError
 from runner.data.conversations import conversation
-from runner.data.files import can_keep, iter_rows, keep_rows
+from runner.data.files import Located, can_keep, iter_rows, keep_rows
 from runner.data.problems import problem
 from runner.recipe.common import DataSource
 from runner.recipe.explain import dotted
@@ -69,7 +68,7 @@ def _check(source: Jsonl | File | HF, strict: bool = True, keep: bool = False) -
     streaming = isinstance(source, (File, HF)) and source.streaming
     rows = itertools.islice(iter_rows(source), STREAMING_ROWS if streaming else None)
     name = resolve_format(source.format, source.fields)
-    kept: list[tuple[Any, str]] | None = [] if keep and can_keep(source) else None
+    kept: list[Located] | None = [] if keep and can_keep(source) else None
     n = 0
     for row, where in rows:
         if kept is not None:

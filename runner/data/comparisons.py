@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import numpy as np
 
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from runner.renderers.base import Renderer, Tokenizer
 
 LABELS = ("A", "B", "Tie")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -178,12 +179,12 @@ def render_judge(renderer: Renderer | Tokenizer, prompt: Conversation, a: Conver
 # ---------------------------------------------------------------- held-out split and batches
 
 
-class Batches:
+class Batches(Generic[T]):
     """A seeded held-out split of `items`, then per-epoch reshuffled batches of the rest (as runner/algos/sft.py: one
     seeded shuffle, then test_size held out; epoch e is shuffled with (seed, e); the last partial batch of an
     epoch is dropped)."""
 
-    def __init__(self, items: list[Any], *, test_size: int, batch_size: int, epochs: int, seed: int,
+    def __init__(self, items: list[T], *, test_size: int, batch_size: int, epochs: int, seed: int,
                  max_steps: int | None, what: str):
         if test_size >= len(items):
             raise UserError(f"algo.test_size = {test_size} leaves no training {what} (the data has {len(items)})")

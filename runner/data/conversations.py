@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from backends.errors import UserError
 from runner.data.files import MAPPED, describe, iter_rows, load_rows, read_jsonl
@@ -36,7 +36,7 @@ Conversation = list[Message]
 ROLES = ("system", "user", "assistant", "tool")
 
 
-def mapped_rows(source: DataSource, shape: str) -> tuple[list[Any], list[str], int]:
+def mapped_rows(source: DataSource, shape: str) -> tuple[list[object], list[str], int]:
     """(rows as the canonical `shape`, their locations, rows the format drops): the source's rows through its format
     (runner/recipe/formats.py); rows as they are for "auto"."""
     name = resolve_format(source.format, source.fields) if isinstance(source, MAPPED) else AUTO

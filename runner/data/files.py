@@ -20,7 +20,7 @@ import json
 import stat
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, BinaryIO, TypeGuard
 
 from backends.errors import UserError
 from runner.recipe.common import DataSource, Python, RunOutput
@@ -29,9 +29,13 @@ from runner.recipe.sources import HF, File, Jsonl
 from runner.recipe.targets import import_target
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from backends.types import Json
 
-Located = tuple[Any, str]
+# A raw row (whatever the file holds: a JSON value, an Arrow row's dict, what user code yields; readers check its
+# shape) and where it came from.
+Located = tuple[object, str]
 Reader = Callable[[Path, bool, "list[str] | None"], Iterator[Located]]
 BATCH_ROWS = 1024
 # The sources that take `format`, `fields` and `max_rows` (schema.Mapped's subclasses).
@@ -86,9 +90,9 @@ def iter_rows(source: DataSource) -> Iterator[Located]:
     return itertools.islice(rows, limit) if limit else rows
 
 
-def load_rows(source: DataSource) -> tuple[list[Any], list[str]]:
+def load_rows(source: DataSource) -> tuple[list[object], list[str]]:
     """(rows, location of each row): iter_rows, read in full."""
-    rows: list[Any] = []
+    rows: list[object] = []
     where: list[str] = []
     for row, w in iter_rows(source):
         rows.append(row)
@@ -135,7 +139,7 @@ def _rows(source: DataSource) -> Iterator[Located]:
 # ---------------------------------------------------------------- files
 
 
-def _open(path: Path) -> Any:
+def _open(path: Path) -> BinaryIO:
     """The file opened for bytes, or a one-line UserError (not there, a folder, no permission, any OS error)."""
     if not path.exists():
         raise UserError(f"data file {path} not found (relative paths start at the working directory)")
@@ -216,7 +220,7 @@ def _read_file(path: Path, split: str, streaming: bool, cols: list[str] | None) 
     yield from reader(path, streaming, cols)
 
 
-def _columnar(batches: Callable[[Path, list[str] | None], Iterator[Any]]) -> Reader:
+def _columnar(batches: Callable[[Path, list[str] | None], Iterator[pa.RecordBatch]]) -> Reader:
     """A reader of an Arrow-backed file kind, from its record-batch generator."""
     def read(path: Path, streaming: bool, cols: list[str] | None) -> Iterator[Located]:
         _open(path).close()  # a clear line for a missing or unreadable file before Arrow's own
@@ -225,7 +229,7 @@ def _columnar(batches: Callable[[Path, list[str] | None], Iterator[Any]]) -> Rea
     return read
 
 
-def _table_rows(path: Path, batches: Iterator[Any], streaming: bool) -> Iterator[Located]:
+def _table_rows(path: Path, batches: Iterator[pa.RecordBatch], streaming: bool) -> Iterator[Located]:
     import pyarrow as pa
 
     def rows() -> Iterator[Located]:
@@ -241,7 +245,7 @@ def _table_rows(path: Path, batches: Iterator[Any], streaming: bool) -> Iterator
         raise UserError(f"data file {path}: cannot read it as {path.suffix[1:]}: {_one_line(e)}") from None
 
 
-def _parquet_batches(path: Path, cols: list[str] | None) -> Iterator[Any]:
+def _parquet_batches(path: Path, cols: list[str] | None) -> Iterator[pa.RecordBatch]:
     import pyarrow.parquet as pq
 
     f = pq.ParquetFile(path)
@@ -251,14 +255,14 @@ def _parquet_batches(path: Path, cols: list[str] | None) -> Iterator[Any]:
         yield from f.iter_batches(batch_size=BATCH_ROWS, row_groups=[group], columns=columns)
 
 
-def _arrow_batches(path: Path, cols: list[str] | None) -> Iterator[Any]:
+def _arrow_batches(path: Path, cols: list[str] | None) -> Iterator[pa.RecordBatch]:
     """An Arrow IPC file, or an IPC stream (what `datasets` writes as .arrow), memory-mapped."""
     import pyarrow as pa
 
     with pa.memory_map(str(path)) as source:
         try:
-            reader: Any = pa.ipc.open_file(source)
-            batches: Iterable[Any] = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            reader = pa.ipc.open_file(source)
+            batches: Iterable[pa.RecordBatch] = (reader.get_batch(i) for i in range(reader.num_record_batches))
         except pa.ArrowInvalid:
             source.seek(0)
             batches = pa.ipc.open_stream(source)
@@ -276,7 +280,7 @@ def _read_disk(path: Path, split: str, streaming: bool) -> Iterator[Located]:
         raise UserError(f"data folder {path}: not a folder written by save_to_disk (no dataset_info.json or "
                         "dataset_dict.json); give a data file instead")
     try:
-        ds: Any = datasets.load_from_disk(str(path))
+        ds = datasets.load_from_disk(str(path))
     except Exception as e:  # noqa: BLE001 - datasets raises many types
         raise UserError(f"data folder {path}: {type(e).__name__}: {_one_line(e)}") from None
     if isinstance(ds, datasets.DatasetDict):
@@ -294,7 +298,7 @@ def _read_hf(name: str, split: str, subset: str | None, streaming: bool) -> Iter
     import datasets
 
     try:
-        ds: Any = datasets.load_dataset(name, subset, split=split, streaming=streaming)
+        ds = datasets.load_dataset(name, subset, split=split, streaming=streaming)
     except Exception as e:  # noqa: BLE001 - the hub, the cache and the builders all raise their own types
         raise UserError(f"HF dataset {name!r} (split {split!r}): {type(e).__name__}: {_one_line(e)}") from None
     for i, row in enumerate(ds):
@@ -309,7 +313,7 @@ def _read_disk_or_files(path: Path, split: str, subset: str | None, streaming: b
     import datasets
 
     try:
-        ds: Any = datasets.load_dataset(str(path), subset, split=split, streaming=streaming)
+        ds = datasets.load_dataset(str(path), subset, split=split, streaming=streaming)
     except Exception as e:  # noqa: BLE001
         raise UserError(f"HF dataset folder {path} (split {split!r}): {type(e).__name__}: {_one_line(e)}") from None
     for i, row in enumerate(ds):
@@ -329,7 +333,7 @@ READERS: dict[str, Reader] = {
 # ---------------------------------------------------------------- code and other runs
 
 
-def _call_python(target: str, args: Json) -> list[Any]:
+def _call_python(target: str, args: Json) -> list[object]:
     fn = import_target(target)
     try:
         rows = fn(**args)

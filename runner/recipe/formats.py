@@ -25,11 +25,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
-Row = dict[str, Any]
-# A mapper reads the row's logical fields (already looked up through `fields`) and returns a canonical row, or None.
-Mapper = Callable[[Mapping[str, Any]], "Row | None"]
+# A canonical row (a conversation, comparison or problem), checked by its reader (runner/data/).
+Row = dict[str, object]
+# A mapper reads the row's logical fields (already looked up through `fields`: each column's raw value) and returns a
+# canonical row, or None.
+Mapper = Callable[[Mapping[str, object]], "Row | None"]
 
 
 class FormatError(ValueError):
@@ -50,7 +51,7 @@ class Format:
         return {"conversation": self.conversation, "comparison": self.comparison, "problem": self.problem}[shape]
 
 
-def _text(cols: Mapping[str, Any], key: str) -> str:
+def _text(cols: Mapping[str, object], key: str) -> str:
     value = cols[key]
     if not isinstance(value, str):
         raise FormatError(f"field {key!r} must be a string, got {type(value).__name__}")
@@ -116,7 +117,7 @@ def _chat(user: str, assistant: str) -> Row:
     return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]}
 
 
-def _hh_comparison(cols: Mapping[str, Any]) -> Row | None:
+def _hh_comparison(cols: Mapping[str, object]) -> Row | None:
     """The cookbook's hhh_example_to_comparison: both transcripts agree on every turn but the last; None otherwise."""
     chosen, rejected = hh_transcript(_text(cols, "chosen")), hh_transcript(_text(cols, "rejected"))
     if not chosen or len(chosen) != len(rejected):
@@ -186,7 +187,7 @@ def columns(name: str, fields: Mapping[str, str]) -> dict[str, str]:
     return {**FORMATS[name].fields, **fields}
 
 
-def map_row(row: Any, name: str, fields: Mapping[str, str], shape: str) -> Row | None:
+def map_row(row: object, name: str, fields: Mapping[str, str], shape: str) -> Row | None:
     """`row` as the canonical `shape` ("conversation", "comparison", "problem") under format `name` (resolved, not
     "auto"). FormatError: not an object, a missing column (naming those that exist), a field of the wrong type, or a
     format that does not give `shape`. None: a row the cookbook drops."""
@@ -196,7 +197,7 @@ def map_row(row: Any, name: str, fields: Mapping[str, str], shape: str) -> Row |
         raise FormatError(f"format {name!r} gives {fmt.doc}, not {shape}s")
     if not isinstance(row, dict):
         raise FormatError(f"expected an object with columns, got {type(row).__name__}")
-    cols = {}
+    cols: dict[str, object] = {}
     for key, column in columns(name, fields).items():
         if column not in row:
             have = ", ".join(map(repr, row)) or "none"

@@ -32,7 +32,7 @@ import msgspec
 import tomli_w
 
 from backends.errors import UserError
-from runner.recipe.common import Json
+from runner.recipe.common import TARGET_PATTERN, Json
 from runner.recipe.compose import DEFAULTS, EXTENDS, Layer, layers, merge_layers, merged, origin, resolve_tables
 from runner.recipe.explain import NAME, child, convert, dotted, got, info, is_ref, is_str, is_target
 from runner.recipe.fits import check_context
@@ -93,6 +93,7 @@ def resolve(path: str, name: str, raw: Json, overrides: Sequence[str] = (),
     where = where or f"{path}#{name}"
     raw = {k: v for k, v in raw.items() if k != SWEEP_KEY}
     table = apply_overrides(raw, overrides, where)
+    _refuse_short_renderer(table, where)
     try:
         table, _ = resolve_auto(table)  # lr = "auto" (runner/recipe/lr.py)
     except UserError as e:
@@ -320,6 +321,16 @@ def _read_cached(p: Path) -> Json:
     return data
 
 
+def _refuse_short_renderer(table: Json, where: str) -> None:
+    """User code is spelled one way for every kind, `{kind = "python", target = "pkg.mod:NAME"}`: a recipe's (or an
+    override's) old short `renderer = "pkg.mod:NAME"` is refused, naming that spelling. What runner writes back
+    (recipe_dict) is the table; a decoded Recipe holds the target as a string, which is not refused there."""
+    value = table.get("renderer")
+    if isinstance(value, str) and re.fullmatch(TARGET_PATTERN, value):
+        raise UserError(f'{where}: renderer: "{value}" is the old spelling of your own renderer; write '
+                        f'renderer = {{kind = "python", target = "{value}"}}')
+
+
 def decode_recipe(raw: Json, where: str) -> Recipe:
     """Validate one raw recipe table; `where` ('FILE#name') prefixes the error."""
     return convert(raw, Recipe, where)
@@ -342,7 +353,7 @@ def _toml_error(e: tomllib.TOMLDecodeError) -> str:
 MAX_OVERRIDE = 1_000_000
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
+def parse_override(text: str) -> tuple[list[str], object]:
     """'a.b=value' -> (['a', 'b'], value). The value is a TOML literal, else the plain string."""
     key, sep, value = text.partition("=")
     keys = key.strip().split(".")
@@ -433,7 +444,10 @@ def _seed(default: object) -> Json:
 def recipe_dict(recipe: Recipe) -> Json:
     """Every field, defaults included, as TOML-ready builtins. None is left out: TOML has no null,
     and every optional field defaults to None, so leaving it out reads back the same."""
-    return _drop_none(msgspec.to_builtins(recipe, builtin_types=(datetime, date, dtime)))
+    out = _drop_none(msgspec.to_builtins(recipe, builtin_types=(datetime, date, dtime)))
+    if re.fullmatch(TARGET_PATTERN, recipe.renderer):  # a user's renderer, held as its target: written as user code is
+        out["renderer"] = {"kind": "python", "target": recipe.renderer}
+    return out
 
 
 def dump_recipe(name: str, recipe: Recipe) -> str:

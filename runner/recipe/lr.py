@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from backends.errors import UserError
 from runner.models import hidden_sizes
@@ -65,10 +64,13 @@ def _read_config(folder: Path) -> tuple[str, int | None, str]:
     """(model_type, hidden size, where it came from) of a local model folder."""
     config_file = folder / "config.json"
     try:
-        config: Any = json.loads(config_file.read_text(encoding="utf-8"))
+        config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"lr = \"auto\": cannot read {config_file}: {e}") from None
-    hidden = config.get("hidden_size") or (config.get("text_config") or {}).get("hidden_size")
+    if not isinstance(config, dict):
+        raise UserError(f"lr = \"auto\": {config_file} is not a JSON object; set lr to a number")
+    text_config = config.get("text_config")
+    hidden = config.get("hidden_size") or (text_config.get("hidden_size") if isinstance(text_config, dict) else None)
     if not isinstance(hidden, int) or hidden <= 0:
         raise UserError(f"lr = \"auto\": {config_file} has no hidden_size; set lr to a number")
     return str(config.get("model_type", "")), hidden, str(config_file)

@@ -115,7 +115,8 @@ else:
 
 class PythonRenderer(Base, tag_field="kind", tag="python"):
     """A user's renderer: `renderer = {kind = "python", target = "pkg.mod:NAME"}`, NAME a Renderer subclass or a
-    factory tokenizer -> Renderer (the short spelling `renderer = "pkg.mod:NAME"` means the same)."""
+    factory tokenizer -> Renderer. The old short spelling `renderer = "pkg.mod:NAME"` is refused in a recipe
+    (runner/recipe/load.py _refuse_short_renderer); the decoded Recipe holds the target string."""
 
     target: Annotated[str, Meta(pattern=TARGET_PATTERN, description="'pkg.mod:NAME'")]
 
@@ -237,7 +238,7 @@ class Recipe(Base):
     # How conversations become tokens, for every algorithm (docs/renderers.md): "auto" = the cookbook's renderer
     # for the model name, else the tokenizer's chat template ("hf"), else "role_colon" (a base model); or a
     # renderer by name ("llama3", "qwen3", "qwen3_disable_thinking", "deepseekv3", "gpt_oss_no_sysprompt", ...).
-    # Your own: {kind = "python", target = "pkg.mod:NAME"} (or "pkg.mod:NAME"), kept as "pkg.mod:NAME".
+    # Your own: {kind = "python", target = "pkg.mod:NAME"}, held as "pkg.mod:NAME" once decoded.
     renderer: RendererName = "auto"
     backend: Backend = default_backend()  # the local backend (backends/backend_config.py DEFAULT_KIND)
     # At most 2**63 - 1: torch seeds are signed 64-bit (a larger one failed at the first client, after check).
@@ -289,6 +290,7 @@ class Recipe(Base):
 
         if self.renderer not in renderer_names() and re.fullmatch(TARGET_PATTERN, self.renderer) is None:
             raise ValueError(f"renderer {self.renderer!r} is unknown{did_you_mean(self.renderer)}; choose one of: "
-                             f"{', '.join(renderer_names())}, or your own as 'pkg.mod:NAME'")
+                             f"{', '.join(renderer_names())}, or your own as "
+                             "{kind = \"python\", target = \"pkg.mod:NAME\"}")
         if isinstance(self.algo, RL) and isinstance(self.algo.mode, Async) and self.depth == 0:
             raise ValueError("algo.mode async samples while the previous step trains: it needs depth >= 1")

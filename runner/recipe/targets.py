@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from backends.configs import implementation_of
 from backends.errors import UserError, one_line
@@ -27,7 +27,7 @@ def declared(config: type, name: str, kind: type[K]) -> K:
     return found
 
 
-def import_target(target: str) -> Callable[..., Any]:
+def import_target(target: str) -> Callable[..., object]:
     """The callable named by 'pkg.mod:fn'; UserError if it does not import or is not callable."""
     fn = import_object(target)
     if not callable(fn):
@@ -35,8 +35,9 @@ def import_target(target: str) -> Callable[..., Any]:
     return fn
 
 
-def import_object(target: str) -> Any:
-    """Whatever 'pkg.mod:name' names (an AlgoSpec, a loss spec); UserError if it does not import."""
+def import_object(target: str) -> object:
+    """Whatever 'pkg.mod:name' names (an AlgoSpec, a loss spec: the caller checks which); UserError if it does not
+    import."""
     module, _, attr = target.partition(":")
     mod = import_user_module(module, f"cannot import {target!r}")
     try:
@@ -45,7 +46,7 @@ def import_object(target: str) -> Any:
         raise UserError(f"cannot import {target!r}: {one_line(e)}") from None
 
 
-def args_mismatch(fn: Callable[..., Any], args: Json, leading: int = 0,
+def args_mismatch(fn: Callable[..., object], args: Json, leading: int = 0,
                   keywords: tuple[str, ...] = ()) -> str | None:
     """Why fn(**args) cannot bind (a missing or unexpected argument), or None when it can or fn has no signature.
     `leading`: positional arguments runner passes before the args (a pinned eval's sampler and tokenizer);

@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from backends.errors import UserError
 from backends.tokenizer import Tokenizer  # the protocol sits with the loader, so backends/ may name it too
@@ -287,17 +287,17 @@ def render_row(renderer: Renderer, messages: list[Message], train_on_what: str, 
 
 
 # --- the table of renderers by name (runner/renderers/registry.py builds from it) -------------------------------
-Factory = Callable[[Any], Renderer]
+Factory = Callable[[Tokenizer], Renderer]
 REGISTRY: dict[str, Factory] = {}
 AUTO = "auto"  # the name the recipe accepts besides the registered ones (runner/renderers/auto.py resolves it)
-_T = TypeVar("_T")
+_R = TypeVar("_R", bound=Renderer)
 
 
-def register(name: str) -> Callable[[_T], _T]:
+def register(name: str) -> Callable[[type[_R]], type[_R]]:
     """Class decorator: `name` builds this Renderer subclass from a tokenizer."""
 
-    def add(cls: _T) -> _T:
-        add_renderer(name, cls)  # type: ignore[arg-type]
+    def add(cls: type[_R]) -> type[_R]:
+        add_renderer(name, cls)
         return cls
 
     return add

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
 
 from backends.errors import UserError
 from backends.tokenizer import decode_text
@@ -25,6 +24,8 @@ from runner.renderers.hf import HFTemplateRenderer
 Message = Json  # {"role": ..., "content": ...}
 
 _RENDER_CACHE = 4096  # conversations whose rendering is kept
+# A conversation as a cache key: each message's (key, value) pairs, sorted (TypeError when a value is unhashable).
+_Key = tuple[tuple[tuple[str, object], ...], ...]
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class ParsedReply:
 
 
 class ChatRenderer:
-    def __init__(self, renderer: Renderer | Any):
+    def __init__(self, renderer: Renderer | Tokenizer):
         """Over a Renderer, or a tokenizer (then its chat template: renderer "hf")."""
         if not isinstance(renderer, Renderer):
             if not getattr(renderer, "chat_template", None):
@@ -60,7 +61,7 @@ class ChatRenderer:
         self._template = isinstance(renderer, HFTemplateRenderer)
         # Recent renderings: every env of a group renders the same first prompt (8x per problem in rl_basic),
         # and rendering is ~0.3 ms of main-thread time each, on the path that feeds the sampler.
-        self._renders: OrderedDict[tuple[Any, ...], tuple[tuple[int, ...], str]] = OrderedDict()
+        self._renders: OrderedDict[_Key, tuple[tuple[int, ...], str]] = OrderedDict()
 
     @property
     def stop(self) -> list[str] | list[int]:
@@ -80,7 +81,7 @@ class ChatRenderer:
 
     def render(self, messages: list[Message]) -> Prompt:
         try:
-            key: tuple[Any, ...] | None = tuple(tuple(sorted(m.items())) for m in messages)
+            key: _Key | None = tuple(tuple(sorted(m.items())) for m in messages)
             hit = self._renders.get(key)
         except TypeError:  # a message with unhashable content (e.g. a list of parts): not cached
             key, hit = None, None

@@ -5,8 +5,9 @@ Renderer subclass, and nothing else: a renderer module is its own config (it imp
 no recipe fields: a recipe names it, `renderer = "llama3"`), so the first lookup imports every module of the package
 with the finder every kind shares (backends/configs.py `config_modules`, every module rather than `*_config.py`
 ones), which registers them; no list names them. A user's is `renderer = {kind = "python", target = "pkg.mod:NAME"}`
-(or its short spelling `renderer = "pkg.mod:NAME"`): NAME is a Renderer subclass (or any factory tokenizer ->
-Renderer) in their module (docs/extending.md).
+(the old short `renderer = "pkg.mod:NAME"` is refused in a recipe; a decoded recipe holds the target, "pkg.mod:NAME",
+which is what this module is given): NAME is a Renderer subclass (or any factory tokenizer -> Renderer) in their
+module (docs/extending.md).
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ from __future__ import annotations
 import difflib
 import functools
 import re
-from typing import Any
+from collections.abc import Callable
 
 from backends.configs import config_modules
 from backends.errors import UserError, one_line
-from backends.types import Json
 from runner.renderers.auto import pick_renderer
-from runner.renderers.base import AUTO, REGISTRY, Renderer, Tokenizer
+from runner.renderers.base import AUTO, REGISTRY, Factory, Renderer, Tokenizer
 from runner.user_code import import_user_module
 
 # A user's renderer: "pkg.mod:NAME" (the recipe's TARGET_PATTERN; the recipe sits above this package).
@@ -35,7 +35,7 @@ def builtin_modules() -> tuple[str, ...]:
     return tuple(m.__name__.rpartition(".")[2] for m in config_modules(__package__ or "runner.renderers", suffix=""))
 
 
-def registered() -> Json:
+def registered() -> dict[str, Factory]:
     """The table of renderers by name (runner/renderers/base.py REGISTRY), every built-in one in it."""
     builtin_modules()
     return REGISTRY
@@ -107,10 +107,10 @@ def required_tokens(factory: object) -> tuple[str, ...]:
     return tuple(getattr(factory, "required_tokens", None) or ())
 
 
-def user_factory(target: str) -> Any:
-    """The factory a recipe's `renderer = "pkg.mod:NAME"` names; UserError when it cannot be imported (whatever its
-    module raises: a SyntaxError is as much the user's as a missing module) or is not callable. `runner check` calls
-    it too (runner/recipe/load.py check_recipe), so a bad one is found before a run."""
+def user_factory(target: str) -> Callable[..., object]:
+    """The factory a recipe's `renderer = {kind = "python", target = "pkg.mod:NAME"}` names; UserError when it cannot
+    be imported (whatever its module raises: a SyntaxError is as much the user's as a missing module) or is not
+    callable. `runner check` calls it too (runner/recipe/load.py check_recipe), so a bad one is found before a run."""
     module, _, attr = target.partition(":")
     mod = import_user_module(module, f"renderer {target!r}: cannot import {module}")
     factory = getattr(mod, attr, None)

@@ -35,20 +35,29 @@ import os
 import signal
 import sys
 import types
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
 
 REQ_FD, RESP_FD = 3, 4
 MAX_MESSAGE = 16 << 20
+# A value in a request to the worker: data as itself, or a handle to one of the worker's objects.
+Tag = tuple[Literal["v"], object] | tuple[Literal["h"], int]
 
 
-def _send(fd: int, msg: Any) -> None:
-    data = marshal.dumps(msg)
+def _dumps(value: Any) -> bytes:
+    """marshal's bytes for exact builtin data; ValueError for anything else (marshal takes any object and refuses
+    what it cannot write, which is how the worker tells data from a handle)."""
+    return marshal.dumps(value)
+
+
+def _send(fd: int, msg: tuple[object, ...]) -> None:
+    data = _dumps(msg)
     data = len(data).to_bytes(8, "little") + data
     while data:
         data = data[os.write(fd, data) :]
 
 
-def _recv(fd: int) -> Any:
+def _recv(fd: int) -> object:
     head = _read_exact(fd, 8)
     n = int.from_bytes(head, "little")
     if n > MAX_MESSAGE:
@@ -71,17 +80,17 @@ def _read_exact(fd: int, n: int) -> bytes:
 
 
 def _worker() -> None:
-    handles: dict[int, Any] = {}
+    handles: dict[int, Any] = {}  # the program's objects, used as they are (what fails goes back as the error)
 
-    def tag(value: Any) -> tuple[object, ...]:
+    def tag(value: object) -> tuple[object, ...]:
         try:
-            marshal.dumps(value)  # exact builtin data only: a subclass (with its own __eq__) is refused
+            _dumps(value)  # exact builtin data only: a subclass (with its own __eq__) is refused
             return ("v", value)
         except ValueError:
             handles[id(value)] = value
             return ("h", id(value), type(value).__name__)
 
-    def untag(t: tuple[Any, ...]) -> Any:
+    def untag(t: Tag) -> object:
         return handles[t[1]] if t[0] == "h" else t[1]
 
     def error(e: BaseException) -> tuple[str, str, str]:
@@ -103,9 +112,12 @@ def _worker() -> None:
         return
     while True:
         try:
-            op, h, *rest = _recv(REQ_FD)
+            request = _recv(REQ_FD)
         except EOFError:
             return
+        if not isinstance(request, tuple):  # the harness sends tuples only
+            return
+        op, h, *rest = request
         try:
             obj = handles[h]
             if op == "call":
@@ -139,20 +151,27 @@ class Remote:
     """A value that stayed in the worker. Equal only to itself; calls, attributes, iteration, len and indexing go
     to the worker and come back as data or as another Remote."""
 
+    _link: _Link
+    _handle: int
+    _kind: str
+
     def __init__(self, link: _Link, handle: int, kind: str):
         object.__setattr__(self, "_link", link)
         object.__setattr__(self, "_handle", handle)
         object.__setattr__(self, "_kind", kind)
 
-    def __call__(self, *args: object, **kwargs: object) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> object:
         return self._link.ask("call", self._handle, [self._link.tag(a) for a in args],
                               {k: self._link.tag(v) for k, v in kwargs.items()})  # fmt: skip
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         return self._link.ask("getattr", self._handle, name)
 
-    def __iter__(self) -> Any:
-        return iter(self._link.ask("iter", self._handle))
+    def __iter__(self) -> Iterator[object]:
+        items = self._link.ask("iter", self._handle)
+        if not isinstance(items, list):
+            raise RuntimeError("the program answered an iteration with something that is not its items")
+        return iter(items)
 
     def __len__(self) -> int:
         n = self._link.ask("len", self._handle)
@@ -160,7 +179,7 @@ class Remote:
             raise TypeError("len() of the program's object is not an int")
         return n
 
-    def __getitem__(self, key: object) -> Any:
+    def __getitem__(self, key: object) -> object:
         return self._link.ask("getitem", self._handle, self._link.tag(key))
 
     def __bool__(self) -> bool:  # `assert f(x)` must not pass on any object the program returns
@@ -187,23 +206,31 @@ class _Link:
             return Remote(self, t[1], t[2])
         raise RuntimeError("the program answered with something that is neither data nor a handle")
 
-    def ask(self, *request: Any) -> Any:
+    def ask(self, *request: object) -> object:
         _send(self.wr, request)
         return self.answer(_recv(self.rd))
 
-    def answer(self, reply: tuple[Any, ...]) -> Any:
+    def answer(self, reply: object) -> object:
+        reply = _fields(reply)
         if reply[0] == "ok":
             return self.untag(reply[1])
         if reply[0] == "items":
-            return [self.untag(t) for t in reply[1]]
+            return [self.untag(t) for t in _fields(reply[1])]
         _, name, message = reply
-        kind = getattr(builtins, name, None)
+        kind = getattr(builtins, name, None) if isinstance(name, str) else None
         # Raised as itself (a check may expect a ValueError), but never a StopIteration: `all(map(f, xs))` would take
         # it for the end of the items and pass.
         if (isinstance(kind, type) and issubclass(kind, Exception) and kind.__module__ == "builtins"
                 and not issubclass(kind, (StopIteration, StopAsyncIteration))):  # fmt: skip
             raise kind(message)
         raise RemoteError(f"{name}: {message}")
+
+
+def _fields(message: object) -> Sequence[object]:
+    """A reply's fields (a tuple or a list); anything else is refused (the worker's replies are untrusted)."""
+    if not isinstance(message, (tuple, list)) or not message:
+        raise RuntimeError("the program answered with something that is not a reply")
+    return message
 
 
 # Standard modules the harness never imports for a check (side effects on import: a browser, a window, text).
@@ -331,7 +358,7 @@ def _harness() -> None:
     os.close(resp_w)
     link = _Link(resp_r, req_w)
     try:
-        loaded = _recv(resp_r)
+        loaded = _fields(_recv(resp_r))
         if loaded[0] != "ok":
             link.answer(loaded)
         code = compile(job["check"], "<check>", "exec")

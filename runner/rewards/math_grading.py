@@ -15,7 +15,7 @@ import importlib
 import re
 from fractions import Fraction
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Literal
 
 ExtractMode = Literal["boxed", "auto"]
 Grader = Literal["auto", "builtin", "math_verify"]
@@ -153,8 +153,8 @@ def _latex_to_sympy(s: str) -> str:
 def _sympy_equal(a: str, b: str) -> bool:
     """a == b as expressions, when sympy is installed and both look like small, safe expressions."""
     try:
-        sympy: Any = importlib.import_module("sympy")
-        parser: Any = importlib.import_module("sympy.parsing.sympy_parser")
+        sympy = importlib.import_module("sympy")
+        parser = importlib.import_module("sympy.parsing.sympy_parser")
     except ImportError:
         return False
     exprs = []
@@ -207,7 +207,7 @@ def math_verify_available() -> bool:
 def _math_verify_equal(given: str, truth: str) -> bool:
     """math-verify's judgment. Its own timeouts use SIGALRM, which works only in the main thread (envs grade in a
     worker thread, under their own time limit), so they are turned off."""
-    mv: Any = importlib.import_module("math_verify")
+    mv = importlib.import_module("math_verify")
     wrap = [s if s.startswith("$") else f"${s}$" for s in (given, truth)]
     try:
         gold, pred = (mv.parse(s, parsing_timeout=None) for s in (wrap[1], wrap[0]))

@@ -30,7 +30,6 @@ import typing
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from backends.errors import UserError
 from runner.recipe.common import Json
@@ -48,7 +47,7 @@ class Tool:
     name: str
     description: str
     parameters: Json  # JSON schema of the arguments (an object)
-    fn: Callable[..., Any]
+    fn: Callable[..., object]  # its result goes back to the model as text
 
     @property
     def spec(self) -> Json:
@@ -148,7 +147,7 @@ def _arg_docs(doc: str) -> dict[str, str]:
     return out
 
 
-def tool_from_function(fn: Callable[..., Any], where: str, name: str | None = None) -> Tool:
+def tool_from_function(fn: Callable[..., object], where: str, name: str | None = None) -> Tool:
     """A Tool from a function's signature, type hints and docstring (UserError naming `where` for what cannot
     become a JSON schema: a missing docstring or type hint, *args)."""
     doc = inspect.getdoc(fn) or ""
@@ -179,12 +178,12 @@ def tool_from_function(fn: Callable[..., Any], where: str, name: str | None = No
 
 # ---------------------------------------------------------------- calculator
 
-_BINARY: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
+_BINARY: dict[type[ast.operator], Callable[[float, float], float | complex]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
     ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
 }
-_UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-_FUNCS: dict[str, Callable[..., Any]] = {"sqrt": math.sqrt, "abs": abs, "round": round, "min": min, "max": max,
+_UNARY: dict[type[ast.unaryop], Callable[[float], float]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_FUNCS: dict[str, Callable[..., object]] = {"sqrt": math.sqrt, "abs": abs, "round": round, "min": min, "max": max,
                                          "log": math.log, "exp": math.exp, "floor": math.floor, "ceil": math.ceil}
 _CONSTS = {"pi": math.pi, "e": math.e}
 MAX_EXPRESSION_CHARS = 200
@@ -216,9 +215,12 @@ def _eval(node: ast.AST) -> float | int:
     if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCS
             and not node.keywords):
         try:
-            return _FUNCS[node.func.id](*(_eval(a) for a in node.args))
+            out = _FUNCS[node.func.id](*(_eval(a) for a in node.args))
         except (ValueError, TypeError, OverflowError) as e:
             raise ToolError(f"{node.func.id}: {e}") from None
+        if not isinstance(out, (int, float)):  # of numbers, each is a number
+            raise ToolError(f"{node.func.id}: the result is not a real number")
+        return out
     raise ToolError(f"unsupported expression: {ast.unparse(node)[:60]!r}; use numbers, + - * / // % ** (), "
                     f"{', '.join(sorted(_FUNCS))}")
 
@@ -328,5 +330,5 @@ def search_tool(index: BM25, top_k: int) -> Tool:
     return tool_from_function(search, "the search tool")
 
 
-def builtin_tools() -> dict[str, Callable[..., Any]]:
+def builtin_tools() -> dict[str, Callable[..., object]]:
     return {"calculator": calculator}

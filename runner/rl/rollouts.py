@@ -33,9 +33,9 @@ import math
 import os
 import traceback
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 
@@ -222,7 +222,10 @@ async def run_episode(
     raise EpisodeTooLong(f"{type(env).__name__} did not end its episode within {MAX_TURNS} turns")
 
 
-async def _awaited(owner: object, method: str, value: Any) -> Any:
+T = TypeVar("T")
+
+
+async def _awaited(owner: object, method: str, value: Awaitable[T]) -> T:
     """await value, or one line saying the user's method is not `async def` (a plain TypeError otherwise)."""
     if not inspect.isawaitable(value):
         raise UserError(f"{type(owner).__name__}.{method} returned a {type(value).__name__}, not a coroutine: "

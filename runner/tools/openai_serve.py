@@ -6,7 +6,8 @@ default): never an arbitrary path (no `..`, no absolute path outside those folde
 read there is read as regular files only (backends/serve/files.py: a FIFO or device is refused at once), and
 nothing there is ever written (a torn checkpoints.jsonl is read as it is, not repaired). A run's recipe is read as
 plain TOML for its `model` and `renderer`, never loaded as a recipe (which imports code); a renderer that is code
-(`renderer = "pkg.mod:NAME"`) is used only for runs under a folder the operator also gave as `--trust-code DIR`.
+(`renderer = {kind = "python", target = "pkg.mod:NAME"}`, or an older run's `renderer = "pkg.mod:NAME"`) is used only
+for runs under a folder the operator also gave as `--trust-code DIR`.
 """
 
 from __future__ import annotations
@@ -178,6 +179,8 @@ def _recipe_model(config: Path) -> tuple[str, str | None]:
     table = next(iter(tables.values()))
     model = table.get("model", "tiny") if isinstance(table, dict) else None
     renderer = table.get("renderer") if isinstance(table, dict) else None
+    if isinstance(renderer, dict) and renderer.get("kind") == "python":  # a user's renderer: its target (code)
+        renderer = renderer.get("target")
     if not isinstance(model, str) or (renderer is not None and not isinstance(renderer, str)):
         raise UserError(f"{config}: model and renderer must be strings")
     return model, renderer

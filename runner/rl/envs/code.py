@@ -140,7 +140,7 @@ def load_code_problems(source: DataSource) -> list[CodeProblem]:
     for row, w in zip(rows, where, strict=True):
         question = next((row.get(k) for k in ("question", "prompt", "problem")
                          if isinstance(row, dict) and isinstance(row.get(k), str) and row[k].strip()), None)  # fmt: skip
-        if question is None:
+        if question is None or not isinstance(row, dict):
             raise UserError(f"{w}: expected an object with a non-empty \"question\" (or \"prompt\", \"problem\")")
         starter = row.get("starter_code")
         if isinstance(starter, str) and starter.strip():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Generic, TypeVar
 
 from backends.base import SamplingClient
 from backends.errors import UserError
@@ -18,15 +18,16 @@ from runner.rl.types import Env, EnvGroupBuilder, Observation, RLDataset, StopCo
 
 T = TypeVar("T", bound=Hashable)
 P = TypeVar("P")
+C = TypeVar("C", bound=EnvBase)
 
 
 @dataclass(frozen=True)
-class EnvKind:
+class EnvKind(Generic[C]):
     """What an env's module declares (`ENV = EnvKind(build, headline)`): build(cfg, ctx) -> (train, test), and the
     (metric, label) pairs the progress line shows besides the reward: a number that moves where the mean reward
     cannot (pairwise judging: the group's win rate is 0.5 by construction; self-play: wins and losses cancel)."""
 
-    build: Callable[[Any, EnvContext], tuple[RLDataset, RLDataset | None]]
+    build: Callable[[C, EnvContext], tuple[RLDataset, RLDataset | None]]  # C: the env's config struct
     headline: list[tuple[str, str]] = field(default_factory=list)
 
 
@@ -93,7 +94,7 @@ class RepeatGroupBuilder(EnvGroupBuilder):
         return self.tags
 
 
-class ListDataset(RLDataset):
+class ListDataset(RLDataset, Generic[P]):
     """Builders made from a fixed list of problems, groups_per_batch per batch.
 
     drop_last (training): a partial last batch is dropped, so every step has the same number of groups;
@@ -101,8 +102,8 @@ class ListDataset(RLDataset):
 
     def __init__(
         self,
-        items: Sequence[object],
-        make_builder: Callable[[object], EnvGroupBuilder],
+        items: Sequence[P],
+        make_builder: Callable[[P], EnvGroupBuilder],
         groups_per_batch: int,
         drop_last: bool = True,
     ):
@@ -166,9 +167,9 @@ def split(problems: list[P], test: list[P] | None, cfg: EnvBase, seed: int, what
     return order[: cfg.train_size], test
 
 
-def group_datasets(train: Sequence[Any], test: Sequence[Any], ctx: EnvContext,
-                   make: Callable[[Any, int], EnvGroupBuilder], what: str, *,
-                   make_test: Callable[[Any, int], EnvGroupBuilder] | None = None,
+def group_datasets(train: Sequence[P], test: Sequence[P], ctx: EnvContext,
+                   make: Callable[[P, int], EnvGroupBuilder], what: str, *,
+                   make_test: Callable[[P, int], EnvGroupBuilder] | None = None,
                    test_group_size: int | None = None) -> tuple[RLDataset, RLDataset | None]:  # fmt: skip
     """Every env's (train, test) datasets: `make(problem, group_size)` is one group; training batches are
     groups_per_batch groups of ctx.group_size (a partial last batch dropped), the test split's groups of

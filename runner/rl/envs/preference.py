@@ -30,7 +30,7 @@ from runner.rl.types import (
     Trajectory,
 )
 
-Judge = Callable[[str, str, str], float]
+Judge = Callable[[str, str, str], object]  # user code: what it returns is checked (round_robin)
 
 
 def shorter_wins(prompt: str, a: str, b: str) -> float:

@@ -4,8 +4,6 @@ contract); every way it can go wrong is one line naming it."""
 
 from __future__ import annotations
 
-from typing import Any, cast
-
 from backends.errors import UserError
 from runner.recipe.targets import args_mismatch, import_target
 from runner.rl.envs.common import EnvContext, EnvKind
@@ -38,12 +36,12 @@ def user_datasets(cfg: PythonEnv, ctx: EnvContext) -> tuple[RLDataset, RLDataset
     for name, ds in (("train", train), ("test", test)):
         if ds is None and name == "test":
             continue
-        if not (hasattr(ds, "get_batch") and hasattr(ds, "__len__")):
+        if ds is None or not (hasattr(ds, "get_batch") and hasattr(ds, "__len__")):
             raise UserError(
                 f"{where}: {name} dataset is {type(ds).__name__}, expected an RLDataset (get_batch, __len__)"
             )
         try:
-            n = len(cast(Any, ds))  # user code: checked by hasattr above, and any failure is reported
+            n = len(ds)  # user code: checked by hasattr above, and any failure is reported
         except Exception as e:  # noqa: BLE001 - user code
             raise UserError(f"{where}: len() of the {name} dataset failed: {describe_error(e)}") from None
         if n == 0 and name == "train":

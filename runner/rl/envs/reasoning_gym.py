@@ -24,7 +24,8 @@ import random
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from backends.errors import UserError
 from backends.types import Json
@@ -33,10 +34,13 @@ from runner.rl.envs.common import ChatEnv, EnvContext, EnvKind, RepeatGroupBuild
 from runner.rl.envs.reasoning_gym_config import ReasoningGym
 from runner.rl.types import Observation, RLDataset, StepResult, StopCondition
 
+if TYPE_CHECKING:
+    from reasoning_gym.dataset import ProceduralDataset
+
 INSTALL = "the reasoning_gym env needs the reasoning-gym package: pip install 'runner[reasoning]'"
 
 
-def library() -> Any:
+def library() -> ModuleType:
     try:
         return importlib.import_module("reasoning_gym")
     except ImportError:
@@ -46,7 +50,7 @@ def library() -> Any:
 @dataclass(frozen=True)
 class Task:
     name: str
-    dataset: Any  # a reasoning_gym ProceduralDataset
+    dataset: ProceduralDataset
     n_test: int
     n_shots: int
 
@@ -159,8 +163,8 @@ def build(cfg: ReasoningGym, ctx: EnvContext) -> tuple[RLDataset, RLDataset | No
             shots += [{"role": "user", "content": user_text(cfg.prompt, ex)}, {"role": "assistant", "content": answer}]
         return [*system, *shots, {"role": "user", "content": user_text(cfg.prompt, task.dataset[idx])}]
 
-    def builder(ref: object, group_size: int) -> RepeatGroupBuilder:
-        t, idx = ref  # type: ignore[misc]
+    def builder(ref: tuple[int, int], group_size: int) -> RepeatGroupBuilder:
+        t, idx = ref
         task = tasks[t]
         make: Callable[[], ReasoningGymEnv] = functools.partial(
             ReasoningGymEnv, ctx.renderer, messages(task, idx), task, task.dataset[idx], cfg)

@@ -16,7 +16,7 @@ import inspect
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from backends.base import SamplingClient
 from backends.errors import UserError
@@ -163,7 +163,7 @@ class ModelGrader:
 class FunctionGrader:
     def __init__(self, cfg: PythonGrader):
         self.target = cfg.target
-        self.fn: Callable[..., Any] = import_target(cfg.target)
+        self.fn: Callable[..., object] = import_target(cfg.target)
 
     async def __call__(self, messages: list[Message], reply: str, item: str, seed: int) -> Grade:
         where = f"rubric grader {self.target!r}"

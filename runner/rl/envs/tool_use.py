@@ -192,7 +192,7 @@ def load_problems(source: DataSource) -> list[Problem]:
     out = []
     for row, w in zip(rows, where, strict=True):
         question = row.get("question") or row.get("prompt") if isinstance(row, dict) else None
-        if not isinstance(question, str) or not question.strip():
+        if not isinstance(question, str) or not question.strip() or not isinstance(row, dict):
             raise UserError(f"{w}: expected an object with a non-empty `question`")
         # "golden_answers": the Search-R1 / NQ-HotpotQA rows the cookbook's search_tool trains on.
         answers = _answer_list(row.get("answer", row.get("answers", row.get("golden_answers"))))

@@ -28,6 +28,7 @@ import random
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from backends.errors import UserError
@@ -39,20 +40,22 @@ from runner.rl.types import Env, EnvGroupBuilder, Metrics, Observation, RLDatase
 
 if TYPE_CHECKING:  # imported in build(): runner.rl.openai_chat imports an env module (tool_use), hence this package
     import httpx
+    from datasets import Dataset
+    from verifiers import Environment, State
 
     from runner.rl.openai_chat import RendererChat
 
 INSTALL = "the verifiers env needs the verifiers package: pip install 'verifiers==0.1.9.post3'"
 
 
-def library() -> Any:
+def library() -> ModuleType:
     try:
         return importlib.import_module("verifiers")
     except ImportError:
         raise UserError(INSTALL) from None
 
 
-def load(cfg: Verifiers) -> Any:
+def load(cfg: Verifiers) -> Environment:
     """The environment: `verifiers.load_environment(module, **args)` (the module's load_environment)."""
     vf = library()
     # verifiers logs every load and rubric at INFO on its own handler: runner's progress line is the output.
@@ -84,16 +87,16 @@ def load(cfg: Verifiers) -> Any:
 
 @dataclass
 class _Ended:
-    state: Any
+    state: State | None
     error: BaseException | None
 
 
 class VerifiersEnv(Env):
     """One rollout of the verifiers environment, driven turn by turn by runner's rollout loop."""
 
-    def __init__(self, vf_env: Any, row: Json, fmt: RendererChat, model: str):
+    def __init__(self, vf_env: Environment, row: Json, fmt: RendererChat, model: str):
         self.vf_env, self.row, self.fmt, self.model = vf_env, row, fmt, model
-        self.state: Any = None
+        self.state: State | None = None
         self.error: BaseException | None = None
         self._queue: asyncio.Queue[tuple[list[int], asyncio.Future[SampledSequence]] | _Ended] = asyncio.Queue()
         self._pending: asyncio.Future[SampledSequence] | None = None
@@ -177,7 +180,7 @@ def _transport(env: VerifiersEnv) -> httpx.AsyncBaseTransport:
 
 
 class VerifiersGroupBuilder(EnvGroupBuilder):
-    def __init__(self, vf_env: Any, row: Json, fmt: RendererChat, model: str, group_size: int, tag: str):
+    def __init__(self, vf_env: Environment, row: Json, fmt: RendererChat, model: str, group_size: int, tag: str):
         self.vf_env, self.row, self.fmt, self.model = vf_env, row, fmt, model
         self.group_size, self.tag = group_size, tag
 
@@ -207,7 +210,7 @@ class VerifiersGroupBuilder(EnvGroupBuilder):
         return [self.tag]
 
 
-def _rows(ds: Any) -> list[Json]:
+def _rows(ds: Dataset) -> list[Json]:
     cols = set(ds.column_names)
     keys = [k for k in ("prompt", "example_id", "task", "answer", "info") if k in cols]
     return [{k: ds[i][k] for k in keys} for i in range(len(ds))]
@@ -240,8 +243,8 @@ def build(cfg: Verifiers, ctx: EnvContext) -> tuple[RLDataset, RLDataset | None]
     fmt = RendererChat(ctx.renderer)
     tag = cfg.module.split("/")[-1].split(".")[-1]
 
-    def builder(row: object, group_size: int) -> VerifiersGroupBuilder:
-        return VerifiersGroupBuilder(vf_env, row, fmt, cfg.model_name, group_size, tag)  # type: ignore[arg-type]
+    def builder(row: Json, group_size: int) -> VerifiersGroupBuilder:
+        return VerifiersGroupBuilder(vf_env, row, fmt, cfg.model_name, group_size, tag)
 
     return group_datasets(train, test, ctx, builder, "verifiers env")
 
