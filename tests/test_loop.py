@@ -145,6 +145,43 @@ def test_torn_lines_are_tolerated(tmp_path):
     assert names == ["000002", "final-s2"]  # the second session's names never collide with the first's
 
 
+def test_one_jsonl_parse_for_the_writer_and_the_read_only_readers(tmp_path):
+    """parse_jsonl is the one line loop: read_jsonl cuts a torn last line off (and ends an unended whole one),
+    `runner serve` skips it without writing, `runner compare` skips any bad line; a bad line in the middle is an
+    error naming file:line for both of the first two, and so is a row that is not an object for read_jsonl."""
+    from runner.engine.log import parse_jsonl, read_jsonl
+    from runner.tools.compare import read_rows
+    from runner.tools.openai_serve import _read_rows
+
+    text = '{"a": 1}\n\n[2]\n{"b": 3}\n{"c": 4, "tor'
+    parsed = parse_jsonl(text)
+    assert (parsed.rows, parsed.others, parsed.corrupt) == ([{"a": 1}, {"b": 3}], [3], None)
+    assert text[parsed.torn_at:] == '{"c": 4, "tor'
+    assert parse_jsonl('{"a": 1}\nnope\n{"b": 2}').corrupt == 2
+    assert parse_jsonl('{"a": 1}\nnope\n').torn_at is None  # a bad line ended by a newline is not a torn one
+
+    torn = tmp_path / "torn.jsonl"
+    torn.write_text('{"a": 1}\n{"b": 2, "to')
+    assert _read_rows(torn) == read_rows(torn) == [{"a": 1}]
+    assert torn.read_text() == '{"a": 1}\n{"b": 2, "to'  # the read-only readers leave it
+    assert read_jsonl(torn) == [{"a": 1}] and torn.read_text() == '{"a": 1}\n'  # the writer's reader cuts it
+    unended = tmp_path / "unended.jsonl"
+    unended.write_text('{"a": 1}')
+    assert read_jsonl(unended) == [{"a": 1}] and unended.read_text() == '{"a": 1}\n'
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"a": 1}\nnot json\n{"b": 2}\n')
+    for reader in (read_jsonl, _read_rows):
+        with pytest.raises(UserError, match=rf"^{bad}:2: corrupt line \(not JSON\)"):
+            reader(bad)
+    assert read_rows(bad) == [{"a": 1}, {"b": 2}]
+    array = tmp_path / "array.jsonl"
+    array.write_text('{"a": 1}\n[1, 2]\n')
+    with pytest.raises(UserError, match=rf"^{array}:2: corrupt line \(not a JSON object\)"):
+        read_jsonl(array)
+    assert _read_rows(array) == read_rows(array) == [{"a": 1}]
+
+
 def test_finished_run_is_a_noop_and_can_be_extended(tmp_path, capsys):
     recipe = make_recipe(tmp_path, max_steps=4)
     store = tmp_path / "store"

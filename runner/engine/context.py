@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol, TypeVar
 
 from backends.base import Backend, Future, SamplingClient, TrainingClient
 from backends.types import AdamParams
@@ -41,22 +41,28 @@ class FinalContext:
     step: int | None = None
 
 
-class Algorithm(Protocol):
+# Each algorithm's own types: what prepare() yields and submit() takes (a batch or minibatch: SFT's list[Datum], RL's
+# Part), and what submit() returns and finish() awaits (its futures). The loop hands them on without looking inside.
+Part = TypeVar("Part")
+Sub = TypeVar("Sub")
+
+
+class Algorithm(Protocol[Part, Sub]):
     total_steps: int
 
     # Positional-only (`/`): implementations name their parameters after their own types.
-    def prepare(self, step: int, ctx: Context, /) -> AsyncIterator[Any]:
+    def prepare(self, step: int, ctx: Context, /) -> AsyncIterator[Part]:
         """The batch for `step`, as one or more parts, each handed to submit() the moment it is yielded (a
         streaming algorithm yields minibatches as their rollouts finish, so training overlaps sampling);
         advances the data position (and RNG) past the step."""
         ...
 
-    def submit(self, tc: TrainingClient, step: int, part: Any, adam: AdamParams, evaluate: bool, /) -> Any:
+    def submit(self, tc: TrainingClient, step: int, part: Part, adam: AdamParams, evaluate: bool, /) -> Sub:
         """Queue one part's calls without waiting; `evaluate` is true for the first part of an eval step (queue
         the eval first). Return the futures."""
         ...
 
-    async def finish(self, step: int, submitted: list[Any], /) -> dict[str, float]:
+    async def finish(self, step: int, submitted: list[Sub], /) -> dict[str, float]:
         """Await what submit() queued for every part of the step; the step's metrics."""
         ...
 

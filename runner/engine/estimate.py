@@ -17,12 +17,11 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from backends.errors import UserError
 from backends.tokenizer import Tokenizer, load_tokenizer
 from backends.types import LoraSpec
-from runner.engine.context import Algorithm, Context
+from runner.engine.context import Algorithm, Context, Part, Sub
 from runner.engine.cost import Counter, CountingBackend, Usage, price_of
 from runner.engine.probe import ProbeBackend
 from runner.engine.schedule import adam_at
@@ -40,7 +39,7 @@ class Estimate:
     line: str
 
 
-async def _probe(recipe: Recipe, algo: Algorithm, tokenizer: Tokenizer, evals: bool) -> tuple[Usage, Usage]:
+async def _probe(recipe: Recipe, algo: Algorithm[Part, Sub], tokenizer: Tokenizer, evals: bool) -> tuple[Usage, Usage]:
     """(tokens per training step, what an eval step adds)."""
     counter = Counter()
     probe = ProbeBackend(tokenizer)
@@ -55,7 +54,7 @@ async def _probe(recipe: Recipe, algo: Algorithm, tokenizer: Tokenizer, evals: b
             for step in range(train_steps + (1 if evals and total > train_steps else 0)):
                 evaluate = step >= train_steps
                 adam = adam_at(recipe, step, total)
-                submitted: list[Any] = []
+                submitted: list[Sub] = []
                 async for part in algo.prepare(step, ctx):
                     submitted.append(algo.submit(tc, step, part, adam, evaluate and not submitted))
                 await algo.finish(step, submitted)

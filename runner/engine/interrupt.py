@@ -16,7 +16,7 @@ import signal
 import socket
 import sys
 import threading
-from typing import Any
+from collections.abc import Awaitable, Sized
 
 from runner.engine.log import Progress
 from runner.engine.watchdog import Watchdog
@@ -159,7 +159,7 @@ class StopFlag:
         os._exit(130)
 
 
-async def until_stopped(prepare: Any, stop: StopFlag, submitted: list[Any]) -> bool:
+async def until_stopped(prepare: Awaitable[None], stop: StopFlag, submitted: Sized) -> bool:
     """Run a step's prepare to the end (True), unless the first Ctrl-C comes while none of its parts has been
     submitted: then it is cancelled (False), so an env that never answers cannot hold the stop up. Once a part is
     submitted (RL stream mode) the step finishes whole, as a checkpoint must not hold half a step."""

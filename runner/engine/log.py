@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
@@ -92,37 +93,69 @@ def append_jsonl(path: Path, row: Json) -> None:
             os.close(fd)
 
 
+@dataclass(frozen=True)
+class JsonlText:
+    """A JSONL text, line by line (split at each newline character; blank lines skipped). What a line that does not
+    parse means is the reader's: read_jsonl cuts a torn last line off and refuses a corrupt one; read-only readers
+    skip a torn line (openai_serve) or any bad line (compare)."""
+
+    rows: list[Json]  # the lines that are JSON objects, in order
+    others: list[int]  # line numbers (from 1) of lines that are JSON but not an object
+    corrupt: int | None  # the first line, ended by a newline, that is not JSON
+    torn_at: int | None  # where (a str offset) an unended last line that is not JSON starts: a crash mid-write
+
+
+def parse_jsonl(text: str) -> JsonlText:
+    rows: list[Json] = []
+    others: list[int] = []
+    corrupt: int | None = None
+    torn_at: int | None = None
+    lines = text.split("\n")
+    start = 0
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                if n == len(lines):
+                    torn_at = start
+                elif corrupt is None:
+                    corrupt = n
+            else:
+                if isinstance(row, dict):
+                    rows.append(row)
+                else:
+                    others.append(n)
+        start += len(line) + 1
+    return JsonlText(rows, others, corrupt, torn_at)
+
+
 def read_jsonl(path: Path) -> list[Json]:
     """Rows of a JSONL file written by append_jsonl. A torn last line (a crash mid-write) is dropped
     and cut off the file, so the next append starts on a clean line; a bad line elsewhere is corruption."""
     if not path.exists():
         return []
     text = path.read_text(encoding="utf-8")
-    lines = text.split("\n")
-    rows = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i < len(lines) - 1:
-                raise UserError(f"{path}:{i + 1}: corrupt line (not JSON); fix or remove the file") from None
-            with disk_errors(path):  # torn tail: cut it off
-                fd = _open_nofollow(path, os.O_WRONLY)
-                try:
-                    os.ftruncate(fd, len("\n".join(lines[:i]).encode()) + (1 if i else 0))
-                finally:
-                    os.close(fd)
-            return rows
-    if text and not text.endswith("\n"):  # whole row, newline lost: end the line
+    parsed = parse_jsonl(text)
+    bad = min((n for n in (parsed.corrupt, *parsed.others) if n is not None), default=None)
+    if bad is not None:
+        what = "not JSON" if bad == parsed.corrupt else "not a JSON object"
+        raise UserError(f"{path}:{bad}: corrupt line ({what}); fix or remove the file")
+    if parsed.torn_at is not None:
+        with disk_errors(path):  # torn tail: cut it off
+            fd = _open_nofollow(path, os.O_WRONLY)
+            try:
+                os.ftruncate(fd, len(text[:parsed.torn_at].encode()))
+            finally:
+                os.close(fd)
+    elif text and not text.endswith("\n"):  # whole row, newline lost: end the line
         with disk_errors(path):
             fd = _open_nofollow(path, os.O_WRONLY | os.O_APPEND)
             try:
                 os.write(fd, b"\n")
             finally:
                 os.close(fd)
-    return rows
+    return parsed.rows
 
 
 def write_jsonl_atomic(path: Path, rows: list[Json]) -> None:

@@ -29,14 +29,14 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Generic
 
 from backends.base import Backend, BackendError, Future, TrainingClient
 from backends.errors import UserError
 from backends.tokenizer import load_tokenizer
 from backends.types import AdamParams, LoraSpec
 from runner.engine.checkpoints import Checkpoint
-from runner.engine.context import Algorithm, Context, FinalContext, InitWeights
+from runner.engine.context import Algorithm, Context, FinalContext, InitWeights, Part, Sub
 from runner.engine.cost import STEP as COST_STEP
 from runner.engine.cost import BudgetReached, Ledger
 from runner.engine.evals import names as eval_names
@@ -158,11 +158,11 @@ def short_data_warning(recipe: Recipe, algo: Algorithm) -> str | None:
 # ---------------------------------------------------------------- the loop
 
 @dataclass
-class Pending:
+class Pending(Generic[Sub]):
     """A submitted step, until finish()."""
 
     step: int
-    submitted: list[Any]
+    submitted: list[Sub]  # what the algorithm's submit() returned for each part
     lr: float
     prepare_s: float
     # The algorithm's state after preparing this step: the data position of step + 1.
@@ -293,13 +293,13 @@ async def resume_client(recipe: Recipe, run: RunDir, backend: Backend, algo: Alg
                     "over (moves it aside)")
 
 
-async def train_steps(recipe: Recipe, run: RunDir, backend: Backend, tc: TrainingClient, algo: Algorithm,
-                      progress: Progress, clock: Clock, stop: StopFlag, ledger: Ledger) -> Checkpoint | None:
+async def train_steps(recipe: Recipe, run: RunDir, backend: Backend, tc: TrainingClient,
+                      algo: Algorithm[Part, Sub], progress: Progress, clock: Clock, stop: StopFlag, ledger: Ledger) -> Checkpoint | None:
     """Steps start_step .. total_steps - 1, pipelined `depth` deep; returns the last checkpoint row. When `stop`
     is set, no further step is started: the submitted ones finish and the last of them is checkpointed."""
     ttl = backend.checkpoint_ttl_seconds()  # periodic checkpoints only; the final one never expires
     ctx = Context(backend, backend.get_tokenizer(), run.path, tc.save_weights_and_get_sampling_client)
-    pending: deque[Pending] = deque()
+    pending: deque[Pending[Sub]] = deque()
     try:
         return await _steps(recipe, run, tc, algo, progress, clock, stop, ctx, ttl, pending, ledger)
     except NonFinite as e:  # the states saved after the weights went bad: none is kept
@@ -308,9 +308,9 @@ async def train_steps(recipe: Recipe, run: RunDir, backend: Backend, tc: Trainin
         raise
 
 
-async def _steps(recipe: Recipe, run: RunDir, tc: TrainingClient, algo: Algorithm, progress: Progress,
+async def _steps(recipe: Recipe, run: RunDir, tc: TrainingClient, algo: Algorithm[Part, Sub], progress: Progress,
                  clock: Clock, stop: StopFlag, ctx: Context, ttl: int | None,
-                 pending: deque[Pending], ledger: Ledger) -> Checkpoint | None:
+                 pending: deque[Pending[Sub]], ledger: Ledger) -> Checkpoint | None:
     total, start = algo.total_steps, run.start_step
     ckpt: Checkpoint | None = None
     for step in range(start, total):
@@ -325,7 +325,7 @@ async def _steps(recipe: Recipe, run: RunDir, tc: TrainingClient, algo: Algorith
         # Pinned evals on the weights before this step (every step submitted so far), logged in its row.
         pinned = (await pinned_metrics(recipe.evals, ctx.snapshot(), ctx.tokenizer, recipe.renderer, recipe.model)
                   if evaluate else {})
-        submitted: list[Any] = []
+        submitted: list[Sub] = []
         try:
             if not await until_stopped(prepare_step(algo, tc, step, ctx, adam, evaluate, submitted), stop, submitted):
                 break  # Ctrl-C while preparing, before any of this step was submitted: it is not trained
@@ -353,14 +353,14 @@ async def _steps(recipe: Recipe, run: RunDir, tc: TrainingClient, algo: Algorith
     return ckpt
 
 
-async def prepare_step(algo: Algorithm, tc: TrainingClient, step: int, ctx: Context, adam: AdamParams, evaluate: bool,
-                       submitted: list[Any]) -> None:
+async def prepare_step(algo: Algorithm[Part, Sub], tc: TrainingClient, step: int, ctx: Context, adam: AdamParams, evaluate: bool,
+                       submitted: list[Sub]) -> None:
     """Build step `step`'s batch and submit its parts as they come (into `submitted`)."""
     async for part in algo.prepare(step, ctx):
         submitted.append(algo.submit(tc, step, part, adam, evaluate and not submitted))
 
 
-async def finish(p: Pending, algo: Algorithm, run: RunDir, progress: Progress, clock: Clock,
+async def finish(p: Pending[Sub], algo: Algorithm[Part, Sub], run: RunDir, progress: Progress, clock: Clock,
                  total: int, ledger: Ledger) -> Checkpoint | None:
     """Await a submitted step; write its metrics row, then (once its save is done) its checkpoint row,
     which it returns."""
@@ -402,7 +402,7 @@ class NonFinite(UserError):
         self.saves: list[tuple[str, Future[str], Future[str]]] = []
 
 
-def check_finite(p: Pending, metrics: Mapping[str, float], run: RunDir) -> None:
+def check_finite(p: Pending[Sub], metrics: Mapping[str, float], run: RunDir) -> None:
     """Stop the run before logging a step whose batch trains no token (UserError), or whose loss or gradient norm
     is not finite (NonFinite). A non-finite loss at step k was computed with the weights after step k - 1, so
     their checkpoint rows go too: the run dir keeps its last good checkpoint and a resume starts from it."""

@@ -29,7 +29,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from backends.errors import UserError
 from runner.engine.track_common import default_name, first_line, flatten, missing, read_json, scalars, write_json
@@ -76,22 +76,22 @@ class MlflowTracker:
             from mlflow.tracking import MlflowClient  # pyright: ignore[reportMissingImports]
         except ImportError:
             raise UserError(missing("mlflow")) from None
-        self.Metric = Metric
+        self.Metric, self.Param, self.RunTag = Metric, Param, RunTag
         self.uri = cfg.tracking_uri or "MLflow's default tracking URI"
         try:
             self.uri = cfg.tracking_uri or mlflow.get_tracking_uri()
             # One start at a time per store on this machine: a sweep's points start together, and two processes
             # that make a new sqlite store at once break its schema migration; they also share one parent run.
             with _locked(self.uri):
-                self._start(cfg, path, config, rows, MlflowClient(tracking_uri=self.uri), Param, RunTag)
+                self.client = MlflowClient(tracking_uri=self.uri)
+                self._start(cfg, path, config, rows)
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 (no server, a bad URI, refused credentials): one line
             raise UserError(f"log.mlflow: could not start the MLflow run at {self.uri}: {first_line(e)}") from None
 
-    def _start(self, cfg: MLflow, path: Path, config: Json, rows: list[Json], client: Any,
-               Param: Any, RunTag: Any) -> None:
-        self.client = client
+    def _start(self, cfg: MLflow, path: Path, config: Json, rows: list[Json]) -> None:
+        client, Param, RunTag = self.client, self.Param, self.RunTag
         experiment_id = self._experiment(cfg.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "Default")
         stored_file = path / MLFLOW_FILE
         stored = read_json(stored_file)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from backends.errors import UserError
 from backends.types import Json
+from runner.engine.log import parse_jsonl
 from runner.engine.rundir import CONFIG, METRICS, flatten
 from runner.engine.spec import spec_of_kind
 from runner.recipe.load import show_value
@@ -82,17 +83,7 @@ def read_rows(path: Path) -> list[Json]:
         text = path.read_text(encoding="utf-8")
     except (FileNotFoundError, IsADirectoryError):
         return []
-    rows = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
+    return parse_jsonl(text).rows
 
 
 def find_runs(args: Sequence[str]) -> list[Run]:

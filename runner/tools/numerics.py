@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from backends.types import Datum, Json, SamplingParams
 from runner.recipe.numerics_table import Numerics
 from runner.recipe.schema import Recipe
 from runner.rl.gate import BIG_DLOGPROB, diff_stats, failures
+
+if TYPE_CHECKING:
+    from runner.rl.types import StopCondition
 
 # When the recipe's algorithm has no prompts of its own (SFT, DPO, ...): generic chat prompts.
 GENERIC_PROMPTS = [
@@ -125,13 +128,13 @@ def render(report: Report, out: TextIO) -> None:
     w(f"\n{'FAILED: ' + '; '.join(report.failed) if report.failed else 'ok'} ({lim})\n")
 
 
-async def prompts_of(recipe: Recipe, tokenizer: Tokenizer, n: int) -> list[tuple[list[int], Any]]:
+async def prompts_of(recipe: Recipe, tokenizer: Tokenizer, n: int) -> list[tuple[list[int], StopCondition]]:
     """n (prompt tokens, stop) from the recipe's env / prompt sets (RL, distill), else generic chat prompts."""
     from runner.algos.rl import RLAlgo
     from runner.engine.spec import make_algo
     from runner.renderers.chat import ChatRenderer
 
-    out: list[tuple[list[int], Any]] = []
+    out: list[tuple[list[int], StopCondition]] = []
     if type(recipe.algo).__name__ in ("RL", "Distill"):
         algo = make_algo(recipe)(tokenizer)
         assert isinstance(algo, RLAlgo)

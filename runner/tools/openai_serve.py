@@ -18,12 +18,13 @@ import sys
 import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from backends.errors import UserError
 from backends.serve.files import is_regular, read_regular
 from backends.serve.openai_api import LocalModel, OpenAIHooks
 from backends.tokenizer import Tokenizer
+from backends.types import Json
+from runner.engine.log import parse_jsonl
 from runner.rl.openai_chat import RendererChat, chat_format
 
 CONFIG, CHECKPOINTS = "config.toml", "checkpoints.jsonl"  # runner/engine/rundir.py's names
@@ -97,7 +98,7 @@ def resolver(roots: RunRoots) -> Callable[[str], LocalModel | None]:
 
 def _in_run_dir(path: Path, name: str | None, spec: str, root: Path) -> tuple[LocalModel, Path | None] | None:
     if is_regular(path / CHECKPOINTS):
-        rows = [r for r in _read_rows(path / CHECKPOINTS) if isinstance(r, dict) and r.get("sampler_path")]
+        rows = [r for r in _read_rows(path / CHECKPOINTS) if r.get("sampler_path")]
         if not rows:
             raise UserError(f"run dir {spec[:100]} has no checkpoint with sampler weights")
         row = rows[-1] if name is None else next((r for r in rows if r.get("name") == name), None)
@@ -138,19 +139,12 @@ def _with_renderer(found: tuple[LocalModel, Path | None], roots: RunRoots) -> Lo
     return local
 
 
-def _read_rows(path: Path) -> list[Any]:
+def _read_rows(path: Path) -> list[Json]:
     """checkpoints.jsonl's rows, read-only: a torn last line (a crash mid-write) is skipped, not cut off."""
-    lines = read_regular(path).decode("utf-8", errors="replace").split("\n")
-    rows = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            if i < len(lines) - 1:
-                raise UserError(f"{path}:{i + 1}: corrupt line (not JSON)") from None
-    return rows
+    parsed = parse_jsonl(read_regular(path).decode("utf-8", errors="replace"))
+    if parsed.corrupt is not None:
+        raise UserError(f"{path}:{parsed.corrupt}: corrupt line (not JSON)")
+    return parsed.rows
 
 
 def _sampler_folder(p: str, run_relative: bool, run: Path) -> Path:

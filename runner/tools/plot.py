@@ -18,7 +18,7 @@ import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from backends.errors import UserError
 from runner.tools.compare import (
@@ -60,7 +60,7 @@ def smooth(values: Sequence[float], k: int) -> list[float]:
     return out
 
 
-def _sort_value(v: object) -> tuple[int, Any]:
+def _sort_value(v: object) -> tuple[int, float | str]:  # numbers first, in value order
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         return (0, v)
     return (1, json.dumps(v, sort_keys=True, default=str))
@@ -76,7 +76,7 @@ def legend(runs: Sequence[Run]) -> tuple[str, list[Run], list[str]]:
     return ", ".join(keys), ordered, labels
 
 
-def _colors(runs: Sequence[Run], n: int) -> list[Any]:
+def _colors(runs: Sequence[Run], n: int) -> list[tuple[float, float, float, float]]:  # RGBA
     from matplotlib import colormaps
 
     keys = differing_keys(runs)

@@ -29,7 +29,6 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import tomli_w
@@ -173,22 +172,42 @@ def _shrink(algo: Json) -> None:
         algo["groups_per_batch"] = mode.get("minibatches", 2)
 
 
-def _node(recipe: Recipe, keys: Sequence[str | int]) -> Any:
-    node: Any = recipe
+def _node(recipe: Recipe, keys: Sequence[str | int]) -> object:
+    """What `keys` (a path from `structs`: fields, list items) leads to in the decoded recipe."""
+    node: object = recipe
     for k in keys:
-        node = node[k] if isinstance(k, int) else getattr(node, k)
+        node = node[k] if isinstance(k, int) and isinstance(node, Sequence) else getattr(node, str(k))
     return node
 
 
-def _at(raw: Json, keys: Sequence[str | int]) -> Any:
-    node: Any = raw
+def _walk(node: object, keys: Sequence[str | int]) -> object:
+    """What `keys` leads to in the raw recipe (tables and arrays)."""
     for k in keys:
-        node = node[k]
+        if isinstance(node, dict) and isinstance(k, str):
+            node = node[k]
+        elif isinstance(node, list) and isinstance(k, int):
+            node = node[k]
+        else:
+            raise TypeError(f"{dotted(keys)}: the raw recipe has no {k!r} where the decoded one has")
+    return node
+
+
+def _at(raw: Json, keys: Sequence[str | int]) -> Json:
+    """The raw table of the struct at `keys`."""
+    node = _walk(raw, keys)
+    if not isinstance(node, dict):
+        raise TypeError(f"{dotted(keys)}: a struct of the recipe that is not a table in the raw recipe")
     return node
 
 
 def _set(raw: Json, keys: Sequence[str | int], value: object) -> None:
-    _at(raw, keys[:-1])[keys[-1]] = value
+    parent, last = _walk(raw, keys[:-1]), keys[-1]
+    if isinstance(parent, dict) and isinstance(last, str):
+        parent[last] = value
+    elif isinstance(parent, list) and isinstance(last, int):
+        parent[last] = value
+    else:
+        raise TypeError(f"{dotted(keys)}: the raw recipe has nothing to set there")
 
 
 # ---------------------------------------------------------------- the stand-in model

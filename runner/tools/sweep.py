@@ -46,7 +46,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import msgspec
 import msgspec.inspect as mi
@@ -121,8 +121,8 @@ def sweep_table(raw: Json, where: str) -> dict[str, list[object]]:
 def takes_array(raw: Json, keys: list[str]) -> bool:
     """Whether the schema says the field at `keys` holds an array (walking tagged unions by the raw tags, and
     tables the raw recipe leaves to their defaults by those defaults). Unknown keys: False."""
-    node: Any = raw
-    t: Any = info(Recipe)
+    node: object = raw
+    t: mi.Type | None = info(Recipe)
     for key in keys[:-1]:
         t, f = child(t, node, key)
         if t is None:
@@ -136,7 +136,7 @@ def takes_array(raw: Json, keys: list[str]) -> bool:
     return t is not None and isinstance(resolve_type(t, None), _ARRAY_TYPES)
 
 
-def sweep_override(text: str) -> tuple[list[str], Any]:
+def sweep_override(text: str) -> tuple[list[str], object]:
     """parse_override, and a list of bare words (`backend.dtype=[bfloat16,float32]`, not TOML) as the list of
     those words, each taken as an override takes a value that is not a TOML literal: a string."""
     keys, value = parse_override(text)
@@ -364,7 +364,9 @@ def write_record(sweep: Sweep) -> None:
                                      else {})
     for key, values in sweep.axes.items():
         merged = axes.setdefault(key, [])
-        merged.extend(v for v in _jsonable(values) if v not in merged)
+        for v in values:
+            if (jv := _jsonable(v)) not in merged:
+                merged.append(jv)
     points = {p["name"]: p for p in old.get("points", []) if isinstance(p, dict) and "name" in p}
     for p in sweep.points:
         points[p.name] = {"name": p.name, "dir": p.recipe.log_dir, "values": _jsonable(p.values)}
@@ -376,7 +378,8 @@ def write_record(sweep: Sweep) -> None:
     os.replace(tmp, path)
 
 
-def _jsonable(v: object) -> Any:
+def _jsonable(v: object) -> object:
+    """`v` as sweep.json stores it (what JSON lacks, as its str)."""
     return json.loads(json.dumps(v, default=str))
 
 

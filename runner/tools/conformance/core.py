@@ -7,14 +7,25 @@ import dataclasses
 import json
 import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeVar, cast, runtime_checkable
 
 from backends.tokenizer import Tokenizer
 from backends.types import Json
 
 if TYPE_CHECKING:
     import tinker
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+@runtime_checkable
+class Future(Protocol[T_co]):
+    """What wait() needs of an SDK future (tinker's APIFuture, the backcompat client futures, a concurrent Future)."""
+
+    def result(self, timeout: float | None = None) -> T_co: ...
+
 
 # Checks known to fail on a server, by the server's name (--server-name, else get_server_capabilities'
 # `server_name` when it sends one): check -> why. A key "CHECK@sdk<X.Y.Z" applies only to SDKs older than X.Y.Z.
@@ -106,36 +117,36 @@ class Ctx:
         self.op_timeout = 45.0  # one SDK future; a check's own timeout bounds the whole check
         self._lock = self.lock = threading.RLock()
         self.cache: Json = {}  # what several checks of a group share (a sampler, greedy tokens)
-        self._service: Any = None
-        self._rest: Any = None
+        self._service: tinker.ServiceClient | None = None
+        self._rest: tinker.RestClient | None = None
         self._model: str | None = None
-        self._clients: Json = {}
-        self._tokenizer: Any = None
+        self._clients: dict[str, tinker.TrainingClient] = {}
+        self._tokenizer: Tokenizer | None = None
         self._tokenizer_error: str | None = None
 
     # ------------------------------------------------------------ clients
 
     @property
-    def service(self) -> Any:
+    def service(self) -> tinker.ServiceClient:
         with self._lock:
             if self._service is None:
                 self._service = self.tinker.ServiceClient(base_url=self.base_url, api_key=self.api_key)
             return self._service
 
     @property
-    def rest(self) -> Any:
+    def rest(self) -> tinker.RestClient:
         with self._lock:
             if self._rest is None:  # SDKs before RestClient was public make it from the ServiceClient
-                make = getattr(self.tinker, "RestClient", None)
-                self._rest = (make(base_url=self.base_url, api_key=self.api_key) if make is not None
-                              else self.service.create_rest_client())
+                self._rest = (self.tinker.RestClient(base_url=self.base_url, api_key=self.api_key)
+                              if hasattr(self.tinker, "RestClient") else self.service.create_rest_client())
             return self._rest
 
-    def wait(self, fut: Any, timeout: float | None = None) -> Any:
+    def wait(self, fut: Future[T] | T, timeout: float | None = None) -> T:
         """An SDK future's result (never blocking past the timeout); older SDKs' creation methods block and
         return the client itself, which is passed through."""
-        result = getattr(fut, "result", None)
-        return result(timeout=timeout or self.op_timeout) if callable(result) else fut
+        if isinstance(fut, Future):
+            return fut.result(timeout=timeout or self.op_timeout)
+        return fut
 
     def server_name(self) -> str | None:
         """The `server_name` field of get_server_capabilities' JSON as sent (the SDK's response type drops
@@ -152,7 +163,7 @@ class Ctx:
             return None
         return name if isinstance(name, str) and name else None
 
-    def capabilities(self) -> Any:
+    def capabilities(self) -> tinker.types.GetServerCapabilitiesResponse:
         """RestClient's get_server_capabilities, or the ServiceClient's on SDKs whose RestClient lacks it."""
         if hasattr(self.rest, "get_server_capabilities"):
             return self.wait(self.rest.get_server_capabilities())
@@ -172,7 +183,7 @@ class Ctx:
                     self._model = names[0]
             return self._model
 
-    def training_client(self, purpose: str, rank: int = 4) -> Any:
+    def training_client(self, purpose: str, rank: int = 4) -> tinker.TrainingClient:
         """One LoRA training client per purpose (seed 0), created on first use."""
         with self._lock:
             if purpose not in self._clients:
@@ -184,7 +195,8 @@ class Ctx:
         with self._lock:
             if self._tokenizer is None and self._tokenizer_error is None:
                 try:
-                    self._tokenizer = self.training_client("main").get_tokenizer()
+                    # a Hugging Face tokenizer, which Tokenizer describes (as load_tokenizer's are)
+                    self._tokenizer = cast("Tokenizer", self.training_client("main").get_tokenizer())
                 except Exception as exc:  # noqa: BLE001 - reported by the tokenizer check; others use raw ids
                     self._tokenizer_error = f"{type(exc).__name__}: {exc}"
             return self._tokenizer
@@ -206,7 +218,7 @@ class Ctx:
 
     # ------------------------------------------------------------ data helpers
 
-    def datum(self, ids: list[int], **inputs: Any) -> Any:
+    def datum(self, ids: list[int], **inputs: Sequence[float]) -> tinker.Datum:
         """A next-token datum over ids (input ids[:-1], target ids[1:]); inputs are float32 arrays by key."""
         import numpy as np
 

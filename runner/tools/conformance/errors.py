@@ -4,14 +4,13 @@ User within the timeout; a hang, a 5xx (which the SDK retries for minutes) or a 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from runner.tools.conformance.core import Ctx, Fail, check
 
 RETRIED = (408, 409, 429)
 
 
-def user_error(ctx: Ctx, what: str, call: Callable[[], Any]) -> str:
+def user_error(ctx: Ctx, what: str, call: Callable[[], object]) -> str:
     t = ctx.tinker
     try:
         call()

@@ -3,7 +3,8 @@ logprobs, and agreement between the sampler and the trainer on the same weights.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypedDict
 
 from backends.tokenizer import decode_text
 from runner.tools.conformance.core import Ctx, Fail, Skip, check, logprobs_of
@@ -11,8 +12,22 @@ from runner.tools.conformance.core import Ctx, Fail, Skip, check, logprobs_of
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    import tinker
+    from typing_extensions import Unpack
 
-def _sampler(ctx: Ctx) -> Any:
+
+class SamplingKw(TypedDict, total=False):
+    """The SamplingParams fields a check sets (the others keep the SDK's defaults)."""
+
+    max_tokens: int
+    temperature: float
+    seed: int
+    stop: Sequence[int] | Sequence[str]
+    top_k: int
+    top_p: float
+
+
+def _sampler(ctx: Ctx) -> tinker.SamplingClient:
     """A sampler over the weights of a training client that took one step (so LoRA is not the identity)."""
     with ctx.lock:
         if "s" not in ctx.cache:
@@ -28,11 +43,11 @@ def _prompt(ctx: Ctx) -> list[int]:
     return ctx.tokens("Once upon a time, in a small village, there", [20, 21, 22, 23, 24, 25])
 
 
-def _params(ctx: Ctx, **kw: Any) -> Any:
+def _params(ctx: Ctx, **kw: Unpack[SamplingKw]) -> tinker.SamplingParams:
     return ctx.types.SamplingParams(**kw)
 
 
-def _sample(ctx: Ctx, n: int, prompt: list[int] | None = None, **kw: Any) -> Any:
+def _sample(ctx: Ctx, n: int, prompt: list[int] | None = None, **kw: Unpack[SamplingKw]) -> tinker.SampleResponse:
     p = ctx.types.ModelInput.from_ints(prompt if prompt is not None else _prompt(ctx))
     return ctx.wait(_sampler(ctx).sample(p, n, _params(ctx, **kw)))
 
@@ -124,9 +139,9 @@ def seeded_rows_differ(ctx: Ctx) -> str:
     return f"4 identical rows, but the model is confident (p = {math.exp(total):.2f} each): not decisive"
 
 
-def _seeded(ctx: Ctx, **kw: Any) -> Any:
+def _seeded(ctx: Ctx, stop: Sequence[int] | Sequence[str]) -> tinker.SampledSequence:
     """One seeded temperature-1 sample of up to 12 tokens; the same seed with a stop rule must give a prefix."""
-    return _sample(ctx, 1, max_tokens=12, temperature=1.0, seed=4242, **kw).sequences[0]
+    return _sample(ctx, 1, max_tokens=12, temperature=1.0, seed=4242, stop=stop).sequences[0]
 
 
 def _fresh_index(ok: Callable[[int], bool], g: list[int]) -> int | None:
@@ -191,11 +206,13 @@ def prompt_logprobs(ctx: Ctx) -> str:
     if pl is None or len(pl) != len(prompt) or pl[0] is not None:
         raise Fail(f"prompt_logprobs must have {len(prompt)} entries with None first, got {pl}")
     cl = ctx.wait(sampler.compute_logprobs(ctx.types.ModelInput.from_ints(prompt)))
-    if len(cl) != len(prompt) or any(not ctx.close_enough(a, b) for a, b in zip(pl[1:], cl[1:], strict=True)):
+    got, want = [x for x in pl[1:] if x is not None], [x for x in cl[1:] if x is not None]  # a None here fails
+    if (len(cl) != len(prompt) or len(got) != len(want) or len(want) != len(prompt) - 1
+            or any(not ctx.close_enough(a, b) for a, b in zip(got, want, strict=True))):
         raise Fail(f"prompt_logprobs {pl} != compute_logprobs {cl}")
     trainer = logprobs_of(ctx.wait(ctx.training_client("sampling").forward(
         [ctx.datum(prompt, weights=[0.0] * (len(prompt) - 1))], "cross_entropy")))[0]
-    worst = max(abs(a - b) for a, b in zip(cl[1:], trainer, strict=True))
+    worst = max(abs(a - b) for a, b in zip(want, trainer, strict=True))
     if worst > max(ctx.atol * 10, 2e-2):
         raise Fail(f"sampler and trainer disagree on the same weights: max |dlogprob| {worst:.4f}")
     return f"sampler vs trainer max |dlogprob| {worst:.2e}"
