@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -16,6 +18,7 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
 
 
+@pytest.mark.slow  # a bench smoke: ~60 s (two contender processes), `pytest -m slow`
 def test_bench_gpu_smokes_on_cpu():
     # Two training contenders (each a child process: ~5 s of imports on 2 cores), the ones the device check's speed
     # step compares; ours-before and hf-padded run the same child code with another step function.
@@ -32,6 +35,7 @@ def test_bench_gpu_smokes_on_cpu():
     assert not (ROOT / "bench" / "results" / "gpu_speed.md").exists() or "CPU" not in (ROOT / "bench" / "results" / "gpu_speed.md").read_text()
 
 
+@pytest.mark.slow  # a bench smoke: ~13 s
 def test_a_contender_past_its_time_limit_is_reported_and_the_rest_run():
     """--contender-timeout: each contender's process group is killed at the limit (here before a child can even
     import torch) and reported as timed out; the bench goes on to the next and exits 0."""

@@ -145,6 +145,7 @@ def test_a_bench_cut_at_its_limit_keeps_the_tables_it_printed(tmp_path, monkeypa
     assert text.startswith("Device: H200; bf16") and text.count("| ours-sdpa | 9,000 |") == 1
 
 
+@pytest.mark.slow  # collects all of tests/ in a subprocess: ~30 s
 def test_the_gpu_step_runs_every_gpu_test_but_the_slow_one():
     """The gpu step's pytest command collects only the files that mark tests `gpu` (collecting the whole tree took
     10 s of the step's 90): what it selects is everything `-m gpu` selects over all of tests/, less the slow test

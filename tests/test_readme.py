@@ -14,16 +14,24 @@ def _bash_blocks() -> list[str]:
 
 def test_ci_runs_the_readme_test_command() -> None:
     """.ci/run's first pytest is the README's test command, verbatim, with nothing pip-installed before it (so the
-    suite passes with `.[dev]` alone, the optional extras' tests skipping); its second runs those tests (`-m extras`)
-    after installing the extras (later ones, e.g. the trackers', come after both)."""
+    suite passes with `.[dev]` alone, the optional extras' tests skipping); its second runs, with that same install,
+    the slow tests the first deselects (pyproject's addopts); its third runs the extras' tests (`-m extras`) after
+    installing the extras (later ones, e.g. the trackers', come after both, and select slow tests too)."""
+    import tomllib
+
     commands = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line.strip() and not line.startswith("#")]
     ci_lines = [line for line in commands if "pytest" in line]
-    assert len(ci_lines) >= 2
+    assert len(ci_lines) >= 3
     test_command = _bash_blocks()[1].strip()
     assert ci_lines[0].strip() == test_command and " -q " not in test_command  # pip's progress shows
     first = commands.index(ci_lines[0])
     assert not any("pip install" in line for line in commands[:first])
-    assert "-m extras" in ci_lines[1] and any("pip install" in line for line in commands[first + 1:commands.index(ci_lines[1])])
+    addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    assert "-m 'not slow'" in addopts and commands[first + 1] == ".venv/bin/python -m pytest -m slow"
+    assert "-m extras" in ci_lines[2] and any("pip install" in line for line in commands[first + 2:commands.index(ci_lines[2])])
+    assert all(" -m " in line for line in ci_lines[1:]), "a later step without -m would deselect its slow tests"
+    between = (ROOT / "README.md").read_text().split("```bash")[1].split("```", 1)[1]  # the test command's paragraph
+    assert "pytest -m slow" in between
 
 
 def test_main_command_names_a_real_recipe() -> None:

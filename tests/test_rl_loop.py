@@ -94,7 +94,8 @@ ENV_EXTRAS = {"reasoning_gym": "reasoning", "verifiers": "verifiers"}
 
 def _needs(path: str, name: str) -> list[pytest.MarkDecorator]:
     kind = load_file(path)[name].algo.env.__struct_config__.tag  # type: ignore[union-attr]
-    return [pytest.mark.extras(ENV_EXTRAS[kind])] if kind in ENV_EXTRAS else []
+    # twenty_questions: the longest example per step, behind its warm start (~29 s): `pytest -m slow` runs it.
+    return [pytest.mark.extras(ENV_EXTRAS[kind])] if kind in ENV_EXTRAS else [pytest.mark.slow] if kind == "twenty_questions" else []
 
 
 @pytest.mark.parametrize("path,name", [pytest.param(p, n, marks=_needs(p, n), id=n) for p, n in RL_RECIPES])

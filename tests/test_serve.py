@@ -67,6 +67,7 @@ def _datums(tok) -> list[types.Datum]:
     return out
 
 
+@pytest.mark.slow  # two `runner serve` processes (a restart): ~28 s
 def test_sft_sample_save_restart_resume(tmp_path, monkeypatch):
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     storage = tmp_path / "storage"

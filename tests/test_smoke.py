@@ -46,6 +46,7 @@ def _table(out: str) -> dict[str, list[str]]:
     return {line.split()[0]: line.split()[1:] for line in lines[start + 1:] if line.strip()}
 
 
+@pytest.mark.slow  # every shipped recipe run 2 steps: ~55 s
 def test_smoke_every_shipped_recipe(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`runner smoke recipes.toml` and `runner smoke examples/cookbook.toml`: every recipe ok, 2 steps, chains in
     stages, Tinker recipes on the local backend, run dirs <name>-smoke."""

@@ -295,6 +295,7 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 
 
+@pytest.mark.slow  # a real sweep, run twice: ~30 s
 def test_sweep_runs_every_point_and_a_second_time_reruns_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     done = subprocess.run(sweep_cmd("max_steps=5", "--parallel", "2"), cwd=tmp_path, env=env(),
