@@ -181,15 +181,16 @@ def test_objects_stay_in_the_worker(sandbox: Sandbox) -> None:
     back as data; an object of the program's own class is equal to nothing and has no truth value."""
     code = ("class Solution:\n    def pairs(self, n):\n        return [(i, {'sq': i * i}) for i in range(n)]\n"
             "class Box:\n    def __len__(self):\n        return 3\n    def __getitem__(self, i):\n"
-            "        return [i, Box()]\ndef make():\n    return Box()")  # fmt: skip
+            "        return [i, Box()]\ndef make():\n    return Box()\ndef gen(n):\n    yield from range(n)")  # fmt: skip
     checks = [
         "assert Solution().pairs(n=3) == [(0, {'sq': 0}), (1, {'sq': 1}), (2, {'sq': 4})]",
         "assert len(make()) == 3 and make()[2][0] == 2 and len(make()[0][1]) == 3",  # remote len and item
         "assert make()",
         "assert make() == make()",
+        "assert list(gen(0)) == [] and list(gen(3)) == [0, 1, 2]",  # remote iteration, an empty one too
     ]
     got = asyncio.run(run_tests(sandbox, code, tuple(CodeTest(check=c) for c in checks)))
-    assert [ok for ok, _ in got] == [True, True, False, False], [r.stderr[-300:] for _, r in got]
+    assert [ok for ok, _ in got] == [True, True, False, False, True], [r.stderr[-300:] for _, r in got]
     assert "no truth value" in got[2][1].stderr
 
 

@@ -215,7 +215,10 @@ class _Link:
         if reply[0] == "ok":
             return self.untag(reply[1])
         if reply[0] == "items":
-            return [self.untag(t) for t in _fields(reply[1])]
+            items = reply[1]
+            if not isinstance(items, (tuple, list)):
+                raise RuntimeError("the program answered an iteration with something that is not its items")
+            return [self.untag(t) for t in items]
         _, name, message = reply
         kind = getattr(builtins, name, None) if isinstance(name, str) else None
         # Raised as itself (a check may expect a ValueError), but never a StopIteration: `all(map(f, xs))` would take
