@@ -16,6 +16,8 @@ from backends.types import Json
 if TYPE_CHECKING:
     import tinker
 
+    from runner.tools.conformance.checkpoints import Saved
+
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
@@ -116,7 +118,11 @@ class Ctx:
         self.rtol, self.atol = rtol, atol
         self.op_timeout = 45.0  # one SDK future; a check's own timeout bounds the whole check
         self._lock = self.lock = threading.RLock()
-        self.cache: Json = {}  # what several checks of a group share (a sampler, greedy tokens)
+        # What several checks of a group share: the sampling group's sampler and greedy tokens, the checkpoint group's
+        # saves (created on first use, under the lock).
+        self.sampler: tinker.SamplingClient | None = None
+        self.greedy: list[int] | None = None
+        self.saved: Saved | None = None
         self._service: tinker.ServiceClient | None = None
         self._rest: tinker.RestClient | None = None
         self._model: str | None = None
