@@ -3,28 +3,9 @@ REST routes the SDK's RestClient exposes for listing, inspecting and deleting th
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
-from typing import TYPE_CHECKING
 
-from runner.tools.conformance.core import Ctx, Fail, Skip, check, logprobs_of
-
-if TYPE_CHECKING:
-    import tinker
-
-
-@dataclasses.dataclass(frozen=True)
-class Saved:
-    """What the checkpoint checks share: the client that saved, the three paths it saved to, and its logprobs."""
-
-    tc: tinker.TrainingClient
-    ttl: str  # save_state with ttl_seconds=3600
-    plain: str  # save_state
-    sampler: str  # save_weights_for_sampler
-    tag: str  # the names' random part
-    datum: tinker.Datum
-    ids: list[int]
-    lp: list[float]  # the trainer's target logprobs of `datum` after the step
+from runner.tools.conformance.core import Ctx, Fail, Saved, Skip, check, logprobs_of
 
 
 def _saved(ctx: Ctx) -> Saved:

@@ -16,8 +16,6 @@ from backends.types import Json
 if TYPE_CHECKING:
     import tinker
 
-    from runner.tools.conformance.checkpoints import Saved
-
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
@@ -98,6 +96,21 @@ class Result:
     result: str  # "pass" | "FAIL" | "skip" | "known gap"
     detail: str
     seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """What the checkpoint checks share (runner/tools/conformance/checkpoints.py): the client that saved, the three
+    paths it saved to, and its logprobs."""
+
+    tc: tinker.TrainingClient
+    ttl: str  # save_state with ttl_seconds=3600
+    plain: str  # save_state
+    sampler: str  # save_weights_for_sampler
+    tag: str  # the names' random part
+    datum: tinker.Datum
+    ids: list[int]
+    lp: list[float]  # the trainer's target logprobs of `datum` after the step
 
 
 class Ctx:
