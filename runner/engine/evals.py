@@ -16,7 +16,7 @@ import asyncio
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, TypeVar
 
 from backends.base import SamplingClient
 from backends.errors import UserError
@@ -27,6 +27,7 @@ from runner.renderers import Renderer, get_renderer
 from runner.renderers.base import Tokenizer
 
 Metrics = dict[str, float]
+C = TypeVar("C")  # an eval kind's config struct (runner/engine/NAME_eval_config.py)
 
 
 @dataclass(frozen=True)
@@ -41,17 +42,18 @@ class EvalContext:
 
 
 @dataclass(frozen=True)
-class EvalKind:
+class EvalKind(Generic[C]):
     """What a pinned eval's module declares (`EVAL = EvalKind(run, check)`): run(cfg, ctx) -> {metric: number}, and
     what `runner check` verifies before any model loads, check(cfg, where) raising a UserError that starts with
     `where` ('FILE#name: evals[0]'); None: decoding and the recipe's target check (`Target` fields) are enough."""
 
-    run: Callable[[Any, EvalContext], Awaitable[Metrics]]
-    check: Callable[[Any, str], None] | None = None
+    run: Callable[[C, EvalContext], Awaitable[Metrics]]
+    check: Callable[[C, str], None] | None = None
 
 
-def kind_of(e: PinnedEval) -> EvalKind:
-    """The `EVAL` declared by the module beside a pinned eval's config (math_eval_config.py -> math_eval.py)."""
+def kind_of(e: C) -> EvalKind[C]:
+    """The `EVAL` declared by the module beside a pinned eval's config (math_eval_config.py -> math_eval.py), which
+    takes that config."""
     return declared(type(e), "EVAL", EvalKind)
 
 

@@ -20,7 +20,7 @@ import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from backends.base import SamplingClient
 from backends.errors import UserError
@@ -31,6 +31,7 @@ from runner.recipe.targets import args_mismatch, import_target
 from runner.renderers import Renderer
 
 if TYPE_CHECKING:
+    from inspect_ai import Task
     from inspect_ai.log import EvalLog
 
 Metrics = dict[str, float]
@@ -51,7 +52,7 @@ def require() -> None:
         raise UserError(MISSING)
 
 
-def task_function(task: str) -> Callable[..., Any] | None:
+def task_function(task: str) -> Callable[..., object] | None:
     """The function that builds `task`, found without building it (no dataset is read); None for a file spec (its
     file is checked to exist). UserError when nothing by that name exists."""
     if re.fullmatch(TARGET_PATTERN, task):
@@ -126,7 +127,7 @@ def _check(e: InspectPinned, where: str) -> None:
         raise UserError(f"{where}.task: {ex}") from None
 
 
-def load_task(e: InspectPinned) -> Any:
+def load_task(e: InspectPinned) -> Task:
     """The inspect_ai Task that e names, built with its task_args."""
     from inspect_ai import Task  # pyright: ignore[reportMissingImports]
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Any
 
 from inspect_ai.model import (  # pyright: ignore[reportMissingImports]
     ChatMessage,
@@ -73,7 +72,7 @@ def sample_seed(seed: int, prompt: list[int]) -> int:
 
 class RunnerModelAPI(ModelAPI):
     def __init__(self, model_name: str, base_url: str | None = None, api_key: str | None = None,
-                 config: GenerateConfig = GenerateConfig(), bridge: str = "", **model_args: Any) -> None:  # noqa: B008
+                 config: GenerateConfig = GenerateConfig(), bridge: str = "", **model_args: object) -> None:  # noqa: B008
         super().__init__(model_name, base_url, api_key, [], config)
         self.bridge = BRIDGES[bridge]
 

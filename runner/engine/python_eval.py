@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
 
 from backends.errors import UserError
 from runner.engine.evals import EvalContext, EvalKind, Metrics
@@ -17,7 +16,7 @@ from runner.rl.rollouts import describe_error
 
 async def python_eval(e: PythonPinned, ctx: EvalContext) -> Metrics:
     where = f"python eval {e.target!r}"
-    fn: Callable[..., Any] = import_target(e.target)
+    fn: Callable[..., object] = import_target(e.target)
     try:
         out = fn(ctx.sampler, ctx.tokenizer, **e.args)
         if inspect.isawaitable(out):

@@ -98,6 +98,21 @@ class Result:
     seconds: float
 
 
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """What the checkpoint checks share (runner/tools/conformance/checkpoints.py): the client that saved, the three
+    paths it saved to, and its logprobs."""
+
+    tc: tinker.TrainingClient
+    ttl: str  # save_state with ttl_seconds=3600
+    plain: str  # save_state
+    sampler: str  # save_weights_for_sampler
+    tag: str  # the names' random part
+    datum: tinker.Datum
+    ids: list[int]
+    lp: list[float]  # the trainer's target logprobs of `datum` after the step
+
+
 class Ctx:
     """What the checks share: the SDK module, a ServiceClient, the model under test, and lazily created
     clients (a training client per purpose, so one check's updates do not move another's numbers)."""
@@ -116,7 +131,11 @@ class Ctx:
         self.rtol, self.atol = rtol, atol
         self.op_timeout = 45.0  # one SDK future; a check's own timeout bounds the whole check
         self._lock = self.lock = threading.RLock()
-        self.cache: Json = {}  # what several checks of a group share (a sampler, greedy tokens)
+        # What several checks of a group share: the sampling group's sampler and greedy tokens, the checkpoint group's
+        # saves (created on first use, under the lock).
+        self.sampler: tinker.SamplingClient | None = None
+        self.greedy: list[int] | None = None
+        self.saved: Saved | None = None
         self._service: tinker.ServiceClient | None = None
         self._rest: tinker.RestClient | None = None
         self._model: str | None = None

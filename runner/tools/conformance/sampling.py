@@ -30,13 +30,13 @@ class SamplingKw(TypedDict, total=False):
 def _sampler(ctx: Ctx) -> tinker.SamplingClient:
     """A sampler over the weights of a training client that took one step (so LoRA is not the identity)."""
     with ctx.lock:
-        if "s" not in ctx.cache:
+        if ctx.sampler is None:
             tc = ctx.training_client("sampling")
             ids = _prompt(ctx)
             tc.forward_backward([ctx.datum(ids, weights=[1.0] * (len(ids) - 1))], "cross_entropy")
             tc.optim_step(ctx.types.AdamParams(learning_rate=1e-2))
-            ctx.cache["s"] = ctx.wait(tc.save_weights_and_get_sampling_client(), timeout=90)
-        return ctx.cache["s"]
+            ctx.sampler = ctx.wait(tc.save_weights_and_get_sampling_client(), timeout=90)
+        return ctx.sampler
 
 
 def _prompt(ctx: Ctx) -> list[int]:
@@ -54,11 +54,11 @@ def _sample(ctx: Ctx, n: int, prompt: list[int] | None = None, **kw: Unpack[Samp
 
 def _greedy(ctx: Ctx, n_tokens: int = 8) -> list[int]:
     with ctx.lock:
-        cached = ctx.cache.get("greedy")
+        cached = ctx.greedy
     if cached is None:
         cached = list(_sample(ctx, 1, max_tokens=n_tokens, temperature=0.0, stop=[], seed=1).sequences[0].tokens)
         with ctx.lock:
-            ctx.cache["greedy"] = cached
+            ctx.greedy = cached
     return list(cached)
 
 
