@@ -145,6 +145,11 @@ def python_path() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
+# "Within seconds", bounded loosely enough for a loaded 2-core machine (a stop under load took 12 s once, against an
+# earlier bound of 10 s); a run that ignores Ctrl-C never stops, and interrupt_when gives up after 30 s.
+STOPS_WITHIN_S = 25.0
+
+
 def interrupt_when(proc: subprocess.Popen[bytes], marker: Path, again_after: float | None = None) -> tuple[float, str]:
     """SIGINT `proc` once `marker` exists (and again `again_after` s later); (seconds from the last SIGINT to exit,
     stderr)."""
@@ -185,7 +190,7 @@ def test_ctrl_c_stops_a_run_whose_env_blocks_and_the_dir_resumes(tmp_path: Path,
                             env=python_path(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     stopped_in, text = interrupt_when(proc, tmp_path / "blocked")
     assert proc.returncode == 130, text[-2000:]
-    assert stopped_in < 10, stopped_in
+    assert stopped_in < STOPS_WITHIN_S, stopped_in
     assert "the run is blocked" in text and "Traceback" not in text
     done = [c["next_step"] for c in read_jsonl(run_dir / "checkpoints.jsonl")]
     assert done and done[-1] < 6
@@ -237,7 +242,7 @@ def test_ctrl_c_while_an_env_awaits_forever_stops_gracefully(tmp_path: Path) -> 
     proc = subprocess.Popen(fake_run_script(recipe, tmp_path), cwd=tmp_path, env=python_path(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     stopped_in, text = interrupt_when(proc, tmp_path / "hanging")
-    assert proc.returncode == 130 and stopped_in < 10, (stopped_in, text[-2000:])
+    assert proc.returncode == 130 and stopped_in < STOPS_WITHIN_S, (stopped_in, text[-2000:])
     assert "run the same command to resume" in text and "Traceback" not in text
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
     assert steps == list(range(len(steps))) and len(steps) >= 2
@@ -266,7 +271,7 @@ def test_ctrl_c_stops_a_run_whose_env_holds_the_gil_in_c(tmp_path: Path, monkeyp
     recipe, run_dir, proc = gil_run(tmp_path)
     stopped_in, text = interrupt_when(proc, tmp_path / "blocked")
     assert proc.returncode == -signal.SIGKILL, text[-2000:]
-    assert 3.5 < stopped_in < 10, stopped_in
+    assert 3.5 < stopped_in < STOPS_WITHIN_S, stopped_in  # it waited for the 4 s without a heartbeat
     print(f"GIL-holding env: killed {stopped_in:.2f} s after one SIGINT")
     assert "the run is blocked (nothing in it ran for 4 s after Ctrl-C" in text and "Traceback" not in text
     done = [c["next_step"] for c in read_jsonl(run_dir / "checkpoints.jsonl")]
@@ -281,9 +286,12 @@ def test_a_second_ctrl_c_ends_a_gil_holding_run_at_once(tmp_path: Path) -> None:
     """The second Ctrl-C does not wait for the first one's 4 s: the watchdog kills the run 1 s after it."""
     _, _, proc = gil_run(tmp_path)
     stopped_in, text = interrupt_when(proc, tmp_path / "blocked", again_after=0.3)
-    assert proc.returncode == -signal.SIGKILL and stopped_in < 2.5, (stopped_in, text[-2000:])
+    assert proc.returncode == -signal.SIGKILL and stopped_in < STOPS_WITHIN_S, (stopped_in, text[-2000:])
     print(f"GIL-holding env: killed {stopped_in:.2f} s after the second SIGINT")
+    # the second Ctrl-C's kill, not the first's after 4 s without a heartbeat (what it says, not a wall clock that a
+    # loaded machine stretches: the kill is 1 s after the second SIGINT, about 1.3 s on an idle 2-core machine)
     assert "interrupted again: the runner watchdog kills the run now" in text
+    assert "nothing in it ran for 4 s" not in text, text[-2000:]
 
 
 def test_the_watchdog_starts_relays_and_stops() -> None:
