@@ -49,8 +49,7 @@ from backends.types import Json, SampleOutput, SamplingParams
 if TYPE_CHECKING:
     import numpy as np
 
-    from backends.base import Future
-    from backends.local.backend import LocalSamplingClient
+    from backends.base import Future, SamplingClient
     from backends.serve.limits import Budget, Limits
     from backends.serve.samplers import SamplerPool, SamplerSession
     from backends.serve.sessions import ServedModel
@@ -497,9 +496,13 @@ def _user_result(fut: Future[T]) -> T:
         raise ApiError(400, exc.detail) from None
 
 
-def _topk_of(sc: LocalSamplingClient) -> TopK:
+def _topk_of(sc: SamplingClient) -> TopK | None:
+    """Top-k logprobs over the sampler's model: a LocalBackend sampler's (a test's scripted sampler has none)."""
+    from backends.local.backend import LocalSamplingClient
     from backends.serve.topk import topk_and_own
 
+    if not isinstance(sc, LocalSamplingClient):
+        return None
     model = sc.model
 
     def topk(tokens: list[int], k: int, temperature: float, positions: Sequence[int]
