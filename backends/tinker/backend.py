@@ -39,6 +39,17 @@ from tinker.types import RequestErrorCategory
 from backends import losses
 from backends.base import BackendError, CustomLossFn, Future, loss_of
 from backends.errors import UserError
+from backends.tinker.convert import (
+    fb_output,
+    logprobs_output,
+    optim_output,
+    sample_output,
+    tensor,
+    to_tinker_adam,
+    to_tinker_datum,
+    to_tinker_sampling,
+    weights_path,
+)
 from backends.tinker.options import TinkerOptions
 from backends.tokenizer import Tokenizer, load_tokenizer
 from backends.types import (
@@ -48,7 +59,6 @@ from backends.types import (
     LoraSpec,
     LossFn,
     OptimStepOutput,
-    SampledSequence,
     SampleOutput,
     SamplingParams,
 )
@@ -269,72 +279,6 @@ def _wrap(submit: Callable[[], tinker.APIFuture[R]], convert: Callable[[R], T], 
     return Future(out)
 
 
-# ---------------------------------------------------------------- conversions at the boundary
-
-
-def _tensor(arr: np.ndarray) -> tinker.TensorData:
-    return tinker.TensorData.from_numpy(np.ascontiguousarray(arr))
-
-
-def to_tinker_datum(d: Datum, keys: tuple[str, ...]) -> tinker.Datum:
-    """Our Datum with the loss inputs in `keys`. Tinker has no mask: it is folded into weights and
-    advantages (exact for 0/1 masks and every built-in loss but dro's quadratic term)."""
-    inputs: dict[str, tinker.TensorData] = {"target_tokens": _tensor(d.target_tokens)}
-    for name in keys:
-        value = getattr(d, name)
-        if value is None:
-            continue
-        if d.mask is not None and name in ("weights", "advantages"):
-            value = value * (d.mask if value.ndim == 1 else d.mask[:, None])
-        inputs[name] = _tensor(value)
-    return tinker.Datum(model_input=tinker.ModelInput.from_ints(list(d.model_input)), loss_fn_inputs=inputs)
-
-
-def _fb_output(data: list[Datum]) -> Callable[[tinker.ForwardBackwardOutput], ForwardBackwardOutput]:
-    def convert(out: tinker.ForwardBackwardOutput) -> ForwardBackwardOutput:
-        if len(out.loss_fn_outputs) != len(data):
-            raise ValueError(f"{len(out.loss_fn_outputs)} outputs for {len(data)} datums")
-        logprobs = [
-            np.asarray(o["logprobs"].to_numpy(), dtype=np.float32).reshape(d.target_tokens.shape)
-            for o, d in zip(out.loss_fn_outputs, data, strict=True)
-        ]
-        return ForwardBackwardOutput(logprobs=logprobs, metrics={k: float(v) for k, v in out.metrics.items()})
-
-    return convert
-
-
-def _optim_output(out: tinker.OptimStepResponse) -> OptimStepOutput:
-    return OptimStepOutput(metrics={k: float(v) for k, v in (out.metrics or {}).items()})
-
-
-def _sample_output(out: tinker.SampleResponse) -> SampleOutput:
-    seqs = []
-    for s in out.sequences:
-        if s.logprobs is None:
-            raise ValueError("sample returned no logprobs")
-        seqs.append(SampledSequence(tokens=[int(t) for t in s.tokens], logprobs=[float(x) for x in s.logprobs],
-                                    stop_reason=s.stop_reason))
-    return SampleOutput(sequences=seqs)
-
-
-def _logprobs_output(out: list[float | None]) -> list[float | None]:
-    return [None if x is None else float(x) for x in out]
-
-
-def _path(out: tinker.types.SaveWeightsResponse | tinker.types.SaveWeightsForSamplerResponse) -> str:
-    return str(out.path)
-
-
-def to_tinker_sampling(p: SamplingParams) -> tinker.SamplingParams:
-    return tinker.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
-                                 top_k=p.top_k, stop=p.stop, seed=p.seed)
-
-
-def to_tinker_adam(p: AdamParams) -> tinker.AdamParams:
-    return tinker.AdamParams(learning_rate=p.learning_rate, beta1=p.beta1, beta2=p.beta2, eps=p.eps,
-                             weight_decay=p.weight_decay, grad_clip_norm=p.grad_clip_norm)
-
-
 def _registered_loss(spec: losses.LossSpec, config: dict[str, float]) -> CustomLossFn:
     """A registered loss as a custom loss over the learner's logprobs (torch tensors, one per datum)."""
     loss = loss_of(spec.name, config)
@@ -365,11 +309,11 @@ class TinkerSamplingClient:
     def sample(self, prompt: list[int], num_samples: int, params: SamplingParams) -> Future[SampleOutput]:
         return _wrap(lambda: self._client.sample(tinker.ModelInput.from_ints(list(prompt)), num_samples,
                                                  to_tinker_sampling(params)),
-                     _sample_output, self._request("sample"), self._link)
+                     sample_output, self._request("sample"), self._link)
 
     def compute_logprobs(self, tokens: list[int]) -> Future[list[float | None]]:
         return _wrap(lambda: self._client.compute_logprobs(tinker.ModelInput.from_ints(list(tokens))),
-                     _logprobs_output, self._request("compute_logprobs"), self._link)
+                     logprobs_output, self._request("compute_logprobs"), self._link)
 
 
 class TinkerTrainingClient:
@@ -407,19 +351,19 @@ class TinkerTrainingClient:
             name = cast("tinker.types.LossFnType", loss_fn)  # spec.tinker_builtin: a name the service knows
             return call(tdata, name, dict(loss_config) if loss_config else None)
 
-        return _wrap(submit, _fb_output(data), request, self._link)
+        return _wrap(submit, fb_output(data), request, self._link)
 
     def _forward_registered(self, data: list[Datum], spec: losses.LossSpec,
                             config: dict[str, float]) -> Future[ForwardBackwardOutput]:
         request = self._request("forward", spec.name)
-        to_logprobs = _fb_output(data)
+        to_logprobs = fb_output(data)
 
         def submit() -> tinker.APIFuture[tinker.ForwardBackwardOutput]:
             for d in data:
                 spec.check_datum(d)
             probe = [to_tinker_datum(d, ()) for d in data]  # cross_entropy with no weights: the logprobs only
             for t, d in zip(probe, data, strict=True):
-                t.loss_fn_inputs["weights"] = _tensor(np.zeros(d.target_tokens.shape, np.float32))
+                t.loss_fn_inputs["weights"] = tensor(np.zeros(d.target_tokens.shape, np.float32))
             return self._client.forward(probe, "cross_entropy")
 
         def convert(out: tinker.ForwardBackwardOutput) -> ForwardBackwardOutput:
@@ -444,18 +388,18 @@ class TinkerTrainingClient:
         # cross-entropy backward pass; we hand the loss our original data (same order) instead.
         tdata = [to_tinker_datum(d, ("weights",)) for d in data]
         return _wrap(lambda: self._client.forward_backward_custom(tdata, lambda _t, lps: loss_fn(data, lps)),
-                     _fb_output(data), self._request("forward_backward_custom"), self._link)
+                     fb_output(data), self._request("forward_backward_custom"), self._link)
 
     def optim_step(self, params: AdamParams) -> Future[OptimStepOutput]:
-        return _wrap(lambda: self._client.optim_step(to_tinker_adam(params)), _optim_output,
+        return _wrap(lambda: self._client.optim_step(to_tinker_adam(params)), optim_output,
                      self._request("optim_step"), self._link)
 
     def save_state(self, name: str, ttl_seconds: int | None = None) -> Future[str]:
-        return _wrap(lambda: self._client.save_state(name, ttl_seconds=ttl_seconds), _path,
+        return _wrap(lambda: self._client.save_state(name, ttl_seconds=ttl_seconds), weights_path,
                      self._request("save_state", repr(name)), self._link)
 
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None) -> Future[str]:
-        return _wrap(lambda: self._client.save_weights_for_sampler(name, ttl_seconds=ttl_seconds), _path,
+        return _wrap(lambda: self._client.save_weights_for_sampler(name, ttl_seconds=ttl_seconds), weights_path,
                      self._request("save_weights_for_sampler", repr(name)), self._link)
 
     def save_weights_and_get_sampling_client(self) -> Future[TinkerSamplingClient]:

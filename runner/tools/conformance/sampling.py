@@ -4,7 +4,7 @@ logprobs, and agreement between the sampler and the trainer on the same weights.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
 from backends.tokenizer import decode_text
 from runner.tools.conformance.core import Ctx, Fail, Skip, check, logprobs_of
@@ -13,7 +13,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     import tinker
-    from typing_extensions import Unpack
 
 
 class SamplingKw(TypedDict, total=False):
