@@ -1,5 +1,5 @@
 """No module of runner/ or backends/ is over MAX_LINES lines (#41): a longer one is split along a seam of its own
-(runner/engine/rundir.py -> checkpoints.py, loop.py -> interrupt.py). One is over it today, named below with
+(runner/engine/rundir.py -> checkpoints.py, loop.py -> interrupt.py). A module over it is named below with
 who splits it; the test fails on a listed module that has come under the limit, so the list only shrinks. And `Any`
 per 1,000 code lines (#41's typed boundaries) only goes down: ANY_CEILING is the figure at the last change, the
 issue's target is 12."""
@@ -28,9 +28,10 @@ def long_modules(root: Path = ROOT, limit: int = MAX_LINES) -> dict[str, int]:
 
 
 # `Any` names per 1,000 lines that hold code (blank lines, comments and docstrings not counted) in runner/ and
-# backends/: 43.8 at 298003e, 21.3 after the typing pass of 2026-11-29, 16.5 after the second (h-types). Lower it
-# when you type more.
-ANY_CEILING = 16.5
+# backends/: 43.8 at 298003e, 21.3 after the typing pass of 2026-11-29, 16.5 after the second (h-types), 2.3 after
+# the third (56 in 24,730: every area typed; what is left is listed in docs/architecture.md). Lower it when you type
+# more.
+ANY_CEILING = 2.5
 SKIP = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
 
 
