@@ -2,7 +2,7 @@
 dirs and their status, the scheduler (parallel, failures), and end to end on the tiny model: a sweep, a rerun
 that reruns nothing, and a kill -9 mid-sweep that the same command completes.
 
-Run: pytest tests/test_sweep.py   (about 20 s on 2 cores; the kill -9 test is marked slow)
+Run: pytest tests/test_sweep.py   (about 20 s on 2 cores; the kill -9 test and the end-to-end sweep are marked slow)
 """
 
 from __future__ import annotations
