@@ -252,19 +252,23 @@ def test_a_bad_backend_of_my_own_is_one_line(proj: Path, capsys: pytest.CaptureF
     assert message in err and len(err.splitlines()) == 1, err
 
 
-@pytest.mark.parametrize("how", ["file", "override"])
+@pytest.mark.parametrize("how", ["file", "override", "smoke"])
 def test_the_old_short_renderer_spelling_is_refused_with_the_new_one(proj: Path, capsys: pytest.CaptureFixture[str],
                                                                    how: str) -> None:
-    """User code is spelled one way for every kind: `renderer = "pkg.mod:NAME"` (in the recipe file or as an
-    override) is refused by `runner check` in one line naming the recipe, the key and `{kind = "python", ...}`."""
+    """User code is spelled one way for every kind: `renderer = "pkg.mod:NAME"` (in the recipe file, as an override,
+    or in the recipe's smoke.overrides) is refused by `runner check` in one line naming the recipe, the key and
+    `{kind = "python", ...}`."""
     if how == "file":
         (proj / "r.toml").write_text(RECIPES.replace('renderer = {kind = "python", target = "myext.parts:Plain"}',
                                                      'renderer = "myext.parts:Plain"'))
+    if how == "smoke":
+        (proj / "r.toml").write_text(RECIPES + '\n[recipes.rl.smoke]\noverrides = {renderer = "myext.parts:Plain"}\n')
     capsys.readouterr()
     assert main(["check", "r.toml#rl", *(["renderer=myext.parts:Plain"] if how == "override" else [])]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
-    assert "r.toml#rl: renderer: " in err and 'renderer = {kind = "python", target = "myext.parts:Plain"}' in err, err
+    key = "smoke.overrides: renderer: " if how == "smoke" else "renderer: "
+    assert f"r.toml#rl: {key}" in err and 'renderer = {kind = "python", target = "myext.parts:Plain"}' in err, err
 
 
 def test_show_writes_my_renderer_as_the_table_and_it_loads_back(proj: Path, capsys: pytest.CaptureFixture[str]) -> None:

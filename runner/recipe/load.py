@@ -93,7 +93,7 @@ def resolve(path: str, name: str, raw: Json, overrides: Sequence[str] = (),
     where = where or f"{path}#{name}"
     raw = {k: v for k, v in raw.items() if k != SWEEP_KEY}
     table = apply_overrides(raw, overrides, where)
-    _refuse_short_renderer(table, where)
+    refuse_short_renderer(table, where)
     try:
         table, _ = resolve_auto(table)  # lr = "auto" (runner/recipe/lr.py)
     except UserError as e:
@@ -321,7 +321,7 @@ def _read_cached(p: Path) -> Json:
     return data
 
 
-def _refuse_short_renderer(table: Json, where: str) -> None:
+def refuse_short_renderer(table: Json, where: str) -> None:
     """User code is spelled one way for every kind, `{kind = "python", target = "pkg.mod:NAME"}`: a recipe's (or an
     override's) old short `renderer = "pkg.mod:NAME"` is refused, naming that spelling. What runner writes back
     (recipe_dict) is the table; a decoded Recipe holds the target as a string, which is not refused there."""

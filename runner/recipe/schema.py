@@ -116,7 +116,7 @@ else:
 class PythonRenderer(Base, tag_field="kind", tag="python"):
     """A user's renderer: `renderer = {kind = "python", target = "pkg.mod:NAME"}`, NAME a Renderer subclass or a
     factory tokenizer -> Renderer. The old short spelling `renderer = "pkg.mod:NAME"` is refused in a recipe
-    (runner/recipe/load.py _refuse_short_renderer); the decoded Recipe holds the target string."""
+    (runner/recipe/load.py refuse_short_renderer); the decoded Recipe holds the target string."""
 
     target: Annotated[str, Meta(pattern=TARGET_PATTERN, description="'pkg.mod:NAME'")]
 

@@ -44,6 +44,7 @@ from runner.recipe.load import (
     pick,
     recipe_dict,
     recipe_names,
+    refuse_short_renderer,
     split_ref,
     structs,
     toml_value,
@@ -109,6 +110,7 @@ def smoke_recipe(recipe: Recipe, name: str, where: str, refs: dict[str, str] | N
             pinned[key] = min(pinned.get(key) or TEST_CAP, TEST_CAP)
         if "samples" in pinned:
             pinned["samples"] = min(pinned["samples"], 2)
+    refuse_short_renderer(dict(table.overrides), f"{where}: smoke.overrides")  # as a recipe's own is
     raw = apply_overrides(raw, [f"{k}={toml_value(v)}" for k, v in table.overrides.items()], f"{where}: smoke.overrides")
     return decode_recipe(raw, f"{where} (--smoke)")
 
