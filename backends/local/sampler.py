@@ -40,7 +40,7 @@ from backends.local.decoding import DecodeBatch, Join, Row, round_up
 from backends.local.device import LOGITS_DTYPE
 from backends.local.llama import LlamaDecoder
 from backends.local.static_decode import StaticDecoder, capacity_bucket, row_bucket
-from backends.tokenizer import Tokenizer
+from backends.tokenizer import Tokenizer, eos_token_id
 from backends.types import SampledSequence, SampleOutput, SamplingParams
 
 # Logit entries (rows x length x vocab) one compute_logprobs_batch forward may produce.
@@ -317,6 +317,6 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
         eos = getattr(src, "eos_token_id", None) if src is not None else None
         if eos is not None:
             found.update([eos] if isinstance(eos, int) else eos)
-    if not found and getattr(tokenizer, "eos_token_id", None) is not None:
-        found.add(tokenizer.eos_token_id)
+    if not found and (eos := eos_token_id(tokenizer)) is not None:
+        found.add(eos)
     return frozenset(found)

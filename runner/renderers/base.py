@@ -25,7 +25,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, TypeVar
 
 from backends.errors import UserError
-from backends.tokenizer import Tokenizer  # the protocol sits with the loader, so backends/ may name it too
+from backends.tokenizer import Tokenizer, decode_text  # the protocol sits with the loader, so backends/ may name it too
 from backends.types import Json
 
 if TYPE_CHECKING:
@@ -272,7 +272,7 @@ class Renderer(ABC):
         return [0.0] * len(prompt) + weights[len(prompt):]
 
     def decode(self, tokens: list[int]) -> str:
-        return str(self.tokenizer.decode(tokens))
+        return decode_text(self.tokenizer, tokens)
 
 
 def render_row(renderer: Renderer, messages: list[Message], train_on_what: str, where: str
@@ -386,9 +386,9 @@ def parse_for_stop_token(response: list[int], tokenizer: Tokenizer, stop_token: 
     told the stop token."""
     count = response.count(stop_token)
     if count == 0:
-        return {"role": "assistant", "content": str(tokenizer.decode(response))}, Termination.MALFORMED
+        return {"role": "assistant", "content": decode_text(tokenizer, response)}, Termination.MALFORMED
     if count == 1:
-        text = str(tokenizer.decode(response[: response.index(stop_token)]))
+        text = decode_text(tokenizer, response[: response.index(stop_token)])
         return {"role": "assistant", "content": text}, Termination.STOP_SEQUENCE
     raise UserError(f"a sampled reply holds its stop token {count} times; sample with the renderer's stop "
                     f"sequences")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
+from backends.tokenizer import decode_text
 from runner.renderers.base import Tokenizer
 
 _GREEN, _DIM, _RESET = "\x1b[32m", "\x1b[2m", "\x1b[0m"
@@ -22,7 +23,7 @@ def colorize(tokens: list[int], weights: list[float], tokenizer: Tokenizer, colo
     start = 0
     for i in range(1, len(tokens) + 1):
         if i == len(tokens) or (weights[i] > 0) != (weights[start] > 0):
-            text = str(tokenizer.decode(tokens[start:i]))
+            text = decode_text(tokenizer, tokens[start:i])
             trained = weights[start] > 0
             if color:
                 out.append((_GREEN if trained else _DIM) + text + _RESET)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from backends.tokenizer import eos_token_id
 from runner.renderers.base import Message, RenderContext, Rendered, Renderer, Termination, ensure_text, register
 
 _PREFIX = " "
@@ -30,7 +31,7 @@ class RoleColonRenderer(Renderer):
         return ["\n\nUser:"]
 
     def parse_response(self, response: list[int]) -> tuple[Message, Termination]:
-        eos = self.tokenizer.eos_token_id
+        eos = eos_token_id(self.tokenizer)
         with_eos = eos is not None and bool(response) and response[-1] == eos
         if with_eos:
             response = response[:-1]
