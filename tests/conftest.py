@@ -6,6 +6,10 @@ from runner.threads import prefer_passive_openmp
 prefer_passive_openmp()
 
 import importlib.util
+import sys
+import threading
+import time
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,13 +63,31 @@ def tinker_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield service
 
 
+MOCK = pytest.StashKey[Any]()
+
+
 @pytest.fixture
-def mock_tinker(tinker_service: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+def mock_tinker(tinker_service: Any, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[Any]:
     """The service behind a fresh fault-injecting MockTinker on its own port, with the env a Tinker recipe reads
-    (a test key, the server's base URL, no telemetry)."""
+    (a test key, the server's base URL, no telemetry). A test that fails with it reports what the service saw and
+    where every thread was (pytest_runtest_makereport)."""
+    import msgspec
     from tinker_mock import serve
 
+    from backends.tinker.backend import TinkerBackend
+    from backends.tinker.options import TinkerOptions
+
+    # A session the SDK has not created within the default 30 s on a loaded CI machine (seen once) fails the test;
+    # here it may take 120 s (only a hung test waits that long). An explicit connect_timeout_s is left as it is.
+    default_s, init = TinkerOptions().connect_timeout_s, TinkerBackend.__init__
+
+    def patient(self: TinkerBackend, cfg: TinkerOptions, *args: Any, **kwargs: Any) -> None:
+        init(self, msgspec.structs.replace(cfg, connect_timeout_s=120.0) if cfg.connect_timeout_s == default_s
+             else cfg, *args, **kwargs)
+
+    monkeypatch.setattr(TinkerBackend, "__init__", patient)
     with serve(tinker_service) as mock:
+        request.node.stash[MOCK] = mock
         monkeypatch.setenv("TINKER_API_KEY", "tml-test-0123456789")
         monkeypatch.setenv("TINKER_BASE_URL", mock.url)
         monkeypatch.setenv("TINKER_TELEMETRY", "0")
@@ -88,3 +110,22 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that talked to the emulated Tinker service gets two more sections: the requests the service
+    saw (route, status, seconds since the first) and every thread's stack at the failure. A rare stall (a session
+    not created within connect_timeout_s on a loaded CI machine) then says where it stood."""
+    report = yield
+    mock = item.stash.get(MOCK, None)
+    if mock is not None and report.when == "call" and report.failed:
+        records = list(mock.records)
+        t0 = records[0].t if records else time.monotonic()
+        lines = [f"{r.t - t0:8.2f} s  {r.status}  {r.route}" for r in records[-60:]]
+        report.sections.append(("tinker service requests (last 60)", "\n".join(lines) or "none"))
+        names = {t.ident: t.name for t in threading.enumerate()}
+        stacks = [f"--- {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame))
+                  for ident, frame in sys._current_frames().items()]
+        report.sections.append(("threads at the failure", "\n".join(stacks)))
+    return report

@@ -524,6 +524,9 @@ def test_unreachable_service_fails_within_connect_timeout(monkeypatch, accept):
         assert f"create_training_client 'Qwen/Qwen3-8B': could not reach the Tinker service at {url}{why}" \
             in str(err.value)
         assert str(err.value).endswith("nothing ran") and err.value.user_error
+        if accept:  # the port opened: the message says so and names the knob
+            assert "its port accepts connections but no session was created" in str(err.value)
+            assert "backend.connect_timeout_s waits longer" in str(err.value)
         assert "\n" not in str(err.value) and KEY not in str(err.value)
         with pytest.raises(BackendError, match=r"create_sampling_client 'Qwen/Qwen3-8B': could not reach"):
             sc_f.result(1)

@@ -427,6 +427,7 @@ class TinkerBackend:
         self._connect_timeout_s, self._lost_after_s = cfg.connect_timeout_s, cfg.lost_after_s
         self._lock = threading.Lock()
         self._session: concurrent.futures.Future[InternalClientHolder] | None = None
+        self._port_opened = False  # the probe before the session opened a TCP connection (for the timeout's message)
 
     def checkpoint_ttl_seconds(self) -> int | None:
         return self._ttl
@@ -452,7 +453,8 @@ class TinkerBackend:
 
     def _connect(self) -> None:
         assert self._session is not None
-        if (refused := _refused(self._base_url, min(self._connect_timeout_s, PROBE_TIMEOUT_S))) is not None:
+        refused, self._port_opened = _probe(self._base_url, min(self._connect_timeout_s, PROBE_TIMEOUT_S))
+        if refused is not None:
             # The SDK would retry a closed port until connect_timeout_s; nothing listens there: say so now.
             _fail(self._session, BackendError(
                 f"could not reach the Tinker service at {self._link.url}: {refused} (a wrong base_url, or the "
@@ -469,9 +471,11 @@ class TinkerBackend:
     def _connect_timed_out(self) -> None:
         assert self._session is not None
         # user_error: the service was never reached, so nothing ran (no "can be resumed"); exit 2.
+        why = ("its port accepts connections but no session was created: the service is stalled or overloaded"
+               if self._port_opened else "no network, a wrong base_url, or the service is down")
         _fail(self._session, BackendError(
-            f"could not reach the Tinker service at {self._link.url} within {self._connect_timeout_s:g} s "
-            "(no network, a wrong base_url, or the service is down); nothing ran", user_error=True))
+            f"could not reach the Tinker service at {self._link.url} within {self._connect_timeout_s:g} s ({why}; "
+            "backend.connect_timeout_s waits longer); nothing ran", user_error=True))
 
     def _watch(self, holder: InternalClientHolder) -> None:
         """Ping the session; while calls wait and the service has not answered for lost_after_s, lose it."""
@@ -570,25 +574,26 @@ class TinkerBackend:
             log.warning("closing the Tinker session failed: %s", _first_line(_scrub(str(exc), self._key)))
 
 
-def _refused(base_url: str | None, timeout: float) -> str | None:
-    """Why a TCP connection to `base_url` is refused outright ("connection refused on host:port"), else None (it
-    opened, timed out, or the name did not resolve: the SDK's bounded tries decide those). No base_url: None."""
+def _probe(base_url: str | None, timeout: float) -> tuple[str | None, bool]:
+    """(why a TCP connection to `base_url` is refused outright ("connection refused on host:port") or None, whether
+    one opened). Timed out or a name that did not resolve: (None, False), the SDK's bounded tries decide those. No
+    base_url (the hosted service): (None, False)."""
     if not base_url:
-        return None
+        return None, False
     url = urllib.parse.urlsplit(base_url)
     try:
         host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
     except ValueError:  # a port that is not a number: the SDK says so
-        return None
+        return None, False
     if not host:
-        return None
+        return None, False
     try:
         with socket.create_connection((host, port), timeout=timeout):
-            return None
+            return None, True
     except ConnectionRefusedError:
-        return f"connection refused on {host}:{port}"
+        return f"connection refused on {host}:{port}", False
     except OSError:
-        return None
+        return None, False
 
 
 async def _ping(holder: InternalClientHolder, timeout: float) -> None:
