@@ -647,6 +647,7 @@ def test_worker_coalesces_requests_that_arrive_apart(monkeypatch):
     monkeypatch.setattr(W, "MAX_WAIT_S", 5.0)
     monkeypatch.setattr(W, "WAIT_FRACTION", 100.0)
     monkeypatch.setattr(W, "COLD_GAP_S", 0.5)
+    monkeypatch.setattr(W, "COLD_MAX_S", 2.0)  # the first batch is cold: 4 threads start under load (20 ms split it)
     sizes: list[int] = []
 
     def handle(jobs):
@@ -678,9 +679,15 @@ def test_lone_sequential_caller_does_not_wait(monkeypatch):
     assert time.monotonic() - start < 2.0  # a warm wait would take 5 s per request
 
 
-def test_seeded_samples_do_not_depend_on_the_batch(backend, data):
+def test_seeded_samples_do_not_depend_on_the_batch(backend, data, monkeypatch):
     """With seeds, a request alone and the same request coalesced with others sample the same tokens."""
     import asyncio
+
+    from backends.local import worker as W
+
+    # The requests below arrive microseconds apart; wide cold windows keep a loaded machine from splitting them.
+    monkeypatch.setattr(W, "COLD_GAP_S", 0.5)
+    monkeypatch.setattr(W, "COLD_MAX_S", 2.0)
 
     sc = backend.create_sampling_client(base_model="tiny").result()
     prompts = [d.model_input[: 3 + i] for i, d in enumerate(data)]
