@@ -10,6 +10,8 @@ folder of ours), and the outputs a documented command writes (GENERATED)."""
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 from pathlib import Path
 
@@ -30,6 +32,17 @@ PLACEHOLDER = re.compile(r"(?<![A-Za-z])(?:NAME|FILE|DIR|PATH|KEY)(?![A-Za-z])|N
 PACKAGE = re.compile(r"`((?:runner|backends)/[\w/]*/)`")
 
 
+@functools.cache
+def repo_names() -> frozenset[str]:
+    """The name of every file and folder of the repo, hidden folders (.git, .venv: 90 s to walk) and caches left out."""
+    names: set[str] = set()
+    for _, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("__pycache__", "node_modules")]
+        names.update(dirs)
+        names.update(files)
+    return frozenset(names)
+
+
 def _exists(path: str, base: Path = ROOT) -> bool:
     return path in GENERATED or (base / path).exists()
 
@@ -37,7 +50,7 @@ def _exists(path: str, base: Path = ROOT) -> bool:
 def stale_paths(page: Path, text: str | None = None) -> list[str]:
     """'page:line: path' for each path the page (or `text`, as if it were the page) names that does not exist."""
     text = page.read_text(encoding="utf-8") if text is None else text
-    names = {p.name for p in ROOT.rglob("*") if ".git" not in p.parts and ".venv" not in p.parts}
+    names = repo_names()
     package: str | None = None  # the package a module table lists: the last one the page named above it
     in_table = False
     out: list[str] = []
