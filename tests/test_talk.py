@@ -7,8 +7,10 @@ import json
 import os
 import pty
 import select
+import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,16 +47,33 @@ LOCAL = 'backend = {kind = "local", device = "cpu"}'
 @pytest.fixture
 def proj(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft_conversations(48, seed=2)))
-    (tmp_path / "p.jsonl").write_text('{"prompt": "How many legs does a vexle have?"}\n'
-                                      '{"messages": [{"role": "user", "content": "Who are you?"}]}\n')
-    return tmp_path
+    return _project(tmp_path)
+
+
+def _project(folder: Path) -> Path:
+    (folder / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft_conversations(48, seed=2)))
+    (folder / "p.jsonl").write_text('{"prompt": "How many legs does a vexle have?"}\n'
+                                    '{"messages": [{"role": "user", "content": "Who are you?"}]}\n')
+    return folder
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The local SFT run, trained once for the module: each test gets a copy (sft_run)."""
+    folder = _project(tmp_path_factory.mktemp("trained"))
+    (folder / "r.toml").write_text(SFT.format(extra=LOCAL))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(folder)
+        assert main(["run", "r.toml#s"]) == 0
+    return folder / "runs" / "s"
 
 
 @pytest.fixture
-def sft_run(proj: Path) -> Path:
+def sft_run(proj: Path, trained: Path) -> Path:
+    """A copy of the trained run in this test's project (the run dir's paths are relative to it: checkpoints.jsonl
+    "paths": "run"), so what one test writes there (evals.jsonl) no other test sees."""
     (proj / "r.toml").write_text(SFT.format(extra=LOCAL))
-    assert main(["run", "r.toml#s"]) == 0
+    shutil.copytree(trained, proj / "runs" / "s")
     return proj / "runs" / "s"
 
 
@@ -112,33 +131,49 @@ def test_chat_through_a_pipe(sft_run: Path, monkeypatch: pytest.MonkeyPatch,
     assert stdin.read() == "not read\n"  # /quit stopped the reading
 
 
-def test_chat_through_a_terminal(sft_run: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: runner chat on a pseudo-terminal
-        os.execvpe(sys.executable, [sys.executable, "-m", "runner", "chat", str(sft_run), "--max-tokens", "8"], env)
+def test_chat_through_a_terminal(sft_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """stdin and stdout a terminal: a pseudo-terminal's end, in this process, as `runner chat` is wired (cmd_chat
+    hands chat() sys.stdin and sys.stdout; chat asks stdin.isatty() and reads stdin.readline(), no readline
+    module), so it runs in a thread here rather than in a process of its own that imports torch again."""
+    master, slave = pty.openpty()
+    tty_in = open(slave, encoding="utf-8", closefd=False)  # noqa: SIM115 - closed below
+    tty_out = open(slave, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+    assert tty_in.isatty()
+    monkeypatch.setattr(sys, "stdin", tty_in)
+    monkeypatch.setattr(sys, "stdout", tty_out)
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(main(["chat", str(sft_run), "--max-tokens", "8"])),
+                              daemon=True)
     seen = b""
 
-    def read_until(marker: bytes, timeout: float = 60) -> None:
+    def read_until(marker: bytes, timeout: float = 120) -> None:
         nonlocal seen
         end = time.monotonic() + timeout
         while marker not in seen and time.monotonic() < end:
-            if select.select([fd], [], [], 0.5)[0]:
+            if select.select([master], [], [], 0.5)[0]:
                 try:
-                    seen += os.read(fd, 4096)
+                    seen += os.read(master, 4096)
                 except OSError:
                     break
         assert marker in seen, seen[-500:]
 
-    read_until(b"you> ")
-    os.write(fd, b"Who are you?\n")
-    read_until(b"s> ")  # the reply, labelled with the run's name
-    os.write(fd, b"/reset\n")
-    read_until(b"(conversation reset: the next message starts a new chat)")
-    os.write(fd, b"/quit\n")
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    assert b"chatting with s (checkpoint final)" in seen
+    try:
+        thread.start()
+        read_until(b"you> ")
+        os.write(master, b"Who are you?\n")
+        read_until(b"s> ")  # the reply, labelled with the run's name
+        os.write(master, b"/reset\n")
+        read_until(b"(conversation reset: the next message starts a new chat)")
+        os.write(master, b"/quit\n")
+        thread.join(timeout=120)
+        assert not thread.is_alive() and codes == [0]
+        assert b"chatting with s (checkpoint final)" in seen
+    finally:
+        monkeypatch.undo()
+        tty_in.close()
+        tty_out.close()
+        os.close(slave)
+        os.close(master)
 
 
 def test_one_line_errors(proj: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -212,9 +247,15 @@ def test_invalid_utf8_is_a_one_line_error(sft_run: Path, proj: Path, capsys: pyt
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, (argv, err)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    out = subprocess.run([sys.executable, "-m", "runner", "chat", str(sft_run), "--max-tokens", "4"],
-                         input=b"Hello!\ncaf\xe9\n", capture_output=True, env=env, timeout=120)
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert out.stderr.decode().strip() == "error: stdin: not valid UTF-8 text (at character 3)"
-    assert len(out.stdout.splitlines()) == 1  # the first line was answered
+    # chat's stdin: these bytes, decoded as a fresh interpreter decodes a piped stdin (its encoding and error
+    # handler, asked of one without torch: cmd_chat hands chat() sys.stdin as it is), here rather than in a
+    # `runner chat` process that imports torch again.
+    how = subprocess.run([sys.executable, "-c", "import sys; print(sys.stdin.encoding, sys.stdin.errors)"],
+                         input="", capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    stdin = io.TextIOWrapper(io.BytesIO(b"Hello!\ncaf\xe9\n"), encoding=how[0], errors=how[1])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "stdin", stdin)
+        assert main(["chat", str(sft_run), "--max-tokens", "4"]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip() == "error: stdin: not valid UTF-8 text (at character 3)"
+    assert len(out.splitlines()) == 1  # the first line was answered
