@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 import os
 import re
 import shutil
@@ -491,6 +492,17 @@ def _hashes(root: Path) -> dict[str, str]:
             if p.is_file() and "__pycache__" not in p.parts}
 
 
+COMMANDS = r"""
+import json, sys
+from runner.cli import main
+codes = []
+for args in json.loads(sys.argv[1]):
+    print("--- runner " + " ".join(args), file=sys.stderr, flush=True)
+    codes.append(main(args))
+print(json.dumps(codes))
+"""
+
+
 def test_a_builtin_of_each_kind_is_new_files_in_one_folder(tmp_path: Path) -> None:
     """Adding a built-in algorithm, env, pinned eval, loss, renderer and backend to a copy of runner: 9 new files in 6
     folders and not one existing file edited (every file hashes the same), and a recipe check and runs use them all."""
@@ -508,15 +520,13 @@ def test_a_builtin_of_each_kind_is_new_files_in_one_folder(tmp_path: Path) -> No
         for i in range(6)))
     env = {**os.environ, "PYTHONPATH": str(repo), "ZZ_LOG": str(work / "log.txt")}
 
-    def runner(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "runner", *args], cwd=work, env=env, capture_output=True,
-                              text=True, timeout=300)
-
-    checked = runner("check", "r.toml")
-    assert checked.returncode == 0, checked.stderr
-    for name in ("rl", "algo"):
-        ran = runner("run", f"r.toml#{name}")
-        assert ran.returncode == 0, ran.stderr
+    # `runner check r.toml`, `runner run r.toml#rl`, `runner run r.toml#algo`, one after another in one process that
+    # imports the copy (torch once, not three times): each command's exit code, in order.
+    commands = [["check", "r.toml"], ["run", "r.toml#rl"], ["run", "r.toml#algo"]]
+    proc = subprocess.run([sys.executable, "-c", COMMANDS, json.dumps(commands)], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [0, 0, 0], proc.stderr[-3000:]
 
     after = _hashes(repo)
     assert {k: after[k] for k in before} == before  # 0 existing files edited
