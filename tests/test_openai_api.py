@@ -6,7 +6,9 @@ OpenAI-shaped 4xx errors."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -74,11 +76,32 @@ def _train_plum(url: str) -> str:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("openai")
-    run = _train_run_dir(tmp)
     mp = pytest.MonkeyPatch()
     mp.setenv("TINKER_TELEMETRY", "0")
+    # The server starts (a process importing torch, ~10 s) while this process trains the run dir: --runs is a folder
+    # the server resolves run dirs under per request, so the run need not exist before it starts.
+    server = runner_serve(tmp / "storage", "--device", "cpu", "--runs", str(tmp))
+    started: dict[str, Any] = {}
+
+    def start() -> None:
+        try:
+            started["url"] = server.__enter__()[0]
+        except BaseException as exc:  # noqa: BLE001 - raised in the fixture's thread below
+            started["error"] = exc
+
+    thread = threading.Thread(target=start, daemon=True)
     try:
-        with runner_serve(tmp / "storage", "--device", "cpu", "--runs", str(tmp)) as (url, _):
+        with contextlib.ExitStack() as stack:
+            thread.start()
+            try:
+                run = _train_run_dir(tmp)
+            finally:
+                thread.join()
+                if "url" in started:
+                    stack.push(server.__exit__)
+            if "error" in started:
+                raise started["error"]
+            url = started["url"]
             plum = _train_plum(url)
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
             yield {"url": url, "client": client, "plum": plum, "run": run, "log": tmp / "storage.log"}
