@@ -236,7 +236,12 @@ def test_ctrl_c_during_a_stalled_download_exits_within_2_s(tmp_path: Path) -> No
         assert proc.stderr is not None
         line = proc.stderr.readline()
         assert "downloading it from" in line, line
-        time.sleep(1.0)  # the child is asking for the repo's metadata, which never comes
+        # Until the download's child asks for the repo's metadata, which never comes (polled: a fixed 1 s was more
+        # than an idle machine needs and perhaps less than a loaded one does).
+        deadline = time.monotonic() + 60
+        while not any(r.startswith("GET /api/models/") for r in hub.requests) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert any(r.startswith("GET /api/models/") for r in hub.requests), hub.requests
         proc.send_signal(signal.SIGINT)
         start = time.monotonic()
         proc.communicate(timeout=30)

@@ -120,7 +120,9 @@ def test_a_fifo_checkpoint_is_refused_at_once_and_health_keeps_answering(tmp_pat
         assert httpx.get(f"{url}/api/v1/healthz", timeout=5).json() == {"status": "ok"}
         r = fut.result(timeout=15)
         assert r.status_code == 400 and "not a regular file" in r.json()["error"]["message"], r.text
-        assert time.monotonic() - t < 5
+        # Refused, not hung on the FIFO (a blocking open would have ended in _chat's 10 s ReadTimeout): the bound is
+        # that timeout, not how fast a loaded machine answers (was 5 s).
+        assert time.monotonic() - t < 15
 
 
 def test_a_foreign_checkpoints_file_is_never_written(tmp_path):
@@ -155,7 +157,7 @@ def test_port_0_without_a_port_file_says_the_port(tmp_path):
                             env={**os.environ, "PYTHONPATH": str(repo)})
     try:
         assert proc.stderr is not None
-        deadline, url = time.monotonic() + 60, None
+        deadline, url = time.monotonic() + 120, None  # start-up imports torch: ~11 s idle, more under load
         while url is None and time.monotonic() < deadline:
             line = proc.stderr.readline()
             assert line or proc.poll() is None, "runner serve exited"
