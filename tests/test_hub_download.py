@@ -225,7 +225,7 @@ def test_bad_bounds_are_one_line(tmp_path: Path) -> None:
     assert got["out"] == "error: RUNNER_HUB_STALL_S must be a number of seconds > 0, got 'soon'"
 
 
-def test_ctrl_c_during_a_stalled_download_exits_within_2_s(tmp_path: Path) -> None:
+def test_ctrl_c_during_a_stalled_download_exits_within_seconds(tmp_path: Path) -> None:
     """The issue measured 54 s (the hub client's threads). The child that downloads is gone too."""
     repo = f"someorg/ctrl-c-{os.getpid()}"
     with fake_hub({repo: big_repo(tmp_path)}, stall="/api/models/") as hub:
@@ -245,7 +245,9 @@ def test_ctrl_c_during_a_stalled_download_exits_within_2_s(tmp_path: Path) -> No
         proc.send_signal(signal.SIGINT)
         start = time.monotonic()
         proc.communicate(timeout=30)
-        assert time.monotonic() - start < 2.0
+        # The bug took 54 s (the hub client's threads); an idle machine exits in ~0.1 s. 10 s tells the two apart
+        # with room for a loaded CI machine.
+        assert time.monotonic() - start < 10.0
         time.sleep(0.3)
         alive = []
         for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
