@@ -339,10 +339,10 @@ def test_kill_9_mid_sweep_then_the_same_command_completes_it(tmp_path: Path) -> 
                             stderr=subprocess.STDOUT)
     first = tmp_path / "runs/sl_basic/lr=0.001/checkpoints.jsonl"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # two points start at once: torch and the model, each, under load
         while not first.exists() or not first.read_text():
             assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
-            assert time.monotonic() < deadline, "no checkpoint within 120 s"
+            assert time.monotonic() < deadline, "no checkpoint within 300 s"
             time.sleep(0.05)
     finally:
         proc.send_signal(signal.SIGKILL)
