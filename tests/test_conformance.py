@@ -77,13 +77,13 @@ def test_a_loss_off_by_2x_fails_with_the_numbers(url, monkeypatch):
 
 def test_a_hanging_check_fails_by_its_timeout(monkeypatch):
     def hangs(ctx):
-        time.sleep(30)
+        time.sleep(300)  # a daemon thread, abandoned by the suite
 
     monkeypatch.setattr(core, "CHECKS", [Check("hangs", "sessions", hangs, 0.3)])
     monkeypatch.setattr(Ctx, "server_name", lambda self: None)
     t0 = time.monotonic()
     server, results = run_suite(Ctx("http://127.0.0.1:9", KEY, "tiny"), ["hangs"])
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 60  # the check's 0.3 s, not the hang's 300 s
     assert server == "unknown"
     assert results[0].result == "FAIL" and "no answer within 0.3s" in results[0].detail
 
@@ -101,10 +101,10 @@ def test_cli_json_and_exit_codes(url, capsys, monkeypatch):
     assert main(["conformance", "--base-url", "http://127.0.0.1:9"]) == 2
     assert "--base-url http://127.0.0.1:9: nothing answers there" in capsys.readouterr().err
     # A failing check: exit 1, FAIL in the table (--timeout caps each check).
-    monkeypatch.setattr(core.Ctx, "capabilities", lambda self: time.sleep(30))
+    monkeypatch.setattr(core.Ctx, "capabilities", lambda self: time.sleep(300))
     t0 = time.monotonic()
     assert main(["conformance", "--base-url", url, "--only", "capabilities", "--timeout", "1"]) == 1
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 60  # the 1 s timeout and the SDK client's set-up, not the 300 s hang
     assert "capabilities  sessions  FAIL    no answer within 1s" in capsys.readouterr().out
 
 
@@ -130,7 +130,7 @@ def test_a_5xx_for_bad_input_fails(url, monkeypatch):
     monkeypatch.setattr(serve_service.Service, "_served", served)
     t0 = time.monotonic()
     _, results = _run(url, ("error/unknown_model",), max_timeout_s=2)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 60  # the 2 s cap, not the SDK's minutes of retries
     assert results[0].result == "FAIL" and "no answer within 2s" in results[0].detail
 
 

@@ -120,18 +120,22 @@ def test_client_delivers_a_joining_request_before_the_running_one(tmp_path, one_
 
             def polled():
                 running.set()
-                submitted.wait(10)  # the short request is queued before the long one's first step
+                submitted.wait(120)  # the short request is queued before the long one's first step
                 return more()
             return inner(reqs, polled, done)
 
         engine.sample_stream = spy
+        delivered: list[str] = []  # in the order the results were set, whenever this thread gets to look
         first = sc.sample(long_req.prompt, long_req.num_samples, long_req.params)
-        assert running.wait(10)
+        first.future().add_done_callback(lambda _: delivered.append("long"))
+        assert running.wait(60)
         second = sc.sample(short_req.prompt, short_req.num_samples, short_req.params)
+        second.future().add_done_callback(lambda _: delivered.append("short"))
         submitted.set()
-        out = second.result(30)
-        assert not first.done()  # 3 tokens after joining, of the long one's 200
-        assert _flat(out) == _flat(alone[1]) and _flat(first.result(30)) == _flat(alone[0])
+        out = second.result(120)
+        long_out = first.result(120)
+        assert delivered == ["short", "long"]  # 3 tokens after joining, of the long one's 200
+        assert _flat(out) == _flat(alone[1]) and _flat(long_out) == _flat(alone[0])
         assert streams == [1]  # one decode run served both
     finally:
         be.close()

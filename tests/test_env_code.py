@@ -25,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = str(ROOT / "examples/data/code_problems.jsonl")
 TOK = build_tokenizer()
 R = ChatRenderer(TOK)
-CFG = Code(data=Jsonl(SHIPPED), test_size=2, cpu_s=1, wall_s=2.0, memory_mb=256, max_parallel=4)
+# wall_s: a right solution's tests (a Python start each, 4 at a time) finish on a loaded 2-core machine too; the
+# infinite loop is stopped by cpu_s (SIGXCPU, counted as a timeout) on an idle one.
+CFG = Code(data=Jsonl(SHIPPED), test_size=2, cpu_s=1, wall_s=10.0, memory_mb=256, max_parallel=4)
 
 
 def ctx(groups_per_batch: int = 2) -> EnvContext:
@@ -146,7 +148,7 @@ def test_deepcoder_and_taco_rows(tmp_path: Path) -> None:
     assert "Start from:" in first.question and "class Solution" in first.question
     assert all(t.expected is None for t in first.tests) and [t.expected for t in second.tests] == ["4\n", "10\n"]
 
-    cfg = Code(data=Jsonl(str(path)), test_size=0, cpu_s=1, wall_s=2.0)
+    cfg = Code(data=Jsonl(str(path)), test_size=0, cpu_s=1, wall_s=10.0)
     train, _ = build_datasets(cfg, EnvContext(renderer=R, group_size=1, test_group_size=1, groups_per_batch=1,
                                               seed=0))  # fmt: skip
     sandbox = asyncio.run(get_batch(train, 0, "train")[0].make_envs())[0].sandbox

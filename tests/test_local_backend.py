@@ -475,7 +475,7 @@ def test_sampling_worker_batches_queued_requests(backend, data):
 
     def spy(seqs):
         sizes.append(len(seqs))
-        release.wait(10)  # hold the worker so the next requests queue up behind this call
+        release.wait(120)  # hold the worker so the next requests queue up behind this call (set once they are in)
         return inner(seqs)
 
     sc._sampler.compute_logprobs_batch = spy
@@ -500,7 +500,7 @@ def test_dropped_sampling_client_is_freed(backend, data, monkeypatch):
     sc.compute_logprobs(data[0].full_sequence).result()
     ref = weakref.ref(sc.model)
     del sc
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # 0.05 s idle, then the thread's exit: ms on an idle machine
     while ref() is not None and time.monotonic() < deadline:  # its worker thread exits when idle
         time.sleep(0.05)
         gc.collect()
@@ -525,7 +525,7 @@ def test_training_worker_keeps_its_thread_and_a_dropped_client_is_freed(backend,
     assert tc._worker._thread is thread and thread.is_alive()
     ref = weakref.ref(tc.model)
     del tc
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while (ref() is not None or thread.is_alive()) and time.monotonic() < deadline:
         time.sleep(0.05)
         gc.collect()
@@ -667,16 +667,21 @@ def test_lone_sequential_caller_does_not_wait(monkeypatch):
 
     from backends.local import worker as W
 
-    monkeypatch.setattr(W, "WARM_GAP_S", 5.0)
-    monkeypatch.setattr(W, "MAX_WAIT_S", 5.0)
+    monkeypatch.setattr(W, "WARM_GAP_S", 60.0)
+    monkeypatch.setattr(W, "MAX_WAIT_S", 60.0)
     monkeypatch.setattr(W, "WAIT_FRACTION", 1000.0)
-    w = W.Worker("test", lambda jobs: [j.future.set_result(None) for j in jobs], drain=True, coalesce=True)
-    w.submit("first", None).result(5)  # cold: waits COLD_GAP_S (2 ms) for company
+    def handle(jobs):
+        time.sleep(0.05)  # a batch that takes time: the warm wait would be min(MAX_WAIT_S, 1000 x 0.05 s) = 50 s
+        for j in jobs:
+            j.future.set_result(None)
+
+    w = W.Worker("test", handle, drain=True, coalesce=True)
+    w.submit("first", None).result(30)  # cold: waits COLD_GAP_S (2 ms) for company
     start = time.monotonic()
     for i in range(5):
-        w.submit(f"r{i}", None).result(5)
+        w.submit(f"r{i}", None).result(30)  # a warm wait (50 s) times this out
     w.close()
-    assert time.monotonic() - start < 2.0  # a warm wait would take 5 s per request
+    assert time.monotonic() - start < 15  # 0.25 s of handling on an idle machine; a warm wait takes 50 s per request
 
 
 def test_seeded_samples_do_not_depend_on_the_batch(backend, data, monkeypatch):

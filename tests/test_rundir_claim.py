@@ -385,7 +385,7 @@ def test_a_data_path_that_is_not_a_regular_file_is_one_line(tmp_path: Path) -> N
 
     def runner(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "runner", *args], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=60)
+                              text=True, timeout=180)  # a fresh interpreter: imports under load
 
     check = runner("check", "recipes.toml")
     assert check.returncode == 2 and check.stdout == ""

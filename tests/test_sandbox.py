@@ -60,19 +60,20 @@ def test_hostile_programs_are_stopped_and_the_next_run_works(sandbox: Sandbox, t
 
     start = time.monotonic()
     r = asyncio.run(all_at_once())
-    # Four slots, six programs, each stopped by the 2.5 s wall at the latest: two rounds, plus startup.
-    assert time.monotonic() - start < 2 * LIMITS.wall_s + 4
+    # Four slots, six programs, each stopped by the 2.5 s wall at the latest: two rounds, plus startup (room for a
+    # loaded machine; the sleeper alone would take 60 s unstopped).
+    assert time.monotonic() - start < 2 * LIMITS.wall_s + 30
 
     assert r["loop"].signal in {"SIGXCPU", "SIGKILL"} and r["loop"].exit_code is None
-    assert r["loop"].seconds < LIMITS.wall_s + 1
-    assert not r["fork_bomb"].ok and r["fork_bomb"].seconds < LIMITS.wall_s + 1
+    assert r["loop"].seconds < LIMITS.wall_s + 10  # the kill and the reaping, late under load
+    assert not r["fork_bomb"].ok and r["fork_bomb"].seconds < LIMITS.wall_s + 10
     assert r["memory_hog"].exit_code == 1 and "MemoryError" in r["memory_hog"].stderr
     assert not r["write_outside"].ok and not outside.exists()
     # Landlock refuses it (no namespaces), or the path is not in the view at all (bwrap/unshare).
     assert any(m in r["write_outside"].stderr for m in ("Permission denied", "No such file", "Read-only"))
     assert not r["big_file"].ok and "File too large" in r["big_file"].stderr
     assert r["sleeper"].timed_out and r["sleeper"].signal == "SIGKILL"
-    assert r["sleeper"].seconds < LIMITS.wall_s + 1
+    assert r["sleeper"].seconds < LIMITS.wall_s + 10  # not its 60 s
 
     after = run(sandbox, "print('still here')")
     assert after.ok and after.stdout == "still here\n"
@@ -82,8 +83,10 @@ def test_fork_bomb_leaves_no_processes(sandbox: Sandbox) -> None:
     if not sandbox.containment.own_uid:
         pytest.skip("the code runs as this user: its processes cannot be told apart from the test's")
     run(sandbox, "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
-    time.sleep(0.2)
-    left = [p for p in os.listdir("/proc") if p.isdigit() and _is_sandbox_uid(_uid_of(p))]
+    deadline = time.monotonic() + 30  # killed processes leave /proc once reaped (a fixed 0.2 s before)
+    while (left := [p for p in os.listdir("/proc") if p.isdigit() and _is_sandbox_uid(_uid_of(p))]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
     assert left == []
 
 
@@ -154,7 +157,7 @@ def test_without_unshare_the_rest_still_holds(monkeypatch: pytest.MonkeyPatch) -
 
         echo, sleeper = asyncio.run(both())
         assert echo.ok and echo.stdout == "ok\n"
-        assert sleeper.timed_out and sleeper.seconds < LIMITS.wall_s + 1
+        assert sleeper.timed_out and sleeper.seconds < LIMITS.wall_s + 10  # not its 60 s
     finally:
         sbx._setup.cache_clear()
 
@@ -260,7 +263,8 @@ def test_a_concurrent_run_cannot_read_another(isolation: str) -> None:
         # A runs until B is done, then is cancelled (the sandbox kills its process group): no fixed sleep.
         a = asyncio.create_task(sb.run_python(f"# {secret}\nimport time\ntime.sleep(60)", stdin=secret))
         paths: list[Path] = []
-        for _ in range(100):
+        deadline = time.monotonic() + 25  # within A's 30 s wall (100 x 30 ms before: a loaded machine's start)
+        while time.monotonic() < deadline:
             paths = [p for p in Path(tempfile.gettempdir()).glob("sandbox-*/work/main.py") if _holds(p, secret)]
             if paths:
                 break

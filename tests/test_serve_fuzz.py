@@ -328,7 +328,7 @@ def test_server_still_serves_after_fuzzing(server, world):
     _, port = server
     t = time.monotonic()
     _still_serves(Conn(port), world)
-    assert time.monotonic() - t < 30
+    assert time.monotonic() - t < 90  # a healthz and a small sample: ms idle; a wedged server times out
 
 
 def test_a_lora_seed_torch_cannot_take_is_a_4xx(server, world):

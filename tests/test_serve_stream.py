@@ -173,14 +173,14 @@ def test_streams_with_logprobs(world):
     ("responses", {"input": "Hi", "max_output_tokens": 2000, "stream": True}),
 ])
 def test_a_client_gone_mid_stream_stops_its_sampling(world, route, body):
-    s = _script(world, " word" * 2000, delay=0.005, stop=False)
+    s = _script(world, " word" * 2000, delay=0.02, stop=False)  # 1,000 tokens take 20 s at least
     svc: Service = world["svc"]
     with httpx.stream("POST", f"{world['url']}/v1/{route}", json={"model": "tiny", **body}, timeout=60) as r:
         next(line for line in r.iter_lines() if '"delta"' in line)
         assert svc.stats()["live_sample_tokens"] > 0
-    assert s.stopped.wait(10), "the sampler was never told to stop"
+    assert s.stopped.wait(60), "the sampler was never told to stop"
     t = time.monotonic()
-    while svc.stats()["live_sample_tokens"] and time.monotonic() - t < 10:
+    while svc.stats()["live_sample_tokens"] and time.monotonic() - t < 60:
         time.sleep(0.05)
     assert svc.stats()["live_sample_tokens"] == 0 and svc.stats()["sampling_bytes"] == 0
     assert s.emitted < 1000  # it stopped at its next token, far from the 2,000 asked
@@ -215,6 +215,6 @@ def test_the_event_loop_answers_while_sampling_and_long_polls_wait(world):
         assert not s.stopped.is_set()  # still sampling meanwhile
     promise.resolve(reply)  # the polls get an answer and end
     for t in polls:
-        t.join(10)
+        t.join(60)
     assert not any(t.is_alive() for t in polls)
-    assert min(took) < 0.5, took
+    assert min(took) < 5, took  # ms when idle; a healthz queued behind the polls would time out (10 s)

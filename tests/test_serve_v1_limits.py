@@ -122,8 +122,9 @@ def test_dropped_clients_stop_their_work(svc):
               f"(n=8 each) {behind:.2f} s")
         # Their work, done in full one after another, is 20 requests of 8 rows of 300 tokens (without the hang-up
         # check: the small request waited 219 s here, 0.4 s with it); now at most a token of each.
-        assert behind < alone + max(2.0, 2 * big_one), (alone, big_one, behind)
-        deadline = time.monotonic() + 30
+        # Idle: 0.2 s against 0.08 s alone and 1.5 s for one big request; the bound leaves a loaded machine room.
+        assert behind < alone + max(10.0, 5 * big_one), (alone, big_one, behind)
+        deadline = time.monotonic() + 60
         while svc.stats()["live_sample_tokens"] and time.monotonic() < deadline:
             time.sleep(0.1)
         assert svc.stats()["live_sample_tokens"] == 0 and svc.stats()["sampling_bytes"] == 0
@@ -149,7 +150,7 @@ def test_streams_leave_as_sampled_and_stop_when_the_client_leaves(svc):
         with httpx.stream("POST", f"{url}/v1/completions", json=big, timeout=120) as r:
             next(line for line in r.iter_lines() if line.startswith("data: {"))
             assert svc.stats()["live_sample_tokens"] > 0
-        while svc.stats()["live_sample_tokens"] and time.monotonic() - t < 30:
+        while svc.stats()["live_sample_tokens"] and time.monotonic() - t < 60:
             time.sleep(0.05)
         assert svc.stats()["live_sample_tokens"] == 0 and svc.stats()["sampling_bytes"] == 0
-        assert time.monotonic() - t < 15
+        assert time.monotonic() - t < 60  # the first chunk and the stop; all 4 x 2,000 tokens take minutes

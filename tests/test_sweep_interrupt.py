@@ -23,11 +23,11 @@ def test_ctrl_c_stops_every_point_at_a_checkpoint_and_the_same_command_completes
                             stderr=subprocess.STDOUT, text=True)
     points = [tmp_path / f"runs/sl_basic/lr={lr}" for lr in ("0.001", "0.004")]
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # two points start at once: torch and the model, each, under load
         while not all(len(read_rows(p / "metrics.jsonl")) >= 2 for p in points if (p / "metrics.jsonl").exists()) \
                 or not all((p / "metrics.jsonl").exists() for p in points):
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline, "the points did not start training within 120 s"
+            assert time.monotonic() < deadline, "the points did not start training within 300 s"
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
