@@ -6,9 +6,9 @@ OpenAI-shaped 4xx errors."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -78,30 +78,14 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     tmp = tmp_path_factory.mktemp("openai")
     mp = pytest.MonkeyPatch()
     mp.setenv("TINKER_TELEMETRY", "0")
-    # The server starts (a process importing torch, ~10 s) while this process trains the run dir: --runs is a folder
-    # the server resolves run dirs under per request, so the run need not exist before it starts.
-    server = runner_serve(tmp / "storage", "--device", "cpu", "--runs", str(tmp))
-    started: dict[str, Any] = {}
-
-    def start() -> None:
-        try:
-            started["url"] = server.__enter__()[0]
-        except BaseException as exc:  # noqa: BLE001 - raised in the fixture's thread below
-            started["error"] = exc
-
-    thread = threading.Thread(target=start, daemon=True)
     try:
-        with contextlib.ExitStack() as stack:
-            thread.start()
-            try:
-                run = _train_run_dir(tmp)
-            finally:
-                thread.join()
-                if "url" in started:
-                    stack.push(server.__exit__)
-            if "error" in started:
-                raise started["error"]
-            url = started["url"]
+        # The server starts (a process importing torch, ~10 s) while this process trains the run dir: --runs is a
+        # folder the server resolves run dirs under per request, so the run need not exist before it starts. On
+        # leaving, the pool waits for the start and the stack stops a server that started.
+        with contextlib.ExitStack() as stack, concurrent.futures.ThreadPoolExecutor(1) as pool:
+            starting = pool.submit(stack.enter_context, runner_serve(tmp / "storage", "--device", "cpu", "--runs", str(tmp)))
+            run = _train_run_dir(tmp)
+            url, _ = starting.result()
             plum = _train_plum(url)
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
             yield {"url": url, "client": client, "plum": plum, "run": run, "log": tmp / "storage.log"}
