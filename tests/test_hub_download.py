@@ -30,27 +30,40 @@ REPO = "someorg/tiny-chat"
 FIX = f"download it first (hf download {REPO}) or name a local folder"
 
 
+HUB_VARS = ("HF_", "TRANSFORMERS_")  # the machine's own settings of these are left out of every case
+
+
+def hub_env(cwd: Path) -> dict[str, str]:
+    """The Hugging Face settings of a case: its cache (HF_HOME) in `cwd`, no telemetry."""
+    return {"HF_HOME": str(cwd / "hf-home"), "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
 @pytest.fixture
 def hub_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """This process as `python()` starts a child: no HF_/TRANSFORMERS_ variables, HF_HOME in tmp_path (which a
     download child reads), and huggingface_hub's constants, read when it was imported, set to the same."""
     import huggingface_hub.constants
 
-    for name in [k for k in os.environ if k.startswith(("HF_", "TRANSFORMERS_"))]:
+    for name in [k for k in os.environ if k.startswith(HUB_VARS)]:
         monkeypatch.delenv(name)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    for name, value in hub_env(tmp_path).items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf-home" / "hub"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
 
+def child_env(cwd: Path, **env: str) -> dict[str, str]:
+    """A child's environment: this one without the machine's HF_/TRANSFORMERS_ variables, the repo on the path,
+    hub_env(cwd), then `env`."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(HUB_VARS)}
+    return {**clean, "PYTHONPATH": str(ROOT), **hub_env(cwd), **env}
+
+
 def python(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
-    full = {**clean, "PYTHONPATH": str(ROOT), "HF_HOME": str(cwd / "hf-home"), "HF_HUB_DISABLE_TELEMETRY": "1",
-            **env}
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=full, capture_output=True, text=True, timeout=240)
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=child_env(cwd, **env), capture_output=True,
+                          text=True, timeout=240)
 
 
 # Each case prints one JSON line: the folder, or the UserError's message.
@@ -229,10 +242,8 @@ def test_ctrl_c_during_a_stalled_download_exits_within_seconds(tmp_path: Path) -
     """The issue measured 54 s (the hub client's threads). The child that downloads is gone too."""
     repo = f"someorg/ctrl-c-{os.getpid()}"
     with fake_hub({repo: big_repo(tmp_path)}, stall="/api/models/") as hub:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
-        env.update(PYTHONPATH=str(ROOT), HF_HOME=str(tmp_path / "hf-home"), HF_ENDPOINT=hub.url)
-        proc = subprocess.Popen([sys.executable, "-c", ONE, repo], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+        proc = subprocess.Popen([sys.executable, "-c", ONE, repo], cwd=tmp_path, env=child_env(tmp_path, HF_ENDPOINT=hub.url),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
         assert proc.stderr is not None
         line = proc.stderr.readline()
         assert "downloading it from" in line, line
