@@ -78,7 +78,8 @@ def mock_tinker(tinker_service: Any, monkeypatch: pytest.MonkeyPatch, request: p
     from backends.tinker.options import TinkerOptions
 
     # A session the SDK has not created within the default 30 s on a loaded CI machine (seen once) fails the test;
-    # here it may take 120 s (only a hung test waits that long). An explicit connect_timeout_s is left as it is.
+    # here it may take 120 s (only a hung test waits that long). A connect_timeout_s other than the default (the
+    # timeout tests' 1.5 s, 300 s) is left as it is.
     default_s, init = TinkerOptions().connect_timeout_s, TinkerBackend.__init__
 
     def patient(self: TinkerBackend, cfg: TinkerOptions, *args: Any, **kwargs: Any) -> None:
@@ -113,7 +114,7 @@ def one_thread() -> Iterator[None]:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+def pytest_runtest_makereport(item: pytest.Item) -> Iterator[None]:
     """A failed test that talked to the emulated Tinker service gets two more sections: the requests the service
     saw (route, status, seconds since the first) and every thread's stack at the failure. A rare stall (a session
     not created within connect_timeout_s on a loaded CI machine) then says where it stood."""
